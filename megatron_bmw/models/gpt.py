@@ -1,0 +1,235 @@
+"""GPT as a list of units: [embedding, attn_0, mlp_0, ..., attn_{L-1}, mlp_{L-1}, head].
+
+Between any two units flows the hidden state [seq, batch, hidden] (seq/tp with sequence parallelism), so a
+pipeline stage may end after any unit. Every unit has the signature `unit(hidden, batch) -> hidden`; the
+embedding ignores `hidden` and reads batch["tokens"], the head returns the micro-batch's mean loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..fused import flash_attention_available, layer_norm
+from ..parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..parallel.init import ParamInit
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallel_lm_logits
+from ..parallel.mappings import scatter_to_sp
+from ..parallel.random import checkpoint
+from ..parallel.state import ParallelState
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def unit_names(num_layers: int) -> list[str]:
+    names = ["embedding"]
+    for i in range(num_layers):
+        names += [f"attn_{i}", f"mlp_{i}"]
+    return names + ["head"]
+
+
+def _norm(cfg: ModelConfig, state: ParallelState) -> nn.Module:
+    ln = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, state.device, cfg.params_dtype)
+    for p in ln.parameters():
+        p.sequence_parallel = state.sequence_parallel
+    return ln
+
+
+class Unit(nn.Module):
+    """Base: applies full recomputation around `compute` when `self.recompute == "full"`."""
+
+    recompute: str | None = None
+
+    def __init__(self, state: ParallelState) -> None:
+        super().__init__()
+        self.state = state
+
+    def forward(self, hidden, batch):
+        if self.recompute == "full" and self.training and torch.is_grad_enabled():
+            return checkpoint(self.compute, self.state.rng, hidden, batch)
+        return self.compute(hidden, batch)
+
+    def compute(self, hidden, batch):
+        raise NotImplementedError
+
+    def _dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        if not self.training or p == 0.0:
+            return x
+        if self.state.sequence_parallel:  # each tp rank holds a different part of the sequence
+            with self.state.rng.fork():
+                return F.dropout(x, p, True)
+        return F.dropout(x, p, True)
+
+
+class Embedding(Unit):
+    def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit) -> None:
+        super().__init__(state)
+        h = cfg.hidden_size
+        self.dropout = cfg.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(init.normal(WORD_EMBEDDING, (cfg.vocab_size, h)), state,
+                                                      cfg.params_dtype)
+        full = init.normal("embedding.position_embeddings.weight", (cfg.max_position_embeddings, h))
+        self.position_embeddings = nn.Parameter(full.to(state.device, cfg.params_dtype))
+
+    def compute(self, hidden, batch):
+        tokens = batch["tokens"]
+        positions = torch.arange(tokens.size(1), device=tokens.device)
+        x = self.word_embeddings(tokens) + F.embedding(positions, self.position_embeddings).unsqueeze(0)
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.state.sequence_parallel:
+            x = scatter_to_sp(x, self.state.tp_group)
+        return self._dropout(x, self.dropout)
+
+
+class Attention(Unit):
+    """Pre-LayerNorm causal self-attention with a fused QKV projection and the residual add."""
+
+    def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit, name: str) -> None:
+        super().__init__(state)
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.heads = cfg.num_attention_heads // state.tp_size
+        self.head_dim = d
+        self.dropout, self.attention_dropout = cfg.hidden_dropout, cfg.attention_dropout
+        backend = cfg.attention_backend
+        self.flash = backend == "flash" or (backend == "auto" and flash_attention_available())
+        self.selective = False
+        self.input_layernorm = _norm(cfg, state)
+        # QKV rows are laid out per head as [head, (q|k|v), head_dim], so a contiguous tp shard holds whole heads.
+        self.qkv = ColumnParallelLinear(init.normal(f"{name}.qkv.weight", (3 * h, h)), init.zeros((3 * h,)), state,
+                                        dtype=cfg.params_dtype)
+        self.proj = RowParallelLinear(init.normal(f"{name}.proj.weight", (h, h), init.output_std), init.zeros((h,)),
+                                      state, dtype=cfg.params_dtype)
+
+    def compute(self, hidden, batch):
+        x = self.input_layernorm(hidden)
+        qkv = self.qkv(x)
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.view(s, b, self.heads, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)  # [b, n, s, d]
+        if self.selective and self.training and torch.is_grad_enabled():
+            ctx = checkpoint(self.core_attention, self.state.rng, q, k, v)
+        else:
+            ctx = self.core_attention(q, k, v)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+        return hidden + self._dropout(self.proj(ctx), self.dropout)
+
+    def core_attention(self, q, k, v):
+        p = self.attention_dropout if self.training else 0.0
+        with self.state.rng.fork():
+            if self.flash:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+            causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
+            probs = scores.float().masked_fill(causal, float("-inf")).softmax(dim=-1).to(q.dtype)
+            if p > 0.0:
+                probs = F.dropout(probs, p, True)
+            return torch.matmul(probs, v)
+
+
+class MLP(Unit):
+    """Pre-LayerNorm MLP (fc1, tanh-GeLU, fc2) with the residual add."""
+
+    def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit, name: str) -> None:
+        super().__init__(state)
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        self.dropout = cfg.hidden_dropout
+        self.post_attention_layernorm = _norm(cfg, state)
+        self.fc1 = ColumnParallelLinear(init.normal(f"{name}.fc1.weight", (f, h)), init.zeros((f,)), state,
+                                        dtype=cfg.params_dtype)
+        self.fc2 = RowParallelLinear(init.normal(f"{name}.fc2.weight", (h, f), init.output_std), init.zeros((h,)),
+                                     state, dtype=cfg.params_dtype)
+
+    def compute(self, hidden, batch):
+        x = F.gelu(self.fc1(self.post_attention_layernorm(hidden)), approximate="tanh")
+        return hidden + self._dropout(self.fc2(x), self.dropout)
+
+
+class Head(Unit):
+    """Final LayerNorm, output layer (tied to the word embedding unless untied) and the vocab-parallel loss."""
+
+    def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit,
+                 word_embeddings: nn.Parameter | None) -> None:
+        super().__init__(state)
+        self.final_layernorm = _norm(cfg, state)
+        self.tied = not cfg.untie_embeddings_and_output_weights
+        if self.tied and word_embeddings is not None:
+            self._shared = [word_embeddings]  # same rank as the embedding: share the Parameter itself
+            self.output_weight = None
+        else:
+            name = WORD_EMBEDDING if self.tied else "head.output_layer.weight"
+            full = init.normal(name, (cfg.vocab_size, cfg.hidden_size))
+            self.output_weight = VocabParallelEmbedding(full, state, cfg.params_dtype).weight
+            if self.tied:  # a copy on the last pipeline stage, kept equal by the embedding-group all-reduce
+                self.output_weight.shared_embedding = True
+                self.output_weight.shared_embedding_copy = True
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.output_weight if self.output_weight is not None else self._shared[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel logits [s, b, v/tp]."""
+        return parallel_lm_logits(self.final_layernorm(hidden), self.weight, self.state)
+
+    def compute(self, hidden, batch):
+        losses = vocab_parallel_cross_entropy(self.logits(hidden), batch["labels"].transpose(0, 1), self.state)
+        mask = batch["loss_mask"].transpose(0, 1).float()
+        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list[int] | None = None) -> dict[str, Unit]:
+    """Build the units with the given indices (all by default), in order, keyed by unit name."""
+    cfg.check_tensor_parallel(state.tp_size)
+    names = unit_names(cfg.num_layers)
+    indices = list(range(len(names))) if indices is None else sorted(indices)
+    init = ParamInit(seed, cfg.init_method_std, cfg.num_layers)
+    units: dict[str, Unit] = {}
+    for i in indices:
+        name = names[i]
+        if name == "embedding":
+            unit = Embedding(cfg, state, init)
+            if not cfg.untie_embeddings_and_output_weights and state.pp_size > 1:
+                unit.word_embeddings.weight.shared_embedding = True
+        elif name == "head":
+            emb = units.get("embedding")
+            unit = Head(cfg, state, init, emb.word_embeddings.weight if emb is not None else None)
+        elif name.startswith("attn_"):
+            unit = Attention(cfg, state, init, name)
+        else:
+            unit = MLP(cfg, state, init, name)
+        units[name] = unit
+    apply_recompute(cfg, units)
+    return units
+
+
+def apply_recompute(cfg: ModelConfig, units: dict[str, Unit]) -> None:
+    """Megatron's recomputation flags mapped onto units (per pipeline stage for the block method)."""
+    layers = sorted({int(n.split("_")[1]) for n in units if n.startswith(("attn_", "mlp_"))})
+    if cfg.recompute_granularity == "selective":
+        for name, unit in units.items():
+            if isinstance(unit, Attention):
+                unit.selective = True
+    elif cfg.recompute_granularity == "full":
+        limit = len(layers)
+        if cfg.recompute_method == "block" and cfg.recompute_num_layers is not None:
+            limit = min(cfg.recompute_num_layers, len(layers))
+        chosen = set(layers[:limit])
+        for name, unit in units.items():
+            if isinstance(unit, (Attention, MLP)) and int(name.split("_")[1]) in chosen:
+                unit.recompute = "full"
+
+
+class GPTModel(nn.Module):
+    """A contiguous run of units (the whole model, or one pipeline chunk)."""
+
+    def __init__(self, units: dict[str, Unit]) -> None:
+        super().__init__()
+        self.units = nn.ModuleDict(units)
+
+    def forward(self, hidden, batch):
+        for unit in self.units.values():
+            hidden = unit(hidden, batch)
+        return hidden

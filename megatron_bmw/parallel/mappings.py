@@ -1,0 +1,158 @@
+"""Autograd-aware collectives for tensor and sequence parallelism.
+
+Each mapping is a pair (forward op, backward op) over the tensor-parallel group; a group of size 1 (or None)
+makes all of them the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .state import group_rank, group_size
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.size(dim) % n:
+        raise ValueError(f"dimension {dim} of size {x.size(dim)} is not divisible by the tensor-parallel size {n}")
+    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    if dist.get_backend(group) == "nccl" and dim == 0:
+        out = torch.empty((x.size(0) // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        return out
+    return _split(_all_reduce(x, group), dim, group)  # gloo has no reduce-scatter
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, -1, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, -1, ctx.group), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, 0, ctx.group), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """All-gather along the sequence; backward reduce-scatters (the consumer is tensor-parallel) or splits."""
+
+    @staticmethod
+    def forward(ctx, x, group, tp_output_grad):
+        ctx.group, ctx.tp_output_grad = group, tp_output_grad
+        return _gather(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.tp_output_grad:
+            return _reduce_scatter(g, 0, ctx.group), None, None
+        return _split(g, 0, ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, 0, ctx.group), None
+
+
+def copy_to_tp(x, group):
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x, group):
+    return _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x, group):
+    return _ScatterToTP.apply(x, group)
+
+
+def gather_from_tp(x, group):
+    return _GatherFromTP.apply(x, group)
+
+
+def scatter_to_sp(x, group):
+    return _ScatterToSP.apply(x, group)
+
+
+def gather_from_sp(x, group, tp_output_grad: bool = True):
+    return _GatherFromSP.apply(x, group, tp_output_grad)
+
+
+def reduce_scatter_to_sp(x, group):
+    return _ReduceScatterToSP.apply(x, group)

@@ -1,0 +1,108 @@
+"""Random-number state: seeding, and a tracker whose fork gives each tensor-parallel rank its own stream.
+
+Dropout inside tensor-parallel regions (attention probabilities, sequence-parallel hidden states) runs under
+`tracker.fork()` and so differs per tp rank; dropout elsewhere uses the default generator, identical on all tp
+ranks of a stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import numpy as np
+import torch
+
+TP_RNG = "model-parallel-rng"
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGTracker:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.states: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        self.states[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = TP_RNG):
+        if name not in self.states:
+            yield
+            return
+        original = _get_state(self.device)
+        _set_state(self.device, self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_state(self.device)
+            _set_state(self.device, original)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {k: v.clone() for k, v in states.items()}
+
+
+def set_seeds(seed: int, tp_rank: int, pp_rank: int, tracker: RNGTracker) -> None:
+    """Megatron's seeding: default streams differ per pipeline stage, the TP stream per tensor-parallel rank."""
+    stage_seed = seed + 100 * pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tracker.add(TP_RNG, seed + 2718 + tp_rank)
+
+
+def get_rng_state(tracker: RNGTracker) -> dict:
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tracker.get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, tracker: RNGTracker) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tracker.set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def checkpoint(fn, tracker: RNGTracker | None, *args):
+    """Activation recomputation that replays the same dropout masks, including those drawn under the tracker."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    snapshot = tracker.get_states() if tracker is not None else None
+    first_call = [True]
+
+    def run(*a):
+        if first_call[0] or tracker is None:
+            first_call[0] = False
+            return fn(*a)
+        current = tracker.get_states()
+        tracker.set_states(snapshot)
+        try:
+            return fn(*a)
+        finally:
+            tracker.set_states(current)
+
+    return torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

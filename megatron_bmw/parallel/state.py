@@ -1,0 +1,156 @@
+"""One object holding this rank's place in the parallel layout and its process groups."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..config import ParallelConfig
+from ..errors import UsageError
+from .layout import RankLayout
+from .random import RNGTracker
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass
+class ParallelState:
+    layout: RankLayout
+    rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp_group: object = None
+    dp_group: object = None
+    pp_group: object = None
+    mp_group: object = None
+    embedding_group: object = None
+    pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, by stage
+    sequence_parallel: bool = False
+    rng: RNGTracker = field(default_factory=RNGTracker)
+
+    def __post_init__(self) -> None:
+        if self.rng.device != self.device:
+            self.rng = RNGTracker(self.device)
+
+    @classmethod
+    def serial(cls, device: torch.device | str = "cpu") -> "ParallelState":
+        return cls(layout=RankLayout(1, 1, 1), device=torch.device(device))
+
+    @classmethod
+    def build(cls, cfg: ParallelConfig, device: torch.device | str | None = None) -> "ParallelState":
+        """Create every group. All ranks must call this together (dist must be initialised if world > 1)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        dp = cfg.data_parallel_size(world)
+        layout = RankLayout(cfg.tensor_model_parallel_size, dp, cfg.pipeline_model_parallel_size, cfg.rank_order)
+        if device is None:
+            device = default_device()
+        state = cls(layout=layout, rank=rank, device=torch.device(device), sequence_parallel=cfg.sequence_parallel)
+        for attr, groups in (
+            ("tp_group", layout.tp_groups()),
+            ("dp_group", layout.dp_groups()),
+            ("pp_group", layout.pp_groups()),
+            ("mp_group", layout.mp_groups()),
+            ("embedding_group", layout.embedding_groups()),
+        ):
+            setattr(state, attr, _new_groups(groups, rank))
+        state.pp_ranks = tuple(next(g for g in layout.pp_groups() if rank in g))
+        return state
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.coords(self.rank)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.coords(self.rank)[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.coords(self.rank)[2]
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def _new_groups(groups: list[list[int]], rank: int):
+    """Create all groups in the same order on every rank; return the one holding `rank` (None if size 1)."""
+    mine = None
+    for ranks in groups:
+        if len(ranks) == 1:
+            if rank in ranks:
+                mine = None
+            continue
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = g
+    return mine
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> None:
+    """Initialise torch.distributed from torchrun/SLURM-style environment variables.
+
+    A timeout makes a dead rank fail the job instead of hanging it.
+    """
+    if dist.is_initialized():
+        return
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        env["RANK"] = env["SLURM_PROCID"]
+        env.setdefault("WORLD_SIZE", env.get("SLURM_NTASKS", "1"))
+        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    world = int(env.get("WORLD_SIZE", "1"))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise UsageError(f"--distributed-backend must be nccl or gloo, not {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--distributed-backend nccl needs CUDA, which is not available; use gloo")
+    if world == 1 and "MASTER_ADDR" not in env:
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(_free_port()))
+        env.setdefault("RANK", "0")
+        env.setdefault("WORLD_SIZE", "1")
+    if backend == "nccl":
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

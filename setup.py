@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_bmw",
+    version="0.1.0",
+    description="Megatron-style GPT pretraining with an automatic parallel-configuration planner",
+    packages=find_packages(include=["megatron_bmw", "megatron_bmw.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.3",
+        "numpy",
+        "sentencepiece",
+        "tensorboard",
+        "regex",
+        "pyyaml",
+    ],
+    extras_require={
+        "test": ["pytest", "transformers", "tokenizers"],
+        "plot": ["matplotlib"],
+    },
+)

@@ -1,0 +1,45 @@
+import pytest
+
+from megatron_bmw.config import ParallelConfig
+from megatron_bmw.errors import UsageError
+from megatron_bmw.parallel.layout import RankLayout, pair_adjacent_slot
+
+
+@pytest.mark.parametrize("order", ["tp-dp-pp", "bpipe"])
+@pytest.mark.parametrize("tp,dp,pp", [(1, 1, 1), (2, 2, 2), (2, 1, 4), (1, 3, 6), (4, 2, 1), (2, 2, 5)])
+def test_rank_coords_round_trip(order, tp, dp, pp):
+    layout = RankLayout(tp, dp, pp, order)
+    seen = set()
+    for r in range(layout.world_size):
+        c = layout.coords(r)
+        assert layout.rank(*c) == r
+        seen.add(c)
+    assert len(seen) == layout.world_size
+    groups = layout.tp_groups() + layout.dp_groups() + layout.pp_groups()
+    assert all(len(set(g)) == len(g) for g in groups)
+    assert sorted(r for g in layout.pp_groups() for r in g) == list(range(layout.world_size))
+
+
+def test_megatron_order_matches_megatron_groups():
+    # Megatron-LM, 16 ranks, tp=2 pp=4 (dp=2): tp groups [0,1],[2,3]..., pp groups [0,4,8,12], [1,5,9,13]...
+    layout = RankLayout(2, 2, 4)
+    assert layout.tp_groups()[:2] == [[0, 1], [2, 3]]
+    assert [0, 4, 8, 12] in layout.pp_groups() and [1, 5, 9, 13] in layout.pp_groups()
+    assert [0, 2] in layout.dp_groups() and [9, 11] in layout.dp_groups()
+    assert [0, 12] in layout.embedding_groups()
+    assert layout.mp_groups()[0] == [0, 1, 4, 5, 8, 9, 12, 13]
+
+
+def test_bpipe_order_puts_pairs_side_by_side():
+    pp = 8
+    order = sorted(range(pp), key=lambda s: pair_adjacent_slot(s, pp))
+    assert order == [0, 7, 1, 6, 2, 5, 3, 4]
+    layout = RankLayout(2, 1, pp, "bpipe")
+    for s in range(pp // 2):
+        a, b = layout.rank(0, 0, s), layout.rank(0, 0, pp - 1 - s)
+        assert abs(a - b) == layout.tp  # neighbouring model-parallel slots
+
+
+def test_bad_world_size():
+    with pytest.raises(UsageError, match="not divisible"):
+        ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).data_parallel_size(6)

@@ -1,0 +1,55 @@
+"""Shared helpers for equivalence tests: a small GPT config, deterministic batches, serial reference grads."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_bmw.config import ModelConfig
+from megatron_bmw.models.gpt import GPTModel, build_units
+from megatron_bmw.parallel.state import ParallelState
+
+SEED = 1234
+
+
+def small_config(**overrides) -> ModelConfig:
+    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8,
+              hidden_dropout=0.0, attention_dropout=0.0, attention_backend="unfused")
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def make_batch(cfg: ModelConfig, batch_size: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_length + 1), generator=g)
+    mask = (torch.rand(batch_size, cfg.seq_length, generator=g) > 0.1).float()
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": mask}
+
+
+def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    chunks = {k: v.chunk(parts, 0) for k, v in batch.items()}
+    return [{k: chunks[k][i] for k in batch} for i in range(parts)]
+
+
+def serial_reference(cfg: ModelConfig, microbatches: list[dict[str, torch.Tensor]]):
+    """Mean loss over micro-batches and the gradients of every parameter, by name, on one process."""
+    model = GPTModel(build_units(cfg, ParallelState.serial(), SEED))
+    total = 0.0
+    for mb in microbatches:
+        loss = model(None, mb) / len(microbatches)
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.clone() for n, p in model.named_parameters()}, model
+
+
+def reference_name(name: str, cfg: ModelConfig) -> str:
+    """The serial model's name of a (possibly pipeline-copied) parameter."""
+    if name.endswith("head.output_weight") and not cfg.untie_embeddings_and_output_weights:
+        return "units.embedding.word_embeddings.weight"
+    return name
+
+
+def expected_shard(full: torch.Tensor, param, state: ParallelState) -> torch.Tensor:
+    dim = getattr(param, "partition_dim", None)
+    if dim is None or not getattr(param, "tensor_model_parallel", False):
+        return full
+    return full.chunk(state.tp_size, dim=dim)[state.tp_rank]
