@@ -1,0 +1,100 @@
+"""Entry point for the training loop: train/valid/test datasets from a DataConfig."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_bmw.data.blended_dataset import BlendedDataset, samples_per_dataset
+from megatron_bmw.data.config import DataConfig, parse_data_path
+from megatron_bmw.data.gpt_dataset import (
+    SPLIT_NAMES,
+    GPTDataset,
+    MockGPTDataset,
+    default_cache_dir,
+    parse_split,
+    split_ranges,
+)
+from megatron_bmw.data.indexed_dataset import IndexedDataset
+from megatron_bmw.data.tokenizers import build_tokenizer
+from megatron_bmw.errors import UsageError
+
+Datasets = tuple[object | None, object | None, object | None]
+
+
+def _mock_datasets(cfg: DataConfig, seq_length: int, seed: int, num_samples: tuple[int, int, int]) -> Datasets:
+    if cfg.tokenizer_type is not None:
+        vocab_size = build_tokenizer(cfg).vocab_size
+    elif cfg.vocab_size is not None:
+        vocab_size = cfg.vocab_size
+    else:
+        raise UsageError("--vocab-size: required with --mock-data when no --tokenizer-type is given")
+    weights = parse_split(cfg.split)
+    return tuple(
+        MockGPTDataset(vocab_size, n, seq_length, seed, name) if n and w > 0 else None
+        for name, n, w in zip(SPLIT_NAMES, num_samples, weights)
+    )
+
+
+def build_gpt_datasets(
+    cfg: DataConfig,
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    check_vocab_size: int | None = None,
+) -> Datasets:
+    """(train, valid, test) datasets; None where the split is empty or 0 samples are requested.
+
+    Each item is `{"text": int64 array of seq_length + 1 tokens}` (blends add `"dataset_id"`).
+    Every prefix of `cfg.data_path` is split by `cfg.split` on its own; a blend draws
+    `ceil(weight * n * 1.005)` samples per prefix. A prefix whose split is empty leaves that
+    split's blend and the other weights are renormalised. Index files are cached under
+    `cfg.data_cache_path` (default `<prefix dir>/cache`). `check_vocab_size` scans every `.bin`
+    for ids out of range (reads all data once).
+    In multi-process runs, build on one rank first (e.g. rank 0, then a barrier) so the others load the cache.
+    """
+    num_samples = tuple(int(n or 0) for n in num_samples)
+    if len(num_samples) != 3:
+        raise ValueError("num_samples must hold (train, valid, test)")
+    if cfg.mock_data:
+        return _mock_datasets(cfg, seq_length, seed, num_samples)
+    if not cfg.data_path:
+        raise UsageError("--data-path: required unless --mock-data is set")
+    blend = parse_data_path(cfg.data_path)
+    weights = [w for w, _ in blend]
+    if len(blend) > 1 and min(weights) == 0:
+        blend = [(w, p) for w, p in blend if w > 0]
+    indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    if check_vocab_size is not None:
+        for ds in indexed:
+            ds.check_vocab(check_vocab_size)
+    ranges = [split_ranges(cfg.split, len(ds)) for ds in indexed]
+    out: list[object | None] = []
+    for s, (name, n) in enumerate(zip(SPLIT_NAMES, num_samples)):
+        members = [(w, ds, r[s]) for (w, _), ds, r in zip(blend, indexed, ranges) if r[s][1] > r[s][0]]
+        if n == 0 or not members:
+            out.append(None)
+            continue
+
+        def make(ds: IndexedDataset, rng: tuple[int, int], count: int) -> GPTDataset:
+            cache = cfg.data_cache_path or default_cache_dir(ds.path_prefix)
+            return GPTDataset(ds, np.arange(*rng), count, seq_length, seed, cache, name)
+
+        if len(blend) == 1:
+            _, ds, rng = members[0]
+            out.append(make(ds, rng, n))
+            continue
+        total = sum(w for w, _, _ in members)
+        member_weights = [w / total for w, _, _ in members]
+        counts = samples_per_dataset(member_weights, n)
+        parts = [make(ds, rng, c) for (_, ds, rng), c in zip(members, counts)]
+        cache = cfg.data_cache_path or default_cache_dir(members[0][1].path_prefix)
+        out.append(BlendedDataset(parts, member_weights, n, cache, name))
+    return tuple(out)
+
+
+def describe(datasets: Datasets) -> str:
+    """One line per split: its class and length, for logs."""
+    lines = []
+    for name, ds in zip(SPLIT_NAMES, datasets):
+        lines.append(f"{name}: {'none' if ds is None else f'{type(ds).__name__} with {len(ds)} samples'}")
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""Tokenize a JSON-lines corpus into Megatron-LM `.bin/.idx` datasets, one per JSON key.
+
+Each input line is one JSON document; for every `--json-keys` key the text becomes one sequence
+(and one document) in `{output_prefix}_{key}_document.bin/.idx`.
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
+        --append-eod --workers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+try:
+    import megatron_bmw  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_bmw.data.config import DataConfig
+from megatron_bmw.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
+from megatron_bmw.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megatron_bmw.errors import UsageError, exit_on_usage_error
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--input", required=True, help="JSON-lines file, one document per line")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
+    p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    p.add_argument("--tokenizer-model", help="SentencePiece .model file or Hugging Face tokenizer directory")
+    p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json")
+    p.add_argument("--merge-file", help="GPT-2 BPE merges.txt")
+    p.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
+    p.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    p.add_argument("--log-interval", type=int, default=1000, help="progress line every N documents")
+    return p
+
+
+# Worker-process state, set once per process by _init_worker.
+_tokenizer: Tokenizer | None = None
+_keys: list[str] = []
+_append_eod = False
+_input = ""
+
+
+def _init_worker(cfg: DataConfig, keys: list[str], append_eod: bool, input_path: str) -> None:
+    global _tokenizer, _keys, _append_eod, _input
+    _tokenizer = build_tokenizer(cfg)
+    _keys, _append_eod, _input = keys, append_eod, input_path
+
+
+def _encode(item: tuple[int, str]) -> tuple[dict[str, np.ndarray] | None, int]:
+    """One JSON line -> token ids per key (None for a blank line), and the line's size in bytes."""
+    lineno, line = item
+    size = len(line.encode("utf-8"))
+    if not line.strip():
+        return None, size
+    try:
+        doc = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--input: {_input} line {lineno} is not JSON ({exc.msg})") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"--input: {_input} line {lineno} is not a JSON object")
+    out: dict[str, np.ndarray] = {}
+    for key in _keys:
+        text = doc.get(key)
+        if not isinstance(text, str):
+            what = "missing" if text is None else "not a string"
+            raise UsageError(f"--json-keys: key {key!r} is {what} in {_input} line {lineno}")
+        ids = _tokenizer.tokenize(text)
+        if _append_eod and ids:  # as Megatron-LM: an empty text stays empty, without eod
+            ids.append(_tokenizer.eod)
+        out[key] = np.asarray(ids, dtype=np.int64)
+    return out, size
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if not os.path.isfile(args.input):
+        raise UsageError(f"--input: no such file {args.input!r}")
+    if args.workers < 1:
+        raise UsageError(f"--workers: must be at least 1, got {args.workers}")
+    if args.log_interval < 1:
+        raise UsageError(f"--log-interval: must be at least 1, got {args.log_interval}")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        raise UsageError(f"--json-keys: repeated key in {args.json_keys}")
+
+
+def _encoded(
+    args: argparse.Namespace, cfg: DataConfig, lines: Iterator[tuple[int, str]]
+) -> Iterator[tuple[dict[str, np.ndarray] | None, int]]:
+    init = (cfg, args.json_keys, args.append_eod, args.input)
+    if args.workers == 1:
+        _init_worker(*init)
+        yield from map(_encode, lines)
+        return
+    # fork: workers inherit this module even when it was loaded from a file path.
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+    with ctx.Pool(args.workers, initializer=_init_worker, initargs=init) as pool:
+        yield from pool.imap(_encode, lines, chunksize=32)
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> int:
+    """Tokenize `--input` and write one indexed dataset per JSON key."""
+    args = build_parser().parse_args(argv)
+    _validate(args)
+    cfg = DataConfig(
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+    )
+    tokenizer = build_tokenizer(cfg)
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--output-prefix: cannot create {out_dir!r}: {exc.strerror}") from None
+    prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
+    builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype) for key, prefix in prefixes.items()}
+
+    start = time.monotonic()
+    docs = nbytes = 0
+
+    def progress(final: bool = False) -> None:
+        elapsed = max(time.monotonic() - start, 1e-9)
+        tag = "done:" if final else "processed"
+        print(
+            f"{tag} {docs} documents ({docs / elapsed:.1f} docs/s, {nbytes / elapsed / 1e6:.2f} MB/s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    with open(args.input, encoding="utf-8", errors="strict") as f:
+        try:
+            for encoded, size in _encoded(args, cfg, enumerate(f, 1)):
+                nbytes += size
+                if encoded is None:
+                    continue
+                for key, ids in encoded.items():
+                    builder = builders[key]
+                    if ids.size:
+                        builder.add_item(ids)
+                    builder.end_document()
+                docs += 1
+                if docs % args.log_interval == 0:
+                    progress()
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"--input: {args.input} is not UTF-8 text ({exc.reason})") from None
+    for key, prefix in prefixes.items():
+        builders[key].finalize(prefix + ".idx")
+    progress(final=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
