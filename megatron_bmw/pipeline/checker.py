@@ -1,0 +1,166 @@
+"""Validation of a pipeline schedule: coverage, ordering, communication matching, FIFO, deadlock."""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from .replay import replay, unit_times
+from .schedule import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    RECV_KINDS,
+    SEND_KINDS,
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    gc_paused,
+)
+
+__all__ = ["ScheduleError", "check", "describe"]
+
+# A tensor on the wire: (is_grad, producer virtual stage, microbatch, half).
+Tensor = tuple[bool, int, int, int | None]
+
+
+def check(schedule: Schedule) -> None:
+    """Raise ScheduleError describing the first problem found; return None if the schedule is sound."""
+    with gc_paused():
+        _check_shape(schedule)
+        for rank in range(schedule.num_stages):
+            _check_compute(schedule, rank)
+        _check_communication(schedule)
+    replay(schedule, unit_times(1.0, 2.0), record=False)
+
+
+def describe(schedule: Schedule, tensor: Tensor) -> str:
+    """Human-readable name of a tensor on the wire."""
+    grad, vstage, mb, half = tensor
+    rank, chunk = schedule.location(vstage)
+    part = "" if half is None else f" half {half}"
+    what = "gradient" if grad else "activation"
+    return f"{what} of micro-batch {mb}{part} from rank {rank} chunk {chunk}"
+
+
+def _fail(s: Schedule, rank: int, a: Action, problem: str) -> NoReturn:
+    name = a.label(s.virtual_stages > 1)
+    if a.kind in COMM_KINDS:
+        name = f"{a.kind.value} {name}"
+    raise ScheduleError(f"rank {rank}: {name} {problem}")
+
+
+def _check_shape(s: Schedule) -> None:
+    p, m, v = s.num_stages, s.num_microbatches, s.virtual_stages
+    if p < 1 or m < 1 or v < 1:
+        raise ScheduleError(f"bad schedule sizes p={p} m={m} v={v}")
+    if len(s.actions) != p:
+        raise ScheduleError(f"schedule has {len(s.actions)} rank lists for {p} pipeline ranks")
+    for rank, acts in enumerate(s.actions):
+        for a in acts:
+            if not isinstance(a.kind, Kind):
+                raise ScheduleError(f"rank {rank}: unknown action kind {a.kind!r}")
+            if not 0 <= a.microbatch < m:
+                _fail(s, rank, a, f"has micro-batch outside 0..{m - 1}")
+            if not 0 <= a.chunk < v:
+                _fail(s, rank, a, f"has chunk outside 0..{v - 1}")
+            if a.half not in (None, 0, 1):
+                _fail(s, rank, a, f"has half {a.half!r} (expected None, 0 or 1)")
+            if a.kind in COMPUTE_KINDS and a.peer is not None:
+                _fail(s, rank, a, "is a compute action with a peer")
+            if a.kind in COMM_KINDS and not (isinstance(a.peer, int) and 0 <= a.peer < p and a.peer != rank):
+                _fail(s, rank, a, f"has bad peer {a.peer!r}")
+
+
+def _check_compute(s: Schedule, rank: int) -> None:
+    """Exactly one FORWARD and one BACKWARD per owned (micro-batch, chunk[, half]); F before B."""
+    seen: set[tuple[Kind, int, int, int | None]] = set()
+    for a in s.actions[rank]:
+        if a.kind not in COMPUTE_KINDS:
+            continue
+        key = (a.kind, a.microbatch, a.chunk, a.half)
+        if key in seen:
+            _fail(s, rank, a, "appears twice")
+        seen.add(key)
+        if a.kind is Kind.BACKWARD and (Kind.FORWARD, a.microbatch, a.chunk, a.half) not in seen:
+            _fail(s, rank, a, "runs before (or without) its FORWARD")
+    for kind in (Kind.FORWARD, Kind.BACKWARD):
+        for mb in range(s.num_microbatches):
+            for chunk in range(s.virtual_stages):
+                halves = {h for h in (None, 0, 1) if (kind, mb, chunk, h) in seen}
+                if halves not in ({None}, {0, 1}):
+                    what = "no" if not halves else "an incomplete set of"
+                    raise ScheduleError(
+                        f"rank {rank}: {what} {kind.name} actions for micro-batch {mb} chunk {chunk} "
+                        f"(need one whole or both halves, found halves {sorted(halves, key=str)})"
+                    )
+    for kind, mb, chunk, half in seen:
+        if kind is Kind.FORWARD and (Kind.BACKWARD, mb, chunk, half) not in seen:
+            _fail(s, rank, Action(kind, mb, chunk, half=half), "has no BACKWARD")
+
+
+def _check_communication(s: Schedule) -> None:
+    p = s.num_stages
+    last = s.num_virtual_stages - 1
+    forward, backward = Kind.FORWARD, Kind.BACKWARD
+    sends: dict[Tensor, tuple[int, Action]] = {}  # tensor -> (sender rank, action)
+    recvs: dict[Tensor, tuple[int, Action]] = {}
+    send_order: dict[tuple[int, int], list[Tensor]] = {}  # (src, dst) -> tensors in send order
+    recv_order: dict[tuple[int, int], list[Tensor]] = {}
+    for rank, acts in enumerate(s.actions):
+        done: set[Tensor] = set()  # outputs computed so far on this rank
+        received: set[Tensor] = set()  # RECVs posted so far on this rank
+        for a in acts:
+            kind = a.kind
+            vstage = a.chunk * p + rank
+            if kind is forward or kind is backward:
+                grad = kind is backward
+                src = (-1 if vstage == last else vstage + 1) if grad else vstage - 1
+                if src >= 0:
+                    need = (grad, src, a.microbatch, a.half)
+                    if src % p == rank:
+                        if need not in done:
+                            _fail(s, rank, a, "runs before its producer on the same rank")
+                    elif need not in received:
+                        _fail(s, rank, a, f"has no RECV of its input from rank {src % p} before it")
+                done.add((grad, vstage, a.microbatch, a.half))
+            elif kind in SEND_KINDS:
+                grad = kind is Kind.SEND_GRAD
+                if vstage == (0 if grad else last):
+                    _fail(s, rank, a, "sends from a virtual stage with no consumer")
+                tensor = (grad, vstage, a.microbatch, a.half)
+                dst_rank = (vstage - 1 if grad else vstage + 1) % p
+                if a.peer != dst_rank:
+                    _fail(s, rank, a, f"goes to rank {a.peer}, but the consumer is rank {dst_rank}")
+                if tensor not in done:
+                    _fail(s, rank, a, "is placed before the compute producing it")
+                if tensor in sends:
+                    _fail(s, rank, a, "is sent twice")
+                sends[tensor] = (rank, a)
+                send_order.setdefault((rank, a.peer), []).append(tensor)
+            elif kind in RECV_KINDS:
+                grad = kind is Kind.RECV_GRAD
+                if vstage == (last if grad else 0):
+                    _fail(s, rank, a, "receives into a virtual stage with no producer")
+                src = vstage + 1 if grad else vstage - 1
+                tensor = (grad, src, a.microbatch, a.half)
+                if a.peer != src % p:
+                    _fail(s, rank, a, f"expects rank {a.peer}, but the producer is rank {src % p}")
+                if tensor in recvs:
+                    _fail(s, rank, a, "is received twice")
+                recvs[tensor] = (rank, a)
+                received.add(tensor)
+                recv_order.setdefault((a.peer, rank), []).append(tensor)
+    for tensor, (rank, a) in recvs.items():
+        if tensor not in sends:
+            _fail(s, rank, a, f"has no matching SEND on rank {a.peer}")
+    for tensor, (rank, a) in sends.items():
+        if tensor not in recvs:
+            _fail(s, rank, a, f"has no matching RECV on rank {a.peer}")
+    # NCCL matches point-to-point messages per (src, dst) pair in posting order, whatever their kind.
+    for channel in sorted(send_order):
+        for i, (x, y) in enumerate(zip(send_order[channel], recv_order[channel])):
+            if x != y:
+                raise ScheduleError(
+                    f"channel rank {channel[0]} -> rank {channel[1]} is not FIFO: message #{i} is sent as the "
+                    f"{describe(s, x)} but received as the {describe(s, y)}"
+                )

@@ -1,0 +1,208 @@
+"""Executes a pipeline schedule (see schedule.py) on real tensors.
+
+The engine owns no ordering logic: it walks this rank's action list. Consecutive SEND/RECV actions are posted
+together as asynchronous point-to-point operations; a compute action waits only for the receive it consumes.
+Tensor shapes come from the configuration, never from the wire.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel.state import ParallelState
+from .schedule import Action, Kind, Schedule
+
+COMM = {Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD}
+FORWARD_ONLY = {Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT}
+
+
+@dataclass
+class _Slot:
+    input: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    weight: float = 1.0
+
+
+@dataclass
+class RunResult:
+    losses: list[float] = field(default_factory=list)  # per micro-batch, on the last pipeline stage only
+    loss_sum: torch.Tensor | None = None
+
+
+def _key(a: Action) -> tuple:
+    return (a.microbatch, a.chunk, a.half)
+
+
+class PipelineEngine:
+    def __init__(self, chunks: list[nn.Module], state: ParallelState, schedule: Schedule,
+                 hidden_shape: tuple[int, int, int], dtype: torch.dtype, tracer=None) -> None:
+        """hidden_shape: [seq (per tp rank with sequence parallelism), micro-batch, hidden]."""
+        self.chunks = chunks
+        self.state = state
+        self.schedule = schedule
+        self.p = state.pp_size
+        self.rank = state.pp_rank
+        self.hidden_shape = hidden_shape
+        self.dtype = dtype
+        self.tracer = tracer
+        if len(chunks) != schedule.virtual_stages:
+            raise ValueError(f"{len(chunks)} model chunks for a schedule with {schedule.virtual_stages} virtual stages")
+        self.num_vstages = self.p * schedule.virtual_stages
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def _vstage(self, chunk: int, rank: int | None = None) -> int:
+        return chunk * self.p + (self.rank if rank is None else rank)
+
+    def _tag(self, grad: bool, recv_vstage: int, a: Action) -> int:
+        half = 0 if a.half is None else a.half + 1
+        tag = ((int(grad) * self.num_vstages + recv_vstage) * (self.schedule.num_microbatches + 1) + a.microbatch) * 3
+        return (tag + half) % (2**31 - 1)
+
+    def _shape(self, a: Action) -> tuple[int, int, int]:
+        s, b, h = self.hidden_shape
+        return (s, b // 2 if a.half is not None else b, h)
+
+    def _batch(self, get_batch: Callable[[int], dict], a: Action) -> tuple[dict, float]:
+        batch = get_batch(a.microbatch)
+        if a.half is None:
+            return batch, 1.0
+        halves = {k: v.chunk(2, 0)[a.half] for k, v in batch.items()}
+        mask = batch["loss_mask"]
+        weight = (halves["loss_mask"].sum() / mask.sum().clamp(min=1)).item()
+        return halves, weight
+
+    # -- execution -----------------------------------------------------------------------------------------
+    def run(self, get_batch: Callable[[int], dict], *, forward_only: bool = False, loss_scale: float = 1.0,
+            grad_sync=None) -> RunResult:
+        """Run one iteration. Each micro-batch's loss is divided by the number of micro-batches before its
+        backward (and multiplied by `loss_scale`), so gradients are the mean over micro-batches."""
+        actions = self.schedule.actions[self.rank]
+        if forward_only:
+            actions = [a for a in actions if a.kind in FORWARD_ONLY]
+        m = self.schedule.num_microbatches
+        slots: dict[tuple, _Slot] = {}
+        recvs: dict[tuple, tuple] = {}  # (kind, key) -> (work, buffer)
+        sends: list[tuple] = []
+        losses: dict[int, torch.Tensor] = {}
+        pending: list[tuple[Action, str]] = []
+        if grad_sync is not None and not forward_only:
+            grad_sync.begin(m * (2 if any(a.half is not None for a in actions) else 1))
+
+        def flush():
+            if pending:
+                self._post(pending, slots, recvs, sends)
+                pending.clear()
+
+        ctx = torch.no_grad() if forward_only else torch.enable_grad()
+        with ctx:
+            for a in actions:
+                if a.kind in COMM:
+                    pending.append((a, a.kind))
+                    continue
+                flush()
+                t0 = time.time()
+                if a.kind == Kind.FORWARD:
+                    self._forward(a, get_batch, slots, recvs, losses, forward_only)
+                elif a.kind == Kind.BACKWARD:
+                    self._backward(a, slots, recvs, loss_scale / m)
+                else:  # EVICT/LOAD belong to the BPipe transform; nothing to do without an activation store
+                    pass
+                if self.tracer is not None:
+                    self.tracer.record(a, t0, time.time())
+            flush()
+            for work, _ in sends:
+                work.wait()
+        if grad_sync is not None and not forward_only:
+            grad_sync.finish()
+        result = RunResult()
+        if losses:
+            per_mb = [losses[i] for i in sorted(losses)]
+            result.loss_sum = torch.stack(per_mb).sum()
+            result.losses = [x.item() for x in per_mb]
+        return result
+
+    def _post(self, ops: list, slots, recvs, sends) -> None:
+        p2p, targets = [], []
+        for a, kind in ops:
+            peer = self.state.pp_ranks[a.peer]
+            grad = kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
+            if kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+                slot = slots[_key(a)]
+                tensor = (slot.input.grad if grad else slot.output).detach().contiguous()
+                if grad or not torch.is_grad_enabled():  # nothing of this slot is needed after the send
+                    slots.pop(_key(a))
+                recv_vstage = self._vstage(a.chunk) + (-1 if grad else 1)
+                p2p.append(dist.P2POp(dist.isend, tensor, peer, tag=self._tag(grad, recv_vstage, a)))
+                targets.append(tensor)
+            else:
+                buf = torch.empty(self._shape(a), dtype=self.dtype, device=self.state.device)
+                p2p.append(dist.P2POp(dist.irecv, buf, peer, tag=self._tag(grad, self._vstage(a.chunk), a)))
+                targets.append((kind, _key(a), buf))
+        if self.state.device.type == "cuda":
+            works = dist.batch_isend_irecv(p2p)
+        else:  # gloo: plain asynchronous sends and receives
+            works = [op.op(op.tensor, op.peer, tag=op.tag) for op in p2p]
+        for target, work in zip(targets, works):
+            if isinstance(target, tuple):
+                kind, key, buf = target
+                recvs[(kind, key)] = (work, buf)
+            else:
+                sends.append((work, target))  # keep the tensor alive until the send completes
+
+    def _wait(self, recvs, kind: Kind, a: Action) -> torch.Tensor:
+        work, buf = recvs.pop((kind, _key(a)))
+        t0 = time.time()
+        work.wait()
+        if self.tracer is not None:
+            self.tracer.record_wait(kind, a, t0, time.time())
+        return buf
+
+    def _forward(self, a: Action, get_batch, slots, recvs, losses, forward_only: bool) -> None:
+        vstage = self._vstage(a.chunk)
+        batch, weight = self._batch(get_batch, a)
+        if vstage == 0:
+            x = None
+        else:
+            x = self._wait(recvs, Kind.RECV_ACT, a)
+            if not forward_only:
+                x.requires_grad_()
+        out = self.chunks[a.chunk](x, batch)
+        if vstage == self.num_vstages - 1:
+            out = out * weight
+            losses[a.microbatch] = losses.get(a.microbatch, 0.0) + out.detach()
+        if forward_only:
+            if vstage != self.num_vstages - 1:
+                slots[_key(a)] = _Slot(output=out)
+        else:
+            slots[_key(a)] = _Slot(input=x, output=out, weight=weight)
+
+    def _backward(self, a: Action, slots, recvs, scale: float) -> None:
+        vstage = self._vstage(a.chunk)
+        slot = slots[_key(a)]
+        if vstage == self.num_vstages - 1:
+            torch.autograd.backward(slot.output * scale)
+        else:
+            grad = self._wait(recvs, Kind.RECV_GRAD, a)
+            torch.autograd.backward(slot.output, grad_tensors=grad)
+        slot.output = None
+        if vstage == 0:
+            slots.pop(_key(a))
+
+
+def reduce_loss(result: RunResult, state: ParallelState, num_microbatches: int) -> float:
+    """Mean loss over micro-batches and data-parallel ranks, known on every rank."""
+    t = torch.zeros(1, dtype=torch.float32, device=state.device)
+    if state.is_last_stage and result.loss_sum is not None:
+        t += result.loss_sum.float() / num_microbatches
+    if state.pp_group is not None:
+        dist.broadcast(t, src=state.pp_ranks[-1], group=state.pp_group)
+    if state.dp_group is not None:
+        dist.all_reduce(t, group=state.dp_group)
+        t /= state.dp_size
+    return t.item()

@@ -1,0 +1,175 @@
+"""Schedule generators: GPipe, 1F1B (PipeDream-Flush), Megatron's interleaved 1F1B.
+
+Each generator returns the compute order only; `add_communication` inserts the SEND/RECV
+actions and `build_schedule` does both.
+"""
+
+from __future__ import annotations
+
+from ..errors import UsageError
+from .schedule import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule, gc_paused
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _check_sizes(p: int, m: int, v: int = 1) -> None:
+    if p < 1:
+        raise UsageError(f"--pipeline-model-parallel-size must be >= 1, got {p}")
+    if m < 1:
+        raise UsageError(f"--num-microbatches must be >= 1, got {m}")
+    if v < 1:
+        raise UsageError(f"--virtual-pipeline-model-parallel-size must be >= 1, got {v}")
+
+
+def _f(mb: int, chunk: int = 0) -> Action:
+    return Action(Kind.FORWARD, mb, chunk)
+
+
+def _b(mb: int, chunk: int = 0) -> Action:
+    return Action(Kind.BACKWARD, mb, chunk)
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """Every rank runs all forwards, then all backwards (compute order only)."""
+    _check_sizes(p, m)
+    order = [_f(i) for i in range(m)] + [_b(i) for i in range(m)]
+    return Schedule("gpipe", p, m, 1, [list(order) for _ in range(p)])
+
+
+def _one_f_one_b_order(p: int, m: int) -> list[list[Action]]:
+    fwd = [_f(i) for i in range(m)]  # actions are immutable, so ranks share them
+    bwd = [_b(i) for i in range(m)]
+    actions = []
+    for rank in range(p):
+        warmup = min(p - rank - 1, m)
+        acts = fwd[:warmup]
+        for i in range(m - warmup):
+            acts += (fwd[warmup + i], bwd[i])
+        acts += bwd[m - warmup :]
+        actions.append(acts)
+    return actions
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """PipeDream-Flush: p-r-1 warm-up forwards, steady (F, B) pairs, cool-down backwards."""
+    _check_sizes(p, m)
+    return Schedule("1f1b", p, m, 1, _one_f_one_b_order(p, m))
+
+
+def interleaved_warmup(p: int, m: int, v: int, rank: int) -> int:
+    """Number of warm-up forwards (virtual micro-batches) on `rank` in Megatron's interleaved order."""
+    if v == 1:
+        return min(p - rank - 1, m)
+    total = m * v
+    if m == p:
+        return total
+    return min((p - rank - 1) * 2 + (v - 1) * p, total)
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Megatron's interleaved 1F1B with v model chunks per rank (compute order only).
+
+    Virtual micro-batch k runs micro-batch (k // (p*v)) * p + k % p; its forward uses chunk
+    (k % (p*v)) // p and its backward the mirrored chunk v-1 - (k % (p*v)) // p.
+    With v == 1 this is exactly 1F1B.
+    """
+    _check_sizes(p, m, v)
+    if v == 1:
+        return Schedule("interleaved", p, m, 1, _one_f_one_b_order(p, m))
+    if m % p:
+        raise UsageError(
+            f"--num-microbatches {m}: the interleaved schedule needs the number of micro-batches "
+            f"to be a multiple of the pipeline size {p}"
+        )
+    group = p * v
+    total = m * v
+    fwd = []
+    bwd = []
+    for k in range(total):
+        g, rem = divmod(k, group)
+        mb = g * p + rem % p
+        fwd.append(_f(mb, rem // p))
+        bwd.append(_b(mb, v - 1 - rem // p))
+    actions = []
+    for rank in range(p):
+        warmup = interleaved_warmup(p, m, v, rank)
+        acts = fwd[:warmup]
+        for k in range(total - warmup):
+            acts += (fwd[k + warmup], bwd[k])
+        acts += bwd[total - warmup :]
+        actions.append(acts)
+    return Schedule("interleaved", p, m, v, actions)
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    """Return a copy with SEND/RECV actions inserted (existing SEND/RECV are dropped first).
+
+    After each compute action whose output goes to another rank: its SEND, right away.
+    Each RECV sits one compute action ahead of its consumer: immediately before the
+    consumer's preceding compute action, or at the very start for the rank's first compute
+    action. RECVs therefore follow consumer order and SENDs producer order on every rank.
+    Data that stays on the rank (p == 1) needs no communication.
+    """
+    p = schedule.num_stages
+    last = schedule.num_virtual_stages - 1
+    forward = Kind.FORWARD
+    new_actions = []
+    with gc_paused():
+        for rank, acts in enumerate(schedule.actions):
+            base = [a for a in acts if a.kind not in COMM_KINDS]
+            recv_for: list[Action | None] = []  # the RECV the i-th compute action needs
+            for a in base:
+                if a.kind not in COMPUTE_KINDS:
+                    continue
+                vstage = a.chunk * p + rank
+                if a.kind is forward:
+                    src = None if vstage == 0 else vstage - 1
+                    kind = Kind.RECV_ACT
+                else:
+                    src = None if vstage == last else vstage + 1
+                    kind = Kind.RECV_GRAD
+                if src is None or src % p == rank:
+                    recv_for.append(None)
+                else:
+                    recv_for.append(Action(kind, a.microbatch, a.chunk, src % p, a.half))
+            out: list[Action] = []
+            if recv_for and recv_for[0] is not None:
+                out.append(recv_for[0])
+            i = 0
+            for a in base:
+                if a.kind not in COMPUTE_KINDS:
+                    out.append(a)
+                    continue
+                i += 1
+                if i < len(recv_for) and recv_for[i] is not None:
+                    out.append(recv_for[i])
+                out.append(a)
+                vstage = a.chunk * p + rank
+                if a.kind is forward:
+                    dst = None if vstage == last else vstage + 1
+                    kind = Kind.SEND_ACT
+                else:
+                    dst = None if vstage == 0 else vstage - 1
+                    kind = Kind.SEND_GRAD
+                if dst is not None and dst % p != rank:
+                    out.append(Action(kind, a.microbatch, a.chunk, dst % p, a.half))
+            new_actions.append(out)
+    return schedule.copy(new_actions)
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Build a schedule with communication. `name` in gpipe | 1f1b | interleaved."""
+    if name not in SCHEDULES:
+        raise UsageError(f"unknown pipeline schedule {name!r} (choose gpipe, 1f1b or interleaved)")
+    _check_sizes(p, m, v)
+    if v > 1 and name != "interleaved":
+        raise UsageError(
+            f"--virtual-pipeline-model-parallel-size {v} needs the interleaved schedule, not {name!r}"
+        )
+    if name == "gpipe":
+        compute = gpipe(p, m)
+    elif name == "1f1b":
+        compute = one_f_one_b(p, m)
+    else:
+        compute = interleaved_1f1b(p, m, v)
+    return add_communication(compute)

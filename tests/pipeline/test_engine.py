@@ -1,0 +1,122 @@
+"""Pipeline engine: loss and every gradient equal to the serial model on many layouts (gloo, fp32)."""
+
+import pytest
+import torch
+
+from megatron_bmw.config import ParallelConfig
+from megatron_bmw.errors import UsageError
+from megatron_bmw.parallel.grad_sync import GradSync
+from megatron_bmw.parallel.state import ParallelState
+from megatron_bmw.pipeline.checker import check
+from megatron_bmw.pipeline.engine import PipelineEngine, reduce_loss
+from megatron_bmw.pipeline.partition import default_partition, parse_partition
+from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup
+from tests.dist_harness import run_distributed
+from tests.reference import SEED, expected_shard, make_batch, reference_name, serial_reference, small_config, split_batch
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+MBS = 2  # micro-batch size
+
+
+def _run_case(rank, world_size, tp, pp, v, schedule, partition, m, overrides, overlap):
+    sp = overrides.get("_sp", False)
+    overrides = {k: val for k, val in overrides.items() if not k.startswith("_")}
+    cfg = small_config(**overrides)
+    dp = world_size // (tp * pp)
+    micro = split_batch(make_batch(cfg, MBS * m * dp, seed=11), m * dp)
+    ref_loss, ref_grads, _ = serial_reference(cfg, micro)
+    st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                            virtual_pipeline_model_parallel_size=v,
+                                            sequence_parallel=sp))
+    chunks, sched, _ = pipeline_setup(cfg, st, SEED, m, schedule, v, partition)
+    check(sched)
+    params = [p for c in chunks for p in c.parameters()]
+    sync = GradSync(params, st, bucket_size=2000, overlap=overlap)
+    engine = PipelineEngine(chunks, st, sched, hidden_shape(cfg, st, MBS), cfg.params_dtype)
+    mine = [micro[i * dp + st.dp_rank] for i in range(m)]
+    result = engine.run(lambda i: mine[i], grad_sync=sync)
+    loss = reduce_loss(result, st, m)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    names = []
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            full = ref_grads[reference_name(name, cfg)]
+            torch.testing.assert_close(p.main_grad, expected_shard(full, p, st), **TOL,
+                                       msg=lambda msg: f"{name}: {msg}")
+            names.append(name)
+    # a second iteration after zeroing gives the same gradients (buffers and hooks re-arm correctly)
+    sync.zero()
+    again = reduce_loss(engine.run(lambda i: mine[i], grad_sync=sync), st, m)
+    assert again == pytest.approx(loss, rel=1e-6)
+    # forward-only (evaluation) gives the same loss and touches no gradient
+    before = [p.main_grad.clone() for p in params]
+    ev = reduce_loss(engine.run(lambda i: mine[i], forward_only=True), st, m)
+    assert ev == pytest.approx(loss, rel=1e-6)
+    assert all(torch.equal(a, p.main_grad) for a, p in zip(before, params))
+    return names
+
+
+def _cfg_names(overrides):
+    _, grads, _ = serial_reference(small_config(**overrides), split_batch(make_batch(small_config(**overrides), 2, 1), 1))
+    return set(grads)
+
+
+# (tp, pp, v, schedule, partition, m, overrides)
+CASES = {
+    2: [
+        (1, 2, 1, "1f1b", None, 1, {}),
+        (1, 2, 1, "1f1b", None, 2, {}),
+        (1, 2, 1, "1f1b", None, 5, {}),
+        (1, 2, 1, "gpipe", "3,7", 3, {"num_layers": 4}),  # uneven
+        (1, 2, 1, "1f1b", "4,6", 4, {"num_layers": 4}),  # stage 0 ends after an attention unit
+        (1, 2, 2, "1f1b", None, 2, {"num_layers": 4}),  # interleaved
+        (1, 2, 2, "1f1b", "2,1,2,5", 4, {"num_layers": 4, "untie_embeddings_and_output_weights": True}),
+        (2, 1, 1, "1f1b", None, 3, {}),
+        (1, 1, 1, "1f1b", None, 3, {}),  # dp=2
+    ],
+    4: [
+        (1, 4, 1, "1f1b", None, 3, {"num_layers": 4}),
+        (1, 4, 1, "1f1b", "2,3,2,3", 6, {"num_layers": 4}),
+        (1, 4, 1, "gpipe", None, 4, {"num_layers": 4}),
+        (2, 2, 1, "1f1b", "5,1", 3, {}),
+        (2, 2, 1, "1f1b", None, 4, {"_sp": True, "recompute_granularity": "full"}),
+        (1, 2, 1, "1f1b", "1,5", 3, {}),  # dp=2, first stage is the embedding alone
+        (1, 4, 2, "1f1b", None, 4, {"num_layers": 8}),
+        (1, 4, 2, "1f1b", None, 8, {"num_layers": 8, "attention_backend": "flash"}),
+    ],
+    8: [
+        (2, 2, 1, "1f1b", None, 3, {}),  # dp=2
+        (2, 2, 1, "gpipe", "4,2", 2, {"recompute_granularity": "selective"}),
+        (1, 4, 1, "1f1b", None, 5, {"num_layers": 4}),  # dp=2
+    ],
+}
+
+# every case without DP overlap; the data-parallel ones also with the all-reduce overlapped with backward
+PARAMS = [(ws, *case, overlap) for ws, cases in CASES.items() for case in cases
+          for overlap in ((False, True) if ws > case[0] * case[1] else (False,))]
+
+
+@pytest.mark.parametrize("ws,tp,pp,v,schedule,partition,m,overrides,overlap", PARAMS)
+def test_pipeline_equals_serial(ws, tp, pp, v, schedule, partition, m, overrides, overlap):
+    clean = {k: val for k, val in overrides.items() if not k.startswith("_")}
+    names = run_distributed(ws, _run_case, tp, pp, v, schedule, partition, m, overrides, overlap)
+    covered = {n for rank_names in names for n in rank_names}
+    expected = _cfg_names(clean)
+    if pp > 1 and not clean.get("untie_embeddings_and_output_weights"):
+        expected.add("units.head.output_weight")
+    assert covered == expected
+
+
+def test_partitions():
+    assert default_partition(4, 2) == [5, 5]
+    assert default_partition(5, 2) == [5, 7]
+    assert default_partition(8, 4, 2) == [3, 2, 2, 2, 2, 2, 2, 3]
+    assert parse_partition("4,6", 4, 2) == [4, 6]
+    with pytest.raises(UsageError, match="sums to 9"):
+        parse_partition("4,5", 4, 2)
+    with pytest.raises(UsageError, match="at least one unit"):
+        parse_partition("10,0", 4, 2)
+    with pytest.raises(UsageError, match="3 entries"):
+        parse_partition("4,4,2", 4, 2)
+    with pytest.raises(UsageError, match="comma-separated"):
+        parse_partition("a,b", 4, 2)

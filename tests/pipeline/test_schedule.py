@@ -1,0 +1,290 @@
+"""Pipeline schedule IR, generators and replay."""
+
+import time
+
+import pytest
+
+from megatron_bmw.errors import UsageError
+from megatron_bmw.pipeline.checker import check
+from megatron_bmw.pipeline.generators import (
+    add_communication,
+    build_schedule,
+    gpipe,
+    interleaved_1f1b,
+    interleaved_warmup,
+    one_f_one_b,
+)
+from megatron_bmw.pipeline.replay import (
+    DeadlockError,
+    ScheduleError,
+    compile_schedule,
+    peak_inflight,
+    replay,
+    unit_times,
+)
+from megatron_bmw.pipeline.schedule import COMM_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind, Schedule
+
+
+def _labels(schedule: Schedule, rank: int) -> str:
+    return " ".join(a.label(schedule.virtual_stages > 1) for a in schedule.compute_actions(rank))
+
+
+def _microbatch_counts(p: int) -> list[int]:
+    return sorted(m for m in {1, 2, 3, p - 1, p, p + 1, 2 * p, 63, 64} if m >= 1)
+
+
+def _interleaved_counts(p: int) -> list[int]:
+    """Multiples of p up to 64: all small ones and the largest few."""
+    multiples = list(range(p, 65, p))
+    return multiples[:6] + [m for m in multiples[6:] if m > 64 - 2 * p]
+
+
+# ---------------------------------------------------------------- IR
+
+
+def test_virtual_stage_placement():
+    s = Schedule("interleaved", 4, 8, 3, [[] for _ in range(4)])
+    assert s.virtual_stage(1, 2) == 9
+    for k in range(12):
+        assert s.virtual_stage(*s.location(k)) == k
+    assert s.next_location(3, 0) == (0, 1)
+    assert s.prev_location(0, 1) == (3, 0)
+    assert s.is_first(0, 0) and s.is_last(3, 2) and not s.is_last(3, 1)
+
+
+def test_text_format():
+    s = build_schedule("1f1b", 2, 3)
+    assert s.to_text() == "rank 0: F0 F1 B0 F2 B1 B2\nrank 1: F0 B0 F1 B1 F2 B2"
+    assert str(s) == s.to_text()
+    assert "SA0>1" in s.to_text(comm=True) and "RG0<1" in s.to_text(comm=True)
+    assert Action(Kind.FORWARD, 3, 1).label() == "F3.1"
+    assert Action(Kind.BACKWARD, 3, 0, half=1).label(show_chunk=False) == "B3b"
+    assert build_schedule("interleaved", 2, 2, 2).to_text().startswith("rank 0: F0.0 F1.0 F0.1")
+
+
+# ---------------------------------------------------------------- generators
+
+
+def test_gpipe_order_and_peak():
+    s = gpipe(3, 4)
+    for r in range(3):
+        assert _labels(s, r) == "F0 F1 F2 F3 B0 B1 B2 B3"
+    assert peak_inflight(s) == [4, 4, 4]
+
+
+def test_one_f_one_b_order():
+    s = one_f_one_b(4, 8)
+    assert _labels(s, 0) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+    assert _labels(s, 3) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
+def test_one_f_one_b_warmup_and_peak(p, m):
+    s = one_f_one_b(p, m)
+    for r in range(p):
+        kinds = [a.kind for a in s.compute_actions(r)]
+        warmup = min(p - r - 1, m)
+        assert kinds[:warmup] == [Kind.FORWARD] * warmup
+        steady = kinds[warmup : warmup + 2 * (m - warmup)]
+        assert steady == [Kind.FORWARD, Kind.BACKWARD] * (m - warmup)
+        assert kinds[warmup + 2 * (m - warmup) :] == [Kind.BACKWARD] * warmup
+    assert peak_inflight(s) == [min(p - r, m) for r in range(p)]
+
+
+def test_interleaved_hand_computed():
+    s = interleaved_1f1b(2, 4, 2)
+    assert _labels(s, 0) == "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0"
+    assert _labels(s, 1) == "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0"
+    # m == p: every forward is warm-up
+    s = interleaved_1f1b(2, 2, 2)
+    assert _labels(s, 1) == "F0.0 F1.0 F0.1 F1.1 B0.1 B1.1 B0.0 B1.0"
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 8, 2), (4, 16, 3), (3, 9, 4), (8, 16, 2)])
+def test_interleaved_warmup_counts(p, m, v):
+    s = interleaved_1f1b(p, m, v)
+    for r in range(p):
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, m * v)
+        assert interleaved_warmup(p, m, v, r) == warmup
+        kinds = [a.kind for a in s.compute_actions(r)]
+        leading = kinds.index(Kind.BACKWARD)
+        assert leading == min(warmup + 1, m * v)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_interleaved_v1_equals_1f1b(p, m):
+    assert interleaved_1f1b(p, m, 1).actions == one_f_one_b(p, m).actions
+    assert build_schedule("interleaved", p, m, 1).actions == build_schedule("1f1b", p, m).actions
+
+
+@pytest.mark.parametrize("p", list(range(1, 17)))
+def test_checker_accepts_generated_schedules(p):
+    for name in ("gpipe", "1f1b"):
+        for m in _microbatch_counts(p):
+            check(build_schedule(name, p, m))
+    for v in (2, 3, 4):
+        for m in _interleaved_counts(p):
+            check(build_schedule("interleaved", p, m, v))
+
+
+def test_build_schedule_errors():
+    cases = [
+        (("1f1b", 0, 4), "--pipeline-model-parallel-size"),
+        (("1f1b", 4, 0), "--num-microbatches"),
+        (("interleaved", 4, 8, 0), "--virtual-pipeline-model-parallel-size"),
+        (("1f1b", 4, 8, 2), "needs the interleaved schedule"),
+        (("zigzag", 4, 8), "unknown pipeline schedule"),
+        (("interleaved", 4, 6, 2), "multiple of the pipeline size"),
+    ]
+    for args, text in cases:
+        with pytest.raises(UsageError, match=text) as info:
+            build_schedule(*args)
+        assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- communication
+
+
+def test_no_communication_on_one_rank():
+    for s in (build_schedule("1f1b", 1, 4), build_schedule("gpipe", 1, 3), build_schedule("interleaved", 1, 3, 3)):
+        assert not any(a.kind in COMM_KINDS for a in s.actions[0])
+        check(s)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("gpipe", 3, 5, 1), ("interleaved", 2, 6, 3)])
+def test_recv_sits_one_compute_ahead_and_send_right_after(name, p, m, v):
+    s = build_schedule(name, p, m, v)
+    for rank, acts in enumerate(s.actions):
+        computes = [i for i, a in enumerate(acts) if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
+        for i, a in enumerate(acts):
+            if a.kind in RECV_KINDS:
+                want = Kind.FORWARD if a.kind is Kind.RECV_ACT else Kind.BACKWARD
+                consumer = next(j for j in computes if acts[j].kind is want and acts[j].key == a.key)
+                n = computes.index(consumer)
+                if n == 0:
+                    assert all(x.kind in RECV_KINDS for x in acts[:consumer])
+                else:
+                    # only other RECVs between it and the compute action preceding the consumer
+                    nxt = next(j for j in range(i + 1, len(acts)) if acts[j].kind not in RECV_KINDS)
+                    assert nxt == computes[n - 1]
+            elif a.kind in SEND_KINDS:
+                produced = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
+                assert acts[i - 1].kind is produced and acts[i - 1].key == a.key
+
+
+def _channel_sequences(s: Schedule):
+    """Per directed channel: tensors in send order and in receive order, named by (kind, mb, producer vstage)."""
+    sends, recvs = {}, {}
+    for rank, acts in enumerate(s.actions):
+        for a in acts:
+            vstage = s.virtual_stage(rank, a.chunk)
+            if a.kind is Kind.SEND_ACT or a.kind is Kind.SEND_GRAD:
+                sends.setdefault((rank, a.peer), []).append((a.kind.value[5:], a.microbatch, vstage))
+            elif a.kind is Kind.RECV_ACT:
+                recvs.setdefault((a.peer, rank), []).append(("ACT", a.microbatch, vstage - 1))
+            elif a.kind is Kind.RECV_GRAD:
+                recvs.setdefault((a.peer, rank), []).append(("GRAD", a.microbatch, vstage + 1))
+    return sends, recvs
+
+
+@pytest.mark.parametrize("m", [2, 4, 6, 10])
+@pytest.mark.parametrize("v", [2, 3])
+def test_fifo_per_channel_interleaved_two_ranks(m, v):
+    s = build_schedule("interleaved", 2, m, v)
+    sends, recvs = _channel_sequences(s)
+    assert set(sends) == set(recvs) == {(0, 1), (1, 0)}
+    for channel in sends:
+        assert sends[channel] == recvs[channel]
+        # both kinds share each channel, so FIFO holds across kinds, not just within one
+        assert {kind for kind, _, _ in sends[channel]} == {"ACT", "GRAD"}
+
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 5, 9, 1), ("interleaved", 3, 9, 2)])
+def test_fifo_per_channel(name, p, m, v):
+    sends, recvs = _channel_sequences(build_schedule(name, p, m, v))
+    assert sends == recvs
+
+
+def test_add_communication_is_idempotent():
+    s = build_schedule("interleaved", 3, 6, 2)
+    assert add_communication(s).actions == s.actions
+
+
+# ---------------------------------------------------------------- replay
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 5), (2, 1), (4, 8), (4, 3), (7, 20)])
+@pytest.mark.parametrize("f,b", [(1.0, 1.0), (1.0, 2.0)])
+def test_makespan_1f1b_gpipe(name, p, m, f, b):
+    result = replay(build_schedule(name, p, m), unit_times(f, b))
+    assert result.makespan == (m + p - 1) * (f + b)
+    assert result.busy == [m * (f + b)] * p
+    assert result.bubble_time == pytest.approx(p * (p - 1) * (f + b))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("f,b", [(1.0, 1.0), (1.0, 2.0)])
+def test_interleaved_bubble(p, v, f, b):
+    # f, b are per-chunk times, so one whole stage costs v*f and v*b and the textbook
+    # bubble (p-1)(F+B)/v is (p-1)(f+b). The replay matches it exactly for every m % p == 0
+    # (including m == p, where all forwards are warm-up) with zero transfer time.
+    for m in (p, 2 * p, 4 * p):
+        result = replay(build_schedule("interleaved", p, m, v), unit_times(f, b))
+        bubble = result.makespan - m * v * (f + b)
+        assert bubble == (p - 1) * (v * f + v * b) / v
+
+
+def test_transfer_time_delays_consumer():
+    s = build_schedule("1f1b", 2, 1)
+    result = replay(s, unit_times(1.0, 2.0), lambda src, dst, a: 0.5)
+    assert result.makespan == 1 + 0.5 + 1 + 2 + 0.5 + 2
+    starts = {(r, a.label(False)): (start, end) for r, line in enumerate(result.timeline) for a, start, end in line}
+    assert starts[(1, "F0")] == (1.5, 2.5)
+    assert starts[(0, "B0")] == (5.0, 7.0)
+    assert starts[(0, "SA0>1")] == (1.0, 1.0)
+
+
+def test_replay_compiled_and_unrecorded_agree():
+    s = build_schedule("interleaved", 4, 8, 2)
+    full = replay(s, unit_times(1.0, 2.0))
+    fast = replay(compile_schedule(s), unit_times(1.0, 2.0), record=False)
+    assert fast.makespan == full.makespan and fast.busy == full.busy
+    assert fast.timeline == [[] for _ in range(4)]
+    assert [len(line) for line in full.timeline] == [len(acts) for acts in s.actions]
+
+
+def test_replay_deadlock_names_ranks():
+    order = [
+        [Action(Kind.FORWARD, 0), Action(Kind.BACKWARD, 0), Action(Kind.FORWARD, 1), Action(Kind.BACKWARD, 1)],
+        [Action(Kind.FORWARD, 0), Action(Kind.FORWARD, 1), Action(Kind.BACKWARD, 0), Action(Kind.BACKWARD, 1)],
+    ]
+    s = add_communication(Schedule("custom", 2, 2, 1, order))
+    with pytest.raises(DeadlockError, match=r"rank 0 at B0.*rank 1 at F1"):
+        replay(s, unit_times())
+    assert issubclass(DeadlockError, ScheduleError)
+
+
+def test_halves():
+    f0, b0 = Action(Kind.FORWARD, 0), Action(Kind.BACKWARD, 0)
+    fa, fb = Action(Kind.FORWARD, 1, half=0), Action(Kind.FORWARD, 1, half=1)
+    ba, bb = Action(Kind.BACKWARD, 1, half=0), Action(Kind.BACKWARD, 1, half=1)
+    order = [[f0, fa, fb, b0, ba, bb], [f0, b0, fa, ba, fb, bb]]
+    s = add_communication(Schedule("custom", 2, 2, 1, order))
+    check(s)
+    assert peak_inflight(s) == [2.0, 1.0]
+    assert "F1a" in s.to_text() and "RA1b<0" in s.to_text(comm=True)
+    result = replay(s, lambda rank, a: 0.5 if a.half is not None else 1.0)
+    assert result.makespan == 5.5  # rank 1 ends B1b at 5.0, then rank 0 runs its B1b
+
+
+def test_replay_is_fast():
+    s = build_schedule("1f1b", 64, 512)
+    start = time.perf_counter()
+    result = replay(s, unit_times(1.0, 2.0))
+    elapsed = time.perf_counter() - start
+    assert result.makespan == (512 + 63) * 3
+    assert elapsed < 2.0, f"replay took {elapsed:.2f}s"

@@ -1,0 +1,130 @@
+"""The checker must reject broken schedules, each with a message naming the problem."""
+
+import pytest
+
+from megatron_bmw.pipeline.checker import check
+from megatron_bmw.pipeline.generators import add_communication, build_schedule
+from megatron_bmw.pipeline.schedule import Action, DeadlockError, Kind, Schedule, ScheduleError
+
+
+def _index(acts: list[Action], label: str) -> int:
+    return [a.label(show_chunk="." in label) for a in acts].index(label)
+
+
+def _move(acts: list[Action], label: str, before: str) -> None:
+    """Move the action labelled `label` to just before the one labelled `before`."""
+    a = acts.pop(_index(acts, label))
+    acts.insert(_index(acts, before), a)
+
+
+def test_valid_schedule_passes():
+    check(build_schedule("1f1b", 2, 4))
+
+
+def test_backward_before_forward():
+    s = build_schedule("1f1b", 2, 2)
+    _move(s.actions[1], "B0", before="F0")
+    with pytest.raises(ScheduleError, match="B0 runs before"):
+        check(s)
+
+
+def test_missing_backward():
+    s = build_schedule("gpipe", 2, 3)
+    s.actions[0] = [a for a in s.actions[0] if a.label(False) not in ("B2", "RG2<1")]
+    with pytest.raises(ScheduleError, match="no BACKWARD"):
+        check(s)
+
+
+def test_duplicate_forward():
+    s = build_schedule("gpipe", 1, 3)
+    s.actions[0].insert(1, Action(Kind.FORWARD, 0))
+    with pytest.raises(ScheduleError, match="appears twice"):
+        check(s)
+
+
+def test_incomplete_halves():
+    order = [[Action(Kind.FORWARD, 0, half=0), Action(Kind.BACKWARD, 0, half=0)]]
+    with pytest.raises(ScheduleError, match="incomplete set"):
+        check(Schedule("custom", 1, 1, 1, order))
+
+
+def test_dropped_recv():
+    s = build_schedule("1f1b", 3, 4)
+    s.actions[1].pop(_index(s.actions[1], "RA2<0"))
+    with pytest.raises(ScheduleError, match=r"rank 1: F2 has no RECV"):
+        check(s)
+
+
+def test_recv_after_its_consumer():
+    s = build_schedule("1f1b", 2, 3)
+    _move(s.actions[1], "RA1<0", before="B1")
+    with pytest.raises(ScheduleError, match="F1 has no RECV"):
+        check(s)
+
+
+def test_dropped_send():
+    s = build_schedule("1f1b", 2, 3)
+    s.actions[1].pop(_index(s.actions[1], "SG1>0"))
+    with pytest.raises(ScheduleError, match="no matching SEND"):
+        check(s)
+
+
+def test_send_before_producer():
+    s = build_schedule("1f1b", 2, 3)
+    _move(s.actions[0], "SA2>1", before="F2")
+    with pytest.raises(ScheduleError, match="before the compute producing it"):
+        check(s)
+
+
+def test_wrong_peer():
+    s = build_schedule("1f1b", 3, 2)
+    i = _index(s.actions[1], "SA0>2")
+    s.actions[1][i] = Action(Kind.SEND_ACT, 0, 0, peer=0)
+    with pytest.raises(ScheduleError, match="consumer is rank 2"):
+        check(s)
+
+
+def test_sends_reordered_on_a_channel():
+    s = build_schedule("1f1b", 2, 4)
+    # F0 SA0 F1 SA1 -> F0 F1 SA1 SA0: both sends still follow their producers, but rank 1 receives 0 first
+    _move(s.actions[0], "SA1>1", before="SA0>1")
+    _move(s.actions[0], "F1", before="SA1>1")
+    with pytest.raises(ScheduleError, match=r"rank 0 -> rank 1 is not FIFO.*micro-batch 1.*micro-batch 0"):
+        check(s)
+
+
+def test_recvs_reordered_on_a_channel():
+    s = build_schedule("interleaved", 2, 4, 2)
+    acts = s.actions[1]
+    assert acts[0].label() == "RA0.0<0" and acts[1].label() == "RA1.0<0"
+    acts[0], acts[1] = acts[1], acts[0]
+    with pytest.raises(ScheduleError, match="not FIFO"):
+        check(s)
+
+
+def test_deadlock():
+    # rank 0 waits for B0's gradient before sending F1; rank 1 needs F1 before it runs B0
+    order = [
+        [Action(Kind.FORWARD, 0), Action(Kind.BACKWARD, 0), Action(Kind.FORWARD, 1), Action(Kind.BACKWARD, 1)],
+        [Action(Kind.FORWARD, 0), Action(Kind.FORWARD, 1), Action(Kind.BACKWARD, 0), Action(Kind.BACKWARD, 1)],
+    ]
+    with pytest.raises(DeadlockError, match="deadlock"):
+        check(add_communication(Schedule("custom", 2, 2, 1, order)))
+
+
+def test_local_dependency_order_on_one_rank():
+    s = build_schedule("interleaved", 1, 2, 2)
+    _move(s.actions[0], "F0.1", before="F0.0")
+    with pytest.raises(ScheduleError, match="before its producer on the same rank"):
+        check(s)
+
+
+def test_out_of_range_and_wrong_rank_count():
+    s = build_schedule("1f1b", 2, 2)
+    s.actions[0].append(Action(Kind.FORWARD, 5))
+    with pytest.raises(ScheduleError, match="micro-batch outside"):
+        check(s)
+    s = build_schedule("1f1b", 2, 2)
+    s.actions.pop()
+    with pytest.raises(ScheduleError, match="1 rank lists for 2"):
+        check(s)

@@ -1,0 +1,46 @@
+"""The text timeline CLI."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_bmw.pipeline import show
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "megatron_bmw.pipeline.show", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_cli_prints_timeline():
+    out = _run("--pp", "4", "--microbatches", "8", "--schedule", "1f1b")
+    assert out.returncode == 0, out.stderr
+    assert "rank 0: F0 F1 F2 F3 B0 F4 B1" in out.stdout
+    row = next(line for line in out.stdout.splitlines() if line.startswith("rank 3 ") and ":" not in line)
+    assert row.split()[2:8] == [".", ".", ".", "F0", "B0", "B0"]  # one column per time unit, B takes 2
+    assert "makespan 33" in out.stdout and "bubble fraction 27.3%" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args,text",
+    [
+        (["--pp", "0", "--microbatches", "8"], "--pipeline-model-parallel-size"),
+        (["--pp", "4", "--microbatches", "6", "--schedule", "interleaved", "--virtual-stages", "2"], "multiple"),
+    ],
+)
+def test_cli_bad_input(args, text):
+    out = _run(*args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0]
+
+
+def test_main_in_process(capsys):
+    show.main(["--pp", "2", "--microbatches", "4", "--schedule", "interleaved", "--virtual-stages", "2"])
+    text = capsys.readouterr().out
+    assert "F0.0" in text and "B3.0" in text and "makespan" in text
+    with pytest.raises(SystemExit) as info:
+        show.main(["--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--virtual-stages", "2"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --virtual-pipeline-model-parallel-size 2")
