@@ -1,0 +1,227 @@
+"""Checkpoints in Megatron's directory layout, written atomically.
+
+    <dir>/latest_checkpointed_iteration.txt        the iteration number (or "release")
+    <dir>/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt    payload + optimizer state
+    <dir>/iter_0000010/mp_rank_TT[_PPP]/distrib_optim.pt      per-parameter optimizer state (ZeRO-1 only)
+
+DP rank 0 of each (tp, pp) writes. Everything goes into `iter_XXXXXXX.tmp-<token>` first; after a barrier
+rank 0 renames it into place and then replaces the tracker file, so a crash at any point leaves the
+previous checkpoint and tracker intact. Re-saving an existing iteration moves the old directory to
+`iter_XXXXXXX.old-<token>` for the instant of the swap; loading falls back to it if the swap was cut short.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UsageError
+from ..parallel.state import ParallelState
+from .optimizer import MixedPrecisionOptimizer
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+RELEASE = "release"
+
+
+def iteration_dir_name(iteration: int | str) -> str:
+    return RELEASE if iteration == RELEASE else f"iter_{int(iteration):07d}"
+
+
+def mp_rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def checkpoint_file(ckpt_dir: str, iteration: int | str, state: ParallelState, name: str = MODEL_FILE) -> str:
+    """Where this rank's (tp, pp) file of `iteration` lives."""
+    mp = mp_rank_dir_name(state.tp_rank, state.pp_rank, state.pp_size)
+    return os.path.join(ckpt_dir, iteration_dir_name(iteration), mp, name)
+
+
+def read_tracker(ckpt_dir: str) -> int | str | None:
+    """The iteration the tracker names, "release", or None when there is no tracker file."""
+    path = os.path.join(ckpt_dir, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--load {ckpt_dir}: {TRACKER} holds {text!r}, not an iteration number or 'release'") from None
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _world()[1] > 1:
+        dist.barrier()
+
+
+def _shared_token(state: ParallelState) -> str:
+    """A random name part every rank agrees on."""
+    value = torch.tensor([int.from_bytes(os.urandom(7), "little")], dtype=torch.int64)
+    if _world()[1] > 1:
+        value = value.to(state.device)
+        dist.broadcast(value, src=0)
+    return f"{int(value.item()):016x}"
+
+
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    state: ParallelState,
+    payload: dict,
+    optimizer: MixedPrecisionOptimizer | None = None,
+    save_optim: bool = True,
+) -> str:
+    """Save `payload` (+ the optimizer's state) as `iteration`. Every rank must call it. Returns the iteration dir."""
+    optim_sd = optimizer.state_dict() if optimizer is not None and save_optim else None  # collective under ZeRO
+    token = _shared_token(state)
+    name = iteration_dir_name(iteration)
+    tmp_dir = os.path.join(save_dir, f"{name}.tmp-{token}")
+    final_dir = os.path.join(save_dir, name)
+    if state.dp_rank == 0:
+        mp_dir = os.path.join(tmp_dir, mp_rank_dir_name(state.tp_rank, state.pp_rank, state.pp_size))
+        os.makedirs(mp_dir, exist_ok=True)
+        data = dict(payload)
+        if optim_sd is not None:
+            if optimizer.distributed:
+                torch.save({"params": optim_sd.pop("params")}, os.path.join(mp_dir, DISTRIB_OPTIM_FILE))
+            data["optimizer"] = optim_sd
+        torch.save(data, os.path.join(mp_dir, MODEL_FILE))
+    _barrier()
+    if _world()[0] == 0:
+        _move_into_place(tmp_dir, final_dir, token)
+        _write_tracker(save_dir, iteration, token)
+        for pattern in ("iter_*.tmp-*", "iter_*.old-*", "release.tmp-*", "release.old-*"):
+            for debris in glob.glob(os.path.join(save_dir, pattern)):  # left by crashed saves
+                shutil.rmtree(debris, ignore_errors=True)
+    _barrier()
+    return final_dir
+
+
+def _move_into_place(tmp_dir: str, final_dir: str, token: str) -> None:
+    if os.path.exists(final_dir):
+        backup = f"{final_dir}.old-{token}"
+        os.rename(final_dir, backup)
+        os.rename(tmp_dir, final_dir)
+        shutil.rmtree(backup)
+    else:
+        os.rename(tmp_dir, final_dir)
+    _fsync_dir(os.path.dirname(final_dir))
+
+
+def _write_tracker(save_dir: str, iteration: int | str, token: str) -> None:
+    tmp = os.path.join(save_dir, f"{TRACKER}.tmp-{token}")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, TRACKER))
+    _fsync_dir(save_dir)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _resolve_iteration_dir(load_dir: str, iteration: int | str) -> str:
+    path = os.path.join(load_dir, iteration_dir_name(iteration))
+    if os.path.isdir(path):
+        return path
+    backups = sorted(glob.glob(f"{path}.old-*"), key=os.path.getmtime)
+    if backups:
+        return backups[-1]  # a re-save of this iteration was cut short between its two renames
+    raise UsageError(f"--load {load_dir}: the tracker names iteration {iteration}, but {path} does not exist")
+
+
+def _saved_layout(iter_dir: str) -> tuple[int, int] | None:
+    """(tp, pp) the checkpoint was saved with, from its mp_rank_* directory names."""
+    tps, pps = set(), set()
+    for entry in os.listdir(iter_dir):
+        fields = entry.split("_")
+        if entry.startswith("mp_rank_") and len(fields) in (3, 4) and all(f.isdigit() for f in fields[2:]):
+            tps.add(int(fields[2]))
+            pps.add(int(fields[3]) if len(fields) == 4 else 0)
+    if not tps:
+        return None
+    return max(tps) + 1, max(pps) + 1
+
+
+def _mismatch(load_dir: str, saved: tuple[int, int], state: ParallelState) -> UsageError:
+    return UsageError(
+        f"--load {load_dir}: checkpoint was saved with tensor/pipeline parallel sizes ({saved[0]}, {saved[1]}), "
+        f"but this run uses ({state.tp_size}, {state.pp_size})"
+    )
+
+
+def load_checkpoint(
+    load_dir: str,
+    state: ParallelState,
+    optimizer: MixedPrecisionOptimizer | None = None,
+    load_optim: bool = True,
+    iteration: int | str | None = None,
+) -> dict | None:
+    """Load this rank's payload (and the optimizer's state into `optimizer`).
+
+    Returns None when `load_dir` has no tracker file and no `iteration` was asked for. Without the optimizer
+    state (`load_optim=False`) the optimizer re-reads its master weights from the model at its next step.
+    """
+    if iteration is None:
+        iteration = read_tracker(load_dir)
+        if iteration is None:
+            return None
+    iter_dir = _resolve_iteration_dir(load_dir, iteration)
+    saved = _saved_layout(iter_dir)
+    if saved is not None and saved != (state.tp_size, state.pp_size):
+        raise _mismatch(load_dir, saved, state)
+    mp_dir = os.path.join(iter_dir, mp_rank_dir_name(state.tp_rank, state.pp_rank, state.pp_size))
+    path = os.path.join(mp_dir, MODEL_FILE)
+    if not os.path.isfile(path):
+        raise UsageError(f"--load {load_dir}: checkpoint file {path} is missing")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
+        raise UsageError(f"--load {load_dir}: cannot read {path}: {type(exc).__name__}: {exc}") from exc
+    args = payload.get("args") or {}
+    get = args.get if isinstance(args, dict) else lambda key, default: getattr(args, key, default)
+    saved_args = (get("tensor_model_parallel_size", state.tp_size), get("pipeline_model_parallel_size", state.pp_size))
+    if saved_args != (state.tp_size, state.pp_size):
+        raise _mismatch(load_dir, saved_args, state)
+    optim_sd = payload.pop("optimizer", None)
+    if optimizer is None:
+        return payload
+    if not load_optim or iteration == RELEASE:
+        optimizer.reload_model_params()
+        return payload
+    if optim_sd is None:
+        raise UsageError(f"--load {load_dir}: {path} has no optimizer state; load with --no-load-optim")
+    distrib = os.path.join(mp_dir, DISTRIB_OPTIM_FILE)
+    if os.path.isfile(distrib):
+        optim_sd["params"] = torch.load(distrib, map_location="cpu", weights_only=False)["params"]
+    try:
+        optimizer.load_state_dict(optim_sd)
+    except ValueError as exc:
+        raise UsageError(f"--load {load_dir}: optimizer state in {mp_dir} does not fit this model: {exc}") from exc
+    return payload

@@ -1,0 +1,72 @@
+"""Learning-rate schedule: linear warm-up from 0, then constant, linear or cosine decay to min_lr.
+
+Counted in iterations (`step(increment)` adds to the count). As in Megatron the schedule is evaluated at the
+current count before it is advanced, so the first iteration of a warm-up runs with lr 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from .config import LRConfig
+
+
+class _HasLR(Protocol):
+    def set_lr(self, lr: float) -> None: ...
+
+
+class LRScheduler:
+    def __init__(self, optimizer: _HasLR | None, cfg: LRConfig) -> None:
+        self.optimizer = optimizer
+        self.max_lr = cfg.lr
+        self.min_lr = cfg.min_lr
+        self.lr_decay_style = cfg.lr_decay_style
+        self.lr_decay_steps = cfg.lr_decay_iters
+        self.lr_warmup_steps = cfg.warmup_steps
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self) -> float:
+        n = self.num_steps
+        if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
+            return self.max_lr * n / self.lr_warmup_steps
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if n > self.lr_decay_steps:
+            return self.min_lr
+        ratio = (n - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int = 1) -> float:
+        """Advance by `increment` iterations and push the new lr to the optimizer."""
+        self.num_steps += increment
+        lr = self.get_lr()
+        if self.optimizer is not None:
+            self.optimizer.set_lr(lr)
+        return lr
+
+    def state_dict(self) -> dict:
+        return {
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+            "lr_warmup_steps": self.lr_warmup_steps,
+            "lr_decay_steps": self.lr_decay_steps,
+            "lr_decay_style": self.lr_decay_style,
+            "num_steps": self.num_steps,
+        }
+
+    def load_state_dict(self, sd: dict, override: bool = False) -> None:
+        """Resume the count; the schedule comes from the checkpoint unless `override` keeps this run's settings."""
+        if not override:
+            self.max_lr = sd["max_lr"]
+            self.min_lr = sd["min_lr"]
+            self.lr_warmup_steps = sd["lr_warmup_steps"]
+            self.lr_decay_steps = sd["lr_decay_steps"]
+            self.lr_decay_style = sd["lr_decay_style"]
+        self.num_steps = 0
+        self.step(int(sd["num_steps"]))

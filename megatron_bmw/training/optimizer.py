@@ -1,0 +1,361 @@
+"""Adam with fp32 master weights, loss scaling, global grad-norm clipping and optional ZeRO-1 sharding.
+
+Gradients come in as `p.main_grad` (fp32, summed over micro-batches, averaged over data parallel).
+With `use_distributed_optimizer` the parameters are laid end to end in one flat index space, padded to a
+multiple of the DP size; DP rank r owns the contiguous range [r*S, (r+1)*S) and keeps fp32 master copies
+and Adam moments only for the pieces of parameters inside it. After its update, the ranks all-gather the
+new values so every DP rank holds the full model again.
+
+`state_dict()` has one layout for both modes (full per-parameter tensors), so a checkpoint saved with or
+without ZeRO, or on another DP size, loads into either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel.state import ParallelState, group_rank, group_size
+from .config import OptimizerConfig
+from .loss_scaler import ConstantLossScaler, DynamicLossScaler
+
+try:
+    from apex.optimizers import FusedAdam as _ApexFusedAdam
+except Exception:  # noqa: BLE001 - apex missing or built for another torch: fall back to torch's Adam
+    _ApexFusedAdam = None
+
+STATE_FORMAT = 1
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class StepResult:
+    successful: bool  # False when the step was skipped (inf/nan gradients)
+    grad_norm: float | None  # global norm before clipping; None on a skipped step
+    loss_scale: float  # scale after this step's update
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """The part [start, end) of flattened parameter `index` that this rank updates."""
+
+    index: int
+    start: int
+    end: int
+    shard_offset: int  # where the piece sits in this rank's shard (ZeRO only)
+
+
+def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Megatron's rule: no decay on biases and norm weights (every 1-D parameter)."""
+    return param.ndim >= 2 and not name.endswith(".bias")
+
+
+def counts_in_grad_norm(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank adds the parameter's gradient to the global norm (each gradient counted once)."""
+    if getattr(param, "shared_embedding_copy", False):
+        return False
+    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
+
+
+class MixedPrecisionOptimizer:
+    """See the module doc. Build it with `build_optimizer`."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], cfg: OptimizerConfig, state: ParallelState):
+        named = [(n, p) for n, p in named_params if p.requires_grad]
+        if not named:
+            raise ValueError("build_optimizer: no trainable parameters")
+        self.cfg = cfg
+        self.state = state
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.distributed = cfg.use_distributed_optimizer
+        self.device = self.params[0].device
+        self.num_skipped_steps = 0
+        self._lr = cfg.lr
+        self._step_count = 0
+        self._reload_pending = False
+        if cfg.fp16:
+            self.scaler = (
+                ConstantLossScaler(cfg.loss_scale)
+                if cfg.loss_scale
+                else DynamicLossScaler(
+                    cfg.initial_loss_scale, cfg.min_loss_scale, cfg.loss_scale_window, cfg.hysteresis
+                )
+            )
+        else:
+            self.scaler = ConstantLossScaler(1.0)
+
+        self._offsets = [0]
+        for p in self.params:
+            self._offsets.append(self._offsets[-1] + p.numel())
+        dp = group_size(state.dp_group) if self.distributed else 1
+        self._shard_size = -(-self._offsets[-1] // dp)
+        self._pieces = self._make_pieces(group_rank(state.dp_group) if self.distributed else 0)
+        self._masters = [self._new_master(pc) for pc in self._pieces]
+        self._counted = torch.tensor(
+            [counts_in_grad_norm(self.params[pc.index], state.tp_rank) for pc in self._pieces],
+            dtype=torch.bool,
+            device=self.device,
+        )
+        decay = [uses_weight_decay(self.names[pc.index], self.params[pc.index]) for pc in self._pieces]
+        groups = [
+            {"params": [m for m, d in zip(self._masters, decay) if d], "weight_decay": cfg.weight_decay},
+            {"params": [m for m, d in zip(self._masters, decay) if not d], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        self._inner, self.backend = _make_adam(groups, cfg, self.device) if groups else (None, "none")
+
+    # ---- layout -------------------------------------------------------------------------------------
+    def _make_pieces(self, dp_rank: int) -> list[_Piece]:
+        if not self.distributed:
+            return [_Piece(i, 0, p.numel(), 0) for i, p in enumerate(self.params)]
+        lo, hi = dp_rank * self._shard_size, (dp_rank + 1) * self._shard_size
+        pieces = []
+        for i in range(len(self.params)):
+            a, b = max(self._offsets[i], lo), min(self._offsets[i + 1], hi)
+            if a < b:
+                pieces.append(_Piece(i, a - self._offsets[i], b - self._offsets[i], a - lo))
+        return pieces
+
+    def _param_slice(self, pc: _Piece, tensor: torch.Tensor) -> torch.Tensor:
+        """The piece of a parameter-shaped tensor, shaped like the piece's master."""
+        return tensor.reshape(-1)[pc.start : pc.end] if self.distributed else tensor
+
+    def _new_master(self, pc: _Piece) -> torch.Tensor:
+        p = self.params[pc.index]
+        if not self.distributed and p.dtype == torch.float32:
+            return p
+        return self._param_slice(pc, p.detach()).to(torch.float32, copy=True)
+
+    def _grad(self, pc: _Piece) -> torch.Tensor:
+        p = self.params[pc.index]
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            g = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        elif g.dtype != torch.float32:
+            g = g.float()
+        return self._param_slice(pc, g)
+
+    # ---- training-loop API --------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.cfg.fp16 else loss
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            g = getattr(p, "main_grad", None)
+            if g is not None:
+                g.zero_()
+
+    def get_lr(self) -> float:
+        return self._lr
+
+    def set_lr(self, lr: float) -> None:
+        self._lr = lr
+        if self._inner is not None:
+            for group in self._inner.param_groups:
+                group["lr"] = lr
+
+    def reload_model_params(self) -> None:
+        """Refresh the master weights from the model parameters at the next step (after loading weights only)."""
+        self._reload_pending = True
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        if self._reload_pending:
+            for pc, m in zip(self._pieces, self._masters):
+                if m is not self.params[pc.index]:
+                    m.copy_(self._param_slice(pc, self.params[pc.index].detach()))
+            self._reload_pending = False
+        grads = [self._grad(pc) for pc in self._pieces]
+        if grads and self.scaler.scale != 1.0:
+            torch._foreach_mul_(grads, self.scaler.inv_scale)
+        found_inf, grad_norm = self._check_and_norm(grads)
+        self.scaler.update(found_inf)
+        if found_inf:
+            self.num_skipped_steps += 1
+            return StepResult(False, None, self.scaler.scale)
+        if self.cfg.clip_grad > 0 and grads:
+            coeff = self.cfg.clip_grad / (grad_norm + 1e-6)
+            if coeff < 1.0:
+                torch._foreach_mul_(grads, coeff)
+        if self._inner is not None:
+            for m, g in zip(self._masters, grads):
+                m.grad = g
+            self._inner.step()
+            for m in self._masters:
+                m.grad = None
+        self._step_count += 1
+        self._publish()
+        return StepResult(True, grad_norm, self.scaler.scale)
+
+    def _check_and_norm(self, grads: list[torch.Tensor]) -> tuple[bool, float]:
+        """(any inf/nan anywhere, global grad norm), agreed by all model- and data-parallel ranks."""
+        buf = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads)).double()
+            buf[0] = norms[self._counted].square().sum()
+            buf[1] = (~torch.isfinite(norms)).any().double()
+        if self.state.dp_group is not None:
+            # ZeRO: each DP rank saw only its shard; otherwise all DP ranks saw the same gradients.
+            op = dist.ReduceOp.SUM if self.distributed else dist.ReduceOp.MAX
+            dist.all_reduce(buf, op=op, group=self.state.dp_group)
+        if self.state.mp_group is not None:
+            dist.all_reduce(buf, group=self.state.mp_group)
+        sq, inf = buf.tolist()
+        return inf > 0, sq**0.5
+
+    def _publish(self) -> None:
+        """Copy the updated master weights into the model parameters (all-gathering them under ZeRO)."""
+        if not self.distributed:
+            for pc, m in zip(self._pieces, self._masters):
+                if m is not self.params[pc.index]:
+                    self.params[pc.index].detach().copy_(m)
+            return
+        dtypes = {p.dtype for p in self.params}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        shard = torch.zeros(self._shard_size, dtype=dtype, device=self.device)
+        for pc, m in zip(self._pieces, self._masters):
+            shard[pc.shard_offset : pc.shard_offset + m.numel()].copy_(m)
+        full = _all_gather_flat(shard, self.state.dp_group)
+        for i, p in enumerate(self.params):
+            p.detach().copy_(full[self._offsets[i] : self._offsets[i + 1]].view(p.shape))
+
+    # ---- checkpoint state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Full per-parameter optimizer state (tensors may alias live state: save them right away).
+
+        Under ZeRO this is collective over the DP group and only DP rank 0 gets the tensors ("params" is None
+        on the others).
+        """
+        sd = {
+            "format": STATE_FORMAT,
+            "step": self._step_count,
+            "lr": self._lr,
+            "num_skipped_steps": self.num_skipped_steps,
+            "grad_scaler": self.scaler.state_dict(),
+            "param_names": list(self.names),
+        }
+        local = [self._piece_state(m) for m in self._masters]
+        if not self.distributed:
+            sd["params"] = [
+                {"master": None if m is self.params[pc.index] else m, **st}
+                for pc, m, st in zip(self._pieces, self._masters, local)
+            ]
+            return sd
+        flat = {}
+        for key in ("master", *_MOMENTS):
+            buf = torch.zeros(self._shard_size, dtype=torch.float32, device=self.device)
+            for pc, m, st in zip(self._pieces, self._masters, local):
+                src = m if key == "master" else st[key]
+                if src is not None:
+                    buf[pc.shard_offset : pc.shard_offset + m.numel()].copy_(src.reshape(-1))
+            flat[key] = _gather_flat(buf, self.state.dp_group)
+        if flat["master"] is None:
+            sd["params"] = None
+            return sd
+        sd["params"] = []
+        for i, p in enumerate(self.params):
+            a, b = self._offsets[i], self._offsets[i + 1]
+            entry = {k: flat[k][a:b].view(p.shape).cpu() for k in flat}
+            if self._step_count == 0:
+                entry.update(exp_avg=None, exp_avg_sq=None)
+            sd["params"].append(entry)
+        return sd
+
+    def _piece_state(self, master: torch.Tensor) -> dict:
+        st = self._inner.state.get(master, {}) if self._inner is not None else {}
+        return {k: st.get(k) for k in _MOMENTS}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Load a state saved by `state_dict()` in either mode, on any DP size (not collective)."""
+        entries = sd.get("params")
+        if sd.get("format") != STATE_FORMAT or entries is None:
+            raise ValueError("optimizer state is not in megatron_bmw's format or has no parameter states")
+        if len(entries) != len(self.params):
+            raise ValueError(f"optimizer state has {len(entries)} parameters, the model has {len(self.params)}")
+        for name, p, e in zip(self.names, self.params, entries):
+            for key, t in e.items():
+                if t is not None and t.shape != p.shape:
+                    raise ValueError(f"{key} of {name} has shape {tuple(t.shape)}, not {tuple(p.shape)}")
+        self._step_count = int(sd["step"])
+        self.num_skipped_steps = int(sd.get("num_skipped_steps", 0))
+        self.scaler.load_state_dict(sd["grad_scaler"])
+        self.set_lr(float(sd.get("lr", self._lr)))
+        with torch.no_grad():
+            for pc, m in zip(self._pieces, self._masters):
+                src = entries[pc.index]["master"]
+                if m is self.params[pc.index]:
+                    continue  # the model's own weights are the master; the caller loads them
+                if src is None:
+                    self._reload_pending = True
+                else:
+                    m.copy_(self._param_slice(pc, src.to(m.device)))
+        if self._inner is None:
+            return
+        torch_sd = self._inner.state_dict()
+        moments = {}
+        index = 0
+        piece_of = {id(m): pc for pc, m in zip(self._pieces, self._masters)}
+        for group in self._inner.param_groups:
+            for m in group["params"]:
+                e = entries[piece_of[id(m)].index]
+                if self._step_count > 0 and e.get("exp_avg") is not None:
+                    st = {k: self._param_slice(piece_of[id(m)], e[k]).clone() for k in _MOMENTS}
+                    if self.backend == "torch":
+                        st["step"] = torch.tensor(float(self._step_count))
+                    moments[index] = st
+                index += 1
+        torch_sd["state"] = moments
+        if self.backend == "apex":
+            for group in torch_sd["param_groups"]:
+                group["step"] = self._step_count
+        self._inner.load_state_dict(torch_sd)
+        self.set_lr(self._lr)
+
+
+def _make_adam(groups: list[dict], cfg: OptimizerConfig, device: torch.device):
+    kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if device.type == "cuda" and _ApexFusedAdam is not None:
+        return _ApexFusedAdam(groups, adam_w_mode=True, **kwargs), "apex"
+    if device.type == "cuda":
+        return torch.optim.AdamW(groups, fused=True, **kwargs), "torch"
+    return torch.optim.AdamW(groups, foreach=True, **kwargs), "torch"
+
+
+def _all_gather_flat(shard: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if n == 1:
+        return shard
+    out = torch.empty(n * shard.numel(), dtype=shard.dtype, device=shard.device)
+    if dist.get_backend(group) == "nccl":
+        dist.all_gather_into_tensor(out, shard, group=group)
+    else:
+        dist.all_gather(list(out.chunk(n)), shard, group=group)
+    return out
+
+
+def _gather_flat(shard: torch.Tensor, group) -> torch.Tensor | None:
+    """Concatenation of every DP rank's shard on DP rank 0; None elsewhere."""
+    n = group_size(group)
+    if n == 1:
+        return shard
+    if dist.get_rank(group) == 0:
+        parts = [torch.empty_like(shard) for _ in range(n)]
+        dist.gather(shard, gather_list=parts, dst=dist.get_global_rank(group, 0), group=group)
+        return torch.cat(parts)
+    dist.gather(shard, gather_list=None, dst=dist.get_global_rank(group, 0), group=group)
+    return None
+
+
+def build_optimizer(
+    named_params: list[tuple[str, nn.Parameter]], cfg: OptimizerConfig, state: ParallelState
+) -> MixedPrecisionOptimizer:
+    """Adam(W) over the trainable parameters, with the precision and sharding `cfg` asks for."""
+    return MixedPrecisionOptimizer(named_params, cfg, state)

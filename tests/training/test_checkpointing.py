@@ -1,0 +1,190 @@
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_bmw.config import ParallelConfig
+from megatron_bmw.errors import UsageError
+from megatron_bmw.parallel.layout import RankLayout
+from megatron_bmw.parallel.state import ParallelState
+from megatron_bmw.training.checkpointing import load_checkpoint, read_tracker, save_checkpoint
+from megatron_bmw.training.config import OptimizerConfig
+from megatron_bmw.training.optimizer import build_optimizer
+from tests.dist_harness import run_distributed
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+
+
+def _grads(model, step):
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in model.parameters():
+        p.main_grad = torch.randn(p.shape, generator=gen) * 0.1
+
+
+def _payload(model, state, iteration):
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "iteration": iteration,
+        "args": {"tensor_model_parallel_size": state.tp_size, "pipeline_model_parallel_size": state.pp_size},
+    }
+
+
+def _train(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        _grads(model, step)
+        assert opt.step().successful
+
+
+def _state(tp, pp, rank=0):
+    return ParallelState(layout=RankLayout(tp, 1, pp), rank=rank)
+
+
+class _Boom:
+    def __reduce__(self):
+        raise RuntimeError("crash while pickling")
+
+
+def test_round_trip_layout_and_resume(tmp_path):
+    state = ParallelState.serial()
+    cfg = OptimizerConfig(lr=1e-2, bf16=True)
+    model = _model().to(torch.bfloat16)
+    opt = build_optimizer(list(model.named_parameters()), cfg, state)
+    _train(model, opt, 3)
+    out = save_checkpoint(str(tmp_path), 10, state, _payload(model, state, 10), opt)
+    assert out == str(tmp_path / "iter_0000010")
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "10"
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000010", "latest_checkpointed_iteration.txt"]
+    assert os.listdir(tmp_path / "iter_0000010" / "mp_rank_00") == ["model_optim_rng.pt"]
+
+    model2 = _model(seed=1).to(torch.bfloat16)
+    opt2 = build_optimizer(list(model2.named_parameters()), cfg, state)
+    payload = load_checkpoint(str(tmp_path), state, opt2)
+    assert payload["iteration"] == 10 and "optimizer" not in payload
+    model2.load_state_dict(payload["model"])
+    _train(model, opt, 2, start=3)
+    _train(model2, opt2, 2, start=3)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_without_optimizer_state_masters_follow_loaded_weights(tmp_path):
+    state = ParallelState.serial()
+    cfg = OptimizerConfig(lr=1e-2, bf16=True)
+    model = _model().to(torch.bfloat16)
+    save_checkpoint(str(tmp_path), 4, state, _payload(model, state, 4), None)
+    model2 = _model(seed=3).to(torch.bfloat16)
+    opt2 = build_optimizer(list(model2.named_parameters()), cfg, state)
+    with pytest.raises(UsageError, match="has no optimizer state"):
+        load_checkpoint(str(tmp_path), state, opt2)
+    payload = load_checkpoint(str(tmp_path), state, opt2, load_optim=False)
+    model2.load_state_dict(payload["model"])
+    for p in model2.parameters():
+        p.main_grad = torch.zeros(p.shape)
+    opt2.set_lr(0.0)
+    opt2.step()
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
+    state = ParallelState.serial()
+    model = _model()
+    save_checkpoint(str(tmp_path), 10, state, _payload(model, state, 10), None)
+    bad = _payload(model, state, 20)
+    bad["rng"] = _Boom()
+    with pytest.raises(RuntimeError, match="crash while pickling"):
+        save_checkpoint(str(tmp_path), 20, state, bad, None)
+    assert read_tracker(str(tmp_path)) == 10
+    assert not (tmp_path / "iter_0000020").exists()
+    assert load_checkpoint(str(tmp_path), state)["iteration"] == 10
+    # the next successful save of the same iteration clears the debris
+    save_checkpoint(str(tmp_path), 20, state, _payload(model, state, 20), None)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000010", "iter_0000020", "latest_checkpointed_iteration.txt"]
+
+
+def test_resave_same_iteration_and_interrupted_swap(tmp_path):
+    state = ParallelState.serial()
+    model = _model()
+    save_checkpoint(str(tmp_path), 10, state, {**_payload(model, state, 10), "tag": "a"}, None)
+    save_checkpoint(str(tmp_path), 10, state, {**_payload(model, state, 10), "tag": "b"}, None)
+    assert load_checkpoint(str(tmp_path), state)["tag"] == "b"
+    os.rename(tmp_path / "iter_0000010", tmp_path / "iter_0000010.old-0123")  # cut between the two renames
+    assert load_checkpoint(str(tmp_path), state)["tag"] == "b"
+
+
+def test_tracker_cases(tmp_path):
+    state = ParallelState.serial()
+    assert load_checkpoint(str(tmp_path / "nothing"), state) is None
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("banana\n")
+    with pytest.raises(UsageError, match="not an iteration number"):
+        load_checkpoint(str(tmp_path), state)
+    os.makedirs(tmp_path / "release" / "mp_rank_00")
+    torch.save({"iteration": 0, "args": {}}, tmp_path / "release" / "mp_rank_00" / "model_optim_rng.pt")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release\n")
+    assert load_checkpoint(str(tmp_path), state) == {"iteration": 0, "args": {}}
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("30")
+    with pytest.raises(UsageError, match="iteration 30"):
+        load_checkpoint(str(tmp_path), state)
+
+
+def test_parallel_size_mismatch_refused(tmp_path):
+    state = ParallelState.serial()
+    save_checkpoint(str(tmp_path), 1, state, _payload(_model(), state, 1), None)
+    for tp, pp in ((2, 1), (1, 2)):
+        msg = (
+            f"--load {tmp_path}: checkpoint was saved with tensor/pipeline parallel sizes (1, 1), "
+            f"but this run uses ({tp}, {pp})"
+        )
+        with pytest.raises(UsageError) as err:
+            load_checkpoint(str(tmp_path), _state(tp, pp))
+        assert str(err.value) == msg
+
+
+def _distributed_layouts(rank, world_size, root):
+    written = {}
+    for name, pcfg in (
+        ("tp2", ParallelConfig(tensor_model_parallel_size=2)),
+        ("pp2", ParallelConfig(pipeline_model_parallel_size=2)),
+        ("zero", ParallelConfig()),
+    ):
+        state = ParallelState.build(pcfg)
+        model = _model()
+        cfg = OptimizerConfig(lr=1e-2, use_distributed_optimizer=name == "zero")
+        opt = build_optimizer(list(model.named_parameters()), cfg, state)
+        _train(model, opt, 2)
+        ckpt = os.path.join(root, name)
+        save_checkpoint(ckpt, 7, state, _payload(model, state, 7), opt)
+        written[name] = sorted(
+            os.path.relpath(os.path.join(d, f), ckpt) for d, _, files in os.walk(ckpt) for f in files
+        )
+        if name == "zero":
+            resumed = _model(seed=5)
+            opt2 = build_optimizer(list(resumed.named_parameters()), cfg, state)
+            resumed.load_state_dict(load_checkpoint(ckpt, state, opt2)["model"])
+            plain = _model(seed=6)
+            plain_opt = build_optimizer(list(plain.named_parameters()), OptimizerConfig(lr=1e-2), state)
+            plain.load_state_dict(load_checkpoint(ckpt, state, plain_opt)["model"])
+            for m, o in ((model, opt), (resumed, opt2), (plain, plain_opt)):
+                _train(m, o, 2, start=2)
+            for a, b, c in zip(model.parameters(), resumed.parameters(), plain.parameters()):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+                torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-7)
+    return written
+
+
+def test_distributed_layouts_on_disk(tmp_path):
+    written = run_distributed(2, _distributed_layouts, str(tmp_path))[0]
+    tracker = "latest_checkpointed_iteration.txt"
+    assert written["tp2"] == sorted(
+        [tracker, "iter_0000007/mp_rank_00/model_optim_rng.pt", "iter_0000007/mp_rank_01/model_optim_rng.pt"]
+    )
+    assert written["pp2"] == sorted(
+        [tracker, "iter_0000007/mp_rank_00_000/model_optim_rng.pt", "iter_0000007/mp_rank_00_001/model_optim_rng.pt"]
+    )
+    assert written["zero"] == sorted(
+        [tracker, "iter_0000007/mp_rank_00/distrib_optim.pt", "iter_0000007/mp_rank_00/model_optim_rng.pt"]
+    )

@@ -1,0 +1,74 @@
+import math
+
+import pytest
+
+from megatron_bmw.errors import UsageError
+from megatron_bmw.training.config import LRConfig
+from megatron_bmw.training.lr_scheduler import LRScheduler
+
+
+class _Opt:
+    lr = None
+
+    def set_lr(self, lr):
+        self.lr = lr
+
+
+def _lr_at(sched, n):
+    sched.num_steps = n
+    return sched.get_lr()
+
+
+@pytest.mark.parametrize(
+    "style, expected",
+    [
+        ("constant", {0: 0.0, 5: 0.5, 10: 1.0, 35: 1.0, 60: 1.0, 110: 1.0, 500: 1.0}),
+        ("linear", {0: 0.0, 5: 0.5, 10: 1.0, 35: 0.1 + 0.9 * 0.75, 60: 0.55, 110: 0.1, 500: 0.1}),
+        (
+            "cosine",
+            {0: 0.0, 5: 0.5, 10: 1.0, 35: 0.1 + 0.9 * 0.5 * (math.cos(math.pi / 4) + 1), 60: 0.55, 110: 0.1, 500: 0.1},
+        ),
+    ],
+)
+def test_schedule_values(style, expected):
+    sched = LRScheduler(None, LRConfig(lr=1.0, min_lr=0.1, lr_decay_style=style, lr_warmup_iters=10, train_iters=110))
+    for n, lr in expected.items():
+        assert _lr_at(sched, n) == pytest.approx(lr, abs=1e-12), (style, n)
+
+
+def test_warmup_fraction_and_step_pushes_lr():
+    opt = _Opt()
+    sched = LRScheduler(opt, LRConfig(lr=2.0, lr_decay_style="linear", lr_warmup_fraction=0.1, lr_decay_iters=100))
+    assert opt.lr == 0.0  # Megatron: the first iteration of a warm-up runs at lr 0
+    for _ in range(5):
+        sched.step()
+    assert opt.lr == pytest.approx(1.0) and sched.get_lr() == pytest.approx(1.0)
+    sched.step(50)
+    assert opt.lr == pytest.approx(2.0 * (1 - 45 / 90))
+
+
+def test_state_dict_round_trip_and_override():
+    cfg = LRConfig(lr=1.0, lr_decay_style="cosine", lr_warmup_iters=2, train_iters=20)
+    a = LRScheduler(None, cfg)
+    a.step(7)
+    b = LRScheduler(_Opt(), LRConfig(lr=0.5, lr_decay_style="linear", train_iters=40))
+    b.load_state_dict(a.state_dict())
+    assert b.get_lr() == a.get_lr() and b.optimizer.lr == a.get_lr() and b.num_steps == 7
+    c = LRScheduler(None, LRConfig(lr=0.5, lr_decay_style="constant", train_iters=40))
+    c.load_state_dict(a.state_dict(), override=True)
+    assert c.num_steps == 7 and c.get_lr() == 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        (dict(lr=1.0, lr_decay_style="step", train_iters=10), "--lr-decay-style"),
+        (dict(lr=1.0, lr_warmup_iters=2, lr_warmup_fraction=0.1, train_iters=10), "--lr-warmup-fraction"),
+        (dict(lr=1.0), "--lr-decay-iters"),
+        (dict(lr=1.0, min_lr=2.0, train_iters=10), "--min-lr"),
+        (dict(lr=1.0, lr_warmup_iters=10, train_iters=10), "--lr-warmup-iters"),
+    ],
+)
+def test_bad_config(kwargs, flag):
+    with pytest.raises(UsageError, match=flag):
+        LRConfig(**kwargs)
