@@ -36,6 +36,9 @@ class ParallelState:
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, by stage
     sequence_parallel: bool = False
     rng: RNGTracker = field(default_factory=RNGTracker)
+    # NCCL only: one group per direction of each neighbouring pipeline pair, keyed (src, dst) global ranks, so a
+    # communicator carries one direction and per-channel FIFO order is enough to rule out cross-direction cycles.
+    p2p_groups: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.rng.device != self.device:
@@ -64,7 +67,13 @@ class ParallelState:
         ):
             setattr(state, attr, _new_groups(groups, rank))
         state.pp_ranks = tuple(next(g for g in layout.pp_groups() if rank in g))
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            state.p2p_groups = _directional_groups(layout.pp_groups(), rank)
         return state
+
+    def p2p_group(self, src: int, dst: int):
+        """Process group for point-to-point traffic from global rank src to dst (None: the default group)."""
+        return self.p2p_groups.get((src, dst))
 
     @property
     def tp_rank(self) -> int:
@@ -111,6 +120,18 @@ def _new_groups(groups: list[list[int]], rank: int):
         if rank in ranks:
             mine = g
     return mine
+
+
+def _directional_groups(pipelines: list[list[int]], rank: int) -> dict:
+    groups = {}
+    for ranks in pipelines:
+        p = len(ranks)
+        pairs = {(ranks[i], ranks[(i + 1) % p]) for i in range(p)} if p > 1 else set()
+        for a, b in sorted(pairs | {(b, a) for a, b in pairs}):
+            g = dist.new_group([a, b])
+            if rank in (a, b):
+                groups[(a, b)] = g
+    return groups
 
 
 def default_device() -> torch.device:

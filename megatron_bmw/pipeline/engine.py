@@ -138,22 +138,35 @@ class PipelineEngine:
                 if grad or not torch.is_grad_enabled():  # nothing of this slot is needed after the send
                     slots.pop(_key(a))
                 recv_vstage = self._vstage(a.chunk) + (-1 if grad else 1)
-                p2p.append(dist.P2POp(dist.isend, tensor, peer, tag=self._tag(grad, recv_vstage, a)))
+                group = self.state.p2p_group(self.state.rank, peer)
+                p2p.append(dist.P2POp(dist.isend, tensor, peer, group=group, tag=self._tag(grad, recv_vstage, a)))
                 targets.append(tensor)
             else:
                 buf = torch.empty(self._shape(a), dtype=self.dtype, device=self.state.device)
-                p2p.append(dist.P2POp(dist.irecv, buf, peer, tag=self._tag(grad, self._vstage(a.chunk), a)))
+                group = self.state.p2p_group(peer, self.state.rank)
+                p2p.append(dist.P2POp(dist.irecv, buf, peer, group=group, tag=self._tag(grad, self._vstage(a.chunk), a)))
                 targets.append((kind, _key(a), buf))
-        if self.state.device.type == "cuda":
-            works = dist.batch_isend_irecv(p2p)
-        else:  # gloo: plain asynchronous sends and receives
-            works = [op.op(op.tensor, op.peer, tag=op.tag) for op in p2p]
+        works = self._start(p2p)
         for target, work in zip(targets, works):
             if isinstance(target, tuple):
                 kind, key, buf = target
                 recvs[(kind, key)] = (work, buf)
             else:
                 sends.append((work, target))  # keep the tensor alive until the send completes
+
+    def _start(self, ops: list) -> list:
+        """Post operations asynchronously; on NCCL, those sharing a (one-direction) group go in one batch."""
+        if not self.state.p2p_groups:  # gloo: plain isend/irecv on the default group, matched by tag
+            return [op.op(op.tensor, op.peer, tag=op.tag) for op in ops]
+        works: list = [None] * len(ops)
+        by_group: dict = {}
+        for i, op in enumerate(ops):
+            by_group.setdefault(id(op.group), []).append(i)
+        for idx in by_group.values():
+            batch = dist.batch_isend_irecv([ops[i] for i in idx])
+            for i, w in zip(idx, batch):
+                works[i] = w
+        return works
 
     def _wait(self, recvs, kind: Kind, a: Action) -> torch.Tensor:
         work, buf = recvs.pop((kind, _key(a)))
