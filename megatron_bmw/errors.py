@@ -1,5 +1,6 @@
 """User-facing errors: entry points print them as one line and exit with code 2."""
 
+import os
 import sys
 
 
@@ -14,7 +15,8 @@ def exit_on_usage_error(fn):
         try:
             return fn(*args, **kwargs)
         except UsageError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            if os.environ.get("RANK", "0") == "0":  # every rank meets the same bad input; say it once
+                print(f"error: {exc}", file=sys.stderr, flush=True)
             sys.exit(2)
 
     wrapper.__name__ = fn.__name__

@@ -246,7 +246,8 @@ class GPTDataset:
 
 
 class MockGPTDataset:
-    """Pseudo-random tokens in `[0, vocab_size)`: sample i depends only on (seed, name, i)."""
+    """Learnable synthetic tokens: sample i is an arithmetic progression modulo vocab_size whose start and step
+    (1..8) are drawn from (seed, name, i) only, so every parallel layout sees the same data and the loss falls."""
 
     def __init__(self, vocab_size: int, num_samples: int, seq_length: int, seed: int, name: str = "train") -> None:
         if vocab_size < 1:
@@ -268,4 +269,6 @@ class MockGPTDataset:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.num_samples} samples in {self.name}")
         rng = np.random.default_rng([self.seed, self._name_key, int(i)])
-        return {"text": rng.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=np.int64)}
+        start = int(rng.integers(0, self.vocab_size))
+        step = int(rng.integers(1, 9))
+        return {"text": (start + step * np.arange(self.seq_length + 1, dtype=np.int64)) % self.vocab_size}

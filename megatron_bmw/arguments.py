@@ -1,0 +1,281 @@
+"""Megatron-LM-compatible command line -> config dataclasses. Parsed once, at the entry point."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import ModelConfig, ParallelConfig
+from .data.config import DataConfig
+from .errors import UsageError
+from .training.config import LRConfig, OptimizerConfig
+
+# Megatron flags that only select fused kernels or internal implementations: accepted so existing launch
+# scripts run unchanged, reported once, and otherwise ignored.
+IGNORED_FLAGS = {
+    "--no-masked-softmax-fusion": 0, "--no-bias-gelu-fusion": 0, "--no-bias-dropout-fusion": 0,
+    "--no-gradient-accumulation-fusion": 0, "--no-async-tensor-model-parallel-allreduce": 0,
+    "--use-mcore-models": 0, "--use-legacy-models": 0, "--overlap-param-gather": 0, "--no-persist-layer-norm": 0,
+    "--transformer-impl": 1, "--timing-log-level": 1, "--log-timers-to-tensorboard": 0,
+    "--log-validation-ppl-to-tensorboard": 0, "--log-memory-to-tensorboard": 0, "--log-params-norm": 0,
+    "--log-num-zeros-in-grad": 0, "--tensorboard-log-interval": 1, "--tensorboard-queue-size": 1,
+    "--accumulate-allreduce-grads-in-fp32": 0, "--empty-unused-memory-level": 1, "--num-workers": 1,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="Megatron-style GPT pretraining (megatron_bmw)", allow_abbrev=False)
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--attention-backend", choices=["auto", "flash", "unfused"], default="auto")
+    g.add_argument("--use-flash-attn", action="store_true", help="Megatron's older flag; same as --attention-backend flash")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-activations", action="store_true", help="Megatron's alias of --recompute-granularity selective")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--pipeline-partition", type=str, default=None,
+                   help="units per (virtual) pipeline stage, e.g. 3,4,4,3; units are [embedding, attn_0, mlp_0, ..., head]")
+    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    g.add_argument("--pipeline-trace", type=str, default=None, help="write a Chrome trace of the pipeline actions")
+    g.add_argument("--gpus-per-node", type=int, default=None)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true", help="accepted; SIGTERM always saves and exits")
+
+    g = p.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", choices=["adam"], default="adam")
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--tokenizer-type", type=str, default=None)
+    g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--vocab-file", type=str, default=None)
+    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+
+    g = p.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-throughput", action="store_true")
+    return p
+
+
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    parser = parser or build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    kept, ignored, i = [], [], 0
+    while i < len(argv):
+        flag = argv[i].split("=")[0]
+        if flag in IGNORED_FLAGS:
+            ignored.append(flag)
+            i += 1 + (IGNORED_FLAGS[flag] if "=" not in argv[i] else 0)
+            continue
+        kept.append(argv[i])
+        i += 1
+    args = parser.parse_args(kept)
+    args.ignored_flags = ignored
+    return args
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+    train_iters: int
+    seed: int = 1234
+    schedule: str = "1f1b"
+    pipeline_partition: str | None = None
+    pipeline_trace: str | None = None
+    overlap_grad_reduce: bool = False
+    eod_mask_loss: bool = False
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    tensorboard_dir: str | None = None
+    log_throughput: bool = False
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    save_optim: bool = True
+    save_rng: bool = True
+    load_optim: bool = True
+    load_rng: bool = True
+    finetune: bool = False
+    distributed_backend: str | None = None
+    distributed_timeout_minutes: float = 10.0
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    optimizer: OptimizerConfig
+    lr: LRConfig
+    data: DataConfig
+    orig_vocab_size: int | None = None
+    extras: dict = field(default_factory=dict)
+
+
+def _positive(args, names: list[str]) -> None:
+    for name in names:
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None and value < 1:
+            raise UsageError(f"--{name} must be >= 1, got {value}")
+
+
+def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> RunConfig:
+    """Validate the flags against each other and the world size; build the config dataclasses.
+
+    vocab_size: the padded vocabulary (from the tokenizer); defaults to --vocab-size padded like Megatron."""
+    _positive(args, ["num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size",
+                     "train-iters", "log-interval", "eval-interval", "tensor-model-parallel-size",
+                     "pipeline-model-parallel-size", "make-vocab-size-divisible-by"])
+    if args.fp16 and args.bf16:
+        raise UsageError("--fp16 and --bf16 are mutually exclusive")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    virtual = 1
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per = args.num_layers_per_virtual_pipeline_stage
+        if per < 1 or args.num_layers % (pp * per):
+            raise UsageError(
+                f"--num-layers-per-virtual-pipeline-stage {per}: --num-layers {args.num_layers} must be a multiple of "
+                f"it times --pipeline-model-parallel-size {pp}"
+            )
+        virtual = args.num_layers // (pp * per)
+        if virtual > 1 and pp == 1:
+            raise UsageError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              virtual_pipeline_model_parallel_size=virtual, sequence_parallel=args.sequence_parallel,
+                              gpus_per_node=args.gpus_per_node)
+    dp = parallel.data_parallel_size(world_size)
+    mb = args.micro_batch_size
+    gbs = args.global_batch_size or mb * dp
+    if gbs % (mb * dp):
+        raise UsageError(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mb} x data-parallel size {dp}"
+        )
+    orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
+    if orig_vocab is None:
+        raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)")
+    multiple = args.make_vocab_size_divisible_by * tp
+    padded = -(-orig_vocab // multiple) * multiple
+    backend = "flash" if args.use_flash_attn else args.attention_backend
+    granularity = "selective" if args.recompute_activations else args.recompute_granularity
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    model = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        vocab_size=padded, seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        layernorm_epsilon=args.layernorm_epsilon,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights, attention_backend=backend,
+        recompute_granularity=granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers, params_dtype=dtype,
+    )
+    model.check_tensor_parallel(tp)
+    if args.sequence_parallel and tp > 1 and args.seq_length % tp:
+        raise UsageError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by tensor-parallel size {tp}")
+    train = TrainConfig(
+        micro_batch_size=mb, global_batch_size=gbs, num_microbatches=gbs // (mb * dp), train_iters=args.train_iters,
+        seed=args.seed, schedule=args.pipeline_schedule, pipeline_partition=args.pipeline_partition,
+        pipeline_trace=args.pipeline_trace, overlap_grad_reduce=args.overlap_grad_reduce,
+        eod_mask_loss=args.eod_mask_loss, log_interval=args.log_interval, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins, tensorboard_dir=args.tensorboard_dir,
+        log_throughput=args.log_throughput, save=args.save, load=args.load, save_interval=args.save_interval,
+        save_optim=not args.no_save_optim, save_rng=not args.no_save_rng, load_optim=not args.no_load_optim,
+        load_rng=not args.no_load_rng, finetune=args.finetune, distributed_backend=args.distributed_backend,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
+    optimizer = OptimizerConfig(
+        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, fp16=args.fp16,
+        bf16=args.bf16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    lr = LRConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+                  lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
+                  lr_warmup_fraction=args.lr_warmup_fraction, train_iters=args.train_iters)
+    data = DataConfig(data_path=args.data_path or [], split=args.split, data_cache_path=args.data_cache_path,
+                      tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                      vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                      mock_data=args.mock_data)
+    if not args.mock_data and not args.data_path:
+        raise UsageError("give --data-path (preprocessed .bin/.idx prefixes) or --mock-data")
+    return RunConfig(model=model, parallel=parallel, train=train, optimizer=optimizer, lr=lr, data=data,
+                     orig_vocab_size=orig_vocab)

@@ -1,0 +1,74 @@
+"""`pretrain_gpt.py`: parse Megatron flags once, set up, train."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..arguments import configs_from_args, parse_args
+from ..data.tokenizers import build_tokenizer
+from ..errors import exit_on_usage_error
+from ..fused import HAVE_APEX, HAVE_TE
+from ..parallel.state import ParallelState, init_distributed
+from .loop import Trainer, count_parameters, print_first, print_last
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    tokenizer = build_tokenizer(_data_config(args)) if args.tokenizer_type else None
+    run = configs_from_args(args, world, vocab_size=tokenizer.vocab_size if tokenizer is not None else None)
+    init_distributed(run.train.distributed_backend, run.train.distributed_timeout_minutes)
+    state = ParallelState.build(run.parallel)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    _banner(run, state, args)
+    trainer = Trainer(run, state, tokenizer)
+    if state.dp_rank == 0:
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, {state.pp_rank}): "
+              f"{count_parameters(trainer)}", flush=True)
+    trainer.load()
+    trainer.build_data()
+    print_first(state, "training ...")
+    trainer.train()
+    if trainer.test_data is not None and run.train.eval_iters > 0:
+        loss = trainer.evaluate(trainer.test_data, run.train.eval_iters)
+        from .logging import format_validation_log
+
+        print_last(state, format_validation_log(trainer.iteration, loss,
+                                                label=f"iteration {trainer.iteration} on test set"))
+    trainer.finish()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _data_config(args):
+    from ..data.config import DataConfig
+
+    return DataConfig(data_path=args.data_path or [], tokenizer_type=args.tokenizer_type,
+                      tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                      vocab_size=args.vocab_size)
+
+
+def _banner(run, state: ParallelState, args) -> None:
+    t = run.train
+    lines = [
+        f"> initialized tensor model parallel with size {state.tp_size}",
+        f"> initialized pipeline model parallel with size {state.pp_size}",
+        f"> initialized data parallel with size {state.dp_size}",
+        f"> backend {dist.get_backend() if dist.is_initialized() else 'none'}, device {state.device}, "
+        f"dtype {run.model.params_dtype}, apex {'yes' if HAVE_APEX else 'no'}, transformer-engine "
+        f"{'yes' if HAVE_TE else 'no'}",
+        f"> micro-batch size {t.micro_batch_size}, global batch size {t.global_batch_size}, "
+        f"micro-batches per iteration {t.num_microbatches}, schedule {run.train.schedule}"
+        + (f" interleaved x{run.parallel.virtual_pipeline_model_parallel_size}"
+           if run.parallel.virtual_pipeline_model_parallel_size > 1 else ""),
+        f"> padded vocab (size: {run.orig_vocab_size}) with {run.model.vocab_size - run.orig_vocab_size} dummy "
+        f"tokens (new size: {run.model.vocab_size})",
+    ]
+    if args.ignored_flags:
+        lines.append(f"> ignored Megatron flags (kernel selection only): {' '.join(args.ignored_flags)}")
+    print_first(state, "\n".join(lines))

@@ -1,0 +1,149 @@
+"""pretrain_gpt end to end: exact resume, ZeRO-1 and layouts agree, bf16 close to fp32, Megatron log lines."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron_bmw.training.loop import build_trainer
+from tests.dist_harness import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+        "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
+        "--make-vocab-size-divisible-by", "4", "--attention-backend", "unfused"]
+LOG_RE = re.compile(
+    r" iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| elapsed time per iteration \(ms\): ([\d.]+) \| "
+    r"learning rate: ([\d.E+-]+) \| global batch size:\s+(\d+) \| lm loss: ([\d.E+-]+) \| loss scale: ([\d.]+) \| "
+    r"grad norm: ([\d.]+) \| number of skipped iterations:\s+(\d+) \| number of nan iterations:\s+(\d+) \|")
+
+
+def _layout(tp, pp):
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+
+
+def _train(rank, world_size, argv):
+    trainer = build_trainer(argv)
+    trainer.train()
+    trainer.finish()
+    return trainer.history
+
+
+def _resume_case(rank, world_size, tp, pp, ckpt):
+    argv = BASE + _layout(tp, pp) + ["--train-iters", "6", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    full = _train(rank, world_size, argv)
+    first = _train(rank, world_size, argv + ["--save", ckpt, "--exit-interval", "3"])
+    second = _train(rank, world_size, argv + ["--save", ckpt, "--load", ckpt])
+    return full, first, second
+
+
+@pytest.mark.parametrize("world_size,tp,pp", [(1, 1, 1), (2, 2, 1), (2, 1, 2), (2, 1, 1)])
+def test_resume_is_exact(tmp_path, world_size, tp, pp):
+    ckpt = str(tmp_path / "ckpt")
+    full, first, second = run_distributed(world_size, _resume_case, tp, pp, ckpt)[-1]
+    assert [h[0] for h in first] == [1, 2, 3] and [h[0] for h in second] == [4, 5, 6]
+    assert [h[1] for h in first + second] == [h[1] for h in full]
+    assert full[-1][1] < full[0][1]
+    assert os.path.isfile(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))
+    sub = "mp_rank_00" if pp == 1 else "mp_rank_00_000"
+    assert os.path.isfile(os.path.join(ckpt, "iter_0000006", sub, "model_optim_rng.pt"))
+
+
+def _layouts_case(rank, world_size, extra):
+    # vocabulary 128 needs no padding at tp=1 or 2 (padding changes the softmax, as in Megatron)
+    return _train(rank, world_size, BASE + ["--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0",
+                                            "--vocab-size", "128"] + extra)
+
+
+def test_layouts_zero1_and_grad_norm_agree():
+    serial = run_distributed(1, _layouts_case, [])[0]
+    runs = {
+        "tp2": run_distributed(2, _layouts_case, _layout(2, 1))[-1],
+        "pp2": run_distributed(2, _layouts_case, _layout(1, 2))[-1],
+        "dp2": run_distributed(2, _layouts_case, [])[-1],
+        "dp2-zero1": run_distributed(2, _layouts_case, ["--use-distributed-optimizer"])[-1],
+        "tp2-pp2-zero1": run_distributed(8, _layouts_case, _layout(2, 2) + ["--use-distributed-optimizer"])[-1],
+    }
+    for name, hist in runs.items():
+        for (it, loss, norm), (_, ref_loss, ref_norm) in zip(hist, serial):
+            assert loss == pytest.approx(ref_loss, rel=1e-5), (name, it)
+            assert norm == pytest.approx(ref_norm, rel=1e-4), (name, it)
+
+
+def test_bf16_close_to_fp32():
+    fp32 = run_distributed(1, _layouts_case, [])[0]
+    bf16 = run_distributed(1, _layouts_case, ["--bf16"])[0]
+    for (_, a, _), (_, b, _) in zip(fp32, bf16):
+        assert b == pytest.approx(a, rel=2e-2)
+
+
+def _cli(args, env_extra=None, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_cli_log_lines_parse_and_tensorboard(tmp_path):
+    tb = tmp_path / "tb"
+    out = _cli(BASE + ["--train-iters", "4", "--tensorboard-dir", str(tb), "--eval-interval", "2",
+                       "--no-masked-softmax-fusion"])
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(" iteration")]
+    assert len(lines) == 4
+    parsed = [LOG_RE.match(ln) for ln in lines]
+    assert all(parsed), lines[0]
+    assert [int(m.group(1)) for m in parsed] == [1, 2, 3, 4]
+    assert int(parsed[-1].group(3)) == 32
+    assert "validation loss at iteration 2 | lm loss value:" in out.stdout
+    assert "ignored Megatron flags" in out.stdout
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], {}, "--global-batch-size 6"),
+    (["--fp16", "--bf16"], {}, "--fp16 and --bf16"),
+    (["--tensor-model-parallel-size", "3"], {"WORLD_SIZE": "3"}, "does not divide --num-attention-heads"),
+    (["--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "3"}, "world size 3 is not divisible"),
+    (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+    (["--pipeline-partition", "3,4"], {}, "--pipeline-partition: 2 entries given"),
+    (["--load", "/nonexistent/ckpt"], {}, "no checkpoint found"),
+])
+def test_bad_input_one_line_exit_2(args, env, needle):
+    out = _cli(BASE + ["--train-iters", "3"] + args, env)
+    assert out.returncode == 2, out.stderr
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_load_errors(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    ok = _cli(BASE + ["--train-iters", "3", "--save", ckpt])
+    assert ok.returncode == 0, ok.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = _cli(BASE + ["--train-iters", "3", "--load", str(empty)])
+    assert out.returncode == 2 and "no checkpoint found" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    fresh = _cli(BASE + ["--train-iters", "3", "--load", str(empty), "--finetune"])
+    assert fresh.returncode == 0 and "starting from scratch" in fresh.stdout
+    resumed = _cli(BASE + ["--train-iters", "4", "--load", ckpt, "--save", ckpt])
+    assert resumed.returncode == 0 and "successfully loaded checkpoint" in resumed.stdout
+    assert [ln for ln in resumed.stdout.splitlines() if ln.startswith(" iteration")][0].startswith(" iteration        4/")
+
+
+def _mismatch_case(rank, world_size, ckpt):
+    from megatron_bmw.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"saved with tensor/pipeline parallel sizes \(1, 1\)"):
+        build_trainer(BASE + _layout(2, 1) + ["--train-iters", "3", "--load", ckpt])
+    return True
+
+
+def test_load_from_other_layout_refused(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    assert _cli(BASE + ["--train-iters", "3", "--save", ckpt]).returncode == 0
+    assert all(run_distributed(2, _mismatch_case, ckpt))
