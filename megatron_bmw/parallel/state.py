@@ -148,10 +148,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
     if dist.is_initialized():
         return
     env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env:
-        env["RANK"] = env["SLURM_PROCID"]
-        env.setdefault("WORLD_SIZE", env.get("SLURM_NTASKS", "1"))
-        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    env.update(slurm_environment(env))
     world = int(env.get("WORLD_SIZE", "1"))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -167,6 +164,31 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
     if backend == "nccl":
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def slurm_environment(env) -> dict[str, str]:
+    """torch.distributed variables derived from SLURM's (srun, one task per GPU), for those not set already."""
+    if "SLURM_PROCID" not in env:
+        return {}
+    out = {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "MASTER_PORT": str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000),
+    }
+    if "SLURM_JOB_NODELIST" in env:
+        out["MASTER_ADDR"] = first_host(env["SLURM_JOB_NODELIST"])
+    return {k: v for k, v in out.items() if k not in env}
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list such as 'gpu[003-005,010],cpu01' -> 'gpu003'."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist[: nodelist.index("]") + 1]
+    if "[" not in head:
+        return head
+    prefix, ranges = head.split("[", 1)
+    first = ranges.rstrip("]").split(",")[0].split("-")[0]
+    return prefix + first
 
 
 def _free_port() -> int:

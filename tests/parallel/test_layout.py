@@ -43,3 +43,17 @@ def test_bpipe_order_puts_pairs_side_by_side():
 def test_bad_world_size():
     with pytest.raises(UsageError, match="not divisible"):
         ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).data_parallel_size(6)
+
+
+def test_slurm_environment_mapping():
+    from megatron_bmw.parallel.state import first_host, slurm_environment
+
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "1234",
+           "SLURM_JOB_NODELIST": "gpu[003-004,010]"}
+    assert slurm_environment(env) == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_PORT": "29734",
+                                      "MASTER_ADDR": "gpu003"}
+    assert slurm_environment({**env, "MASTER_ADDR": "x", "RANK": "0"})["WORLD_SIZE"] == "16"
+    assert "RANK" not in slurm_environment({**env, "RANK": "0"})
+    assert slurm_environment({}) == {}
+    assert first_host("node7,node8") == "node7"
+    assert first_host("a[1-3],b2") == "a1"
