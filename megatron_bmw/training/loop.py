@@ -157,14 +157,16 @@ class Trainer:
         tr, st = self.run.train, self.state
         evals = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters
         num = (tr.train_iters * tr.global_batch_size, evals * tr.global_batch_size, tr.eval_iters * tr.global_batch_size)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # rank 0 builds the index caches first
-            if st.rank == 0:
-                datasets = build_gpt_datasets(self.run.data, self.run.model.seq_length, tr.seed, num)
+        seq = self.run.model.seq_length
+        # rank 0 builds the index caches first and checks once that every token id fits the vocabulary
+        datasets = None
+        if st.rank == 0:
+            datasets = build_gpt_datasets(self.run.data, seq, tr.seed, num,
+                                          check_vocab_size=None if self.run.data.mock_data else self.run.orig_vocab_size)
+        if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
-            if st.rank != 0:
-                datasets = build_gpt_datasets(self.run.data, self.run.model.seq_length, tr.seed, num)
-        else:
-            datasets = build_gpt_datasets(self.run.data, self.run.model.seq_length, tr.seed, num)
+        if datasets is None:
+            datasets = build_gpt_datasets(self.run.data, seq, tr.seed, num)
         eod = self.tokenizer.eod if self.tokenizer is not None else None
         self.train_data, self.valid_data, self.test_data = (
             MicroBatches(d, tr.micro_batch_size, st.dp_size, st.dp_rank, st.device, eod, tr.eod_mask_loss)

@@ -147,3 +147,77 @@ def test_load_from_other_layout_refused(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     assert _cli(BASE + ["--train-iters", "3", "--save", ckpt]).returncode == 0
     assert all(run_distributed(2, _mismatch_case, ckpt))
+
+
+def _write_corpus(path, docs):
+    import json
+
+    with open(path, "w") as f:
+        for doc in docs:
+            f.write(json.dumps({"text": " ".join(map(str, doc))}) + "\n")
+
+
+def test_train_on_preprocessed_blend(tmp_path):
+    """NullTokenizer corpus -> tools/preprocess_data.py -> pretrain_gpt.py with a two-prefix blend and validation."""
+    import random
+
+    rng = random.Random(0)
+    prefixes = []
+    for name in ("a", "b"):
+        _write_corpus(tmp_path / f"{name}.jsonl",
+                      [[rng.randrange(100) for _ in range(rng.randrange(5, 60))] for _ in range(80)])
+        prep = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input",
+                               str(tmp_path / f"{name}.jsonl"), "--output-prefix", str(tmp_path / name),
+                               "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--append-eod"],
+                              capture_output=True, text=True, timeout=120)
+        assert prep.returncode == 0, prep.stderr
+        prefixes.append(str(tmp_path / f"{name}_text_document"))
+    data = ["--data-path", "0.3", prefixes[0], "0.7", prefixes[1], "--split", "90,10,0", "--tokenizer-type",
+            "NullTokenizer", "--data-cache-path", str(tmp_path / "cache")]
+    base = [a for a in BASE if a != "--mock-data"]
+    out = _cli(base + data + ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "2"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("validation loss at iteration") == 2
+    assert len([ln for ln in out.stdout.splitlines() if LOG_RE.match(ln)]) == 4
+    assert os.listdir(tmp_path / "cache")
+    # ids beyond the vocabulary are caught when the dataset opens
+    bad = _cli(base + ["--data-path", prefixes[0], "--tokenizer-type", "NullTokenizer", "--vocab-size", "50",
+                       "--train-iters", "3", "--data-cache-path", str(tmp_path / "cache")])
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    missing = _cli(base + ["--data-path", str(tmp_path / "nope"), "--tokenizer-type", "NullTokenizer",
+                           "--train-iters", "3"])
+    assert missing.returncode == 2 and "nope" in missing.stderr
+
+
+def test_sigterm_saves_and_exits(tmp_path):
+    import signal
+    import time
+
+    ckpt = str(tmp_path / "ckpt")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *BASE, "--train-iters", "100000",
+                             "--save", ckpt], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=ROOT)
+    for line in proc.stdout:
+        if line.startswith(" iteration        2/"):
+            break
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "successfully saved checkpoint" in rest and "exiting program" in rest
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert int(f.read()) >= 2
+
+
+def test_pipeline_trace_and_fp16(tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    out = _cli(BASE + ["--train-iters", "3", "--fp16", "--initial-loss-scale", "1024", "--pipeline-trace", str(trace)])
+    assert out.returncode == 0, out.stderr
+    events = [e for e in json.load(open(trace))["traceEvents"] if e.get("ph") == "X"]
+    assert {e["args"]["kind"] for e in events} >= {"F", "B"}
+    assert all(e["dur"] >= 0 for e in events)
+    assert " loss scale: 1024.0 |" in out.stdout
