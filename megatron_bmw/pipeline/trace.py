@@ -9,15 +9,6 @@ import torch.distributed as dist
 from .schedule import Action, Kind
 
 
-def action_label(a: Action) -> str:
-    label = f"{a.kind.value}{a.microbatch}"
-    if a.chunk:
-        label += f".{a.chunk}"
-    if a.half is not None:
-        label += "ab"[a.half]
-    return label
-
-
 class Tracer:
     def __init__(self, rank: int, pp_rank: int) -> None:
         self.rank = rank
@@ -26,7 +17,7 @@ class Tracer:
 
     def record(self, a: Action, start: float, end: float) -> None:
         cat = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward"}.get(a.kind, "transfer")
-        self.events.append(self._event(action_label(a), cat, start, end, a))
+        self.events.append(self._event(a.label(show_chunk=a.chunk > 0), cat, start, end, a))
 
     def record_wait(self, kind: Kind, a: Action, start: float, end: float) -> None:
         self.events.append(self._event(f"wait {kind.value} {a.microbatch}", "wait", start, end, a, tid=1))

@@ -218,3 +218,21 @@ def test_missing_hf_dir_exits_2(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --hf-dir"), proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_pretrain_gpt_finetunes_from_converted_checkpoint(converted):
+    """pretrain_gpt.py loads the converter's `release` checkpoint (weights only) and trains on."""
+    import subprocess
+    import sys
+
+    args = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-4",
+            "--log-interval", "1", "--load", converted["saves"][1], "--attention-backend", "unfused"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args], capture_output=True,
+                         text=True, timeout=120, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "successfully loaded checkpoint" in out.stdout
+    assert " iteration        1/       3 |" in out.stdout
