@@ -1,0 +1,77 @@
+"""Small helpers shared by the benchmarks: spawning gloo ranks, medians, plain-text tables."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import statistics
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank: int, world_size: int, port: int, threads: int, fn, args, results) -> None:
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
+    try:
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - report to the parent
+        results.put((rank, False, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn, world_size: int, *args, threads: int = 1) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned gloo processes with `threads` torch threads
+    each; return the per-rank results (they must be picklable). `fn` must be a module-level function."""
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world_size, port, threads, fn, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    errors = []
+    for _ in range(world_size):
+        rank, ok, value = results.get()
+        (out.__setitem__(rank, value) if ok else errors.append((rank, value)))
+        if not ok:
+            break
+    for p in procs:
+        if errors:
+            p.terminate()
+        p.join()
+    if errors:
+        rank, tb = errors[0]
+        raise RuntimeError(f"rank {rank} failed:\n{tb}")
+    return [out[r] for r in range(world_size)]
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table; floats are written with 3 significant decimals."""
+    def cell(v) -> str:
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+        return str(v)
+
+    text = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in text)) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep] + [line(r) for r in text])
