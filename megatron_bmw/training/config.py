@@ -9,6 +9,15 @@ from ..errors import UsageError
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
+def _check_lr(lr: float, min_lr: float) -> None:
+    if lr < 0:
+        raise UsageError(f"--lr must be >= 0, got {lr}")
+    if min_lr < 0:
+        raise UsageError(f"--min-lr must be >= 0, got {min_lr}")
+    if min_lr > lr:
+        raise UsageError(f"--min-lr {min_lr} exceeds --lr {lr}")
+
+
 @dataclass
 class OptimizerConfig:
     lr: float
@@ -30,12 +39,7 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.fp16 and self.bf16:
             raise UsageError("--fp16 and --bf16 are mutually exclusive")
-        if self.lr < 0:
-            raise UsageError(f"--lr must be >= 0, got {self.lr}")
-        if self.min_lr < 0:
-            raise UsageError(f"--min-lr must be >= 0, got {self.min_lr}")
-        if self.min_lr > self.lr:
-            raise UsageError(f"--min-lr {self.min_lr} exceeds --lr {self.lr}")
+        _check_lr(self.lr, self.min_lr)
         if self.weight_decay < 0:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         for flag, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
@@ -74,12 +78,7 @@ class LRConfig:
             raise UsageError(
                 f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, not {self.lr_decay_style!r}"
             )
-        if self.lr < 0:
-            raise UsageError(f"--lr must be >= 0, got {self.lr}")
-        if self.min_lr < 0:
-            raise UsageError(f"--min-lr must be >= 0, got {self.min_lr}")
-        if self.min_lr > self.lr:
-            raise UsageError(f"--min-lr {self.min_lr} exceeds --lr {self.lr}")
+        _check_lr(self.lr, self.min_lr)
         if self.lr_decay_iters is None:
             self.lr_decay_iters = self.train_iters
         if self.lr_decay_iters is None:

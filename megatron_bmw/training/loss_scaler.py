@@ -12,13 +12,8 @@ DynamicLossScaler follows Megatron's rules:
 from __future__ import annotations
 
 
-class ConstantLossScaler:
-    """A fixed scale (`--loss-scale`, or 1.0 when no scaling is needed)."""
-
-    def __init__(self, scale: float = 1.0) -> None:
-        if scale <= 0:
-            raise ValueError(f"loss scale must be > 0, got {scale}")
-        self._scale = float(scale)
+class _Scaler:
+    _scale: float
 
     @property
     def scale(self) -> float:
@@ -27,6 +22,16 @@ class ConstantLossScaler:
     @property
     def inv_scale(self) -> float:
         return 1.0 / self._scale
+
+
+class ConstantLossScaler(_Scaler):
+    """A fixed scale (`--loss-scale`, or 1.0 when no scaling is needed)."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        if scale <= 0:
+            raise ValueError(f"loss scale must be > 0, got {scale}")
+        self._scale = float(scale)
+
 
     def update(self, found_inf: bool) -> None:
         """Nothing changes."""
@@ -38,7 +43,7 @@ class ConstantLossScaler:
         """The configured scale wins over the saved one."""
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(_Scaler):
     """Megatron's dynamic scaler with hysteresis (see module doc)."""
 
     def __init__(
@@ -65,13 +70,6 @@ class DynamicLossScaler:
         self._growth_tracker = 0
         self._hysteresis_tracker = hysteresis
 
-    @property
-    def scale(self) -> float:
-        return self._scale
-
-    @property
-    def inv_scale(self) -> float:
-        return 1.0 / self._scale
 
     def update(self, found_inf: bool) -> None:
         if found_inf:
