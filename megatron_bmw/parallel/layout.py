@@ -63,6 +63,17 @@ class RankLayout:
         """Model-parallel groups: all tp x pp ranks holding one replica of the model."""
         return [sorted(self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)) for d in range(self.dp)]
 
+    def node_of(self, rank: int, gpus_per_node: int) -> int:
+        """Node holding global `rank` when each node has `gpus_per_node` consecutive ranks."""
+        if gpus_per_node < 1:
+            raise UsageError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+        return rank // gpus_per_node
+
+    def split_pairs(self, gpus_per_node: int) -> list[tuple[int, int]]:
+        """Global ranks of BPipe pairs (stage s, stage p-1-s, same tp and dp rank) that sit on different nodes."""
+        return [(g[s], g[-1 - s]) for g in self.pp_groups() for s in range(self.pp // 2)
+                if self.node_of(g[s], gpus_per_node) != self.node_of(g[-1 - s], gpus_per_node)]
+
     def embedding_groups(self) -> list[list[int]]:
         """First and last pipeline stage of each pipeline (they share the tied word embedding)."""
         return [sorted({g[0], g[-1]}) for g in self.pp_groups()]

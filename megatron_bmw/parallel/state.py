@@ -39,6 +39,9 @@ class ParallelState:
     # NCCL only: one group per direction of each neighbouring pipeline pair, keyed (src, dst) global ranks, so a
     # communicator carries one direction and per-channel FIFO order is enough to rule out cross-direction cycles.
     p2p_groups: dict = field(default_factory=dict)
+    # NCCL with the bpipe rank order: one group per direction of each BPipe pair (stage s, stage p-1-s), keyed
+    # (src, dst) global ranks, so evicted activations never share a communicator with stage-to-stage traffic.
+    transfer_groups: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.rng.device != self.device:
@@ -69,11 +72,17 @@ class ParallelState:
         state.pp_ranks = tuple(next(g for g in layout.pp_groups() if rank in g))
         if dist.is_initialized() and dist.get_backend() == "nccl":
             state.p2p_groups = _directional_groups(layout.pp_groups(), rank)
+            if layout.order == "bpipe":
+                state.transfer_groups = _pair_groups(layout.pp_groups(), rank)
         return state
 
     def p2p_group(self, src: int, dst: int):
         """Process group for point-to-point traffic from global rank src to dst (None: the default group)."""
         return self.p2p_groups.get((src, dst))
+
+    def transfer_group(self, src: int, dst: int):
+        """Process group for BPipe transfers from global rank src to dst (None: the default group)."""
+        return self.transfer_groups.get((src, dst))
 
     @property
     def tp_rank(self) -> int:
@@ -131,6 +140,19 @@ def _directional_groups(pipelines: list[list[int]], rank: int) -> dict:
             g = dist.new_group([a, b])
             if rank in (a, b):
                 groups[(a, b)] = g
+    return groups
+
+
+def _pair_groups(pipelines: list[list[int]], rank: int) -> dict:
+    groups = {}
+    for ranks in pipelines:
+        p = len(ranks)
+        for s in range(p // 2):
+            a, b = ranks[s], ranks[p - 1 - s]
+            for pair in ((a, b), (b, a)):
+                g = dist.new_group(list(pair))
+                if rank in pair:
+                    groups[pair] = g
     return groups
 
 

@@ -1,15 +1,17 @@
-"""Validation of a pipeline schedule: coverage, ordering, communication matching, FIFO, deadlock."""
+"""Validation of a pipeline schedule: coverage, ordering, communication matching, FIFO, deadlock, and BPipe
+transfers (matching, FIFO, no backward while its activations are away, the activation limit)."""
 
 from __future__ import annotations
 
 from typing import NoReturn
 
-from .replay import replay, unit_times
+from .replay import replay, resident_peaks, unit_times
 from .schedule import (
     COMM_KINDS,
     COMPUTE_KINDS,
     RECV_KINDS,
     SEND_KINDS,
+    TRANSFER_KINDS,
     Action,
     Kind,
     Schedule,
@@ -30,6 +32,7 @@ def check(schedule: Schedule) -> None:
         for rank in range(schedule.num_stages):
             _check_compute(schedule, rank)
         _check_communication(schedule)
+        _check_transfers(schedule)
     replay(schedule, unit_times(1.0, 2.0), record=False)
 
 
@@ -44,7 +47,7 @@ def describe(schedule: Schedule, tensor: Tensor) -> str:
 
 def _fail(s: Schedule, rank: int, a: Action, problem: str) -> NoReturn:
     name = a.label(s.virtual_stages > 1)
-    if a.kind in COMM_KINDS:
+    if a.kind in COMM_KINDS | TRANSFER_KINDS:
         name = f"{a.kind.value} {name}"
     raise ScheduleError(f"rank {rank}: {name} {problem}")
 
@@ -67,7 +70,9 @@ def _check_shape(s: Schedule) -> None:
                 _fail(s, rank, a, f"has half {a.half!r} (expected None, 0 or 1)")
             if a.kind in COMPUTE_KINDS and a.peer is not None:
                 _fail(s, rank, a, "is a compute action with a peer")
-            if a.kind in COMM_KINDS and not (isinstance(a.peer, int) and 0 <= a.peer < p and a.peer != rank):
+            if a.kind in COMM_KINDS | TRANSFER_KINDS and not (
+                isinstance(a.peer, int) and 0 <= a.peer < p and a.peer != rank
+            ):
                 _fail(s, rank, a, f"has bad peer {a.peer!r}")
 
 
@@ -164,3 +169,73 @@ def _check_communication(s: Schedule) -> None:
                     f"channel rank {channel[0]} -> rank {channel[1]} is not FIFO: message #{i} is sent as the "
                     f"{describe(s, x)} but received as the {describe(s, y)}"
                 )
+
+
+def _check_transfers(s: Schedule) -> None:
+    """EVICT/LOAD on the evictor match ACCEPT/RETURN on the acceptor in FIFO order per direction; a key is
+    evicted only while saved and at most once; its BACKWARD runs only after it is loaded back."""
+    # (src, dst) channel -> keys in posting order
+    evicts: dict[tuple[int, int], list] = {}
+    accepts: dict[tuple[int, int], list] = {}
+    returns: dict[tuple[int, int], list] = {}
+    loads: dict[tuple[int, int], list] = {}
+    for rank, acts in enumerate(s.actions):
+        forwarded: set = set()
+        finished: set = set()
+        away: dict = {}  # key -> acceptor
+        evicted: set = set()
+        held: set = set()  # (evictor, key) accepted and not yet returned
+        for a in acts:
+            kind, key = a.kind, a.key
+            if kind is Kind.FORWARD:
+                forwarded.add(key)
+            elif kind is Kind.BACKWARD:
+                if key in away:
+                    _fail(s, rank, a, f"runs while its activations are away on rank {away[key]}")
+                finished.add(key)
+            elif kind is Kind.EVICT:
+                if key not in forwarded or key in finished:
+                    _fail(s, rank, a, "evicts activations that are not saved (outside FORWARD..BACKWARD)")
+                if key in evicted:
+                    _fail(s, rank, a, "evicts the same activations twice")
+                evicted.add(key)
+                away[key] = a.peer
+                evicts.setdefault((rank, a.peer), []).append(key)
+            elif kind is Kind.LOAD:
+                if away.get(key) != a.peer:
+                    _fail(s, rank, a, f"loads activations that are not away on rank {a.peer}")
+                del away[key]
+                loads.setdefault((a.peer, rank), []).append(key)
+            elif kind is Kind.ACCEPT:
+                if (a.peer, key) in held:
+                    _fail(s, rank, a, "accepts activations it already holds")
+                held.add((a.peer, key))
+                accepts.setdefault((a.peer, rank), []).append(key)
+            elif kind is Kind.RETURN:
+                if (a.peer, key) not in held:
+                    _fail(s, rank, a, "returns activations it has not accepted")
+                held.remove((a.peer, key))
+                returns.setdefault((rank, a.peer), []).append(key)
+        if held:
+            peer, key = min(held)
+            _fail(s, rank, Action(Kind.ACCEPT, key[0], key[1], peer, key[2]), "is never returned")
+    for what, sent, received in (("evict", evicts, accepts), ("return", returns, loads)):
+        for channel in sorted(set(sent) | set(received)):
+            x, y = sent.get(channel, []), received.get(channel, [])
+            if x != y:
+                raise ScheduleError(
+                    f"BPipe {what} channel rank {channel[0]} -> rank {channel[1]} does not match: sent "
+                    f"{_keys(x)}, received {_keys(y)} (both sides must list the same keys in the same order)"
+                )
+    if s.activation_limit is not None:
+        for rank, peak in enumerate(resident_peaks(s)):
+            if peak > s.activation_limit + 1e-9:
+                raise ScheduleError(
+                    f"rank {rank}: holds {peak:g} chunk-micro-batches of activations, above the limit "
+                    f"{s.activation_limit:g}"
+                )
+
+
+def _keys(keys: list) -> str:
+    shown = [f"{mb}.{chunk}" + ("" if half is None else "ab"[half]) for mb, chunk, half in keys[:6]]
+    return "[" + ", ".join(shown) + (", ..." if len(keys) > 6 else "") + "]"

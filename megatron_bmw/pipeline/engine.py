@@ -2,12 +2,15 @@
 
 The engine owns no ordering logic: it walks this rank's action list. Consecutive SEND/RECV actions are posted
 together as asynchronous point-to-point operations; a compute action waits only for the receive it consumes.
-Tensor shapes come from the configuration, never from the wire.
+Tensor shapes come from the configuration, never from the wire. With an activation store, each forward's
+saved tensors are recorded per (micro-batch, chunk, half), and BPipe's EVICT/LOAD/ACCEPT/RETURN move them
+(see transfers.py); the sends they post complete after the next compute.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,7 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.state import ParallelState
-from .schedule import Action, Kind, Schedule
+from .activation_store import ActivationStore
+from .schedule import TRANSFER_KINDS, Action, Kind, Schedule
+from .transfers import TransferRunner, make_channel
 
 COMM = {Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD}
 FORWARD_ONLY = {Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT}
@@ -41,8 +46,12 @@ def _key(a: Action) -> tuple:
 
 class PipelineEngine:
     def __init__(self, chunks: list[nn.Module], state: ParallelState, schedule: Schedule,
-                 hidden_shape: tuple[int, int, int], dtype: torch.dtype, tracer=None) -> None:
-        """hidden_shape: [seq (per tp rank with sequence parallelism), micro-batch, hidden]."""
+                 hidden_shape: tuple[int, int, int], dtype: torch.dtype, tracer=None,
+                 track_activations: bool = False) -> None:
+        """hidden_shape: [seq (per tp rank with sequence parallelism), micro-batch, hidden].
+
+        An activation store is kept when `track_activations` is set (for `activation_report`) or when this
+        rank's schedule has BPipe transfers."""
         self.chunks = chunks
         self.state = state
         self.schedule = schedule
@@ -54,6 +63,14 @@ class PipelineEngine:
         if len(chunks) != schedule.virtual_stages:
             raise ValueError(f"{len(chunks)} model chunks for a schedule with {schedule.virtual_stages} virtual stages")
         self.num_vstages = self.p * schedule.virtual_stages
+        transfers = any(a.kind in TRANSFER_KINDS for a in schedule.actions[self.rank])
+        self.store: ActivationStore | None = None
+        self.transfers: TransferRunner | None = None
+        if track_activations or transfers:
+            channel = make_channel(state) if transfers else None
+            self.store = ActivationStore(state.device, copier=channel)
+            if transfers:
+                self.transfers = TransferRunner(schedule, state, self.store, channel)
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _vstage(self, chunk: int, rank: int | None = None) -> int:
@@ -92,7 +109,12 @@ class PipelineEngine:
         losses: dict[int, torch.Tensor] = {}
         pending: list[tuple[Action, str]] = []
         if grad_sync is not None and not forward_only:
-            grad_sync.begin(m * (2 if any(a.half is not None for a in actions) else 1))
+            grad_sync.begin(sum(1 for a in actions if a.kind is Kind.BACKWARD and a.chunk == 0))
+        runner = None if forward_only else self.transfers
+        if self.store is not None and not forward_only:
+            self.store.set_params([p for c in self.chunks for p in c.parameters()])
+        if runner is not None:
+            runner.begin()
 
         def flush():
             if pending:
@@ -100,24 +122,36 @@ class PipelineEngine:
                 pending.clear()
 
         ctx = torch.no_grad() if forward_only else torch.enable_grad()
+        settle = False  # BPipe sends posted before the last compute are completed once its own posts are out
         with ctx:
             for a in actions:
                 if a.kind in COMM:
                     pending.append((a, a.kind))
                     continue
                 flush()
+                if settle:
+                    self.store.settle()
+                    settle = False
                 t0 = time.time()
                 if a.kind == Kind.FORWARD:
                     self._forward(a, get_batch, slots, recvs, losses, forward_only)
+                    if runner is not None:
+                        runner.after_forward(a)
+                        settle = True
                 elif a.kind == Kind.BACKWARD:
                     self._backward(a, slots, recvs, loss_scale / m)
-                else:  # EVICT/LOAD belong to the BPipe transform; nothing to do without an activation store
-                    pass
+                    settle = runner is not None
+                elif a.kind in TRANSFER_KINDS:
+                    if runner is None:
+                        raise RuntimeError(f"{a.label()}: BPipe transfer without a transfer runner")
+                    runner.run(a)
                 if self.tracer is not None:
                     self.tracer.record(a, t0, time.time())
             flush()
             for work, _ in sends:
                 work.wait()
+            if runner is not None:
+                runner.finish()
         if grad_sync is not None and not forward_only:
             grad_sync.finish()
         result = RunResult()
@@ -185,7 +219,10 @@ class PipelineEngine:
             x = self._wait(recvs, Kind.RECV_ACT, a)
             if not forward_only:
                 x.requires_grad_()
-        out = self.chunks[a.chunk](x, batch)
+        capture = nullcontext() if forward_only or self.store is None else \
+            self.store.capture(_key(a), 1.0 if a.half is None else 0.5)
+        with capture:
+            out = self.chunks[a.chunk](x, batch)
         if vstage == self.num_vstages - 1:
             out = out * weight
             losses[a.microbatch] = losses.get(a.microbatch, 0.0) + out.detach()
@@ -198,14 +235,33 @@ class PipelineEngine:
     def _backward(self, a: Action, slots, recvs, scale: float) -> None:
         vstage = self._vstage(a.chunk)
         slot = slots[_key(a)]
+        if vstage != self.num_vstages - 1:
+            grad = self._wait(recvs, Kind.RECV_GRAD, a)
+        if self.store is not None:
+            self.store.ready(_key(a))
         if vstage == self.num_vstages - 1:
             torch.autograd.backward(slot.output * scale)
         else:
-            grad = self._wait(recvs, Kind.RECV_GRAD, a)
             torch.autograd.backward(slot.output, grad_tensors=grad)
+        if self.store is not None:
+            self.store.release(_key(a))
         slot.output = None
         if vstage == 0:
             slots.pop(_key(a))
+
+    # -- activation memory ---------------------------------------------------------------------------------
+    def activation_stats(self) -> dict[str, float]:
+        """This rank's activation-store numbers (peaks over the engine's lifetime); see ActivationStore.stats."""
+        if self.store is None:
+            raise RuntimeError("activation memory is tracked only with PipelineEngine(track_activations=True)")
+        return {"stage": self.rank, **self.store.stats()}
+
+    def activation_report(self) -> list[str]:
+        """This rank's line for --log-activation-memory. Micro-batches and bytes count what the rank holds,
+        its own and accepted ones; accepted bytes is the peak held on behalf of its BPipe evictor."""
+        st = self.activation_stats()
+        return [f"activation memory | stage {self.rank} | peak micro-batches {st['peak_microbatches']:g} | "
+                f"peak bytes {int(st['peak_bytes'])} | accepted bytes {int(st['peak_accepted_bytes'])}"]
 
 
 def reduce_loss(result: RunResult, state: ParallelState, num_microbatches: int) -> float:

@@ -3,9 +3,17 @@
 Model: each rank runs its list in order, one action at a time. FORWARD/BACKWARD take
 compute_time(rank, action) and start once the rank is free and their input has arrived.
 SEND and RECV are zero-time posts (asynchronous); a tensor is available to its consumer at
-max(send post, recv post) + transfer_time(src, dst, send_action). EVICT/LOAD are zero-time
-no-ops for now. Sends and receives are matched by tensor identity, not by channel order
-(the checker verifies FIFO order separately).
+max(send post, recv post) + transfer_time(src, dst, send_action). Sends and receives are
+matched by tensor identity, not by channel order (the checker verifies FIFO order separately).
+
+BPipe transfers run beside compute, like the engine runs them. EVICT and ACCEPT are zero-time
+posts; the evicted data has moved at max(EVICT post, ACCEPT post) + bpipe_time(evictor, acceptor,
+EVICT), and the evictor waits for that after the compute following the EVICT and that compute's
+SEND/RECV posts (its memory is freed then). RETURN waits until the evicted data is on the
+acceptor, then posts; the data is back at max(RETURN post, LOAD post) + bpipe_time(acceptor,
+evictor, RETURN): the backward of that key waits for it, and the acceptor waits for it after the
+compute following the RETURN. An acceptor's first ACCEPT of a (chunk, whole/half) class also
+waits for the evictor's first forward of that class (the engine announces the class's size then).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .schedule import Action, DeadlockError, Kind, Schedule, ScheduleError, gc_paused
+from .schedule import TRANSFER_KINDS, Action, DeadlockError, Kind, Schedule, ScheduleError, gc_paused
 
 
 @dataclass
@@ -42,6 +50,10 @@ def _zero_transfer(src: int, dst: int, action: Action) -> float:
 
 
 _COMPUTE, _SEND, _RECV, _OTHER = 0, 1, 2, 3
+# BPipe transfer posts, then synthetic waits the compiler adds (they record nothing in the timeline).
+_EVICT, _ACCEPT, _RETURN, _LOAD = 4, 5, 6, 7
+_EVICT_DONE, _RETURN_DONE, _LOAD_WAIT, _HEADER = 8, 9, 10, 11
+_RECORDED = 8  # ops below this code are schedule actions
 
 
 @dataclass
@@ -51,12 +63,14 @@ class CompiledSchedule:
     ops[rank][i] = (op, action, tensor, peer, produced): `tensor` is a dense tensor id
     (the input a compute needs, or the tensor a SEND/RECV carries; -1 if none), `peer` the
     rank at the other end (-1 if none), `produced` the tensor a compute hands to a consumer on
-    the same rank (-1 if none). Recompile after changing the schedule.
+    the same rank (-1 if none). For BPipe ops `tensor` is the transfer id and `produced` the
+    header event a first ACCEPT waits for (-1 if none). Recompile after changing the schedule.
     """
 
     schedule: Schedule
     ops: list[list[tuple[int, Action, int, int, int]]]
     num_tensors: int
+    num_transfers: int = 0
 
 
 def compile_schedule(schedule: Schedule) -> CompiledSchedule:
@@ -68,7 +82,78 @@ def compile_schedule(schedule: Schedule) -> CompiledSchedule:
         raise ScheduleError(f"schedule has {len(schedule.actions)} rank lists for {p} pipeline ranks")
     with gc_paused():
         ops = [_compile_rank(rank, acts, p, m, v) for rank, acts in enumerate(schedule.actions)]
-    return CompiledSchedule(schedule, ops, 6 * m * p * v + 6)
+        transfers = any(a.kind in TRANSFER_KINDS for acts in schedule.actions for a in acts)
+        if transfers:
+            ops = [_add_transfer_waits(rank, rank_ops, p, m, v) for rank, rank_ops in enumerate(ops)]
+    return CompiledSchedule(schedule, ops, 6 * m * p * v + 6, 3 * m * p * v if transfers else 0)
+
+
+def _transfer_id(evictor: int, a: Action, m: int, v: int) -> int:
+    return ((evictor * m + a.microbatch) * v + a.chunk) * 3 + (0 if a.half is None else a.half + 1)
+
+
+def _header_id(evictor: int, a: Action, v: int) -> int:
+    """Event: the evictor's first forward of the action's (chunk, whole/half) class has ended."""
+    return (evictor * v + a.chunk) * 2 + (a.half is not None)
+
+
+def _add_transfer_waits(rank: int, rank_ops: list, p: int, m: int, v: int) -> list:
+    """Add the waits a BPipe transfer implies: the send of an EVICT/RETURN completes after the next compute
+    (once that compute's SEND/RECV are posted); a backward waits for its LOAD; a first ACCEPT of a class
+    waits for the header; the evictor announces it."""
+    evicted_classes = {(a.chunk, a.half is not None) for _, a, *_ in rank_ops if a.kind is Kind.EVICT}
+    announced: set[tuple[int, bool]] = set()
+    accepted: set[tuple[int, bool]] = set()
+    loaded: dict[tuple, int] = {}  # key -> transfer id of its pending LOAD
+    pending: list[tuple] = []  # send completions to wait for after the next compute
+    due: list[tuple] = []  # ... which the engine waits for once that compute's own SEND/RECV are posted
+    out = []
+    for entry in rank_ops:
+        op, a = entry[0], entry[1]
+        kind = a.kind
+        if due and op != _SEND and op != _RECV:
+            out.extend(due)
+            due.clear()
+        if kind in TRANSFER_KINDS:
+            if kind is Kind.EVICT or kind is Kind.LOAD:
+                if a.peer is None or not 0 <= a.peer < p:
+                    raise ScheduleError(f"rank {rank}: {a.label(v > 1)} has bad peer {a.peer!r}")
+                tid = _transfer_id(rank, a, m, v)
+            else:
+                if a.peer is None or not 0 <= a.peer < p:
+                    raise ScheduleError(f"rank {rank}: {a.label(v > 1)} has bad peer {a.peer!r}")
+                tid = _transfer_id(a.peer, a, m, v)
+            if kind is Kind.EVICT:
+                out.append((_EVICT, a, tid, a.peer, -1))
+                pending.append((_EVICT_DONE, a, tid, a.peer, -1))
+            elif kind is Kind.LOAD:
+                out.append((_LOAD, a, tid, a.peer, -1))
+                loaded[a.key] = tid
+            elif kind is Kind.ACCEPT:
+                cls = (a.chunk, a.half is not None)
+                header = -1
+                if cls not in accepted:
+                    accepted.add(cls)
+                    header = _header_id(a.peer, a, v)
+                out.append((_ACCEPT, a, tid, a.peer, header))
+            else:
+                out.append((_RETURN, a, tid, a.peer, -1))
+                pending.append((_RETURN_DONE, a, tid, a.peer, -1))
+            continue
+        if op == _COMPUTE and kind is Kind.BACKWARD and a.key in loaded:
+            out.append((_LOAD_WAIT, a, loaded.pop(a.key), -1, -1))
+        out.append(entry)
+        if op == _COMPUTE:
+            if kind is Kind.FORWARD:
+                cls = (a.chunk, a.half is not None)
+                if cls in evicted_classes and cls not in announced:
+                    announced.add(cls)
+                    out.append((_HEADER, a, _header_id(rank, a, v), -1, -1))
+            due.extend(pending)
+            pending.clear()
+    out.extend(due)
+    out.extend(pending)
+    return out
 
 
 def _compile_rank(rank: int, acts: list[Action], p: int, m: int, v: int) -> list[tuple[int, Action, int, int, int]]:
@@ -124,14 +209,17 @@ def replay(
     compute_time: Callable[[int, Action], float],
     transfer_time: Callable[[int, int, Action], float] = _zero_transfer,
     record: bool = True,
+    bpipe_time: Callable[[int, int, Action], float] = _zero_transfer,
 ) -> Replay:
     """Run `schedule` with the given durations; raises DeadlockError if it gets stuck.
 
-    `record=False` leaves the timeline empty (makespan and busy times only), for speed.
+    `bpipe_time(src, dst, action)` is how long an EVICT (evictor -> acceptor) or a RETURN (acceptor ->
+    evictor) takes to move one key's saved activations. `record=False` leaves the timeline empty
+    (makespan and busy times only), for speed.
     """
     compiled = schedule if isinstance(schedule, CompiledSchedule) else compile_schedule(schedule)
     with gc_paused():
-        return _run(compiled, compute_time, transfer_time, record)
+        return _run(compiled, compute_time, transfer_time, record, bpipe_time)
 
 
 def _run(
@@ -139,6 +227,7 @@ def _run(
     compute_time: Callable[[int, Action], float],
     transfer_time: Callable[[int, int, Action], float],
     record: bool,
+    bpipe_time: Callable[[int, int, Action], float] = _zero_transfer,
 ) -> Replay:
     ops = compiled.ops
     p = len(ops)
@@ -151,6 +240,11 @@ def _run(
     produced_at: list[float | None] = [None] * n_tensors
     waiting = [-1] * n_tensors  # rank blocked on the tensor
     zero_transfer = transfer_time is _zero_transfer
+    # BPipe events: at[4 * transfer + j] for j = EVICT, ACCEPT, RETURN, LOAD posts; then one per header.
+    n_x = compiled.num_transfers
+    x_at: list[float | None] = [None] * (4 * n_x + 2 * len(ops) * compiled.schedule.virtual_stages) if n_x else []
+    x_wait = [-1] * len(x_at)
+    x_time = [0.0] * (2 * n_x) if n_x else []  # duration of the evict (2t) and return (2t + 1) move
 
     index = [0] * p
     clock = [0.0] * p
@@ -200,7 +294,7 @@ def _run(
                     if waiting[produced] >= 0:
                         ready.append(waiting[produced])
                         waiting[produced] = -1
-            else:
+            elif op < _EVICT:
                 if op == _SEND:
                     send_at[tid] = t
                     send_rank[tid] = rank
@@ -211,6 +305,46 @@ def _run(
                 elif op == _RECV:
                     recv_at[tid] = t
                 if record:
+                    line.append((a, t, t))
+            else:
+                # BPipe: `need` is the event this op waits for (None: nothing), `post` the event it sets.
+                base = 4 * tid
+                post = need = -1
+                if op == _EVICT:
+                    post = base
+                    x_time[2 * tid] = bpipe_time(rank, peer, a)
+                elif op == _ACCEPT:
+                    post, need = base + 1, (4 * n_x + produced if produced >= 0 else -1)
+                elif op == _LOAD:
+                    post = base + 3
+                elif op == _RETURN or op == _EVICT_DONE:
+                    need = base if op == _RETURN else base + 1
+                elif op == _RETURN_DONE or op == _LOAD_WAIT:
+                    need = base + 3 if op == _RETURN_DONE else base + 2
+                if need >= 0:
+                    ready_at = x_at[need]
+                    if ready_at is None:
+                        x_wait[need] = rank
+                        break
+                    if op == _RETURN or op == _EVICT_DONE:  # the evicted data has reached the acceptor
+                        if x_at[base + 1] is None:
+                            raise ScheduleError(f"rank {rank}: {a.label(show_chunk)} comes before its ACCEPT")
+                        ready_at = max(x_at[base], x_at[base + 1]) + x_time[2 * tid]
+                    elif op == _RETURN_DONE or op == _LOAD_WAIT:  # the data is back on the evictor
+                        ready_at = max(x_at[base + 2], x_at[base + 3]) + x_time[2 * tid + 1]
+                    if ready_at > t:
+                        t = ready_at
+                if op == _RETURN:
+                    post = base + 2
+                    x_time[2 * tid + 1] = bpipe_time(rank, peer, a)
+                elif op == _HEADER:
+                    post = 4 * n_x + tid
+                if post >= 0:
+                    x_at[post] = t
+                    if x_wait[post] >= 0:
+                        ready.append(x_wait[post])
+                        x_wait[post] = -1
+                if record and op < _RECORDED:
                     line.append((a, t, t))
             i += 1
         index[rank] = i
@@ -238,6 +372,36 @@ def peak_inflight(schedule: Schedule) -> list[float]:
     return peaks
 
 
+def resident_peaks(schedule: Schedule) -> list[float]:
+    """Per rank, the most chunk-micro-batches of saved activations held at once, BPipe transfers included
+    (a half counts 0.5). This is the accounting the activation store measures at run time:
+    a FORWARD's key counts from its start, a BACKWARD's until its end; an EVICTed or RETURNed key still
+    counts during the next compute (its send overlaps it) and is gone after; a LOADed or ACCEPTed key counts
+    from the LOAD/ACCEPT on (its buffer exists from then)."""
+    peaks = []
+    forward, backward = Kind.FORWARD, Kind.BACKWARD
+    for acts in schedule.actions:
+        live = peak = leaving = 0.0
+        for a in acts:
+            kind = a.kind
+            w = 1.0 if a.half is None else 0.5
+            if kind is forward or kind is backward:
+                if kind is forward:
+                    live += w
+                peak = max(peak, live)
+                if kind is backward:
+                    live -= w
+                live -= leaving
+                leaving = 0.0
+            elif kind is Kind.LOAD or kind is Kind.ACCEPT:
+                live += w
+                peak = max(peak, live)
+            elif kind is Kind.EVICT or kind is Kind.RETURN:
+                leaving += w
+        peaks.append(peak)
+    return peaks
+
+
 def unit_times(forward: float = 1.0, backward: float = 2.0) -> Callable[[int, Action], float]:
     """compute_time giving every FORWARD `forward` and every BACKWARD `backward`."""
 
@@ -255,5 +419,6 @@ __all__ = [
     "compile_schedule",
     "peak_inflight",
     "replay",
+    "resident_peaks",
     "unit_times",
 ]

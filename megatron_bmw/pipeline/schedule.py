@@ -46,8 +46,14 @@ class Kind(str, enum.Enum):
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"  # gradients flow to the previous virtual stage
     RECV_GRAD = "RECV_GRAD"
-    EVICT = "EVICT"  # reserved for BPipe; no-ops for now
+    # BPipe transfers of one (micro-batch, chunk, half)'s saved activations between an evictor and its
+    # acceptor `peer`: the evictor EVICTs (sends) and later LOADs (receives back) its own activations; the
+    # acceptor ACCEPTs (receives and holds) them and RETURNs (sends back) them. Matching pairs:
+    # EVICT <-> ACCEPT, RETURN <-> LOAD.
+    EVICT = "EVICT"
     LOAD = "LOAD"
+    ACCEPT = "ACCEPT"
+    RETURN = "RETURN"
 
     def __str__(self) -> str:
         return self.value
@@ -57,6 +63,8 @@ COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD})
 SEND_KINDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
 RECV_KINDS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
 COMM_KINDS = SEND_KINDS | RECV_KINDS
+TRANSFER_KINDS = frozenset({Kind.EVICT, Kind.LOAD, Kind.ACCEPT, Kind.RETURN})
+OUTGOING_KINDS = SEND_KINDS | {Kind.EVICT, Kind.RETURN}
 
 _SHORT = {
     Kind.SEND_ACT: "SA",
@@ -65,6 +73,8 @@ _SHORT = {
     Kind.RECV_GRAD: "RG",
     Kind.EVICT: "EV",
     Kind.LOAD: "LD",
+    Kind.ACCEPT: "AC",
+    Kind.RETURN: "RT",
 }
 
 Key = tuple[int, int, int | None]  # (microbatch, chunk, half)
@@ -75,8 +85,9 @@ class Action:
     """One step of a rank's schedule.
 
     For SEND/RECV, `chunk` is the chunk on this rank that produces/consumes the tensor and
-    `peer` is the pipeline rank at the other end. `half` is None for a whole micro-batch,
-    0 or 1 for one half of a sliced micro-batch.
+    `peer` is the pipeline rank at the other end. For EVICT/LOAD the key is the evictor's own,
+    for ACCEPT/RETURN it is the key on the evictor `peer` (whose activations the acceptor holds).
+    `half` is None for a whole micro-batch, 0 or 1 for one half of a sliced micro-batch.
     """
 
     kind: Kind
@@ -98,14 +109,14 @@ class Action:
         return self.kind in COMM_KINDS
 
     def label(self, show_chunk: bool = True) -> str:
-        """Short text such as F3, B3.1 (chunk 1), F3a (half 0), SA3>2 (send activation to rank 2)."""
+        """Short text such as F3, B3.1 (chunk 1), F3a (half 0), SA3>2 (send activation to rank 2), EV3>5."""
         chunk = f".{self.chunk}" if show_chunk else ""
         half = "" if self.half is None else "ab"[self.half]
         if self.kind in COMPUTE_KINDS:
             return f"{self.kind.value}{self.microbatch}{chunk}{half}"
         text = f"{_SHORT[self.kind]}{self.microbatch}{chunk}{half}"
         if self.peer is not None:
-            text += (">" if self.kind in SEND_KINDS else "<") + str(self.peer)
+            text += (">" if self.kind in OUTGOING_KINDS else "<") + str(self.peer)
         return text
 
     def __str__(self) -> str:
@@ -121,6 +132,9 @@ class Schedule:
     num_microbatches: int  # m
     virtual_stages: int  # v (model chunks per rank)
     actions: list[list[Action]] = field(default_factory=list)  # actions[rank] in execution order
+    # Set by the BPipe transform: no rank may hold more chunk-micro-batches of saved activations (own
+    # resident ones plus accepted ones; a half counts 0.5). The checker enforces it.
+    activation_limit: float | None = None
 
     @property
     def num_virtual_stages(self) -> int:
@@ -170,13 +184,17 @@ class Schedule:
     def comm_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.kind in COMM_KINDS]
 
+    def transfer_actions(self, rank: int) -> list[Action]:
+        return [a for a in self.actions[rank] if a.kind in TRANSFER_KINDS]
+
     def copy(self, actions: list[list[Action]] | None = None) -> Schedule:
         """Same schedule with new (or copied) action lists; actions are immutable and shared."""
         new = [list(a) for a in (self.actions if actions is None else actions)]
-        return Schedule(self.name, self.num_stages, self.num_microbatches, self.virtual_stages, new)
+        return Schedule(self.name, self.num_stages, self.num_microbatches, self.virtual_stages, new,
+                        self.activation_limit)
 
     def to_text(self, comm: bool = False) -> str:
-        """One line per rank, e.g. 'rank 0: F0 F1 B0 F2 B1 B2'; `comm` adds SEND/RECV/EVICT/LOAD."""
+        """One line per rank, e.g. 'rank 0: F0 F1 B0 F2 B1 B2'; `comm` adds SEND/RECV and BPipe transfers."""
         width = len(str(max(self.num_stages - 1, 0)))
         show_chunk = self.virtual_stages > 1
         lines = []
