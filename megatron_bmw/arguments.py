@@ -11,6 +11,7 @@ import torch
 from .config import ModelConfig, ParallelConfig
 from .data.config import DataConfig
 from .errors import UsageError
+from .pipeline.slicing import check_slicing, parse_slicing
 from .training.config import LRConfig, OptimizerConfig
 
 # Megatron flags that only select fused kernels or internal implementations: accepted so existing launch
@@ -34,6 +35,11 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description="Megatron-style GPT pretraining (megatron_bmw)", allow_abbrev=False)
+    return add_megatron_args(p)
+
+
+def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every Megatron-compatible flag group to `p` (shared by pretrain_gpt.py and tools/autoconfig.py)."""
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
@@ -67,7 +73,14 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="units per (virtual) pipeline stage, e.g. 3,4,4,3; units are [embedding, attn_0, mlp_0, ..., head]")
     g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b")
     g.add_argument("--pipeline-trace", type=str, default=None, help="write a Chrome trace of the pipeline actions")
-    g.add_argument("--gpus-per-node", type=int, default=None)
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help="node size for rank placement (default: the local world size)")
+    g.add_argument("--bpipe", action="store_true",
+                   help="BPipe: balance saved activations between pipeline stages s and p-1-s (pair-adjacent ranks)")
+    g.add_argument("--microbatch-slicing", default="0",
+                   help="halve the first K micro-batches to shorten the pipeline start-up (K >= 0, or auto)")
+    g.add_argument("--log-activation-memory", action="store_true",
+                   help="every pipeline rank prints its peak saved activations at the end")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
@@ -176,6 +189,9 @@ class TrainConfig:
     finetune: bool = False
     distributed_backend: str | None = None
     distributed_timeout_minutes: float = 10.0
+    bpipe: bool = False
+    microbatch_slicing: int | str = 0
+    log_activation_memory: bool = False
 
 
 @dataclass
@@ -220,7 +236,7 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
             raise UsageError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=virtual, sequence_parallel=args.sequence_parallel,
-                              gpus_per_node=args.gpus_per_node)
+                              rank_order="bpipe" if args.bpipe else "tp-dp-pp", gpus_per_node=args.gpus_per_node)
     dp = parallel.data_parallel_size(world_size)
     mb = args.micro_batch_size
     gbs = args.global_batch_size or mb * dp
@@ -228,6 +244,10 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         raise UsageError(
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mb} x data-parallel size {dp}"
         )
+    slicing = parse_slicing(args.microbatch_slicing)
+    check_slicing(slicing, mb, gbs // (mb * dp))
+    if args.bpipe and args.pipeline_schedule == "gpipe":
+        raise UsageError("--bpipe works with the 1F1B schedules, not --pipeline-schedule gpipe")
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
         raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)")
@@ -259,7 +279,8 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         log_throughput=args.log_throughput, save=args.save, load=args.load, save_interval=args.save_interval,
         save_optim=not args.no_save_optim, save_rng=not args.no_save_rng, load_optim=not args.no_load_optim,
         load_rng=not args.no_load_rng, finetune=args.finetune, distributed_backend=args.distributed_backend,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        distributed_timeout_minutes=args.distributed_timeout_minutes, bpipe=args.bpipe,
+        microbatch_slicing=slicing, log_activation_memory=args.log_activation_memory,
     )
     optimizer = OptimizerConfig(
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,

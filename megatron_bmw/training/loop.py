@@ -17,6 +17,7 @@ from ..parallel.grad_sync import GradSync
 from ..parallel.random import get_rng_state, set_rng_state, set_seeds
 from ..parallel.state import ParallelState
 from ..pipeline.engine import PipelineEngine, reduce_loss
+from ..pipeline.stage_timing import measure_stage_times
 from ..pipeline.stages import hidden_shape, pipeline_setup
 from ..pipeline.trace import Tracer
 from .batches import MicroBatches
@@ -66,16 +67,24 @@ class Trainer:
         self.run, self.state, self.tokenizer = run, state, tokenizer
         tr, model = run.train, run.model
         set_seeds(tr.seed, state.tp_rank, state.pp_rank, state.rng)
+        self.build_data()
+        shape = hidden_shape(model, state, tr.micro_batch_size)
+
+        def measured_stage_times(chunks):  # for --microbatch-slicing auto
+            batches = self.train_data.iteration(0, tr.num_microbatches)
+            return measure_stage_times(chunks, state, batches, shape, model.params_dtype)
+
         self.chunks, self.schedule, self.partition = pipeline_setup(
             model, state, tr.seed, tr.num_microbatches, tr.schedule, run.parallel.virtual_pipeline_model_parallel_size,
-            tr.pipeline_partition)
+            tr.pipeline_partition, bpipe=tr.bpipe, slicing=tr.microbatch_slicing,
+            micro_batch_size=tr.micro_batch_size, stage_times=measured_stage_times)
         self.named_params = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.grad_sync = GradSync([p for _, p in self.named_params], state, overlap=tr.overlap_grad_reduce)
         self.optimizer = build_optimizer(self.named_params, run.optimizer, state)
         self.scheduler = LRScheduler(self.optimizer, run.lr)
         self.tracer = Tracer(state.rank, state.pp_rank) if tr.pipeline_trace else None
-        self.engine = PipelineEngine(self.chunks, state, self.schedule, hidden_shape(model, state, tr.micro_batch_size),
-                                     model.params_dtype, tracer=self.tracer)
+        self.engine = PipelineEngine(self.chunks, state, self.schedule, shape, model.params_dtype, tracer=self.tracer,
+                                     track_activations=tr.log_activation_memory)
         self.iteration = 0
         self.consumed_train = 0
         self.consumed_valid = 0
@@ -275,6 +284,9 @@ class Trainer:
         self.tb.add_scalars({"lm loss validation": loss}, self.iteration)
 
     def finish(self) -> None:
+        if self.run.train.log_activation_memory and self.state.tp_rank == 0 and self.state.dp_rank == 0:
+            for line in self.engine.activation_report():
+                print(line, flush=True)
         if self.tracer is not None:
             self.tracer.write(self.run.train.pipeline_trace)
             print_first(self.state, f" pipeline trace written to {self.run.train.pipeline_trace}")
@@ -288,7 +300,6 @@ def build_trainer(argv: list[str], tokenizer=None) -> Trainer:
     run = configs_from_args(parse_args(argv), _world(), vocab_size=tokenizer.vocab_size if tokenizer else None)
     trainer = Trainer(run, ParallelState.build(run.parallel), tokenizer)
     trainer.load()
-    trainer.build_data()
     return trainer
 
 

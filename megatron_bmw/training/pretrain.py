@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     if state.dp_rank == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, {state.pp_rank}): "
               f"{count_parameters(trainer)}", flush=True)
+    _describe_pipeline(trainer, state)
     trainer.load()
-    trainer.build_data()
     print_first(state, "training ...")
     trainer.train()
     if trainer.test_data is not None and run.train.eval_iters > 0:
@@ -43,6 +43,26 @@ def main(argv: list[str] | None = None) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _describe_pipeline(trainer, state: ParallelState) -> None:
+    from ..pipeline.slicing import num_sliced
+
+    t = trainer.run.train
+    extras = []
+    if t.bpipe:
+        extras.append("BPipe activation balancing on")
+        node = state.layout.world_size if trainer.run.parallel.gpus_per_node is None else trainer.run.parallel.gpus_per_node
+        node = int(os.environ.get("LOCAL_WORLD_SIZE", node)) if trainer.run.parallel.gpus_per_node is None else node
+        split = state.layout.split_pairs(node)
+        if split:
+            extras.append(f"WARNING: {len(split)} BPipe pairs span two nodes (e.g. ranks {split[0]}); "
+                          "their transfers use the slower inter-node links")
+    k = num_sliced(trainer.schedule)
+    if k:
+        extras.append(f"micro-batch slicing: the first {k} micro-batches run as halves")
+    print_first(state, f"> pipeline partition (units per stage): {','.join(map(str, trainer.partition))}"
+                + "".join(f"\n> {e}" for e in extras))
 
 
 def _data_config(args):

@@ -110,6 +110,9 @@ def test_cli_log_lines_parse_and_tensorboard(tmp_path):
     (["--tensor-model-parallel-size", "3"], {"WORLD_SIZE": "3"}, "does not divide --num-attention-heads"),
     (["--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "3"}, "world size 3 is not divisible"),
     (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+    (["--microbatch-slicing", "1", "--micro-batch-size", "3", "--global-batch-size", "6"], {},
+     "--microbatch-slicing needs an even --micro-batch-size"),
+    (["--microbatch-slicing", "some"], {}, "--microbatch-slicing 'some'"),
     (["--pipeline-partition", "3,4"], {}, "--pipeline-partition: 2 entries given"),
     (["--load", "/nonexistent/ckpt"], {}, "no checkpoint found"),
 ])
@@ -221,3 +224,20 @@ def test_pipeline_trace_and_fp16(tmp_path):
     assert {e["args"]["kind"] for e in events} >= {"F", "B"}
     assert all(e["dur"] >= 0 for e in events)
     assert " loss scale: 1024.0 |" in out.stdout
+
+
+def _features_case(rank, world_size, extra):
+    trainer = build_trainer(BASE + _layout(1, 4) + ["--num-layers", "4", "--global-batch-size", "16",
+                                                    "--train-iters", "3", "--hidden-dropout", "0",
+                                                    "--attention-dropout", "0"] + extra)
+    trainer.train()
+    stats = trainer.engine.activation_stats() if "--log-activation-memory" in extra else None
+    return trainer.history, stats, trainer.schedule.num_microbatches
+
+
+def test_bpipe_and_slicing_through_pretrain_keep_the_losses():
+    plain = run_distributed(4, _features_case, [])[-1][0]
+    both = run_distributed(4, _features_case, ["--bpipe", "--microbatch-slicing", "2", "--log-activation-memory"])
+    for (_, a, na), (_, b, nb) in zip(plain, both[-1][0]):
+        assert b == pytest.approx(a, rel=1e-5) and nb == pytest.approx(na, rel=1e-4)
+    assert all(stats is not None for _, stats, _ in both)
