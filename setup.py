@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="Megatron-style GPT pretraining with an automatic parallel-configuration planner",
     packages=find_packages(include=["megatron_bmw", "megatron_bmw.*"]),
+    package_data={"megatron_bmw.planner": ["clusters/*.yaml"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.3",

@@ -1,0 +1,272 @@
+"""Cluster descriptions: device types, groups of nodes, links between GPUs.
+
+A cluster is one or more groups of identical nodes (AMP's heterogeneous setting: e.g. 3 nodes of 4 V100 on
+NVLink plus 1 node of 4 T4). GPUs are numbered node by node in group order. The link between two GPUs is the
+group's intra-node link when they share a node, else the inter-node link (the slower of the two ends when
+groups set their own), unless an explicit per-pair bandwidth matrix says otherwise.
+
+YAML (bandwidths in GB/s = 1e9 bytes/s, latencies in microseconds, memory in GiB, peaks in TFLOP/s):
+
+    name: my-cluster
+    device_types:
+      v100: {memory_gb: 16, peak_tflops: {fp32: 15.7, fp16: 125}}
+    groups:
+      - {nodes: 3, gpus_per_node: 4, device: v100, intra_node: {bandwidth_GBps: 150, latency_us: 5}}
+    inter_node: {bandwidth_GBps: 1.25, latency_us: 30}
+    bandwidth_matrix_GBps: [[...], ...]   # optional, one row per GPU
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from importlib import resources
+
+import yaml
+
+from ..errors import UsageError
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s
+    latency: float  # s
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    name: str
+    memory_bytes: float
+    peak_flops: dict[str, float]  # per dtype name, FLOP/s
+    memory_bandwidth: float | None = None  # bytes/s, optional
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            have = ", ".join(sorted(self.peak_flops)) or "none"
+            raise UsageError(f"device type {self.name} has no peak FLOP/s for {dtype} (has {have})")
+        return self.peak_flops[dtype]
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    nodes: int
+    gpus_per_node: int
+    device: DeviceType
+    intra_node: Link
+    inter_node: Link | None = None  # this group's network interface, if it differs from the cluster's
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    groups: tuple[NodeGroup, ...]
+    inter_node: Link
+    bandwidth_matrix: tuple[tuple[float, ...], ...] | None = None  # bytes/s per GPU pair
+    matrix_latency: float = 0.0
+    source: str = ""
+    measured: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(g.nodes * g.gpus_per_node for g in self.groups)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(g.nodes for g in self.groups)
+
+    def locate(self, gpu: int) -> tuple[NodeGroup, int]:
+        """(group, global node index) of a GPU."""
+        if not 0 <= gpu < self.num_gpus:
+            raise UsageError(f"GPU {gpu} is outside cluster {self.name} ({self.num_gpus} GPUs)")
+        node = 0
+        for g in self.groups:
+            size = g.nodes * g.gpus_per_node
+            if gpu < size:
+                return g, node + gpu // g.gpus_per_node
+            gpu -= size
+            node += g.nodes
+        raise AssertionError("unreachable")
+
+    def device(self, gpu: int) -> DeviceType:
+        return self.locate(gpu)[0].device
+
+    def link(self, a: int, b: int) -> Link:
+        """The link between GPUs a and b."""
+        ga, na = self.locate(a)
+        gb, nb = self.locate(b)
+        if self.bandwidth_matrix is not None:
+            return Link(self.bandwidth_matrix[a][b], self.matrix_latency)
+        if na == nb:
+            return ga.intra_node
+        ends = [g.inter_node or self.inter_node for g in (ga, gb)]
+        return Link(min(x.bandwidth for x in ends), max(x.latency for x in ends))
+
+    def slowest_link(self, gpus: list[int]) -> Link:
+        """Bandwidth of the slowest pair in a group (AMP's rule for rings), with the largest latency."""
+        if len(gpus) < 2:
+            return Link(float("inf"), 0.0)
+        links = [self.link(a, b) for i, a in enumerate(gpus) for b in gpus[i + 1:]]
+        return Link(min(x.bandwidth for x in links), max(x.latency for x in links))
+
+    def with_nodes(self, num_nodes: int) -> Cluster:
+        """The same cluster with `num_nodes` nodes (single-group clusters only)."""
+        if num_nodes < 1:
+            raise UsageError(f"--num-nodes must be >= 1, got {num_nodes}")
+        if len(self.groups) != 1:
+            raise UsageError(f"--num-nodes: cluster {self.name} has {len(self.groups)} node groups; "
+                             "edit its YAML file to size each group")
+        if self.bandwidth_matrix is not None:
+            raise UsageError(f"--num-nodes: cluster {self.name} has an explicit bandwidth matrix for "
+                             f"{self.num_gpus} GPUs; edit its YAML file instead")
+        return replace(self, groups=(replace(self.groups[0], nodes=num_nodes),))
+
+
+# ---- loading -------------------------------------------------------------------------------------------------
+BUILTIN = ("a100-80g-ib", "a100-40g-ib", "h100-80g-ib", "rtx-titan-pcie", "aws-p3.8xlarge", "aws-g4dn.12xlarge",
+           "amp-heterogeneous", "local")
+
+
+def builtin_names() -> tuple[str, ...]:
+    return BUILTIN
+
+
+def load_cluster(name_or_path: str, num_nodes: int | None = None) -> Cluster:
+    """A built-in cluster by name, or a YAML file; `num_nodes` resizes a single-group cluster."""
+    if name_or_path in BUILTIN:
+        text = resources.files(__package__).joinpath("clusters", f"{name_or_path}.yaml").read_text()
+        where = f"built-in cluster {name_or_path}"
+    elif os.path.exists(name_or_path):
+        with open(name_or_path) as f:
+            text = f.read()
+        where = name_or_path
+    else:
+        raise UsageError(f"--cluster {name_or_path}: not a built-in cluster ({', '.join(BUILTIN)}) "
+                         "and no such file")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(f"--cluster {where}: not valid YAML{at}") from None
+    cluster = parse_cluster(data, where)
+    return cluster.with_nodes(num_nodes) if num_nodes is not None else cluster
+
+
+def parse_cluster(data, where: str = "cluster") -> Cluster:
+    """Validate a cluster description (a dict, as loaded from YAML)."""
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: expected a mapping with device_types, groups and inter_node")
+    _only(data, {"name", "device_types", "groups", "inter_node", "bandwidth_matrix_GBps", "matrix_latency_us",
+                 "description"}, where)
+    types_raw = _need(data, "device_types", dict, where)
+    types = {name: _device_type(name, spec, f"{where}: device_types.{name}") for name, spec in types_raw.items()}
+    if not types:
+        raise UsageError(f"{where}: device_types is empty")
+    groups_raw = _need(data, "groups", list, where)
+    if not groups_raw:
+        raise UsageError(f"{where}: groups is empty")
+    groups = tuple(_group(g, types, f"{where}: groups[{i}]") for i, g in enumerate(groups_raw))
+    inter = _link(_need(data, "inter_node", dict, where), f"{where}: inter_node")
+    cluster = Cluster(name=str(data.get("name", where)), groups=groups, inter_node=inter, source=where)
+    matrix = data.get("bandwidth_matrix_GBps")
+    if matrix is not None:
+        n = cluster.num_gpus
+        if not isinstance(matrix, list) or len(matrix) != n or any(not isinstance(r, list) or len(r) != n
+                                                                   for r in matrix):
+            raise UsageError(f"{where}: bandwidth_matrix_GBps must be {n} rows of {n} numbers (one per GPU)")
+        rows = []
+        for i, row in enumerate(matrix):
+            for j, x in enumerate(row):
+                if i != j and not (_is_number(x) and x > 0):
+                    raise UsageError(f"{where}: bandwidth_matrix_GBps[{i}][{j}] must be a positive number, got {x!r}")
+            rows.append(tuple(float(x) * GB if i != j else float("inf") for j, x in enumerate(row)))
+        latency = data.get("matrix_latency_us", 0.0)
+        if not (_is_number(latency) and latency >= 0):
+            raise UsageError(f"{where}: matrix_latency_us must be a number >= 0, got {latency!r}")
+        cluster = replace(cluster, bandwidth_matrix=tuple(rows), matrix_latency=float(latency) * 1e-6)
+    return cluster
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _only(data: dict, allowed: set[str], where: str) -> None:
+    extra = sorted(set(data) - allowed)
+    if extra:
+        raise UsageError(f"{where}: unknown key {extra[0]!r} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _need(data: dict, key: str, kind: type, where: str):
+    if key not in data:
+        raise UsageError(f"{where}: missing {key!r}")
+    value = data[key]
+    if not isinstance(value, kind):
+        raise UsageError(f"{where}: {key!r} must be a {'mapping' if kind is dict else kind.__name__}")
+    return value
+
+
+def _positive(data: dict, key: str, where: str, default=None, allow_zero: bool = False) -> float:
+    if key not in data:
+        if default is None:
+            raise UsageError(f"{where}: missing {key!r}")
+        return default
+    x = data[key]
+    if not _is_number(x) or x < 0 or (x == 0 and not allow_zero):
+        raise UsageError(f"{where}: {key!r} must be a {'non-negative' if allow_zero else 'positive'} number, got {x!r}")
+    return float(x)
+
+
+def _device_type(name: str, spec, where: str) -> DeviceType:
+    if not isinstance(spec, dict):
+        raise UsageError(f"{where}: expected a mapping with memory_gb and peak_tflops")
+    _only(spec, {"memory_gb", "peak_tflops", "memory_bandwidth_GBps"}, where)
+    memory = _positive(spec, "memory_gb", where) * 2**30
+    peaks_raw = _need(spec, "peak_tflops", dict, where)
+    peaks = {}
+    for dtype, value in peaks_raw.items():
+        if dtype not in DTYPES:
+            raise UsageError(f"{where}: peak_tflops has unknown dtype {dtype!r} (use {', '.join(DTYPES)})")
+        peaks[dtype] = _positive(peaks_raw, dtype, f"{where}.peak_tflops") * 1e12
+    bw = spec.get("memory_bandwidth_GBps")
+    return DeviceType(name, memory, peaks, _positive(spec, "memory_bandwidth_GBps", where) * GB if bw is not None else None)
+
+
+def _link(spec, where: str) -> Link:
+    if not isinstance(spec, dict):
+        raise UsageError(f"{where}: expected a mapping with bandwidth_GBps and latency_us")
+    _only(spec, {"bandwidth_GBps", "latency_us"}, where)
+    return Link(_positive(spec, "bandwidth_GBps", where) * GB,
+                _positive(spec, "latency_us", where, default=0.0, allow_zero=True) * 1e-6)
+
+
+def _group(spec, types: dict[str, DeviceType], where: str) -> NodeGroup:
+    if not isinstance(spec, dict):
+        raise UsageError(f"{where}: expected a mapping with nodes, gpus_per_node, device and intra_node")
+    _only(spec, {"nodes", "gpus_per_node", "device", "intra_node", "inter_node"}, where)
+    counts = {}
+    for key in ("nodes", "gpus_per_node"):
+        x = spec.get(key)
+        if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+            raise UsageError(f"{where}: {key!r} must be an integer >= 1, got {x!r}")
+        counts[key] = x
+    device = spec.get("device")
+    if device not in types:
+        raise UsageError(f"{where}: device {device!r} is not one of device_types ({', '.join(types)})")
+    intra = _link(_need(spec, "intra_node", dict, where), f"{where}.intra_node")
+    inter = _link(spec["inter_node"], f"{where}.inter_node") if "inter_node" in spec else None
+    return NodeGroup(counts["nodes"], counts["gpus_per_node"], types[device], intra, inter)
+
+
+def local_cluster(gpus: int, device: DeviceType, p2p: Link, allreduce: Link | None = None) -> Cluster:
+    """One node of `gpus` identical devices joined by the measured link (the `local` cluster, filled in from a
+    profile). The all-reduce link, when measured separately, is kept in `measured`."""
+    group = NodeGroup(1, gpus, device, p2p)
+    measured = {"allreduce": allreduce} if allreduce is not None else {}
+    return Cluster("local", (group,), p2p, source="local (measured)", measured=measured)

@@ -1,0 +1,247 @@
+"""Durations of every schedule action, and of the gradient synchronisation after the pipeline.
+
+Compute: each unit's forward and backward time from the profile (interpolated in the micro-batch size,
+rescaled by FLOPs for another model and by peak FLOP/s for another device type), or analytically as
+FLOPs / (peak x achievable fraction) with backward = 2 x forward. Tensor-parallel collectives run inside
+units: measured when the profile has that tp degree, else added from the cluster's links. Recomputation
+adds the recomputed forward (the whole unit for full, the attention core for selective) to the backward.
+
+Communication (AMP's formulas, B the slowest link of the group, plus per-step latency):
+  ring all-reduce 2(n-1)/n x M / B; all-gather and reduce-scatter (n-1)/n x M / B; p2p v / b + latency.
+After the last backward each rank all-reduces its fp32 gradients over data parallel (overlapped with the
+last backward when --overlap-grad-reduce, both slowed by the overlap factor, Galvatron's 1.3), sums the
+sequence-parallel gradients over tensor parallel, and the first and last stage all-reduce the tied embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..pipeline.schedule import Action, Kind
+from .cluster import Cluster, DeviceType, Link
+from .flops import core_attention_share, unit_forward_flops
+from .memory_model import (chunk_units, dtype_size, unit_activation_bytes, unit_kind, unit_param_count,
+                           unit_recompute)
+from .profile_data import Profile, dtype_name
+from .spec import RunSpec
+
+
+@dataclass(frozen=True)
+class CostSettings:
+    achievable_fraction: float = 0.5  # of peak FLOP/s, for analytic unit times and foreign devices
+    overlap_factor: float = 1.3  # slowdown of compute and communication that overlap
+
+    def __post_init__(self) -> None:
+        if not 0 < self.achievable_fraction <= 1:
+            raise UsageError(f"--achievable-fraction must be in (0, 1], got {self.achievable_fraction}")
+        if self.overlap_factor < 1:
+            raise UsageError(f"--overlap-factor must be >= 1, got {self.overlap_factor}")
+
+
+def allreduce_time(nbytes: float, n: int, link: Link) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def allgather_time(nbytes: float, n: int, link: Link) -> float:
+    """All-gather (or reduce-scatter) of a tensor of `nbytes` in total."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+
+
+class CostModel:
+    """Durations for one RunSpec on one cluster. Build once, query per action."""
+
+    def __init__(self, spec: RunSpec, cluster: Cluster, profile: Profile | None = None,
+                 settings: CostSettings = CostSettings()) -> None:
+        if spec.world_size > cluster.num_gpus:
+            raise UsageError(f"the layout needs {spec.world_size} GPUs (tp {spec.tp} x pp {spec.pp} x dp {spec.dp}) "
+                             f"but cluster {cluster.name} has {cluster.num_gpus}")
+        self.spec, self.cluster, self.profile, self.settings = spec, cluster, profile, settings
+        self.dtype = dtype_name(spec.model.params_dtype)
+        self.layout = spec.rank_layout()
+        p = spec.pp
+        self.devices = [self._stage_device(s) for s in range(p)]
+        self.chunk_forward: list[list[float]] = []
+        self.chunk_backward: list[list[float]] = []
+        self.params: list[int] = []
+        for rank in range(p):
+            chunks = chunk_units(spec.stage_layout(), spec.model, rank)
+            names = [n for c in chunks for n in c]
+            recompute = unit_recompute(spec.model, names)
+            fwd, bwd = [], []
+            for c in chunks:
+                f = b = 0.0
+                for n in c:
+                    uf, ub = self.unit_times(unit_kind(n), recompute[n], self.devices[rank], rank)
+                    f, b = f + uf, b + ub
+                over = self._overhead(self.devices[rank])
+                fwd.append(f + over[0])
+                bwd.append(b + over[1])
+            self.chunk_forward.append(fwd)
+            self.chunk_backward.append(bwd)
+            self.params.append(self._rank_params(names))
+        self._p2p: dict[tuple[int, int], Link] = {}
+
+    # ---- placement ---------------------------------------------------------------------------------------------
+    def gpus(self, stage: int) -> list[int]:
+        return [self.layout.rank(t, d, stage) for d in range(self.spec.dp) for t in range(self.spec.tp)]
+
+    def _stage_device(self, stage: int) -> DeviceType:
+        """The slowest device type holding the stage (data-parallel replicas wait for it)."""
+        return min((self.cluster.device(g) for g in self.gpus(stage)), key=lambda d: d.peak(self.dtype))
+
+    def _group_link(self, ranks: list[int]) -> Link:
+        return self.cluster.slowest_link(ranks)
+
+    def tp_link(self, stage: int) -> Link:
+        return self._group_link([self.layout.rank(t, 0, stage) for t in range(self.spec.tp)])
+
+    def dp_link(self, stage: int) -> Link:
+        return self._group_link([self.layout.rank(0, d, stage) for d in range(self.spec.dp)])
+
+    def p2p_link(self, src: int, dst: int) -> Link:
+        """Slowest of the links joining the tensor-/data-parallel replicas of two pipeline stages."""
+        key = (src, dst)
+        if key not in self._p2p:
+            links = [self.cluster.link(self.layout.rank(t, d, src), self.layout.rank(t, d, dst))
+                     for d in range(self.spec.dp) for t in range(self.spec.tp)]
+            self._p2p[key] = Link(min(x.bandwidth for x in links), max(x.latency for x in links))
+        return self._p2p[key]
+
+    # ---- compute ----------------------------------------------------------------------------------------------
+    def _device_factor(self, device: DeviceType) -> float:
+        """Multiplier from profiled times to times on `device`."""
+        prof = self.profile
+        if prof.device.get("name") == device.name:
+            return 1.0
+        return prof.achieved_flops() / (device.peak(self.dtype) * self.settings.achievable_fraction)
+
+    def _overhead(self, device: DeviceType) -> tuple[float, float]:
+        prof = self.profile
+        if prof is None or not prof.overhead or prof.device.get("name") != device.name:
+            return 0.0, 0.0
+        return prof.overhead.get("forward_s", 0.0), prof.overhead.get("backward_s", 0.0)
+
+    def _analytic(self, kind: str, tp: int, device: DeviceType) -> tuple[float, float]:
+        model, b = self.spec.model, self.spec.micro_batch_size
+        rate = device.peak(self.dtype) * self.settings.achievable_fraction
+        fwd = unit_forward_flops(kind, model, b, tp) / rate
+        if device.memory_bandwidth is not None:  # elementwise work: read and write what the unit keeps
+            kept = unit_activation_bytes(kind, model, b, tp, self.spec.sp, None, "cuda")
+            fwd += 2 * kept / (device.memory_bandwidth * self.settings.achievable_fraction)
+        return fwd, 2 * fwd
+
+    def _compute(self, kind: str, device: DeviceType, stage: int) -> tuple[float, float, bool]:
+        """(forward, backward, TP communication included)."""
+        tp, b = self.spec.tp, self.spec.micro_batch_size
+        prof = self.profile
+        if prof is not None:
+            timed = prof.unit_time(kind, tp, b, self.spec.model)
+            if timed is not None:
+                k = self._device_factor(device)
+                return timed[0] * k, timed[1] * k, True
+            timed = prof.unit_time(kind, 1, b, self.spec.model)
+            if timed is not None:
+                k = self._device_factor(device) / tp
+                return timed[0] * k, timed[1] * k, False
+        fwd, bwd = self._analytic(kind, tp, device)
+        return fwd, bwd, False
+
+    def tp_comm(self, kind: str, stage: int) -> tuple[float, float]:
+        """Tensor-parallel collectives of one unit: (forward, backward) seconds."""
+        tp = self.spec.tp
+        if tp == 1:
+            return 0.0, 0.0
+        link = self.tp_link(stage)
+        m = self.spec.model.seq_length * self.spec.micro_batch_size * self.spec.model.hidden_size \
+            * dtype_size(self.spec.model.params_dtype)
+        ar, ag = allreduce_time(m, tp, link), allgather_time(m, tp, link)
+        sp = self.spec.sp
+        if kind in ("attention", "mlp"):
+            return (2 * ag, 2 * ag) if sp else (ar, ar)
+        if kind == "embedding":
+            return ar, (ag if sp else 0.0)
+        small = 3 * allreduce_time(self.spec.model.seq_length * self.spec.micro_batch_size * 4, tp, link)
+        return (ag if sp else 0.0) + small, (ag if sp else ar)
+
+    def unit_times(self, kind: str, recompute: str | None, device: DeviceType, stage: int) -> tuple[float, float]:
+        """(forward, backward) of one unit for one micro-batch, collectives and recomputation included."""
+        fwd, bwd, comm_in = self._compute(kind, device, stage)
+        if not comm_in:
+            cf, cb = self.tp_comm(kind, stage)
+            fwd, bwd = fwd + cf, bwd + cb
+        if recompute == "full":
+            bwd += fwd
+        elif recompute == "selective" and kind == "attention":
+            bwd += fwd * core_attention_share(self.spec.model)
+        return fwd, bwd
+
+    # ---- per action --------------------------------------------------------------------------------------------
+    def compute_time(self, rank: int, action: Action) -> float:
+        share = 1.0 if action.half is None else 0.5
+        table = self.chunk_forward if action.kind is Kind.FORWARD else self.chunk_backward
+        return table[rank][action.chunk] * share
+
+    def transfer_time(self, src: int, dst: int, action: Action) -> float:
+        return self.p2p_link(src, dst).time(self.spec.hidden_bytes(action.half is not None))
+
+    def copy_time(self, rank: int, action: Action, nbytes: float) -> float:
+        """An EVICT or LOAD of `nbytes` between `rank` and its peer (or host memory when it has none)."""
+        if action.peer is None:
+            return nbytes / self.cluster.inter_node.bandwidth
+        return self.p2p_link(rank, action.peer).time(nbytes)
+
+    # ---- after the pipeline -------------------------------------------------------------------------------------
+    def _rank_params(self, names: list[str]) -> int:
+        model = self.spec.model
+        own_output = model.untie_embeddings_and_output_weights or self.spec.pp > 1 or "embedding" not in names
+        return sum(unit_param_count(unit_kind(n), model, self.spec.tp, own_output) for n in names)
+
+    def dp_sync_time(self, rank: int) -> float:
+        return allreduce_time(4.0 * self.params[rank], self.spec.dp, self.dp_link(rank))
+
+    def sp_sync_time(self, rank: int) -> float:
+        """Sequence-parallel replicated gradients (LayerNorms, row-parallel biases) summed over tp."""
+        if not self.spec.sp:
+            return 0.0
+        h = self.spec.model.hidden_size
+        names = [n for c in chunk_units(self.spec.stage_layout(), self.spec.model, rank) for n in c]
+        count = sum({"attention": 3 * h, "mlp": 3 * h, "head": 2 * h}.get(unit_kind(n), 0) for n in names)
+        return allreduce_time(4.0 * count, self.spec.tp, self.tp_link(rank))
+
+    def embedding_sync_time(self) -> float:
+        spec = self.spec
+        if spec.pp == 1 or spec.model.untie_embeddings_and_output_weights:
+            return 0.0
+        nbytes = 4.0 * (spec.model.vocab_size // spec.tp) * spec.model.hidden_size
+        first, last = self.layout.rank(0, 0, 0), self.layout.rank(0, 0, spec.pp - 1)
+        return allreduce_time(nbytes, 2, self.cluster.link(first, last))
+
+    def optimizer_gather_time(self, rank: int) -> float:
+        """ZeRO-1: the updated parameters are all-gathered over data parallel."""
+        if not self.spec.distributed_optimizer:
+            return 0.0
+        nbytes = self.params[rank] * dtype_size(self.spec.model.params_dtype)
+        return allgather_time(nbytes, self.spec.dp, self.dp_link(rank))
+
+    def finish_times(self, pipeline_end: list[float], last_backward: list[tuple[float, float]]) -> list[float]:
+        """Per rank, when its iteration ends, given when its pipeline work ends and its last backward."""
+        factor = self.settings.overlap_factor
+        out = []
+        for rank, end in enumerate(pipeline_end):
+            sync = self.dp_sync_time(rank)
+            start, dur = last_backward[rank]
+            if sync > 0 and self.spec.overlap_grad_reduce:
+                t = max(end, start + max(dur, sync) + (factor - 1) * min(dur, sync))
+            else:
+                t = end + sync
+            out.append(t + self.sp_sync_time(rank))
+        emb = self.embedding_sync_time()
+        if emb > 0:
+            both = max(out[0], out[-1]) + emb
+            out[0] = out[-1] = both
+        return [t + self.optimizer_gather_time(r) for r, t in enumerate(out)]

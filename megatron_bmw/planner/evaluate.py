@@ -1,0 +1,56 @@
+"""Evaluate one RunSpec: memory per pipeline stage, and a simulated iteration on a cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..pipeline.schedule import Schedule
+from .cluster import Cluster
+from .cost_model import CostModel, CostSettings
+from .memory_model import MemorySettings, RankMemory, chunk_held_bytes, chunk_saved_bytes, precision_from, rank_memory
+from .profile_data import Profile
+from .simulator import Simulation, simulate
+from .spec import RunSpec
+
+
+def estimate_memory(spec: RunSpec, schedule: Schedule | None = None,
+                    settings: MemorySettings = MemorySettings(),
+                    activation_peaks: list[float] | None = None) -> list[RankMemory]:
+    """Memory of every pipeline stage; in-flight micro-batches come from walking `schedule`."""
+    schedule = schedule or spec.build_schedule()
+    precision = precision_from(spec.model, spec.distributed_optimizer)
+    layout = spec.stage_layout()
+    return [rank_memory(layout, spec.model, schedule, r, precision, settings,
+                        None if activation_peaks is None else activation_peaks[r]) for r in range(spec.pp)]
+
+
+@dataclass
+class Evaluation:
+    spec: RunSpec
+    schedule: Schedule
+    memory: list[RankMemory]
+    simulation: Simulation
+    cost: CostModel
+
+
+def simulate_run(spec: RunSpec, cluster: Cluster, profile: Profile | None = None,
+                 cost_settings: CostSettings = CostSettings(), memory_settings: MemorySettings = MemorySettings(),
+                 schedule: Schedule | None = None, record_transfers: bool = False) -> Evaluation:
+    """Simulate one iteration of `schedule` (default: the spec's) with the cost model's durations."""
+    schedule = schedule or spec.build_schedule()
+    cost = CostModel(spec, cluster, profile, cost_settings)
+    layout = spec.stage_layout()
+    saved = [chunk_saved_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
+    held = [chunk_held_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
+    memory = estimate_memory(spec, schedule, memory_settings)
+    static = [m.static_bytes for m in memory]
+    sim = simulate(schedule, cost.compute_time, cost.transfer_time, cost.copy_time, saved, static,
+                   cost.finish_times, record_transfers=record_transfers, held_bytes=held)
+    return Evaluation(spec, schedule, memory, sim, cost)
+
+
+def stage_capacity(spec: RunSpec, cluster: Cluster, stage: int) -> float:
+    """Memory of the smallest device holding the stage."""
+    layout = spec.rank_layout()
+    return min(cluster.device(layout.rank(t, d, stage)).memory_bytes
+               for d in range(spec.dp) for t in range(spec.tp))

@@ -1,0 +1,27 @@
+"""Forward FLOPs of each unit kind (matrix multiplications; 2 FLOPs per multiply-add), per tensor-parallel rank."""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+
+
+def unit_forward_flops(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1) -> float:
+    s, b, h, f, v = model.seq_length, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    tokens = s * b
+    if kind == "embedding":
+        return 3.0 * tokens * h  # lookups, the position add and dropout: elementwise
+    if kind == "attention":
+        return (2.0 * tokens * h * 3 * h + 2.0 * tokens * h * h + 4.0 * s * tokens * h) / tp
+    if kind == "mlp":
+        return 4.0 * tokens * h * f / tp
+    if kind == "head":
+        return 2.0 * tokens * h * v / tp
+    raise ValueError(f"unknown unit kind {kind!r}")
+
+
+def core_attention_share(model: ModelConfig) -> float:
+    """Fraction of an attention unit's forward FLOPs spent in the softmax(QK^T)V core (what selective
+    recomputation repeats)."""
+    s, h = model.seq_length, model.hidden_size
+    core = 4.0 * s * h
+    return core / (8.0 * h * h + core)

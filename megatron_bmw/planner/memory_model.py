@@ -1,0 +1,453 @@
+"""Memory per pipeline rank: model states, activations held by the schedule, and an allowance.
+
+Activations are counted tensor by tensor from what OUR units save for backward (models/gpt.py), so the model
+can be checked byte for byte against saved-tensor hooks (tests/planner/test_memory_model.py). Notation:
+s sequence, b micro-batch, h hidden, a heads, f ffn, v padded vocabulary, t tensor-parallel size, e bytes per
+element of the parameter dtype; with sequence parallelism the hidden state between units has s/t rows.
+
+Per unit, no recomputation (flash = fused SDPA kernel, unfused = explicit softmax):
+  attention  LN input s'bh e, LN statistics 2 s'b, QKV input (LN output, or the all-gathered one with SP)
+             sbh e, QKV output 3sbh/t e (kept through the q/k/v views), the core (below), the context copy
+             sbh/t e fed to the output projection, and the dropout mask s'bh.
+    unfused core: causal mask s^2 (bool), softmax output ab s^2/t x 4 (we upcast scores to fp32), then either
+             the dropout mask and the dropped probabilities in e, or (no dropout, e != 4) their cast copy.
+    flash core: the log-sum-exp abs/t x 4 (its output, laid out like q, is the context itself).
+  mlp        LN input and statistics, FC1 input sbh e, GeLU input and output 2 sbf/t e, dropout mask s'bh.
+  embedding  token ids (int64; with t > 1 the masked local ids and the out-of-range mask), position ids and
+             the dropout mask s'bh.
+  head       LN input and statistics, the logits' input sbh e, the fp32 softmax sbv/t x 4 of the vocab-parallel
+             cross entropy, its local targets (int64) and out-of-range mask, the loss mask and the divisor.
+Selective recomputation keeps the attention unit minus its core; full recomputation keeps the unit's input.
+
+Differences from Korthikanti et al. 2022 (sbh(34 + 5as/h) bytes per layer in fp16): their 34 sbh is our
+13 sbh (attention with its LayerNorm) + 21 sbh (MLP with its LayerNorm) exactly; their 5as^2b is our 7as^2b
+because our unfused softmax output is kept in fp32 (4 bytes instead of 2), and flash keeps no s^2 term at
+all. With tensor parallelism both agree on what is replicated (10 sbh: LayerNorm inputs, linear inputs and
+dropout masks). With sequence parallelism our column-parallel linears save the all-gathered input (sbh, not
+sbh/t), so 4 sbh e per layer stay undivided where Megatron re-gathers in backward. Our LayerNorm statistics
+and integer ids are counted too (Korthikanti ignores them); full recomputation at sub-layer granularity keeps
+two inputs per layer (one per unit), i.e. 4 sbh in fp16 instead of their 2 sbh.
+
+Device kinds: on "cuda" a dropout mask is bool (1 byte) and LayerNorm statistics are fp32; on "cpu" dropout
+keeps its scaled noise in the tensor's dtype and LayerNorm statistics are in that dtype, and SDPA with
+dropout falls back to a math path (q, k, v copies and three s^2 tensors, in fp32 for 16-bit inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UsageError
+from ..fused import flash_attention_available
+from ..pipeline.schedule import Kind, Schedule
+
+DEVICE_KINDS = ("cuda", "cpu")
+UNIT_KINDS = ("embedding", "attention", "mlp", "head")
+RECOMPUTE = (None, "selective", "full")
+_INT64, _BOOL, _FP32 = 8, 1, 4
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor a unit keeps for backward (per micro-batch, per rank)."""
+
+    name: str
+    numel: int
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def unit_kind(name: str) -> str:
+    """'attn_3' -> 'attention', 'mlp_0' -> 'mlp', 'embedding', 'head'."""
+    if name.startswith("attn_"):
+        return "attention"
+    if name.startswith("mlp_"):
+        return "mlp"
+    if name in ("embedding", "head"):
+        return name
+    raise ValueError(f"unknown unit {name!r}")
+
+
+def uses_flash(model: ModelConfig) -> bool:
+    return model.attention_backend == "flash" or (model.attention_backend == "auto" and flash_attention_available())
+
+
+def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
+                       recompute: str | None = None, device: str = "cuda") -> list[SavedTensor]:
+    """The tensors one unit of `kind` saves for backward for one micro-batch on one tensor-parallel rank."""
+    if kind not in UNIT_KINDS:
+        raise ValueError(f"unknown unit kind {kind!r}")
+    if recompute not in RECOMPUTE:
+        raise UsageError(f"recomputation must be none, selective or full, not {recompute!r}")
+    if device not in DEVICE_KINDS:
+        raise UsageError(f"device kind must be cuda or cpu, not {device!r}")
+    sp = sp and tp > 1
+    s, b, h, f, v = model.seq_length, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    e = dtype_size(model.params_dtype)
+    heads = model.num_attention_heads // tp
+    s_local = s // tp if sp else s
+    hidden_local = s_local * b * h
+    mask_size = _BOOL if device == "cuda" else e
+    stat_size = _FP32 if device == "cuda" else e
+    out: list[SavedTensor] = []
+
+    def add(name: str, numel: int, itemsize: int) -> None:
+        out.append(SavedTensor(name, numel, itemsize))
+
+    def layernorm() -> None:
+        add("layernorm input", hidden_local, e)
+        add("layernorm statistics", 2 * s_local * b, stat_size)
+
+    def hidden_dropout() -> None:
+        if model.hidden_dropout > 0:
+            add("dropout mask", hidden_local, mask_size)
+
+    if kind == "embedding":
+        add("token ids", b * s, _INT64)
+        if tp > 1:
+            add("out-of-vocabulary-shard mask", b * s, _BOOL)
+        add("position ids", s, _INT64)
+        hidden_dropout()
+        return out
+    if kind == "head":
+        layernorm()
+        add("logits input", s * b * h, e)
+        add("softmax (fp32)", s * b * (v // tp), _FP32)
+        add("local targets", s * b, _INT64)
+        add("out-of-vocabulary-shard mask", s * b, _BOOL)
+        add("loss mask", s * b, _FP32)
+        add("loss divisor", 1, _FP32)
+        return out
+    if recompute == "full":
+        add("unit input (full recomputation)", hidden_local, e)
+        return out
+    layernorm()
+    if kind == "mlp":
+        add("fc1 input", s * b * h, e)
+        add("gelu input", s * b * (f // tp), e)
+        add("gelu output", s * b * (f // tp), e)
+        hidden_dropout()
+        return out
+    add("qkv input", s * b * h, e)
+    local_h = s * b * h // tp
+    score = b * heads * s * s
+    p_attn = model.attention_dropout
+    math_path = uses_flash(model) and device == "cpu" and p_attn > 0
+    if recompute == "selective":
+        add("qkv output", 3 * local_h, e)
+    elif not uses_flash(model):
+        add("qkv output", 3 * local_h, e)
+        add("causal mask", s * s, _BOOL)
+        add("softmax output (fp32)", score, _FP32)
+        if p_attn > 0:
+            add("attention dropout mask", score, _BOOL if device == "cuda" else e)
+            add("attention probabilities", score, e)
+        elif e != _FP32:
+            add("attention probabilities", score, e)
+    elif math_path:  # SDPA's math fallback: scaled q and k, v (a copy when 16-bit inputs are upcast), 3 s^2 terms
+        c = _FP32
+        add("qkv output" if e == c else "v (fp32 copy)", 3 * local_h if e == c else local_h, e if e == c else c)
+        add("scaled q", local_h, c)
+        add("scaled k", local_h, c)
+        add("softmax output", score, c)
+        add("attention dropout noise", score, c)
+        add("attention probabilities", score, c)
+    else:  # the kernel's output is laid out like q, so the projection's input is a view of it
+        add("qkv output", 3 * local_h, e)
+        add("log-sum-exp (fp32)", b * heads * s, _FP32)
+    add("context (output projection input)", local_h, e)
+    hidden_dropout()
+    return out
+
+
+def unit_activation_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
+                          recompute: str | None = None, device: str = "cuda") -> int:
+    return sum(t.nbytes for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp, recompute, device))
+
+
+def bytes_by_dtype(tensors: list[SavedTensor]) -> dict[int, int]:
+    """Saved bytes grouped by element size (8 int64, 4 fp32, 2 bf16/fp16, 1 bool)."""
+    out: dict[int, int] = {}
+    for t in tensors:
+        out[t.itemsize] = out.get(t.itemsize, 0) + t.nbytes
+    return out
+
+
+def layer_activation_bytes(model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
+                           recompute: str | None = None, device: str = "cuda") -> int:
+    """One transformer layer (attention + MLP unit), one micro-batch, one rank."""
+    return sum(unit_activation_bytes(k, model, micro_batch_size, tp, sp, recompute, device)
+               for k in ("attention", "mlp"))
+
+
+def korthikanti_layer_bytes(model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
+                            recompute: str | None = None) -> float:
+    """Korthikanti et al. 2022, activations per layer in bytes for fp16 (reference only)."""
+    s, b, h, a, t = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads, tp
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    if recompute == "selective":
+        return 34 * s * b * h / t if sp else s * b * h * (10 + 24 / t)
+    if sp:
+        return s * b * h * (34 + 5 * a * s / h) / t
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+# ---- recomputation per unit (mirrors models.gpt.apply_recompute) --------------------------------------------
+def unit_recompute(model: ModelConfig, names: list[str]) -> dict[str, str | None]:
+    """Recomputation choice of each unit built together on one rank (`names` are all of the rank's units)."""
+    layers = sorted({int(n.split("_")[1]) for n in names if n.startswith(("attn_", "mlp_"))})
+    out: dict[str, str | None] = {n: None for n in names}
+    if model.recompute_granularity == "selective":
+        for n in names:
+            if n.startswith("attn_"):
+                out[n] = "selective"
+    elif model.recompute_granularity == "full":
+        limit = len(layers)
+        if model.recompute_method == "block" and model.recompute_num_layers is not None:
+            limit = min(model.recompute_num_layers, len(layers))
+        chosen = set(layers[:limit])
+        for n in names:
+            if n.startswith(("attn_", "mlp_")) and int(n.split("_")[1]) in chosen:
+                out[n] = "full"
+    return out
+
+
+# ---- parameters and model states ------------------------------------------------------------------------------
+def unit_param_count(kind: str, model: ModelConfig, tp: int = 1, output_weight: bool = True) -> int:
+    """Parameters one tensor-parallel rank holds for a unit. For the head, `output_weight` says whether the
+    rank owns an output matrix (untied, or the tied copy on a last pipeline stage) rather than sharing the
+    embedding's."""
+    h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    if kind == "embedding":
+        return (v // tp) * h + model.max_position_embeddings * h
+    if kind == "attention":
+        return 2 * h + (3 * h // tp) * h + 3 * h // tp + h * (h // tp) + h
+    if kind == "mlp":
+        return 2 * h + (f // tp) * h + f // tp + h * (f // tp) + h
+    if kind == "head":
+        return 2 * h + ((v // tp) * h if output_weight else 0)
+    raise ValueError(f"unknown unit kind {kind!r}")
+
+
+def total_parameters(model: ModelConfig) -> int:
+    """Unique parameters of the whole model (a tied output matrix counted once)."""
+    n = unit_param_count("embedding", model) + unit_param_count(
+        "head", model, output_weight=model.untie_embeddings_and_output_weights)
+    return n + model.num_layers * (unit_param_count("attention", model) + unit_param_count("mlp", model))
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """How parameters are stored and updated (see training/optimizer.py and parallel/grad_sync.py)."""
+
+    param_bytes: int = 4  # 2 for bf16/fp16
+    distributed_optimizer: bool = False  # ZeRO-1 over data parallel
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4  # gradients always accumulate into an fp32 main_grad buffer
+
+    def optimizer_bytes(self, dp: int) -> float:
+        """Per parameter: fp32 master copy (none for fp32 without ZeRO: the parameter is the master) and two
+        fp32 Adam moments; ZeRO-1 shards all of it over the data-parallel group."""
+        master = 0 if self.param_bytes == 4 and not self.distributed_optimizer else 4
+        per = master + 8
+        return per / dp if self.distributed_optimizer else per
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """Knobs of the memory model that are not properties of the run."""
+
+    device: str = "cuda"
+    workspace_bytes: float = 0.0  # fixed per rank: framework context, kernels' workspace
+    fragmentation: float = 0.0  # fraction added on top of everything else
+    engine_holds_output: bool = True  # the engine keeps each chunk's output until its backward
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICE_KINDS:
+            raise UsageError(f"--memory-device must be cuda or cpu, not {self.device!r}")
+        if self.workspace_bytes < 0:
+            raise UsageError(f"--memory-workspace-gb must be >= 0, got {self.workspace_bytes / 2**30:g}")
+        if self.fragmentation < 0:
+            raise UsageError(f"--memory-fragmentation must be >= 0, got {self.fragmentation}")
+
+
+@dataclass
+class RankMemory:
+    """Memory of one pipeline rank (bytes)."""
+
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float  # at the peak of the schedule
+    transient_bytes: float  # recomputation during one backward
+    allowance_bytes: float
+    peak_inflight_microbatches: float
+    chunk_activation_bytes: list[float]  # per model chunk, one micro-batch
+
+    @property
+    def static_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.static_bytes + self.activation_bytes + self.transient_bytes + self.allowance_bytes
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """What the memory model needs to know about the parallel layout of one run."""
+
+    tp: int
+    dp: int
+    pp: int
+    sequence_parallel: bool
+    micro_batch_size: int
+    partition: tuple[int, ...]  # units per virtual stage
+
+
+def chunk_units(layout: StageLayout, model: ModelConfig, rank: int) -> list[list[str]]:
+    from ..models.gpt import unit_names
+    from ..pipeline.partition import rank_chunks
+
+    names = unit_names(model.num_layers)
+    return [[names[i] for i in chunk] for chunk in rank_chunks(list(layout.partition), layout.pp, rank)]
+
+
+def chunk_activation_bytes(layout: StageLayout, model: ModelConfig, rank: int,
+                           settings: MemorySettings = MemorySettings()) -> list[float]:
+    """Bytes one micro-batch leaves in memory on `rank`, per model chunk (saved tensors + held output)."""
+    saved = chunk_saved_bytes(layout, model, rank, settings)
+    held = chunk_held_bytes(layout, model, rank, settings)
+    return [a + b for a, b in zip(saved, held)]
+
+
+def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
+                      settings: MemorySettings = MemorySettings()) -> list[float]:
+    """Per model chunk of `rank`, what its units save for backward for one micro-batch (what the activation
+    store records and BPipe moves)."""
+    chunks = chunk_units(layout, model, rank)
+    recompute = unit_recompute(model, [n for c in chunks for n in c])
+    sp = layout.sequence_parallel and layout.tp > 1
+    return [float(sum(unit_activation_bytes(unit_kind(n), model, layout.micro_batch_size, layout.tp, sp,
+                                            recompute[n], settings.device) for n in names)) for names in chunks]
+
+
+def chunk_held_bytes(layout: StageLayout, model: ModelConfig, rank: int,
+                     settings: MemorySettings = MemorySettings()) -> list[float]:
+    """Per model chunk of `rank`, the output the engine keeps from a forward until its backward (none for the
+    last virtual stage, whose output is the loss)."""
+    nchunks = len(layout.partition) // layout.pp
+    sp = layout.sequence_parallel and layout.tp > 1
+    seq = model.seq_length // layout.tp if sp else model.seq_length
+    out = seq * layout.micro_batch_size * model.hidden_size * dtype_size(model.params_dtype)
+    last = layout.pp * nchunks - 1
+    return [0.0 if (not settings.engine_holds_output or c * layout.pp + rank == last) else float(out)
+            for c in range(nchunks)]
+
+
+def activation_walk(schedule: Schedule, rank: int, saved: Callable[[int], list[float]],
+                    held: list[float] | None = None) -> tuple[float, float]:
+    """Execute the rank's action list: (peak activation bytes, peak chunk-micro-batches held).
+
+    The activation store's accounting (replay.resident_peaks), in bytes: a FORWARD's key counts from its start,
+    a BACKWARD's until its end; an EVICTed or RETURNed key still counts during the next compute and is gone
+    after; a LOADed or ACCEPTed key counts from then on. `saved(r)` gives rank r's saved bytes per chunk (an
+    acceptor holds its evictor's), `held` this rank's never-moved bytes per chunk."""
+    own = saved(rank)
+    held = held or [0.0] * len(own)
+    live = peak = count = peak_count = 0.0
+    leaving = leaving_count = 0.0
+    forward, backward = Kind.FORWARD, Kind.BACKWARD
+    for a in schedule.actions[rank]:
+        kind = a.kind
+        w = 1.0 if a.half is None else 0.5
+        if kind is forward or kind is backward:
+            size = w * (own[a.chunk] + held[a.chunk])
+            if kind is forward:
+                live += size
+                count += w
+            peak, peak_count = max(peak, live), max(peak_count, count)
+            if kind is backward:
+                live -= size
+                count -= w
+            live -= leaving
+            count -= leaving_count
+            leaving = leaving_count = 0.0
+        elif kind is Kind.LOAD or kind is Kind.ACCEPT:
+            live += w * (own if kind is Kind.LOAD else saved(a.peer))[a.chunk]
+            count += w
+            peak, peak_count = max(peak, live), max(peak_count, count)
+        elif kind is Kind.EVICT or kind is Kind.RETURN:
+            leaving += w * (own if kind is Kind.EVICT else saved(a.peer))[a.chunk]
+            leaving_count += w
+    return peak, peak_count
+
+
+def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, rank: int,
+                precision: PrecisionConfig, settings: MemorySettings = MemorySettings(),
+                activation_peak: float | None = None) -> RankMemory:
+    """Memory of pipeline rank `rank` (any tensor-/data-parallel rank of it: they are alike).
+
+    The activation peak comes from walking the rank's actions (activations accepted from a BPipe evictor
+    included); `activation_peak` overrides it (e.g. with the simulator's timed peak)."""
+    chunks = chunk_units(layout, model, rank)
+    names = [n for c in chunks for n in c]
+    tied_copy = layout.pp > 1 and not model.untie_embeddings_and_output_weights
+    params = 0
+    for n in names:
+        kind = unit_kind(n)
+        own_output = model.untie_embeddings_and_output_weights or tied_copy or "embedding" not in names
+        params += unit_param_count(kind, model, layout.tp, output_weight=own_output)
+    chunk_bytes = chunk_activation_bytes(layout, model, rank, settings)
+    act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings),
+                                    chunk_held_bytes(layout, model, rank, settings))
+    if activation_peak is not None:
+        act = activation_peak
+    transient = _recompute_transient(layout, model, names, settings)
+    static = params * (precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(layout.dp))
+    allowance = settings.workspace_bytes + settings.fragmentation * (static + act + transient)
+    return RankMemory(
+        params_bytes=params * precision.param_bytes,
+        grads_bytes=params * precision.grad_bytes,
+        optimizer_bytes=params * precision.optimizer_bytes(layout.dp),
+        activation_bytes=act,
+        transient_bytes=transient,
+        allowance_bytes=allowance,
+        peak_inflight_microbatches=inflight,
+        chunk_activation_bytes=chunk_bytes,
+    )
+
+
+def _recompute_transient(layout: StageLayout, model: ModelConfig, names: list[str],
+                         settings: MemorySettings) -> float:
+    """Recomputation rebuilds one unit's (or one attention core's) activations during its backward."""
+    recompute = unit_recompute(model, names)
+    sp = layout.sequence_parallel and layout.tp > 1
+    worst = 0
+    for n in names:
+        choice = recompute[n]
+        if choice is None:
+            continue
+        kind = unit_kind(n)
+        args = (kind, model, layout.micro_batch_size, layout.tp, sp)
+        worst = max(worst, unit_activation_bytes(*args, None, settings.device)
+                    - unit_activation_bytes(*args, choice, settings.device))
+    return float(worst)
+
+
+def precision_from(model: ModelConfig, distributed_optimizer: bool) -> PrecisionConfig:
+    return PrecisionConfig(param_bytes=dtype_size(model.params_dtype), distributed_optimizer=distributed_optimizer)

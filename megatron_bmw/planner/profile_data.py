@@ -1,0 +1,151 @@
+"""The profile file: measured (or analytic) unit times, saved bytes and link speeds, reused by later runs.
+
+JSON layout (format 1):
+  {"format": 1, "mode": "measured" | "analytic", "device": {"name", "kind", "threads"}, "dtype": "fp32",
+   "model": {hidden_size, num_attention_heads, ffn_hidden_size, seq_length, vocab_size, attention_backend,
+             hidden_dropout, attention_dropout},
+   "units": [{"kind", "tp", "micro_batch_size", "forward_s", "backward_s", "saved_bytes"}, ...],
+   "links": {"p2p": {"bandwidth_Bps", "latency_s"}, "allreduce": {...}},
+   "overhead": {"forward_s", "backward_s"}}     # per compute action of the engine, beside the units
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from ..config import ModelConfig
+from ..errors import UsageError
+from .cluster import DeviceType, Link
+from .flops import unit_forward_flops
+
+FORMAT = 1
+MODEL_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
+              "attention_backend", "hidden_dropout", "attention_dropout")
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def dtype_name(dtype) -> str:
+    """torch.float32 -> 'fp32' (the cluster files' names)."""
+    return _DTYPE_NAMES[str(dtype).replace("torch.", "")]
+
+
+def model_signature(model: ModelConfig) -> dict:
+    return {k: getattr(model, k) for k in MODEL_KEYS}
+
+
+@dataclass
+class UnitTiming:
+    kind: str
+    tp: int
+    micro_batch_size: int
+    forward_s: float
+    backward_s: float
+    saved_bytes: int | None = None
+
+
+@dataclass
+class Profile:
+    device: dict
+    dtype: str
+    model: dict
+    units: list[UnitTiming] = field(default_factory=list)
+    links: dict = field(default_factory=dict)
+    overhead: dict = field(default_factory=dict)
+    mode: str = "measured"
+
+    # ---- lookup ------------------------------------------------------------------------------------------------
+    def tps(self, kind: str) -> set[int]:
+        return {u.tp for u in self.units if u.kind == kind}
+
+    def unit_time(self, kind: str, tp: int, micro_batch_size: int, model: ModelConfig) -> tuple[float, float] | None:
+        """(forward, backward) seconds for `model`'s unit, or None when this tp was not profiled.
+
+        Linear in the micro-batch size between (and beyond) the profiled sizes; scaled by FLOPs when `model`
+        differs from the profiled model."""
+        points = sorted((u.micro_batch_size, u.forward_s, u.backward_s) for u in self.units
+                        if u.kind == kind and u.tp == tp)
+        if not points:
+            return None
+        fwd, bwd = _interpolate(points, micro_batch_size)
+        if model_signature(model) != self.model:
+            ours = unit_forward_flops(kind, model, micro_batch_size, tp)
+            theirs = unit_forward_flops(kind, self._model_config(), micro_batch_size, tp)
+            fwd, bwd = fwd * ours / theirs, bwd * ours / theirs
+        return fwd, bwd
+
+    def _model_config(self) -> ModelConfig:
+        return ModelConfig(num_layers=1, **self.model)
+
+    def achieved_flops(self) -> float:
+        """FLOP/s the device reached on the profiled MLP units (the best case), for rescaling to other devices."""
+        best = 0.0
+        for u in self.units:
+            if u.kind == "mlp" and u.tp == 1:
+                flops = unit_forward_flops("mlp", self._model_config(), u.micro_batch_size) * 3
+                best = max(best, flops / (u.forward_s + u.backward_s))
+        if best == 0.0:
+            raise UsageError("profile has no tp=1 MLP timing to derive the device speed from")
+        return best
+
+    def link(self, name: str) -> Link | None:
+        spec = self.links.get(name)
+        return Link(spec["bandwidth_Bps"], spec["latency_s"]) if spec else None
+
+    def device_type(self, memory_bytes: float) -> DeviceType:
+        """The profiled device as a cluster device type, its peak set to what it achieved."""
+        flops = self.achieved_flops()
+        return DeviceType(self.device.get("name", "local"), memory_bytes, {self.dtype: flops})
+
+    # ---- files ---------------------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "mode": self.mode, "device": self.device, "dtype": self.dtype, "model": self.model,
+                "units": [asdict(u) for u in self.units], "links": self.links, "overhead": self.overhead}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> Profile:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise UsageError(f"--profile {path}: no such file") from None
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--profile {path}: not valid JSON (line {exc.lineno})") from None
+        return cls.from_json(data, path)
+
+    @classmethod
+    def from_json(cls, data, where: str = "profile") -> Profile:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise UsageError(f"--profile {where}: not a format-{FORMAT} profile written by autoconfig.py profile")
+        try:
+            units = [UnitTiming(**u) for u in data["units"]]
+            model = data["model"]
+            missing = [k for k in MODEL_KEYS if k not in model]
+            if missing:
+                raise KeyError(missing[0])
+            return cls(device=data["device"], dtype=data["dtype"], model=model, units=units,
+                       links=data.get("links", {}), overhead=data.get("overhead", {}), mode=data.get("mode", "measured"))
+        except (KeyError, TypeError) as exc:
+            raise UsageError(f"--profile {where}: missing or malformed field {exc}") from None
+
+
+def _interpolate(points: list[tuple[int, float, float]], x: float) -> tuple[float, float]:
+    if len(points) == 1:
+        b, f, g = points[0]
+        return f * x / b, g * x / b
+    below = [p for p in points if p[0] <= x]
+    above = [p for p in points if p[0] >= x]
+    if below and above:
+        lo, hi = below[-1], above[0]
+    elif below:
+        lo, hi = points[-2], points[-1]
+    else:
+        lo, hi = points[0], points[1]
+    if hi[0] == lo[0]:
+        return lo[1], lo[2]
+    w = (x - lo[0]) / (hi[0] - lo[0])
+    return (max(0.0, lo[1] + w * (hi[1] - lo[1])), max(0.0, lo[2] + w * (hi[2] - lo[2])))

@@ -1,0 +1,355 @@
+"""Profiler: measure unit times, saved bytes and link speeds on this machine; or write an analytic profile.
+
+Measured mode runs each unit kind (embedding, attention, MLP, head) of a one-layer model exactly as the
+engine does (the unit called on the hidden state, one autograd.backward per micro-batch, gradients
+accumulated into fp32 main_grad by GradSync's hooks), over micro-batch sizes and tensor-parallel degrees; a
+tensor-parallel degree t runs on t local processes (gloo on CPU, NCCL on GPUs). It also times the engine's
+own per-action overhead (a one-stage pipeline against the sum of its units) and fits latency + bytes /
+bandwidth to point-to-point and all-reduce timings between local ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig, ParallelConfig
+from ..errors import UsageError
+from .cluster import DeviceType
+from .flops import unit_forward_flops
+from .memory_model import UNIT_KINDS, unit_activation_bytes
+from .profile_data import Profile, UnitTiming, dtype_name, model_signature
+from .saved_bytes import measure_saved
+
+_UNIT_OF_KIND = {"embedding": "embedding", "attention": "attn_0", "mlp": "mlp_0", "head": "head"}
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+    tp_sizes: tuple[int, ...] = (1,)
+    warmup: int = 2
+    repeats: int = 5
+    threads: int = 1
+    links: bool = True  # measure p2p and all-reduce between two local ranks
+    overhead: bool = True  # measure the engine's per-action overhead
+    rounds: int = 1  # sweeps over all entries; more spread the samples over time
+    statistic: str = "median"  # or "min": robust to other jobs on a shared machine
+    comm_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+
+    def __post_init__(self) -> None:
+        if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
+            raise UsageError("--profile-micro-batch-sizes needs positive integers, e.g. 1,2,4")
+        if not self.tp_sizes or min(self.tp_sizes) < 1:
+            raise UsageError("--profile-tp needs positive integers, e.g. 1,2")
+        if self.repeats < 1 or self.warmup < 0:
+            raise UsageError(f"--profile-repeats must be >= 1 (got {self.repeats})")
+        if self.statistic not in ("median", "min"):
+            raise UsageError(f"--profile-statistic must be median or min, not {self.statistic!r}")
+
+
+def _batch(model: ModelConfig, b: int, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.vocab_size, (b, model.seq_length + 1), generator=g)
+    return {"tokens": tokens[:, :-1].clone().to(device), "labels": tokens[:, 1:].clone().to(device),
+            "loss_mask": torch.ones(b, model.seq_length, device=device)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stat(values: list[float], statistic: str) -> float:
+    return min(values) if statistic == "min" else statistics.median(values)
+
+
+def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, repeats: int = 5,
+               seed: int = 1234, barrier=None, statistic: str = "median", rounds: int = 1) -> list[UnitTiming]:
+    """Forward/backward seconds and saved bytes of every unit kind on this process (tp from `state`).
+
+    The sweep over micro-batch sizes and kinds runs `rounds` times with `repeats` samples each, so the samples
+    of one entry spread over the whole profiling time; `barrier` (all profiling processes) starts each entry's
+    samples together (not each sample: lock-stepped identical kernels contend more than a pipeline's do)."""
+    from ..models.gpt import build_units
+    from ..parallel.grad_sync import GradSync
+
+    one_layer = ModelConfig(**{**model.__dict__, "num_layers": 1})
+    units = build_units(one_layer, state, seed)
+    params = [p for u in units.values() for p in u.parameters()]
+    shared = [units["embedding"].word_embeddings.weight]
+    sync = GradSync(params, state)
+    tp = state.tp_size
+    seq = model.seq_length // tp if state.sequence_parallel else model.seq_length
+    samples: dict[tuple[int, str], tuple[list[float], list[float]]] = {}
+    saved: dict[tuple[int, str], int] = {}
+    batches = {b: _batch(model, b, state.device) for b in micro_batch_sizes}
+    entries = [(b, kind) for b in micro_batch_sizes for kind in UNIT_KINDS]
+    for r in range(rounds):
+        for b, kind in entries:
+            unit = units[_UNIT_OF_KIND[kind]]
+            fwd, bwd = samples.setdefault((b, kind), ([], []))
+            if barrier is not None:
+                barrier()
+            for it in range(warmup + repeats):
+                hidden = None
+                if kind != "embedding":
+                    hidden = torch.randn(seq, b, model.hidden_size, dtype=model.params_dtype,
+                                         device=state.device, requires_grad=True)
+                _sync(state.device)
+                t0 = time.perf_counter()
+                if (b, kind) not in saved:  # the hooks cost time: measure bytes in a warm-up iteration only
+                    rec, y = measure_saved(lambda: unit(hidden, batches[b]), params + shared)
+                    saved[(b, kind)] = rec.total
+                else:
+                    y = unit(hidden, batches[b])
+                _sync(state.device)
+                t1 = time.perf_counter()
+                if kind == "head":
+                    torch.autograd.backward(y)
+                else:
+                    torch.autograd.backward(y, torch.ones_like(y))
+                _sync(state.device)
+                t2 = time.perf_counter()
+                if it >= warmup:
+                    fwd.append(t1 - t0)
+                    bwd.append(t2 - t1)
+                del y
+    sync.remove_hooks()
+    return [UnitTiming(kind, tp, b, _stat(samples[(b, kind)][0], statistic), _stat(samples[(b, kind)][1], statistic),
+                       saved[(b, kind)]) for b in micro_batch_sizes for kind in UNIT_KINDS]
+
+
+def time_engine_overhead(state, num_microbatches: int = 8, repeats: int = 5, seed: int = 1234, barrier=None,
+                         statistic: str = "median") -> dict:
+    """Per compute action, the engine's own time beside its units (slots, batches, loss, tracing, the
+    gradient hooks' bookkeeping), measured on a tiny one-layer model whose units cost next to nothing: the
+    engine's run time minus the same units timed alone. Unit times of the real model carry no such cost."""
+    from ..parallel.grad_sync import GradSync
+    from ..pipeline.engine import PipelineEngine
+    from ..pipeline.stages import hidden_shape, pipeline_setup
+
+    tiny = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8,
+                       attention_backend="unfused")
+    b = 1
+    units = time_units(tiny, state, (b,), warmup=1, repeats=repeats, seed=seed, barrier=barrier, statistic=statistic)
+    chunks, sched, _ = pipeline_setup(tiny, state, seed, num_microbatches)
+    params = [p for c in chunks for p in c.parameters()]
+    sync = GradSync(params, state)
+    engine = PipelineEngine(chunks, state, sched, hidden_shape(tiny, state, b), tiny.params_dtype)
+    batches = [_batch(tiny, b, state.device, seed=i) for i in range(num_microbatches)]
+    times = []
+    for it in range(repeats + 1):
+        _sync(state.device)
+        if barrier is not None:
+            barrier()
+        t0 = time.perf_counter()
+        engine.run(lambda i: batches[i], grad_sync=sync)
+        _sync(state.device)
+        if it:
+            times.append(time.perf_counter() - t0)
+        sync.zero()
+    sync.remove_hooks()
+    per_mb = sum(u.forward_s + u.backward_s for u in units)
+    extra = max(0.0, (_stat(times, statistic) / num_microbatches - per_mb) / 2)
+    return {"forward_s": extra, "backward_s": extra}
+
+
+def _fit_link(points: list[tuple[int, float]], scale: float = 1.0) -> dict:
+    """Least-squares t = latency + scale * bytes / bandwidth."""
+    n = len(points)
+    xs = [scale * x for x, _ in points]
+    ys = [y for _, y in points]
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    big_x, big_y = max(zip(xs, ys))
+    if slope <= 0 or slope * big_x > big_y:  # noise: fall back to the largest message alone
+        slope = max(big_y - min(ys), 1e-12) / big_x
+    latency = max(0.0, my - slope * mx)
+    return {"bandwidth_Bps": 1.0 / slope, "latency_s": latency, "points": [[x, y] for x, y in points]}
+
+
+def time_links(sizes, repeats: int = 5, device: torch.device | None = None, statistic: str = "median") -> dict:
+    """Between global ranks 0 and 1: one-way p2p time by ping-pong, and all-reduce over all ranks."""
+    import torch.distributed as dist
+
+    device = device or torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p2p, ar = [], []
+    for size in sizes:
+        buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        samples = []
+        for it in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            _sync(device)
+            if it:
+                samples.append((time.perf_counter() - t0) / 2)
+        p2p.append((size, _stat(samples, statistic)))
+        samples = []
+        for it in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            _sync(device)
+            if it:
+                samples.append(time.perf_counter() - t0)
+        ar.append((size, _stat(samples, statistic)))
+    links = {"p2p": _fit_link(p2p)}
+    # ring all-reduce moves 2(n-1)/n of the bytes over the slowest link
+    links["allreduce"] = _fit_link(ar, 2 * (world - 1) / world)
+    links["allreduce"]["ranks"] = world
+    return links
+
+
+# ---- multi-process driver -----------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, model: ModelConfig, settings: ProfileSettings, tp: int, sp: bool,
+            queue) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from ..parallel.state import ParallelState
+
+    torch.set_num_threads(settings.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
+        result: dict = {}
+        if tp:
+            state = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp))
+            result["tp_group"] = state.dp_rank
+            units = time_units(model, state, settings.micro_batch_sizes, settings.warmup, settings.repeats,
+                               barrier=dist.barrier, statistic=settings.statistic, rounds=settings.rounds)
+            result["units"] = units
+        else:
+            device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+            result["links"] = time_links(settings.comm_sizes, settings.repeats, device, settings.statistic)
+        queue.put((rank, result))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        queue.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
+
+
+def _spawn(world: int, model: ModelConfig, settings: ProfileSettings, tp: int, sp: bool) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, model, settings, tp, sp, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    try:
+        while len(results) < world:
+            rank, value = queue.get(timeout=900)
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    errors = [f"rank {r}: {v['error']}" for r, v in sorted(results.items()) if "error" in v]
+    if errors:
+        raise RuntimeError("profiling failed: " + "; ".join(errors))
+    return [results[r] for r in range(world)]
+
+
+def _merge_ranks(results: list[dict]) -> list[UnitTiming]:
+    """Tensor-parallel ranks wait for each other: the slowest rank of the group (groups, were there several,
+    averaged)."""
+    groups: dict[int, list[list[UnitTiming]]] = {}
+    for r in results:
+        groups.setdefault(r["tp_group"], []).append(r["units"])
+    slowest = []
+    for members in groups.values():
+        slowest.append([UnitTiming(e[0].kind, e[0].tp, e[0].micro_batch_size, max(x.forward_s for x in e),
+                                   max(x.backward_s for x in e), e[0].saved_bytes) for e in zip(*members)])
+    return [UnitTiming(e[0].kind, e[0].tp, e[0].micro_batch_size, statistics.mean(x.forward_s for x in e),
+                       statistics.mean(x.backward_s for x in e), e[0].saved_bytes) for e in zip(*slowest)]
+
+
+def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(),
+                sequence_parallel: bool = False) -> Profile:
+    """Measure everything on this machine. tp=1 runs in this process; larger degrees in spawned processes."""
+    from ..parallel.state import ParallelState
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        units: list[UnitTiming] = []
+        overhead: dict = {}
+        for tp in settings.tp_sizes:
+            model.check_tensor_parallel(tp)
+            if tp == 1:
+                state = ParallelState.serial(device)
+                timed = time_units(model, state, settings.micro_batch_sizes, settings.warmup, settings.repeats,
+                                   statistic=settings.statistic, rounds=settings.rounds)
+                units += timed
+                if settings.overhead:
+                    overhead = time_engine_overhead(state, repeats=max(5, settings.repeats * settings.rounds),
+                                                    statistic=settings.statistic)
+            else:
+                units += _merge_ranks(_spawn(tp, model, settings, tp, sequence_parallel))
+        links = _spawn(2, model, settings, 0, False)[0]["links"] if settings.links else {}
+    finally:
+        torch.set_num_threads(previous)
+    name = torch.cuda.get_device_name(0) if cuda else f"cpu-{settings.threads}-thread"
+    info = {"name": name, "kind": "cuda" if cuda else "cpu", "threads": settings.threads,
+            "statistic": settings.statistic,
+            "memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else _host_memory()}
+    if sequence_parallel:
+        info["sequence_parallel"] = True
+    return Profile(device=info, dtype=dtype_name(model.params_dtype), model=model_signature(model), units=units,
+                   links=links, overhead=overhead, mode="measured")
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def analytic_profile(model: ModelConfig, device: DeviceType, settings: ProfileSettings = ProfileSettings(),
+                     achievable_fraction: float = 0.5) -> Profile:
+    """Unit times for a device that is not here: FLOPs / (peak x achievable fraction), backward = 2 x forward.
+    Tensor-parallel collectives are left to the cost model (so only tp=1 entries are written)."""
+    if not 0 < achievable_fraction <= 1:
+        raise UsageError(f"--achievable-fraction must be in (0, 1], got {achievable_fraction}")
+    dtype = dtype_name(model.params_dtype)
+    rate = device.peak(dtype) * achievable_fraction
+    units = []
+    for b in settings.micro_batch_sizes:
+        for kind in UNIT_KINDS:
+            fwd = unit_forward_flops(kind, model, b) / rate
+            units.append(UnitTiming(kind, 1, b, fwd, 2 * fwd, unit_activation_bytes(kind, model, b)))
+    info = {"name": device.name, "kind": "analytic", "achievable_fraction": achievable_fraction,
+            "memory_bytes": device.memory_bytes}
+    return Profile(device=info, dtype=dtype, model=model_signature(model), units=units, mode="analytic")

@@ -1,0 +1,153 @@
+"""tools/autoconfig.py: estimate, simulate and profile, JSON shapes, and one-line errors with exit code 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_bmw.planner.cli import main
+from megatron_bmw.planner.memory_model import total_parameters
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "200", "--micro-batch-size", "2"]
+STAGE_KEYS = {"params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes",
+              "peak_inflight_microbatches"}
+
+
+def _json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_estimate_json(capsys):
+    argv = ["estimate", "--cluster", "aws-p3.8xlarge", "--num-nodes", "2", *MODEL, "--pipeline-model-parallel-size",
+            "4", "--global-batch-size", "16", "--bf16", "--json"]
+    data = _json(capsys, argv)
+    assert data["parameters_total"] > 0 and data["activation_bytes_per_layer"] > 0
+    assert len(data["stages"]) == 4 and all(STAGE_KEYS <= set(s) for s in data["stages"])
+    assert [s["peak_inflight_microbatches"] for s in data["stages"]] == [4, 3, 2, 1]
+    assert data["fits"] is True and data["layout"]["dp"] == 2
+    # bf16: 2-byte params, fp32 grads, fp32 master + Adam moments
+    s0 = data["stages"][0]
+    assert s0["grads_bytes"] == 2 * s0["params_bytes"] and s0["optimizer_bytes"] == 6 * s0["params_bytes"]
+
+
+def test_estimate_detects_oom(capsys):
+    argv = ["estimate", "--cluster", "aws-g4dn.12xlarge", "--num-layers", "48", "--hidden-size", "4096",
+            "--num-attention-heads", "32", "--seq-length", "2048", "--vocab-size", "50257", "--micro-batch-size", "4",
+            "--world-size", "1", "--json"]
+    data = _json(capsys, argv)
+    assert data["fits"] is False and data["parameters_total"] > 9e9
+    assert main(argv[:-1]) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_simulate_json_and_timeline(capsys, tmp_path):
+    png = tmp_path / "t.png"
+    argv = ["simulate", "--cluster", "a100-40g-ib", *MODEL, "--pipeline-model-parallel-size", "2",
+            "--tensor-model-parallel-size", "2", "--global-batch-size", "32", "--world-size", "8",
+            "--pipeline-partition", "4,6", "--json", "--timeline", str(png)]
+    data = _json(capsys, argv)
+    assert data["iteration_time_s"] > 0 and 0 <= data["bubble_fraction"] < 1
+    assert data["master_stage"] in (0, 1)
+    for s in data["stages"]:
+        assert STAGE_KEYS | {"busy_s", "idle_s"} <= set(s)
+        assert s["busy_s"] + s["idle_s"] == pytest.approx(data["iteration_time_s"])
+    assert data["layout"]["partition"] == [4, 6]
+    assert png.exists() and png.stat().st_size > 1000
+
+
+def test_interleaved_and_gpipe(capsys):
+    big = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+           "--micro-batch-size", "2"]  # compute, not link latency, dominates
+    base = ["simulate", "--cluster", "h100-80g-ib", *big, "--pipeline-model-parallel-size", "2",
+            "--global-batch-size", "16", "--world-size", "2", "--json"]
+    inter = _json(capsys, base + ["--num-layers-per-virtual-pipeline-stage", "1"])
+    plain = _json(capsys, base)
+    gpipe = _json(capsys, base + ["--pipeline-schedule", "gpipe"])
+    assert inter["layout"]["schedule"] == "interleaved" and inter["bubble_fraction"] < plain["bubble_fraction"]
+    assert gpipe["stages"][0]["peak_inflight_microbatches"] == 8
+
+
+def test_profile_then_simulate_locally(capsys, tmp_path):
+    prof = tmp_path / "prof.json"
+    assert main(["profile", "--output", str(prof), *MODEL, "--profile-micro-batch-sizes", "1,2",
+                 "--profile-repeats", "1", "--profile-warmup", "0", "--no-links"]) == 0
+    capsys.readouterr()
+    data = json.loads(prof.read_text())
+    assert {u["kind"] for u in data["units"]} == {"embedding", "attention", "mlp", "head"}
+    assert all(u["saved_bytes"] > 0 for u in data["units"])
+    # a measured profile without links cannot describe the local cluster, but works on a described one
+    with pytest.raises(SystemExit) as err:
+        main(["simulate", "--profile", str(prof), *MODEL, "--pipeline-model-parallel-size", "2"])
+    assert err.value.code == 2
+    assert "no measured links" in capsys.readouterr().err
+    sim = _json(capsys, ["simulate", "--cluster", "aws-p3.8xlarge", "--profile", str(prof), *MODEL,
+                         "--pipeline-model-parallel-size", "2", "--world-size", "2", "--json"])
+    assert sim["iteration_time_s"] > 0
+    data["links"] = {"p2p": {"bandwidth_Bps": 1e9, "latency_s": 1e-4}}
+    prof.write_text(json.dumps(data))
+    local = _json(capsys, ["simulate", "--profile", str(prof), *MODEL, "--pipeline-model-parallel-size", "2",
+                           "--global-batch-size", "8", "--json"])
+    assert local["cluster"] == "local" and local["iteration_time_s"] > 0
+
+
+def test_analytic_profile(capsys, tmp_path):
+    prof = tmp_path / "a.json"
+    assert main(["profile", "--analytic", "--cluster", "aws-g4dn.12xlarge", "--output", str(prof), *MODEL,
+                 "--achievable-fraction", "0.4"]) == 0
+    data = json.loads(prof.read_text())
+    assert data["mode"] == "analytic" and data["device"]["name"] == "t4"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["estimate", "--cluster", "nope.yaml"], "--cluster nope.yaml: not a built-in cluster"),
+    (["estimate", "--cluster", "aws-p3.8xlarge", "--tensor-model-parallel-size", "3"],
+     "world size 4 is not divisible by --tensor-model-parallel-size 3"),
+    (["simulate", "--cluster", "aws-p3.8xlarge", "--world-size", "8"], "--world-size 8 exceeds the 4 GPUs"),
+    (["estimate", "--cluster", "local", "--pipeline-model-parallel-size", "2", "--pipeline-partition", "3,3"],
+     "--pipeline-partition 3,3: sums to 6"),
+    (["simulate", "--cluster", "aws-p3.8xlarge", "--achievable-fraction", "2"], "--achievable-fraction"),
+])
+def test_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as err:
+        main(argv + MODEL)
+    assert err.value.code == 2
+    out = capsys.readouterr().err
+    assert out.startswith("error: ") and message in out and out.count("\n") == 1
+
+
+def test_bad_cluster_file_exit_code(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("device_types: {x: {memory_gb: 8, peak_tflops: {fp32: 1}}}\ngroups: []\ninter_node: {}\n")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "autoconfig.py"), "estimate", "--cluster",
+                           str(bad), *MODEL], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: {bad}: groups is empty\n"
+
+
+def test_parameters_total_matches_model(capsys):
+    from megatron_bmw.config import ModelConfig
+
+    data = _json(capsys, ["estimate", "--cluster", "local", *MODEL, "--json", "--world-size", "1"])
+    padded = 256  # 200 padded to a multiple of 128
+    cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=padded)
+    assert data["parameters_total"] == total_parameters(cfg)
+
+
+def test_bpipe_and_slicing_flags(capsys):
+    base = ["estimate", "--cluster", "a100-80g-ib", *MODEL, "--pipeline-model-parallel-size", "8",
+            "--num-layers", "8", "--global-batch-size", "32", "--world-size", "8", "--json"]
+    plain = _json(capsys, base)
+    bpipe = _json(capsys, base + ["--bpipe"])
+    assert [s["peak_inflight_microbatches"] for s in plain["stages"]] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert max(s["peak_inflight_microbatches"] for s in bpipe["stages"]) <= 5  # mu_opt(8)
+    assert bpipe["layout"]["bpipe"] is True
+    sim = _json(capsys, ["simulate"] + base[1:] + ["--microbatch-slicing", "auto"])
+    assert sim["layout"]["sliced_microbatches"] >= 1
+    with pytest.raises(SystemExit):
+        main(["estimate"] + base[1:] + ["--microbatch-slicing", "2", "--micro-batch-size", "1"])
+    assert "--microbatch-slicing needs an even --micro-batch-size" in capsys.readouterr().err

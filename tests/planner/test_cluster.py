@@ -1,0 +1,93 @@
+"""Cluster descriptions: built-ins, links, heterogeneous groups, bandwidth matrices, and bad files."""
+
+import copy
+
+import pytest
+
+from megatron_bmw.errors import UsageError
+from megatron_bmw.planner.cluster import BUILTIN, load_cluster, parse_cluster
+
+V100 = {"memory_gb": 16, "peak_tflops": {"fp32": 15.7, "fp16": 125}}
+T4 = {"memory_gb": 15, "peak_tflops": {"fp32": 8.1, "fp16": 65}}
+
+
+def _hetero() -> dict:
+    return copy.deepcopy({
+        "name": "hetero",
+        "device_types": {"v100": V100, "t4": T4},
+        "groups": [
+            {"nodes": 3, "gpus_per_node": 4, "device": "v100", "intra_node": {"bandwidth_GBps": 45, "latency_us": 8}},
+            {"nodes": 1, "gpus_per_node": 4, "device": "t4", "intra_node": {"bandwidth_GBps": 6.25}},
+        ],
+        "inter_node": {"bandwidth_GBps": 1.25, "latency_us": 30},
+    })
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_builtins_load(name):
+    c = load_cluster(name)
+    assert c.num_gpus >= 1
+    for g in c.groups:
+        assert g.device.memory_bytes > 0 and g.device.peak_flops
+
+
+def test_num_nodes_resizes_and_links():
+    c = load_cluster("a100-80g-ib", num_nodes=4)
+    assert (c.num_gpus, c.num_nodes) == (32, 4)
+    nvlink, ib = c.link(0, 7), c.link(7, 8)
+    assert nvlink.bandwidth == pytest.approx(230e9) and ib.bandwidth == pytest.approx(23e9)
+    assert c.slowest_link([0, 1, 8]).bandwidth == ib.bandwidth
+    assert load_cluster("h100-80g-ib").device(0).peak("bf16") == pytest.approx(989e12)
+
+
+def test_heterogeneous_groups():
+    c = parse_cluster(_hetero())
+    assert c.num_gpus == 16
+    assert c.device(11).name == "v100" and c.device(12).name == "t4"
+    assert c.link(12, 13).bandwidth == pytest.approx(6.25e9)
+    assert c.link(0, 12).bandwidth == pytest.approx(1.25e9)
+    assert c.link(0, 1).latency == pytest.approx(8e-6)
+
+
+def test_bandwidth_matrix_overrides_links():
+    data = {"device_types": {"t4": T4},
+            "groups": [{"nodes": 1, "gpus_per_node": 3, "device": "t4", "intra_node": {"bandwidth_GBps": 10}}],
+            "inter_node": {"bandwidth_GBps": 1}, "bandwidth_matrix_GBps": [[0, 5, 1], [5, 0, 2], [1, 2, 0]],
+            "matrix_latency_us": 3}
+    c = parse_cluster(data)
+    assert c.link(0, 1).bandwidth == pytest.approx(5e9) and c.link(2, 0).bandwidth == pytest.approx(1e9)
+    assert c.link(1, 2).latency == pytest.approx(3e-6)
+    assert c.slowest_link([0, 1, 2]).bandwidth == pytest.approx(1e9)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d.pop("inter_node"), "missing 'inter_node'"),
+    (lambda d: d["groups"][0].update(device="a100"), "device 'a100' is not one of device_types"),
+    (lambda d: d["groups"][0].update(nodes=0), "'nodes' must be an integer >= 1"),
+    (lambda d: d["device_types"]["v100"].update(memory_gb=-1), "'memory_gb' must be a positive number"),
+    (lambda d: d["device_types"]["v100"]["peak_tflops"].update(fp8=1), "unknown dtype 'fp8'"),
+    (lambda d: d.update(bandwidth_matrix_GBps=[[0, 1]]), "must be 16 rows of 16 numbers"),
+    (lambda d: d.update(colour="red"), "unknown key 'colour'"),
+    (lambda d: d["groups"][1]["intra_node"].update(bandwidth_GBps="fast"), "'bandwidth_GBps' must be a positive"),
+])
+def test_bad_descriptions_give_one_line(mutate, match):
+    data = _hetero()
+    mutate(data)
+    with pytest.raises(UsageError, match=match) as err:
+        parse_cluster(data, "c.yaml")
+    assert "\n" not in str(err.value) and str(err.value).startswith("c.yaml")
+
+
+def test_bad_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("groups: [\n")
+    with pytest.raises(UsageError, match="not valid YAML"):
+        load_cluster(str(bad))
+    with pytest.raises(UsageError, match="not a built-in cluster"):
+        load_cluster("no-such-cluster")
+    with pytest.raises(UsageError, match="has 2 node groups"):
+        load_cluster("amp-heterogeneous", num_nodes=3)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(UsageError, match="expected a mapping"):
+        load_cluster(str(lst))

@@ -1,0 +1,132 @@
+"""Cost model: collective formulas, analytic and profiled unit times, device scaling, gradient sync."""
+
+import pytest
+import torch
+
+from megatron_bmw.config import ModelConfig
+from megatron_bmw.errors import UsageError
+from megatron_bmw.pipeline.schedule import Action, Kind
+from megatron_bmw.planner.cluster import Link, load_cluster, parse_cluster
+from megatron_bmw.planner.cost_model import CostModel, CostSettings, allgather_time, allreduce_time
+from megatron_bmw.planner.evaluate import simulate_run
+from megatron_bmw.planner.flops import unit_forward_flops
+from megatron_bmw.planner.memory_model import unit_activation_bytes
+from megatron_bmw.planner.profile_data import Profile, UnitTiming, model_signature
+from megatron_bmw.planner.spec import RunSpec
+
+MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32)
+
+
+def _spec(**kw) -> RunSpec:
+    base = dict(model=MODEL, tp=1, pp=2, dp=1, micro_batch_size=2, num_microbatches=4, partition=(5, 5))
+    base.update(kw)
+    return RunSpec(**base)
+
+
+def test_collective_formulas():
+    link = Link(10e9, 1e-5)
+    assert allreduce_time(1e9, 4, link) == pytest.approx(2 * 3 / 4 * 0.1 + 6e-5)
+    assert allgather_time(1e9, 4, link) == pytest.approx(3 / 4 * 0.1 + 3e-5)
+    assert allreduce_time(1e9, 1, link) == 0.0
+    assert link.time(1e6) == pytest.approx(1e-5 + 1e-4)
+
+
+def test_analytic_unit_times():
+    cluster = load_cluster("a100-80g-ib")
+    cost = CostModel(_spec(), cluster, settings=CostSettings(achievable_fraction=0.5))
+    device = cluster.device(0)
+    fwd, bwd = cost.unit_times("mlp", None, device, 0)
+    flops = unit_forward_flops("mlp", MODEL, 2)
+    kept = unit_activation_bytes("mlp", MODEL, 2)  # elementwise traffic over HBM
+    assert fwd == pytest.approx(flops / (19.5e12 * 0.5) + 2 * kept / (2039e9 * 0.5))
+    assert bwd == pytest.approx(2 * fwd)
+    full_f, full_b = cost.unit_times("mlp", "full", device, 0)
+    assert full_b == pytest.approx(bwd + fwd)
+    sel_f, sel_b = cost.unit_times("attention", "selective", device, 0)
+    plain_f, plain_b = cost.unit_times("attention", None, device, 0)
+    assert plain_b < sel_b < plain_b + plain_f
+
+
+def test_heterogeneous_stages_scale_with_peak():
+    data = {"device_types": {"fast": {"memory_gb": 16, "peak_tflops": {"fp32": 20}},
+                             "slow": {"memory_gb": 16, "peak_tflops": {"fp32": 10}}},
+            "groups": [{"nodes": 1, "gpus_per_node": 1, "device": "fast", "intra_node": {"bandwidth_GBps": 50}},
+                       {"nodes": 1, "gpus_per_node": 1, "device": "slow", "intra_node": {"bandwidth_GBps": 50}}],
+            "inter_node": {"bandwidth_GBps": 2, "latency_us": 10}}
+    cluster = parse_cluster(data)
+    cost = CostModel(_spec(partition=(5, 5)), cluster)
+    assert [d.name for d in cost.devices] == ["fast", "slow"]
+    fast = cost.unit_times("mlp", None, cost.devices[0], 0)[0]
+    assert cost.unit_times("mlp", None, cost.devices[1], 1)[0] == pytest.approx(2 * fast)
+    nbytes = 32 * 2 * 64 * 4
+    assert cost.transfer_time(0, 1, Action(Kind.SEND_ACT, 0)) == pytest.approx(10e-6 + nbytes / 2e9)
+
+
+def _profile(name="profdev") -> Profile:
+    units = []
+    for b, scale in ((1, 1.0), (4, 3.0)):
+        for kind, t in (("embedding", 1e-4), ("attention", 1e-3), ("mlp", 2e-3), ("head", 5e-4)):
+            units.append(UnitTiming(kind, 1, b, t * scale, 2 * t * scale))
+    units.append(UnitTiming("mlp", 2, 1, 1.5e-3, 3e-3))
+    return Profile(device={"name": name, "kind": "cpu"}, dtype="fp32", model=model_signature(MODEL), units=units,
+                   links={"p2p": {"bandwidth_Bps": 1e9, "latency_s": 1e-4}})
+
+
+def test_profile_interpolation_and_tp():
+    prof = _profile()
+    fwd, bwd = prof.unit_time("mlp", 1, 2, MODEL)
+    assert fwd == pytest.approx(2e-3 * (1 + (3 - 1) / 3))  # linear between mbs 1 and 4
+    assert prof.unit_time("mlp", 2, 1, MODEL) == (1.5e-3, 3e-3)
+    assert prof.unit_time("attention", 2, 1, MODEL) is None
+    bigger = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=256, seq_length=32)
+    assert prof.unit_time("mlp", 1, 1, bigger)[0] == pytest.approx(4 * 2e-3)  # FLOPs scale with h^2
+
+
+def test_profiled_device_matches_local_cluster_exactly():
+    from megatron_bmw.planner.cluster import local_cluster
+
+    prof = _profile()
+    cluster = local_cluster(2, prof.device_type(8e9), prof.link("p2p"))
+    cost = CostModel(_spec(micro_batch_size=1), cluster, prof)
+    # stage 0 = embedding + 2 layers; stage 1 = 2 layers + head
+    assert cost.chunk_forward[0][0] == pytest.approx(1e-4 + 2 * (1e-3 + 2e-3))
+    assert cost.chunk_backward[1][0] == pytest.approx(2 * (2 * (1e-3 + 2e-3) + 5e-4))
+    # a foreign device: times rescaled by achieved / (peak x fraction)
+    a100 = load_cluster("a100-80g-ib")
+    cost2 = CostModel(_spec(micro_batch_size=1), a100, prof, CostSettings(achievable_fraction=0.5))
+    k = prof.achieved_flops() / (19.5e12 * 0.5)
+    assert cost2.chunk_forward[0][0] == pytest.approx(cost.chunk_forward[0][0] * k)
+
+
+def test_gradient_sync_and_overlap():
+    cluster = load_cluster("a100-80g-ib", num_nodes=2)
+    plain = CostModel(_spec(dp=4), cluster)
+    sync = plain.dp_sync_time(0)
+    assert sync == pytest.approx(allreduce_time(4.0 * plain.params[0], 4, plain.dp_link(0)))
+    ends = [1.0, 1.0]
+    last = [(0.9, 0.1), (0.9, 0.1)]
+    emb = plain.embedding_sync_time()
+    assert emb > 0
+    out = plain.finish_times(ends, last)
+    assert out[0] == pytest.approx(max(1.0 + sync, 1.0 + plain.dp_sync_time(1)) + emb)
+    over = CostModel(_spec(dp=4, overlap_grad_reduce=True), cluster, settings=CostSettings(overlap_factor=1.3))
+    o = over.finish_times(ends, last)
+    expect = 0.9 + max(0.1, sync) + 0.3 * min(0.1, sync)
+    assert o[1] >= expect - 1e-12 and o[0] < out[0]
+
+
+def test_layout_must_fit_cluster():
+    with pytest.raises(UsageError, match="needs 16 GPUs"):
+        CostModel(_spec(pp=2, dp=8), load_cluster("aws-p3.8xlarge"))
+
+
+def test_simulate_run_end_to_end():
+    cluster = load_cluster("aws-g4dn.12xlarge")
+    spec = _spec(pp=4, partition=(3, 2, 2, 3), num_microbatches=8, model=ModelConfig(
+        num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32, params_dtype=torch.float16))
+    ev = simulate_run(spec, cluster)
+    sim = ev.simulation
+    assert sim.iteration_time > sim.pipeline_time > 0
+    assert [m.peak_inflight_microbatches for m in ev.memory] == [4, 3, 2, 1]
+    assert 0 < sim.bubble_fraction < 1
+    assert sim.master_stage in range(4)

@@ -1,0 +1,54 @@
+"""Profiler: unit timings are positive, saved bytes agree with the memory model, link fits, profile files."""
+
+import json
+
+import pytest
+
+from megatron_bmw.config import ModelConfig
+from megatron_bmw.errors import UsageError
+from megatron_bmw.parallel.state import ParallelState
+from megatron_bmw.planner.cluster import load_cluster
+from megatron_bmw.planner.memory_model import unit_activation_bytes
+from megatron_bmw.planner.profile_data import Profile
+from megatron_bmw.planner.profiler import _fit_link, analytic_profile, time_engine_overhead, time_units
+
+MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
+                    attention_backend="unfused")
+
+
+def test_time_units_and_saved_bytes():
+    timings = time_units(MODEL, ParallelState.serial(), (1, 2), warmup=0, repeats=2)
+    assert len(timings) == 8
+    for t in timings:
+        assert t.forward_s > 0 and t.backward_s > 0
+        assert t.saved_bytes == unit_activation_bytes(t.kind, MODEL, t.micro_batch_size, device="cpu")
+
+
+def test_engine_overhead_is_non_negative():
+    out = time_engine_overhead(ParallelState.serial(), num_microbatches=2, repeats=1)
+    assert out["forward_s"] >= 0 and out["backward_s"] == out["forward_s"]
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    pts = [(n, 5e-5 + n / 2e9) for n in (1 << 10, 1 << 16, 1 << 20, 1 << 22)]
+    fit = _fit_link(pts)
+    assert fit["bandwidth_Bps"] == pytest.approx(2e9, rel=1e-6)
+    assert fit["latency_s"] == pytest.approx(5e-5, rel=1e-6)
+    noisy = _fit_link([(1 << 10, 3e-4), (1 << 20, 1e-4)])  # decreasing: fall back to the largest message
+    assert noisy["bandwidth_Bps"] > 0
+
+
+def test_analytic_profile_round_trip(tmp_path):
+    device = load_cluster("aws-g4dn.12xlarge").device(0)
+    prof = analytic_profile(MODEL, device, achievable_fraction=0.5)
+    assert prof.achieved_flops() == pytest.approx(8.1e12 * 0.5)
+    path = tmp_path / "p.json"
+    prof.save(str(path))
+    again = Profile.load(str(path))
+    assert again.units == prof.units and again.mode == "analytic"
+    path.write_text(json.dumps({"format": 1, "units": []}))
+    with pytest.raises(UsageError, match="missing or malformed field"):
+        Profile.load(str(path))
+    path.write_text("{")
+    with pytest.raises(UsageError, match="not valid JSON"):
+        Profile.load(str(path))
