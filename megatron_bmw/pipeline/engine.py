@@ -120,6 +120,7 @@ class PipelineEngine:
             if pending:
                 self._post(pending, slots, recvs, sends)
                 pending.clear()
+                sends[:] = [(w, t) for w, t in sends if not w.is_completed()]  # free what has gone out
 
         ctx = torch.no_grad() if forward_only else torch.enable_grad()
         settle = False  # BPipe sends posted before the last compute are completed once its own posts are out
