@@ -12,6 +12,8 @@ from ..data.tokenizers import build_tokenizer
 from ..errors import exit_on_usage_error
 from ..fused import HAVE_APEX, HAVE_TE
 from ..parallel.state import ParallelState, init_distributed
+from ..pipeline.slicing import num_sliced
+from .logging import format_validation_log
 from .loop import Trainer, count_parameters, print_first, print_last
 
 
@@ -35,8 +37,6 @@ def main(argv: list[str] | None = None) -> None:
     trainer.train()
     if trainer.test_data is not None and run.train.eval_iters > 0:
         loss = trainer.evaluate(trainer.test_data, run.train.eval_iters)
-        from .logging import format_validation_log
-
         print_last(state, format_validation_log(trainer.iteration, loss,
                                                 label=f"iteration {trainer.iteration} on test set"))
     trainer.finish()
@@ -46,14 +46,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _describe_pipeline(trainer, state: ParallelState) -> None:
-    from ..pipeline.slicing import num_sliced
-
     t = trainer.run.train
     extras = []
     if t.bpipe:
         extras.append("BPipe activation balancing on")
-        node = state.layout.world_size if trainer.run.parallel.gpus_per_node is None else trainer.run.parallel.gpus_per_node
-        node = int(os.environ.get("LOCAL_WORLD_SIZE", node)) if trainer.run.parallel.gpus_per_node is None else node
+        node = trainer.run.parallel.gpus_per_node
+        if node is None:  # default: the local world size (torchrun sets it), else one node for everything
+            node = int(os.environ.get("LOCAL_WORLD_SIZE", state.layout.world_size))
         split = state.layout.split_pairs(node)
         if split:
             extras.append(f"WARNING: {len(split)} BPipe pairs span two nodes (e.g. ranks {split[0]}); "
