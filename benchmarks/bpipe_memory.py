@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import format_table, median, run_gloo  # noqa: E402
-from megatron_bmw.config import ModelConfig, ParallelConfig  # noqa: E402
+from megatron_bmw.config import ModelConfig, ParallelConfig, PipelineConfig  # noqa: E402
 from megatron_bmw.parallel.state import ParallelState  # noqa: E402
 from megatron_bmw.pipeline.bpipe import mu_opt  # noqa: E402
 from megatron_bmw.pipeline.engine import PipelineEngine  # noqa: E402
@@ -48,8 +48,8 @@ def _body(rank: int, world: int, m: int, iters: int, hidden: int, seq: int, mbs:
     batches = _batches(cfg, m, mbs)
     engines = {}
     for bpipe in (False, True):
-        chunks, sched, _ = pipeline_setup(cfg, st, 1234, m, bpipe=bpipe)
-        engines[bpipe] = PipelineEngine(chunks, st, sched, hidden_shape(cfg, st, mbs), cfg.params_dtype,
+        chunks, sched, _ = pipeline_setup(cfg, st, 1234, PipelineConfig(mbs, m, bpipe=bpipe))
+        engines[bpipe] = PipelineEngine(chunks, st, sched, hidden_shape(cfg, st, mbs), cfg.torch_dtype,
                                         track_activations=True)
     for engine in engines.values():  # warm-up (and the class-size announcement)
         engine.run(lambda i: batches[i])

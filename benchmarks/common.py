@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import statistics
 import traceback
 
@@ -12,11 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_bmw.device import free_port
 
 
 def _gloo_worker(rank: int, world_size: int, port: int, threads: int, fn, args, results) -> None:

@@ -38,7 +38,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import format_table, median, run_gloo  # noqa: E402
-from megatron_bmw.config import ModelConfig, ParallelConfig  # noqa: E402
+from megatron_bmw.config import ModelConfig, ParallelConfig, PipelineConfig  # noqa: E402
 from megatron_bmw.parallel.state import ParallelState  # noqa: E402
 from megatron_bmw.pipeline.engine import PipelineEngine  # noqa: E402
 from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup  # noqa: E402
@@ -177,7 +177,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
                       attention_backend=args.attention)
     m, mbs = args.microbatches, args.micro_batch_size
     state = ParallelState.build(ParallelConfig(pipeline_model_parallel_size=P))
-    chunks, sched, parts = pipeline_setup(cfg, state, SEED, m, "1f1b")
+    chunks, sched, parts = pipeline_setup(cfg, state, SEED, PipelineConfig(mbs, m))
     chunk = chunks[0]
     params = [p for p in chunk.parameters() if p.requires_grad]
     micro = make_microbatches(cfg, mbs, m)
@@ -185,7 +185,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     first, last = state.is_first_stage, state.is_last_stage
 
     # -- ours --
-    engine = PipelineEngine(chunks, state, sched, shape, cfg.params_dtype)
+    engine = PipelineEngine(chunks, state, sched, shape, cfg.torch_dtype)
 
     def run_ours() -> list[float]:
         return engine.run(lambda i: micro[i]).losses
@@ -194,7 +194,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     # static stage metadata; requires_grad marks which activations carry gradients back
-    example_hidden = torch.empty(shape, dtype=cfg.params_dtype, requires_grad=True)
+    example_hidden = torch.empty(shape, dtype=cfg.torch_dtype, requires_grad=True)
     if first:
         adapter = FirstStageAdapter(chunk)
         stage = PipelineStage(adapter, state.pp_rank, P, state.device,
@@ -226,8 +226,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     _zero(params)
 
     # -- per-stage forward / backward probe of one micro-batch --
-    probe_in = None if first else torch.randn(shape, dtype=cfg.params_dtype, generator=torch.Generator().manual_seed(7))
-    probe_grad = torch.randn(shape, dtype=cfg.params_dtype, generator=torch.Generator().manual_seed(8))
+    probe_in = None if first else torch.randn(shape, dtype=cfg.torch_dtype, generator=torch.Generator().manual_seed(7))
+    probe_grad = torch.randn(shape, dtype=cfg.torch_dtype, generator=torch.Generator().manual_seed(8))
 
     def probe() -> tuple[float, float]:
         x = None if first else probe_in.detach().requires_grad_()

@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,8 +38,8 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_bmw.config import ModelConfig
-from megatron_bmw.pipeline.partition import parse_partition
+from megatron_bmw.config import ModelConfig, PipelineConfig
+from megatron_bmw.device import free_port
 from megatron_bmw.planner.cluster import local_cluster
 from megatron_bmw.planner.evaluate import simulate_run
 from megatron_bmw.planner.memory_model import (MemorySettings, activation_walk, chunk_saved_bytes,
@@ -63,6 +62,10 @@ class Case:
     partition: str | None
     m: int
     mbs: int = 2
+
+    def pipeline(self) -> PipelineConfig:
+        return PipelineConfig(self.mbs, self.m, self.schedule, partition=None if self.partition is None else
+                              tuple(int(x) for x in self.partition.split(",")))
 
 
 CASES = [
@@ -125,10 +128,10 @@ class _Runner:
         self.state = state = ParallelState.build(ParallelConfig(tensor_model_parallel_size=case.tp,
                                                                 pipeline_model_parallel_size=case.pp))
         set_seeds(SEED, state.tp_rank, state.pp_rank, state.rng)
-        chunks, sched, _ = pipeline_setup(model, state, SEED, case.m, case.schedule, 1, case.partition)
+        chunks, sched, _ = pipeline_setup(model, state, SEED, case.pipeline())
         self.sync = GradSync([p for c in chunks for p in c.parameters()], state)
         self.tracer = Tracer(state.rank, state.pp_rank)
-        self.engine = PipelineEngine(chunks, state, sched, hidden_shape(model, state, case.mbs), model.params_dtype,
+        self.engine = PipelineEngine(chunks, state, sched, hidden_shape(model, state, case.mbs), model.torch_dtype,
                                      tracer=self.tracer, track_activations=True)
         self.batches = _batches(model, case.mbs, case.m)
         self.walls: list[float] = []
@@ -225,7 +228,7 @@ def _combine_profile(model: ModelConfig, rounds: list[list[dict]], settings: Pro
                      quiet: Callable[[float], bool]) -> Profile:
     """Quiet rounds combined with the statistic (all rounds where none was quiet); tp=1 ranks (timed in turn)
     averaged, tp=2 ranks (one group) maxed. rounds[rank][round]."""
-    from megatron_bmw.planner.profile_data import UnitTiming, dtype_name, model_signature
+    from megatron_bmw.planner.profile_data import UnitTiming, model_signature
     from megatron_bmw.planner.profiler import _fit_link
 
     pick = min if settings.statistic == "min" else statistics.median
@@ -246,7 +249,7 @@ def _combine_profile(model: ModelConfig, rounds: list[list[dict]], settings: Pro
         links[name] = _fit_link([(x, y) for x, y in best], 1.0 if name == "p2p" else 2 * (2 - 1) / 2)
     info = {"name": "cpu-1-thread", "kind": "cpu", "threads": 1, "processes": 2, "statistic": settings.statistic,
             "memory_bytes": 8 * 2**30}
-    return Profile(device=info, dtype=dtype_name(model.params_dtype), model=model_signature(model), units=units,
+    return Profile(device=info, dtype=model.params_dtype, model=model_signature(model), units=units,
                    links=links, overhead={"forward_s": over, "backward_s": over}, mode="measured")
 
 
@@ -260,9 +263,7 @@ def measure(model: ModelConfig, cases: list[Case], warmup: int, rounds: int, per
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, model, cases, warmup, rounds, per_round, trace_dir,
                                                settings, queue)) for r in range(2)]
     for p in procs:
@@ -306,9 +307,7 @@ def measure(model: ModelConfig, cases: list[Case], warmup: int, rounds: int, per
 
 # ---- predictions -----------------------------------------------------------------------------------------------
 def predict(model: ModelConfig, case: Case, profile: Profile) -> dict:
-    spec = RunSpec(model=model, tp=case.tp, pp=case.pp, dp=1, micro_batch_size=case.mbs, num_microbatches=case.m,
-                   partition=tuple(parse_partition(case.partition, model.num_layers, case.pp)),
-                   schedule=case.schedule)
+    spec = RunSpec(model=model, tp=case.tp, pp=case.pp, dp=1, pipeline=case.pipeline())
     cluster = local_cluster(2, profile.device_type(float(profile.device.get("memory_bytes") or 8 * 2**30)),
                             profile.link("p2p"), profile.link("allreduce"))
     settings = MemorySettings(device="cpu")
@@ -347,18 +346,18 @@ def memory_check(model: ModelConfig, mbs: int = 2) -> list[dict]:
     """Per unit kind and dtype: predicted saved bytes vs the activation store's bytes (and our own hooks')."""
     from megatron_bmw.models.gpt import build_units
     from megatron_bmw.parallel.state import ParallelState
-    from megatron_bmw.planner.memory_model import unit_kind, unit_recompute
+    from megatron_bmw.units import recompute_from_flags, unit_kind
     from megatron_bmw.pipeline.activation_store import ActivationStore
     from megatron_bmw.planner.saved_bytes import measure_saved
 
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for recompute in (None, "selective", "full"):
-            cfg = ModelConfig(**{**MODEL, "num_layers": 1, "params_dtype": dtype,
-                                 "recompute_granularity": recompute})
-            units = build_units(cfg, ParallelState.serial(), SEED)
+            cfg = ModelConfig(**{**MODEL, "num_layers": 1, "params_dtype": dtype})
+            per_unit = recompute_from_flags(recompute, None, None, 1, [list(range(cfg.num_units))])
+            units = build_units(cfg, ParallelState.serial(), SEED, recompute=per_unit)
             params = [p for u in units.values() for p in u.parameters()]
-            choice = unit_recompute(cfg, list(units))
+            choice = dict(zip(units, per_unit or (None,) * cfg.num_units))
             batch = _batches(cfg, mbs, 1)[0]
             for name, unit in units.items():
                 hidden = None

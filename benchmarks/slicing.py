@@ -21,15 +21,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bpipe_memory import _batches  # noqa: E402
 from benchmarks.common import format_table, median, run_gloo  # noqa: E402
-from megatron_bmw.config import ModelConfig, ParallelConfig  # noqa: E402
+from megatron_bmw.config import ModelConfig, ParallelConfig, PipelineConfig  # noqa: E402
 from megatron_bmw.parallel.state import ParallelState  # noqa: E402
 from megatron_bmw.pipeline.engine import PipelineEngine  # noqa: E402
 from megatron_bmw.pipeline.generators import build_schedule  # noqa: E402
 from megatron_bmw.pipeline.replay import replay  # noqa: E402
 from megatron_bmw.pipeline.schedule import Kind  # noqa: E402
 from megatron_bmw.pipeline.slicing import num_sliced, slice_microbatches  # noqa: E402
-from megatron_bmw.pipeline.stage_timing import measure_stage_times  # noqa: E402
 from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup  # noqa: E402
+from megatron_bmw.planner.profiler import measure_stage_times  # noqa: E402
 
 
 def _body(rank: int, world: int, m: int, iters: int, hidden: int, seq: int, mbs: int) -> dict:
@@ -41,13 +41,13 @@ def _body(rank: int, world: int, m: int, iters: int, hidden: int, seq: int, mbs:
     measured = {}
 
     def times(chunks):
-        measured["t"] = measure_stage_times(chunks, st, lambda i: batches[i], shape, cfg.params_dtype)
+        measured["t"] = measure_stage_times(chunks, st, lambda i: batches[i], shape, cfg.torch_dtype)
         return measured["t"]
 
     engines, starts = {}, {}
     for name, slicing in (("K=0", 0), ("K=auto", "auto")):
-        chunks, sched, _ = pipeline_setup(cfg, st, 1234, m, slicing=slicing, micro_batch_size=mbs, stage_times=times)
-        engines[name] = (PipelineEngine(chunks, st, sched, shape, cfg.params_dtype), num_sliced(sched))
+        chunks, sched, _ = pipeline_setup(cfg, st, 1234, PipelineConfig(mbs, m, slicing=slicing), stage_times=times)
+        engines[name] = (PipelineEngine(chunks, st, sched, shape, cfg.torch_dtype), num_sliced(sched))
         stamps = starts[name] = []
         if st.is_last_stage:
             chunks[0].register_forward_pre_hook(lambda module, args, s=stamps: s.append(time.perf_counter()))

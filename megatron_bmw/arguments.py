@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
-
-import torch
-
-from .config import ModelConfig, ParallelConfig
-from .data.config import DataConfig
+from .config import (DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig, PipelineConfig, RunConfig,
+                     TrainConfig)
 from .errors import UsageError
+from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
-from .training.config import LRConfig, OptimizerConfig
+from .units import num_units, parse_recompute, recompute_from_flags
 
 # Megatron flags that only select fused kernels or internal implementations: accepted so existing launch
 # scripts run unchanged, reported once, and otherwise ignored.
@@ -59,11 +56,15 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--recompute-activations", action="store_true", help="Megatron's alias of --recompute-granularity selective")
+    g.add_argument("--recompute-units", type=str, default=None,
+                   help="recomputation of every unit, e.g. none,selective,full,... over [embedding, attn_0, mlp_0, ..., head]")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="model chunks per pipeline rank (interleaved 1F1B); with --pipeline-partition any unit split")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -81,6 +82,8 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="halve the first K micro-batches to shorten the pipeline start-up (K >= 0, or auto)")
     g.add_argument("--log-activation-memory", action="store_true",
                    help="every pipeline rank prints its peak saved activations at the end")
+    g.add_argument("--plan", type=str, default=None,
+                   help="run the plan file written by tools/autoconfig.py search (other flags must agree with it)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
@@ -160,57 +163,76 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     return args
 
 
-@dataclass
-class TrainConfig:
-    micro_batch_size: int
-    global_batch_size: int
-    num_microbatches: int
-    train_iters: int
-    seed: int = 1234
-    schedule: str = "1f1b"
-    pipeline_partition: str | None = None
-    pipeline_trace: str | None = None
-    overlap_grad_reduce: bool = False
-    eod_mask_loss: bool = False
-    log_interval: int = 100
-    eval_interval: int = 1000
-    eval_iters: int = 100
-    exit_interval: int | None = None
-    exit_duration_in_mins: float | None = None
-    tensorboard_dir: str | None = None
-    log_throughput: bool = False
-    save: str | None = None
-    load: str | None = None
-    save_interval: int | None = None
-    save_optim: bool = True
-    save_rng: bool = True
-    load_optim: bool = True
-    load_rng: bool = True
-    finetune: bool = False
-    distributed_backend: str | None = None
-    distributed_timeout_minutes: float = 10.0
-    bpipe: bool = False
-    microbatch_slicing: int | str = 0
-    log_activation_memory: bool = False
-
-
-@dataclass
-class RunConfig:
-    model: ModelConfig
-    parallel: ParallelConfig
-    train: TrainConfig
-    optimizer: OptimizerConfig
-    lr: LRConfig
-    data: DataConfig
-    orig_vocab_size: int | None = None
-    extras: dict = field(default_factory=dict)
-
-
 def _positive(args, names: list[str]) -> None:
     for name in names:
         value = getattr(args, name.replace("-", "_"))
         if value is not None and value < 1:
             raise UsageError(f"--{name} must be >= 1, got {value}")
+
+
+def data_config_from_args(args: argparse.Namespace) -> DataConfig:
+    return DataConfig(data_path=args.data_path or [], split=args.split, data_cache_path=args.data_cache_path,
+                      tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                      vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                      mock_data=args.mock_data)
+
+
+def _virtual_stages(args) -> int:
+    pp = args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size is not None:
+        v = args.virtual_pipeline_model_parallel_size
+        if args.num_layers_per_virtual_pipeline_stage is not None:
+            raise UsageError("give --virtual-pipeline-model-parallel-size or --num-layers-per-virtual-pipeline-stage, "
+                             "not both")
+        if v < 1 or (v > 1 and pp == 1):
+            raise UsageError(f"--virtual-pipeline-model-parallel-size {v}: needs >= 1, and "
+                             "--pipeline-model-parallel-size > 1 to interleave")
+        if v > 1 and args.pipeline_schedule != "1f1b":
+            raise UsageError(f"--pipeline-schedule {args.pipeline_schedule} cannot interleave")
+        return v
+    if args.num_layers_per_virtual_pipeline_stage is None:
+        return 1
+    per = args.num_layers_per_virtual_pipeline_stage
+    if per < 1 or args.num_layers % (pp * per):
+        raise UsageError(
+            f"--num-layers-per-virtual-pipeline-stage {per}: --num-layers {args.num_layers} must be a multiple of "
+            f"it times --pipeline-model-parallel-size {pp}"
+        )
+    virtual = args.num_layers // (pp * per)
+    if virtual > 1 and pp == 1:
+        raise UsageError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    if virtual > 1 and args.pipeline_schedule != "1f1b":
+        raise UsageError(f"--pipeline-schedule {args.pipeline_schedule} cannot interleave; drop "
+                         "--num-layers-per-virtual-pipeline-stage or use 1f1b")
+    return virtual
+
+
+def pipeline_config_from_args(args: argparse.Namespace, dp: int, global_batch_size: int) -> PipelineConfig:
+    """The pipeline part of the flags, with the partition and Megatron's recomputation flags resolved per unit."""
+    pp, mb = args.pipeline_model_parallel_size, args.micro_batch_size
+    virtual = _virtual_stages(args)
+    if global_batch_size % (mb * dp):
+        raise UsageError(
+            f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size {mb} x data-parallel "
+            f"size {dp}"
+        )
+    m = global_batch_size // (mb * dp)
+    slicing = parse_slicing(args.microbatch_slicing)
+    check_slicing(slicing, mb, m)
+    partition = parse_partition(args.pipeline_partition, args.num_layers, pp, virtual)
+    granularity = "selective" if args.recompute_activations else args.recompute_granularity
+    if args.recompute_units is not None:
+        if granularity is not None:
+            raise UsageError("--recompute-units sets every unit's recomputation; drop --recompute-granularity "
+                             "and --recompute-activations")
+        recompute = parse_recompute(args.recompute_units, num_units(args.num_layers), "--recompute-units")
+    else:
+        recompute = recompute_from_flags(granularity, args.recompute_method, args.recompute_num_layers,
+                                         args.num_layers,
+                                         [[i for c in rank_chunks(partition, pp, r) for i in c] for r in range(pp)])
+    return PipelineConfig(micro_batch_size=mb, num_microbatches=m, schedule=args.pipeline_schedule,
+                          virtual_stages=virtual, partition=tuple(partition), recompute=recompute, bpipe=args.bpipe,
+                          slicing=slicing)
 
 
 def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> RunConfig:
@@ -222,40 +244,19 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
                      "pipeline-model-parallel-size", "make-vocab-size-divisible-by"])
     if args.fp16 and args.bf16:
         raise UsageError("--fp16 and --bf16 are mutually exclusive")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    virtual = 1
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        per = args.num_layers_per_virtual_pipeline_stage
-        if per < 1 or args.num_layers % (pp * per):
-            raise UsageError(
-                f"--num-layers-per-virtual-pipeline-stage {per}: --num-layers {args.num_layers} must be a multiple of "
-                f"it times --pipeline-model-parallel-size {pp}"
-            )
-        virtual = args.num_layers // (pp * per)
-        if virtual > 1 and pp == 1:
-            raise UsageError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              virtual_pipeline_model_parallel_size=virtual, sequence_parallel=args.sequence_parallel,
+    tp = args.tensor_model_parallel_size
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                              sequence_parallel=args.sequence_parallel,
                               rank_order="bpipe" if args.bpipe else "tp-dp-pp", gpus_per_node=args.gpus_per_node)
     dp = parallel.data_parallel_size(world_size)
-    mb = args.micro_batch_size
-    gbs = args.global_batch_size or mb * dp
-    if gbs % (mb * dp):
-        raise UsageError(
-            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mb} x data-parallel size {dp}"
-        )
-    slicing = parse_slicing(args.microbatch_slicing)
-    check_slicing(slicing, mb, gbs // (mb * dp))
-    if args.bpipe and args.pipeline_schedule == "gpipe":
-        raise UsageError("--bpipe works with the 1F1B schedules, not --pipeline-schedule gpipe")
+    gbs = args.global_batch_size or args.micro_batch_size * dp
+    pipeline = pipeline_config_from_args(args, dp, gbs)
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
         raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)")
     multiple = args.make_vocab_size_divisible_by * tp
     padded = -(-orig_vocab // multiple) * multiple
     backend = "flash" if args.use_flash_attn else args.attention_backend
-    granularity = "selective" if args.recompute_activations else args.recompute_granularity
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=padded, seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
@@ -263,24 +264,21 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         layernorm_epsilon=args.layernorm_epsilon,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights, attention_backend=backend,
-        recompute_granularity=granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers, params_dtype=dtype,
+        params_dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
     )
     model.check_tensor_parallel(tp)
     if args.sequence_parallel and tp > 1 and args.seq_length % tp:
         raise UsageError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by tensor-parallel size {tp}")
     train = TrainConfig(
-        micro_batch_size=mb, global_batch_size=gbs, num_microbatches=gbs // (mb * dp), train_iters=args.train_iters,
-        seed=args.seed, schedule=args.pipeline_schedule, pipeline_partition=args.pipeline_partition,
-        pipeline_trace=args.pipeline_trace, overlap_grad_reduce=args.overlap_grad_reduce,
-        eod_mask_loss=args.eod_mask_loss, log_interval=args.log_interval, eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters, exit_interval=args.exit_interval,
-        exit_duration_in_mins=args.exit_duration_in_mins, tensorboard_dir=args.tensorboard_dir,
-        log_throughput=args.log_throughput, save=args.save, load=args.load, save_interval=args.save_interval,
-        save_optim=not args.no_save_optim, save_rng=not args.no_save_rng, load_optim=not args.no_load_optim,
-        load_rng=not args.no_load_rng, finetune=args.finetune, distributed_backend=args.distributed_backend,
-        distributed_timeout_minutes=args.distributed_timeout_minutes, bpipe=args.bpipe,
-        microbatch_slicing=slicing, log_activation_memory=args.log_activation_memory,
+        global_batch_size=gbs, train_iters=args.train_iters, seed=args.seed, pipeline_trace=args.pipeline_trace,
+        overlap_grad_reduce=args.overlap_grad_reduce, eod_mask_loss=args.eod_mask_loss,
+        log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        tensorboard_dir=args.tensorboard_dir, log_throughput=args.log_throughput, save=args.save, load=args.load,
+        save_interval=args.save_interval, save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
+        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
+        distributed_backend=args.distributed_backend, distributed_timeout_minutes=args.distributed_timeout_minutes,
+        log_activation_memory=args.log_activation_memory,
     )
     optimizer = OptimizerConfig(
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
@@ -292,11 +290,81 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     lr = LRConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
                   lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
                   lr_warmup_fraction=args.lr_warmup_fraction, train_iters=args.train_iters)
-    data = DataConfig(data_path=args.data_path or [], split=args.split, data_cache_path=args.data_cache_path,
-                      tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                      vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
-                      mock_data=args.mock_data)
     if not args.mock_data and not args.data_path:
         raise UsageError("give --data-path (preprocessed .bin/.idx prefixes) or --mock-data")
-    return RunConfig(model=model, parallel=parallel, train=train, optimizer=optimizer, lr=lr, data=data,
-                     orig_vocab_size=orig_vocab)
+    return RunConfig(model=model, parallel=parallel, pipeline=pipeline, train=train, optimizer=optimizer, lr=lr,
+                     data=data_config_from_args(args), orig_vocab_size=orig_vocab)
+
+
+# ---- --plan: a plan file sets the flags it decides; flags given beside it must agree ------------------------------
+_RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_activations",
+                    "num_layers_per_virtual_pipeline_stage")
+
+
+def plan_flags(plan) -> dict[str, object]:
+    """The flag values (argparse dests) a plan decides."""
+    s, pl, m = plan.spec, plan.spec.pipeline, plan.spec.model
+    return {
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
+        "num_attention_heads": m.num_attention_heads, "seq_length": m.seq_length,
+        "max_position_embeddings": m.max_position_embeddings, "hidden_dropout": m.hidden_dropout,
+        "attention_dropout": m.attention_dropout, "init_method_std": m.init_method_std,
+        "layernorm_epsilon": m.layernorm_epsilon,
+        "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
+        "attention_backend": m.attention_backend, "bf16": m.params_dtype == "bf16", "fp16": m.params_dtype == "fp16",
+        "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
+        "micro_batch_size": pl.micro_batch_size, "global_batch_size": plan.global_batch_size,
+        "pipeline_schedule": "gpipe" if pl.schedule == "gpipe" else "1f1b",
+        "virtual_pipeline_model_parallel_size": pl.virtual_stages,
+        "pipeline_partition": ",".join(map(str, pl.partition)),
+        "recompute_units": ",".join(x or "none" for x in pl.unit_recompute(m.num_units)),
+        "bpipe": pl.bpipe, "microbatch_slicing": str(pl.slicing),
+        "use_distributed_optimizer": s.distributed_optimizer, "overlap_grad_reduce": s.overlap_grad_reduce,
+    }
+
+
+def given_flags(argv: list[str], parser: argparse.ArgumentParser) -> dict[str, str]:
+    """argparse dest -> the option string, for every flag present in argv."""
+    options = {opt: a.dest for a in parser._actions for opt in a.option_strings}
+    out = {}
+    for token in argv:
+        opt = token.split("=", 1)[0]
+        if opt in options:
+            out[options[opt]] = opt
+    return out
+
+
+def apply_plan(args: argparse.Namespace, argv: list[str], parser: argparse.ArgumentParser | None = None):
+    """Load --plan and set the flags it decides; a flag given beside it with another value is an error."""
+    from .planner.plan import Plan
+
+    plan = Plan.load(args.plan)
+    given = given_flags(argv, parser or build_parser())
+    for dest in _RECOMPUTE_FLAGS:
+        if dest in given:
+            raise UsageError(f"{given[dest]}: --plan {args.plan} sets the pipeline and every unit's recomputation; "
+                             "drop the flag")
+    if args.use_flash_attn and plan.spec.model.attention_backend != "flash":
+        raise UsageError(f"--use-flash-attn disagrees with --plan {args.plan} (attention backend "
+                         f"{plan.spec.model.attention_backend})")
+    for dest, value in plan_flags(plan).items():
+        mine = getattr(args, dest)
+        if dest in given and mine != value and not (dest == "microbatch_slicing" and str(mine) == str(value)):
+            shown = "" if isinstance(value, bool) else f" {mine}"
+            raise UsageError(f"{given[dest]}{shown} disagrees with --plan {args.plan} "
+                             f"({'on' if value is True else 'off' if value is False else value})")
+        setattr(args, dest, value)
+    if plan.orig_vocab_size is not None and args.vocab_size is None:
+        args.vocab_size = plan.orig_vocab_size
+    return plan
+
+
+def check_against_plan(run: RunConfig, plan, world_size: int, path: str) -> None:
+    """What the flags cannot carry: the world size and the padded vocabulary."""
+    s = plan.spec
+    if world_size != s.world_size:
+        raise UsageError(f"--plan {path}: planned for {s.world_size} ranks (tp {s.tp} x pp {s.pp} x dp {s.dp}), "
+                         f"launched with {world_size}")
+    if run.model.vocab_size != s.model.vocab_size:
+        raise UsageError(f"--plan {path}: planned for a padded vocabulary of {s.model.vocab_size}, this run has "
+                         f"{run.model.vocab_size} (tokenizer or --vocab-size differs)")

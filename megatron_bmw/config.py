@@ -1,12 +1,25 @@
-"""Configuration dataclasses. Flags are parsed once (arguments.py); the library only sees these."""
+"""Configuration dataclasses: the one home of every setting. Flags are parsed once (arguments.py) or a plan file
+is read (planner/plan.py); the library only sees these objects. No torch here: dtypes are names."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import asdict, dataclass, field
 
 from .errors import UsageError
+from .units import DTYPE_BYTES, num_units, parse_recompute
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+_TORCH_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def dtype_name(dtype) -> str:
+    """'fp32' | 'bf16' | 'fp16' from such a name or a torch dtype."""
+    text = str(dtype).replace("torch.", "")
+    name = _TORCH_NAMES.get(text, text)
+    if name not in DTYPE_BYTES:
+        raise UsageError(f"unknown parameter dtype {dtype!r} (use fp32, bf16 or fp16)")
+    return name
 
 
 @dataclass
@@ -24,12 +37,10 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     untie_embeddings_and_output_weights: bool = False
     attention_backend: str = "auto"  # auto | flash | unfused
-    recompute_granularity: str | None = None  # None | full | selective
-    recompute_method: str | None = None  # uniform | block (with full)
-    recompute_num_layers: int | None = None
-    params_dtype: torch.dtype = torch.float32
+    params_dtype: str = "fp32"  # fp32 | bf16 | fp16 (a torch dtype is accepted and named)
 
     def __post_init__(self) -> None:
+        self.params_dtype = dtype_name(self.params_dtype)
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
@@ -40,8 +51,6 @@ class ModelConfig:
             )
         if self.attention_backend not in ("auto", "flash", "unfused"):
             raise UsageError(f"--attention-backend must be auto, flash or unfused, not {self.attention_backend!r}")
-        if self.recompute_granularity not in (None, "full", "selective"):
-            raise UsageError(f"--recompute-granularity must be full or selective, not {self.recompute_granularity!r}")
         if self.seq_length > self.max_position_embeddings:
             raise UsageError(
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}"
@@ -54,7 +63,22 @@ class ModelConfig:
     @property
     def num_units(self) -> int:
         """embedding + (attention, mlp) per layer + head."""
-        return 2 * self.num_layers + 2
+        return num_units(self.num_layers)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.params_dtype]
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.params_dtype]
+
+    @property
+    def flash_attention(self) -> bool:
+        """The fused attention kernel (every supported torch has scaled_dot_product_attention)."""
+        return self.attention_backend != "unfused"
 
     def check_tensor_parallel(self, tp: int) -> None:
         for name, value in (
@@ -66,12 +90,14 @@ class ModelConfig:
             if value % tp:
                 raise UsageError(f"--tensor-model-parallel-size {tp} does not divide {name} {value}")
 
+    def to_json(self) -> dict:
+        return asdict(self)
+
 
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     rank_order: str = "tp-dp-pp"  # Megatron's; "bpipe" places pipeline pairs (s, p-1-s) side by side
     gpus_per_node: int | None = None
@@ -80,7 +106,6 @@ class ParallelConfig:
         for name, value in (
             ("--tensor-model-parallel-size", self.tensor_model_parallel_size),
             ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size),
-            ("--virtual-pipeline-model-parallel-size", self.virtual_pipeline_model_parallel_size),
         ):
             if value < 1:
                 raise UsageError(f"{name} must be >= 1, got {value}")
@@ -95,3 +120,212 @@ class ParallelConfig:
                 f"{self.tensor_model_parallel_size} x --pipeline-model-parallel-size {self.pipeline_model_parallel_size}"
             )
         return world_size // mp
+
+
+@dataclass
+class PipelineConfig:
+    """How one iteration runs: micro-batching, the schedule and its transforms, the unit partition and the
+    recomputation of every unit. The part of a plan that the schedule, the engine, the memory and cost models
+    and the simulator all read."""
+
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
+    partition: tuple[int, ...] | None = None  # units per virtual stage; None: the default split
+    recompute: tuple[str | None, ...] | None = None  # per unit: None | selective | full; None: nothing
+    bpipe: bool = False
+    slicing: int | str = 0  # AutoPipe: the first K micro-batches run as halves ("auto": chosen at start-up)
+
+    def __post_init__(self) -> None:
+        for name, value in (("--micro-batch-size", self.micro_batch_size),
+                            ("micro-batches per iteration", self.num_microbatches),
+                            ("virtual pipeline stages", self.virtual_stages)):
+            if not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.virtual_stages > 1 and self.schedule == "1f1b":
+            self.schedule = "interleaved"
+        if self.schedule not in SCHEDULES:
+            raise UsageError(f"unknown pipeline schedule {self.schedule!r} (choose {', '.join(SCHEDULES)})")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise UsageError(f"--pipeline-schedule {self.schedule} cannot interleave model chunks")
+        if self.partition is not None:
+            self.partition = tuple(self.partition)
+        if self.recompute is not None:
+            self.recompute = tuple(self.recompute)
+        if self.bpipe and self.schedule == "gpipe":
+            raise UsageError("--bpipe works with the 1F1B schedules, not --pipeline-schedule gpipe")
+
+    def unit_recompute(self, n_units: int) -> tuple[str | None, ...]:
+        """Recomputation of every unit (a full-length tuple)."""
+        return self.recompute if self.recompute is not None else (None,) * n_units
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["partition"] = list(self.partition) if self.partition is not None else None
+        out["recompute"] = [x or "none" for x in self.recompute] if self.recompute is not None else None
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict, n_units: int, where: str = "plan") -> PipelineConfig:
+        known = set(cls.__dataclass_fields__)
+        extra = sorted(set(data) - known)
+        if extra:
+            raise UsageError(f"{where}: unknown pipeline key {extra[0]!r} (allowed: {', '.join(sorted(known))})")
+        values = dict(data)
+        values["recompute"] = parse_recompute(values.get("recompute"), n_units, f"{where}: pipeline.recompute")
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise UsageError(f"{where}: bad pipeline section ({exc})") from None
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int
+    train_iters: int
+    seed: int = 1234
+    pipeline_trace: str | None = None
+    overlap_grad_reduce: bool = False
+    eod_mask_loss: bool = False
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    tensorboard_dir: str | None = None
+    log_throughput: bool = False
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    save_optim: bool = True
+    save_rng: bool = True
+    load_optim: bool = True
+    load_rng: bool = True
+    finetune: bool = False
+    distributed_backend: str | None = None
+    distributed_timeout_minutes: float = 10.0
+    log_activation_memory: bool = False
+
+
+def _check_lr(lr: float, min_lr: float) -> None:
+    if lr < 0:
+        raise UsageError(f"--lr must be >= 0, got {lr}")
+    if min_lr < 0:
+        raise UsageError(f"--min-lr must be >= 0, got {min_lr}")
+    if min_lr > lr:
+        raise UsageError(f"--min-lr {min_lr} exceeds --lr {lr}")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float | None = None  # a constant scale for fp16; None = dynamic
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fp16 and self.bf16:
+            raise UsageError("--fp16 and --bf16 are mutually exclusive")
+        _check_lr(self.lr, self.min_lr)
+        if self.weight_decay < 0:
+            raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        for flag, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise UsageError(f"{flag} must be in [0, 1), got {beta}")
+        if self.adam_eps <= 0:
+            raise UsageError(f"--adam-eps must be > 0, got {self.adam_eps}")
+        if self.clip_grad < 0:
+            raise UsageError(f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise UsageError(f"--loss-scale must be > 0, got {self.loss_scale}")
+        if self.min_loss_scale <= 0:
+            raise UsageError(f"--min-loss-scale must be > 0, got {self.min_loss_scale}")
+        if self.initial_loss_scale < self.min_loss_scale:
+            raise UsageError(
+                f"--initial-loss-scale {self.initial_loss_scale} is below --min-loss-scale {self.min_loss_scale}"
+            )
+        if self.loss_scale_window < 1:
+            raise UsageError(f"--loss-scale-window must be >= 1, got {self.loss_scale_window}")
+        if self.hysteresis < 1:
+            raise UsageError(f"--hysteresis must be >= 1, got {self.hysteresis}")
+
+
+@dataclass
+class LRConfig:
+    lr: float
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    lr_decay_iters: int | None = None  # None = train_iters
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None  # fraction of lr_decay_iters; excludes lr_warmup_iters
+    train_iters: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise UsageError(
+                f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, not {self.lr_decay_style!r}"
+            )
+        _check_lr(self.lr, self.min_lr)
+        if self.lr_decay_iters is None:
+            self.lr_decay_iters = self.train_iters
+        if self.lr_decay_iters is None:
+            raise UsageError("--lr-decay-iters is required when --train-iters is not given")
+        if self.lr_decay_iters <= 0:
+            raise UsageError(f"--lr-decay-iters must be > 0, got {self.lr_decay_iters}")
+        if self.lr_warmup_iters < 0:
+            raise UsageError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.lr_warmup_fraction is not None:
+            if self.lr_warmup_iters:
+                raise UsageError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
+            if not 0.0 <= self.lr_warmup_fraction < 1.0:
+                raise UsageError(f"--lr-warmup-fraction must be in [0, 1), got {self.lr_warmup_fraction}")
+        if self.warmup_steps >= self.lr_decay_iters:
+            raise UsageError(
+                f"--lr-warmup-iters {self.warmup_steps:g} must be smaller than --lr-decay-iters {self.lr_decay_iters}"
+            )
+
+    @property
+    def warmup_steps(self) -> float:
+        """Warm-up length in iterations (fractional when given by --lr-warmup-fraction, like Megatron)."""
+        if self.lr_warmup_fraction is not None:
+            return self.lr_warmup_fraction * self.lr_decay_iters
+        return float(self.lr_warmup_iters)
+
+
+@dataclass
+class DataConfig:
+    """Everything the data layer needs; field names follow Megatron-LM's flags (`--data-path` -> data_path)."""
+
+    data_path: list[str] = field(default_factory=list)
+    split: str = "969,30,1"
+    data_cache_path: str | None = None
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None
+    mock_data: bool = False
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    parallel: ParallelConfig
+    pipeline: PipelineConfig
+    train: TrainConfig
+    optimizer: OptimizerConfig
+    lr: LRConfig
+    data: DataConfig
+    orig_vocab_size: int | None = None

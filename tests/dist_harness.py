@@ -12,19 +12,14 @@ from __future__ import annotations
 import atexit
 import os
 import queue
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
+from megatron_bmw.device import free_port
+
 _POOLS: dict[int, "_Pool"] = {}
 DEFAULT_TIMEOUT = float(os.environ.get("MBMW_TEST_TIMEOUT", "300"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -54,7 +49,7 @@ class _Pool:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
             for r in range(world_size)

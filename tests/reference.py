@@ -4,18 +4,41 @@ from __future__ import annotations
 
 import torch
 
-from megatron_bmw.config import ModelConfig
+from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.models.gpt import GPTModel, build_units
 from megatron_bmw.parallel.state import ParallelState
+from megatron_bmw.pipeline.partition import parse_partition, rank_chunks
+from megatron_bmw.units import recompute_from_flags
 
 SEED = 1234
+RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 
 
 def small_config(**overrides) -> ModelConfig:
+    """A small GPT; Megatron's recomputation flags among `overrides` are left for `recompute_of`."""
     kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8,
               hidden_dropout=0.0, attention_dropout=0.0, attention_backend="unfused")
-    kw.update(overrides)
+    kw.update({k: v for k, v in overrides.items() if k not in RECOMPUTE_FLAGS})
     return ModelConfig(**kw)
+
+
+def recompute_of(overrides: dict, num_layers: int, partition=None, pp: int = 1, virtual: int = 1):
+    """The per-unit recomputation Megatron's flags among `overrides` mean (block: per pipeline rank)."""
+    parts = parse_partition(partition, num_layers, pp, virtual)
+    ranks = [[i for c in rank_chunks(parts, pp, r) for i in c] for r in range(pp)]
+    return recompute_from_flags(overrides.get("recompute_granularity"), overrides.get("recompute_method"),
+                                overrides.get("recompute_num_layers"), num_layers, ranks)
+
+
+def pipeline_of(cfg: ModelConfig, overrides: dict, mbs: int, m: int, pp: int, v: int = 1, schedule: str = "1f1b",
+                partition=None, **kw) -> PipelineConfig:
+    """PipelineConfig for a test case: the recomputation flags of `overrides` resolved, or its explicit per-unit
+    list `_recompute`."""
+    recompute = overrides.get("_recompute") or recompute_of(overrides, cfg.num_layers, partition, pp, v)
+    return PipelineConfig(micro_batch_size=mbs, num_microbatches=m, schedule=schedule, virtual_stages=v,
+                          partition=partition if partition is None else tuple(parse_partition(partition, cfg.num_layers,
+                                                                                               pp, v)),
+                          recompute=recompute, **kw)
 
 
 def make_batch(cfg: ModelConfig, batch_size: int, seed: int) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_bmw.data.config import DataConfig
+from megatron_bmw.config import DataConfig
 from megatron_bmw.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from megatron_bmw.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from megatron_bmw.errors import UsageError, exit_on_usage_error

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_bmw.data.blended_dataset import BlendedDataset, samples_per_dataset
-from megatron_bmw.data.config import DataConfig, parse_data_path
+from megatron_bmw.config import DataConfig
+from megatron_bmw.data.blended_dataset import BlendedDataset, parse_data_path, samples_per_dataset
 from megatron_bmw.data.gpt_dataset import (
     SPLIT_NAMES,
     GPTDataset,

@@ -16,7 +16,7 @@ import os
 from abc import ABC, abstractmethod
 from functools import lru_cache
 
-from megatron_bmw.data.config import DataConfig
+from megatron_bmw.config import DataConfig
 from megatron_bmw.errors import UsageError
 
 

@@ -14,26 +14,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..fused import flash_attention_available, layer_norm
+from ..fused import layer_norm
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.init import ParamInit
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallel_lm_logits
 from ..parallel.mappings import scatter_to_sp
 from ..parallel.random import checkpoint
 from ..parallel.state import ParallelState
+from ..units import unit_names
+
+__all__ = ["GPTModel", "build_units", "unit_names"]
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def unit_names(num_layers: int) -> list[str]:
-    names = ["embedding"]
-    for i in range(num_layers):
-        names += [f"attn_{i}", f"mlp_{i}"]
-    return names + ["head"]
-
-
 def _norm(cfg: ModelConfig, state: ParallelState) -> nn.Module:
-    ln = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, state.device, cfg.params_dtype)
+    ln = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, state.device, cfg.torch_dtype)
     for p in ln.parameters():
         p.sequence_parallel = state.sequence_parallel
     return ln
@@ -71,9 +67,9 @@ class Embedding(Unit):
         h = cfg.hidden_size
         self.dropout = cfg.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(init.normal(WORD_EMBEDDING, (cfg.vocab_size, h)), state,
-                                                      cfg.params_dtype)
+                                                      cfg.torch_dtype)
         full = init.normal("embedding.position_embeddings.weight", (cfg.max_position_embeddings, h))
-        self.position_embeddings = nn.Parameter(full.to(state.device, cfg.params_dtype))
+        self.position_embeddings = nn.Parameter(full.to(state.device, cfg.torch_dtype))
 
     def compute(self, hidden, batch):
         tokens = batch["tokens"]
@@ -94,15 +90,14 @@ class Attention(Unit):
         self.heads = cfg.num_attention_heads // state.tp_size
         self.head_dim = d
         self.dropout, self.attention_dropout = cfg.hidden_dropout, cfg.attention_dropout
-        backend = cfg.attention_backend
-        self.flash = backend == "flash" or (backend == "auto" and flash_attention_available())
+        self.flash = cfg.flash_attention
         self.selective = False
         self.input_layernorm = _norm(cfg, state)
         # QKV rows are laid out per head as [head, (q|k|v), head_dim], so a contiguous tp shard holds whole heads.
         self.qkv = ColumnParallelLinear(init.normal(f"{name}.qkv.weight", (3 * h, h)), init.zeros((3 * h,)), state,
-                                        dtype=cfg.params_dtype)
+                                        dtype=cfg.torch_dtype)
         self.proj = RowParallelLinear(init.normal(f"{name}.proj.weight", (h, h), init.output_std), init.zeros((h,)),
-                                      state, dtype=cfg.params_dtype)
+                                      state, dtype=cfg.torch_dtype)
 
     def compute(self, hidden, batch):
         x = self.input_layernorm(hidden)
@@ -138,9 +133,9 @@ class MLP(Unit):
         self.dropout = cfg.hidden_dropout
         self.post_attention_layernorm = _norm(cfg, state)
         self.fc1 = ColumnParallelLinear(init.normal(f"{name}.fc1.weight", (f, h)), init.zeros((f,)), state,
-                                        dtype=cfg.params_dtype)
+                                        dtype=cfg.torch_dtype)
         self.fc2 = RowParallelLinear(init.normal(f"{name}.fc2.weight", (h, f), init.output_std), init.zeros((h,)),
-                                     state, dtype=cfg.params_dtype)
+                                     state, dtype=cfg.torch_dtype)
 
     def compute(self, hidden, batch):
         x = F.gelu(self.fc1(self.post_attention_layernorm(hidden)), approximate="tanh")
@@ -161,7 +156,7 @@ class Head(Unit):
         else:
             name = WORD_EMBEDDING if self.tied else "head.output_layer.weight"
             full = init.normal(name, (cfg.vocab_size, cfg.hidden_size))
-            self.output_weight = VocabParallelEmbedding(full, state, cfg.params_dtype).weight
+            self.output_weight = VocabParallelEmbedding(full, state, cfg.torch_dtype).weight
             if self.tied:  # a copy on the last pipeline stage, kept equal by the embedding-group all-reduce
                 self.output_weight.shared_embedding = True
                 self.output_weight.shared_embedding_copy = True
@@ -180,8 +175,10 @@ class Head(Unit):
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list[int] | None = None) -> dict[str, Unit]:
-    """Build the units with the given indices (all by default), in order, keyed by unit name."""
+def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list[int] | None = None,
+                recompute: tuple[str | None, ...] | None = None) -> dict[str, Unit]:
+    """Build the units with the given indices (all by default), in order, keyed by unit name.
+    `recompute`: None, selective or full for every unit of the model (PipelineConfig.recompute)."""
     cfg.check_tensor_parallel(state.tp_size)
     names = unit_names(cfg.num_layers)
     indices = list(range(len(names))) if indices is None else sorted(indices)
@@ -200,26 +197,13 @@ def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list
             unit = Attention(cfg, state, init, name)
         else:
             unit = MLP(cfg, state, init, name)
+        choice = recompute[i] if recompute is not None else None
+        if choice == "selective" and isinstance(unit, Attention):
+            unit.selective = True
+        elif choice == "full":
+            unit.recompute = "full"
         units[name] = unit
-    apply_recompute(cfg, units)
     return units
-
-
-def apply_recompute(cfg: ModelConfig, units: dict[str, Unit]) -> None:
-    """Megatron's recomputation flags mapped onto units (per pipeline stage for the block method)."""
-    layers = sorted({int(n.split("_")[1]) for n in units if n.startswith(("attn_", "mlp_"))})
-    if cfg.recompute_granularity == "selective":
-        for name, unit in units.items():
-            if isinstance(unit, Attention):
-                unit.selective = True
-    elif cfg.recompute_granularity == "full":
-        limit = len(layers)
-        if cfg.recompute_method == "block" and cfg.recompute_num_layers is not None:
-            limit = min(cfg.recompute_num_layers, len(layers))
-        chosen = set(layers[:limit])
-        for name, unit in units.items():
-            if isinstance(unit, (Attention, MLP)) and int(name.split("_")[1]) in chosen:
-                unit.recompute = "full"
 
 
 class GPTModel(nn.Module):

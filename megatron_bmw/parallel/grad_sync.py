@@ -49,6 +49,10 @@ class GradSync:
         self._remaining: dict[int, int] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the fp32 gradient buffers."""
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
     def zero(self) -> None:
         for b in self.buckets:
             b.buffer.zero_()

@@ -13,18 +13,10 @@ import random
 import numpy as np
 import torch
 
+from ..device import get_rng_state as device_rng_state
+from ..device import set_rng_state as set_device_rng_state
+
 TP_RNG = "model-parallel-rng"
-
-
-def _get_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
 
 
 class RNGTracker:
@@ -42,13 +34,13 @@ class RNGTracker:
         if name not in self.states:
             yield
             return
-        original = _get_state(self.device)
-        _set_state(self.device, self.states[name])
+        original = device_rng_state(self.device)
+        set_device_rng_state(self.device, self.states[name])
         try:
             yield
         finally:
-            self.states[name] = _get_state(self.device)
-            _set_state(self.device, original)
+            self.states[name] = device_rng_state(self.device)
+            set_device_rng_state(self.device, original)
 
     def get_states(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.states.items()}

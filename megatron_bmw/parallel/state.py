@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ParallelConfig
-from ..errors import UsageError
+from ..device import choose_backend, default_device, free_port, set_device
 from .layout import RankLayout
 from .random import RNGTracker
 
@@ -156,12 +156,6 @@ def _pair_groups(pipelines: list[list[int]], rank: int) -> dict:
     return groups
 
 
-def default_device() -> torch.device:
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
 def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) -> None:
     """Initialise torch.distributed from torchrun/SLURM-style environment variables.
 
@@ -172,19 +166,13 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
     env = os.environ
     env.update(slurm_environment(env))
     world = int(env.get("WORLD_SIZE", "1"))
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise UsageError(f"--distributed-backend must be nccl or gloo, not {backend!r}")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise UsageError("--distributed-backend nccl needs CUDA, which is not available; use gloo")
+    backend = choose_backend(backend)
     if world == 1 and "MASTER_ADDR" not in env:
         env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(_free_port()))
+        env.setdefault("MASTER_PORT", str(free_port()))
         env.setdefault("RANK", "0")
         env.setdefault("WORLD_SIZE", "1")
-    if backend == "nccl":
-        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+    set_device(int(env.get("LOCAL_RANK", "0")), backend)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
@@ -211,11 +199,3 @@ def first_host(nodelist: str) -> str:
     prefix, ranges = head.split("[", 1)
     first = ranges.rstrip("]").split(",")[0].split("-")[0]
     return prefix + first
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -17,7 +17,8 @@ from collections import defaultdict
 
 from ..errors import UsageError
 from .generators import add_communication
-from .replay import peak_inflight, replay, resident_peaks
+from .holding import held_during, peak_inflight, resident_peaks
+from .replay import replay
 from .schedule import (
     COMPUTE_KINDS,
     TRANSFER_KINDS,
@@ -47,10 +48,6 @@ _EPS = 1e-9  # counts are multiples of 0.5, so this only guards the comparison
 def mu_opt(p: int, v: int = 1) -> int:
     """Chunk-micro-batches of saved activations every rank may hold under BPipe."""
     return (p + 3) // 2 if v == 1 else p * v + 1
-
-
-def _weight(a: Action) -> float:
-    return 1.0 if a.half is None else 0.5
 
 
 def bpipe_pairs(schedule: Schedule) -> dict[int, int]:
@@ -125,7 +122,7 @@ def _transfers(schedule: Schedule, computes: list[list[Action]], timeline: list[
 
 
 def _unit_time(rank: int, a: Action) -> float:
-    return (1.0 if a.kind is Kind.FORWARD else 2.0) * _weight(a)
+    return (1.0 if a.kind is Kind.FORWARD else 2.0) * a.weight
 
 
 def _unit_timeline(schedule: Schedule) -> list[list[tuple[float, float]]]:
@@ -144,14 +141,7 @@ def _place_acceptor(plan: dict[int, list[Action]], evictor: int, evictor_line: l
     """
     n = len(computes)
     ends = [end for _, end in line]
-    held = []  # chunk-micro-batches held during each acceptor compute: own ones, then accepted ones
-    live = 0.0
-    for a in computes:
-        if a.kind is Kind.FORWARD:
-            live += _weight(a)
-        held.append(live)
-        if a.kind is Kind.BACKWARD:
-            live -= _weight(a)
+    held = held_during(computes, -1)  # own chunk-micro-batches during each acceptor compute; accepted ones added below
     posts = [0.0] + [end for _, end in evictor_line]  # actions before compute j are posted at the end of j-1
     returns: dict[Key, int] = {}
     for j in sorted(plan):
@@ -168,7 +158,7 @@ def _place_acceptor(plan: dict[int, list[Action]], evictor: int, evictor_line: l
             lo = max(earliest, bisect_right(ends, posts[j]))
             hi = max(lo, bisect_right(ends, evictor_line[j][1]))
             last = min(returns[a.key], n - 1)  # the acceptor holds the key up to and including this compute
-            w = _weight(a)
+            w = a.weight
             where = next((i for i in range(lo, hi + 1) if all(held[c] + w <= limit + _EPS
                                                                 for c in range(i, last + 1))), hi)
             for c in range(where, last + 1):
@@ -182,7 +172,7 @@ def _plan_evictor(computes: list[Action], limit: float, acceptor: int, rank: int
                   early: bool = True) -> dict[int, list[Action]]:
     """EVICT/LOAD actions to place before each compute index so the rank never holds more than `limit`.
 
-    Accounting (as in replay.resident_peaks): a key evicted before compute j still counts during j; a key
+    Accounting (as in holding.holding_events): a key evicted before compute j still counts during j; a key
     loaded before compute j counts from j on. Before compute j we (1) load the key compute j's backward needs
     if it is away, (2) load the key of compute j+1's backward one action ahead when it fits, and (3) evict,
     furthest next use first, what compute j+1 would not fit without - and, when compute j+1 is a forward,
@@ -198,12 +188,12 @@ def _plan_evictor(computes: list[Action], limit: float, acceptor: int, rank: int
 
     def load(j: int, key: Key) -> None:
         away.remove(key)
-        present[key] = 0.5 if key[2] is not None else 1.0
+        present[key] = 0.5 if key[2] is not None else 1.0  # a key's weight, as Action.weight
         plan[j].append(Action(Kind.LOAD, key[0], key[1], acceptor, key[2]))
 
     def present_after(a: Action) -> None:
         if a.kind is Kind.FORWARD:
-            present[a.key] = _weight(a)
+            present[a.key] = a.weight
         else:
             del present[a.key]
 
@@ -212,18 +202,18 @@ def _plan_evictor(computes: list[Action], limit: float, acceptor: int, rank: int
         is_fwd = a.kind is Kind.FORWARD
         if not is_fwd and a.key in away:
             load(j, a.key)
-        count = sum(present.values()) + (_weight(a) if is_fwd else 0.0)
+        count = sum(present.values()) + (a.weight if is_fwd else 0.0)
         if (nxt is not None and nxt.kind is Kind.BACKWARD and nxt.key in away
-                and count + _weight(nxt) <= limit + _EPS):
+                and count + nxt.weight <= limit + _EPS):
             load(j, nxt.key)
-            count += _weight(nxt)
+            count += nxt.weight
         if count > limit + _EPS:
             raise ScheduleError(f"BPipe: rank {rank} cannot keep {a.label()} within {limit:g} chunk-micro-batches")
         if nxt is not None:
-            after = count - (0.0 if is_fwd else _weight(a))
+            after = count - (0.0 if is_fwd else a.weight)
             need = after
             if nxt.kind is Kind.FORWARD or nxt.key in away:
-                need += _weight(nxt)
+                need += nxt.weight
             after_next = computes[j + 2] if j + 2 < n else None
             early_load = (early and nxt.kind is Kind.FORWARD and after_next is not None
                           and after_next.kind is Kind.BACKWARD and after_next.key in away)
@@ -242,7 +232,7 @@ def _plan_evictor(computes: list[Action], limit: float, acceptor: int, rank: int
                 raise ScheduleError(f"BPipe: rank {rank} cannot make room before {nxt.label()} "
                                     f"within {limit:g} chunk-micro-batches")
             if early_load:
-                want = need + _weight(after_next)
+                want = need + after_next.weight
                 extra = []
                 for k in candidates[len(victims):]:
                     if want <= limit + _EPS or backward_at[k] <= backward_at[after_next.key]:

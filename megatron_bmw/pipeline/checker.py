@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from .replay import replay, resident_peaks, unit_times
+from .holding import resident_peaks
+from .replay import replay, unit_times
 from .schedule import (
     COMM_KINDS,
     COMPUTE_KINDS,
@@ -16,13 +17,11 @@ from .schedule import (
     Kind,
     Schedule,
     ScheduleError,
+    Tensor,
     gc_paused,
 )
 
 __all__ = ["ScheduleError", "check", "describe"]
-
-# A tensor on the wire: (is_grad, producer virtual stage, microbatch, half).
-Tensor = tuple[bool, int, int, int | None]
 
 
 def check(schedule: Schedule) -> None:
@@ -104,9 +103,6 @@ def _check_compute(s: Schedule, rank: int) -> None:
 
 
 def _check_communication(s: Schedule) -> None:
-    p = s.num_stages
-    last = s.num_virtual_stages - 1
-    forward, backward = Kind.FORWARD, Kind.BACKWARD
     sends: dict[Tensor, tuple[int, Action]] = {}  # tensor -> (sender rank, action)
     recvs: dict[Tensor, tuple[int, Action]] = {}
     send_order: dict[tuple[int, int], list[Tensor]] = {}  # (src, dst) -> tensors in send order
@@ -116,24 +112,23 @@ def _check_communication(s: Schedule) -> None:
         received: set[Tensor] = set()  # RECVs posted so far on this rank
         for a in acts:
             kind = a.kind
-            vstage = a.chunk * p + rank
-            if kind is forward or kind is backward:
-                grad = kind is backward
-                src = (-1 if vstage == last else vstage + 1) if grad else vstage - 1
-                if src >= 0:
-                    need = (grad, src, a.microbatch, a.half)
-                    if src % p == rank:
+            if kind in COMPUTE_KINDS:
+                need = s.input_tensor(rank, a)
+                if need is not None:
+                    src = s.rank_of(need[1])
+                    if src == rank:
                         if need not in done:
                             _fail(s, rank, a, "runs before its producer on the same rank")
                     elif need not in received:
-                        _fail(s, rank, a, f"has no RECV of its input from rank {src % p} before it")
-                done.add((grad, vstage, a.microbatch, a.half))
+                        _fail(s, rank, a, f"has no RECV of its input from rank {src} before it")
+                out = s.output_tensor(rank, a)
+                if out is not None:
+                    done.add(out)
             elif kind in SEND_KINDS:
-                grad = kind is Kind.SEND_GRAD
-                if vstage == (0 if grad else last):
+                tensor = s.wire_tensor(rank, a)
+                if tensor is None:
                     _fail(s, rank, a, "sends from a virtual stage with no consumer")
-                tensor = (grad, vstage, a.microbatch, a.half)
-                dst_rank = (vstage - 1 if grad else vstage + 1) % p
+                dst_rank = s.consumer_rank(tensor)
                 if a.peer != dst_rank:
                     _fail(s, rank, a, f"goes to rank {a.peer}, but the consumer is rank {dst_rank}")
                 if tensor not in done:
@@ -143,13 +138,12 @@ def _check_communication(s: Schedule) -> None:
                 sends[tensor] = (rank, a)
                 send_order.setdefault((rank, a.peer), []).append(tensor)
             elif kind in RECV_KINDS:
-                grad = kind is Kind.RECV_GRAD
-                if vstage == (last if grad else 0):
+                tensor = s.wire_tensor(rank, a)
+                if tensor is None:
                     _fail(s, rank, a, "receives into a virtual stage with no producer")
-                src = vstage + 1 if grad else vstage - 1
-                tensor = (grad, src, a.microbatch, a.half)
-                if a.peer != src % p:
-                    _fail(s, rank, a, f"expects rank {a.peer}, but the producer is rank {src % p}")
+                src = s.rank_of(tensor[1])
+                if a.peer != src:
+                    _fail(s, rank, a, f"expects rank {a.peer}, but the producer is rank {src}")
                 if tensor in recvs:
                     _fail(s, rank, a, "is received twice")
                 recvs[tensor] = (rank, a)

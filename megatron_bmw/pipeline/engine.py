@@ -73,13 +73,11 @@ class PipelineEngine:
                 self.transfers = TransferRunner(schedule, state, self.store, channel)
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _vstage(self, chunk: int, rank: int | None = None) -> int:
-        return chunk * self.p + (self.rank if rank is None else rank)
+    def _vstage(self, chunk: int) -> int:
+        return self.schedule.stage_of(self.rank, chunk)
 
-    def _tag(self, grad: bool, recv_vstage: int, a: Action) -> int:
-        half = 0 if a.half is None else a.half + 1
-        tag = ((int(grad) * self.num_vstages + recv_vstage) * (self.schedule.num_microbatches + 1) + a.microbatch) * 3
-        return (tag + half) % (2**31 - 1)
+    def _tag(self, a: Action) -> int:
+        return self.schedule.p2p_tag(self.schedule.wire_tensor(self.rank, a))
 
     def _shape(self, a: Action) -> tuple[int, int, int]:
         s, b, h = self.hidden_shape
@@ -172,14 +170,13 @@ class PipelineEngine:
                 tensor = (slot.input.grad if grad else slot.output).detach().contiguous()
                 if grad or not torch.is_grad_enabled():  # nothing of this slot is needed after the send
                     slots.pop(_key(a))
-                recv_vstage = self._vstage(a.chunk) + (-1 if grad else 1)
                 group = self.state.p2p_group(self.state.rank, peer)
-                p2p.append(dist.P2POp(dist.isend, tensor, peer, group=group, tag=self._tag(grad, recv_vstage, a)))
+                p2p.append(dist.P2POp(dist.isend, tensor, peer, group=group, tag=self._tag(a)))
                 targets.append(tensor)
             else:
                 buf = torch.empty(self._shape(a), dtype=self.dtype, device=self.state.device)
                 group = self.state.p2p_group(peer, self.state.rank)
-                p2p.append(dist.P2POp(dist.irecv, buf, peer, group=group, tag=self._tag(grad, self._vstage(a.chunk), a)))
+                p2p.append(dist.P2POp(dist.irecv, buf, peer, group=group, tag=self._tag(a)))
                 targets.append((kind, _key(a), buf))
         works = self._start(p2p)
         for target, work in zip(targets, works):
@@ -221,7 +218,7 @@ class PipelineEngine:
             if not forward_only:
                 x.requires_grad_()
         capture = nullcontext() if forward_only or self.store is None else \
-            self.store.capture(_key(a), 1.0 if a.half is None else 0.5)
+            self.store.capture(_key(a), a.weight)
         with capture:
             out = self.chunks[a.chunk](x, batch)
         if vstage == self.num_vstages - 1:

@@ -110,10 +110,9 @@ def add_communication(schedule: Schedule) -> Schedule:
     action. RECVs therefore follow consumer order and SENDs producer order on every rank.
     Data that stays on the rank (p == 1) needs no communication.
     """
-    p = schedule.num_stages
-    last = schedule.num_virtual_stages - 1
-    forward = Kind.FORWARD
     new_actions = []
+    recv_kind = {Kind.FORWARD: Kind.RECV_ACT, Kind.BACKWARD: Kind.RECV_GRAD}
+    send_kind = {Kind.FORWARD: Kind.SEND_ACT, Kind.BACKWARD: Kind.SEND_GRAD}
     with gc_paused():
         for rank, acts in enumerate(schedule.actions):
             base = [a for a in acts if a.kind not in COMM_KINDS]
@@ -121,17 +120,10 @@ def add_communication(schedule: Schedule) -> Schedule:
             for a in base:
                 if a.kind not in COMPUTE_KINDS:
                     continue
-                vstage = a.chunk * p + rank
-                if a.kind is forward:
-                    src = None if vstage == 0 else vstage - 1
-                    kind = Kind.RECV_ACT
-                else:
-                    src = None if vstage == last else vstage + 1
-                    kind = Kind.RECV_GRAD
-                if src is None or src % p == rank:
-                    recv_for.append(None)
-                else:
-                    recv_for.append(Action(kind, a.microbatch, a.chunk, src % p, a.half))
+                need = schedule.input_tensor(rank, a)
+                src = None if need is None else schedule.rank_of(need[1])
+                recv_for.append(None if src is None or src == rank else
+                                Action(recv_kind[a.kind], a.microbatch, a.chunk, src, a.half))
             out: list[Action] = []
             if recv_for and recv_for[0] is not None:
                 out.append(recv_for[0])
@@ -144,15 +136,9 @@ def add_communication(schedule: Schedule) -> Schedule:
                 if i < len(recv_for) and recv_for[i] is not None:
                     out.append(recv_for[i])
                 out.append(a)
-                vstage = a.chunk * p + rank
-                if a.kind is forward:
-                    dst = None if vstage == last else vstage + 1
-                    kind = Kind.SEND_ACT
-                else:
-                    dst = None if vstage == 0 else vstage - 1
-                    kind = Kind.SEND_GRAD
-                if dst is not None and dst % p != rank:
-                    out.append(Action(kind, a.microbatch, a.chunk, dst % p, a.half))
+                made = schedule.output_tensor(rank, a)
+                if made is not None and schedule.consumer_rank(made) != rank:
+                    out.append(Action(send_kind[a.kind], a.microbatch, a.chunk, schedule.consumer_rank(made), a.half))
             new_actions.append(out)
     return schedule.copy(new_actions)
 

@@ -7,6 +7,7 @@ A partition is the number of units per virtual stage, in the order of the model'
 from __future__ import annotations
 
 from ..errors import UsageError
+from ..units import num_units
 
 
 def default_partition(num_layers: int, pp: int, virtual: int = 1) -> list[int]:
@@ -37,15 +38,15 @@ def parse_partition(text: str | list[int] | None, num_layers: int, pp: int, virt
             raise UsageError(f"{flag} {text!r}: expected comma-separated unit counts, e.g. 3,2,2,3") from None
     else:
         sizes = list(text)
-    num_units = 2 * num_layers + 2
+    n_units = num_units(num_layers)
     stages = pp * virtual
     if len(sizes) != stages:
         raise UsageError(f"{flag}: {len(sizes)} entries given, but there are {stages} (virtual) pipeline stages")
     if any(n <= 0 for n in sizes):
         raise UsageError(f"{flag} {','.join(map(str, sizes))}: every stage needs at least one unit")
-    if sum(sizes) != num_units:
+    if sum(sizes) != n_units:
         raise UsageError(
-            f"{flag} {','.join(map(str, sizes))}: sums to {sum(sizes)}, but the model has {num_units} units "
+            f"{flag} {','.join(map(str, sizes))}: sums to {sum(sizes)}, but the model has {n_units} units "
             f"(embedding + 2 x {num_layers} layers + head)"
         )
     return sizes

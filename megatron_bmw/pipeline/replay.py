@@ -14,25 +14,39 @@ acceptor, then posts; the data is back at max(RETURN post, LOAD post) + bpipe_ti
 evictor, RETURN): the backward of that key waits for it, and the acceptor waits for it after the
 compute following the RETURN. An acceptor's first ACCEPT of a (chunk, whole/half) class also
 waits for the evictor's first forward of that class (the engine announces the class's size then).
+
+A recorded replay also says why each compute started when it did (`Replay.causes`: the compute before it on
+the rank, or the compute after which the input was posted, on the sending or the receiving side, whichever
+came later, or the one after which its loaded activations were), and the span of every p2p transfer and BPipe
+move, so the simulator derives its critical path without matching sends and receives again.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .schedule import TRANSFER_KINDS, Action, DeadlockError, Kind, Schedule, ScheduleError, gc_paused
+from .schedule import (TRANSFER_KINDS, Action, DeadlockError, Kind, Schedule, ScheduleError,
+                       gc_paused)
+
+
+Cause = tuple[int, int]  # (rank, index among that rank's computes); index -1: the iteration's start
 
 
 @dataclass
 class Replay:
-    """Result of `replay`: per-rank (action, start, end) in execution order."""
+    """Result of `replay`: per-rank (action, start, end) in execution order; with `record`, also per compute
+    the cause of its start, every p2p transfer (src, dst, send action, start, arrival) and every BPipe move
+    per sending rank (EVICT/RETURN action, start, arrival)."""
 
     schedule: Schedule
     timeline: list[list[tuple[Action, float, float]]]
     makespan: float
     busy: list[float]  # compute time per rank
+    causes: list[list[Cause]] = field(default_factory=list)
+    transfers: list[tuple[int, int, Action, float, float]] = field(default_factory=list)
+    moves: list[list[tuple[Action, float, float]]] = field(default_factory=list)
 
     @property
     def bubble_time(self) -> float:
@@ -54,6 +68,7 @@ _COMPUTE, _SEND, _RECV, _OTHER = 0, 1, 2, 3
 _EVICT, _ACCEPT, _RETURN, _LOAD = 4, 5, 6, 7
 _EVICT_DONE, _RETURN_DONE, _LOAD_WAIT, _HEADER = 8, 9, 10, 11
 _RECORDED = 8  # ops below this code are schedule actions
+_EPS = 1e-12
 
 
 @dataclass
@@ -76,20 +91,18 @@ class CompiledSchedule:
 def compile_schedule(schedule: Schedule) -> CompiledSchedule:
     """Index a schedule's tensors once; pass the result to `replay` to skip this step."""
     p = schedule.num_stages
-    m = schedule.num_microbatches
-    v = schedule.virtual_stages
     if len(schedule.actions) != p:
         raise ScheduleError(f"schedule has {len(schedule.actions)} rank lists for {p} pipeline ranks")
     with gc_paused():
-        ops = [_compile_rank(rank, acts, p, m, v) for rank, acts in enumerate(schedule.actions)]
+        ops = [_compile_rank(schedule, rank, acts) for rank, acts in enumerate(schedule.actions)]
         transfers = any(a.kind in TRANSFER_KINDS for acts in schedule.actions for a in acts)
         if transfers:
-            ops = [_add_transfer_waits(rank, rank_ops, p, m, v) for rank, rank_ops in enumerate(ops)]
-    return CompiledSchedule(schedule, ops, 6 * m * p * v + 6, 3 * m * p * v if transfers else 0)
+            ops = [_add_transfer_waits(schedule, rank, rank_ops) for rank, rank_ops in enumerate(ops)]
+    return CompiledSchedule(schedule, ops, schedule.num_tensor_ids, p * schedule.num_keys if transfers else 0)
 
 
-def _transfer_id(evictor: int, a: Action, m: int, v: int) -> int:
-    return ((evictor * m + a.microbatch) * v + a.chunk) * 3 + (0 if a.half is None else a.half + 1)
+def _transfer_id(schedule: Schedule, evictor: int, a: Action) -> int:
+    return evictor * schedule.num_keys + schedule.key_index(a.key)
 
 
 def _header_id(evictor: int, a: Action, v: int) -> int:
@@ -97,10 +110,11 @@ def _header_id(evictor: int, a: Action, v: int) -> int:
     return (evictor * v + a.chunk) * 2 + (a.half is not None)
 
 
-def _add_transfer_waits(rank: int, rank_ops: list, p: int, m: int, v: int) -> list:
+def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
     """Add the waits a BPipe transfer implies: the send of an EVICT/RETURN completes after the next compute
     (once that compute's SEND/RECV are posted); a backward waits for its LOAD; a first ACCEPT of a class
     waits for the header; the evictor announces it."""
+    p, v = schedule.num_stages, schedule.virtual_stages
     evicted_classes = {(a.chunk, a.half is not None) for _, a, *_ in rank_ops if a.kind is Kind.EVICT}
     announced: set[tuple[int, bool]] = set()
     accepted: set[tuple[int, bool]] = set()
@@ -115,14 +129,9 @@ def _add_transfer_waits(rank: int, rank_ops: list, p: int, m: int, v: int) -> li
             out.extend(due)
             due.clear()
         if kind in TRANSFER_KINDS:
-            if kind is Kind.EVICT or kind is Kind.LOAD:
-                if a.peer is None or not 0 <= a.peer < p:
-                    raise ScheduleError(f"rank {rank}: {a.label(v > 1)} has bad peer {a.peer!r}")
-                tid = _transfer_id(rank, a, m, v)
-            else:
-                if a.peer is None or not 0 <= a.peer < p:
-                    raise ScheduleError(f"rank {rank}: {a.label(v > 1)} has bad peer {a.peer!r}")
-                tid = _transfer_id(a.peer, a, m, v)
+            if a.peer is None or not 0 <= a.peer < p:
+                raise ScheduleError(f"rank {rank}: {a.label(v > 1)} has bad peer {a.peer!r}")
+            tid = _transfer_id(schedule, rank if kind is Kind.EVICT or kind is Kind.LOAD else a.peer, a)
             if kind is Kind.EVICT:
                 out.append((_EVICT, a, tid, a.peer, -1))
                 pending.append((_EVICT_DONE, a, tid, a.peer, -1))
@@ -156,49 +165,38 @@ def _add_transfer_waits(rank: int, rank_ops: list, p: int, m: int, v: int) -> li
     return out
 
 
-def _compile_rank(rank: int, acts: list[Action], p: int, m: int, v: int) -> list[tuple[int, Action, int, int, int]]:
-    # Tensor (is_grad, producer vstage, mb, half) gets id ((mb * p*v + vstage) * 3 + half_code) * 2 + is_grad,
-    # so the same micro-batch's tensors of the neighbouring virtual stages are 6 ids away.
-    nv = p * v
-    last = nv - 1
+def _compile_rank(schedule: Schedule, rank: int, acts: list[Action]) -> list[tuple[int, Action, int, int, int]]:
+    m, v = schedule.num_microbatches, schedule.virtual_stages
+    tensor, tensor_id, rank_of = schedule.tensor, schedule.tensor_id, schedule.rank_of
     forward, backward = Kind.FORWARD, Kind.BACKWARD
-    send_act, send_grad = Kind.SEND_ACT, Kind.SEND_GRAD
-    recv_act, recv_grad = Kind.RECV_ACT, Kind.RECV_GRAD
+    send_act, send_grad, recv_act, recv_grad = Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD
     rank_ops: list[tuple[int, Action, int, int, int]] = []
     append = rank_ops.append
     for a in acts:
-        kind = a.kind
-        chunk, mb, half = a.chunk, a.microbatch, a.half
+        kind, chunk, mb, half = a.kind, a.chunk, a.microbatch, a.half
         if not (0 <= chunk < v and 0 <= mb < m and half in (None, 0, 1)):
             raise ScheduleError(f"rank {rank}: {a.label(v > 1)} is out of range (m={m}, v={v}, half None/0/1)")
-        vstage = chunk * p + rank
-        base = ((mb * nv + vstage) * 3 + (0 if half is None else half + 1)) * 2
-        if kind is forward:
-            if vstage == 0:
-                need = peer = -1
+        if kind is forward or kind is backward:
+            grad = kind is backward
+            need = tensor(rank, chunk, mb, half, grad, False)
+            out = tensor(rank, chunk, mb, half, grad, True)
+            produced = tensor_id(out) if out is not None and rank_of(out[1] + (-1 if grad else 1)) == rank else -1
+            if need is None:
+                append((_COMPUTE, a, -1, -1, produced))
             else:
-                need, peer = base - 6, (vstage - 1) % p
-            produced = base if vstage != last and (vstage + 1) % p == rank else -1
-            append((_COMPUTE, a, need, peer, produced))
-        elif kind is backward:
-            if vstage == last:
-                need = peer = -1
-            else:
-                need, peer = base + 7, (vstage + 1) % p
-            produced = base + 1 if vstage != 0 and (vstage - 1) % p == rank else -1
-            append((_COMPUTE, a, need, peer, produced))
+                append((_COMPUTE, a, tensor_id(need), rank_of(need[1]), produced))
         elif kind is send_act or kind is send_grad:
-            grad = kind is send_grad
-            if vstage == (0 if grad else last):
-                where = "first" if grad else "last"
-                raise ScheduleError(f"rank {rank}: {a.label(v > 1)} sends from the {where} virtual stage")
-            append((_SEND, a, base + grad, -1 if a.peer is None else a.peer, -1))
+            t = tensor(rank, chunk, mb, half, kind is send_grad, True)
+            if t is None:
+                raise ScheduleError(f"rank {rank}: {a.label(v > 1)} sends from the "
+                                    f"{'first' if kind is send_grad else 'last'} virtual stage")
+            append((_SEND, a, tensor_id(t), -1 if a.peer is None else a.peer, -1))
         elif kind is recv_act or kind is recv_grad:
-            grad = kind is recv_grad
-            if vstage == (last if grad else 0):
-                where = "last" if grad else "first"
-                raise ScheduleError(f"rank {rank}: {a.label(v > 1)} receives into the {where} virtual stage")
-            append((_RECV, a, base + 7 if grad else base - 6, -1, -1))
+            t = tensor(rank, chunk, mb, half, kind is recv_grad, False)
+            if t is None:
+                raise ScheduleError(f"rank {rank}: {a.label(v > 1)} receives into the "
+                                    f"{'last' if kind is recv_grad else 'first'} virtual stage")
+            append((_RECV, a, tensor_id(t), -1, -1))
         else:
             append((_OTHER, a, -1, -1, -1))
     return rank_ops
@@ -251,6 +249,17 @@ def _run(
     busy = [0.0] * p
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
     ready = deque(range(p))
+    # With `record`: computes so far per rank, and for every post (tensor, BPipe event) the compute before it.
+    ncomp = [0] * p
+    last_end = [0.0] * p
+    causes: list[list[Cause]] = [[] for _ in range(p)]
+    transfers: list[tuple[int, int, Action, float, float]] = []
+    moves: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+    send_after = [-1] * n_tensors if record else []
+    recv_after = [-1] * n_tensors if record else []
+    made_by = [-1] * n_tensors if record else []
+    x_after: list[Cause] = [(-1, -1)] * len(x_at) if record else []
+    load_cause: list[tuple[float, Cause] | None] = [None] * p
 
     while ready:
         rank = ready.popleft()
@@ -287,7 +296,28 @@ def _run(
                 end = start + compute_time(rank, a)
                 busy[rank] += end - start
                 if record:
+                    k = ncomp[rank]
+                    best_t, best = last_end[rank], (rank, k - 1)
+                    if tid >= 0:
+                        if peer == rank:
+                            cand = (rank, made_by[tid])
+                        else:
+                            cand = (peer, send_after[tid]) if sent >= posted else (rank, recv_after[tid])
+                            transfers.append((peer, rank, send_action[tid], sent if sent > posted else posted, arrival))
+                        if arrival > best_t + _EPS or (arrival > best_t - _EPS and cand[0] > best[0]):
+                            best_t, best = arrival, cand
+                    pending_load = load_cause[rank]
+                    if pending_load is not None:
+                        load_cause[rank] = None
+                        if pending_load[0] > best_t + _EPS or (pending_load[0] > best_t - _EPS
+                                                              and pending_load[1][0] > best[0]):
+                            best = pending_load[1]
+                    causes[rank].append(best)
+                    ncomp[rank] = k + 1
+                    last_end[rank] = end
                     line.append((a, start, end))
+                    if produced >= 0:
+                        made_by[produced] = k
                 t = end
                 if produced >= 0:
                     produced_at[produced] = end
@@ -299,11 +329,15 @@ def _run(
                     send_at[tid] = t
                     send_rank[tid] = rank
                     send_action[tid] = a
+                    if record:
+                        send_after[tid] = ncomp[rank] - 1
                     if waiting[tid] >= 0:
                         ready.append(waiting[tid])
                         waiting[tid] = -1
                 elif op == _RECV:
                     recv_at[tid] = t
+                    if record:
+                        recv_after[tid] = ncomp[rank] - 1
                 if record:
                     line.append((a, t, t))
             else:
@@ -329,9 +363,18 @@ def _run(
                     if op == _RETURN or op == _EVICT_DONE:  # the evicted data has reached the acceptor
                         if x_at[base + 1] is None:
                             raise ScheduleError(f"rank {rank}: {a.label(show_chunk)} comes before its ACCEPT")
-                        ready_at = max(x_at[base], x_at[base + 1]) + x_time[2 * tid]
+                        moved_from = max(x_at[base], x_at[base + 1])
+                        ready_at = moved_from + x_time[2 * tid]
+                        if record and op == _EVICT_DONE:
+                            moves[rank].append((a, moved_from, ready_at))
                     elif op == _RETURN_DONE or op == _LOAD_WAIT:  # the data is back on the evictor
-                        ready_at = max(x_at[base + 2], x_at[base + 3]) + x_time[2 * tid + 1]
+                        moved_from = max(x_at[base + 2], x_at[base + 3])
+                        ready_at = moved_from + x_time[2 * tid + 1]
+                        if record and op == _RETURN_DONE:
+                            moves[rank].append((a, moved_from, ready_at))
+                        elif record:
+                            by = x_after[base + 2] if x_at[base + 2] >= x_at[base + 3] else x_after[base + 3]
+                            load_cause[rank] = (ready_at, by)
                     if ready_at > t:
                         t = ready_at
                 if op == _RETURN:
@@ -341,6 +384,8 @@ def _run(
                     post = 4 * n_x + tid
                 if post >= 0:
                     x_at[post] = t
+                    if record:
+                        x_after[post] = (rank, ncomp[rank] - 1)
                     if x_wait[post] >= 0:
                         ready.append(x_wait[post])
                         x_wait[post] = -1
@@ -354,52 +399,10 @@ def _run(
     if stuck:
         detail = ", ".join(f"rank {r} at {ops[r][index[r]][1].label(show_chunk)}" for r in stuck)
         raise DeadlockError(f"deadlock: {len(stuck)} rank(s) cannot progress: {detail}")
-    return Replay(compiled.schedule, timeline, max(clock) if clock else 0.0, busy)
-
-
-def peak_inflight(schedule: Schedule) -> list[float]:
-    """Per rank, the most chunk-micro-batches with FORWARD done and BACKWARD not (a half counts 0.5)."""
-    peaks = []
-    for acts in schedule.actions:
-        live = peak = 0.0
-        for a in acts:
-            if a.kind is Kind.FORWARD:
-                live += 1.0 if a.half is None else 0.5
-                peak = max(peak, live)
-            elif a.kind is Kind.BACKWARD:
-                live -= 1.0 if a.half is None else 0.5
-        peaks.append(peak)
-    return peaks
-
-
-def resident_peaks(schedule: Schedule) -> list[float]:
-    """Per rank, the most chunk-micro-batches of saved activations held at once, BPipe transfers included
-    (a half counts 0.5). This is the accounting the activation store measures at run time:
-    a FORWARD's key counts from its start, a BACKWARD's until its end; an EVICTed or RETURNed key still
-    counts during the next compute (its send overlaps it) and is gone after; a LOADed or ACCEPTed key counts
-    from the LOAD/ACCEPT on (its buffer exists from then)."""
-    peaks = []
-    forward, backward = Kind.FORWARD, Kind.BACKWARD
-    for acts in schedule.actions:
-        live = peak = leaving = 0.0
-        for a in acts:
-            kind = a.kind
-            w = 1.0 if a.half is None else 0.5
-            if kind is forward or kind is backward:
-                if kind is forward:
-                    live += w
-                peak = max(peak, live)
-                if kind is backward:
-                    live -= w
-                live -= leaving
-                leaving = 0.0
-            elif kind is Kind.LOAD or kind is Kind.ACCEPT:
-                live += w
-                peak = max(peak, live)
-            elif kind is Kind.EVICT or kind is Kind.RETURN:
-                leaving += w
-        peaks.append(peak)
-    return peaks
+    for rank_moves in moves:
+        rank_moves.sort(key=lambda x: x[1])
+    return Replay(compiled.schedule, timeline, max(clock) if clock else 0.0, busy, causes if record else [],
+                  transfers, moves if record else [])
 
 
 def unit_times(forward: float = 1.0, backward: float = 2.0) -> Callable[[int, Action], float]:
@@ -417,8 +420,6 @@ __all__ = [
     "Replay",
     "ScheduleError",
     "compile_schedule",
-    "peak_inflight",
     "replay",
-    "resident_peaks",
     "unit_times",
 ]

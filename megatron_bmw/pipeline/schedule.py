@@ -78,6 +78,13 @@ _SHORT = {
 }
 
 Key = tuple[int, int, int | None]  # (microbatch, chunk, half)
+# A tensor crossing between virtual stages: (is_grad, producer virtual stage, microbatch, half).
+Tensor = tuple[bool, int, int, int | None]
+_TAG_LIMIT = 2**31 - 1
+
+
+def half_code(half: int | None) -> int:
+    return 0 if half is None else half + 1
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,11 @@ class Action:
     @property
     def key(self) -> Key:
         return (self.microbatch, self.chunk, self.half)
+
+    @property
+    def weight(self) -> float:
+        """Share of a whole micro-batch: 1, or 0.5 for a half of a sliced one."""
+        return 1.0 if self.half is None else 0.5
 
     @property
     def is_compute(self) -> bool:
@@ -140,7 +152,9 @@ class Schedule:
     def num_virtual_stages(self) -> int:
         return self.num_stages * self.virtual_stages
 
-    def virtual_stage(self, rank: int, chunk: int) -> int:
+    # ---- tensor identity: the one place that says which virtual stage runs where and what flows -------------
+    def stage_of(self, rank: int, chunk: int) -> int:
+        """Virtual stage of model chunk `chunk` on pipeline rank `rank` (Megatron's placement)."""
         return chunk * self.num_stages + rank
 
     def location(self, vstage: int) -> tuple[int, int]:
@@ -148,35 +162,75 @@ class Schedule:
         chunk, rank = divmod(vstage, self.num_stages)
         return rank, chunk
 
-    def is_first(self, rank: int, chunk: int) -> bool:
-        return rank == 0 and chunk == 0
+    def rank_of(self, vstage: int) -> int:
+        return vstage % self.num_stages
 
-    def is_last(self, rank: int, chunk: int) -> bool:
-        return rank == self.num_stages - 1 and chunk == self.virtual_stages - 1
+    def tensor(self, rank: int, chunk: int, microbatch: int, half: int | None, grad: bool,
+               output: bool) -> Tensor | None:
+        """The activation (or, with `grad`, gradient) that chunk `chunk` of `rank` consumes from a neighbouring
+        virtual stage, or with `output` produces for one; None at the ends of the pipeline (data, loss)."""
+        vs = chunk * self.num_stages + rank
+        if output:
+            return None if vs == (0 if grad else self.num_stages * self.virtual_stages - 1) else \
+                (grad, vs, microbatch, half)
+        if grad:
+            return None if vs == self.num_stages * self.virtual_stages - 1 else (True, vs + 1, microbatch, half)
+        return None if vs == 0 else (False, vs - 1, microbatch, half)
 
-    def next_location(self, rank: int, chunk: int) -> tuple[int, int]:
-        """Where the activations of (rank, chunk) go; only for a non-last virtual stage."""
-        return self.location(self.virtual_stage(rank, chunk) + 1)
+    def input_tensor(self, rank: int, a: Action) -> Tensor | None:
+        """What a FORWARD (activation) or BACKWARD (gradient) consumes from a neighbouring virtual stage."""
+        if a.kind is not Kind.FORWARD and a.kind is not Kind.BACKWARD:
+            return None
+        return self.tensor(rank, a.chunk, a.microbatch, a.half, a.kind is Kind.BACKWARD, False)
 
-    def prev_location(self, rank: int, chunk: int) -> tuple[int, int]:
-        """Where the gradients of (rank, chunk) go; only for a non-first virtual stage."""
-        return self.location(self.virtual_stage(rank, chunk) - 1)
+    def output_tensor(self, rank: int, a: Action) -> Tensor | None:
+        """What a FORWARD or BACKWARD produces for a neighbouring virtual stage."""
+        if a.kind is not Kind.FORWARD and a.kind is not Kind.BACKWARD:
+            return None
+        return self.tensor(rank, a.chunk, a.microbatch, a.half, a.kind is Kind.BACKWARD, True)
 
-    def source(self, rank: int, action: Action) -> tuple[int, int] | None:
-        """(rank, chunk) producing the input a compute action needs, or None (data / loss)."""
-        if action.kind is Kind.FORWARD:
-            return None if self.is_first(rank, action.chunk) else self.prev_location(rank, action.chunk)
-        if action.kind is Kind.BACKWARD:
-            return None if self.is_last(rank, action.chunk) else self.next_location(rank, action.chunk)
-        return None
+    def wire_tensor(self, rank: int, a: Action) -> Tensor | None:
+        """The tensor a SEND carries (its chunk's output) or a RECV takes (its chunk's input)."""
+        kind = a.kind
+        if kind not in COMM_KINDS:
+            raise ValueError(f"{a} does not carry a tensor")
+        return self.tensor(rank, a.chunk, a.microbatch, a.half, kind is Kind.SEND_GRAD or kind is Kind.RECV_GRAD,
+                           kind in SEND_KINDS)
 
-    def destination(self, rank: int, action: Action) -> tuple[int, int] | None:
-        """(rank, chunk) consuming the output of a compute action, or None (loss / data side)."""
-        if action.kind is Kind.FORWARD:
-            return None if self.is_last(rank, action.chunk) else self.next_location(rank, action.chunk)
-        if action.kind is Kind.BACKWARD:
-            return None if self.is_first(rank, action.chunk) else self.prev_location(rank, action.chunk)
-        return None
+    def consumer_rank(self, tensor: Tensor) -> int:
+        grad, producer = tensor[0], tensor[1]
+        return self.rank_of(producer - 1 if grad else producer + 1)
+
+    @property
+    def num_tensor_ids(self) -> int:
+        return 6 * self.num_microbatches * self.num_virtual_stages
+
+    def tensor_id(self, tensor: Tensor) -> int:
+        """Dense id of a tensor (replay's index, the engine's point-to-point tag): the same micro-batch's tensors
+        of neighbouring virtual stages are 6 ids apart."""
+        grad, producer, mb, half = tensor
+        return ((mb * self.num_virtual_stages + producer) * 3 + half_code(half)) * 2 + int(grad)
+
+    # ---- BPipe transfers: ids and tags above every tensor's ------------------------------------------------
+    @property
+    def num_keys(self) -> int:
+        """(micro-batch, chunk, whole/half 0/half 1) keys of one rank."""
+        return 3 * self.num_microbatches * self.virtual_stages
+
+    def key_index(self, key: Key) -> int:
+        mb, chunk, half = key
+        return (mb * self.virtual_stages + chunk) * 3 + half_code(half)
+
+    def p2p_tag(self, tensor: Tensor) -> int:
+        return self.tensor_id(tensor) % _TAG_LIMIT
+
+    def transfer_tag(self, direction: int, key: Key) -> int:
+        """Tag of a BPipe move of `key` (direction 0: EVICT -> ACCEPT, 1: RETURN -> LOAD)."""
+        return (self.num_tensor_ids + direction * self.num_keys + self.key_index(key)) % _TAG_LIMIT
+
+    def header_tag(self, chunk: int, half: bool) -> int:
+        """Tag of the one-int64 header announcing a (chunk, whole/half) class's byte size."""
+        return (self.num_tensor_ids + 2 * self.num_keys + 2 * chunk + int(half)) % _TAG_LIMIT
 
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.kind in COMPUTE_KINDS]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..device import ping_pong
 from ..parallel.state import ParallelState
 from .activation_store import ActivationStore, PlainCopier
 from .schedule import Action, Kind, Schedule
@@ -126,11 +127,8 @@ class TransferRunner:
         self.state = state
         self.store = store
         self.channel = channel
+        self.schedule = schedule
         rank = state.pp_rank
-        m, v = schedule.num_microbatches, schedule.virtual_stages
-        self.v = v
-        self.num_keys = m * v * 3
-        self.tag_base = 6 * schedule.num_virtual_stages * (m + 1)  # above every stage-to-stage tag
         acts = schedule.actions[rank]
         partners = {a.peer for a in acts if a.kind in (Kind.EVICT, Kind.ACCEPT)}
         if len(partners) != 1:
@@ -162,23 +160,17 @@ class TransferRunner:
         me, peer = self.state.rank, self.partner
         x = torch.zeros(1, device=self.state.device)
         out, back = self.state.transfer_group(me, peer), self.state.transfer_group(peer, me)
-        if evictor:
-            dist.send(x, peer, group=out)
-            dist.recv(x, peer, group=back)
-        else:
-            dist.recv(x, peer, group=back)
-            dist.send(x, peer, group=out)
+        ping_pong(evictor, x, peer, out, back)
 
     @staticmethod
     def _class(a: Action) -> tuple[int, bool]:
         return (a.chunk, a.half is not None)
 
     def _tag(self, direction: int, a: Action) -> int:
-        index = (a.microbatch * self.v + a.chunk) * 3 + (0 if a.half is None else a.half + 1)
-        return (self.tag_base + direction * self.num_keys + index) % (2**31 - 1)
+        return self.schedule.transfer_tag(direction, a.key)
 
     def _header_tag(self, cls: tuple[int, bool]) -> int:
-        return (self.tag_base + 2 * self.num_keys + 2 * cls[0] + int(cls[1])) % (2**31 - 1)
+        return self.schedule.header_tag(*cls)
 
     # -- iteration hooks ----------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -220,8 +212,7 @@ class TransferRunner:
             cls = self._class(a)
             if cls not in self.class_bytes:
                 self.class_bytes[cls] = int(self._headers.pop(cls).wait().item())
-            weight = 1.0 if a.half is None else 0.5
-            self.store.accept((a.peer, a.key), self.class_bytes[cls], weight,
+            self.store.accept((a.peer, a.key), self.class_bytes[cls], a.weight,
                               lambda buf: self.channel.recv(buf, peer, self._tag(0, a)))
         elif a.kind is Kind.RETURN:
             self.store.give_back((a.peer, a.key), lambda buf: self.channel.send(buf, peer, self._tag(1, a)))

@@ -1,5 +1,7 @@
-"""tools/autoconfig.py: estimate memory, simulate an iteration, or profile this machine.
+"""tools/autoconfig.py: search for a plan, estimate memory, simulate an iteration, or profile this machine.
 
+    autoconfig.py search --cluster a100-80g-ib --num-nodes 2 <model flags> --global-batch-size 512 \\
+        [--profile a.json --profile b.json] [--top-k 5] [--space tp=1,2 --space bpipe=off] --output plan.json
     autoconfig.py estimate --cluster a100-80g-ib --num-nodes 2 <pretrain_gpt.py flags> [--json]
     autoconfig.py simulate --cluster FILE.yaml [--profile prof.json] <flags> [--json] [--timeline out.png]
     autoconfig.py profile --output prof.json <model flags> [--profile-tp 1,2] [--analytic --cluster NAME]
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 
@@ -19,7 +22,7 @@ from ..pipeline.slicing import choose_slices, stage_times_from_cost
 from .cost_model import CostModel, CostSettings
 from .evaluate import estimate_memory, simulate_run
 from .memory_model import MemorySettings
-from .profile_data import Profile
+from .profile_data import Profile, Profiles
 from .report import estimate_json, memory_table, simulate_json
 from .spec import spec_from_run_config
 
@@ -42,12 +45,15 @@ def _planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
     g.add_argument("--cluster", default="local", help=f"built-in ({', '.join(BUILTIN)}) or a YAML file")
     g.add_argument("--num-nodes", type=int, default=None, help="resize a single-group cluster")
     g.add_argument("--world-size", type=int, default=None, help="GPUs used (default: all of the cluster)")
-    g.add_argument("--profile", default=None, help="profile JSON (autoconfig.py profile); else analytic times")
+    g.add_argument("--profile", action="append", default=[],
+                   help="profile JSON (autoconfig.py profile), one or more (one per device type); else analytic")
     g.add_argument("--rank-order", choices=["tp-dp-pp", "bpipe"], default="tp-dp-pp")
     g.add_argument("--memory-device", choices=["cuda", "cpu"], default=None,
                    help="kernel behaviour the activation count follows (default: cpu only for a local CPU profile)")
-    g.add_argument("--memory-workspace-gb", type=float, default=0.0, help="fixed allowance per GPU")
-    g.add_argument("--memory-fragmentation", type=float, default=0.0, help="fractional allowance on top")
+    g.add_argument("--memory-workspace-gb", type=float, default=None,
+                   help=f"fixed allowance per GPU (default {CUDA_WORKSPACE_GB} on cuda, 0 on cpu)")
+    g.add_argument("--memory-fragmentation", type=float, default=None,
+                   help=f"fractional allowance on top (default {CUDA_FRAGMENTATION} on cuda, 0 on cpu)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     if timed:
         g.add_argument("--achievable-fraction", type=float, default=0.5, help="of peak FLOP/s (analytic times)")
@@ -65,6 +71,17 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
         add_megatron_args(p)
         _planner_args(p, timed)
         p.set_defaults(mock_data=True, vocab_size=50257)
+    p = sub.add_parser("search", help="the fastest plan that fits, and the runner-ups", allow_abbrev=False)
+    add_megatron_args(p)
+    _planner_args(p, True)
+    p.set_defaults(mock_data=True, vocab_size=50257)
+    g = p.add_argument_group("search")
+    g.add_argument("--top-k", type=int, default=5, help="plans in the table")
+    g.add_argument("--output", default=None, help="write the best plan (JSON) for pretrain_gpt.py --plan")
+    g.add_argument("--space", action="append", default=[],
+                   help="restrict a dimension, e.g. tp=1,2 pp=4 mbs=1,2 schedule=1f1b virtual=2 sp=off zero1=on "
+                        "bpipe=off slicing=off recompute=none,full recompute-granularity=uniform partition=layer")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p = sub.add_parser("profile", help="measure unit times, saved bytes and links on this machine",
                        allow_abbrev=False)
     add_megatron_args(p)
@@ -81,67 +98,88 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-links", action="store_true", help="skip the p2p/all-reduce measurement")
     g.add_argument("--analytic", action="store_true", help="write FLOPs / (peak x fraction) times instead")
     g.add_argument("--cluster", default=None, help="with --analytic: the cluster whose device type to use")
-    g.add_argument("--device-type", default=None, help="with --analytic: which of the cluster's device types")
+    g.add_argument("--device-type", default=None,
+                   help="the cluster device type this profile is for (with --analytic: which of the cluster's)")
     g.add_argument("--achievable-fraction", type=float, default=0.5)
     return parser
 
 
-def _cluster(args, profile: Profile | None) -> Cluster:
-    if args.cluster == "local" and profile is not None and profile.mode == "measured":
+CUDA_WORKSPACE_GB = 1.5  # CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces
+CUDA_FRAGMENTATION = 0.10  # the caching allocator's reserve above the peak it hands out
+
+
+def _profiles(args) -> Profiles:
+    return Profiles([Profile.load(path) for path in args.profile])
+
+
+def _cluster(args, profiles: Profiles) -> Cluster:
+    measured = [p for ps in profiles.by_type.values() for p in ps if p.mode == "measured"]
+    if args.cluster == "local" and measured:
+        profile = measured[0]
         gpus = args.world_size or 2
         p2p = profile.link("p2p")
         if p2p is None:
-            raise UsageError(f"--profile {args.profile}: no measured links (profiled with --no-links); "
+            raise UsageError(f"--profile {profile.source}: no measured links (profiled with --no-links); "
                              "use another --cluster")
         memory = float(profile.device.get("memory_bytes") or load_cluster("local").groups[0].device.memory_bytes)
         return local_cluster(gpus, profile.device_type(memory), p2p, profile.link("allreduce"))
     return load_cluster(args.cluster, args.num_nodes)
 
 
-def _memory_settings(args, profile: Profile | None) -> MemorySettings:
+def _memory_settings(args, profiles: Profiles) -> MemorySettings:
     device = args.memory_device
     if device is None:
-        device = "cpu" if profile is not None and profile.device.get("kind") == "cpu" and args.cluster == "local" \
-            else "cuda"
-    return MemorySettings(device=device, workspace_bytes=args.memory_workspace_gb * 2**30,
-                          fragmentation=args.memory_fragmentation)
+        cpu = any(p.device.get("kind") == "cpu" for ps in profiles.by_type.values() for p in ps)
+        device = "cpu" if cpu and args.cluster == "local" else "cuda"
+    workspace = args.memory_workspace_gb
+    fragmentation = args.memory_fragmentation
+    if workspace is None:
+        workspace = CUDA_WORKSPACE_GB if device == "cuda" else 0.0
+    if fragmentation is None:
+        fragmentation = CUDA_FRAGMENTATION if device == "cuda" else 0.0
+    return MemorySettings(device=device, workspace_bytes=workspace * 2**30, fragmentation=fragmentation)
 
 
-def _spec(args, cluster: Cluster, profile: Profile | None = None, costs: CostSettings = CostSettings()):
+def _spec(args, cluster: Cluster, profiles: Profiles, costs: CostSettings = CostSettings()):
     world = args.world_size or cluster.num_gpus
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")
     if world > cluster.num_gpus:
         raise UsageError(f"--world-size {world} exceeds the {cluster.num_gpus} GPUs of cluster {cluster.name}")
     cfg = configs_from_args(args, world)  # also checks --bpipe and --microbatch-slicing
-    bpipe, slicing = cfg.train.bpipe, cfg.train.microbatch_slicing
-    order = cfg.parallel.rank_order if bpipe else args.rank_order
-    spec = spec_from_run_config(cfg, world, order, bpipe, 0 if slicing == "auto" else slicing)
-    if slicing == "auto":  # AutoPipe's slicer on the cost model's stage times
-        cost = CostModel(spec, cluster, profile, costs)
-        f, b, c = stage_times_from_cost(cost.compute_time, cost.transfer_time, spec.pp, spec.virtual)
-        spec = replace(spec, slicing=choose_slices(f, b, c, spec.num_microbatches))
-    return spec
+    if not cfg.pipeline.bpipe and args.rank_order != cfg.parallel.rank_order:
+        cfg.parallel.rank_order = args.rank_order
+    if cfg.pipeline.slicing == "auto":  # AutoPipe's slicer on the cost model's stage times
+        plain = spec_from_run_config(replace(cfg, pipeline=replace(cfg.pipeline, slicing=0)), world)
+        cost = CostModel(plain, cluster, profiles, costs)
+        f, b, c = stage_times_from_cost(cost.compute_time, cost.transfer_time, plain.pp,
+                                        plain.pipeline.virtual_stages)
+        cfg.pipeline.slicing = choose_slices(f, b, c, plain.pipeline.num_microbatches)
+    return spec_from_run_config(cfg, world)
 
 
 def _estimate(args) -> int:
-    profile = Profile.load(args.profile) if args.profile else None
-    cluster = _cluster(args, profile)
-    spec = _spec(args, cluster, profile)
-    settings = _memory_settings(args, profile)
+    profiles = _profiles(args)
+    cluster = _cluster(args, profiles)
+    spec = _spec(args, cluster, profiles)
+    settings = _memory_settings(args, profiles)
     memory = estimate_memory(spec, settings=settings)
     data = estimate_json(spec, memory, cluster, settings)
     print(json.dumps(data) if args.json else memory_table(data))
     return 0
 
 
+def _costs(args) -> CostSettings:
+    return CostSettings(achievable_fraction=args.achievable_fraction, overlap_factor=args.overlap_factor)
+
+
 def _simulate(args) -> int:
-    profile = Profile.load(args.profile) if args.profile else None
-    cluster = _cluster(args, profile)
-    costs = CostSettings(achievable_fraction=args.achievable_fraction, overlap_factor=args.overlap_factor)
-    spec = _spec(args, cluster, profile, costs)
-    settings = _memory_settings(args, profile)
-    ev = simulate_run(spec, cluster, profile, costs, settings, record_transfers=bool(args.timeline))
+    profiles = _profiles(args)
+    cluster = _cluster(args, profiles)
+    costs = _costs(args)
+    spec = _spec(args, cluster, profiles, costs)
+    settings = _memory_settings(args, profiles)
+    ev = simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline))
     data = simulate_json(ev, cluster, settings)
     if args.timeline:
         from .timeline import render_timeline
@@ -154,6 +192,68 @@ def _simulate(args) -> int:
         if args.timeline:
             print(f"timeline written to {args.timeline}")
     return 0
+
+
+def _search(args) -> int:
+    from .report import plan_from, search_json, search_table
+    from .search import SearchSettings, search
+    from .space import SearchSpace
+
+    if args.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.global_batch_size is None:
+        raise UsageError("search needs --global-batch-size")
+    for path in (args.output, args.timeline):
+        _check_writable(path)
+    profiles = _profiles(args)
+    cluster = _cluster(args, profiles)
+    space = SearchSpace.parse(args.space)
+    settings = _memory_settings(args, profiles)
+    world = args.world_size or cluster.num_gpus
+    one = configs_from_args(argparse.Namespace(**{**vars(args), **SERIAL_FLAGS}), 1)
+    result = search(one.model, one.orig_vocab_size, args.make_vocab_size_divisible_by, args.global_batch_size,
+                    cluster, profiles, space, _costs(args), settings,
+                    SearchSettings(world_size=world, top_k=args.top_k, progress=not args.no_progress and not args.json))
+    if result.best is None:
+        raise UsageError(f"no plan fits: every layout of the space runs out of memory on cluster {cluster.name} "
+                         "(try more GPUs, a smaller --global-batch-size, or relax --space)")
+    plan = plan_from(result.best, result, profiles, one.orig_vocab_size)
+    if args.output:
+        plan.save(args.output)
+    if args.timeline:
+        from .timeline import render_timeline
+
+        render_timeline(result.best.evaluation.simulation, args.timeline)
+    if args.json:
+        print(json.dumps(search_json(result)))
+    else:
+        print(search_table(result))
+        if args.output:
+            print(f"plan written to {args.output}: run it with pretrain_gpt.py --plan {args.output}")
+        if args.timeline:
+            print(f"timeline of the best plan written to {args.timeline}")
+    return 0
+
+
+# The model alone, as the search reads it from the flags: one rank, no layout.
+SERIAL_FLAGS = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
+                    micro_batch_size=1, global_batch_size=None, num_layers_per_virtual_pipeline_stage=None,
+                    virtual_pipeline_model_parallel_size=None, pipeline_partition=None, bpipe=False,
+                    microbatch_slicing="0", recompute_units=None, recompute_granularity=None,
+                    recompute_activations=False, recompute_method=None, recompute_num_layers=None)
+
+
+def _check_writable(path: str | None) -> None:
+    """Refuse at start-up, not after the search, a file that cannot be written."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{path}: is a directory, expected a file name")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{path}: folder {folder} is not writable")
 
 
 def _profile(args) -> int:
@@ -177,6 +277,8 @@ def _profile(args) -> int:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
         profile = run_profile(cfg.model, settings, cfg.parallel.sequence_parallel)
+        if args.device_type:
+            profile.device["type"] = args.device_type
     profile.save(args.output)
     print(f"profile of {len(profile.units)} unit timings ({profile.mode}, {profile.device.get('name')}) "
           f"written to {args.output}")
@@ -187,4 +289,4 @@ def _profile(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_autoconfig_parser()
     args = parse_args(list(sys.argv[1:] if argv is None else argv), parser)
-    return {"estimate": _estimate, "simulate": _simulate, "profile": _profile}[args.command](args)
+    return {"estimate": _estimate, "simulate": _simulate, "profile": _profile, "search": _search}[args.command](args)

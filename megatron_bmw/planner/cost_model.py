@@ -1,8 +1,8 @@
 """Durations of every schedule action, and of the gradient synchronisation after the pipeline.
 
-Compute: each unit's forward and backward time from the profile (interpolated in the micro-batch size,
-rescaled by FLOPs for another model and by peak FLOP/s for another device type), or analytically as
-FLOPs / (peak x achievable fraction) with backward = 2 x forward. Tensor-parallel collectives run inside
+Compute: each unit's forward and backward time from the profile of the stage's device type (interpolated in
+the micro-batch size, rescaled by FLOPs for another model; a device type without a profile is an error when
+profiles are given), or analytically as FLOPs / (peak x achievable fraction) with backward = 2 x forward. Tensor-parallel collectives run inside
 units: measured when the profile has that tp degree, else added from the cluster's links. Recomputation
 adds the recomputed forward (the whole unit for full, the attention core for selective) to the backward.
 
@@ -21,9 +21,9 @@ from ..errors import UsageError
 from ..pipeline.schedule import Action, Kind
 from .cluster import Cluster, DeviceType, Link
 from .flops import core_attention_share, unit_forward_flops
-from .memory_model import (chunk_units, dtype_size, unit_activation_bytes, unit_kind, unit_param_count,
-                           unit_recompute)
-from .profile_data import Profile, dtype_name
+from ..units import owns_output_weight, unit_kind, unit_names
+from .memory_model import chunk_unit_indices, chunk_units, unit_activation_bytes, unit_param_count
+from .profile_data import Profile, Profiles
 from .spec import RunSpec
 
 
@@ -55,35 +55,38 @@ def allgather_time(nbytes: float, n: int, link: Link) -> float:
 class CostModel:
     """Durations for one RunSpec on one cluster. Build once, query per action."""
 
-    def __init__(self, spec: RunSpec, cluster: Cluster, profile: Profile | None = None,
+    def __init__(self, spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile | None = None,
                  settings: CostSettings = CostSettings()) -> None:
         if spec.world_size > cluster.num_gpus:
             raise UsageError(f"the layout needs {spec.world_size} GPUs (tp {spec.tp} x pp {spec.pp} x dp {spec.dp}) "
                              f"but cluster {cluster.name} has {cluster.num_gpus}")
-        self.spec, self.cluster, self.profile, self.settings = spec, cluster, profile, settings
-        self.dtype = dtype_name(spec.model.params_dtype)
+        if isinstance(profiles, Profile):
+            profiles = Profiles([profiles])
+        self.spec, self.cluster, self.profiles, self.settings = spec, cluster, profiles or Profiles(), settings
+        self.dtype = spec.model.params_dtype
         self.layout = spec.rank_layout()
         p = spec.pp
         self.devices = [self._stage_device(s) for s in range(p)]
         self.chunk_forward: list[list[float]] = []
         self.chunk_backward: list[list[float]] = []
         self.params: list[int] = []
+        names = unit_names(spec.model.num_layers)
+        layout = spec.stage_layout()
         for rank in range(p):
-            chunks = chunk_units(spec.stage_layout(), spec.model, rank)
-            names = [n for c in chunks for n in c]
-            recompute = unit_recompute(spec.model, names)
+            chunks = chunk_unit_indices(layout, rank)
             fwd, bwd = [], []
             for c in chunks:
                 f = b = 0.0
-                for n in c:
-                    uf, ub = self.unit_times(unit_kind(n), recompute[n], self.devices[rank], rank)
+                for i in c:
+                    uf, ub = self.unit_times(unit_kind(names[i]), layout.unit_recompute(i), self.devices[rank], rank,
+                                             i)
                     f, b = f + uf, b + ub
                 over = self._overhead(self.devices[rank])
                 fwd.append(f + over[0])
                 bwd.append(b + over[1])
             self.chunk_forward.append(fwd)
             self.chunk_backward.append(bwd)
-            self.params.append(self._rank_params(names))
+            self.params.append(self._rank_params([names[i] for c in chunks for i in c]))
         self._p2p: dict[tuple[int, int], Link] = {}
 
     # ---- placement ---------------------------------------------------------------------------------------------
@@ -113,21 +116,14 @@ class CostModel:
         return self._p2p[key]
 
     # ---- compute ----------------------------------------------------------------------------------------------
-    def _device_factor(self, device: DeviceType) -> float:
-        """Multiplier from profiled times to times on `device`."""
-        prof = self.profile
-        if prof.device.get("name") == device.name:
-            return 1.0
-        return prof.achieved_flops() / (device.peak(self.dtype) * self.settings.achievable_fraction)
-
     def _overhead(self, device: DeviceType) -> tuple[float, float]:
-        prof = self.profile
-        if prof is None or not prof.overhead or prof.device.get("name") != device.name:
-            return 0.0, 0.0
-        return prof.overhead.get("forward_s", 0.0), prof.overhead.get("backward_s", 0.0)
+        for prof in self.profiles.for_device(device.name):
+            if prof.overhead:
+                return prof.overhead.get("forward_s", 0.0), prof.overhead.get("backward_s", 0.0)
+        return 0.0, 0.0
 
     def _analytic(self, kind: str, tp: int, device: DeviceType) -> tuple[float, float]:
-        model, b = self.spec.model, self.spec.micro_batch_size
+        model, b = self.spec.model, self.spec.pipeline.micro_batch_size
         rate = device.peak(self.dtype) * self.settings.achievable_fraction
         fwd = unit_forward_flops(kind, model, b, tp) / rate
         if device.memory_bandwidth is not None:  # elementwise work: read and write what the unit keeps
@@ -135,19 +131,18 @@ class CostModel:
             fwd += 2 * kept / (device.memory_bandwidth * self.settings.achievable_fraction)
         return fwd, 2 * fwd
 
-    def _compute(self, kind: str, device: DeviceType, stage: int) -> tuple[float, float, bool]:
-        """(forward, backward, TP communication included)."""
-        tp, b = self.spec.tp, self.spec.micro_batch_size
-        prof = self.profile
-        if prof is not None:
-            timed = prof.unit_time(kind, tp, b, self.spec.model)
-            if timed is not None:
-                k = self._device_factor(device)
-                return timed[0] * k, timed[1] * k, True
-            timed = prof.unit_time(kind, 1, b, self.spec.model)
-            if timed is not None:
-                k = self._device_factor(device) / tp
-                return timed[0] * k, timed[1] * k, False
+    def _compute(self, kind: str, device: DeviceType, index: int | None) -> tuple[float, float, bool]:
+        """(forward, backward, TP communication included): the profile at this tp, else its tp=1 times split
+        over tp ranks, else analytic."""
+        tp, b = self.spec.tp, self.spec.pipeline.micro_batch_size
+        profiles = self.profiles.for_device(device.name)
+        for degree in (tp, 1):
+            for prof in profiles:
+                timed = prof.unit_time(kind, degree, b, self.spec.model, index)
+                if timed is not None:
+                    return timed[0] * degree / tp, timed[1] * degree / tp, degree == tp
+        if profiles and kind in ("attention", "mlp"):
+            raise UsageError(f"--profile for device type {device.name} has no {kind} timings")
         fwd, bwd = self._analytic(kind, tp, device)
         return fwd, bwd, False
 
@@ -157,20 +152,22 @@ class CostModel:
         if tp == 1:
             return 0.0, 0.0
         link = self.tp_link(stage)
-        m = self.spec.model.seq_length * self.spec.micro_batch_size * self.spec.model.hidden_size \
-            * dtype_size(self.spec.model.params_dtype)
+        m = self.spec.model.seq_length * self.spec.pipeline.micro_batch_size * self.spec.model.hidden_size \
+            * self.spec.model.dtype_bytes
         ar, ag = allreduce_time(m, tp, link), allgather_time(m, tp, link)
         sp = self.spec.sp
         if kind in ("attention", "mlp"):
             return (2 * ag, 2 * ag) if sp else (ar, ar)
         if kind == "embedding":
             return ar, (ag if sp else 0.0)
-        small = 3 * allreduce_time(self.spec.model.seq_length * self.spec.micro_batch_size * 4, tp, link)
+        small = 3 * allreduce_time(self.spec.model.seq_length * self.spec.pipeline.micro_batch_size * 4, tp, link)
         return (ag if sp else 0.0) + small, (ag if sp else ar)
 
-    def unit_times(self, kind: str, recompute: str | None, device: DeviceType, stage: int) -> tuple[float, float]:
-        """(forward, backward) of one unit for one micro-batch, collectives and recomputation included."""
-        fwd, bwd, comm_in = self._compute(kind, device, stage)
+    def unit_times(self, kind: str, recompute: str | None, device: DeviceType, stage: int,
+                   index: int | None = None) -> tuple[float, float]:
+        """(forward, backward) of one unit (unit `index` of the model, for per-unit profiles) for one micro-batch,
+        collectives and recomputation included."""
+        fwd, bwd, comm_in = self._compute(kind, device, index)
         if not comm_in:
             cf, cb = self.tp_comm(kind, stage)
             fwd, bwd = fwd + cf, bwd + cb
@@ -182,9 +179,8 @@ class CostModel:
 
     # ---- per action --------------------------------------------------------------------------------------------
     def compute_time(self, rank: int, action: Action) -> float:
-        share = 1.0 if action.half is None else 0.5
         table = self.chunk_forward if action.kind is Kind.FORWARD else self.chunk_backward
-        return table[rank][action.chunk] * share
+        return table[rank][action.chunk] * action.weight
 
     def transfer_time(self, src: int, dst: int, action: Action) -> float:
         return self.p2p_link(src, dst).time(self.spec.hidden_bytes(action.half is not None))
@@ -198,7 +194,7 @@ class CostModel:
     # ---- after the pipeline -------------------------------------------------------------------------------------
     def _rank_params(self, names: list[str]) -> int:
         model = self.spec.model
-        own_output = model.untie_embeddings_and_output_weights or self.spec.pp > 1 or "embedding" not in names
+        own_output = owns_output_weight(model.untie_embeddings_and_output_weights, self.spec.pp, names)
         return sum(unit_param_count(unit_kind(n), model, self.spec.tp, own_output) for n in names)
 
     def dp_sync_time(self, rank: int) -> float:
@@ -225,7 +221,7 @@ class CostModel:
         """ZeRO-1: the updated parameters are all-gathered over data parallel."""
         if not self.spec.distributed_optimizer:
             return 0.0
-        nbytes = self.params[rank] * dtype_size(self.spec.model.params_dtype)
+        nbytes = self.params[rank] * self.spec.model.dtype_bytes
         return allgather_time(nbytes, self.spec.dp, self.dp_link(rank))
 
     def finish_times(self, pipeline_end: list[float], last_backward: list[tuple[float, float]]) -> list[float]:

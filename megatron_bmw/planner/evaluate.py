@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..pipeline.replay import CompiledSchedule
 from ..pipeline.schedule import Schedule
 from .cluster import Cluster
 from .cost_model import CostModel, CostSettings
 from .memory_model import MemorySettings, RankMemory, chunk_held_bytes, chunk_saved_bytes, precision_from, rank_memory
-from .profile_data import Profile
+from .profile_data import Profile, Profiles
 from .simulator import Simulation, simulate
 from .spec import RunSpec
 
@@ -33,18 +34,20 @@ class Evaluation:
     cost: CostModel
 
 
-def simulate_run(spec: RunSpec, cluster: Cluster, profile: Profile | None = None,
+def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile | None = None,
                  cost_settings: CostSettings = CostSettings(), memory_settings: MemorySettings = MemorySettings(),
-                 schedule: Schedule | None = None, record_transfers: bool = False) -> Evaluation:
-    """Simulate one iteration of `schedule` (default: the spec's) with the cost model's durations."""
-    schedule = schedule or spec.build_schedule()
-    cost = CostModel(spec, cluster, profile, cost_settings)
+                 schedule: Schedule | CompiledSchedule | None = None, record_transfers: bool = False) -> Evaluation:
+    """Simulate one iteration of `schedule` (default: the spec's; a compiled one is reused as it is) with the
+    cost model's durations."""
+    compiled = schedule if isinstance(schedule, CompiledSchedule) else None
+    schedule = compiled.schedule if compiled is not None else schedule or spec.build_schedule()
+    cost = CostModel(spec, cluster, profiles, cost_settings)
     layout = spec.stage_layout()
     saved = [chunk_saved_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
     held = [chunk_held_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
     memory = estimate_memory(spec, schedule, memory_settings)
     static = [m.static_bytes for m in memory]
-    sim = simulate(schedule, cost.compute_time, cost.transfer_time, cost.copy_time, saved, static,
+    sim = simulate(compiled or schedule, cost.compute_time, cost.transfer_time, cost.copy_time, saved, static,
                    cost.finish_times, record_transfers=record_transfers, held_bytes=held)
     return Evaluation(spec, schedule, memory, sim, cost)
 

@@ -38,16 +38,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..fused import flash_attention_available
-from ..pipeline.schedule import Kind, Schedule
+from ..pipeline.holding import bytes_size, holding_events, peak
+from ..pipeline.partition import rank_chunks
+from ..pipeline.schedule import Schedule
+from ..units import RECOMPUTE, UNIT_KINDS, hidden_shape, owns_output_weight, unit_kind, unit_names
 
 DEVICE_KINDS = ("cuda", "cpu")
-UNIT_KINDS = ("embedding", "attention", "mlp", "head")
-RECOMPUTE = (None, "selective", "full")
 _INT64, _BOOL, _FP32 = 8, 1, 4
 
 
@@ -64,25 +62,6 @@ class SavedTensor:
         return self.numel * self.itemsize
 
 
-def dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def unit_kind(name: str) -> str:
-    """'attn_3' -> 'attention', 'mlp_0' -> 'mlp', 'embedding', 'head'."""
-    if name.startswith("attn_"):
-        return "attention"
-    if name.startswith("mlp_"):
-        return "mlp"
-    if name in ("embedding", "head"):
-        return name
-    raise ValueError(f"unknown unit {name!r}")
-
-
-def uses_flash(model: ModelConfig) -> bool:
-    return model.attention_backend == "flash" or (model.attention_backend == "auto" and flash_attention_available())
-
-
 def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
                        recompute: str | None = None, device: str = "cuda") -> list[SavedTensor]:
     """The tensors one unit of `kind` saves for backward for one micro-batch on one tensor-parallel rank."""
@@ -94,7 +73,7 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         raise UsageError(f"device kind must be cuda or cpu, not {device!r}")
     sp = sp and tp > 1
     s, b, h, f, v = model.seq_length, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
-    e = dtype_size(model.params_dtype)
+    e = model.dtype_bytes
     heads = model.num_attention_heads // tp
     s_local = s // tp if sp else s
     hidden_local = s_local * b * h
@@ -143,10 +122,10 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     local_h = s * b * h // tp
     score = b * heads * s * s
     p_attn = model.attention_dropout
-    math_path = uses_flash(model) and device == "cpu" and p_attn > 0
+    math_path = model.flash_attention and device == "cpu" and p_attn > 0
     if recompute == "selective":
         add("qkv output", 3 * local_h, e)
-    elif not uses_flash(model):
+    elif not model.flash_attention:
         add("qkv output", 3 * local_h, e)
         add("causal mask", s * s, _BOOL)
         add("softmax output (fp32)", score, _FP32)
@@ -202,26 +181,6 @@ def korthikanti_layer_bytes(model: ModelConfig, micro_batch_size: int, tp: int =
     if sp:
         return s * b * h * (34 + 5 * a * s / h) / t
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-
-
-# ---- recomputation per unit (mirrors models.gpt.apply_recompute) --------------------------------------------
-def unit_recompute(model: ModelConfig, names: list[str]) -> dict[str, str | None]:
-    """Recomputation choice of each unit built together on one rank (`names` are all of the rank's units)."""
-    layers = sorted({int(n.split("_")[1]) for n in names if n.startswith(("attn_", "mlp_"))})
-    out: dict[str, str | None] = {n: None for n in names}
-    if model.recompute_granularity == "selective":
-        for n in names:
-            if n.startswith("attn_"):
-                out[n] = "selective"
-    elif model.recompute_granularity == "full":
-        limit = len(layers)
-        if model.recompute_method == "block" and model.recompute_num_layers is not None:
-            limit = min(model.recompute_num_layers, len(layers))
-        chosen = set(layers[:limit])
-        for n in names:
-            if n.startswith(("attn_", "mlp_")) and int(n.split("_")[1]) in chosen:
-                out[n] = "full"
-    return out
 
 
 # ---- parameters and model states ------------------------------------------------------------------------------
@@ -317,14 +276,19 @@ class StageLayout:
     sequence_parallel: bool
     micro_batch_size: int
     partition: tuple[int, ...]  # units per virtual stage
+    recompute: tuple[str | None, ...] | None = None  # per unit of the model (PipelineConfig.recompute)
+
+    def unit_recompute(self, index: int) -> str | None:
+        return self.recompute[index] if self.recompute is not None else None
+
+
+def chunk_unit_indices(layout: StageLayout, rank: int) -> list[list[int]]:
+    return rank_chunks(list(layout.partition), layout.pp, rank)
 
 
 def chunk_units(layout: StageLayout, model: ModelConfig, rank: int) -> list[list[str]]:
-    from ..models.gpt import unit_names
-    from ..pipeline.partition import rank_chunks
-
     names = unit_names(model.num_layers)
-    return [[names[i] for i in chunk] for chunk in rank_chunks(list(layout.partition), layout.pp, rank)]
+    return [[names[i] for i in chunk] for chunk in chunk_unit_indices(layout, rank)]
 
 
 def chunk_activation_bytes(layout: StageLayout, model: ModelConfig, rank: int,
@@ -339,11 +303,11 @@ def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
                       settings: MemorySettings = MemorySettings()) -> list[float]:
     """Per model chunk of `rank`, what its units save for backward for one micro-batch (what the activation
     store records and BPipe moves)."""
-    chunks = chunk_units(layout, model, rank)
-    recompute = unit_recompute(model, [n for c in chunks for n in c])
+    names = unit_names(model.num_layers)
     sp = layout.sequence_parallel and layout.tp > 1
-    return [float(sum(unit_activation_bytes(unit_kind(n), model, layout.micro_batch_size, layout.tp, sp,
-                                            recompute[n], settings.device) for n in names)) for names in chunks]
+    return [float(sum(unit_activation_bytes(unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp,
+                                            layout.unit_recompute(i), settings.device) for i in chunk))
+            for chunk in chunk_unit_indices(layout, rank)]
 
 
 def chunk_held_bytes(layout: StageLayout, model: ModelConfig, rank: int,
@@ -351,9 +315,9 @@ def chunk_held_bytes(layout: StageLayout, model: ModelConfig, rank: int,
     """Per model chunk of `rank`, the output the engine keeps from a forward until its backward (none for the
     last virtual stage, whose output is the loss)."""
     nchunks = len(layout.partition) // layout.pp
-    sp = layout.sequence_parallel and layout.tp > 1
-    seq = model.seq_length // layout.tp if sp else model.seq_length
-    out = seq * layout.micro_batch_size * model.hidden_size * dtype_size(model.params_dtype)
+    s, b, h = hidden_shape(model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp,
+                           layout.sequence_parallel)
+    out = s * b * h * model.dtype_bytes
     last = layout.pp * nchunks - 1
     return [0.0 if (not settings.engine_holds_output or c * layout.pp + rank == last) else float(out)
             for c in range(nchunks)]
@@ -361,40 +325,11 @@ def chunk_held_bytes(layout: StageLayout, model: ModelConfig, rank: int,
 
 def activation_walk(schedule: Schedule, rank: int, saved: Callable[[int], list[float]],
                     held: list[float] | None = None) -> tuple[float, float]:
-    """Execute the rank's action list: (peak activation bytes, peak chunk-micro-batches held).
-
-    The activation store's accounting (replay.resident_peaks), in bytes: a FORWARD's key counts from its start,
-    a BACKWARD's until its end; an EVICTed or RETURNed key still counts during the next compute and is gone
-    after; a LOADed or ACCEPTed key counts from then on. `saved(r)` gives rank r's saved bytes per chunk (an
-    acceptor holds its evictor's), `held` this rank's never-moved bytes per chunk."""
-    own = saved(rank)
-    held = held or [0.0] * len(own)
-    live = peak = count = peak_count = 0.0
-    leaving = leaving_count = 0.0
-    forward, backward = Kind.FORWARD, Kind.BACKWARD
-    for a in schedule.actions[rank]:
-        kind = a.kind
-        w = 1.0 if a.half is None else 0.5
-        if kind is forward or kind is backward:
-            size = w * (own[a.chunk] + held[a.chunk])
-            if kind is forward:
-                live += size
-                count += w
-            peak, peak_count = max(peak, live), max(peak_count, count)
-            if kind is backward:
-                live -= size
-                count -= w
-            live -= leaving
-            count -= leaving_count
-            leaving = leaving_count = 0.0
-        elif kind is Kind.LOAD or kind is Kind.ACCEPT:
-            live += w * (own if kind is Kind.LOAD else saved(a.peer))[a.chunk]
-            count += w
-            peak, peak_count = max(peak, live), max(peak_count, count)
-        elif kind is Kind.EVICT or kind is Kind.RETURN:
-            leaving += w * (own if kind is Kind.EVICT else saved(a.peer))[a.chunk]
-            leaving_count += w
-    return peak, peak_count
+    """(peak activation bytes, peak chunk-micro-batches) of the rank's action list, by pipeline/holding.py's
+    rule. `saved(r)` gives rank r's saved bytes per chunk (an acceptor holds its evictor's), `held` this rank's
+    never-moved bytes per chunk."""
+    holds = holding_events(schedule.actions[rank], rank)
+    return peak(holds, bytes_size(saved, held)), peak(holds)
 
 
 def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, rank: int,
@@ -406,18 +341,14 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
     included); `activation_peak` overrides it (e.g. with the simulator's timed peak)."""
     chunks = chunk_units(layout, model, rank)
     names = [n for c in chunks for n in c]
-    tied_copy = layout.pp > 1 and not model.untie_embeddings_and_output_weights
-    params = 0
-    for n in names:
-        kind = unit_kind(n)
-        own_output = model.untie_embeddings_and_output_weights or tied_copy or "embedding" not in names
-        params += unit_param_count(kind, model, layout.tp, output_weight=own_output)
+    own_output = owns_output_weight(model.untie_embeddings_and_output_weights, layout.pp, names)
+    params = sum(unit_param_count(unit_kind(n), model, layout.tp, output_weight=own_output) for n in names)
     chunk_bytes = chunk_activation_bytes(layout, model, rank, settings)
     act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings),
                                     chunk_held_bytes(layout, model, rank, settings))
     if activation_peak is not None:
         act = activation_peak
-    transient = _recompute_transient(layout, model, names, settings)
+    transient = _recompute_transient(layout, model, rank, settings)
     static = params * (precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(layout.dp))
     allowance = settings.workspace_bytes + settings.fragmentation * (static + act + transient)
     return RankMemory(
@@ -432,22 +363,20 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
     )
 
 
-def _recompute_transient(layout: StageLayout, model: ModelConfig, names: list[str],
-                         settings: MemorySettings) -> float:
+def _recompute_transient(layout: StageLayout, model: ModelConfig, rank: int, settings: MemorySettings) -> float:
     """Recomputation rebuilds one unit's (or one attention core's) activations during its backward."""
-    recompute = unit_recompute(model, names)
+    names = unit_names(model.num_layers)
     sp = layout.sequence_parallel and layout.tp > 1
     worst = 0
-    for n in names:
-        choice = recompute[n]
+    for i in (i for chunk in chunk_unit_indices(layout, rank) for i in chunk):
+        choice = layout.unit_recompute(i)
         if choice is None:
             continue
-        kind = unit_kind(n)
-        args = (kind, model, layout.micro_batch_size, layout.tp, sp)
+        args = (unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp)
         worst = max(worst, unit_activation_bytes(*args, None, settings.device)
                     - unit_activation_bytes(*args, choice, settings.device))
     return float(worst)
 
 
 def precision_from(model: ModelConfig, distributed_optimizer: bool) -> PrecisionConfig:
-    return PrecisionConfig(param_bytes=dtype_size(model.params_dtype), distributed_optimizer=distributed_optimizer)
+    return PrecisionConfig(param_bytes=model.dtype_bytes, distributed_optimizer=distributed_optimizer)

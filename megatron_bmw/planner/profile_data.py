@@ -1,12 +1,15 @@
 """The profile file: measured (or analytic) unit times, saved bytes and link speeds, reused by later runs.
 
 JSON layout (format 1):
-  {"format": 1, "mode": "measured" | "analytic", "device": {"name", "kind", "threads"}, "dtype": "fp32",
+  {"format": 1, "mode": "measured" | "analytic", "device": {"name", "type", "kind", "threads"}, "dtype": "fp32",
    "model": {hidden_size, num_attention_heads, ffn_hidden_size, seq_length, vocab_size, attention_backend,
              hidden_dropout, attention_dropout},
-   "units": [{"kind", "tp", "micro_batch_size", "forward_s", "backward_s", "saved_bytes"}, ...],
+   "units": [{"kind", "tp", "micro_batch_size", "forward_s", "backward_s", "saved_bytes", "unit"}, ...],
    "links": {"p2p": {"bandwidth_Bps", "latency_s"}, "allreduce": {...}},
    "overhead": {"forward_s", "backward_s"}}     # per compute action of the engine, beside the units
+"device.type" names the cluster device type the profile is for (default: device.name); a unit entry with
+"unit" (its index in [embedding, attn_0, mlp_0, ..., head]) times that unit alone (per-layer profiles), one
+without times every unit of its kind.
 """
 
 from __future__ import annotations
@@ -22,14 +25,6 @@ from .flops import unit_forward_flops
 FORMAT = 1
 MODEL_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
               "attention_backend", "hidden_dropout", "attention_dropout")
-_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def dtype_name(dtype) -> str:
-    """torch.float32 -> 'fp32' (the cluster files' names)."""
-    return _DTYPE_NAMES[str(dtype).replace("torch.", "")]
-
-
 def model_signature(model: ModelConfig) -> dict:
     return {k: getattr(model, k) for k in MODEL_KEYS}
 
@@ -42,6 +37,7 @@ class UnitTiming:
     forward_s: float
     backward_s: float
     saved_bytes: int | None = None
+    unit: int | None = None  # this unit of the model only (per-layer times)
 
 
 @dataclass
@@ -53,18 +49,28 @@ class Profile:
     links: dict = field(default_factory=dict)
     overhead: dict = field(default_factory=dict)
     mode: str = "measured"
+    source: str = ""  # the file it was read from
 
     # ---- lookup ------------------------------------------------------------------------------------------------
     def tps(self, kind: str) -> set[int]:
         return {u.tp for u in self.units if u.kind == kind}
 
-    def unit_time(self, kind: str, tp: int, micro_batch_size: int, model: ModelConfig) -> tuple[float, float] | None:
-        """(forward, backward) seconds for `model`'s unit, or None when this tp was not profiled.
+    @property
+    def device_type_name(self) -> str:
+        return str(self.device.get("type") or self.device.get("name") or "local")
+
+    def unit_time(self, kind: str, tp: int, micro_batch_size: int, model: ModelConfig,
+                  index: int | None = None) -> tuple[float, float] | None:
+        """(forward, backward) seconds for `model`'s unit (unit `index` when the profile times units one by one),
+        or None when this tp was not profiled.
 
         Linear in the micro-batch size between (and beyond) the profiled sizes; scaled by FLOPs when `model`
         differs from the profiled model."""
         points = sorted((u.micro_batch_size, u.forward_s, u.backward_s) for u in self.units
-                        if u.kind == kind and u.tp == tp)
+                        if u.kind == kind and u.tp == tp and u.unit == index)
+        if not points and index is not None:
+            points = sorted((u.micro_batch_size, u.forward_s, u.backward_s) for u in self.units
+                            if u.kind == kind and u.tp == tp and u.unit is None)
         if not points:
             return None
         fwd, bwd = _interpolate(points, micro_batch_size)
@@ -115,7 +121,9 @@ class Profile:
             raise UsageError(f"--profile {path}: no such file") from None
         except json.JSONDecodeError as exc:
             raise UsageError(f"--profile {path}: not valid JSON (line {exc.lineno})") from None
-        return cls.from_json(data, path)
+        profile = cls.from_json(data, path)
+        profile.source = path
+        return profile
 
     @classmethod
     def from_json(cls, data, where: str = "profile") -> Profile:
@@ -131,6 +139,33 @@ class Profile:
                        links=data.get("links", {}), overhead=data.get("overhead", {}), mode=data.get("mode", "measured"))
         except (KeyError, TypeError) as exc:
             raise UsageError(f"--profile {where}: missing or malformed field {exc}") from None
+
+
+class Profiles:
+    """The profiles of a run, by device type: a device type with none is an error (a profile measured on one
+    device says little about another), unless no profile is given at all (analytic times)."""
+
+    def __init__(self, profiles: list[Profile] | None = None) -> None:
+        self.by_type: dict[str, list[Profile]] = {}
+        for p in profiles or []:
+            self.by_type.setdefault(p.device_type_name, []).append(p)
+
+    def __bool__(self) -> bool:
+        return bool(self.by_type)
+
+    def for_device(self, device_type: str) -> list[Profile]:
+        if not self.by_type:
+            return []
+        if device_type not in self.by_type:
+            raise UsageError(f"--profile: no profile for device type {device_type} (profiles are for "
+                             f"{', '.join(sorted(self.by_type))}); profile that device (autoconfig.py profile "
+                             f"--device-type {device_type}) or give no --profile for analytic times")
+        return self.by_type[device_type]
+
+    def identity(self) -> list[dict]:
+        """What a plan records of the profiles it was made with."""
+        return [{"device_type": t, "mode": p.mode, "device": p.device.get("name"), "dtype": p.dtype,
+                 "source": p.source} for t, ps in sorted(self.by_type.items()) for p in ps]
 
 
 def _interpolate(points: list[tuple[int, float, float]], x: float) -> tuple[float, float]:

@@ -11,20 +11,26 @@ bandwidth to point-to-point and all-reduce timings between local ranks.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from ..config import ModelConfig, ParallelConfig
+from ..config import ModelConfig, ParallelConfig, PipelineConfig
+from ..device import choose_backend, free_port, ping_pong, set_device, synchronize, timed
 from ..errors import UsageError
 from .cluster import DeviceType
 from .flops import unit_forward_flops
 from .memory_model import UNIT_KINDS, unit_activation_bytes
-from .profile_data import Profile, UnitTiming, dtype_name, model_signature
+from .profile_data import Profile, UnitTiming, model_signature
 from .saved_bytes import measure_saved
+
+if TYPE_CHECKING:
+    from ..parallel.state import ParallelState
 
 _UNIT_OF_KIND = {"embedding": "embedding", "attention": "attn_0", "mlp": "mlp_0", "head": "head"}
 
@@ -58,11 +64,6 @@ def _batch(model: ModelConfig, b: int, device: torch.device, seed: int = 0) -> d
     tokens = torch.randint(0, model.vocab_size, (b, model.seq_length + 1), generator=g)
     return {"tokens": tokens[:, :-1].clone().to(device), "labels": tokens[:, 1:].clone().to(device),
             "loss_mask": torch.ones(b, model.seq_length, device=device)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _stat(values: list[float], statistic: str) -> float:
@@ -99,22 +100,22 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
             for it in range(warmup + repeats):
                 hidden = None
                 if kind != "embedding":
-                    hidden = torch.randn(seq, b, model.hidden_size, dtype=model.params_dtype,
+                    hidden = torch.randn(seq, b, model.hidden_size, dtype=model.torch_dtype,
                                          device=state.device, requires_grad=True)
-                _sync(state.device)
+                synchronize(state.device)
                 t0 = time.perf_counter()
                 if (b, kind) not in saved:  # the hooks cost time: measure bytes in a warm-up iteration only
                     rec, y = measure_saved(lambda: unit(hidden, batches[b]), params + shared)
                     saved[(b, kind)] = rec.total
                 else:
                     y = unit(hidden, batches[b])
-                _sync(state.device)
+                synchronize(state.device)
                 t1 = time.perf_counter()
                 if kind == "head":
                     torch.autograd.backward(y)
                 else:
                     torch.autograd.backward(y, torch.ones_like(y))
-                _sync(state.device)
+                synchronize(state.device)
                 t2 = time.perf_counter()
                 if it >= warmup:
                     fwd.append(t1 - t0)
@@ -138,19 +139,20 @@ def time_engine_overhead(state, num_microbatches: int = 8, repeats: int = 5, see
                        attention_backend="unfused")
     b = 1
     units = time_units(tiny, state, (b,), warmup=1, repeats=repeats, seed=seed, barrier=barrier, statistic=statistic)
-    chunks, sched, _ = pipeline_setup(tiny, state, seed, num_microbatches)
+    chunks, sched, _ = pipeline_setup(tiny, state, seed, PipelineConfig(micro_batch_size=b,
+                                                                         num_microbatches=num_microbatches))
     params = [p for c in chunks for p in c.parameters()]
     sync = GradSync(params, state)
-    engine = PipelineEngine(chunks, state, sched, hidden_shape(tiny, state, b), tiny.params_dtype)
+    engine = PipelineEngine(chunks, state, sched, hidden_shape(tiny, state, b), tiny.torch_dtype)
     batches = [_batch(tiny, b, state.device, seed=i) for i in range(num_microbatches)]
     times = []
     for it in range(repeats + 1):
-        _sync(state.device)
+        synchronize(state.device)
         if barrier is not None:
             barrier()
         t0 = time.perf_counter()
         engine.run(lambda i: batches[i], grad_sync=sync)
-        _sync(state.device)
+        synchronize(state.device)
         if it:
             times.append(time.perf_counter() - t0)
         sync.zero()
@@ -187,25 +189,17 @@ def time_links(sizes, repeats: int = 5, device: torch.device | None = None, stat
         samples = []
         for it in range(repeats + 1):
             dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            _sync(device)
-            if it:
-                samples.append((time.perf_counter() - t0) / 2)
-        p2p.append((size, _stat(samples, statistic)))
+            if rank < 2:
+                elapsed, _ = timed(lambda: ping_pong(rank == 0, buf, 1 - rank, None, None), device)
+                if it:
+                    samples.append(elapsed / 2)
+        p2p.append((size, _stat(samples, statistic) if samples else 0.0))  # ranks above 1 only wait
         samples = []
         for it in range(repeats + 1):
             dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            _sync(device)
+            elapsed, _ = timed(lambda: dist.all_reduce(buf), device)
             if it:
-                samples.append(time.perf_counter() - t0)
+                samples.append(elapsed)
         ar.append((size, _stat(samples, statistic)))
     links = {"p2p": _fit_link(p2p)}
     # ring all-reduce moves 2(n-1)/n of the bytes over the slowest link
@@ -215,12 +209,6 @@ def time_links(sizes, repeats: int = 5, device: torch.device | None = None, stat
 
 
 # ---- multi-process driver -----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, model: ModelConfig, settings: ProfileSettings, tp: int, sp: bool,
             queue) -> None:
     import datetime
@@ -232,9 +220,8 @@ def _worker(rank: int, world: int, port: int, model: ModelConfig, settings: Prof
     torch.set_num_threads(settings.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
+    backend = choose_backend(None, world)
+    set_device(rank, backend)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
         result: dict = {}
@@ -258,7 +245,7 @@ def _spawn(world: int, model: ModelConfig, settings: ProfileSettings, tp: int, s
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, model, settings, tp, sp, queue), daemon=True)
              for r in range(world)]
     for p in procs:
@@ -326,7 +313,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
             "memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else _host_memory()}
     if sequence_parallel:
         info["sequence_parallel"] = True
-    return Profile(device=info, dtype=dtype_name(model.params_dtype), model=model_signature(model), units=units,
+    return Profile(device=info, dtype=model.params_dtype, model=model_signature(model), units=units,
                    links=links, overhead=overhead, mode="measured")
 
 
@@ -343,7 +330,7 @@ def analytic_profile(model: ModelConfig, device: DeviceType, settings: ProfileSe
     Tensor-parallel collectives are left to the cost model (so only tp=1 entries are written)."""
     if not 0 < achievable_fraction <= 1:
         raise UsageError(f"--achievable-fraction must be in (0, 1], got {achievable_fraction}")
-    dtype = dtype_name(model.params_dtype)
+    dtype = model.params_dtype
     rate = device.peak(dtype) * achievable_fraction
     units = []
     for b in settings.micro_batch_sizes:
@@ -353,3 +340,61 @@ def analytic_profile(model: ModelConfig, device: DeviceType, settings: ProfileSe
     info = {"name": device.name, "kind": "analytic", "achievable_fraction": achievable_fraction,
             "memory_bytes": device.memory_bytes}
     return Profile(device=info, dtype=dtype, model=model_signature(model), units=units, mode="analytic")
+
+
+# ---- per-stage times of the model being trained (for --microbatch-slicing auto) --------------------------------
+def measure_stage_times(chunks: list[nn.Module], state: ParallelState, get_batch: Callable[[int], dict],
+                        hidden_shape: tuple[int, int, int], dtype: torch.dtype,
+                        repeats: int = 2) -> tuple[list[float], list[float], float]:
+    """(forward, backward seconds per pipeline stage for one micro-batch, p2p seconds of one activation).
+
+    Every rank times its chunks on micro-batch 0 (after one untimed run), stages 0 and 1 time a ping-pong of
+    one activation, and the numbers are combined with a MAX all-reduce over all ranks, so every rank gets the
+    same answer. Gradients go through torch.autograd.grad: parameters' .grad and gradient hooks are untouched,
+    and the random-number state is restored afterwards. All ranks must call this together.
+    """
+    import torch.distributed as dist
+
+    from ..parallel.random import get_rng_state, set_rng_state
+
+    p, rank, device = state.pp_size, state.pp_rank, state.device
+    rng = get_rng_state(state.rng)
+    batch = get_batch(0)
+    fwd = bwd = float("inf")
+    for attempt in range(repeats + 1):
+        f_total = b_total = 0.0
+        for c, chunk in enumerate(chunks):
+            vstage = c * p + rank
+            x = None if vstage == 0 else torch.zeros(hidden_shape, dtype=dtype, device=device, requires_grad=True)
+            forward, out = timed(lambda: chunk(x, batch), device)
+            inputs = [q for q in chunk.parameters() if q.requires_grad] + ([x] if x is not None else [])
+            backward, _ = timed(lambda: torch.autograd.grad(out, inputs, grad_outputs=torch.ones_like(out),
+                                                            allow_unused=True), device)
+            f_total += forward
+            b_total += backward
+        if attempt:
+            fwd, bwd = min(fwd, f_total), min(bwd, b_total)
+    set_rng_state(rng, state.rng)
+    comm = _ping(state, hidden_shape, dtype, repeats) if p > 1 else 0.0
+    table = torch.zeros(p + 1, 2, dtype=torch.float64, device=device)
+    table[rank, 0], table[rank, 1] = fwd, bwd
+    table[p, 0] = comm
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    table = table.cpu()
+    return table[:p, 0].tolist(), table[:p, 1].tolist(), float(table[p, 0])
+
+
+def _ping(state: ParallelState, hidden_shape: tuple[int, int, int], dtype: torch.dtype, repeats: int) -> float:
+    """Half the round trip of one activation between stages 0 and 1 (0 on the other stages)."""
+    if state.pp_rank > 1:
+        return 0.0
+    me, other = state.pp_ranks[state.pp_rank], state.pp_ranks[1 - state.pp_rank]
+    out, back = state.p2p_group(me, other), state.p2p_group(other, me)
+    x = torch.zeros(hidden_shape, dtype=dtype, device=state.device)
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        elapsed, _ = timed(lambda: ping_pong(state.pp_rank == 0, x, other, out, back), state.device)
+        if attempt:
+            best = min(best, elapsed / 2)
+    return best

@@ -11,7 +11,8 @@ GiB = 2**30
 
 
 def _layer_recompute(spec: RunSpec) -> str | None:
-    return spec.model.recompute_granularity
+    """The recomputation of the model's first layer's attention unit, as the per-layer figure's example."""
+    return spec.pipeline.unit_recompute(spec.model.num_units)[1]
 
 
 def estimate_json(spec: RunSpec, memory: list[RankMemory], cluster: Cluster | None,
@@ -36,12 +37,13 @@ def estimate_json(spec: RunSpec, memory: list[RankMemory], cluster: Cluster | No
         stages.append(entry)
     out = {
         "parameters_total": total_parameters(spec.model),
-        "activation_bytes_per_layer": layer_activation_bytes(spec.model, spec.micro_batch_size, spec.tp, spec.sp,
+        "activation_bytes_per_layer": layer_activation_bytes(spec.model, spec.pipeline.micro_batch_size, spec.tp, spec.sp,
                                                              _layer_recompute(spec), settings.device),
-        "layout": {"tp": spec.tp, "pp": spec.pp, "dp": spec.dp, "virtual": spec.virtual,
-                   "micro_batch_size": spec.micro_batch_size, "num_microbatches": spec.num_microbatches,
-                   "schedule": spec.schedule, "partition": list(spec.partition),
-                   "sequence_parallel": spec.sp, "bpipe": spec.bpipe, "sliced_microbatches": spec.slicing},
+        "layout": {"tp": spec.tp, "pp": spec.pp, "dp": spec.dp, "virtual": spec.pipeline.virtual_stages,
+                   "micro_batch_size": spec.pipeline.micro_batch_size, "num_microbatches": spec.pipeline.num_microbatches,
+                   "schedule": spec.pipeline.schedule, "partition": list(spec.pipeline.partition),
+                   "sequence_parallel": spec.sp, "bpipe": spec.pipeline.bpipe,
+                   "sliced_microbatches": spec.pipeline.slicing},
         "stages": stages,
     }
     if cluster is not None:
@@ -101,4 +103,84 @@ def memory_table(data: dict) -> str:
     if timed:
         lines.append(f"iteration {data['iteration_time_s']:.4f} s (pipeline {data['pipeline_time_s']:.4f} s), "
                      f"bubble {100 * data['bubble_fraction']:.1f}%, master stage {data['master_stage']}")
+    return "\n".join(lines)
+
+
+# ---- search ------------------------------------------------------------------------------------------------------
+def prediction(ranked, cluster: Cluster) -> dict:
+    """What a plan promises: time, throughput, MFU (model FLOPs, no recomputation) and memory per stage."""
+    from .search import model_flops
+
+    ev, spec = ranked.evaluation, ranked.spec
+    sim, pl = ev.simulation, spec.pipeline
+    t = sim.iteration_time
+    samples = spec.dp * pl.micro_batch_size * pl.num_microbatches
+    flops = model_flops(spec.model, samples)
+    peak = sum(cluster.device(g).peak(spec.model.params_dtype) for g in range(spec.world_size))
+    stages = [{"stage": s, "peak_bytes": m.peak_bytes, "allowance_bytes": m.allowance_bytes,
+               "static_bytes": m.static_bytes, "activation_bytes": m.activation_bytes,
+               "capacity_bytes": stage_capacity(spec, cluster, s), "busy_s": sim.busy[s],
+               "forward_s": sum(ev.cost.chunk_forward[s]), "backward_s": sum(ev.cost.chunk_backward[s])}
+              for s, m in enumerate(ev.memory)]
+    return {"iteration_time_s": t, "pipeline_time_s": sim.pipeline_time, "tokens_per_s": samples * spec.model.seq_length / t,
+            "tflops_per_gpu": flops / t / spec.world_size / 1e12, "mfu": flops / t / peak,
+            "bubble_fraction": sim.bubble_fraction, "stages": stages}
+
+
+def _layout(spec: RunSpec) -> dict:
+    pl = spec.pipeline
+    return {"tp": spec.tp, "pp": spec.pp, "dp": spec.dp, "micro_batch_size": pl.micro_batch_size,
+            "num_microbatches": pl.num_microbatches, "schedule": pl.schedule, "virtual": pl.virtual_stages,
+            "sequence_parallel": spec.sp, "zero1": spec.distributed_optimizer, "bpipe": pl.bpipe,
+            "slicing": pl.slicing, "partition": list(pl.partition),
+            "recomputed_units": sum(1 for x in pl.recompute or () if x)}
+
+
+def plan_from(ranked, result, profiles, orig_vocab: int | None):
+    from .plan import Plan
+
+    spec, cluster = ranked.spec, result.cluster
+    return Plan(spec=spec, global_batch_size=result.global_batch_size, orig_vocab_size=orig_vocab,
+                devices=[cluster.device(g).name for g in range(spec.world_size)],
+                cluster={"name": cluster.name, "source": cluster.source, "num_gpus": cluster.num_gpus},
+                profiles=profiles.identity(), prediction=prediction(ranked, cluster),
+                search={"rank": 1, "notes": ranked.notes, "gains_s": ranked.gains,
+                        "stats": {k: v for k, v in result.stats.items()}})
+
+
+def search_json(result) -> dict:
+    return {"plans": [{"layout": _layout(r.spec), "prediction": prediction(r, result.cluster), "notes": r.notes,
+                       "gains_s": r.gains, "estimate_s": r.estimate} for r in result.ranked],
+            "stats": result.stats, "cluster": result.cluster.name}
+
+
+def search_table(result) -> str:
+    """The ranked plans: time, throughput, MFU, the layout, the worst stage's memory against its device, notes."""
+    head = (f"{'#':>2} {'iter s':>8} {'tokens/s':>10} {'MFU':>6} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>4} {'m':>5} "
+            f"{'schedule':<13} {'SP':>2} {'Z1':>2} {'BP':>2} {'K':>2} {'rc':>4} {'mem/cap':>8}  notes")
+    lines = [head]
+    best = result.ranked[0].time if result.ranked else 0.0
+    for i, r in enumerate(result.ranked, 1):
+        p = prediction(r, result.cluster)
+        lay = _layout(r.spec)
+        sched = lay["schedule"] + (f" v{lay['virtual']}" if lay["virtual"] > 1 else "")
+        mem = max(s["peak_bytes"] / s["capacity_bytes"] for s in p["stages"])
+        notes = list(r.notes)
+        if i > 1:
+            notes.insert(0, f"+{100 * (r.time / best - 1):.1f}% vs #1")
+        for key, label in (("slicing_s", "slicing"), ("refinement_s", "partition refinement"),
+                           ("savers_vs_without_s", "memory savers")):
+            if r.gains.get(key, 0) > 0:
+                notes.append(f"{label} -{100 * r.gains[key] / (r.time + r.gains[key]):.1f}%")
+        flag = lambda b: "y" if b else "-"  # noqa: E731
+        lines.append(f"{i:>2} {r.time:8.4f} {p['tokens_per_s']:10.0f} {100 * p['mfu']:5.1f}% {lay['tp']:>3} "
+                     f"{lay['pp']:>3} {lay['dp']:>4} {lay['micro_batch_size']:>4} {lay['num_microbatches']:>5} "
+                     f"{sched:<13} {flag(lay['sequence_parallel']):>2} {flag(lay['zero1']):>2} {flag(lay['bpipe']):>2} "
+                     f"{lay['slicing']:>2} {lay['recomputed_units']:>4} {100 * mem:7.1f}%  {'; '.join(notes)}")
+    st = result.stats
+    lines.append(f"{st['layouts']} layouts: {st['solved']} solved, {st['pruned']} pruned by their bound, "
+                 f"{st['simulated']} simulations; {st.get('elapsed_s', 0):.1f} s")
+    if result.ranked:
+        best_r = result.ranked[0]
+        lines.append(f"best: partition {','.join(map(str, best_r.spec.pipeline.partition))}")
     return "\n".join(lines)

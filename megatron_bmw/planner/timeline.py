@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from ..pipeline.schedule import Action, Kind
+from ..pipeline.schedule import Kind
 from .simulator import Simulation
 
 COLORS = {"forward": "#4C72B0", "backward": "#55A868", "transfer": "#DD8452", "sync": "#8172B2"}
-
-
-def _label(a: Action, show_chunk: bool) -> str:
-    text = f"{a.kind.value}{a.microbatch}"
-    if show_chunk:
-        text += f".{a.chunk}"
-    return text + ("" if a.half is None else "ab"[a.half])
 
 
 def render_timeline(sim: Simulation, path: str, title: str = "") -> None:
@@ -40,7 +33,7 @@ def render_timeline(sim: Simulation, path: str, title: str = "") -> None:
             ax.broken_barh([(s * scale, (e - s) * scale)], (y + 0.3, 0.6), facecolors=color, edgecolors=edge,
                            linewidth=1.0)
             if few:
-                ax.text((s + e) / 2 * scale, y + 0.6, _label(a, show_chunk), ha="center", va="center", fontsize=6,
+                ax.text((s + e) / 2 * scale, y + 0.6, a.label(show_chunk), ha="center", va="center", fontsize=6,
                         color="white")
         for a, s, e in sim.copies[r]:
             ax.broken_barh([(s * scale, max(e - s, 1e-9) * scale)], (y + 0.05, 0.2), facecolors=COLORS["transfer"])

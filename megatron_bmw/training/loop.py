@@ -10,16 +10,16 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from ..arguments import RunConfig
+from ..config import RunConfig
 from ..data.builder import build_gpt_datasets
 from ..errors import UsageError
 from ..parallel.grad_sync import GradSync
 from ..parallel.random import get_rng_state, set_rng_state, set_seeds
 from ..parallel.state import ParallelState
 from ..pipeline.engine import PipelineEngine, reduce_loss
-from ..pipeline.stage_timing import measure_stage_times
 from ..pipeline.stages import hidden_shape, pipeline_setup
 from ..pipeline.trace import Tracer
+from ..planner.profiler import measure_stage_times
 from .batches import MicroBatches
 from .checkpointing import load_checkpoint, read_tracker, save_checkpoint
 from .logging import TensorBoardWriter, format_train_log, format_validation_log
@@ -63,34 +63,35 @@ def _any_rank(flag: bool, state: ParallelState) -> bool:
 
 
 class Trainer:
-    def __init__(self, run: RunConfig, state: ParallelState, tokenizer=None) -> None:
+    def __init__(self, run: RunConfig, state: ParallelState, tokenizer=None, track_memory: bool = False) -> None:
+        """track_memory: keep an activation store so `memory_in_use` can report the peak (for --plan)."""
         self.run, self.state, self.tokenizer = run, state, tokenizer
-        tr, model = run.train, run.model
+        tr, model, pl = run.train, run.model, run.pipeline
         set_seeds(tr.seed, state.tp_rank, state.pp_rank, state.rng)
         self.build_data()
-        shape = hidden_shape(model, state, tr.micro_batch_size)
+        shape = hidden_shape(model, state, pl.micro_batch_size)
 
         def measured_stage_times(chunks):  # for --microbatch-slicing auto
-            batches = self.train_data.iteration(0, tr.num_microbatches)
-            return measure_stage_times(chunks, state, batches, shape, model.params_dtype)
+            batches = self.train_data.iteration(0, pl.num_microbatches)
+            return measure_stage_times(chunks, state, batches, shape, model.torch_dtype)
 
-        self.chunks, self.schedule, self.partition = pipeline_setup(
-            model, state, tr.seed, tr.num_microbatches, tr.schedule, run.parallel.virtual_pipeline_model_parallel_size,
-            tr.pipeline_partition, bpipe=tr.bpipe, slicing=tr.microbatch_slicing,
-            micro_batch_size=tr.micro_batch_size, stage_times=measured_stage_times)
+        self.chunks, self.schedule, self.partition = pipeline_setup(model, state, tr.seed, pl,
+                                                                    stage_times=measured_stage_times)
         self.named_params = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.grad_sync = GradSync([p for _, p in self.named_params], state, overlap=tr.overlap_grad_reduce)
         self.optimizer = build_optimizer(self.named_params, run.optimizer, state)
         self.scheduler = LRScheduler(self.optimizer, run.lr)
         self.tracer = Tracer(state.rank, state.pp_rank) if tr.pipeline_trace else None
-        self.engine = PipelineEngine(self.chunks, state, self.schedule, shape, model.params_dtype, tracer=self.tracer,
-                                     track_activations=tr.log_activation_memory)
+        self.engine = PipelineEngine(self.chunks, state, self.schedule, shape, model.torch_dtype, tracer=self.tracer,
+                                     track_activations=tr.log_activation_memory or track_memory)
         self.iteration = 0
         self.consumed_train = 0
         self.consumed_valid = 0
         self.tb = TensorBoardWriter(tr.tensorboard_dir if state.rank == _world() - 1 else None)
         self.skipped = 0
         self.history: list[tuple[int, float, float | None]] = []  # (iteration, lm loss, grad norm)
+        self.step_times: list[float] = []  # wall seconds of every training iteration
+        self.plan_check: list[str] = []  # with --plan: predicted against measured (pretrain.py fills it)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def _model_state(self) -> dict:
@@ -120,9 +121,9 @@ class Trainer:
         d = {k: v for k, v in asdict(r.model).items() if k != "params_dtype"}
         d.update(tensor_model_parallel_size=self.state.tp_size, pipeline_model_parallel_size=self.state.pp_size,
                  data_parallel_size=self.state.dp_size, padded_vocab_size=r.model.vocab_size,
-                 orig_vocab_size=r.orig_vocab_size, micro_batch_size=r.train.micro_batch_size,
+                 orig_vocab_size=r.orig_vocab_size, micro_batch_size=r.pipeline.micro_batch_size,
                  global_batch_size=r.train.global_batch_size, seed=r.train.seed, pipeline_partition=self.partition,
-                 params_dtype=str(r.model.params_dtype))
+                 params_dtype=str(r.model.torch_dtype))
         return d
 
     def load(self) -> None:
@@ -178,7 +179,7 @@ class Trainer:
             datasets = build_gpt_datasets(self.run.data, seq, tr.seed, num)
         eod = self.tokenizer.eod if self.tokenizer is not None else None
         self.train_data, self.valid_data, self.test_data = (
-            MicroBatches(d, tr.micro_batch_size, st.dp_size, st.dp_rank, st.device, eod, tr.eod_mask_loss)
+            MicroBatches(d, self.run.pipeline.micro_batch_size, st.dp_size, st.dp_rank, st.device, eod, tr.eod_mask_loss)
             if d is not None else None for d in datasets)
         if self.train_data is None:
             raise UsageError("--split gives the training split no data")
@@ -186,8 +187,9 @@ class Trainer:
     # -- steps -----------------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, object]:
         tr = self.run.train
+        start = time.perf_counter()
         self.grad_sync.zero()
-        batches = self.train_data.iteration(self.consumed_train, tr.num_microbatches)
+        batches = self.train_data.iteration(self.consumed_train, self.run.pipeline.num_microbatches)
         tracing = self.tracer is not None and len(self.tracer.events) < TRACE_ITERATIONS * len(
             self.schedule.actions[self.state.pp_rank])
         self.engine.tracer = self.tracer if tracing else None
@@ -198,7 +200,8 @@ class Trainer:
             self.scheduler.step(1)
         else:
             self.skipped += 1
-        loss = reduce_loss(result, self.state, tr.num_microbatches)
+        loss = reduce_loss(result, self.state, self.run.pipeline.num_microbatches)
+        self.step_times.append(time.perf_counter() - start)
         self.iteration += 1
         self.consumed_train += tr.global_batch_size
         return loss, step
@@ -210,9 +213,9 @@ class Trainer:
             c.eval()
         total = 0.0
         for _ in range(iters):
-            batches = data.iteration(self.consumed_valid, self.run.train.num_microbatches)
+            batches = data.iteration(self.consumed_valid, self.run.pipeline.num_microbatches)
             total += reduce_loss(self.engine.run(batches, forward_only=True), self.state,
-                                 self.run.train.num_microbatches)
+                                 self.run.pipeline.num_microbatches)
             self.consumed_valid += self.run.train.global_batch_size
         for c in self.chunks:
             c.train()
@@ -282,6 +285,19 @@ class Trainer:
         bar = "-" * (len(line) + 1)
         print_last(self.state, f"{bar}\n {line}\n{bar}")
         self.tb.add_scalars({"lm loss validation": loss}, self.iteration)
+
+    def memory_in_use(self) -> float:
+        """This rank's peak bytes: CUDA's peak allocation; on the CPU the model states' tensors plus the activation
+        store's peak (what the memory model predicts, without an allocator to ask)."""
+        if self.state.device.type == "cuda":
+            return float(torch.cuda.max_memory_allocated(self.state.device))
+        seen, params = set(), 0
+        for _, p in self.named_params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params += p.numel() * p.element_size()
+        store = self.engine.activation_stats()["peak_bytes"] if self.engine.store is not None else 0.0
+        return float(params + self.grad_sync.buffer_bytes() + self.optimizer.state_bytes() + store)
 
     def finish(self) -> None:
         if self.run.train.log_activation_memory and self.state.tp_rank == 0 and self.state.dp_rank == 0:

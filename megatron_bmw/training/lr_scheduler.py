@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-from .config import LRConfig
+from ..config import LRConfig
 
 
 class _HasLR(Protocol):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.state import ParallelState, group_rank, group_size
-from .config import OptimizerConfig
+from ..config import OptimizerConfig
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 
 try:
@@ -138,6 +138,14 @@ class MixedPrecisionOptimizer:
         elif g.dtype != torch.float32:
             g = g.float()
         return self._param_slice(pc, g)
+
+    def state_bytes(self) -> int:
+        """Bytes of fp32 master copies (where they are not the parameters) and Adam moments held by this rank."""
+        params = {id(p) for p in self.params}
+        masters = sum(m.numel() * m.element_size() for m in self._masters if id(m) not in params)
+        moments = sum(t.numel() * t.element_size() for st in (self._inner.state.values() if self._inner else ())
+                      for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+        return masters + moments
 
     # ---- training-loop API --------------------------------------------------------------------------
     @property

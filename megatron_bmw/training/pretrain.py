@@ -3,31 +3,47 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
-from ..arguments import configs_from_args, parse_args
+from ..arguments import apply_plan, check_against_plan, configs_from_args, data_config_from_args, parse_args
 from ..data.tokenizers import build_tokenizer
 from ..errors import exit_on_usage_error
 from ..fused import HAVE_APEX, HAVE_TE
 from ..parallel.state import ParallelState, init_distributed
 from ..pipeline.slicing import num_sliced
 from .logging import format_validation_log
+from .plan_check import plan_check_lines
 from .loop import Trainer, count_parameters, print_first, print_last
 
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> None:
+    pretrain(list(sys.argv[1:] if argv is None else argv))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def pretrain(argv: list[str]) -> Trainer:
+    """Everything main does inside the process group (which it leaves to the caller)."""
     args = parse_args(argv)
+    plan = apply_plan(args, argv) if args.plan else None
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    tokenizer = build_tokenizer(_data_config(args)) if args.tokenizer_type else None
+    tokenizer = build_tokenizer(data_config_from_args(args)) if args.tokenizer_type else None
     run = configs_from_args(args, world, vocab_size=tokenizer.vocab_size if tokenizer is not None else None)
+    if plan is not None:
+        check_against_plan(run, plan, world, args.plan)
     init_distributed(run.train.distributed_backend, run.train.distributed_timeout_minutes)
     state = ParallelState.build(run.parallel)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     _banner(run, state, args)
-    trainer = Trainer(run, state, tokenizer)
+    if plan is not None:
+        print_first(state, f"> running plan {args.plan} (predicted {plan.prediction.get('iteration_time_s', 0):.4f} s "
+                           "per iteration)")
+    trainer = Trainer(run, state, tokenizer, track_memory=plan is not None)
     if state.dp_rank == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, {state.pp_rank}): "
               f"{count_parameters(trainer)}", flush=True)
@@ -40,15 +56,15 @@ def main(argv: list[str] | None = None) -> None:
         print_last(state, format_validation_log(trainer.iteration, loss,
                                                 label=f"iteration {trainer.iteration} on test set"))
     trainer.finish()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if plan is not None:
+        trainer.plan_check = plan_check_lines(trainer, plan)
+        print_first(state, "\n".join(trainer.plan_check))
+    return trainer
 
 
 def _describe_pipeline(trainer, state: ParallelState) -> None:
-    t = trainer.run.train
     extras = []
-    if t.bpipe:
+    if trainer.run.pipeline.bpipe:
         extras.append("BPipe activation balancing on")
         node = trainer.run.parallel.gpus_per_node
         if node is None:  # default: the local world size (torchrun sets it), else one node for everything
@@ -64,27 +80,18 @@ def _describe_pipeline(trainer, state: ParallelState) -> None:
                 + "".join(f"\n> {e}" for e in extras))
 
 
-def _data_config(args):
-    from ..data.config import DataConfig
-
-    return DataConfig(data_path=args.data_path or [], tokenizer_type=args.tokenizer_type,
-                      tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                      vocab_size=args.vocab_size)
-
-
 def _banner(run, state: ParallelState, args) -> None:
-    t = run.train
+    t, pl = run.train, run.pipeline
     lines = [
         f"> initialized tensor model parallel with size {state.tp_size}",
         f"> initialized pipeline model parallel with size {state.pp_size}",
         f"> initialized data parallel with size {state.dp_size}",
         f"> backend {dist.get_backend() if dist.is_initialized() else 'none'}, device {state.device}, "
-        f"dtype {run.model.params_dtype}, apex {'yes' if HAVE_APEX else 'no'}, transformer-engine "
+        f"dtype {run.model.torch_dtype}, apex {'yes' if HAVE_APEX else 'no'}, transformer-engine "
         f"{'yes' if HAVE_TE else 'no'}",
-        f"> micro-batch size {t.micro_batch_size}, global batch size {t.global_batch_size}, "
-        f"micro-batches per iteration {t.num_microbatches}, schedule {run.train.schedule}"
-        + (f" interleaved x{run.parallel.virtual_pipeline_model_parallel_size}"
-           if run.parallel.virtual_pipeline_model_parallel_size > 1 else ""),
+        f"> micro-batch size {pl.micro_batch_size}, global batch size {t.global_batch_size}, "
+        f"micro-batches per iteration {pl.num_microbatches}, schedule "
+        + (f"1f1b interleaved x{pl.virtual_stages}" if pl.virtual_stages > 1 else pl.schedule),
         f"> padded vocab (size: {run.orig_vocab_size}) with {run.model.vocab_size - run.orig_vocab_size} dummy "
         f"tokens (new size: {run.model.vocab_size})",
     ]

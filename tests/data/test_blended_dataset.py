@@ -7,7 +7,8 @@ import pytest
 
 from megatron_bmw.data.blended_dataset import BlendedDataset, build_blending_indices, samples_per_dataset
 from megatron_bmw.data.builder import build_gpt_datasets
-from megatron_bmw.data.config import DataConfig, parse_data_path
+from megatron_bmw.config import DataConfig
+from megatron_bmw.data.blended_dataset import parse_data_path
 from megatron_bmw.data.gpt_dataset import MockGPTDataset
 from megatron_bmw.errors import UsageError
 

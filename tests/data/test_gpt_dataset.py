@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_bmw.data.builder import build_gpt_datasets
-from megatron_bmw.data.config import DataConfig
+from megatron_bmw.config import DataConfig
 from megatron_bmw.data.gpt_dataset import (
     GPTDataset,
     MockGPTDataset,

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_bmw.data.config import DataConfig
+from megatron_bmw.config import DataConfig
 from megatron_bmw.data.indexed_dataset import IndexedDataset
 from megatron_bmw.data.tokenizers import build_tokenizer
 

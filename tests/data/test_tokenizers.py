@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_bmw.data.config import DataConfig
+from megatron_bmw.config import DataConfig
 from megatron_bmw.data.tokenizers import (
     GPT2BPETokenizer,
     NullTokenizer,

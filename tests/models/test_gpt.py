@@ -9,7 +9,8 @@ from megatron_bmw.models.gpt import GPTModel, build_units, unit_names
 from megatron_bmw.parallel.grad_sync import GradSync
 from megatron_bmw.parallel.state import ParallelState
 from tests.dist_harness import run_distributed
-from tests.reference import SEED, expected_shard, make_batch, reference_name, serial_reference, small_config, split_batch
+from tests.reference import (SEED, expected_shard, make_batch, recompute_of, reference_name, serial_reference,
+                             small_config, split_batch)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -19,7 +20,7 @@ def _tp_case(rank, world_size, overrides, sequence_parallel):
     mbs = split_batch(make_batch(cfg, 4, seed=7), 2)
     ref_loss, ref_grads, _ = serial_reference(cfg, mbs)
     st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=world_size, sequence_parallel=sequence_parallel))
-    model = GPTModel(build_units(cfg, st, SEED))
+    model = GPTModel(build_units(cfg, st, SEED, recompute=recompute_of(overrides, cfg.num_layers)))
     sync = GradSync(list(model.parameters()), st)
     total = 0.0
     for mb in mbs:
@@ -68,11 +69,11 @@ def test_dropout_recompute_replays_masks():
     batch = make_batch(cfg, 2, seed=1)
     grads = []
     for granularity in (None, "full", "selective"):
-        cfg.recompute_granularity = granularity
         st = ParallelState.serial()
         st.rng.add("model-parallel-rng", 99)
         torch.manual_seed(5)
-        model = GPTModel(build_units(cfg, st, SEED))
+        model = GPTModel(build_units(cfg, st, SEED,
+                                     recompute=recompute_of({"recompute_granularity": granularity}, cfg.num_layers)))
         model(None, batch).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     for other in grads[1:]:

@@ -11,30 +11,30 @@ from megatron_bmw.config import ParallelConfig
 from megatron_bmw.parallel.grad_sync import GradSync
 from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.pipeline.engine import PipelineEngine, reduce_loss
-from megatron_bmw.pipeline.replay import peak_inflight, resident_peaks
+from megatron_bmw.pipeline.holding import peak_inflight, resident_peaks
 from megatron_bmw.pipeline.slicing import num_sliced
-from megatron_bmw.pipeline.stage_timing import measure_stage_times
 from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup
-from tests.reference import (SEED, expected_shard, make_batch, reference_name, serial_reference, small_config,
-                             split_batch)
+from megatron_bmw.planner.profiler import measure_stage_times
+from tests.reference import (SEED, expected_shard, make_batch, pipeline_of, reference_name, serial_reference,
+                             small_config, split_batch)
 
 MBS = 4  # micro-batch size (even, so it can be sliced)
 REPORT = re.compile(r"activation memory \| stage (\d+) \| peak micro-batches ([\d.]+) \| peak bytes (\d+) \| "
                     r"accepted bytes (\d+)")
 
 
-def _iteration(cfg, st, m, v, micro, dp, bpipe, slicing, schedule="1f1b"):
+def _iteration(cfg, overrides, st, m, v, micro, dp, bpipe, slicing, schedule="1f1b"):
     mine = [micro[i * dp + st.dp_rank] for i in range(m)]
     shape = hidden_shape(cfg, st, MBS)
 
     def measure(chunks):
-        return measure_stage_times(chunks, st, lambda i: mine[i], shape, cfg.params_dtype)
+        return measure_stage_times(chunks, st, lambda i: mine[i], shape, cfg.torch_dtype)
 
-    chunks, sched, _ = pipeline_setup(cfg, st, SEED, m, schedule, v, bpipe=bpipe, slicing=slicing,
-                                      micro_batch_size=MBS, stage_times=measure)
+    pipeline = pipeline_of(cfg, overrides, MBS, m, st.pp_size, v, schedule, bpipe=bpipe, slicing=slicing)
+    chunks, sched, _ = pipeline_setup(cfg, st, SEED, pipeline, stage_times=measure)
     params = [p for c in chunks for p in c.parameters()]
     sync = GradSync(params, st, bucket_size=2000)
-    engine = PipelineEngine(chunks, st, sched, shape, cfg.params_dtype, track_activations=True)
+    engine = PipelineEngine(chunks, st, sched, shape, cfg.torch_dtype, track_activations=True)
     losses, grads = [], []
     for _ in range(2):  # the second iteration runs with the class sizes already known
         sync.zero()
@@ -53,9 +53,9 @@ def transformed_equals_plain(rank, world_size, tp, pp, v, m, overrides, bpipe, s
     micro = split_batch(make_batch(cfg, MBS * m * dp, seed=11), m * dp)
     ref_loss, ref_grads, _ = serial_reference(cfg, micro)
     st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                            virtual_pipeline_model_parallel_size=v, rank_order="bpipe"))
-    plain = _iteration(cfg, st, m, v, micro, dp, False, base_slicing)
-    new = _iteration(cfg, st, m, v, micro, dp, bpipe, slicing)
+                                            rank_order="bpipe"))
+    plain = _iteration(cfg, overrides, st, m, v, micro, dp, False, base_slicing)
+    new = _iteration(cfg, overrides, st, m, v, micro, dp, bpipe, slicing)
     exact = slicing == base_slicing  # BPipe only moves tensors; slicing changes the summation order
     for it in range(2):
         if exact:

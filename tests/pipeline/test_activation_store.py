@@ -11,7 +11,7 @@ from torch import nn
 from megatron_bmw.models.gpt import GPTModel, build_units
 from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.pipeline.activation_store import ActivationStore
-from tests.reference import SEED, make_batch, small_config
+from tests.reference import SEED, make_batch, recompute_of, small_config
 
 
 class _Done:
@@ -129,8 +129,9 @@ def test_accounting_halves_and_accepted():
 def test_stacks_with_recomputation(recompute):
     """Recomputation's own hooks take over inside checkpointed regions; the store sees what they keep (their
     inputs), and evicting and loading those keeps gradients bit for bit."""
-    cfg = small_config(recompute_granularity=recompute, num_layers=2)
-    model = GPTModel(build_units(cfg, ParallelState.serial(), SEED))
+    cfg = small_config(num_layers=2)
+    model = GPTModel(build_units(cfg, ParallelState.serial(), SEED,
+                                 recompute=recompute_of({"recompute_granularity": recompute}, 2)))
     batch = make_batch(cfg, 4, 3)
     model(None, batch).backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -8,7 +8,8 @@ from megatron_bmw.parallel.layout import RankLayout
 from megatron_bmw.pipeline.bpipe import ActivationLimitError, bpipe_pairs, insert_bpipe, mu_opt
 from megatron_bmw.pipeline.checker import check
 from megatron_bmw.pipeline.generators import build_schedule
-from megatron_bmw.pipeline.replay import peak_inflight, replay, resident_peaks, unit_times
+from megatron_bmw.pipeline.holding import peak_inflight, resident_peaks
+from megatron_bmw.pipeline.replay import replay, unit_times
 from megatron_bmw.pipeline.schedule import COMPUTE_KINDS, TRANSFER_KINDS, Action, Kind, ScheduleError
 from tests.dist_harness import run_distributed
 from tests.pipeline.bpipe_cases import transformed_equals_plain
@@ -86,7 +87,7 @@ def test_heavy_slicing_with_bpipe_is_refused_or_fitted():
     """Slicing most micro-batches can leave an acceptor half a micro-batch over mu_opt: an explicit K is
     refused in one line, an automatic one is reduced until BPipe fits."""
     from megatron_bmw.pipeline.slicing import num_sliced, slice_microbatches
-    from megatron_bmw.pipeline.stages import transform_schedule
+    from megatron_bmw.pipeline.build import transform_schedule
 
     base = build_schedule("1f1b", 8, 16)
     with pytest.raises(ActivationLimitError, match="rank 5 would hold 5.5"):
@@ -194,14 +195,14 @@ def test_pairs_share_a_node(tp, dp, pp, node):
 
 
 def test_pipeline_setup_needs_the_bpipe_order():
-    from megatron_bmw.config import ParallelConfig
+    from megatron_bmw.config import ParallelConfig, PipelineConfig
     from megatron_bmw.parallel.state import ParallelState
     from megatron_bmw.pipeline.stages import pipeline_setup
     from tests.reference import small_config
 
     state = ParallelState.build(ParallelConfig())
     with pytest.raises(UsageError, match="--bpipe needs the pair-adjacent rank order"):
-        pipeline_setup(small_config(), state, 1, 4, bpipe=True)
+        pipeline_setup(small_config(), state, 1, PipelineConfig(num_microbatches=4, bpipe=True))
 
 
 # (world size, tp, pp, v, m, model overrides): BPipe alone, loss and gradients bit for bit

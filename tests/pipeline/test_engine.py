@@ -12,7 +12,8 @@ from megatron_bmw.pipeline.engine import PipelineEngine, reduce_loss
 from megatron_bmw.pipeline.partition import default_partition, parse_partition
 from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup
 from tests.dist_harness import run_distributed
-from tests.reference import SEED, expected_shard, make_batch, reference_name, serial_reference, small_config, split_batch
+from tests.reference import (SEED, expected_shard, make_batch, pipeline_of, reference_name, serial_reference,
+                             small_config, split_batch)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 MBS = 2  # micro-batch size
@@ -26,13 +27,12 @@ def _run_case(rank, world_size, tp, pp, v, schedule, partition, m, overrides, ov
     micro = split_batch(make_batch(cfg, MBS * m * dp, seed=11), m * dp)
     ref_loss, ref_grads, _ = serial_reference(cfg, micro)
     st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                            virtual_pipeline_model_parallel_size=v,
                                             sequence_parallel=sp))
-    chunks, sched, _ = pipeline_setup(cfg, st, SEED, m, schedule, v, partition)
+    chunks, sched, _ = pipeline_setup(cfg, st, SEED, pipeline_of(cfg, overrides, MBS, m, pp, v, schedule, partition))
     check(sched)
     params = [p for c in chunks for p in c.parameters()]
     sync = GradSync(params, st, bucket_size=2000, overlap=overlap)
-    engine = PipelineEngine(chunks, st, sched, hidden_shape(cfg, st, MBS), cfg.params_dtype)
+    engine = PipelineEngine(chunks, st, sched, hidden_shape(cfg, st, MBS), cfg.torch_dtype)
     mine = [micro[i * dp + st.dp_rank] for i in range(m)]
     result = engine.run(lambda i: mine[i], grad_sync=sync)
     loss = reduce_loss(result, st, m)
@@ -61,6 +61,7 @@ def _cfg_names(overrides):
     return set(grads)
 
 
+MIXED = (None, "selective", "full", "full", None, None, "full", "selective", None, None)  # 4 layers, per unit
 # (tp, pp, v, schedule, partition, m, overrides)
 CASES = {
     2: [
@@ -73,6 +74,7 @@ CASES = {
         (1, 2, 2, "1f1b", "2,1,2,5", 4, {"num_layers": 4, "untie_embeddings_and_output_weights": True}),
         (2, 1, 1, "1f1b", None, 3, {}),
         (1, 1, 1, "1f1b", None, 3, {}),  # dp=2
+        (1, 2, 1, "1f1b", "4,6", 4, {"num_layers": 4, "_recompute": MIXED}),  # per-unit recomputation
     ],
     4: [
         (1, 4, 1, "1f1b", None, 3, {"num_layers": 4}),
@@ -83,6 +85,7 @@ CASES = {
         (1, 2, 1, "1f1b", "1,5", 3, {}),  # dp=2, first stage is the embedding alone
         (1, 4, 2, "1f1b", None, 4, {"num_layers": 8}),
         (1, 4, 2, "1f1b", None, 8, {"num_layers": 8, "attention_backend": "flash"}),
+        (2, 2, 1, "1f1b", "5,5", 4, {"num_layers": 4, "_sp": True, "_recompute": MIXED}),
     ],
     8: [
         (2, 2, 1, "1f1b", None, 3, {}),  # dp=2

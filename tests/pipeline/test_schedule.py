@@ -14,11 +14,11 @@ from megatron_bmw.pipeline.generators import (
     interleaved_warmup,
     one_f_one_b,
 )
+from megatron_bmw.pipeline.holding import peak_inflight
 from megatron_bmw.pipeline.replay import (
     DeadlockError,
     ScheduleError,
     compile_schedule,
-    peak_inflight,
     replay,
     unit_times,
 )
@@ -44,12 +44,26 @@ def _interleaved_counts(p: int) -> list[int]:
 
 def test_virtual_stage_placement():
     s = Schedule("interleaved", 4, 8, 3, [[] for _ in range(4)])
-    assert s.virtual_stage(1, 2) == 9
+    assert s.stage_of(1, 2) == 9
     for k in range(12):
-        assert s.virtual_stage(*s.location(k)) == k
-    assert s.next_location(3, 0) == (0, 1)
-    assert s.prev_location(0, 1) == (3, 0)
-    assert s.is_first(0, 0) and s.is_last(3, 2) and not s.is_last(3, 1)
+        assert s.stage_of(*s.location(k)) == k
+    f, b = Action(Kind.FORWARD, 5, 0), Action(Kind.BACKWARD, 5, 1)
+    assert s.output_tensor(3, f) == (False, 3, 5, None) and s.consumer_rank((False, 3, 5, None)) == 0
+    assert s.input_tensor(0, b) == (True, 5, 5, None) and s.consumer_rank((True, 5, 5, None)) == 0
+    assert s.input_tensor(0, f) is None and s.output_tensor(0, Action(Kind.BACKWARD, 1, 0)) is None
+    assert s.input_tensor(3, Action(Kind.BACKWARD, 1, 2)) is None  # the last stage's backward starts the loss
+    assert s.wire_tensor(3, Action(Kind.SEND_ACT, 5, 0, 0)) == s.wire_tensor(0, Action(Kind.RECV_ACT, 5, 1, 3))
+
+
+def test_tensor_ids_and_tags_are_distinct():
+    s = Schedule("interleaved", 2, 3, 2, [[] for _ in range(2)])
+    tensors = [(g, vs, mb, h) for g in (False, True) for vs in range(4) for mb in range(3) for h in (None, 0, 1)]
+    ids = {s.tensor_id(t) for t in tensors}
+    assert ids == set(range(s.num_tensor_ids))
+    keys = [(mb, c, h) for mb in range(3) for c in range(2) for h in (None, 0, 1)]
+    tags = {s.p2p_tag(t) for t in tensors} | {s.transfer_tag(d, k) for d in (0, 1) for k in keys}
+    tags |= {s.header_tag(c, h) for c in range(2) for h in (False, True)}
+    assert len(tags) == len(tensors) + 2 * len(keys) + 4
 
 
 def test_text_format():
@@ -179,7 +193,7 @@ def _channel_sequences(s: Schedule):
     sends, recvs = {}, {}
     for rank, acts in enumerate(s.actions):
         for a in acts:
-            vstage = s.virtual_stage(rank, a.chunk)
+            vstage = s.stage_of(rank, a.chunk)
             if a.kind is Kind.SEND_ACT or a.kind is Kind.SEND_GRAD:
                 sends.setdefault((rank, a.peer), []).append((a.kind.value[5:], a.microbatch, vstage))
             elif a.kind is Kind.RECV_ACT:

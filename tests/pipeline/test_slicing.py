@@ -6,7 +6,8 @@ import pytest
 from megatron_bmw.errors import UsageError
 from megatron_bmw.pipeline.checker import check
 from megatron_bmw.pipeline.generators import build_schedule
-from megatron_bmw.pipeline.replay import peak_inflight, replay
+from megatron_bmw.pipeline.holding import peak_inflight
+from megatron_bmw.pipeline.replay import replay
 from megatron_bmw.pipeline.schedule import Action, Kind, ScheduleError
 from megatron_bmw.pipeline.slicing import (
     check_slicing,

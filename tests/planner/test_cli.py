@@ -85,9 +85,17 @@ def test_profile_then_simulate_locally(capsys, tmp_path):
         main(["simulate", "--profile", str(prof), *MODEL, "--pipeline-model-parallel-size", "2"])
     assert err.value.code == 2
     assert "no measured links" in capsys.readouterr().err
+    # a profile of another device type is refused, not rescaled; named for the cluster's type, it is used
+    with pytest.raises(SystemExit) as err:
+        main(["simulate", "--cluster", "aws-p3.8xlarge", "--profile", str(prof), *MODEL,
+              "--pipeline-model-parallel-size", "2", "--world-size", "2"])
+    assert err.value.code == 2 and "no profile for device type v100-16g" in capsys.readouterr().err
+    data["device"]["type"] = "v100-16g"
+    prof.write_text(json.dumps(data))
     sim = _json(capsys, ["simulate", "--cluster", "aws-p3.8xlarge", "--profile", str(prof), *MODEL,
                          "--pipeline-model-parallel-size", "2", "--world-size", "2", "--json"])
     assert sim["iteration_time_s"] > 0
+    del data["device"]["type"]
     data["links"] = {"p2p": {"bandwidth_Bps": 1e9, "latency_s": 1e-4}}
     prof.write_text(json.dumps(data))
     local = _json(capsys, ["simulate", "--profile", str(prof), *MODEL, "--pipeline-model-parallel-size", "2",

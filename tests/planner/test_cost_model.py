@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_bmw.config import ModelConfig
+from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.pipeline.schedule import Action, Kind
 from megatron_bmw.planner.cluster import Link, load_cluster, parse_cluster
@@ -18,7 +18,9 @@ MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_s
 
 
 def _spec(**kw) -> RunSpec:
-    base = dict(model=MODEL, tp=1, pp=2, dp=1, micro_batch_size=2, num_microbatches=4, partition=(5, 5))
+    pipe = dict(micro_batch_size=2, num_microbatches=4, partition=(5, 5))
+    pipe.update({k: kw.pop(k) for k in list(kw) if k in pipe})
+    base = dict(model=MODEL, tp=1, pp=2, dp=1, pipeline=PipelineConfig(**pipe))
     base.update(kw)
     return RunSpec(**base)
 
@@ -91,11 +93,24 @@ def test_profiled_device_matches_local_cluster_exactly():
     # stage 0 = embedding + 2 layers; stage 1 = 2 layers + head
     assert cost.chunk_forward[0][0] == pytest.approx(1e-4 + 2 * (1e-3 + 2e-3))
     assert cost.chunk_backward[1][0] == pytest.approx(2 * (2 * (1e-3 + 2e-3) + 5e-4))
-    # a foreign device: times rescaled by achieved / (peak x fraction)
+    # a device type without a profile is an error, not a silent rescale
+    with pytest.raises(UsageError, match="no profile for device type a100-80g"):
+        CostModel(_spec(micro_batch_size=1), load_cluster("a100-80g-ib"), prof)
+
+
+def test_profiles_match_device_types_and_per_unit_times():
+    from megatron_bmw.planner.profile_data import Profiles
+
     a100 = load_cluster("a100-80g-ib")
-    cost2 = CostModel(_spec(micro_batch_size=1), a100, prof, CostSettings(achievable_fraction=0.5))
-    k = prof.achieved_flops() / (19.5e12 * 0.5)
-    assert cost2.chunk_forward[0][0] == pytest.approx(cost.chunk_forward[0][0] * k)
+    prof = Profile(device={"name": "A100-SXM4-80GB", "type": "a100-80g"}, dtype="fp32", model=model_signature(MODEL),
+                   units=[UnitTiming("mlp", 1, 2, 1e-3, 2e-3), UnitTiming("attention", 1, 2, 3e-3, 6e-3),
+                          UnitTiming("attention", 1, 2, 9e-3, 18e-3, unit=3)])
+    cost = CostModel(_spec(), a100, Profiles([prof]))
+    # stage 1 holds units 5..9: attn_2, mlp_2, attn_3, mlp_3, head (analytic); unit 3 (attn_1) is on stage 0
+    head = cost.unit_times("head", None, a100.device(0), 1)
+    assert cost.chunk_forward[1][0] == pytest.approx(2 * (3e-3 + 1e-3) + head[0])
+    embedding = cost.unit_times("embedding", None, a100.device(0), 0)
+    assert cost.chunk_forward[0][0] == pytest.approx(embedding[0] + 3e-3 + 1e-3 + 9e-3 + 1e-3)
 
 
 def test_gradient_sync_and_overlap():

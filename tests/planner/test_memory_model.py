@@ -19,9 +19,9 @@ from megatron_bmw.planner.memory_model import (
     total_parameters,
     unit_kind,
     unit_param_count,
-    unit_recompute,
     unit_saved_tensors,
 )
+from megatron_bmw.units import recompute_from_flags
 from megatron_bmw.planner.saved_bytes import measure_saved
 from tests.dist_harness import run_distributed
 
@@ -47,11 +47,11 @@ def _mismatches(state: ParallelState, tp: int, sp: bool) -> list[str]:
     variants = itertools.product((torch.float32, torch.bfloat16), ("unfused", "flash"),
                                  (None, "selective", "full"), (0.0, 0.1), (0.0, 0.1))
     for dtype, backend, rc, hd, ad in variants:
-        cfg = _cfg(attention_backend=backend, recompute_granularity=rc, params_dtype=dtype, hidden_dropout=hd,
-                   attention_dropout=ad)
-        units = build_units(cfg, state, 1)
+        cfg = _cfg(attention_backend=backend, params_dtype=dtype, hidden_dropout=hd, attention_dropout=ad)
+        recompute = recompute_from_flags(rc, None, None, cfg.num_layers, [list(range(cfg.num_units))])
+        units = build_units(cfg, state, 1, recompute=recompute)
         params = [p for u in units.values() for p in u.parameters()] + [units["embedding"].word_embeddings.weight]
-        choice = unit_recompute(cfg, list(units))
+        choice = dict(zip(units, recompute or (None,) * cfg.num_units))
         batch = _batch(MBS)
         seq = SEQ // tp if sp else SEQ
         for name, unit in units.items():
@@ -79,13 +79,20 @@ def test_saved_bytes_tp2_exact(sp):
     assert results == [[], []]
 
 
-def test_recompute_mirror_matches_model():
-    for kw in ({}, {"recompute_granularity": "selective"}, {"recompute_granularity": "full"},
-               {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}):
-        cfg = _cfg(num_layers=3, **kw)
-        units = build_units(cfg, ParallelState.serial(), 1, [3, 4, 5, 6])
-        expected = {n: ("selective" if getattr(u, "selective", False) else u.recompute) for n, u in units.items()}
-        assert unit_recompute(cfg, list(units)) == expected
+def test_recompute_flags_per_unit():
+    """Megatron's flags as per-unit choices; the block method counts layers per pipeline rank."""
+    ranks = [[0, 1, 2, 3], [4, 5, 6, 7]]  # 3 layers over 2 ranks, the second rank holds layers 1 (mlp) and 2
+    assert recompute_from_flags(None, None, None, 3, ranks) is None
+    assert recompute_from_flags("selective", None, None, 3, ranks) == \
+        (None, "selective", None, "selective", None, "selective", None, None)
+    assert recompute_from_flags("full", "uniform", None, 3, ranks) == (None,) + ("full",) * 6 + (None,)
+    assert recompute_from_flags("full", "block", 1, 3, ranks) == \
+        (None, "full", "full", None, "full", None, None, None)
+    cfg = _cfg(num_layers=3)
+    choice = (None, "selective", "full", None, None, "full", "full", None)
+    units = build_units(cfg, ParallelState.serial(), 1, recompute=choice)
+    built = tuple("selective" if getattr(u, "selective", False) else u.recompute for u in units.values())
+    assert built == choice
 
 
 def test_param_counts_match_model():
@@ -151,11 +158,14 @@ def test_stage_forwards_match_chunk_bytes(rank, partition, rc):
     from megatron_bmw.planner.saved_bytes import record_saved
     from megatron_bmw.planner.memory_model import chunk_activation_bytes
 
-    cfg = _cfg(num_layers=4, recompute_granularity=rc, recompute_method="block" if rc == "full" else None,
-               recompute_num_layers=1 if rc == "full" else None)
-    layout = StageLayout(tp=1, dp=1, pp=2, sequence_parallel=False, micro_batch_size=MBS, partition=partition)
+    cfg = _cfg(num_layers=4)
     start = sum(partition[:rank])
-    units = build_units(cfg, ParallelState.serial(), 1, list(range(start, start + partition[rank])))
+    mine = list(range(start, start + partition[rank]))
+    recompute = recompute_from_flags(rc, "block" if rc == "full" else None, 1 if rc == "full" else None, 4,
+                                     [list(range(partition[0])), list(range(partition[0], 10))])
+    layout = StageLayout(tp=1, dp=1, pp=2, sequence_parallel=False, micro_batch_size=MBS, partition=partition,
+                         recompute=recompute)
+    units = build_units(cfg, ParallelState.serial(), 1, mine, recompute)
     chunk = GPTModel(units)
     params = list(chunk.parameters())
     outs = []
@@ -169,7 +179,7 @@ def test_stage_forwards_match_chunk_bytes(rank, partition, rc):
 
 def test_bpipe_walk_matches_activation_store_accounting():
     from megatron_bmw.pipeline.bpipe import insert_bpipe
-    from megatron_bmw.pipeline.replay import resident_peaks
+    from megatron_bmw.pipeline.holding import resident_peaks
     from megatron_bmw.planner.memory_model import activation_walk
 
     for p, m in ((4, 8), (6, 6), (8, 16)):

@@ -7,7 +7,8 @@ import pytest
 
 from megatron_bmw.pipeline.bpipe import insert_bpipe, mu_opt
 from megatron_bmw.pipeline.generators import build_schedule
-from megatron_bmw.pipeline.replay import peak_inflight, replay, resident_peaks
+from megatron_bmw.pipeline.holding import peak_inflight, resident_peaks
+from megatron_bmw.pipeline.replay import replay
 from megatron_bmw.pipeline.slicing import slice_microbatches
 from megatron_bmw.pipeline.schedule import Kind
 from megatron_bmw.planner.simulator import compile_schedule, simulate

@@ -9,7 +9,7 @@ from megatron_bmw.errors import UsageError
 from megatron_bmw.parallel.layout import RankLayout
 from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.training.checkpointing import load_checkpoint, read_tracker, save_checkpoint
-from megatron_bmw.training.config import OptimizerConfig
+from megatron_bmw.config import OptimizerConfig
 from megatron_bmw.training.optimizer import build_optimizer
 from tests.dist_harness import run_distributed
 

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from megatron_bmw.errors import UsageError
-from megatron_bmw.training.config import LRConfig
+from megatron_bmw.config import LRConfig
 from megatron_bmw.training.lr_scheduler import LRScheduler
 
 

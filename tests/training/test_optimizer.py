@@ -7,7 +7,7 @@ from torch import nn
 from megatron_bmw.config import ParallelConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.parallel.state import ParallelState
-from megatron_bmw.training.config import OptimizerConfig
+from megatron_bmw.config import OptimizerConfig
 from megatron_bmw.training.optimizer import build_optimizer
 from tests.dist_harness import run_distributed
 

@@ -1,0 +1,81 @@
+"""The device behind one small interface: which device, synchronising it, its RNG state, NCCL's needs, and a
+free local port for process groups. CPU (gloo) and CUDA (NCCL) go through the same calls."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import UsageError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_device() -> torch.device:
+    """The GPU of this local rank under NCCL, else the CPU."""
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def choose_backend(backend: str | None, local_ranks: int = 1) -> str:
+    """The asked backend, checked; by default nccl when CUDA has a GPU for each of `local_ranks`, else gloo."""
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise UsageError(f"--distributed-backend must be nccl or gloo, not {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--distributed-backend nccl needs CUDA, which is not available; use gloo")
+    return backend
+
+
+def set_device(local_rank: int, backend: str) -> torch.device:
+    """Bind this process to its GPU under NCCL; the CPU otherwise."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """(seconds, result) of `fn()`, the device synchronised before and after."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def ping_pong(first: bool, x: torch.Tensor, peer: int, out=None, back=None) -> None:
+    """One round trip of `x` with `peer` (the `first` side sends first), on the given one-way groups."""
+    if first:
+        dist.send(x, peer, group=out)
+        dist.recv(x, peer, group=back)
+    else:
+        dist.recv(x, peer, group=back)
+        dist.send(x, peer, group=out)
+
+
+def get_rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)

@@ -1,0 +1,119 @@
+"""The plan file: one run chosen by the planner, as JSON that `pretrain_gpt.py --plan` runs.
+
+Format "megatron_bmw-plan", version 1 (see README, "The plan file"):
+  model          ModelConfig (padded vocabulary) and orig_vocab_size
+  parallel       tp, pp, dp, sequence parallelism, rank order, gpus per node
+  pipeline       PipelineConfig: micro-batch size and count, schedule, virtual stages, unit partition per virtual
+                 stage, recomputation per unit (none | selective | full), BPipe, slicing K
+  training       global batch size, ZeRO-1 (distributed optimizer), overlapped gradient reduction
+  devices        the device type of every rank (global rank order)
+  cluster        name, source and size of the cluster it was planned for; profiles: the profiles used
+  prediction     iteration time, tokens/s, TFLOP/s per GPU, MFU, and per stage: peak bytes, capacity, busy time
+  search         where the plan came from (rank among the candidates, what BPipe/slicing/recompute bought)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+from ..config import ModelConfig, ParallelConfig, PipelineConfig
+from ..errors import UsageError
+from .spec import RunSpec
+
+FORMAT = "megatron_bmw-plan"
+VERSION = 1
+
+
+@dataclass
+class Plan:
+    spec: RunSpec
+    global_batch_size: int
+    orig_vocab_size: int | None = None
+    devices: list[str] = field(default_factory=list)
+    cluster: dict = field(default_factory=dict)
+    profiles: list[dict] = field(default_factory=list)
+    prediction: dict = field(default_factory=dict)
+    search: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        s = self.spec
+        return {
+            "format": FORMAT, "version": VERSION,
+            "model": s.model.to_json(), "orig_vocab_size": self.orig_vocab_size,
+            "parallel": {"tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp,
+                         "data_parallel_size": s.dp, "sequence_parallel": s.sp, "rank_order": s.rank_order},
+            "pipeline": s.pipeline.to_json(),
+            "training": {"global_batch_size": self.global_batch_size, "distributed_optimizer": s.distributed_optimizer,
+                         "overlap_grad_reduce": s.overlap_grad_reduce},
+            "devices": list(self.devices), "cluster": self.cluster, "profiles": self.profiles,
+            "prediction": self.prediction, "search": self.search,
+        }
+
+    def save(self, path: str) -> None:
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.to_json(), f, indent=1)
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise UsageError(f"--output {path}: cannot write the plan ({exc.strerror})") from None
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise UsageError(f"--plan {path}: no such file") from None
+        except IsADirectoryError:
+            raise UsageError(f"--plan {path}: is a directory, not a plan file") from None
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--plan {path}: not valid JSON (line {exc.lineno})") from None
+        return cls.from_json(data, f"--plan {path}")
+
+    @classmethod
+    def from_json(cls, data, where: str = "plan") -> Plan:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise UsageError(f"{where}: not a plan file (written by tools/autoconfig.py search)")
+        if data.get("version") != VERSION:
+            raise UsageError(f"{where}: plan version {data.get('version')!r}; this megatron_bmw reads version {VERSION}")
+        try:
+            model = ModelConfig(**_known(data["model"], ModelConfig, where, "model"))
+            par = data["parallel"]
+            tr = data["training"]
+            pipeline = PipelineConfig.from_json(data["pipeline"], model.num_units, where)
+            spec = RunSpec(model=model, tp=int(par["tensor_model_parallel_size"]),
+                           pp=int(par["pipeline_model_parallel_size"]), dp=int(par["data_parallel_size"]),
+                           pipeline=pipeline, sequence_parallel=bool(par.get("sequence_parallel", False)),
+                           rank_order=par.get("rank_order", "tp-dp-pp"),
+                           distributed_optimizer=bool(tr.get("distributed_optimizer", False)),
+                           overlap_grad_reduce=bool(tr.get("overlap_grad_reduce", False)))
+            gbs = int(tr["global_batch_size"])
+        except KeyError as exc:
+            raise UsageError(f"{where}: missing field {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{where}: malformed field ({exc})") from None
+        if gbs != spec.dp * pipeline.micro_batch_size * pipeline.num_microbatches:
+            raise UsageError(f"{where}: global batch size {gbs} is not data-parallel size {spec.dp} x micro-batch size "
+                             f"{pipeline.micro_batch_size} x {pipeline.num_microbatches} micro-batches")
+        return cls(spec=spec, global_batch_size=gbs, orig_vocab_size=data.get("orig_vocab_size"),
+                   devices=list(data.get("devices", [])), cluster=dict(data.get("cluster", {})),
+                   profiles=list(data.get("profiles", [])), prediction=dict(data.get("prediction", {})),
+                   search=dict(data.get("search", {})))
+
+    def parallel_config(self) -> ParallelConfig:
+        s = self.spec
+        return ParallelConfig(tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp,
+                              sequence_parallel=s.sp, rank_order=s.rank_order)
+
+
+def _known(section, cls, where: str, name: str) -> dict:
+    if not isinstance(section, dict):
+        raise UsageError(f"{where}: {name} must be a mapping")
+    allowed = {f.name for f in fields(cls)}
+    extra = sorted(set(section) - allowed)
+    if extra:
+        raise UsageError(f"{where}: unknown {name} key {extra[0]!r}")
+    return section

@@ -1,0 +1,46 @@
+"""After a `--plan` run: the plan's predicted iteration time and per-stage memory beside what was measured."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+GiB = 2**30
+
+
+def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+def plan_check_lines(trainer, plan) -> list[str]:
+    """Lines for rank 0 (every rank must call this: it reduces over ranks). Iteration time: the median over
+    the iterations after the first quarter (at least one, at most 5, skipped as warm-up), slowest rank.
+    Memory: each pipeline stage's largest rank (CUDA: peak allocated; CPU: model states plus peak activations),
+    against the predicted peak without the allowance (context, workspace, fragmentation) the allocator holds."""
+    st = trainer.state
+    times = trainer.step_times
+    warm = min(5, max(1, len(times) // 4)) if len(times) > 1 else 0
+    kept = times[warm:]
+    measured = statistics.median(kept) if kept else float("nan")
+    memory = [0.0] * st.pp_size
+    memory[st.pp_rank] = trainer.memory_in_use()
+    measured, *memory = _max_over_ranks([measured] + memory, st.device)
+    pred = plan.prediction
+    lines = []
+    predicted = pred.get("iteration_time_s")
+    if predicted:
+        lines.append(f" plan check | iteration time predicted {predicted:.4f} s, measured {measured:.4f} s (median of "
+                     f"{len(kept)} iterations after {warm} warm-up) | error {100 * (measured / predicted - 1):+.1f}%")
+    for s, stage in enumerate(pred.get("stages", [])):
+        if s >= len(memory):
+            break
+        expected = stage["peak_bytes"] - stage.get("allowance_bytes", 0.0)
+        lines.append(f" plan check | stage {s} | memory predicted {expected / GiB:.3f} GiB, measured "
+                     f"{memory[s] / GiB:.3f} GiB ({100 * (memory[s] / expected - 1):+.1f}%) | capacity "
+                     f"{stage.get('capacity_bytes', float('nan')) / GiB:.2f} GiB")
+    return lines
