@@ -1,0 +1,318 @@
+"""The planner's search: the fastest plan that fits, from the model, the cluster and the global batch.
+
+1. Layouts: every (tp, pp, dp, micro-batch size, schedule, virtual stages) of the space (space.py); tensor
+   parallelism stays inside a node (AMP's placement: tp innermost, then dp, then pp).
+2. Each layout is solved (solver.py): partition and per-unit recomputation under every rank's memory, and an
+   estimate. Layouts are taken in the order of a lower bound on their estimate and skipped once that bound is
+   beyond the best estimate by more than the estimate's error margin. The memory savers (sequence
+   parallelism, ZeRO-1, BPipe) are tried only where the layout without them does not fit without
+   recomputation: by the cost model they cost time (or, for SP, at best nothing) and buy only memory.
+3. Finalists (the best estimates) are simulated exactly on the schedule that would run (simulator + exact
+   memory model); their partitions are refined by AutoPipe's heuristic and a local search on the simulator,
+   and AutoPipe's slicer decides micro-batch slicing. Ranked by simulated iteration time.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+from ..config import ModelConfig
+from ..errors import UsageError
+from ..pipeline.build import pipeline_schedule
+from ..pipeline.replay import compile_schedule
+from ..pipeline.slicing import choose_slices
+from .cluster import Cluster
+from .cost_model import CostSettings
+from .evaluate import Evaluation, simulate_run, stage_capacity
+from .flops import unit_forward_flops
+from .memory_model import MemorySettings
+from .partitioners import autopipe_refine, hill_climb
+from .profile_data import Profiles
+from .solver import LayoutProblem, ScheduleShapes, Solution, Variant, lower_bound, memory_floor
+from .space import Layout, SearchSpace, layouts, tp_degrees
+from .spec import RunSpec
+from ..units import unit_kind, unit_names
+
+_INF = math.inf
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    world_size: int | None = None  # GPUs used (default: the whole cluster)
+    top_k: int = 5
+    estimate_margin: float = 0.25  # layouts whose bound is within this of the best estimate are solved
+    finalists: int = 12  # simulated exactly (at least 2 x top_k)
+    refine_evals: int = 48  # simulations per finalist for partition refinement
+    progress: bool = False
+
+
+@dataclass
+class Ranked:
+    """One simulated plan."""
+
+    spec: RunSpec
+    evaluation: Evaluation
+    estimate: float
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+    gains: dict = field(default_factory=dict)  # what slicing / BPipe / memory savers bought (seconds)
+
+    @property
+    def time(self) -> float:
+        return self.evaluation.simulation.iteration_time
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Ranked]
+    stats: dict
+    model: ModelConfig
+    global_batch_size: int
+    cluster: Cluster
+
+    @property
+    def best(self) -> Ranked | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def padded_model(model: ModelConfig, orig_vocab: int, divisible_by: int, tp: int) -> ModelConfig:
+    multiple = divisible_by * tp
+    return replace(model, vocab_size=-(-orig_vocab // multiple) * multiple)
+
+
+def model_flops(model: ModelConfig, samples: int) -> float:
+    """Forward and backward FLOPs of `samples` sequences (no recomputation): 3 x the forward's matrix FLOPs."""
+    names = unit_names(model.num_layers)
+    return 3.0 * samples * sum(unit_forward_flops(unit_kind(n), model, 1) for n in names)
+
+
+class _Progress:
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total, self.done, self.last = enabled, total, 0, 0.0
+
+    def step(self, text: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        now = time.time()
+        if now - self.last < 0.2 and self.done < self.total:
+            return
+        self.last = now
+        width = 30
+        filled = int(width * self.done / max(self.total, 1))
+        sys.stderr.write(f"\r[search] [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {text}"[:120])
+        sys.stderr.flush()
+        if self.done >= self.total:
+            sys.stderr.write("\n")
+
+
+def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch: int, cluster: Cluster,
+           profiles: Profiles | None = None, space: SearchSpace = SearchSpace(),
+           costs: CostSettings = CostSettings(), memory: MemorySettings = MemorySettings(),
+           settings: SearchSettings = SearchSettings()) -> SearchResult:
+    """Search `space` for the fastest plan of `model` (vocabulary `orig_vocab`, padded per tp) that fits."""
+    started = time.time()
+    profiles = profiles or Profiles()
+    world = settings.world_size or cluster.num_gpus
+    if world < 1 or world > cluster.num_gpus:
+        raise UsageError(f"--world-size {world}: cluster {cluster.name} has {cluster.num_gpus} GPUs")
+    if global_batch < 1:
+        raise UsageError(f"--global-batch-size must be >= 1, got {global_batch}")
+    node = min(g.gpus_per_node for g in cluster.groups)
+    tps = [t for t in tp_degrees(model, node, world)
+           if padded_model(model, orig_vocab, divisible_by, t).vocab_size % t == 0]
+    todo = layouts(space, model, world, global_batch, tps)
+    if not todo:
+        raise UsageError("the search space holds no layout: check --space, --global-batch-size and the world size")
+    shapes = ScheduleShapes()
+    uniform_modes: list = [False] if space.per_unit_recompute else list(space.recompute)
+    base = Variant(sp=space.sp == (True,), zero1=space.zero1 == (True,), bpipe=space.bpipe == (True,))
+    stats = {"layouts": len(todo), "solved": 0, "pruned": 0, "infeasible": 0, "simulated": 0}
+
+    problems = []
+    for lay in todo:
+        for mode in uniform_modes:
+            prob = _problem(lay, base, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
+                            shapes, mode)
+            if prob is not None:
+                problems.append((lower_bound(prob), prob))
+    problems.sort(key=lambda x: x[0])
+    progress = _Progress(settings.progress, len(problems))
+    solutions: list[Solution] = []
+    best = _INF
+    for bound, prob in problems:
+        if bound > best * (1 + settings.estimate_margin):
+            stats["pruned"] += 1
+            progress.step(f"best {best:.4g} s")
+            continue
+        for sol in _solve_with_savers(prob, space, model, orig_vocab, divisible_by, cluster, profiles, costs,
+                                      memory, shapes, stats):
+            solutions.append(sol)
+            best = min(best, sol.estimate)
+        progress.step(f"best {best:.4g} s")
+    stats["estimate_s"] = time.time() - started
+    if not solutions:
+        return SearchResult([], stats, model, global_batch, cluster)
+
+    solutions.sort(key=lambda s: s.estimate)
+    count = max(settings.finalists, 2 * settings.top_k)
+    finalists = [s for s in solutions if s.estimate <= solutions[0].estimate * (1 + settings.estimate_margin)][:count]
+    if len(finalists) < settings.top_k:
+        finalists = solutions[:max(settings.top_k, len(finalists))]
+    by_key = {(s.layout, s.variant): s for s in solutions}
+    ranked = []
+    for sol in finalists:
+        got = _finalist(sol, cluster, profiles, space, costs, memory, settings, stats, by_key)
+        if got is not None:
+            ranked.append(got)
+    ranked.sort(key=lambda r: r.time)
+    stats["elapsed_s"] = time.time() - started
+    return SearchResult(ranked[:max(settings.top_k, 1)], stats, model, global_batch, cluster)
+
+
+def _problem(lay: Layout, variant: Variant, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
+             shapes, mode) -> LayoutProblem | None:
+    tp_model = padded_model(model, orig_vocab, divisible_by, lay.tp)
+    prob = LayoutProblem(lay, variant, tp_model, cluster, profiles, space, costs, memory, shapes, mode)
+    if memory_floor(prob) > max(prob.capacity):
+        return None
+    return prob
+
+
+def _variants(space: SearchSpace, base: Variant, tp: int, pp: int, dp: int) -> list[Variant]:
+    """The memory savers that apply to a layout, cheapest first, without the base."""
+    out = []
+    for bpipe in (b for b in space.bpipe if not b or pp >= 4):
+        for zero1 in (z for z in space.zero1 if not z or dp > 1):
+            for sp in (s for s in space.sp if not s or tp > 1):
+                v = Variant(sp, zero1, bpipe)
+                if v != base:
+                    out.append(v)
+    return sorted(out, key=lambda v: (v.bpipe, v.zero1 + v.sp, v.zero1))
+
+
+def _solve_with_savers(prob: LayoutProblem, space, model, orig_vocab, divisible_by, cluster, profiles, costs, memory,
+                       shapes, stats) -> list[Solution]:
+    """The layout's solution, and those with memory savers when it needs recomputation or does not fit."""
+    out = []
+    sol = prob.solve()
+    stats["solved"] += 1
+    if sol is not None:
+        out.append(sol)
+    if sol is not None and sol.recomputed == 0:
+        return out
+    lay = prob.layout
+    for variant in _variants(space, prob.variant, lay.tp, lay.pp, lay.dp):
+        other = _problem(lay, variant, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
+                         shapes, prob.uniform)
+        if other is None:
+            continue
+        got = other.solve()
+        stats["solved"] += 1
+        if got is not None:
+            out.append(got)
+            if got.recomputed == 0:
+                break
+    if not out:
+        stats["infeasible"] += 1
+    return out
+
+
+class _Simulator:
+    """Exact scoring of one finalist's partitions: per-rank recomputation from the solver, then the simulator on
+    the schedule that would run and the exact memory model."""
+
+    def __init__(self, prob: LayoutProblem, cluster, profiles, costs, memory, stats) -> None:
+        self.prob, self.cluster, self.profiles, self.costs, self.memory, self.stats = (prob, cluster, profiles,
+                                                                                       costs, memory, stats)
+        self.cache: dict[tuple, tuple[Solution | None, Evaluation | None]] = {}
+        self.compiled: dict[int, object] = {}
+
+    def run(self, partition: tuple[int, ...], slicing: int = 0):
+        key = (tuple(partition), slicing)
+        if key in self.cache:
+            return self.cache[key]
+        sol = self.prob.evaluate(tuple(partition))
+        ev = None
+        if sol is not None:
+            spec = sol.spec(self.prob.model, slicing)
+            if slicing not in self.compiled:
+                self.compiled[slicing] = compile_schedule(pipeline_schedule(spec.pipeline, spec.pp))
+            ev = simulate_run(spec, self.cluster, self.profiles, self.costs, self.memory,
+                              schedule=self.compiled[slicing])
+            self.stats["simulated"] += 1
+        self.cache[key] = (sol, ev)
+        return sol, ev
+
+    def time(self, partition, slicing: int = 0) -> float:
+        sol, ev = self.run(partition, slicing)
+        if ev is None or not _fits(ev, self.cluster):
+            return _INF
+        return ev.simulation.iteration_time
+
+
+def _fits(ev: Evaluation, cluster: Cluster) -> bool:
+    return all(m.peak_bytes <= stage_capacity(ev.spec, cluster, s) for s, m in enumerate(ev.memory))
+
+
+def _finalist(sol: Solution, cluster, profiles, space, costs, memory, settings: SearchSettings, stats,
+              by_key) -> Ranked | None:
+    prob = sol.problem
+    sim = _Simulator(prob, cluster, profiles, costs, memory, stats)
+    part = tuple(sol.partition)
+    start_time = sim.time(part)
+    budget = settings.refine_evals
+    if sol.layout.virtual == 1 and sol.layout.pp > 1 and space.sublayer and budget > 0:
+        def evaluate(p):
+            s, ev = sim.run(tuple(p))
+            t = sim.time(tuple(p))
+            if ev is None or t == _INF:
+                return _INF, 0, [0.0] * len(p), [0.0] * len(p)
+            fwd = [sum(x) for x in ev.cost.chunk_forward]
+            bwd = [sum(x) for x in ev.cost.chunk_backward]
+            return t, ev.simulation.master_stage, fwd, bwd
+
+        unit_costs = [sum(prob.times[0][i][0]) for i in range(len(prob.names))]
+        part, _ = autopipe_refine(list(part), evaluate, unit_costs, max_evals=budget // 2)
+        part = tuple(part)
+    if budget > 0 and sol.layout.pp > 1 and space.sublayer:
+        part, _ = hill_climb(list(part), lambda p: sim.time(tuple(p)), max_evals=budget)
+        part = tuple(part)
+    best_sol, ev = sim.run(part)
+    if ev is None or not _fits(ev, cluster):
+        return None
+    notes, gains = [], {}
+    if start_time > ev.simulation.iteration_time:
+        gains["refinement_s"] = start_time - ev.simulation.iteration_time
+    lay = sol.layout
+    if True in space.slicing and lay.pp > 1 and lay.mbs % 2 == 0 and lay.schedule != "gpipe":
+        fwd = [sum(x) for x in ev.cost.chunk_forward]
+        bwd = [sum(x) for x in ev.cost.chunk_backward]
+        k = choose_slices(fwd, bwd, prob.p2p, lay.m)
+        if k:
+            try:
+                sliced = sim.time(part, k)
+            except UsageError:  # BPipe cannot hold that many halves
+                sliced = _INF
+            if sliced < ev.simulation.iteration_time:
+                gains["slicing_s"] = ev.simulation.iteration_time - sliced
+                best_sol, ev = sim.run(part, k)
+    if sol.variant != Variant() and (lay, Variant()) in by_key:
+        twin = by_key[(lay, Variant())]
+        gains["savers_vs_without_s"] = twin.estimate - best_sol.estimate
+    elif sol.variant != Variant():
+        notes.append("does not fit without " + "/".join(n for n, on in (("SP", sol.variant.sp),
+                     ("ZeRO-1", sol.variant.zero1), ("BPipe", sol.variant.bpipe)) if on))
+    if best_sol.recomputed:
+        kinds = {}
+        for i, c in enumerate(best_sol.recompute):
+            if c:
+                kinds[c] = kinds.get(c, 0) + 1
+        notes.append("recompute " + ", ".join(f"{n} {c}" for c, n in sorted(kinds.items())))
+    return Ranked(ev.spec, ev, sol.estimate, True, notes, gains)
+
+
+__all__ = ["Ranked", "SearchResult", "SearchSettings", "model_flops", "padded_model", "search"]

@@ -1,0 +1,144 @@
+"""The search space: which values each dimension may take, and the layouts (degrees, micro-batching, schedule)
+it contains. `--space DIM=VALUES` restricts a dimension, e.g. `--space tp=1,2 --space bpipe=off`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from ..config import ModelConfig
+from ..errors import UsageError
+
+_BOOL = {"on": (True,), "off": (False,), "both": (False, True), "true": (True,), "false": (False,)}
+_HELP = ("tp, pp, dp, mbs (lists of integers); schedule (1f1b, gpipe, interleaved); virtual (chunks per rank); "
+         "sp, zero1, bpipe, slicing (on, off, both); recompute (none, selective, full: the choices allowed per "
+         "unit); recompute-granularity (unit or uniform); partition (unit or layer: where stages may end)")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    tp: tuple[int, ...] | None = None  # None: every degree that divides the model and fits in a node
+    pp: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    mbs: tuple[int, ...] | None = None  # None: every divisor of the per-replica batch
+    schedule: tuple[str, ...] = ("1f1b", "interleaved")  # GPipe: same time as 1F1B, more memory (asked for only)
+    virtual: tuple[int, ...] = (2, 3, 4)
+    sp: tuple[bool, ...] = (False, True)
+    zero1: tuple[bool, ...] = (False, True)
+    bpipe: tuple[bool, ...] = (False, True)
+    slicing: tuple[bool, ...] = (False, True)
+    recompute: tuple[str | None, ...] = (None, "selective", "full")
+    per_unit_recompute: bool = True  # else one choice for every transformer unit
+    sublayer: bool = True  # stages may end between a layer's attention and MLP units
+
+    @classmethod
+    def parse(cls, items: list[str] | None) -> SearchSpace:
+        space = cls()
+        for item in items or []:
+            if "=" not in item:
+                raise UsageError(f"--space {item!r}: expected DIM=VALUES ({_HELP})")
+            key, _, text = item.partition("=")
+            key = key.strip().lower()
+            values = [v.strip().lower() for v in text.split(",") if v.strip()]
+            if not values:
+                raise UsageError(f"--space {item!r}: no values")
+            space = replace(space, **_parse_dim(key, values, item))
+        if not space.schedule:
+            raise UsageError("--space schedule: no schedule left")
+        return space
+
+    def describe(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _parse_dim(key: str, values: list[str], item: str) -> dict:
+    if key in ("tp", "pp", "dp", "mbs", "virtual"):
+        try:
+            ints = tuple(int(v) for v in values)
+        except ValueError:
+            raise UsageError(f"--space {item!r}: {key} takes integers") from None
+        if min(ints) < 1:
+            raise UsageError(f"--space {item!r}: {key} values must be >= 1")
+        return {key: ints}
+    if key == "schedule":
+        bad = [v for v in values if v not in ("1f1b", "gpipe", "interleaved")]
+        if bad:
+            raise UsageError(f"--space {item!r}: unknown schedule {bad[0]!r} (1f1b, gpipe, interleaved)")
+        return {key: tuple(values)}
+    if key in ("sp", "zero1", "bpipe", "slicing"):
+        if len(values) != 1 or values[0] not in _BOOL:
+            raise UsageError(f"--space {item!r}: {key} takes on, off or both")
+        return {key: _BOOL[values[0]]}
+    if key == "recompute":
+        bad = [v for v in values if v not in ("none", "selective", "full")]
+        if bad:
+            raise UsageError(f"--space {item!r}: unknown recomputation {bad[0]!r} (none, selective, full)")
+        return {key: tuple(None if v == "none" else v for v in values)}
+    if key == "recompute-granularity":
+        if values not in (["unit"], ["uniform"]):
+            raise UsageError(f"--space {item!r}: recompute-granularity takes unit or uniform")
+        return {"per_unit_recompute": values[0] == "unit"}
+    if key == "partition":
+        if values not in (["unit"], ["layer"]):
+            raise UsageError(f"--space {item!r}: partition takes unit or layer")
+        return {"sublayer": values[0] == "unit"}
+    raise UsageError(f"--space {item!r}: unknown dimension {key!r} ({_HELP})")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees, micro-batching and schedule of one candidate; the partition and recomputation come later."""
+
+    tp: int
+    pp: int
+    dp: int
+    mbs: int
+    m: int  # micro-batches per iteration
+    schedule: str
+    virtual: int = 1
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_degrees(model: ModelConfig, gpus_per_node: int, world: int) -> list[int]:
+    """Tensor-parallel degrees that split heads, hidden and FFN and stay in a node (the vocabulary is padded per
+    degree)."""
+    out = []
+    for t in divisors(world):
+        if t > gpus_per_node:
+            continue
+        if model.num_attention_heads % t or model.hidden_size % t or model.ffn_hidden_size % t:
+            continue
+        out.append(t)
+    return out
+
+
+def layouts(space: SearchSpace, model: ModelConfig, world: int, global_batch: int, tps: list[int]) -> list[Layout]:
+    """Every (tp, pp, dp, mbs, schedule, virtual) of the space; pipeline stages need one unit each at least."""
+    out = []
+    most = model.num_units if space.sublayer else model.num_layers  # stages the partition can make
+    for tp in tps:
+        if space.tp is not None and tp not in space.tp:
+            continue
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if (space.pp is not None and pp not in space.pp) or (space.dp is not None and dp not in space.dp):
+                continue
+            if pp > most or global_batch % dp:
+                continue
+            for mbs in divisors(global_batch // dp):
+                if space.mbs is not None and mbs not in space.mbs:
+                    continue
+                m = global_batch // (dp * mbs)
+                for schedule in space.schedule:
+                    if schedule == "interleaved":
+                        if pp == 1 or m % pp:
+                            continue
+                        out += [Layout(tp, pp, dp, mbs, m, schedule, v) for v in space.virtual
+                                if v > 1 and pp * v <= most]
+                    elif schedule == "gpipe" and pp == 1:
+                        continue  # one stage: GPipe is 1F1B
+                    else:
+                        out.append(Layout(tp, pp, dp, mbs, m, schedule))
+    return out
