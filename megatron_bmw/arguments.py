@@ -312,6 +312,7 @@ def plan_flags(plan) -> dict[str, object]:
         "layernorm_epsilon": m.layernorm_epsilon,
         "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
         "attention_backend": m.attention_backend, "bf16": m.params_dtype == "bf16", "fp16": m.params_dtype == "fp16",
+        "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
         "micro_batch_size": pl.micro_batch_size, "global_batch_size": plan.global_batch_size,
         "pipeline_schedule": "gpipe" if pl.schedule == "gpipe" else "1f1b",

@@ -1,7 +1,7 @@
 """The plan file: one run chosen by the planner, as JSON that `pretrain_gpt.py --plan` runs.
 
 Format "megatron_bmw-plan", version 1 (see README, "The plan file"):
-  model          ModelConfig (padded vocabulary) and orig_vocab_size
+  model          ModelConfig (padded vocabulary), orig_vocab_size and make_vocab_size_divisible_by
   parallel       tp, pp, dp, sequence parallelism, rank order, gpus per node
   pipeline       PipelineConfig: micro-batch size and count, schedule, virtual stages, unit partition per virtual
                  stage, recomputation per unit (none | selective | full), BPipe, slicing K
@@ -31,6 +31,7 @@ class Plan:
     spec: RunSpec
     global_batch_size: int
     orig_vocab_size: int | None = None
+    make_vocab_size_divisible_by: int = 128
     devices: list[str] = field(default_factory=list)
     cluster: dict = field(default_factory=dict)
     profiles: list[dict] = field(default_factory=list)
@@ -42,6 +43,7 @@ class Plan:
         return {
             "format": FORMAT, "version": VERSION,
             "model": s.model.to_json(), "orig_vocab_size": self.orig_vocab_size,
+            "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by,
             "parallel": {"tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp,
                          "data_parallel_size": s.dp, "sequence_parallel": s.sp, "rank_order": s.rank_order},
             "pipeline": s.pipeline.to_json(),
@@ -99,6 +101,7 @@ class Plan:
             raise UsageError(f"{where}: global batch size {gbs} is not data-parallel size {spec.dp} x micro-batch size "
                              f"{pipeline.micro_batch_size} x {pipeline.num_microbatches} micro-batches")
         return cls(spec=spec, global_batch_size=gbs, orig_vocab_size=data.get("orig_vocab_size"),
+                   make_vocab_size_divisible_by=int(data.get("make_vocab_size_divisible_by", 128)),
                    devices=list(data.get("devices", [])), cluster=dict(data.get("cluster", {})),
                    profiles=list(data.get("profiles", [])), prediction=dict(data.get("prediction", {})),
                    search=dict(data.get("search", {})))

@@ -141,6 +141,7 @@ def plan_from(ranked, result, profiles, orig_vocab: int | None):
 
     spec, cluster = ranked.spec, result.cluster
     return Plan(spec=spec, global_batch_size=result.global_batch_size, orig_vocab_size=orig_vocab,
+                make_vocab_size_divisible_by=result.make_vocab_size_divisible_by,
                 devices=[cluster.device(g).name for g in range(spec.world_size)],
                 cluster={"name": cluster.name, "source": cluster.source, "num_gpus": cluster.num_gpus},
                 profiles=profiles.identity(), prediction=prediction(ranked, cluster),

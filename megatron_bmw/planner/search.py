@@ -3,10 +3,11 @@
 1. Layouts: every (tp, pp, dp, micro-batch size, schedule, virtual stages) of the space (space.py); tensor
    parallelism stays inside a node (AMP's placement: tp innermost, then dp, then pp).
 2. Each layout is solved (solver.py): partition and per-unit recomputation under every rank's memory, and an
-   estimate. Layouts are taken in the order of a lower bound on their estimate and skipped once that bound is
-   beyond the best estimate by more than the estimate's error margin. The memory savers (sequence
-   parallelism, ZeRO-1, BPipe) are tried only where the layout without them does not fit without
-   recomputation: by the cost model they cost time (or, for SP, at best nothing) and buy only memory.
+   estimate; with tensor parallelism, with and without sequence parallelism (its collectives cost what the
+   all-reduces cost, and its smaller hidden state crosses pipeline stages faster). Layouts are taken in the
+   order of a lower bound on their estimate and skipped once that bound is beyond the best estimate by more
+   than the estimate's error margin. ZeRO-1 and BPipe are tried only where the layout without them does not
+   fit without recomputation: by the cost model they only add time (a gather, transfers) and buy memory.
 3. Finalists (the best estimates) are simulated exactly on the schedule that would run (simulator + exact
    memory model); their partitions are refined by AutoPipe's heuristic and a local search on the simulator,
    and AutoPipe's slicer decides micro-batch slicing. Ranked by simulated iteration time.
@@ -72,6 +73,7 @@ class SearchResult:
     model: ModelConfig
     global_batch_size: int
     cluster: Cluster
+    make_vocab_size_divisible_by: int = 128
 
     @property
     def best(self) -> Ranked | None:
@@ -129,16 +131,18 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
         raise UsageError("the search space holds no layout: check --space, --global-batch-size and the world size")
     shapes = ScheduleShapes()
     uniform_modes: list = [False] if space.per_unit_recompute else list(space.recompute)
-    base = Variant(sp=space.sp == (True,), zero1=space.zero1 == (True,), bpipe=space.bpipe == (True,))
+    zero1, bpipe = space.zero1 == (True,), space.bpipe == (True,)
     stats = {"layouts": len(todo), "solved": 0, "pruned": 0, "infeasible": 0, "simulated": 0}
 
     problems = []
     for lay in todo:
         for mode in uniform_modes:
-            prob = _problem(lay, base, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
-                            shapes, mode)
-            if prob is not None:
-                problems.append((lower_bound(prob), prob))
+            for sp in (s for s in space.sp if not s or lay.tp > 1):
+                base = Variant(sp, zero1 and lay.dp > 1, bpipe and lay.pp >= 4)
+                prob = _problem(lay, base, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
+                                shapes, mode)
+                if prob is not None:
+                    problems.append((lower_bound(prob), prob))
     problems.sort(key=lambda x: x[0])
     progress = _Progress(settings.progress, len(problems))
     solutions: list[Solution] = []
@@ -155,7 +159,7 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
         progress.step(f"best {best:.4g} s")
     stats["estimate_s"] = time.time() - started
     if not solutions:
-        return SearchResult([], stats, model, global_batch, cluster)
+        return SearchResult([], stats, model, global_batch, cluster, divisible_by)
 
     solutions.sort(key=lambda s: s.estimate)
     count = max(settings.finalists, 2 * settings.top_k)
@@ -170,7 +174,7 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
             ranked.append(got)
     ranked.sort(key=lambda r: r.time)
     stats["elapsed_s"] = time.time() - started
-    return SearchResult(ranked[:max(settings.top_k, 1)], stats, model, global_batch, cluster)
+    return SearchResult(ranked[:max(settings.top_k, 1)], stats, model, global_batch, cluster, divisible_by)
 
 
 def _problem(lay: Layout, variant: Variant, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
@@ -182,16 +186,15 @@ def _problem(lay: Layout, variant: Variant, model, orig_vocab, divisible_by, clu
     return prob
 
 
-def _variants(space: SearchSpace, base: Variant, tp: int, pp: int, dp: int) -> list[Variant]:
-    """The memory savers that apply to a layout, cheapest first, without the base."""
+def _variants(space: SearchSpace, base: Variant, pp: int, dp: int) -> list[Variant]:
+    """ZeRO-1 and BPipe where they apply (BPipe moves something from 4 stages on), cheapest first."""
     out = []
     for bpipe in (b for b in space.bpipe if not b or pp >= 4):
         for zero1 in (z for z in space.zero1 if not z or dp > 1):
-            for sp in (s for s in space.sp if not s or tp > 1):
-                v = Variant(sp, zero1, bpipe)
-                if v != base:
-                    out.append(v)
-    return sorted(out, key=lambda v: (v.bpipe, v.zero1 + v.sp, v.zero1))
+            v = Variant(base.sp, zero1, bpipe)
+            if v != base:
+                out.append(v)
+    return sorted(out, key=lambda v: (v.bpipe, v.zero1))
 
 
 def _solve_with_savers(prob: LayoutProblem, space, model, orig_vocab, divisible_by, cluster, profiles, costs, memory,
@@ -205,7 +208,7 @@ def _solve_with_savers(prob: LayoutProblem, space, model, orig_vocab, divisible_
     if sol is not None and sol.recomputed == 0:
         return out
     lay = prob.layout
-    for variant in _variants(space, prob.variant, lay.tp, lay.pp, lay.dp):
+    for variant in _variants(space, prob.variant, lay.pp, lay.dp):
         other = _problem(lay, variant, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
                          shapes, prob.uniform)
         if other is None:
@@ -300,12 +303,13 @@ def _finalist(sol: Solution, cluster, profiles, space, costs, memory, settings: 
             if sliced < ev.simulation.iteration_time:
                 gains["slicing_s"] = ev.simulation.iteration_time - sliced
                 best_sol, ev = sim.run(part, k)
-    if sol.variant != Variant() and (lay, Variant()) in by_key:
-        twin = by_key[(lay, Variant())]
+    plain = Variant(sol.variant.sp)
+    if sol.variant != plain and (lay, plain) in by_key:
+        twin = by_key[(lay, plain)]
         gains["savers_vs_without_s"] = twin.estimate - best_sol.estimate
-    elif sol.variant != Variant():
-        notes.append("does not fit without " + "/".join(n for n, on in (("SP", sol.variant.sp),
-                     ("ZeRO-1", sol.variant.zero1), ("BPipe", sol.variant.bpipe)) if on))
+    elif sol.variant != plain:
+        notes.append("does not fit without " + "/".join(n for n, on in (("ZeRO-1", sol.variant.zero1),
+                                                                         ("BPipe", sol.variant.bpipe)) if on))
     if best_sol.recomputed:
         kinds = {}
         for i, c in enumerate(best_sol.recompute):

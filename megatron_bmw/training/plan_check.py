@@ -7,7 +7,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
-GiB = 2**30
+GiB, MiB = 2**30, 2**20
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.3f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.2f} MiB"
 
 
 def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
@@ -40,7 +44,6 @@ def plan_check_lines(trainer, plan) -> list[str]:
         if s >= len(memory):
             break
         expected = stage["peak_bytes"] - stage.get("allowance_bytes", 0.0)
-        lines.append(f" plan check | stage {s} | memory predicted {expected / GiB:.3f} GiB, measured "
-                     f"{memory[s] / GiB:.3f} GiB ({100 * (memory[s] / expected - 1):+.1f}%) | capacity "
-                     f"{stage.get('capacity_bytes', float('nan')) / GiB:.2f} GiB")
+        lines.append(f" plan check | stage {s} | memory predicted {_size(expected)}, measured {_size(memory[s])} "
+                     f"({100 * (memory[s] / expected - 1):+.1f}%) | capacity {_size(stage['capacity_bytes'])}")
     return lines

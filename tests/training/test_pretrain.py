@@ -115,6 +115,8 @@ def test_cli_log_lines_parse_and_tensorboard(tmp_path):
     (["--microbatch-slicing", "some"], {}, "--microbatch-slicing 'some'"),
     (["--pipeline-partition", "3,4"], {}, "--pipeline-partition: 2 entries given"),
     (["--load", "/nonexistent/ckpt"], {}, "no checkpoint found"),
+    (["--plan", "/nonexistent/plan.json"], {}, "--plan /nonexistent/plan.json: no such file"),
+    (["--recompute-units", "none,full"], {}, "--recompute-units: 2 entries given, but the model has 6 units"),
 ])
 def test_bad_input_one_line_exit_2(args, env, needle):
     out = _cli(BASE + ["--train-iters", "3"] + args, env)
@@ -241,3 +243,63 @@ def test_bpipe_and_slicing_through_pretrain_keep_the_losses():
     for (_, a, na), (_, b, nb) in zip(plain, both[-1][0]):
         assert b == pytest.approx(a, rel=1e-5) and nb == pytest.approx(na, rel=1e-4)
     assert all(stats is not None for _, stats, _ in both)
+
+
+# ---- plans from the search, run with --plan ------------------------------------------------------------------
+PLAN_MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+              "--seq-length", "16", "--vocab-size", "100", "--make-vocab-size-divisible-by", "4",
+              "--attention-backend", "unfused", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _local_plans(world: int, memory_mb: float, top_k: int, tmp_path) -> list[str]:
+    from megatron_bmw.config import ModelConfig
+    from megatron_bmw.planner.cluster import parse_cluster
+    from megatron_bmw.planner.memory_model import MemorySettings
+    from megatron_bmw.planner.profile_data import Profiles
+    from megatron_bmw.planner.report import plan_from
+    from megatron_bmw.planner.search import SearchSettings, search
+
+    cluster = parse_cluster({"name": "cpu-ranks", "inter_node": {"bandwidth_GBps": 1, "latency_us": 50},
+                             "device_types": {"cpu": {"memory_gb": memory_mb / 1024, "peak_tflops": {"fp32": 0.02}}},
+                             "groups": [{"nodes": 1, "gpus_per_node": world, "device": "cpu",
+                                         "intra_node": {"bandwidth_GBps": 1, "latency_us": 50}}]})
+    model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16,
+                        hidden_dropout=0.0, attention_dropout=0.0, attention_backend="unfused")
+    result = search(model, 100, 4, 8, cluster, memory=MemorySettings(device="cpu"),
+                    settings=SearchSettings(top_k=top_k))
+    paths = []
+    for i, ranked in enumerate(result.ranked):
+        path = str(tmp_path / f"plan{world}_{i}.json")
+        plan_from(ranked, result, Profiles(), 100).save(path)
+        paths.append(path)
+    return paths
+
+
+def _run_plan(rank, world_size, path):
+    from megatron_bmw.training.pretrain import pretrain
+
+    trainer = pretrain(PLAN_MODEL + ["--plan", path, "--train-iters", "4", "--lr", "1e-3", "--log-interval", "1",
+                                     "--eval-iters", "0"])
+    return trainer.plan_check, trainer.memory_in_use(), [h[1] for h in trainer.history]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_search_plans_run_with_plan_and_fit(tmp_path, world_size):
+    """Every plan the search emits for a small CPU cluster runs with --plan; per stage the memory measured
+    (model states + the activation store's peak) is within the device and close to the prediction."""
+    from megatron_bmw.planner.plan import Plan
+
+    paths = _local_plans(world_size, 0.9, 3, tmp_path)  # tight: ZeRO-1, interleaving, recomputation, slicing
+    assert paths
+    for path in paths:
+        plan = Plan.load(path)
+        results = run_distributed(world_size, _run_plan, path)
+        lines = results[0][0]
+        assert lines[0].startswith(" plan check | iteration time predicted"), lines
+        losses = results[-1][2]
+        assert len(losses) == 4 and all(x == x for x in losses)
+        for stage in plan.prediction["stages"]:
+            measured = max(mem for r, (_, mem, _) in enumerate(results)
+                           if plan.spec.rank_layout().coords(r)[2] == stage["stage"])
+            assert measured <= stage["capacity_bytes"], (path, stage, measured)
+            assert measured == pytest.approx(stage["peak_bytes"] - stage["allowance_bytes"], rel=0.1), (path, stage)

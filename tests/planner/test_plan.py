@@ -1,0 +1,108 @@
+"""The plan file: JSON round trip, clear errors for bad files, and the flags given beside --plan."""
+
+import argparse
+import json
+
+import pytest
+
+from megatron_bmw.arguments import apply_plan, configs_from_args, parse_args
+from megatron_bmw.config import ModelConfig, PipelineConfig
+from megatron_bmw.errors import UsageError
+from megatron_bmw.planner.plan import Plan
+from megatron_bmw.planner.spec import RunSpec
+
+MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32,
+                    params_dtype="bf16")
+RECOMPUTE = (None, "selective", "full", None, None, "full", "full", None, None, None)
+
+
+def _plan() -> Plan:
+    pipe = PipelineConfig(micro_batch_size=2, num_microbatches=4, schedule="1f1b", partition=(4, 6),
+                          recompute=RECOMPUTE, slicing=1)
+    spec = RunSpec(MODEL, tp=2, pp=2, dp=2, pipeline=pipe, sequence_parallel=True, distributed_optimizer=True,
+                   overlap_grad_reduce=True)
+    return Plan(spec, global_batch_size=16, orig_vocab_size=100, make_vocab_size_divisible_by=32, devices=["a100-80g"] * 8,
+                cluster={"name": "a100-80g-ib"}, prediction={"iteration_time_s": 1.5, "stages": []})
+
+
+def test_round_trip(tmp_path):
+    path = tmp_path / "plan.json"
+    plan = _plan()
+    plan.save(str(path))
+    again = Plan.load(str(path))
+    assert again.spec == plan.spec and again.global_batch_size == 16 and again.orig_vocab_size == 100
+    assert again.devices == plan.devices and again.prediction == plan.prediction
+    data = json.loads(path.read_text())
+    assert data["pipeline"]["recompute"][:3] == ["none", "selective", "full"]
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda d: d.update(format="other"), "not a plan file"),
+    (lambda d: d.update(version=7), "plan version 7"),
+    (lambda d: d["model"].update(colour=1), "unknown model key 'colour'"),
+    (lambda d: d["pipeline"].update(stages=3), "unknown pipeline key 'stages'"),
+    (lambda d: d["pipeline"].update(recompute=["full"] * 10), "embedding and the head are never recomputed"),
+    (lambda d: d["pipeline"].update(partition=[5, 6]), "sums to 11"),
+    (lambda d: d["training"].update(global_batch_size=12), "global batch size 12 is not"),
+    (lambda d: d.pop("parallel"), "missing field 'parallel'"),
+])
+def test_bad_plan_files(tmp_path, mutate, needle):
+    data = _plan().to_json()
+    mutate(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError, match=needle):
+        Plan.load(str(path))
+        RunSpec  # noqa: B018 - the partition is checked when the spec is built
+
+
+def test_unreadable_plan_files(tmp_path):
+    with pytest.raises(UsageError, match="no such file"):
+        Plan.load(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(UsageError, match="not valid JSON"):
+        Plan.load(str(tmp_path / "bad.json"))
+    with pytest.raises(UsageError, match="is a directory"):
+        Plan.load(str(tmp_path))
+
+
+def _args(tmp_path, *extra):
+    path = tmp_path / "plan.json"
+    _plan().save(str(path))
+    argv = ["--plan", str(path), "--mock-data", *extra]
+    args = parse_args(argv)
+    return args, apply_plan(args, argv)
+
+
+def test_plan_sets_the_flags(tmp_path):
+    args, plan = _args(tmp_path, "--train-iters", "3", "--tensor-model-parallel-size", "2", "--bf16")
+    run = configs_from_args(args, 8)
+    assert run.pipeline == plan.spec.pipeline
+    assert run.parallel.tensor_model_parallel_size == 2 and run.parallel.sequence_parallel
+    assert run.optimizer.use_distributed_optimizer and run.train.overlap_grad_reduce
+    assert run.model.params_dtype == "bf16" and run.model.vocab_size == 128 and run.orig_vocab_size == 100
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size 4 disagrees with --plan"),
+    (["--micro-batch-size", "1"], "--micro-batch-size 1 disagrees"),
+    (["--bpipe"], "--bpipe disagrees with --plan .* \\(off\\)"),
+    (["--fp16"], "--fp16 disagrees"),
+    (["--recompute-granularity", "full"], "sets the pipeline and every unit's recomputation"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "drop the flag"),
+])
+def test_disagreeing_flags(tmp_path, extra, needle):
+    with pytest.raises(UsageError, match=needle):
+        _args(tmp_path, *extra)
+
+
+def test_world_size_and_vocabulary_must_match(tmp_path):
+    from megatron_bmw.arguments import check_against_plan
+
+    args, plan = _args(tmp_path)
+    run = configs_from_args(args, 8)
+    with pytest.raises(UsageError, match="planned for 8 ranks .* launched with 4"):
+        check_against_plan(run, plan, 4, "p.json")
+    other = configs_from_args(argparse.Namespace(**{**vars(args), "vocab_size": 300}), 8)
+    with pytest.raises(UsageError, match="padded vocabulary of 128"):
+        check_against_plan(other, plan, 8, "p.json")
