@@ -96,6 +96,12 @@ class Cluster:
     def device(self, gpu: int) -> DeviceType:
         return self.locate(gpu)[0].device
 
+    def devices_of(self, gpus) -> list[DeviceType]:
+        """The distinct device types among `gpus`."""
+        if len(self.groups) == 1:
+            return [self.groups[0].device]
+        return list({id(d): d for d in (self.device(g) for g in gpus)}.values())
+
     def link(self, a: int, b: int) -> Link:
         """The link between GPUs a and b."""
         ga, na = self.locate(a)
@@ -111,7 +117,25 @@ class Cluster:
         """Bandwidth of the slowest pair in a group (AMP's rule for rings), with the largest latency."""
         if len(gpus) < 2:
             return Link(float("inf"), 0.0)
-        links = [self.link(a, b) for i, a in enumerate(gpus) for b in gpus[i + 1:]]
+        if self.bandwidth_matrix is not None:
+            links = [self.link(a, b) for i, a in enumerate(gpus) for b in gpus[i + 1:]]
+        else:  # pairs differ only by node: the intra-node links of shared nodes, the inter-node ones between
+            per_node: dict[int, list] = {}
+            for g in gpus:
+                group, node = self.locate(g)
+                per_node.setdefault(node, [group, 0])[1] += 1
+            links = [group.intra_node for group, count in per_node.values() if count > 1]
+            ends = {id(group): group for group, _ in per_node.values()}
+            nodes_of = {}
+            for group, _ in per_node.values():
+                nodes_of[id(group)] = nodes_of.get(id(group), 0) + 1
+            kinds = list(ends)
+            for i, a in enumerate(kinds):
+                for b in kinds[i:]:
+                    if a == b and nodes_of[a] < 2:
+                        continue
+                    x, y = (ends[a].inter_node or self.inter_node), (ends[b].inter_node or self.inter_node)
+                    links.append(Link(min(x.bandwidth, y.bandwidth), max(x.latency, y.latency)))
         return Link(min(x.bandwidth for x in links), max(x.latency for x in links))
 
     def with_nodes(self, num_nodes: int) -> Cluster:

@@ -67,12 +67,35 @@ class CostModel:
         self.layout = spec.rank_layout()
         p = spec.pp
         self.devices = [self._stage_device(s) for s in range(p)]
-        self.chunk_forward: list[list[float]] = []
-        self.chunk_backward: list[list[float]] = []
-        self.params: list[int] = []
+        for device in {d.name: d for d in self.devices}.values():
+            self.profiles.for_device(device.name)  # a device type without a profile is an error now, not later
+        self._p2p: dict[tuple, Link] = {}  # links of stage pairs and of each stage's tp/dp group
+        self._tables: tuple[list[list[float]], list[list[float]], list[int]] | None = None
+
+    @property
+    def chunk_forward(self) -> list[list[float]]:
+        """Per rank, per model chunk: forward seconds of one micro-batch."""
+        return self._chunk_tables()[0]
+
+    @property
+    def chunk_backward(self) -> list[list[float]]:
+        return self._chunk_tables()[1]
+
+    @property
+    def params(self) -> list[int]:
+        """Parameters per rank (one tensor-parallel shard)."""
+        return self._chunk_tables()[2]
+
+    def _chunk_tables(self):
+        if self._tables is not None:
+            return self._tables
+        spec = self.spec
+        chunk_forward: list[list[float]] = []
+        chunk_backward: list[list[float]] = []
+        params: list[int] = []
         names = unit_names(spec.model.num_layers)
         layout = spec.stage_layout()
-        for rank in range(p):
+        for rank in range(spec.pp):
             chunks = chunk_unit_indices(layout, rank)
             fwd, bwd = [], []
             for c in chunks:
@@ -84,10 +107,11 @@ class CostModel:
                 over = self._overhead(self.devices[rank])
                 fwd.append(f + over[0])
                 bwd.append(b + over[1])
-            self.chunk_forward.append(fwd)
-            self.chunk_backward.append(bwd)
-            self.params.append(self._rank_params([names[i] for c in chunks for i in c]))
-        self._p2p: dict[tuple[int, int], Link] = {}
+            chunk_forward.append(fwd)
+            chunk_backward.append(bwd)
+            params.append(self._rank_params([names[i] for c in chunks for i in c]))
+        self._tables = (chunk_forward, chunk_backward, params)
+        return self._tables
 
     # ---- placement ---------------------------------------------------------------------------------------------
     def gpus(self, stage: int) -> list[int]:
@@ -95,16 +119,19 @@ class CostModel:
 
     def _stage_device(self, stage: int) -> DeviceType:
         """The slowest device type holding the stage (data-parallel replicas wait for it)."""
-        return min((self.cluster.device(g) for g in self.gpus(stage)), key=lambda d: d.peak(self.dtype))
+        return min(self.cluster.devices_of(self.gpus(stage)), key=lambda d: d.peak(self.dtype))
 
-    def _group_link(self, ranks: list[int]) -> Link:
-        return self.cluster.slowest_link(ranks)
+    def _group_link(self, kind: str, stage: int, ranks) -> Link:
+        key = (kind, stage)
+        if key not in self._p2p:
+            self._p2p[key] = self.cluster.slowest_link(list(ranks))
+        return self._p2p[key]
 
     def tp_link(self, stage: int) -> Link:
-        return self._group_link([self.layout.rank(t, 0, stage) for t in range(self.spec.tp)])
+        return self._group_link("tp", stage, (self.layout.rank(t, 0, stage) for t in range(self.spec.tp)))
 
     def dp_link(self, stage: int) -> Link:
-        return self._group_link([self.layout.rank(0, d, stage) for d in range(self.spec.dp)])
+        return self._group_link("dp", stage, (self.layout.rank(0, d, stage) for d in range(self.spec.dp)))
 
     def p2p_link(self, src: int, dst: int) -> Link:
         """Slowest of the links joining the tensor-/data-parallel replicas of two pipeline stages."""

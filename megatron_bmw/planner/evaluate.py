@@ -36,7 +36,8 @@ class Evaluation:
 
 def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile | None = None,
                  cost_settings: CostSettings = CostSettings(), memory_settings: MemorySettings = MemorySettings(),
-                 schedule: Schedule | CompiledSchedule | None = None, record_transfers: bool = False) -> Evaluation:
+                 schedule: Schedule | CompiledSchedule | None = None, record_transfers: bool = False,
+                 memory_over_time: bool = True) -> Evaluation:
     """Simulate one iteration of `schedule` (default: the spec's; a compiled one is reused as it is) with the
     cost model's durations."""
     compiled = schedule if isinstance(schedule, CompiledSchedule) else None
@@ -48,12 +49,13 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
     memory = estimate_memory(spec, schedule, memory_settings)
     static = [m.static_bytes for m in memory]
     sim = simulate(compiled or schedule, cost.compute_time, cost.transfer_time, cost.copy_time, saved, static,
-                   cost.finish_times, record_transfers=record_transfers, held_bytes=held)
+                   cost.finish_times, record_transfers=record_transfers, held_bytes=held,
+                   memory_over_time=memory_over_time)
     return Evaluation(spec, schedule, memory, sim, cost)
 
 
 def stage_capacity(spec: RunSpec, cluster: Cluster, stage: int) -> float:
     """Memory of the smallest device holding the stage."""
     layout = spec.rank_layout()
-    return min(cluster.device(layout.rank(t, d, stage)).memory_bytes
-               for d in range(spec.dp) for t in range(spec.tp))
+    gpus = (layout.rank(t, d, stage) for d in range(spec.dp) for t in range(spec.tp))
+    return min(device.memory_bytes for device in cluster.devices_of(gpus))

@@ -150,9 +150,21 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     return out
 
 
+_SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
+               "attention_backend", "hidden_dropout", "attention_dropout")
+_saved_memo: dict[tuple, int] = {}
+
+
 def unit_activation_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
                           recompute: str | None = None, device: str = "cuda") -> int:
-    return sum(t.nbytes for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp, recompute, device))
+    key = (kind, micro_batch_size, tp, sp, recompute, device) + tuple(getattr(model, k) for k in _SAVED_KEYS)
+    got = _saved_memo.get(key)
+    if got is None:
+        if len(_saved_memo) > 100_000:
+            _saved_memo.clear()
+        got = _saved_memo[key] = sum(t.nbytes for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp,
+                                                                           recompute, device))
+    return got
 
 
 def bytes_by_dtype(tensors: list[SavedTensor]) -> dict[int, int]:

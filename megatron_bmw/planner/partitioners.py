@@ -28,12 +28,10 @@ _INF = math.inf
 
 
 def _numbers(values, what: str) -> list[float]:
-    out = []
-    for x in values:
-        x = float(x)
-        if not x >= 0:  # also catches nan
-            raise UsageError(f"{what} must be non-negative numbers, got {x}")
-        out.append(x)
+    out = [float(x) for x in values]
+    if not all(x >= 0 for x in out):  # also catches nan
+        bad = next(x for x in out if not x >= 0)
+        raise UsageError(f"{what} must be non-negative numbers, got {bad}")
     return out
 
 
@@ -160,17 +158,63 @@ def _minmax_backtrack(n, p, P, L, E, T, bound) -> list[int]:
     return _cuts_to_sizes(cuts[::-1])
 
 
-def minmax_partition(costs, stages: int, edge=None) -> list[int]:
+def minmax_partition(costs, stages: int, edge=None, exact: bool = True) -> list[int]:
     """Contiguous split of the units into exactly `stages` non-empty stages minimising the largest stage load.
 
     `costs` is one cost per unit, or one such list per stage (costs[k][u]: unit u's cost on stage k);
     `edge[c]` (n_units + 1 values) is charged to the stage ending at cut c. Exact DP, O(n^2 p) in C-level loops.
     Ties go to the optimum whose later stages are longest (sizes read from the last stage backwards are
     lexicographically largest), which leaves the early, activation-heavy 1F1B stages the fewest units.
+    Large problems without edges bisect on the bound with a greedy check instead: exact with one cost per unit;
+    with per-stage costs only when `exact` is False (then a near-balanced split, as a starting point).
     """
     n, P, L, E = _prepare(costs, stages, edge)
+    flat = not (len(costs) > 0 and isinstance(costs[0], (list, tuple)))
+    if (flat or not exact) and edge is None and n * stages > _LARGE:
+        return _minmax_bisect(n, stages, P, L)
     T = _minmax_table(n, stages, P, L, E)
     return _minmax_backtrack(n, stages, P, L, E, T, T[-1][n])
+
+
+_LARGE = 4000  # units x stages above which min-max bisects on the bound instead of running the DP
+
+
+def _greedy_from_back(n, stages, P, L, bound) -> list[int] | None:
+    """Sizes with every load <= bound, each stage from the last one taking as many units as fit (the latest
+    stages longest); None if the units do not fit. With the same costs on every stage, taking more units later
+    never hurts the earlier stages (and a stage left empty can be split off a longer one), so this is feasible
+    whenever any partition is; with per-stage costs it is not an exact check."""
+    sizes, b = [], n
+    for k in range(stages - 1, -1, -1):
+        lo = k  # leave one unit for each earlier stage
+        a = b - 1
+        if a < lo or L[k][b] >= a or P[k][b] - P[k][a] > bound:
+            return None
+        while a > lo and L[k][b] < a - 1 and P[k][b] - P[k][a - 1] <= bound:
+            a -= 1
+        sizes.append(b - a)
+        b = a
+    if b != 0:
+        return None
+    return sizes[::-1]
+
+
+def _minmax_bisect(n, stages, P, L) -> list[int]:
+    """Min-max for large problems with one cost per unit: bisection on the bound (to a relative 1e-12) with the
+    greedy check."""
+    lo = max(min(P[k][u + 1] - P[k][u] for k in range(stages)) for u in range(n))
+    hi = max(P[k][n] for k in range(stages))
+    best = _greedy_from_back(n, stages, P, L, hi)
+    if best is None:
+        return [1] * (stages - 1) + [n - stages + 1]  # every partition has a stage that cannot fit
+    while hi - lo > 1e-12 * max(hi, 1e-300):
+        mid = (lo + hi) / 2
+        got = _greedy_from_back(n, stages, P, L, mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    return best
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -179,8 +179,9 @@ def search_table(result) -> str:
                      f"{sched:<13} {flag(lay['sequence_parallel']):>2} {flag(lay['zero1']):>2} {flag(lay['bpipe']):>2} "
                      f"{lay['slicing']:>2} {lay['recomputed_units']:>4} {100 * mem:7.1f}%  {'; '.join(notes)}")
     st = result.stats
-    lines.append(f"{st['layouts']} layouts: {st['solved']} solved, {st['pruned']} pruned by their bound, "
-                 f"{st['simulated']} simulations; {st.get('elapsed_s', 0):.1f} s")
+    unsolved = f", {st['unsolved']} left unsolved at the time budget" if st.get("unsolved") else ""
+    lines.append(f"{st['layouts']} layouts: {st['solved']} solved, {st['pruned']} pruned by their bound or memory"
+                 f"{unsolved}, {st['simulated']} simulations; {st.get('elapsed_s', 0):.1f} s")
     if result.ranked:
         best_r = result.ranked[0]
         lines.append(f"best: partition {','.join(map(str, best_r.spec.pipeline.partition))}")

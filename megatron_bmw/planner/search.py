@@ -32,7 +32,7 @@ from .flops import unit_forward_flops
 from .memory_model import MemorySettings
 from .partitioners import autopipe_refine, hill_climb
 from .profile_data import Profiles
-from .solver import LayoutProblem, ScheduleShapes, Solution, Variant, lower_bound, memory_floor
+from .solver import LayoutProblem, ScheduleShapes, Solution, Variant, could_fit, lower_bound
 from .space import Layout, SearchSpace, layouts, tp_degrees
 from .spec import RunSpec
 from ..units import unit_kind, unit_names
@@ -44,10 +44,14 @@ _INF = math.inf
 class SearchSettings:
     world_size: int | None = None  # GPUs used (default: the whole cluster)
     top_k: int = 5
-    estimate_margin: float = 0.25  # layouts whose bound is within this of the best estimate are solved
+    estimate_margin: float = 0.12  # layouts whose bound is within this of the best estimate are solved
     finalists: int = 12  # simulated exactly (at least 2 x top_k)
-    refine_evals: int = 48  # simulations per finalist for partition refinement
+    refine_evals: int = 48  # simulations per refined finalist
+    refine_top: int = 4  # finalists whose partitions are refined: the fastest ones ...
+    refine_margin: float = 0.05  # ... within this of the fastest
     progress: bool = False
+    time_budget_s: float = 35.0  # layouts left unsolved after this are reported, not silently dropped
+    finalist_budget_s: float = 6.0  # for simulating the finalists, and as much again for refining them
 
 
 @dataclass
@@ -147,13 +151,23 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
     progress = _Progress(settings.progress, len(problems))
     solutions: list[Solution] = []
     best = _INF
+    too_big: dict[tuple, int] = {}  # family -> the smallest micro-batch size that fits nowhere
     for bound, prob in problems:
-        if bound > best * (1 + settings.estimate_margin):
+        lay = prob.layout
+        family = (lay.tp, lay.pp, lay.dp, lay.schedule, lay.virtual, prob.variant.sp, prob.uniform)
+        if bound > best * (1 + settings.estimate_margin) or lay.mbs >= too_big.get(family, _INF):
             stats["pruned"] += 1
             progress.step(f"best {best:.4g} s")
             continue
-        for sol in _solve_with_savers(prob, space, model, orig_vocab, divisible_by, cluster, profiles, costs,
-                                      memory, shapes, stats):
+        if time.time() - started > settings.time_budget_s:
+            stats["unsolved"] = stats.get("unsolved", 0) + 1
+            progress.step(f"best {best:.4g} s (time budget spent)")
+            continue
+        found = _solve_with_savers(prob, space, model, orig_vocab, divisible_by, cluster, profiles, costs, memory,
+                                   shapes, stats)
+        if not found:  # more micro-batches per rank only need more memory
+            too_big[family] = min(too_big.get(family, _INF), lay.mbs)
+        for sol in found:
             solutions.append(sol)
             best = min(best, sol.estimate)
         progress.step(f"best {best:.4g} s")
@@ -167,9 +181,23 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
     if len(finalists) < settings.top_k:
         finalists = solutions[:max(settings.top_k, len(finalists))]
     by_key = {(s.layout, s.variant): s for s in solutions}
+    sims, starts = [], []
+    deadline = time.time() + settings.finalist_budget_s
+    for sol in finalists:  # one simulation each, the best estimates first, until the budget is spent
+        if len(sims) >= settings.top_k and time.time() > deadline:
+            stats["finalists_unsimulated"] = len(finalists) - len(sims)
+            break
+        sims.append(_Simulator(sol.problem, cluster, profiles, costs, memory, stats))
+        starts.append(sims[-1].time(tuple(sol.partition)))
+    finalists = finalists[:len(sims)]
+    first = min(starts)
+    order = sorted(range(len(finalists)), key=lambda i: starts[i])
+    refine = set(order[:settings.refine_top]) if first < _INF else set()
     ranked = []
-    for sol in finalists:
-        got = _finalist(sol, cluster, profiles, space, costs, memory, settings, stats, by_key)
+    for i, (sol, sim) in enumerate(zip(finalists, sims)):
+        sim.deadline = deadline + settings.finalist_budget_s
+        refined = i in refine and starts[i] <= first * (1 + settings.refine_margin)
+        got = _finalist(sol, sim, space, settings, by_key, refined)
         if got is not None:
             ranked.append(got)
     ranked.sort(key=lambda r: r.time)
@@ -181,7 +209,7 @@ def _problem(lay: Layout, variant: Variant, model, orig_vocab, divisible_by, clu
              shapes, mode) -> LayoutProblem | None:
     tp_model = padded_model(model, orig_vocab, divisible_by, lay.tp)
     prob = LayoutProblem(lay, variant, tp_model, cluster, profiles, space, costs, memory, shapes, mode)
-    if memory_floor(prob) > max(prob.capacity):
+    if not could_fit(prob, variant.zero1 or (True in space.zero1 and lay.dp > 1)):
         return None
     return prob
 
@@ -233,11 +261,14 @@ class _Simulator:
                                                                                        costs, memory, stats)
         self.cache: dict[tuple, tuple[Solution | None, Evaluation | None]] = {}
         self.compiled: dict[int, object] = {}
+        self.deadline = _INF  # new partitions are not simulated after this (refinement ends)
 
     def run(self, partition: tuple[int, ...], slicing: int = 0):
         key = (tuple(partition), slicing)
         if key in self.cache:
             return self.cache[key]
+        if time.time() > self.deadline:
+            return None, None
         sol = self.prob.evaluate(tuple(partition))
         ev = None
         if sol is not None:
@@ -245,7 +276,7 @@ class _Simulator:
             if slicing not in self.compiled:
                 self.compiled[slicing] = compile_schedule(pipeline_schedule(spec.pipeline, spec.pp))
             ev = simulate_run(spec, self.cluster, self.profiles, self.costs, self.memory,
-                              schedule=self.compiled[slicing])
+                              schedule=self.compiled[slicing], memory_over_time=False)
             self.stats["simulated"] += 1
         self.cache[key] = (sol, ev)
         return sol, ev
@@ -261,19 +292,20 @@ def _fits(ev: Evaluation, cluster: Cluster) -> bool:
     return all(m.peak_bytes <= stage_capacity(ev.spec, cluster, s) for s, m in enumerate(ev.memory))
 
 
-def _finalist(sol: Solution, cluster, profiles, space, costs, memory, settings: SearchSettings, stats,
-              by_key) -> Ranked | None:
+def _finalist(sol: Solution, sim: _Simulator, space: SearchSpace, settings: SearchSettings, by_key,
+              refine: bool) -> Ranked | None:
+    """Simulate a finalist exactly; when `refine`, polish its partition with AutoPipe's heuristic and the local
+    search on the simulator first; then let AutoPipe's slicer decide micro-batch slicing."""
     prob = sol.problem
-    sim = _Simulator(prob, cluster, profiles, costs, memory, stats)
     part = tuple(sol.partition)
     start_time = sim.time(part)
-    budget = settings.refine_evals
+    budget = settings.refine_evals if refine else 0
     if sol.layout.virtual == 1 and sol.layout.pp > 1 and space.sublayer and budget > 0:
         def evaluate(p):
-            s, ev = sim.run(tuple(p))
             t = sim.time(tuple(p))
-            if ev is None or t == _INF:
+            if t == _INF:
                 return _INF, 0, [0.0] * len(p), [0.0] * len(p)
+            ev = sim.run(tuple(p))[1]
             fwd = [sum(x) for x in ev.cost.chunk_forward]
             bwd = [sum(x) for x in ev.cost.chunk_backward]
             return t, ev.simulation.master_stage, fwd, bwd
@@ -285,7 +317,7 @@ def _finalist(sol: Solution, cluster, profiles, space, costs, memory, settings: 
         part, _ = hill_climb(list(part), lambda p: sim.time(tuple(p)), max_evals=budget)
         part = tuple(part)
     best_sol, ev = sim.run(part)
-    if ev is None or not _fits(ev, cluster):
+    if ev is None or not _fits(ev, sim.cluster):
         return None
     notes, gains = [], {}
     if start_time > ev.simulation.iteration_time:

@@ -62,13 +62,15 @@ def simulate(
     finish: Callable[[list[float], list[tuple[float, float]]], list[float]] | None = None,
     record_transfers: bool = False,
     held_bytes: list[list[float]] | None = None,
+    memory_over_time: bool = True,
 ) -> Simulation:
     """Execute `schedule` (a Schedule or replay.compile_schedule's result, to reuse across calls).
 
     chunk_bytes[rank][chunk]: saved activations one micro-batch leaves on the rank (what BPipe moves);
     held_bytes[rank][chunk]: more bytes a micro-batch holds until its backward but never moves (the chunk's
     output the engine keeps); static_bytes[rank]: weights and optimizer states. copy_time(rank, action, bytes):
-    duration of an EVICT or RETURN posted on `rank`. `record_transfers` keeps every p2p transfer's span."""
+    duration of an EVICT or RETURN posted on `rank`. `record_transfers` keeps every p2p transfer's span;
+    without `memory_over_time` the memory timeline is skipped (chunk_bytes then only sizes BPipe's moves)."""
     compiled = schedule if isinstance(schedule, CompiledSchedule) else compile_schedule(schedule)
     sched = compiled.schedule
     p = sched.num_stages
@@ -84,7 +86,8 @@ def simulate(
     rep = replay(compiled, compute_time, transfer_time, record=True, **kwargs) if transfer_time is not None \
         else replay(compiled, compute_time, record=True, **kwargs)
     with gc_paused():
-        return _analyse(sched, rep, chunk_bytes, held_bytes, static_bytes, finish, record_transfers)
+        return _analyse(sched, rep, chunk_bytes if memory_over_time else None, held_bytes, static_bytes, finish,
+                        record_transfers)
 
 
 def _analyse(sched, rep, chunk_bytes, held_bytes, static_bytes, finish, record_transfers) -> Simulation:

@@ -16,9 +16,8 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, PipelineConfig
-from ..pipeline.build import pipeline_schedule
-from ..pipeline.holding import holding_events
-from ..pipeline.partition import rank_chunks
+from ..pipeline.bpipe import mu_opt
+from ..pipeline.generators import interleaved_warmup
 from ..pipeline.schedule import Action, Kind
 from ..units import unit_kind, unit_names
 from .cluster import Cluster
@@ -76,30 +75,44 @@ def even_partition(n_units: int, stages: int) -> tuple[int, ...]:
 
 
 class ScheduleShapes:
-    """Per (pp, m, v, schedule, bpipe): the chunk-micro-batches each rank holds at its peak, per chunk (cached)."""
+    """What a search computes once and every layout reuses: per (pp, m, v, schedule, bpipe) the chunk-micro-batches
+    each rank holds at its peak, per chunk; unit times per (device, link, degrees, choice); saved bytes."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple, list[list[float]]] = {}
+        self.unit_times: dict[tuple, tuple[float, float]] = {}
+        self.saved_bytes: dict[tuple, float] = {}
 
     def counts(self, layout: Layout, bpipe: bool) -> list[list[float]]:
-        key = (layout.pp, layout.m, layout.virtual, layout.schedule, bpipe)
-        if key not in self._cache:
-            pipe = PipelineConfig(micro_batch_size=layout.mbs, num_microbatches=layout.m, schedule=layout.schedule,
-                                  virtual_stages=layout.virtual, bpipe=bpipe)
-            sched = pipeline_schedule(pipe, layout.pp)
-            self._cache[key] = [_counts_at_peak(sched.actions[r], r, layout.virtual) for r in range(layout.pp)]
-        return self._cache[key]
+        pp, m, v = layout.pp, layout.m, layout.virtual
+        if v == 1:  # the schedules' own peaks: GPipe holds all, 1F1B p - r
+            plain = [[float(m if layout.schedule == "gpipe" else min(pp - r, m))] for r in range(pp)]
+        else:
+            key = (pp, m, v)
+            if key not in self._cache:
+                self._cache[key] = [interleaved_peak_counts(pp, m, v, r) for r in range(pp)]
+            plain = self._cache[key]
+        if not bpipe:
+            return plain
+        # BPipe holds both ranks of a transferring pair at mu_opt, mostly the evictor's chunks (the exact schedule
+        # is checked for the finalists)
+        limit = mu_opt(pp, v)
+        out = []
+        for r in range(pp):
+            evictor = max((r, pp - 1 - r), key=lambda q: sum(plain[q]))
+            total = sum(plain[evictor])
+            out.append(list(plain[r]) if total <= limit else [c * limit / total for c in plain[evictor]])
+        return out
 
 
-def _counts_at_peak(actions, rank: int, v: int) -> list[float]:
-    """Chunk-micro-batches per chunk held when the rank holds the most (own and accepted ones alike)."""
-    level, best, per, at_best = 0.0, -1.0, [0.0] * v, [0.0] * v
-    for h in holding_events(actions, rank):
-        level += h.share
-        per[h.chunk] += h.share
-        if level > best:
-            best, at_best = level, list(per)
-    return at_best
+def interleaved_peak_counts(p: int, m: int, v: int, rank: int) -> list[float]:
+    """Per chunk, the micro-batches an interleaved-1F1B rank holds when it first holds the most: its warm-up
+    forwards and the first steady one (equal to walking the schedule's holds; see the solver's tests)."""
+    held = min(interleaved_warmup(p, m, v, rank) + 1, m * v)
+    counts = [0.0] * v
+    for k in range(held):
+        counts[(k % (p * v)) // p] += 1
+    return counts
 
 
 class LayoutProblem:
@@ -134,37 +147,37 @@ class LayoutProblem:
         kinds = [unit_kind(nm) for nm in self.names]
         per_unit = any(u.unit is not None for ps in profiles.by_type.values() for p in ps for u in p.units)
         self.times: list[list[list[tuple[float, float]]]] = []  # [rank][unit][choice]
-        by_device: dict[str, list] = {}
+        by_device: dict[tuple, list] = {}
+        memo = shapes.unit_times
         for r in range(lay.pp):
             dev = self.cost.devices[r]
-            key = dev.name
-            if key not in by_device:
-                table, memo = [], {}
+            link = self.cost.tp_link(r) if lay.tp > 1 else None
+            place = (dev.name, None if link is None else (link.bandwidth, link.latency), lay.tp, sp, lay.mbs,
+                     model.vocab_size)
+            if place not in by_device:
+                table = []
                 for i, kind in enumerate(kinds):
                     row = []
                     for c in self.choices[i]:
-                        mkey = (kind, c, i if per_unit else None)
+                        mkey = place + (kind, c, i if per_unit else None)
                         if mkey not in memo:
                             memo[mkey] = self.cost.unit_times(kind, c, dev, r, i)
                         row.append(memo[mkey])
                     table.append(row)
-                by_device[key] = table
-            self.times.append(by_device[key])
-        act = {}
-        self.saved: list[list[float]] = []  # [unit][choice]
-        self.transient: list[list[float]] = []
-        for i, kind in enumerate(kinds):
-            row, trow = [], []
-            for c in self.choices[i]:
-                if (kind, c) not in act:
-                    act[(kind, c)] = float(unit_activation_bytes(kind, model, lay.mbs, lay.tp, sp, c, memory.device))
-                row.append(act[(kind, c)])
-            full = act.get((kind, None)) or float(unit_activation_bytes(kind, model, lay.mbs, lay.tp, sp, None,
-                                                                        memory.device))
-            for j, c in enumerate(self.choices[i]):
-                trow.append(full - row[j] if c is not None else 0.0)
-            self.saved.append(row)
-            self.transient.append(trow)
+                by_device[place] = table
+            self.times.append(by_device[place])
+
+        def saved(kind, c):
+            key = (kind, c, lay.mbs, lay.tp, sp, memory.device, model.vocab_size)
+            if key not in shapes.saved_bytes:
+                shapes.saved_bytes[key] = float(unit_activation_bytes(kind, model, lay.mbs, lay.tp, sp, c,
+                                                                      memory.device))
+            return shapes.saved_bytes[key]
+
+        self.saved: list[list[float]] = [[saved(kind, c) for c in self.choices[i]] for i, kind in enumerate(kinds)]
+        self.transient: list[list[float]] = [[saved(kind, None) - b if c is not None else 0.0
+                                              for c, b in zip(self.choices[i], self.saved[i])]
+                                             for i, kind in enumerate(kinds)]
         precision = PrecisionConfig(param_bytes=model.dtype_bytes, distributed_optimizer=variant.zero1)
         per_param = precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(lay.dp)
         own_output = model.untie_embeddings_and_output_weights or lay.pp > 1
@@ -173,11 +186,19 @@ class LayoutProblem:
         s = model.seq_length // lay.tp if sp else model.seq_length
         self.held = float(s * lay.mbs * model.hidden_size * model.dtype_bytes) if memory.engine_holds_output else 0.0
         self.p2p = self.cost.transfer_time(0, 1, _SEND) if lay.pp > 1 else 0.0
+        self.embedding_sync = self.cost.embedding_sync_time()
         self._knap: dict[tuple, tuple | None] = {}
 
     # ---- one partition --------------------------------------------------------------------------------------
-    def _rank_units(self, partition: tuple[int, ...], rank: int) -> list[list[int]]:
-        return rank_chunks(list(partition), self.layout.pp, rank)
+    def _rank_units(self, partition: tuple[int, ...]) -> list[list[list[int]]]:
+        """Per rank, the unit indices of each of its chunks."""
+        pp = self.layout.pp
+        out: list[list[list[int]]] = [[] for _ in range(pp)]
+        start = 0
+        for k, size in enumerate(partition):
+            out[k % pp].append(list(range(start, start + size)))
+            start += size
+        return out
 
     def evaluate(self, partition: tuple[int, ...]) -> Solution | None:
         """Per rank the fastest recomputation that fits, then the estimate; None when some rank cannot fit."""
@@ -186,8 +207,9 @@ class LayoutProblem:
         fwd = [0.0] * self.stages
         bwd = [0.0] * self.stages
         memory = []
+        per_rank = self._rank_units(partition)
         for r in range(lay.pp):
-            chunks = self._rank_units(partition, r)
+            chunks = per_rank[r]
             got = self._rank_choice(r, chunks)
             if got is None:
                 return None
@@ -204,7 +226,7 @@ class LayoutProblem:
         over = [self.cost._overhead(self.cost.devices[k % lay.pp]) for k in range(self.stages)]
         fwd = [f + o[0] for f, o in zip(fwd, over)]
         bwd = [b + o[1] for b, o in zip(bwd, over)]
-        estimate = self._pipeline_time(fwd, bwd) + self._sync_time(partition)
+        estimate = self._pipeline_time(fwd, bwd) + self._sync_time(per_rank, bwd)
         rc = tuple(recompute) if any(recompute) else None
         return Solution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity, self)
 
@@ -225,14 +247,15 @@ class LayoutProblem:
             return picks, self._peak(static + held + plain)
         if room <= 0:
             return None
-        key = (rank, tuple(tuple(o) for o in options), round(room))
+        order = sorted(range(len(options)), key=lambda n: options[n])  # the same units in any order: one entry
+        key = (tuple(tuple(options[n]) for n in order), round(room))
         if key not in self._knap:
-            self._knap[key] = choose_options(options, room)
+            self._knap[key] = choose_grouped([options[n] for n in order], room)
         got = self._knap[key]
         if got is None:
             return None
         choice, _, peak = got
-        return {i: choice[n] for n, (i, _) in enumerate(items)}, self._peak(static + held + peak)
+        return {items[n][0]: choice[k] for k, n in enumerate(order)}, self._peak(static + held + peak)
 
     def _peak(self, nbytes: float) -> float:
         return self.memory.workspace_bytes + nbytes * (1 + self.memory.fragmentation)
@@ -247,18 +270,27 @@ class LayoutProblem:
         per_rank = [sum(fb[k] for k in range(r, self.stages, lay.pp)) for r in range(lay.pp)]
         return lay.m * max(per_rank) + (lay.pp - 1) * max(fb) + 2 * (self.stages - 1) * self.p2p
 
-    def _sync_time(self, partition: tuple[int, ...]) -> float:
-        """Data-parallel (and ZeRO-1) gradient synchronisation of the rank with the most parameters."""
+    def _sync_time(self, per_rank: list[list[list[int]]], bwd: list[float]) -> float:
+        """What the gradient synchronisation adds after the pipeline (CostModel.finish_times): the data-parallel
+        all-reduce overlapped with the rank's last backward only, ZeRO-1's gather, the tied embedding's sum."""
+        lay = self.layout
+        worst = 0.0
+        for r in range(lay.pp):
+            params = sum(self.params[i] for units in per_rank[r] for i in units)
+            worst = max(worst, self.exposed_sync(params, bwd[r]))
+        return worst + self.embedding_sync
+
+    def exposed_sync(self, params: float, last_backward: float) -> float:
         lay = self.layout
         if lay.dp == 1:
             return 0.0
-        worst = max(sum(self.params[i] for units in self._rank_units(partition, r) for i in units)
-                    for r in range(lay.pp))
         link = self.cost.dp_link(0)
-        t = allreduce_time(4.0 * worst, lay.dp, link)
+        sync = allreduce_time(4.0 * params, lay.dp, link)
+        factor = self.cost.settings.overlap_factor
+        exposed = max(last_backward, sync) + (factor - 1) * min(last_backward, sync) - last_backward
         if self.variant.zero1:
-            t += allgather_time(worst * self.model.dtype_bytes, lay.dp, link)
-        return t
+            exposed += allgather_time(params * self.model.dtype_bytes, lay.dp, link)
+        return exposed
 
     # ---- the partition search -----------------------------------------------------------------------------
     def blocks(self) -> list[list[int]]:
@@ -278,13 +310,16 @@ class LayoutProblem:
         if self.stages > len(blocks):
             return None
         lay = self.layout
-        plain_time = [[sum(sum(self.times[k % lay.pp][i][0]) for i in blk) for blk in blocks]
-                      for k in range(self.stages)]
+        tables = {id(t): t for t in self.times}
+        by_table = {key: [sum(sum(t[i][0]) for i in blk) for blk in blocks] for key, t in tables.items()}
+        plain_time = next(iter(by_table.values())) if len(by_table) == 1 else \
+            [by_table[id(self.times[k % lay.pp])] for k in range(self.stages)]  # per stage only if devices differ
         cnt = [self.counts[k % lay.pp][k // lay.pp] for k in range(self.stages)]
-        plain_mem = [[sum(self.static[i] + cnt[k] * (self.saved[i][0]) for i in blk) for blk in blocks]
-                     for k in range(self.stages)]
-        tight_mem = [[sum(self.static[i] + cnt[k] * self.saved[i][-1] for i in blk) for blk in blocks]
-                     for k in range(self.stages)]
+        static = [sum(self.static[i] for i in blk) for blk in blocks]
+        most = [sum(self.saved[i][0] for i in blk) for blk in blocks]
+        least = [sum(self.saved[i][-1] for i in blk) for blk in blocks]
+        plain_mem = [[s + c * a for s, a in zip(static, most)] for c in cnt]
+        tight_mem = [[s + c * a for s, a in zip(static, least)] for c in cnt]
         seen: dict[tuple[int, ...], Solution | None] = {}
 
         def units_of(block_part) -> tuple[int, ...]:
@@ -300,9 +335,9 @@ class LayoutProblem:
                 seen[key] = self.evaluate(units_of(key))
             return seen[key]
 
-        starts = [minmax_partition(plain_time, self.stages), minmax_partition(plain_mem, self.stages),
-                  minmax_partition(tight_mem, self.stages)]
-        if lay.virtual == 1:
+        starts = [minmax_partition(plain_time, self.stages), minmax_partition(plain_mem, self.stages, exact=False),
+                  minmax_partition(tight_mem, self.stages, exact=False)]
+        if lay.virtual == 1 and len(by_table) > 1:  # on one device type AMP's objective is min-max plus a constant
             starts.append(amp_partition(plain_time, self.stages, lay.m))
         for s in starts:
             score(s)
@@ -329,15 +364,69 @@ class LayoutProblem:
         return min(best, key=lambda s: s.estimate) if best else None
 
 
+def choose_grouped(options: list[list[tuple[float, float, float]]], room: float):
+    """choose_options, with identical units (a rank's attention units, its MLP units) merged into one item whose
+    choices are how many of them take each option (Pareto-pruned): the same optimum, a much smaller DP."""
+    groups: dict[tuple, list[int]] = {}
+    for u, opts in enumerate(options):
+        groups.setdefault(tuple(opts), []).append(u)
+    if all(len(units) == 1 for units in groups.values()):
+        return choose_options(options, room)
+    items, mixes = [], []
+    for opts, units in groups.items():
+        combos = []
+        for counts in _compositions(len(units), len(opts)):
+            used = [opts[j] for j, n in enumerate(counts) if n]
+            combos.append((sum(n * o[0] for n, o in zip(counts, opts)), sum(n * o[1] for n, o in zip(counts, opts)),
+                           max(o[2] for o in used), counts))
+        front, best_time = [], _INF
+        for c in sorted(combos, key=lambda x: (x[1], x[2], x[0])):  # least memory first
+            if c[0] < best_time:
+                front.append(c)
+                best_time = c[0]
+        items.append([(t, m, tr) for t, m, tr, _ in front])
+        mixes.append((units, [c[3] for c in front]))
+    got = choose_options(items, room)
+    if got is None:
+        return None
+    picked, total, peak = got
+    choice = [0] * len(options)
+    for (units, counts_list), k in zip(mixes, picked):
+        it = iter(units)
+        for j, n in enumerate(counts_list[k]):
+            for _ in range(n):
+                choice[next(it)] = j
+    return choice, total, peak
+
+
+def _compositions(n: int, k: int):
+    """Every way to write n as k non-negative counts."""
+    if k == 1:
+        yield (n,)
+        return
+    for first in range(n + 1):
+        for rest in _compositions(n - first, k - 1):
+            yield (first,) + rest
+
+
 def lower_bound(problem: LayoutProblem) -> float:
     """No partition beats perfect balance without recomputation (estimate's terms, each at its least)."""
     lay = problem.layout
-    total = sum(min(sum(problem.times[r][i][0]) for r in range(lay.pp)) for i in range(len(problem.names)))
+    tables = list({id(t): t for t in problem.times}.values())  # ranks on one device type share a table
+    total = sum(min(sum(t[i][0]) for t in tables) for i in range(len(problem.names)))
+    backward = sum(min(t[i][0][1] for t in tables) for i in range(len(problem.names)))
     per_rank = total / lay.pp
-    return per_rank * (lay.m + (lay.pp - 1) / lay.virtual)
+    sync = problem.exposed_sync(sum(problem.params) / lay.pp, backward / (lay.pp * lay.virtual))
+    return per_rank * (lay.m + (lay.pp - 1) / lay.virtual) + sync + problem.embedding_sync
 
 
-def memory_floor(problem: LayoutProblem) -> float:
-    """The least any rank needs: model states spread perfectly, nothing saved."""
-    return sum(problem.static) / problem.layout.pp
+def could_fit(problem: LayoutProblem, zero1: bool) -> bool:
+    """Whether any partition could fit, with ZeRO-1 if `zero1`: all ranks together hold the model states and at
+    least the fewest micro-batches any rank holds of every unit's smallest saved bytes."""
+    lay, ms = problem.layout, problem.memory
+    per_param = PrecisionConfig(problem.model.dtype_bytes, zero1)
+    static = sum(problem.params) * (per_param.param_bytes + per_param.grad_bytes + per_param.optimizer_bytes(lay.dp))
+    least = min(min(c) for c in problem.counts) * sum(min(s) for s in problem.saved)
+    room = sum((c - ms.workspace_bytes) / (1 + ms.fragmentation) for c in problem.capacity)
+    return static + least <= room
 
