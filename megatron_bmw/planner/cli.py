@@ -56,7 +56,11 @@ def _planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
                    help=f"fractional allowance on top (default {CUDA_FRAGMENTATION} on cuda, 0 on cpu)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     if timed:
-        g.add_argument("--achievable-fraction", type=float, default=0.5, help="of peak FLOP/s (analytic times)")
+        g.add_argument("--achievable-fraction", type=float, default=None,
+                       help="of peak FLOP/s for analytic times (default: the device type's in the cluster file, "
+                            "else 0.5)")
+        g.add_argument("--bandwidth-fraction", type=float, default=0.8,
+                       help="of the memory bandwidth, for memory-bound work")
         g.add_argument("--overlap-factor", type=float, default=1.3, help="slowdown of overlapped DP sync")
         g.add_argument("--timeline", default=None, help="write the simulated timeline as a PNG")
 
@@ -100,7 +104,8 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
     g.add_argument("--cluster", default=None, help="with --analytic: the cluster whose device type to use")
     g.add_argument("--device-type", default=None,
                    help="the cluster device type this profile is for (with --analytic: which of the cluster's)")
-    g.add_argument("--achievable-fraction", type=float, default=0.5)
+    g.add_argument("--achievable-fraction", type=float, default=None,
+                   help="with --analytic: of peak FLOP/s (default: the device type's, else 0.5)")
     return parser
 
 
@@ -170,7 +175,8 @@ def _estimate(args) -> int:
 
 
 def _costs(args) -> CostSettings:
-    return CostSettings(achievable_fraction=args.achievable_fraction, overlap_factor=args.overlap_factor)
+    return CostSettings(achievable_fraction=args.achievable_fraction, bandwidth_fraction=args.bandwidth_fraction,
+                        overlap_factor=args.overlap_factor)
 
 
 def _simulate(args) -> int:
@@ -272,7 +278,8 @@ def _profile(args) -> int:
         name = args.device_type or next(iter(types))
         if name not in types:
             raise UsageError(f"--device-type {name} is not in cluster {cluster.name} ({', '.join(types)})")
-        profile = analytic_profile(cfg.model, types[name], settings, args.achievable_fraction)
+        profile = analytic_profile(cfg.model, types[name], settings,
+                                   CostSettings(achievable_fraction=args.achievable_fraction).fraction(types[name]))
     else:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")

@@ -45,6 +45,7 @@ class DeviceType:
     memory_bytes: float
     peak_flops: dict[str, float]  # per dtype name, FLOP/s
     memory_bandwidth: float | None = None  # bytes/s, optional
+    achievable_fraction: float | None = None  # of peak FLOP/s that large matrix multiplications reach, optional
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -250,7 +251,7 @@ def _positive(data: dict, key: str, where: str, default=None, allow_zero: bool =
 def _device_type(name: str, spec, where: str) -> DeviceType:
     if not isinstance(spec, dict):
         raise UsageError(f"{where}: expected a mapping with memory_gb and peak_tflops")
-    _only(spec, {"memory_gb", "peak_tflops", "memory_bandwidth_GBps"}, where)
+    _only(spec, {"memory_gb", "peak_tflops", "memory_bandwidth_GBps", "achievable_fraction"}, where)
     memory = _positive(spec, "memory_gb", where) * 2**30
     peaks_raw = _need(spec, "peak_tflops", dict, where)
     peaks = {}
@@ -259,7 +260,11 @@ def _device_type(name: str, spec, where: str) -> DeviceType:
             raise UsageError(f"{where}: peak_tflops has unknown dtype {dtype!r} (use {', '.join(DTYPES)})")
         peaks[dtype] = _positive(peaks_raw, dtype, f"{where}.peak_tflops") * 1e12
     bw = spec.get("memory_bandwidth_GBps")
-    return DeviceType(name, memory, peaks, _positive(spec, "memory_bandwidth_GBps", where) * GB if bw is not None else None)
+    fraction = spec.get("achievable_fraction")
+    if fraction is not None and not (_is_number(fraction) and 0 < fraction <= 1):
+        raise UsageError(f"{where}: 'achievable_fraction' must be a number in (0, 1], got {fraction!r}")
+    return DeviceType(name, memory, peaks, _positive(spec, "memory_bandwidth_GBps", where) * GB if bw is not None else None,
+                      float(fraction) if fraction is not None else None)
 
 
 def _link(spec, where: str) -> Link:

@@ -10,7 +10,8 @@ Communication (AMP's formulas, B the slowest link of the group, plus per-step la
   ring all-reduce 2(n-1)/n x M / B; all-gather and reduce-scatter (n-1)/n x M / B; p2p v / b + latency.
 After the last backward each rank all-reduces its fp32 gradients over data parallel (overlapped with the
 last backward when --overlap-grad-reduce, both slowed by the overlap factor, Galvatron's 1.3), sums the
-sequence-parallel gradients over tensor parallel, and the first and last stage all-reduce the tied embedding.
+sequence-parallel gradients over tensor parallel, and the first and last stage all-reduce the tied embedding;
+then the optimizer steps (memory-bound) and, with ZeRO-1, the parameters are all-gathered.
 """
 
 from __future__ import annotations
@@ -29,12 +30,21 @@ from .spec import RunSpec
 
 @dataclass(frozen=True)
 class CostSettings:
-    achievable_fraction: float = 0.5  # of peak FLOP/s, for analytic unit times and foreign devices
+    achievable_fraction: float | None = None  # of peak FLOP/s for analytic times; None: the device type's (or 0.5)
+    bandwidth_fraction: float = 0.8  # of the memory bandwidth, for memory-bound work (elementwise, optimizer)
     overlap_factor: float = 1.3  # slowdown of compute and communication that overlap
 
     def __post_init__(self) -> None:
-        if not 0 < self.achievable_fraction <= 1:
+        if self.achievable_fraction is not None and not 0 < self.achievable_fraction <= 1:
             raise UsageError(f"--achievable-fraction must be in (0, 1], got {self.achievable_fraction}")
+        if not 0 < self.bandwidth_fraction <= 1:
+            raise UsageError(f"--bandwidth-fraction must be in (0, 1], got {self.bandwidth_fraction}")
+
+    def fraction(self, device: DeviceType) -> float:
+        """Achievable share of `device`'s peak FLOP/s: the setting, else the device type's, else 0.5."""
+        if self.achievable_fraction is not None:
+            return self.achievable_fraction
+        return device.achievable_fraction if device.achievable_fraction is not None else 0.5
         if self.overlap_factor < 1:
             raise UsageError(f"--overlap-factor must be >= 1, got {self.overlap_factor}")
 
@@ -50,6 +60,18 @@ def allgather_time(nbytes: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
     return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+
+
+def optimizer_step_seconds(params: float, dp: int, zero1: bool, dtype_bytes: int, device: DeviceType,
+                           bandwidth_fraction: float) -> float:
+    """The optimizer step is memory-bound: per parameter the gradient norm and the zeroing touch the fp32
+    gradient (8 bytes) and the parameter is written; per parameter the rank updates (all of them, or its ZeRO-1
+    shard) Adam reads the gradient and reads and writes the fp32 master and both moments (28 bytes). At the
+    device's memory bandwidth x the achievable fraction of it; 0 when the bandwidth is not described."""
+    if device.memory_bandwidth is None:
+        return 0.0
+    shard = params / dp if zero1 else params
+    return (params * (8 + dtype_bytes) + shard * 28) / (device.memory_bandwidth * bandwidth_fraction)
 
 
 class CostModel:
@@ -151,11 +173,11 @@ class CostModel:
 
     def _analytic(self, kind: str, tp: int, device: DeviceType) -> tuple[float, float]:
         model, b = self.spec.model, self.spec.pipeline.micro_batch_size
-        rate = device.peak(self.dtype) * self.settings.achievable_fraction
+        rate = device.peak(self.dtype) * self.settings.fraction(device)
         fwd = unit_forward_flops(kind, model, b, tp) / rate
         if device.memory_bandwidth is not None:  # elementwise work: read and write what the unit keeps
             kept = unit_activation_bytes(kind, model, b, tp, self.spec.sp, None, "cuda")
-            fwd += 2 * kept / (device.memory_bandwidth * self.settings.achievable_fraction)
+            fwd += 2 * kept / (device.memory_bandwidth * self.settings.bandwidth_fraction)
         return fwd, 2 * fwd
 
     def _compute(self, kind: str, device: DeviceType, index: int | None) -> tuple[float, float, bool]:
@@ -251,6 +273,11 @@ class CostModel:
         nbytes = self.params[rank] * self.spec.model.dtype_bytes
         return allgather_time(nbytes, self.spec.dp, self.dp_link(rank))
 
+    def optimizer_step_time(self, rank: int) -> float:
+        return optimizer_step_seconds(self.params[rank], self.spec.dp, self.spec.distributed_optimizer,
+                                      self.spec.model.dtype_bytes, self.devices[rank],
+                                      self.settings.bandwidth_fraction)
+
     def finish_times(self, pipeline_end: list[float], last_backward: list[tuple[float, float]]) -> list[float]:
         """Per rank, when its iteration ends, given when its pipeline work ends and its last backward."""
         factor = self.settings.overlap_factor
@@ -267,4 +294,4 @@ class CostModel:
         if emb > 0:
             both = max(out[0], out[-1]) + emb
             out[0] = out[-1] = both
-        return [t + self.optimizer_gather_time(r) for r, t in enumerate(out)]
+        return [t + self.optimizer_step_time(r) + self.optimizer_gather_time(r) for r, t in enumerate(out)]

@@ -264,7 +264,7 @@ class RankMemory:
     grads_bytes: float
     optimizer_bytes: float
     activation_bytes: float  # at the peak of the schedule
-    transient_bytes: float  # recomputation during one backward
+    transient_bytes: float  # one unit's backward: recomputed activations and gradient buffers
     allowance_bytes: float
     peak_inflight_microbatches: float
     chunk_activation_bytes: list[float]  # per model chunk, one micro-batch
@@ -375,19 +375,43 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
     )
 
 
+def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False) -> int:
+    """The largest gradient buffers a unit's backward allocates beside what it saved (Galvatron's backward peak):
+    the head's gradient of the logits in fp32 (and its cast for the output matmul), the attention's gradient
+    of the scores and probabilities (unfused; the fused kernel's gradient of q, k, v), the MLP's gradients of
+    the GeLU output and input, the embedding's hidden-state gradient."""
+    s, b, h, f, v = model.seq_length, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    e = model.dtype_bytes
+    if kind == "head":
+        return s * b * (v // tp) * (_FP32 + (0 if e == _FP32 else e))
+    if kind == "attention":
+        heads = model.num_attention_heads // tp
+        return b * heads * s * s * (_FP32 + e) if not model.flash_attention else 3 * s * b * (h // tp) * e
+    if kind == "mlp":
+        return 2 * s * b * (f // tp) * e
+    if kind == "embedding":
+        return (s // tp if sp and tp > 1 else s) * b * h * e
+    raise ValueError(f"unknown unit kind {kind!r}")
+
+
+def unit_transient_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int, sp: bool,
+                         recompute: str | None, device: str) -> int:
+    """What one unit's backward holds beside the saved activations: the activations recomputation rebuilds
+    (one unit's, or one attention core's) and its gradient buffers."""
+    rebuilt = 0
+    if recompute is not None:
+        rebuilt = unit_activation_bytes(kind, model, micro_batch_size, tp, sp, None, device) \
+            - unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device)
+    return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp)
+
+
 def _recompute_transient(layout: StageLayout, model: ModelConfig, rank: int, settings: MemorySettings) -> float:
-    """Recomputation rebuilds one unit's (or one attention core's) activations during its backward."""
+    """The rank's worst unit backward: rebuilt activations plus gradient buffers (one unit at a time)."""
     names = unit_names(model.num_layers)
     sp = layout.sequence_parallel and layout.tp > 1
-    worst = 0
-    for i in (i for chunk in chunk_unit_indices(layout, rank) for i in chunk):
-        choice = layout.unit_recompute(i)
-        if choice is None:
-            continue
-        args = (unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp)
-        worst = max(worst, unit_activation_bytes(*args, None, settings.device)
-                    - unit_activation_bytes(*args, choice, settings.device))
-    return float(worst)
+    return float(max(unit_transient_bytes(unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp,
+                                          layout.unit_recompute(i), settings.device)
+                     for chunk in chunk_unit_indices(layout, rank) for i in chunk))
 
 
 def precision_from(model: ModelConfig, distributed_optimizer: bool) -> PrecisionConfig:

@@ -170,7 +170,7 @@ def search_table(result) -> str:
         if i > 1:
             notes.insert(0, f"+{100 * (r.time / best - 1):.1f}% vs #1")
         for key, label in (("slicing_s", "slicing"), ("refinement_s", "partition refinement"),
-                           ("savers_vs_without_s", "memory savers")):
+                           ("bpipe_s", "BPipe")):
             if r.gains.get(key, 0) > 0:
                 notes.append(f"{label} -{100 * r.gains[key] / (r.time + r.gains[key]):.1f}%")
         flag = lambda b: "y" if b else "-"  # noqa: E731

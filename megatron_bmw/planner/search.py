@@ -4,10 +4,11 @@
    parallelism stays inside a node (AMP's placement: tp innermost, then dp, then pp).
 2. Each layout is solved (solver.py): partition and per-unit recomputation under every rank's memory, and an
    estimate; with tensor parallelism, with and without sequence parallelism (its collectives cost what the
-   all-reduces cost, and its smaller hidden state crosses pipeline stages faster). Layouts are taken in the
+   all-reduces cost, and its smaller hidden state crosses pipeline stages faster); with data parallelism, with
+   and without ZeRO-1 (its gather costs time, its sharded optimizer step saves some). Layouts are taken in the
    order of a lower bound on their estimate and skipped once that bound is beyond the best estimate by more
-   than the estimate's error margin. ZeRO-1 and BPipe are tried only where the layout without them does not
-   fit without recomputation: by the cost model they only add time (a gather, transfers) and buy memory.
+   than the estimate's error margin. BPipe is tried only where the layout without it does not fit without
+   recomputation: by the cost model its transfers only add time and buy memory.
 3. Finalists (the best estimates) are simulated exactly on the schedule that would run (simulator + exact
    memory model); their partitions are refined by AutoPipe's heuristic and a local search on the simulator,
    and AutoPipe's slicer decides micro-batch slicing. Ranked by simulated iteration time.
@@ -135,18 +136,19 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
         raise UsageError("the search space holds no layout: check --space, --global-batch-size and the world size")
     shapes = ScheduleShapes()
     uniform_modes: list = [False] if space.per_unit_recompute else list(space.recompute)
-    zero1, bpipe = space.zero1 == (True,), space.bpipe == (True,)
+    bpipe = space.bpipe == (True,)
     stats = {"layouts": len(todo), "solved": 0, "pruned": 0, "infeasible": 0, "simulated": 0}
 
     problems = []
     for lay in todo:
         for mode in uniform_modes:
             for sp in (s for s in space.sp if not s or lay.tp > 1):
-                base = Variant(sp, zero1 and lay.dp > 1, bpipe and lay.pp >= 4)
-                prob = _problem(lay, base, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
-                                shapes, mode)
-                if prob is not None:
-                    problems.append((lower_bound(prob), prob))
+                for zero1 in (z for z in space.zero1 if not z or lay.dp > 1):
+                    base = Variant(sp, zero1, bpipe and lay.pp >= 4)
+                    prob = _problem(lay, base, model, orig_vocab, divisible_by, cluster, profiles, space, costs,
+                                    memory, shapes, mode)
+                    if prob is not None:
+                        problems.append((lower_bound(prob), prob))
     problems.sort(key=lambda x: x[0])
     progress = _Progress(settings.progress, len(problems))
     solutions: list[Solution] = []
@@ -154,7 +156,7 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
     too_big: dict[tuple, int] = {}  # family -> the smallest micro-batch size that fits nowhere
     for bound, prob in problems:
         lay = prob.layout
-        family = (lay.tp, lay.pp, lay.dp, lay.schedule, lay.virtual, prob.variant.sp, prob.uniform)
+        family = (lay.tp, lay.pp, lay.dp, lay.schedule, lay.virtual, prob.variant.sp, prob.variant.zero1, prob.uniform)
         if bound > best * (1 + settings.estimate_margin) or lay.mbs >= too_big.get(family, _INF):
             stats["pruned"] += 1
             progress.step(f"best {best:.4g} s")
@@ -209,20 +211,14 @@ def _problem(lay: Layout, variant: Variant, model, orig_vocab, divisible_by, clu
              shapes, mode) -> LayoutProblem | None:
     tp_model = padded_model(model, orig_vocab, divisible_by, lay.tp)
     prob = LayoutProblem(lay, variant, tp_model, cluster, profiles, space, costs, memory, shapes, mode)
-    if not could_fit(prob, variant.zero1 or (True in space.zero1 and lay.dp > 1)):
+    if not could_fit(prob, variant.zero1):
         return None
     return prob
 
 
-def _variants(space: SearchSpace, base: Variant, pp: int, dp: int) -> list[Variant]:
-    """ZeRO-1 and BPipe where they apply (BPipe moves something from 4 stages on), cheapest first."""
-    out = []
-    for bpipe in (b for b in space.bpipe if not b or pp >= 4):
-        for zero1 in (z for z in space.zero1 if not z or dp > 1):
-            v = Variant(base.sp, zero1, bpipe)
-            if v != base:
-                out.append(v)
-    return sorted(out, key=lambda v: (v.bpipe, v.zero1))
+def _variants(space: SearchSpace, base: Variant, pp: int) -> list[Variant]:
+    """BPipe where it applies (it moves something from 4 stages on)."""
+    return [Variant(base.sp, base.zero1, True)] if True in space.bpipe and pp >= 4 and not base.bpipe else []
 
 
 def _solve_with_savers(prob: LayoutProblem, space, model, orig_vocab, divisible_by, cluster, profiles, costs, memory,
@@ -236,7 +232,7 @@ def _solve_with_savers(prob: LayoutProblem, space, model, orig_vocab, divisible_
     if sol is not None and sol.recomputed == 0:
         return out
     lay = prob.layout
-    for variant in _variants(space, prob.variant, lay.pp, lay.dp):
+    for variant in _variants(space, prob.variant, lay.pp):
         other = _problem(lay, variant, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
                          shapes, prob.uniform)
         if other is None:
@@ -335,13 +331,11 @@ def _finalist(sol: Solution, sim: _Simulator, space: SearchSpace, settings: Sear
             if sliced < ev.simulation.iteration_time:
                 gains["slicing_s"] = ev.simulation.iteration_time - sliced
                 best_sol, ev = sim.run(part, k)
-    plain = Variant(sol.variant.sp)
-    if sol.variant != plain and (lay, plain) in by_key:
-        twin = by_key[(lay, plain)]
-        gains["savers_vs_without_s"] = twin.estimate - best_sol.estimate
-    elif sol.variant != plain:
-        notes.append("does not fit without " + "/".join(n for n, on in (("ZeRO-1", sol.variant.zero1),
-                                                                         ("BPipe", sol.variant.bpipe)) if on))
+    plain = Variant(sol.variant.sp, sol.variant.zero1)
+    if sol.variant.bpipe and (lay, plain) in by_key:
+        gains["bpipe_s"] = by_key[(lay, plain)].estimate - best_sol.estimate
+    elif sol.variant.bpipe:
+        notes.append("does not fit without BPipe")
     if best_sol.recomputed:
         kinds = {}
         for i, c in enumerate(best_sol.recompute):

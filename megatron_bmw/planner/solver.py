@@ -21,9 +21,10 @@ from ..pipeline.generators import interleaved_warmup
 from ..pipeline.schedule import Action, Kind
 from ..units import unit_kind, unit_names
 from .cluster import Cluster
-from .cost_model import CostModel, CostSettings, allgather_time, allreduce_time
+from .cost_model import CostModel, CostSettings, allgather_time, allreduce_time, optimizer_step_seconds
 from .evaluate import stage_capacity
-from .memory_model import MemorySettings, PrecisionConfig, unit_activation_bytes, unit_param_count
+from .memory_model import (MemorySettings, PrecisionConfig, unit_activation_bytes, unit_backward_bytes,
+                           unit_param_count)
 from .partitioners import amp_partition, choose_options, galvatron_walk, minmax_partition
 from .profile_data import Profiles
 from .space import Layout, SearchSpace
@@ -175,7 +176,8 @@ class LayoutProblem:
             return shapes.saved_bytes[key]
 
         self.saved: list[list[float]] = [[saved(kind, c) for c in self.choices[i]] for i, kind in enumerate(kinds)]
-        self.transient: list[list[float]] = [[saved(kind, None) - b if c is not None else 0.0
+        grads = {k: float(unit_backward_bytes(k, model, lay.mbs, lay.tp, sp)) for k in set(kinds)}
+        self.transient: list[list[float]] = [[(saved(kind, None) - b if c is not None else 0.0) + grads[kind]
                                               for c, b in zip(self.choices[i], self.saved[i])]
                                              for i, kind in enumerate(kinds)]
         precision = PrecisionConfig(param_bytes=model.dtype_bytes, distributed_optimizer=variant.zero1)
@@ -281,16 +283,20 @@ class LayoutProblem:
         return worst + self.embedding_sync
 
     def exposed_sync(self, params: float, last_backward: float) -> float:
+        """After the pipeline, for a rank with `params`: the part of its all-reduce its last backward does not
+        hide, the optimizer step, ZeRO-1's gather."""
         lay = self.layout
+        step = optimizer_step_seconds(params, lay.dp, self.variant.zero1, self.model.dtype_bytes,
+                                      self.cost.devices[0], self.cost.settings.bandwidth_fraction)
         if lay.dp == 1:
-            return 0.0
+            return step
         link = self.cost.dp_link(0)
         sync = allreduce_time(4.0 * params, lay.dp, link)
         factor = self.cost.settings.overlap_factor
         exposed = max(last_backward, sync) + (factor - 1) * min(last_backward, sync) - last_backward
         if self.variant.zero1:
             exposed += allgather_time(params * self.model.dtype_bytes, lay.dp, link)
-        return exposed
+        return exposed + step
 
     # ---- the partition search -----------------------------------------------------------------------------
     def blocks(self) -> list[list[int]]:

@@ -24,8 +24,9 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
 def plan_check_lines(trainer, plan) -> list[str]:
     """Lines for rank 0 (every rank must call this: it reduces over ranks). Iteration time: the median over
     the iterations after the first quarter (at least one, at most 5, skipped as warm-up), slowest rank.
-    Memory: each pipeline stage's largest rank (CUDA: peak allocated; CPU: model states plus peak activations),
-    against the predicted peak without the allowance (context, workspace, fragmentation) the allocator holds."""
+    Memory: each pipeline stage's largest rank (CUDA: peak allocated, against the predicted peak without the
+    allowance for context, workspaces and fragmentation; CPU, with no allocator to ask: model states plus the
+    activation store's peak, against the prediction of those two)."""
     st = trainer.state
     times = trainer.step_times
     warm = min(5, max(1, len(times) // 4)) if len(times) > 1 else 0
@@ -44,6 +45,8 @@ def plan_check_lines(trainer, plan) -> list[str]:
         if s >= len(memory):
             break
         expected = stage["peak_bytes"] - stage.get("allowance_bytes", 0.0)
+        if st.device.type != "cuda":
+            expected = stage["static_bytes"] + stage["activation_bytes"]
         lines.append(f" plan check | stage {s} | memory predicted {_size(expected)}, measured {_size(memory[s])} "
                      f"({100 * (memory[s] / expected - 1):+.1f}%) | capacity {_size(stage['capacity_bytes'])}")
     return lines

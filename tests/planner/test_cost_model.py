@@ -40,8 +40,10 @@ def test_analytic_unit_times():
     fwd, bwd = cost.unit_times("mlp", None, device, 0)
     flops = unit_forward_flops("mlp", MODEL, 2)
     kept = unit_activation_bytes("mlp", MODEL, 2)  # elementwise traffic over HBM
-    assert fwd == pytest.approx(flops / (19.5e12 * 0.5) + 2 * kept / (2039e9 * 0.5))
+    assert fwd == pytest.approx(flops / (19.5e12 * 0.5) + 2 * kept / (2039e9 * 0.8))  # bandwidth fraction 0.8
     assert bwd == pytest.approx(2 * fwd)
+    own = CostModel(_spec(), cluster).unit_times("mlp", None, device, 0)[0]  # the cluster file's fraction, 0.75
+    assert own == pytest.approx(flops / (19.5e12 * 0.75) + 2 * kept / (2039e9 * 0.8))
     full_f, full_b = cost.unit_times("mlp", "full", device, 0)
     assert full_b == pytest.approx(bwd + fwd)
     sel_f, sel_b = cost.unit_times("attention", "selective", device, 0)
@@ -123,7 +125,10 @@ def test_gradient_sync_and_overlap():
     emb = plain.embedding_sync_time()
     assert emb > 0
     out = plain.finish_times(ends, last)
-    assert out[0] == pytest.approx(max(1.0 + sync, 1.0 + plain.dp_sync_time(1)) + emb)
+    step = [plain.optimizer_step_time(r) for r in range(2)]
+    assert 0 < step[0] < 1.0  # memory-bound: params x (8 + 2 + 28) bytes at the A100's bandwidth
+    assert step[0] == pytest.approx(plain.params[0] * (8 + 4 + 28) / (2039e9 * 0.8))
+    assert out[0] == pytest.approx(max(1.0 + sync, 1.0 + plain.dp_sync_time(1)) + emb + step[0])
     over = CostModel(_spec(dp=4, overlap_grad_reduce=True), cluster, settings=CostSettings(overlap_factor=1.3))
     o = over.finish_times(ends, last)
     expect = 0.9 + max(0.1, sync) + 0.3 * min(0.1, sync)

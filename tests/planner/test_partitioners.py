@@ -386,3 +386,19 @@ def test_galvatron_walk_stops_after_max_steps():
     found = galvatron_walk([9, 1, 1, 1], stage_time, stage_time, [100.0] * 4, 100.0)
     assert found[-1] == [3, 3, 3, 3]
     assert galvatron_walk([9, 1, 1, 1], stage_time, stage_time, [5.0] * 4, 100.0) == [[9, 1, 1, 1]]
+
+
+def test_large_flat_minmax_bisects_to_the_dp_optimum(monkeypatch):
+    import megatron_bmw.planner.partitioners as parts
+
+    rng = random.Random(11)
+    for n, stages in ((120, 40), (200, 64), (97, 97)):
+        costs = [rng.choice([1.0, 2.0, rng.random() * 3]) for _ in range(n)]
+        fast = minmax_partition(costs, stages)  # n x stages above the threshold: bisection
+        monkeypatch.setattr(parts, "_LARGE", 10**9)
+        exact = minmax_partition(costs, stages)
+        monkeypatch.setattr(parts, "_LARGE", 4000)
+        assert len(fast) == stages and sum(fast) == n and min(fast) >= 1
+        n_, prefix, inf, edge = parts._prepare(costs, stages, None)
+        assert max(parts._loads(fast, prefix, inf, edge)) == pytest.approx(max(parts._loads(exact, prefix, inf, edge)),
+                                                                            rel=1e-9)

@@ -1,7 +1,6 @@
 """Simulator: exact pipeline formulas, agreement with replay(), critical path and master stage, memory, speed."""
 
 import random
-import time
 
 import pytest
 
@@ -161,15 +160,12 @@ def test_sync_after_pipeline_extends_iteration():
     assert sim.idle[0] == pytest.approx(sim.iteration_time - sim.busy[0])
 
 
-def test_fast_for_p64_m512():
+def test_large_schedule_p64_m512():
+    """A large schedule runs (its speed is a benchmark's business: benchmarks/search_speed.py), and a compiled
+    schedule reused gives the same iteration as compiling it again."""
     sched = build_schedule("1f1b", 64, 512)
     compiled = compile_schedule(sched)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.process_time()
-        simulate(sched, _uniform, lambda s, d, a: 0.01)
-        best = min(best, time.process_time() - t0)
-    assert best < 1.0, f"{best:.2f} s of CPU time"
-    t0 = time.process_time()
-    sim = simulate(compiled, _uniform, lambda s, d, a: 0.01, chunk_bytes=[[1.0]] * 64)
-    assert sim.iteration_time > 0 and time.process_time() - t0 < 1.0
+    plain = simulate(sched, _uniform, lambda s, d, a: 0.01)
+    again = simulate(compiled, _uniform, lambda s, d, a: 0.01, chunk_bytes=[[1.0]] * 64)
+    assert plain.iteration_time == again.iteration_time > 0
+    assert again.peak_memory[0] == 64.0 and again.peak_memory[-1] == 1.0  # 1F1B: p - r micro-batches

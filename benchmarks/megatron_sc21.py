@@ -1,0 +1,121 @@
+"""The planner against Megatron-LM's published GPT runs (Narayanan et al., SC21, Table 1: 1.7B to 1T parameters on
+32 to 3072 A100-80GB; sequence 2048, vocabulary 51,200, micro-batch 1, full activation recomputation, 1F1B).
+
+For every row: the published layout simulated on the a100-80g-ib cluster (DGX A100 nodes, one 200 Gb/s HDR
+port per GPU) and its predicted TFLOP/s per GPU in Megatron's own accounting (96 B s l h^2 (1 + s/6h +
+V/16lh) FLOPs per iteration, recomputation included) beside the published one; then the search on the same
+GPUs and global batch, its plan's predicted time against the published layout's. Analytic unit times (no
+A100 here to profile): FLOPs / (peak x achievable fraction) plus the elementwise traffic at memory bandwidth.
+
+    python benchmarks/megatron_sc21.py [--rows 1.7,145.6] [--time-budget 40] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+try:
+    import megatron_bmw  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_bmw.config import ModelConfig, PipelineConfig
+from megatron_bmw.planner.cluster import load_cluster
+from megatron_bmw.planner.cost_model import CostSettings
+from megatron_bmw.planner.evaluate import simulate_run, stage_capacity
+from megatron_bmw.planner.memory_model import MemorySettings
+from megatron_bmw.planner.search import SearchSettings, padded_model, search
+from megatron_bmw.planner.space import SearchSpace
+from megatron_bmw.planner.spec import RunSpec
+from megatron_bmw.units import recompute_from_flags
+
+SEQ, VOCAB = 2048, 51200
+# billions of parameters, heads, hidden, layers, tp, pp, GPUs, global batch, published TFLOP/s per GPU
+TABLE = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+MEMORY = MemorySettings(device="cuda", workspace_bytes=1.5 * 2**30, fragmentation=0.10)
+
+
+def megatron_flops(batch: int, layers: int, hidden: int) -> float:
+    """FLOPs per iteration as Megatron counts them (with full recomputation)."""
+    return 96 * batch * SEQ * layers * hidden**2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
+
+
+def published_spec(model: ModelConfig, tp: int, pp: int, gpus: int, batch: int) -> RunSpec:
+    dp = gpus // (tp * pp)
+    # layers split evenly; the embedding and the head join the ends
+    base, extra = divmod(model.num_layers, pp)
+    parts = [2 * (base + (1 if k >= pp - extra else 0)) for k in range(pp)]
+    parts[0] += 1
+    parts[-1] += 1
+    ranks, start = [], 0
+    for size in parts:
+        ranks.append(list(range(start, start + size)))
+        start += size
+    recompute = recompute_from_flags("full", "uniform", None, model.num_layers, ranks)
+    pipe = PipelineConfig(micro_batch_size=1, num_microbatches=batch // dp, partition=tuple(parts), recompute=recompute)
+    return RunSpec(padded_model(model, VOCAB, 128, tp), tp, pp, dp, pipe, sequence_parallel=False,
+                   overlap_grad_reduce=dp > 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default=None, help="billions of parameters of the rows to run, e.g. 1.7,145.6")
+    parser.add_argument("--time-budget", type=float, default=40.0, help="seconds of solving per search")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = TABLE if args.rows is None else [r for r in TABLE if str(r[0]) in args.rows.split(",")]
+    costs = CostSettings()
+    out = []
+    print(f"{'params':>7} {'GPUs':>5} {'tp':>2} {'pp':>3} {'batch':>5} | {'published':>9} {'predicted':>9} {'error':>6} "
+          f"{'fits':>4} | {'search':>8} {'vs pub.':>7} {'layout (tp pp dp mbs schedule rc)':<36} {'s':>5}")
+    for billions, heads, hidden, layers, tp, pp, gpus, batch, published in rows:
+        model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=VOCAB,
+                            seq_length=SEQ, params_dtype="fp16", hidden_dropout=0.1, attention_dropout=0.1)
+        cluster = load_cluster("a100-80g-ib", num_nodes=gpus // 8)
+        spec = published_spec(model, tp, pp, gpus, batch)
+        ev = simulate_run(spec, cluster, None, costs, MEMORY, memory_over_time=False)
+        t_pub = ev.simulation.iteration_time
+        fits = all(m.peak_bytes <= stage_capacity(spec, cluster, s) for s, m in enumerate(ev.memory))
+        tflops = megatron_flops(batch, layers, hidden) / t_pub / gpus / 1e12
+        started = time.time()
+        result = search(model, VOCAB, 128, batch, cluster, None, SearchSpace(), costs, MEMORY,
+                        SearchSettings(top_k=1, time_budget_s=args.time_budget))
+        elapsed = time.time() - started
+        best = result.best
+        row = {"billions": billions, "gpus": gpus, "published_tflops": published, "predicted_tflops": tflops,
+               "published_layout_fits": fits, "published_layout_s": t_pub, "search_s": elapsed}
+        if best is not None:
+            s = best.spec
+            rc = sum(1 for x in s.pipeline.recompute or () if x)
+            layout = (f"{s.tp} {s.pp} {s.dp} {s.pipeline.micro_batch_size} {s.pipeline.schedule}"
+                      f"{'' if s.pipeline.virtual_stages == 1 else ' v' + str(s.pipeline.virtual_stages)} {rc}")
+            row.update(search_time_s=best.time, layout=layout)
+            found = f"{best.time:8.2f} {100 * (best.time / t_pub - 1):+6.1f}% {layout:<36}"
+        else:
+            found = f"{'none':>8} {'':>7} {'':<36}"
+        out.append(row)
+        print(f"{billions:7.1f} {gpus:>5} {tp:>2} {pp:>3} {batch:>5} | {published:9.0f} {tflops:9.1f} "
+              f"{100 * (tflops / published - 1):+5.1f}% {'yes' if fits else 'NO':>4} | {found} {elapsed:5.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""How long `autoconfig.py search` takes, against the issue's targets (wall seconds, this machine).
+
+    AMP's GPT-2 case: 24 layers, hidden 1024, 16 T4 (aws-g4dn.12xlarge x 4), global batch 32     target 5 s
+    GPT-3 175B: 96 layers, hidden 12288, 1024 A100-80GB (128 DGX nodes), global batch 1536      target 60 s
+    BERT-large size: 24 layers, hidden 1024, sequence 512, 8 A100-80GB, global batch 256        target 3 s
+    Llama-7B size: 32 layers, hidden 4096, FFN 11008, sequence 2048, 8 A100-80GB, batch 64      target 3 s
+
+Analytic unit times, the default space and settings (as `autoconfig.py search` runs them). AMP's own search
+took about 540 s on the GPT-2 case. Each case runs `--repeats` times; the median is reported.
+
+    python benchmarks/search_speed.py [--repeats 3] [--cases gpt2,bert,llama,gpt3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+try:
+    import megatron_bmw  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_bmw.config import ModelConfig
+from megatron_bmw.planner.cluster import load_cluster
+from megatron_bmw.planner.cli import CUDA_FRAGMENTATION, CUDA_WORKSPACE_GB
+from megatron_bmw.planner.memory_model import MemorySettings
+from megatron_bmw.planner.search import SearchSettings, search
+from megatron_bmw.planner.space import SearchSpace
+from megatron_bmw.planner.cost_model import CostSettings
+
+CASES = {
+    "gpt2": (dict(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=1024, params_dtype="fp16"),
+             52256, "aws-g4dn.12xlarge", 4, 32, 5.0),
+    "bert": (dict(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, params_dtype="fp16"),
+             30522, "a100-80g-ib", 1, 256, 3.0),
+    "llama": (dict(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008, seq_length=2048,
+                   params_dtype="bf16"), 32000, "a100-80g-ib", 1, 64, 3.0),
+    "gpt3": (dict(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048, params_dtype="bf16"),
+             51200, "a100-80g-ib", 128, 1536, 60.0),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cases", default=",".join(CASES))
+    args = parser.parse_args()
+    memory = MemorySettings(device="cuda", workspace_bytes=CUDA_WORKSPACE_GB * 2**30, fragmentation=CUDA_FRAGMENTATION)
+    print(f"{'case':<6} {'GPUs':>5} {'median s':>9} {'target s':>8} {'met':>4} {'layouts':>7} {'solved':>6} "
+          f"{'unsolved':>8} {'sims':>5}  best plan")
+    for name in args.cases.split(","):
+        shape, vocab, cluster_name, nodes, batch, target = CASES[name]
+        model = ModelConfig(vocab_size=vocab, **shape)
+        cluster = load_cluster(cluster_name, num_nodes=nodes)
+        times = []
+        for _ in range(args.repeats):
+            started = time.time()
+            result = search(model, vocab, 128, batch, cluster, None, SearchSpace(), CostSettings(), memory,
+                            SearchSettings())
+            times.append(time.time() - started)
+        median = statistics.median(times)
+        st, best = result.stats, result.best.spec
+        plan = (f"tp {best.tp} pp {best.pp} dp {best.dp} mbs {best.pipeline.micro_batch_size} "
+                f"{best.pipeline.schedule}{'' if best.pipeline.virtual_stages == 1 else ' v' + str(best.pipeline.virtual_stages)} "
+                f"{result.best.time:.3f} s")
+        print(f"{name:<6} {cluster.num_gpus:>5} {median:9.2f} {target:8.0f} {'yes' if median <= target else 'NO':>4} "
+              f"{st['layouts']:>7} {st['solved']:>6} {st.get('unsolved', 0):>8} {st['simulated']:>5}  {plan}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
