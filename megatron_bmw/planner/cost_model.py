@@ -78,7 +78,9 @@ class CostModel:
     """Durations for one RunSpec on one cluster. Build once, query per action."""
 
     def __init__(self, spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile | None = None,
-                 settings: CostSettings = CostSettings()) -> None:
+                 settings: CostSettings = CostSettings(), placement: dict | None = None) -> None:
+        """`placement`: a dict shared by cost models of one placement (tp, pp, dp, rank order on one cluster), which
+        then work out each stage's device and links once."""
         if spec.world_size > cluster.num_gpus:
             raise UsageError(f"the layout needs {spec.world_size} GPUs (tp {spec.tp} x pp {spec.pp} x dp {spec.dp}) "
                              f"but cluster {cluster.name} has {cluster.num_gpus}")
@@ -88,10 +90,13 @@ class CostModel:
         self.dtype = spec.model.params_dtype
         self.layout = spec.rank_layout()
         p = spec.pp
-        self.devices = [self._stage_device(s) for s in range(p)]
+        placement = {} if placement is None else placement
+        if "devices" not in placement:
+            placement["devices"] = [self._stage_device(s) for s in range(p)]
+        self.devices = placement["devices"]
         for device in {d.name: d for d in self.devices}.values():
             self.profiles.for_device(device.name)  # a device type without a profile is an error now, not later
-        self._p2p: dict[tuple, Link] = {}  # links of stage pairs and of each stage's tp/dp group
+        self._p2p: dict[tuple, Link] = placement.setdefault("links", {})  # stage pairs, each stage's tp/dp group
         self._tables: tuple[list[list[float]], list[list[float]], list[int]] | None = None
 
     @property

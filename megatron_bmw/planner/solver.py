@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig, PipelineConfig
 from ..pipeline.bpipe import mu_opt
-from ..pipeline.generators import interleaved_warmup
+from ..pipeline.generators import interleaved_1f1b
+from ..pipeline.holding import holding_events, peak
 from ..pipeline.schedule import Action, Kind
 from ..units import unit_kind, unit_names
 from .cluster import Cluster
@@ -76,22 +77,26 @@ def even_partition(n_units: int, stages: int) -> tuple[int, ...]:
 
 
 class ScheduleShapes:
-    """What a search computes once and every layout reuses: per (pp, m, v, schedule, bpipe) the chunk-micro-batches
-    each rank holds at its peak, per chunk; unit times per (device, link, degrees, choice); saved bytes."""
+    """What a search computes once and every layout reuses: per (pp, m, v, schedule, bpipe) what each rank holds
+    at its peaks; unit times per (device, link, degrees, choice); saved bytes."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple, list[list[float]]] = {}
+        self._cache: dict[tuple, list[list[list[float]]]] = {}
         self.unit_times: dict[tuple, tuple[float, float]] = {}
         self.saved_bytes: dict[tuple, float] = {}
+        self.placements: dict[tuple, dict] = {}  # (tp, pp, dp, rank order) -> devices, links, capacity
 
-    def counts(self, layout: Layout, bpipe: bool) -> list[list[float]]:
+    def counts(self, layout: Layout, bpipe: bool) -> list[list[list[float]]]:
+        """Per rank, the per-chunk micro-batch counts it may hold at its peak: one vector for 1F1B and GPipe;
+        for interleaving every mix held when the rank holds (nearly) the most, since with unequal chunks the
+        heaviest moment may hold fewer micro-batches of a heavier mix."""
         pp, m, v = layout.pp, layout.m, layout.virtual
         if v == 1:  # the schedules' own peaks: GPipe holds all, 1F1B p - r
-            plain = [[float(m if layout.schedule == "gpipe" else min(pp - r, m))] for r in range(pp)]
+            plain = [[[float(m if layout.schedule == "gpipe" else min(pp - r, m))]] for r in range(pp)]
         else:
-            key = (pp, m, v)
+            key = (pp, min(m, 3 * pp), v)  # the mixes repeat beyond 3p micro-batches
             if key not in self._cache:
-                self._cache[key] = [interleaved_peak_counts(pp, m, v, r) for r in range(pp)]
+                self._cache[key] = interleaved_peak_mixes(pp, m, v)
             plain = self._cache[key]
         if not bpipe:
             return plain
@@ -100,20 +105,35 @@ class ScheduleShapes:
         limit = mu_opt(pp, v)
         out = []
         for r in range(pp):
-            evictor = max((r, pp - 1 - r), key=lambda q: sum(plain[q]))
-            total = sum(plain[evictor])
-            out.append(list(plain[r]) if total <= limit else [c * limit / total for c in plain[evictor]])
+            evictor = max((r, pp - 1 - r), key=lambda q: sum(plain[q][0]))
+            total = sum(plain[evictor][0])
+            out.append(plain[r] if total <= limit else [[c * limit / total for c in mix] for mix in plain[evictor]])
         return out
 
 
-def interleaved_peak_counts(p: int, m: int, v: int, rank: int) -> list[float]:
-    """Per chunk, the micro-batches an interleaved-1F1B rank holds when it first holds the most: its warm-up
-    forwards and the first steady one (equal to walking the schedule's holds; see the solver's tests)."""
-    held = min(interleaved_warmup(p, m, v, rank) + 1, m * v)
-    counts = [0.0] * v
-    for k in range(held):
-        counts[(k % (p * v)) // p] += 1
-    return counts
+def interleaved_peak_mixes(p: int, m: int, v: int) -> list[list[list[float]]]:
+    """Per rank, the distinct per-chunk counts held whenever it holds at least its most minus one, walking the
+    compute order (pipeline/holding.py's rule). After warm-up the pattern repeats every p micro-batches, so a
+    schedule of 3p of them has every mix a longer one has."""
+    short = m if m <= 3 * p else 3 * p
+    sched = interleaved_1f1b(p, short, v)
+    out = []
+    for rank in range(p):
+        holds = holding_events(sched.actions[rank], rank)
+        top = peak(holds)
+        level, per, mixes = 0.0, [0.0] * v, set()
+        for h in holds:
+            level += h.share
+            per[h.chunk] += h.share
+            if h.share > 0 and level >= top - 1:
+                mixes.add(tuple(per))
+        ranked = sorted(mixes, key=lambda x: (-sum(x), x))
+        kept: list[tuple] = []  # a mix another holds chunk by chunk is never the heaviest
+        for mix in ranked:
+            if not any(all(a >= b for a, b in zip(other, mix)) for other in kept):
+                kept.append(mix)
+        out.append([list(mix) for mix in kept])
+    return out
 
 
 class LayoutProblem:
@@ -129,23 +149,27 @@ class LayoutProblem:
         self.names = unit_names(model.num_layers)
         n = len(self.names)
         base = Solution(lay, variant, even_partition(n, self.stages), None, 0.0, [], [], [], []).spec(model)
-        self.cost = CostModel(base, cluster, profiles, costs)
-        self.capacity = [stage_capacity(base, cluster, r) for r in range(lay.pp)]
+        place_key = (lay.tp, lay.pp, lay.dp, base.rank_order)
+        placement = shapes.placements.setdefault(place_key, {})
+        self.cost = CostModel(base, cluster, profiles, costs, placement)
+        if "capacity" not in placement:
+            placement["capacity"] = [stage_capacity(base, cluster, r) for r in range(lay.pp)]
+        self.capacity = placement["capacity"]
         self.counts = shapes.counts(lay, variant.bpipe)
         sp = variant.sp and lay.tp > 1
-        # per unit: allowed choices, and per choice (forward, backward) per rank, saved bytes, transient bytes
-        self.choices: list[tuple[str | None, ...]] = []
-        for name in self.names:
-            kind = unit_kind(name)
-            if kind not in ("attention", "mlp"):
-                allowed = (None,)
-            elif uniform is not False:  # one choice for every layer; selective leaves MLP units alone
-                allowed = (None,) if kind == "mlp" and uniform == "selective" else (uniform,)
-            else:
-                allowed = tuple(c for c in (None, "selective", "full") if c in space.recompute
-                                and (kind == "attention" or c != "selective")) or (None,)
-            self.choices.append(allowed)
+        # per unit kind (units of a kind share their rows): allowed choices, and per choice (forward, backward)
+        # per rank, saved bytes and transient bytes
         kinds = [unit_kind(nm) for nm in self.names]
+        allowed = {}
+        for kind in set(kinds):
+            if kind not in ("attention", "mlp"):
+                allowed[kind] = (None,)
+            elif uniform is not False:  # one choice for every layer; selective leaves MLP units alone
+                allowed[kind] = (None,) if kind == "mlp" and uniform == "selective" else (uniform,)
+            else:
+                allowed[kind] = tuple(c for c in (None, "selective", "full") if c in space.recompute
+                                      and (kind == "attention" or c != "selective")) or (None,)
+        self.choices: list[tuple[str | None, ...]] = [allowed[k] for k in kinds]
         per_unit = any(u.unit is not None for ps in profiles.by_type.values() for p in ps for u in p.units)
         self.times: list[list[list[tuple[float, float]]]] = []  # [rank][unit][choice]
         by_device: dict[tuple, list] = {}
@@ -156,16 +180,18 @@ class LayoutProblem:
             place = (dev.name, None if link is None else (link.bandwidth, link.latency), lay.tp, sp, lay.mbs,
                      model.vocab_size)
             if place not in by_device:
-                table = []
+                rows: dict = {}
                 for i, kind in enumerate(kinds):
-                    row = []
-                    for c in self.choices[i]:
-                        mkey = place + (kind, c, i if per_unit else None)
-                        if mkey not in memo:
-                            memo[mkey] = self.cost.unit_times(kind, c, dev, r, i)
-                        row.append(memo[mkey])
-                    table.append(row)
-                by_device[place] = table
+                    key = (kind, i if per_unit else None)
+                    if key not in rows:
+                        row = []
+                        for c in allowed[kind]:
+                            mkey = place + (kind, c, key[1])
+                            if mkey not in memo:
+                                memo[mkey] = self.cost.unit_times(kind, c, dev, r, i)
+                            row.append(memo[mkey])
+                        rows[key] = row
+                by_device[place] = [rows[(k, i if per_unit else None)] for i, k in enumerate(kinds)]
             self.times.append(by_device[place])
 
         def saved(kind, c):
@@ -175,11 +201,12 @@ class LayoutProblem:
                                                                       memory.device))
             return shapes.saved_bytes[key]
 
-        self.saved: list[list[float]] = [[saved(kind, c) for c in self.choices[i]] for i, kind in enumerate(kinds)]
-        grads = {k: float(unit_backward_bytes(k, model, lay.mbs, lay.tp, sp)) for k in set(kinds)}
-        self.transient: list[list[float]] = [[(saved(kind, None) - b if c is not None else 0.0) + grads[kind]
-                                              for c, b in zip(self.choices[i], self.saved[i])]
-                                             for i, kind in enumerate(kinds)]
+        kind_saved = {k: [saved(k, c) for c in allowed[k]] for k in allowed}
+        kind_transient = {k: [(saved(k, None) - b if c is not None else 0.0)
+                              + float(unit_backward_bytes(k, model, lay.mbs, lay.tp, sp))
+                              for c, b in zip(allowed[k], kind_saved[k])] for k in allowed}
+        self.saved: list[list[float]] = [kind_saved[k] for k in kinds]
+        self.transient: list[list[float]] = [kind_transient[k] for k in kinds]
         precision = PrecisionConfig(param_bytes=model.dtype_bytes, distributed_optimizer=variant.zero1)
         per_param = precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(lay.dp)
         own_output = model.untie_embeddings_and_output_weights or lay.pp > 1
@@ -190,6 +217,7 @@ class LayoutProblem:
         self.p2p = self.cost.transfer_time(0, 1, _SEND) if lay.pp > 1 else 0.0
         self.embedding_sync = self.cost.embedding_sync_time()
         self._knap: dict[tuple, tuple | None] = {}
+        self._mix: dict[tuple, list[float]] = {}
 
     # ---- one partition --------------------------------------------------------------------------------------
     def _rank_units(self, partition: tuple[int, ...]) -> list[list[list[int]]]:
@@ -235,7 +263,15 @@ class LayoutProblem:
     def _rank_choice(self, rank: int, chunks: list[list[int]]) -> tuple[dict[int, int], float] | None:
         """{unit: choice index} with the least time under the rank's memory, and the estimated peak bytes."""
         ms = self.memory
-        counts = self.counts[rank]
+        mixes = self.counts[rank]
+        if len(mixes) == 1:
+            counts = mixes[0]
+        else:  # the heaviest mix, without recomputation
+            plain_chunk = tuple(sum(self.saved[i][0] for i in units) + self.held for units in chunks)
+            key = (rank, plain_chunk)
+            counts = self._mix.get(key)
+            if counts is None:
+                counts = self._mix[key] = max(mixes, key=lambda mix: sum(n * b for n, b in zip(mix, plain_chunk)))
         static = sum(self.static[i] for units in chunks for i in units)
         last = self.stages - 1
         held = sum(counts[c] * self.held for c, _ in enumerate(chunks) if c * self.layout.pp + rank != last)
@@ -320,7 +356,7 @@ class LayoutProblem:
         by_table = {key: [sum(sum(t[i][0]) for i in blk) for blk in blocks] for key, t in tables.items()}
         plain_time = next(iter(by_table.values())) if len(by_table) == 1 else \
             [by_table[id(self.times[k % lay.pp])] for k in range(self.stages)]  # per stage only if devices differ
-        cnt = [self.counts[k % lay.pp][k // lay.pp] for k in range(self.stages)]
+        cnt = [self.counts[k % lay.pp][0][k // lay.pp] for k in range(self.stages)]
         static = [sum(self.static[i] for i in blk) for blk in blocks]
         most = [sum(self.saved[i][0] for i in blk) for blk in blocks]
         least = [sum(self.saved[i][-1] for i in blk) for blk in blocks]
@@ -432,7 +468,7 @@ def could_fit(problem: LayoutProblem, zero1: bool) -> bool:
     lay, ms = problem.layout, problem.memory
     per_param = PrecisionConfig(problem.model.dtype_bytes, zero1)
     static = sum(problem.params) * (per_param.param_bytes + per_param.grad_bytes + per_param.optimizer_bytes(lay.dp))
-    least = min(min(c) for c in problem.counts) * sum(min(s) for s in problem.saved)
+    least = min(max(min(mix) for mix in mixes) for mixes in problem.counts) * sum(min(s) for s in problem.saved)
     room = sum((c - ms.workspace_bytes) / (1 + ms.fragmentation) for c in problem.capacity)
     return static + least <= room
 

@@ -172,3 +172,15 @@ def test_cli_search_errors(extra, needle, capsys):
     assert err.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], lines
+
+
+def test_heterogeneous_cluster_gives_slow_devices_less():
+    """AMP's setting: 3 nodes of V100 then 1 node of T4; a 4-stage pipeline puts little on the T4 stage."""
+    from megatron_bmw.planner.cluster import load_cluster
+
+    model = ModelConfig(num_layers=12, hidden_size=1024, num_attention_heads=16, vocab_size=32768, seq_length=512,
+                        params_dtype="fp16")
+    best = search(model, 32768, 128, 32, load_cluster("amp-heterogeneous"),
+                  space=SearchSpace(pp=(4,), tp=(4,), slicing=(False,))).best
+    part = best.spec.pipeline.partition
+    assert part[-1] < min(part[:-1]), part
