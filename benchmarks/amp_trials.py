@@ -27,11 +27,9 @@ import statistics
 import sys
 import time
 
-try:
-    import megatron_bmw  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.stats import spearman  # noqa: E402
 from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.planner.cluster import load_cluster
 from megatron_bmw.planner.cost_model import CostSettings, allreduce_time
@@ -100,27 +98,6 @@ def profile(data: dict, batch_scaling: str) -> Profile:
                 units.append(UnitTiming(kind, tp, 2, fwd + work, 2 * (fwd + work), unit=index))
     return Profile(device={"name": "t4", "type": "t4"}, dtype="fp16", model=model_signature(MODEL), units=units,
                    mode="measured")
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.mean(rx), statistics.mean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var
 
 
 def evaluate(data: dict, batch_scaling: str, memory: MemorySettings) -> dict:

@@ -33,11 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    import megatron_bmw  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.stats import spearman  # noqa: E402
 from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.device import free_port
 from megatron_bmw.planner.cluster import local_cluster
@@ -318,27 +316,6 @@ def predict(model: ModelConfig, case: Case, profile: Profile) -> dict:
              for r in range(spec.pp)]
     return {"iteration_s": sim.iteration_time, "busy_s": sim.busy, "bubble": sim.bubble_fraction,
             "master_stage": sim.master_stage, "saved_peak_bytes": saved}
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.mean(rx), statistics.mean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else 0.0
 
 
 # ---- memory per unit --------------------------------------------------------------------------------------------

@@ -14,12 +14,11 @@ Format "megatron_bmw-plan", version 1 (see README, "The plan file"):
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field, fields
 
 from ..config import ModelConfig, ParallelConfig, PipelineConfig
 from ..errors import UsageError
+from .files import read_json, write_json
 from .spec import RunSpec
 
 FORMAT = "megatron_bmw-plan"
@@ -54,26 +53,11 @@ class Plan:
         }
 
     def save(self, path: str) -> None:
-        tmp = f"{path}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(self.to_json(), f, indent=1)
-            os.replace(tmp, path)
-        except OSError as exc:
-            raise UsageError(f"--output {path}: cannot write the plan ({exc.strerror})") from None
+        write_json(path, self.to_json(), "--output", "plan")
 
     @classmethod
     def load(cls, path: str) -> Plan:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise UsageError(f"--plan {path}: no such file") from None
-        except IsADirectoryError:
-            raise UsageError(f"--plan {path}: is a directory, not a plan file") from None
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--plan {path}: not valid JSON (line {exc.lineno})") from None
-        return cls.from_json(data, f"--plan {path}")
+        return cls.from_json(read_json(path, "--plan", "plan file"), f"--plan {path}")
 
     @classmethod
     def from_json(cls, data, where: str = "plan") -> Plan:

@@ -14,12 +14,12 @@ without times every unit of its kind.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 
 from ..config import ModelConfig
 from ..errors import UsageError
 from .cluster import DeviceType, Link
+from .files import read_json, write_json
 from .flops import unit_forward_flops
 
 FORMAT = 1
@@ -109,19 +109,11 @@ class Profile:
                 "units": [asdict(u) for u in self.units], "links": self.links, "overhead": self.overhead}
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
+        write_json(path, self.to_json(), "--output", "profile")
 
     @classmethod
     def load(cls, path: str) -> Profile:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise UsageError(f"--profile {path}: no such file") from None
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--profile {path}: not valid JSON (line {exc.lineno})") from None
-        profile = cls.from_json(data, path)
+        profile = cls.from_json(read_json(path, "--profile", "profile"), path)
         profile.source = path
         return profile
 
