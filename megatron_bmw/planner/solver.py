@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..config import ModelConfig, PipelineConfig
 from ..pipeline.bpipe import mu_opt
 from ..pipeline.generators import interleaved_1f1b
-from ..pipeline.holding import holding_events, peak
+from ..pipeline.holding import holding_events
 from ..pipeline.schedule import Action, Kind
 from ..units import unit_kind, unit_names
 from .cluster import Cluster
@@ -88,8 +88,8 @@ class ScheduleShapes:
 
     def counts(self, layout: Layout, bpipe: bool) -> list[list[list[float]]]:
         """Per rank, the per-chunk micro-batch counts it may hold at its peak: one vector for 1F1B and GPipe;
-        for interleaving every mix held when the rank holds (nearly) the most, since with unequal chunks the
-        heaviest moment may hold fewer micro-batches of a heavier mix."""
+        for interleaving every mix it holds that no other mix holds chunk by chunk, since with unequal chunks
+        the heaviest moment may hold fewer micro-batches of a heavier mix."""
         pp, m, v = layout.pp, layout.m, layout.virtual
         if v == 1:  # the schedules' own peaks: GPipe holds all, 1F1B p - r
             plain = [[[float(m if layout.schedule == "gpipe" else min(pp - r, m))]] for r in range(pp)]
@@ -112,20 +112,18 @@ class ScheduleShapes:
 
 
 def interleaved_peak_mixes(p: int, m: int, v: int) -> list[list[list[float]]]:
-    """Per rank, the distinct per-chunk counts held whenever it holds at least its most minus one, walking the
-    compute order (pipeline/holding.py's rule). After warm-up the pattern repeats every p micro-batches, so a
-    schedule of 3p of them has every mix a longer one has."""
+    """Per rank, the per-chunk counts it holds after each forward starts (pipeline/holding.py's rule), without
+    those another mix holds chunk by chunk: whatever the chunks' sizes, the heaviest moment is one of them.
+    After warm-up the pattern repeats every p micro-batches, so a schedule of 3p of them has every mix a longer
+    one has."""
     short = m if m <= 3 * p else 3 * p
     sched = interleaved_1f1b(p, short, v)
     out = []
     for rank in range(p):
-        holds = holding_events(sched.actions[rank], rank)
-        top = peak(holds)
-        level, per, mixes = 0.0, [0.0] * v, set()
-        for h in holds:
-            level += h.share
+        per, mixes = [0.0] * v, set()
+        for h in holding_events(sched.actions[rank], rank):
             per[h.chunk] += h.share
-            if h.share > 0 and level >= top - 1:
+            if h.share > 0:
                 mixes.add(tuple(per))
         ranked = sorted(mixes, key=lambda x: (-sum(x), x))
         kept: list[tuple] = []  # a mix another holds chunk by chunk is never the heaviest
@@ -217,7 +215,7 @@ class LayoutProblem:
         self.p2p = self.cost.transfer_time(0, 1, _SEND) if lay.pp > 1 else 0.0
         self.embedding_sync = self.cost.embedding_sync_time()
         self._knap: dict[tuple, tuple | None] = {}
-        self._mix: dict[tuple, list[float]] = {}
+        self._ranks: dict[tuple, tuple | None] = {}  # interleaved ranks' choices by their chunks
 
     # ---- one partition --------------------------------------------------------------------------------------
     def _rank_units(self, partition: tuple[int, ...]) -> list[list[list[int]]]:
@@ -261,17 +259,35 @@ class LayoutProblem:
         return Solution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity, self)
 
     def _rank_choice(self, rank: int, chunks: list[list[int]]) -> tuple[dict[int, int], float] | None:
-        """{unit: choice index} with the least time under the rank's memory, and the estimated peak bytes."""
-        ms = self.memory
+        """{unit: choice index} with the least time under the rank's memory, and the estimated peak bytes.
+
+        With several mixes (interleaving) the knapsack takes the heaviest mix without recomputation; when its
+        choice makes another mix heavier, it runs again on the two mixes' chunk-by-chunk maximum (safe)."""
         mixes = self.counts[rank]
         if len(mixes) == 1:
-            counts = mixes[0]
-        else:  # the heaviest mix, without recomputation
-            plain_chunk = tuple(sum(self.saved[i][0] for i in units) + self.held for units in chunks)
-            key = (rank, plain_chunk)
-            counts = self._mix.get(key)
-            if counts is None:
-                counts = self._mix[key] = max(mixes, key=lambda mix: sum(n * b for n, b in zip(mix, plain_chunk)))
+            return self._choice_for(rank, chunks, mixes[0])
+        key = (rank, tuple((units[0], len(units)) for units in chunks))
+        if key not in self._ranks:
+            self._ranks[key] = self._mixed_choice(rank, chunks, mixes)
+        return self._ranks[key]
+
+    def _mixed_choice(self, rank: int, chunks: list[list[int]], mixes: list[list[float]]):
+        plain_chunk = [sum(self.saved[i][0] for i in units) + self.held for units in chunks]
+        counts = max(mixes, key=lambda mix: sum(n * b for n, b in zip(mix, plain_chunk)))
+        for _ in range(len(chunks) + 1):
+            got = self._choice_for(rank, chunks, counts)
+            if got is None:
+                return None
+            picks = got[0]
+            chunk_bytes = [sum(self.saved[i][picks[i]] for i in units) + self.held for units in chunks]
+            heaviest = max(mixes, key=lambda mix: sum(n * b for n, b in zip(mix, chunk_bytes)))
+            if sum(n * b for n, b in zip(heaviest, chunk_bytes)) <= sum(n * b for n, b in zip(counts, chunk_bytes)):
+                return got
+            counts = [max(a, b) for a, b in zip(counts, heaviest)]
+        return self._choice_for(rank, chunks, counts)
+
+    def _choice_for(self, rank: int, chunks: list[list[int]], counts: list[float]):
+        ms = self.memory
         static = sum(self.static[i] for units in chunks for i in units)
         last = self.stages - 1
         held = sum(counts[c] * self.held for c, _ in enumerate(chunks) if c * self.layout.pp + rank != last)
@@ -281,8 +297,7 @@ class LayoutProblem:
                     for j in range(len(self.choices[i]))] for i, cnt in items]
         plain = sum(o[0][1] for o in options) + max(o[0][2] for o in options)
         if plain <= room:  # the first (least recomputing) choice everywhere fits
-            picks = {i: 0 for i, _ in items}
-            return picks, self._peak(static + held + plain)
+            return {i: 0 for i, _ in items}, self._peak(static + held + plain)
         if room <= 0:
             return None
         order = sorted(range(len(options)), key=lambda n: options[n])  # the same units in any order: one entry

@@ -21,8 +21,8 @@ from megatron_bmw.config import PipelineConfig
 
 @pytest.mark.parametrize("p,v", [(2, 2), (3, 2), (4, 3), (8, 2), (8, 4)])
 def test_interleaved_mixes_give_the_walks_byte_peak(p, v):
-    """Chunks of unequal size: the heaviest moment is one of the mixes (also for schedules longer than the 3p
-    micro-batches the mixes are taken from)."""
+    """Chunks of unequal size (up to 4x): the heaviest moment is one of the mixes (also for schedules longer
+    than the 3p micro-batches the mixes are taken from)."""
     import random
 
     from megatron_bmw.pipeline.holding import peak
@@ -31,7 +31,7 @@ def test_interleaved_mixes_give_the_walks_byte_peak(p, v):
     for m in (p, 2 * p, 6 * p):
         sched, mixes = interleaved_1f1b(p, m, v), interleaved_peak_mixes(p, m, v)
         for r in range(p):
-            size = [rng.uniform(1.0, 2.0) for _ in range(v)]
+            size = [rng.uniform(1.0, 4.0) for _ in range(v)]
             exact = peak(holding_events(sched.actions[r], r), lambda h: h.share * size[h.chunk])
             assert max(sum(n * b for n, b in zip(mix, size)) for mix in mixes[r]) == pytest.approx(exact)
 
