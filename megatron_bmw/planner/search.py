@@ -202,6 +202,13 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
         got = _finalist(sol, sim, space, settings, by_key, refined)
         if got is not None:
             ranked.append(got)
+    if not ranked:  # the estimates' memory was too hopeful everywhere: the next solutions, until one fits
+        for sol in solutions[len(finalists):]:
+            got = _finalist(sol, _Simulator(sol.problem, cluster, profiles, costs, memory, stats), space, settings,
+                            by_key, False)
+            if got is not None:
+                ranked.append(got)
+                break
     ranked.sort(key=lambda r: r.time)
     stats["elapsed_s"] = time.time() - started
     return SearchResult(ranked[:max(settings.top_k, 1)], stats, model, global_batch, cluster, divisible_by)
