@@ -360,7 +360,7 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
                                     chunk_held_bytes(layout, model, rank, settings))
     if activation_peak is not None:
         act = activation_peak
-    transient = _recompute_transient(layout, model, rank, settings)
+    transient = _backward_transient(layout, model, rank, settings)
     static = params * (precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(layout.dp))
     allowance = settings.workspace_bytes + settings.fragmentation * (static + act + transient)
     return RankMemory(
@@ -405,7 +405,7 @@ def unit_transient_bytes(kind: str, model: ModelConfig, micro_batch_size: int, t
     return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp)
 
 
-def _recompute_transient(layout: StageLayout, model: ModelConfig, rank: int, settings: MemorySettings) -> float:
+def _backward_transient(layout: StageLayout, model: ModelConfig, rank: int, settings: MemorySettings) -> float:
     """The rank's worst unit backward: rebuilt activations plus gradient buffers (one unit at a time)."""
     names = unit_names(model.num_layers)
     sp = layout.sequence_parallel and layout.tp > 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from ..config import ModelConfig, ParallelConfig, PipelineConfig
+from ..config import ModelConfig, PipelineConfig
 from ..errors import UsageError
 from .files import read_json, write_json
 from .spec import RunSpec
@@ -89,11 +89,6 @@ class Plan:
                    devices=list(data.get("devices", [])), cluster=dict(data.get("cluster", {})),
                    profiles=list(data.get("profiles", [])), prediction=dict(data.get("prediction", {})),
                    search=dict(data.get("search", {})))
-
-    def parallel_config(self) -> ParallelConfig:
-        s = self.spec
-        return ParallelConfig(tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp,
-                              sequence_parallel=s.sp, rank_order=s.rank_order)
 
 
 def _known(section, cls, where: str, name: str) -> dict:

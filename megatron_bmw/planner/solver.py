@@ -24,7 +24,7 @@ from ..units import unit_kind, unit_names
 from .cluster import Cluster
 from .cost_model import CostModel, CostSettings, allgather_time, allreduce_time, optimizer_step_seconds
 from .evaluate import stage_capacity
-from .memory_model import (MemorySettings, PrecisionConfig, unit_activation_bytes, unit_backward_bytes,
+from .memory_model import (MemorySettings, PrecisionConfig, unit_activation_bytes, unit_transient_bytes,
                            unit_param_count)
 from .partitioners import amp_partition, choose_options, galvatron_walk, minmax_partition
 from .profile_data import Profiles
@@ -200,9 +200,8 @@ class LayoutProblem:
             return shapes.saved_bytes[key]
 
         kind_saved = {k: [saved(k, c) for c in allowed[k]] for k in allowed}
-        kind_transient = {k: [(saved(k, None) - b if c is not None else 0.0)
-                              + float(unit_backward_bytes(k, model, lay.mbs, lay.tp, sp))
-                              for c, b in zip(allowed[k], kind_saved[k])] for k in allowed}
+        kind_transient = {k: [float(unit_transient_bytes(k, model, lay.mbs, lay.tp, sp, c, memory.device))
+                              for c in allowed[k]] for k in allowed}
         self.saved: list[list[float]] = [kind_saved[k] for k in kinds]
         self.transient: list[list[float]] = [kind_transient[k] for k in kinds]
         precision = PrecisionConfig(param_bytes=model.dtype_bytes, distributed_optimizer=variant.zero1)
