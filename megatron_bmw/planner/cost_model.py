@@ -39,14 +39,14 @@ class CostSettings:
             raise UsageError(f"--achievable-fraction must be in (0, 1], got {self.achievable_fraction}")
         if not 0 < self.bandwidth_fraction <= 1:
             raise UsageError(f"--bandwidth-fraction must be in (0, 1], got {self.bandwidth_fraction}")
+        if self.overlap_factor < 1:
+            raise UsageError(f"--overlap-factor must be >= 1, got {self.overlap_factor}")
 
     def fraction(self, device: DeviceType) -> float:
         """Achievable share of `device`'s peak FLOP/s: the setting, else the device type's, else 0.5."""
         if self.achievable_fraction is not None:
             return self.achievable_fraction
         return device.achievable_fraction if device.achievable_fraction is not None else 0.5
-        if self.overlap_factor < 1:
-            raise UsageError(f"--overlap-factor must be >= 1, got {self.overlap_factor}")
 
 
 def allreduce_time(nbytes: float, n: int, link: Link) -> float:
