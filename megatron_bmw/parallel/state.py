@@ -52,8 +52,11 @@ class ParallelState:
         return cls(layout=RankLayout(1, 1, 1), device=torch.device(device))
 
     @classmethod
-    def build(cls, cfg: ParallelConfig, device: torch.device | str | None = None) -> "ParallelState":
-        """Create every group. All ranks must call this together (dist must be initialised if world > 1)."""
+    def build(cls, cfg: ParallelConfig, device: torch.device | str | None = None,
+              timeout_minutes: float | None = None) -> "ParallelState":
+        """Create every group. All ranks must call this together (dist must be initialised if world > 1).
+        timeout_minutes: of every collective in the new groups (--distributed-timeout-minutes); torch does not
+        pass the default group's timeout on, and its own default is 30 minutes."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         dp = cfg.data_parallel_size(world)
@@ -61,6 +64,7 @@ class ParallelState:
         if device is None:
             device = default_device()
         state = cls(layout=layout, rank=rank, device=torch.device(device), sequence_parallel=cfg.sequence_parallel)
+        new_group = _group_maker(timeout_minutes)
         for attr, groups in (
             ("tp_group", layout.tp_groups()),
             ("dp_group", layout.dp_groups()),
@@ -68,12 +72,12 @@ class ParallelState:
             ("mp_group", layout.mp_groups()),
             ("embedding_group", layout.embedding_groups()),
         ):
-            setattr(state, attr, _new_groups(groups, rank))
+            setattr(state, attr, _new_groups(groups, rank, new_group))
         state.pp_ranks = tuple(next(g for g in layout.pp_groups() if rank in g))
         if dist.is_initialized() and dist.get_backend() == "nccl":
-            state.p2p_groups = _directional_groups(layout.pp_groups(), rank)
+            state.p2p_groups = _directional_groups(layout.pp_groups(), rank, new_group)
             if layout.order == "bpipe":
-                state.transfer_groups = _pair_groups(layout.pp_groups(), rank)
+                state.transfer_groups = _pair_groups(layout.pp_groups(), rank, new_group)
         return state
 
     def p2p_group(self, src: int, dst: int):
@@ -117,7 +121,12 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
 
-def _new_groups(groups: list[list[int]], rank: int):
+def _group_maker(timeout_minutes: float | None):
+    timeout = None if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)
+    return lambda ranks: dist.new_group(ranks, timeout=timeout)
+
+
+def _new_groups(groups: list[list[int]], rank: int, new_group):
     """Create all groups in the same order on every rank; return the one holding `rank` (None if size 1)."""
     mine = None
     for ranks in groups:
@@ -125,32 +134,32 @@ def _new_groups(groups: list[list[int]], rank: int):
             if rank in ranks:
                 mine = None
             continue
-        g = dist.new_group(ranks)
+        g = new_group(ranks)
         if rank in ranks:
             mine = g
     return mine
 
 
-def _directional_groups(pipelines: list[list[int]], rank: int) -> dict:
+def _directional_groups(pipelines: list[list[int]], rank: int, new_group) -> dict:
     groups = {}
     for ranks in pipelines:
         p = len(ranks)
         pairs = {(ranks[i], ranks[(i + 1) % p]) for i in range(p)} if p > 1 else set()
         for a, b in sorted(pairs | {(b, a) for a, b in pairs}):
-            g = dist.new_group([a, b])
+            g = new_group([a, b])
             if rank in (a, b):
                 groups[(a, b)] = g
     return groups
 
 
-def _pair_groups(pipelines: list[list[int]], rank: int) -> dict:
+def _pair_groups(pipelines: list[list[int]], rank: int, new_group) -> dict:
     groups = {}
     for ranks in pipelines:
         p = len(ranks)
         for s in range(p // 2):
             a, b = ranks[s], ranks[p - 1 - s]
             for pair in ((a, b), (b, a)):
-                g = dist.new_group(list(pair))
+                g = new_group(list(pair))
                 if rank in pair:
                     groups[pair] = g
     return groups

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import replace
 
 from ..arguments import _Parser, add_megatron_args, configs_from_args, parse_args
 from ..errors import UsageError, exit_on_usage_error
+from ..paths import check_output_file
 from .cluster import BUILTIN, Cluster, load_cluster, local_cluster
 from ..pipeline.slicing import choose_slices, stage_times_from_cost
 from .cost_model import CostModel, CostSettings
@@ -40,11 +40,24 @@ def _ints(flag: str):
     return parse
 
 
+def _positive(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} expects an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
 def _planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
     g = p.add_argument_group("planner")
     g.add_argument("--cluster", default="local", help=f"built-in ({', '.join(BUILTIN)}) or a YAML file")
-    g.add_argument("--num-nodes", type=int, default=None, help="resize a single-group cluster")
-    g.add_argument("--world-size", type=int, default=None, help="GPUs used (default: all of the cluster)")
+    g.add_argument("--num-nodes", type=_positive("--num-nodes"), default=None, help="resize a single-group cluster")
+    g.add_argument("--world-size", type=_positive("--world-size"), default=None, help="GPUs used (default: all of the cluster)")
     g.add_argument("--profile", action="append", default=[],
                    help="profile JSON (autoconfig.py profile), one or more (one per device type); else analytic")
     g.add_argument("--rank-order", choices=["tp-dp-pp", "bpipe"], default="tp-dp-pp")
@@ -180,6 +193,7 @@ def _costs(args) -> CostSettings:
 
 
 def _simulate(args) -> int:
+    check_output_file("--timeline", args.timeline)
     profiles = _profiles(args)
     cluster = _cluster(args, profiles)
     costs = _costs(args)
@@ -209,8 +223,8 @@ def _search(args) -> int:
         raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
     if args.global_batch_size is None:
         raise UsageError("search needs --global-batch-size")
-    for path in (args.output, args.timeline):
-        _check_writable(path)
+    check_output_file("--output", args.output)
+    check_output_file("--timeline", args.timeline)
     profiles = _profiles(args)
     cluster = _cluster(args, profiles)
     space = SearchSpace.parse(args.space)
@@ -249,22 +263,10 @@ SERIAL_FLAGS = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1
                     recompute_activations=False, recompute_method=None, recompute_num_layers=None)
 
 
-def _check_writable(path: str | None) -> None:
-    """Refuse at start-up, not after the search, a file that cannot be written."""
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise UsageError(f"{path}: is a directory, expected a file name")
-    if not os.path.isdir(folder):
-        raise UsageError(f"{path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"{path}: folder {folder} is not writable")
-
-
 def _profile(args) -> int:
     from .profiler import ProfileSettings, analytic_profile, run_profile
 
+    check_output_file("--output", args.output)
     cfg = configs_from_args(args, args.tensor_model_parallel_size)
     settings = ProfileSettings(micro_batch_sizes=args.profile_micro_batch_sizes, tp_sizes=args.profile_tp,
                                warmup=args.profile_warmup, repeats=args.profile_repeats, threads=args.threads,

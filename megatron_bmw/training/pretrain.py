@@ -12,7 +12,9 @@ from ..arguments import apply_plan, check_against_plan, configs_from_args, data_
 from ..data.tokenizers import build_tokenizer
 from ..errors import exit_on_usage_error
 from ..fused import HAVE_APEX, HAVE_TE
+from ..parallel.agree import agree
 from ..parallel.state import ParallelState, init_distributed
+from ..paths import check_output_dir, check_output_file
 from ..pipeline.slicing import num_sliced
 from .logging import format_validation_log
 from .plan_check import plan_check_lines
@@ -36,8 +38,11 @@ def pretrain(argv: list[str]) -> Trainer:
     run = configs_from_args(args, world, vocab_size=tokenizer.vocab_size if tokenizer is not None else None)
     if plan is not None:
         check_against_plan(run, plan, world, args.plan)
+    check_output_dir("--save", run.train.save)
+    check_output_dir("--tensorboard-dir", run.train.tensorboard_dir)
+    check_output_file("--pipeline-trace", run.train.pipeline_trace)
     init_distributed(run.train.distributed_backend, run.train.distributed_timeout_minutes)
-    state = ParallelState.build(run.parallel)
+    state = ParallelState.build(run.parallel, timeout_minutes=run.train.distributed_timeout_minutes)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     _banner(run, state, args)
     if plan is not None:
