@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import argparse
 import sys
-from .config import (DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig, PipelineConfig, RunConfig,
-                     TrainConfig)
+
+from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                     PipelineConfig, RunConfig, TrainConfig)
 from .errors import UsageError
 from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
-from .units import num_units, parse_recompute, recompute_from_flags
+from .units import num_units, parse_recompute, recompute_from_flags, unit_layer, unit_names
 
-# Megatron flags that only select fused kernels or internal implementations: accepted so existing launch
-# scripts run unchanged, reported once, and otherwise ignored.
-IGNORED_FLAGS = {
+# Megatron flags accepted so existing launch scripts run unchanged, reported once at start-up, otherwise ignored
+# (flag -> number of values it takes). Kernel selection and internal implementation choices:
+IGNORED_KERNEL_FLAGS = {
     "--no-masked-softmax-fusion": 0, "--no-bias-gelu-fusion": 0, "--no-bias-dropout-fusion": 0,
     "--no-gradient-accumulation-fusion": 0, "--no-async-tensor-model-parallel-allreduce": 0,
     "--use-mcore-models": 0, "--use-legacy-models": 0, "--overlap-param-gather": 0, "--no-persist-layer-norm": 0,
-    "--transformer-impl": 1, "--timing-log-level": 1, "--log-timers-to-tensorboard": 0,
-    "--log-validation-ppl-to-tensorboard": 0, "--log-memory-to-tensorboard": 0, "--log-params-norm": 0,
-    "--log-num-zeros-in-grad": 0, "--tensorboard-log-interval": 1, "--tensorboard-queue-size": 1,
-    "--accumulate-allreduce-grads-in-fp32": 0, "--empty-unused-memory-level": 1, "--num-workers": 1,
+    "--transformer-impl": 1, "--accumulate-allreduce-grads-in-fp32": 0, "--empty-unused-memory-level": 1,
+    "--num-workers": 1, "--data-impl": 1,
 }
+# Logging extras this implementation does not write:
+IGNORED_LOGGING_FLAGS = {
+    "--timing-log-level": 1, "--log-timers-to-tensorboard": 0, "--log-validation-ppl-to-tensorboard": 0,
+    "--log-memory-to-tensorboard": 0, "--tensorboard-log-interval": 1, "--tensorboard-queue-size": 1,
+}
+IGNORED_FLAGS = {**IGNORED_KERNEL_FLAGS, **IGNORED_LOGGING_FLAGS}
+CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")  # Megatron's; only torch here
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,7 +54,9 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   help="learned_absolute only (Megatron's rope and none are not supported)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--attention-backend", choices=["auto", "flash", "unfused"], default="auto")
     g.add_argument("--use-flash-attn", action="store_true", help="Megatron's older flag; same as --attention-backend flash")
@@ -88,7 +96,13 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--train-iters", type=int, default=None, help="iterations (default 10 without --train-samples)")
+    g.add_argument("--train-samples", type=int, default=None, help="sample-based training length")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="grow the global batch from START by INCREMENT over SAMPLES consumed samples")
+    g.add_argument("--step-batch-size-schedule", type=str, default=None,
+                   help="global batch by consumed tokens, e.g. '0:256 2M:512' (K/M/B/T suffixes)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--bf16", action="store_true")
@@ -109,6 +123,8 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -136,6 +152,7 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--ckpt-format", default="torch", help="torch (Megatron's legacy format) only")
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=100)
@@ -143,6 +160,8 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true")
     return p
 
 
@@ -160,6 +179,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
         i += 1
     args = parser.parse_args(kept)
     args.ignored_flags = ignored
+    args.ignored_kernel_flags = [f for f in ignored if f in IGNORED_KERNEL_FLAGS]
+    args.ignored_logging_flags = [f for f in ignored if f in IGNORED_LOGGING_FLAGS]
     return args
 
 
@@ -168,6 +189,21 @@ def _positive(args, names: list[str]) -> None:
         value = getattr(args, name.replace("-", "_"))
         if value is not None and value < 1:
             raise UsageError(f"--{name} must be >= 1, got {value}")
+
+
+def _check_megatron_choices(args) -> None:
+    """Megatron flags whose other values select something this implementation does not have."""
+    if args.position_embedding_type != "learned_absolute":
+        raise UsageError(f"--position-embedding-type {args.position_embedding_type}: not supported (only "
+                         "learned_absolute position embeddings are implemented)")
+    if args.ckpt_format != "torch":
+        known = args.ckpt_format in CKPT_FORMATS
+        raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; only "
+                         "Megatron's legacy 'torch' format is read and written (drop the flag or use torch)")
+    for flag in ("hidden-dropout", "attention-dropout"):
+        value = getattr(args, flag.replace("-", "_"))
+        if not 0.0 <= value < 1.0:
+            raise UsageError(f"--{flag} must be in [0, 1), got {value}")
 
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:
@@ -207,8 +243,87 @@ def _virtual_stages(args) -> int:
     return virtual
 
 
-def pipeline_config_from_args(args: argparse.Namespace, dp: int, global_batch_size: int) -> PipelineConfig:
-    """The pipeline part of the flags, with the partition and Megatron's recomputation flags resolved per unit."""
+_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+def _count(text: str) -> int:
+    """'250B' -> 250e9 (K, M, B, T suffixes, as Megatron's step schedule)."""
+    text = text.strip().upper()
+    scale = _SUFFIXES.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def parse_step_schedule(text: str, seq_length: int) -> tuple[tuple[int, int], ...]:
+    """--step-batch-size-schedule 'TOKENS:BATCH ...' (spaces or commas) -> ((samples, batch), ...); thresholds
+    count tokens, turned into samples with --seq-length, as Megatron does when the sequence length is known."""
+    steps = []
+    for entry in text.replace(",", " ").split():
+        threshold, sep, batch = entry.partition(":")
+        try:
+            steps.append((_count(threshold) // seq_length, _count(batch)))
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise UsageError(f"--step-batch-size-schedule: {entry!r} is not TOKENS:BATCH (e.g. '0:256 2M:512')")
+    return tuple(sorted(steps))
+
+
+def batch_schedule_from_args(args, default_batch: int) -> BatchSchedule:
+    """Constant --global-batch-size, Megatron's --rampup-batch-size, or --step-batch-size-schedule."""
+    if args.rampup_batch_size is not None and args.step_batch_size_schedule is not None:
+        raise UsageError("--rampup-batch-size and --step-batch-size-schedule are mutually exclusive")
+    if args.step_batch_size_schedule is not None:
+        steps = parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
+        final = steps[-1][1] if steps else 0
+        if args.global_batch_size is not None and args.global_batch_size != final:
+            raise UsageError(f"--global-batch-size {args.global_batch_size} differs from the last batch {final} of "
+                             "--step-batch-size-schedule (drop it: the schedule sets the batch)")
+        return BatchSchedule(final, steps=steps)
+    gbs = args.global_batch_size if args.global_batch_size is not None else default_batch
+    if args.rampup_batch_size is not None:
+        if args.global_batch_size is None:
+            raise UsageError("--rampup-batch-size needs --global-batch-size (the batch it ramps up to)")
+        return BatchSchedule(gbs, rampup=tuple(args.rampup_batch_size))
+    return BatchSchedule(gbs)
+
+
+def _check_varying_batch(args, sizes: list[int], mb: int, dp: int, pp: int, virtual: int, slicing) -> None:
+    """What a batch that changes during training needs: every size a whole number of micro-batches per data-
+    parallel rank, a multiple of the pipeline size for interleaving, and nothing fixed to one count."""
+    flag = "--rampup-batch-size" if args.rampup_batch_size is not None else "--step-batch-size-schedule"
+    for size in sizes:
+        if size % (mb * dp):
+            raise UsageError(f"{flag}: global batch {size} is not divisible by --micro-batch-size {mb} x "
+                             f"data-parallel size {dp}")
+        if virtual > 1 and (size // (mb * dp)) % pp:
+            raise UsageError(f"{flag}: global batch {size} gives {size // (mb * dp)} micro-batches, not a multiple "
+                             f"of --pipeline-model-parallel-size {pp} as the interleaved schedule needs")
+    if len(sizes) > 1 and args.plan:
+        raise UsageError(f"{flag}: --plan {args.plan} fixes the micro-batches per iteration; drop one of them")
+    if len(sizes) > 1 and slicing == "auto":
+        raise UsageError(f"{flag}: --microbatch-slicing auto picks a count for one batch size; give a number")
+    if len(sizes) > 1 and slicing and slicing > sizes[0] // (mb * dp):
+        raise UsageError(f"{flag}: the first global batch {sizes[0]} has {sizes[0] // (mb * dp)} micro-batches, "
+                         f"fewer than --microbatch-slicing {slicing}")
+
+
+def _check_recompute_block(args, stage_units: list[list[int]]) -> None:
+    """Megatron's block method recomputes the first N layers of each pipeline stage: 1 <= N <= its layers."""
+    if args.recompute_method != "block":
+        return
+    names = unit_names(args.num_layers)
+    most = max(len({unit_layer(names[i]) for i in units} - {None}) for units in stage_units)
+    n = args.recompute_num_layers
+    if n is None or not 1 <= n <= most:
+        given = "is missing" if n is None else f"is {n}"
+        raise UsageError(f"--recompute-num-layers {given}: --recompute-method block recomputes the first N layers "
+                         f"of each pipeline stage, N between 1 and {most} (layers per stage)")
+
+
+def pipeline_config_from_args(args: argparse.Namespace, dp: int, global_batch_size: int,
+                              batch_sizes: list[int] | None = None) -> PipelineConfig:
+    """The pipeline part of the flags, with the partition and Megatron's recomputation flags resolved per unit.
+    `batch_sizes`: every global batch a ramp-up or step schedule uses (the pipeline is built for the full one)."""
     pp, mb = args.pipeline_model_parallel_size, args.micro_batch_size
     virtual = _virtual_stages(args)
     if global_batch_size % (mb * dp):
@@ -217,9 +332,15 @@ def pipeline_config_from_args(args: argparse.Namespace, dp: int, global_batch_si
             f"size {dp}"
         )
     m = global_batch_size // (mb * dp)
+    if virtual > 1 and m % pp:
+        raise UsageError(f"--global-batch-size {global_batch_size} gives {m} micro-batches per iteration; the "
+                         f"interleaved schedule needs a multiple of --pipeline-model-parallel-size {pp}")
     slicing = parse_slicing(args.microbatch_slicing)
     check_slicing(slicing, mb, m)
+    _check_varying_batch(args, batch_sizes or [global_batch_size], mb, dp, pp, virtual, slicing)
     partition = parse_partition(args.pipeline_partition, args.num_layers, pp, virtual)
+    stage_units = [[i for c in rank_chunks(partition, pp, r) for i in c] for r in range(pp)]
+    _check_recompute_block(args, stage_units)
     granularity = "selective" if args.recompute_activations else args.recompute_granularity
     if args.recompute_units is not None:
         if granularity is not None:
@@ -228,20 +349,31 @@ def pipeline_config_from_args(args: argparse.Namespace, dp: int, global_batch_si
         recompute = parse_recompute(args.recompute_units, num_units(args.num_layers), "--recompute-units")
     else:
         recompute = recompute_from_flags(granularity, args.recompute_method, args.recompute_num_layers,
-                                         args.num_layers,
-                                         [[i for c in rank_chunks(partition, pp, r) for i in c] for r in range(pp)])
+                                         args.num_layers, stage_units)
     return PipelineConfig(micro_batch_size=mb, num_microbatches=m, schedule=args.pipeline_schedule,
                           virtual_stages=virtual, partition=tuple(partition), recompute=recompute, bpipe=args.bpipe,
                           slicing=slicing)
+
+
+def _training_length(args, schedule: BatchSchedule) -> int:
+    """--train-iters, or the iterations --train-samples holds (Megatron's update_train_iters)."""
+    if args.train_samples is not None:
+        if args.train_iters is not None:
+            raise UsageError("give --train-iters or --train-samples, not both")
+        if args.train_samples < 1:
+            raise UsageError(f"--train-samples must be >= 1, got {args.train_samples}")
+        return schedule.iterations(args.train_samples)
+    return 10 if args.train_iters is None else args.train_iters
 
 
 def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> RunConfig:
     """Validate the flags against each other and the world size; build the config dataclasses.
 
     vocab_size: the padded vocabulary (from the tokenizer); defaults to --vocab-size padded like Megatron."""
-    _positive(args, ["num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size",
-                     "train-iters", "log-interval", "eval-interval", "tensor-model-parallel-size",
-                     "pipeline-model-parallel-size", "make-vocab-size-divisible-by"])
+    _positive(args, ["num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "seq-length",
+                     "micro-batch-size", "global-batch-size", "train-iters", "log-interval", "eval-interval",
+                     "tensor-model-parallel-size", "pipeline-model-parallel-size", "make-vocab-size-divisible-by"])
+    _check_megatron_choices(args)
     if args.fp16 and args.bf16:
         raise UsageError("--fp16 and --bf16 are mutually exclusive")
     tp = args.tensor_model_parallel_size
@@ -249,8 +381,10 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
                               sequence_parallel=args.sequence_parallel,
                               rank_order="bpipe" if args.bpipe else "tp-dp-pp", gpus_per_node=args.gpus_per_node)
     dp = parallel.data_parallel_size(world_size)
-    gbs = args.global_batch_size or args.micro_batch_size * dp
-    pipeline = pipeline_config_from_args(args, dp, gbs)
+    batches = batch_schedule_from_args(args, args.micro_batch_size * dp)
+    gbs = batches.global_batch_size
+    pipeline = pipeline_config_from_args(args, dp, gbs, batches.sizes())
+    train_iters = _training_length(args, batches)
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
         raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)")
@@ -270,15 +404,17 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     if args.sequence_parallel and tp > 1 and args.seq_length % tp:
         raise UsageError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by tensor-parallel size {tp}")
     train = TrainConfig(
-        global_batch_size=gbs, train_iters=args.train_iters, seed=args.seed, pipeline_trace=args.pipeline_trace,
+        global_batch_size=gbs, train_iters=train_iters, seed=args.seed, pipeline_trace=args.pipeline_trace,
         overlap_grad_reduce=args.overlap_grad_reduce, eod_mask_loss=args.eod_mask_loss,
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
-        tensorboard_dir=args.tensorboard_dir, log_throughput=args.log_throughput, save=args.save, load=args.load,
-        save_interval=args.save_interval, save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
-        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
-        distributed_backend=args.distributed_backend, distributed_timeout_minutes=args.distributed_timeout_minutes,
-        log_activation_memory=args.log_activation_memory,
+        tensorboard_dir=args.tensorboard_dir, log_throughput=args.log_throughput,
+        log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad, save=args.save,
+        load=args.load, save_interval=args.save_interval, save_optim=not args.no_save_optim,
+        save_rng=not args.no_save_rng, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+        finetune=args.finetune, distributed_backend=args.distributed_backend,
+        distributed_timeout_minutes=args.distributed_timeout_minutes, log_activation_memory=args.log_activation_memory,
+        train_samples=args.train_samples, batch_schedule=batches,
     )
     optimizer = OptimizerConfig(
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
@@ -289,7 +425,9 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     )
     lr = LRConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
                   lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
-                  lr_warmup_fraction=args.lr_warmup_fraction, train_iters=args.train_iters)
+                  lr_warmup_fraction=args.lr_warmup_fraction, train_iters=train_iters, global_batch_size=gbs,
+                  train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
+                  lr_warmup_samples=args.lr_warmup_samples)
     if not args.mock_data and not args.data_path:
         raise UsageError("give --data-path (preprocessed .bin/.idx prefixes) or --mock-data")
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, train=train, optimizer=optimizer, lr=lr,

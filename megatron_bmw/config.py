@@ -3,6 +3,7 @@ is read (planner/plan.py); the library only sees these objects. No torch here: d
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 from .errors import UsageError
@@ -180,9 +181,69 @@ class PipelineConfig:
             raise UsageError(f"{where}: bad pipeline section ({exc})") from None
 
 
+@dataclass(frozen=True)
+class BatchSchedule:
+    """The global batch size as training consumes samples (Megatron's micro-batch calculator): constant,
+    a linear ramp-up (`--rampup-batch-size start increment samples`) or steps (`--step-batch-size-schedule`)."""
+
+    global_batch_size: int  # the final (full) batch
+    rampup: tuple[int, int, int] | None = None
+    steps: tuple[tuple[int, int], ...] | None = None  # (from this many consumed samples, batch); first from 0
+
+    def __post_init__(self) -> None:
+        if self.rampup is not None:
+            start, inc, ramp = self.rampup
+            if start < 1 or inc < 1 or ramp < 0:
+                raise UsageError(f"--rampup-batch-size {start} {inc} {ramp}: needs start >= 1, increment >= 1 "
+                                 "and ramp-up samples >= 0")
+            if start > self.global_batch_size or (self.global_batch_size - start) % inc:
+                raise UsageError(f"--rampup-batch-size {start} {inc} {ramp}: --global-batch-size "
+                                 f"{self.global_batch_size} must be the start plus a whole number of increments")
+        if self.steps is not None:
+            if not self.steps or self.steps[0][0] != 0:
+                raise UsageError("--step-batch-size-schedule: the first threshold must be 0")
+            if any(b < 1 for _, b in self.steps) or any(a[0] >= b[0] for a, b in zip(self.steps, self.steps[1:])):
+                raise UsageError("--step-batch-size-schedule: thresholds must increase and batch sizes be >= 1")
+
+    @property
+    def varies(self) -> bool:
+        return len(self.sizes()) > 1
+
+    def sizes(self) -> list[int]:
+        """Every batch size the schedule can use, ascending."""
+        if self.rampup is not None:
+            return list(range(self.rampup[0], self.global_batch_size + 1, self.rampup[1]))
+        if self.steps is not None:
+            return sorted({b for _, b in self.steps})
+        return [self.global_batch_size]
+
+    def at(self, consumed: int) -> int:
+        """The batch of the iteration that starts after `consumed` samples (Megatron's arithmetic)."""
+        if self.rampup is not None:
+            start, inc, ramp = self.rampup
+            increments = (self.global_batch_size - start) // inc
+            if consumed > ramp or increments == 0 or ramp == 0:
+                return self.global_batch_size
+            return start + int(consumed / (ramp / increments)) * inc
+        if self.steps is not None:
+            return [b for t, b in self.steps if consumed >= t][-1]
+        return self.global_batch_size
+
+    def iterations(self, train_samples: int) -> int:
+        """Iterations that fit in `train_samples` (a last partial batch is dropped, as in Megatron)."""
+        last_change = self.rampup[2] if self.rampup else self.steps[-1][0] if self.steps else 0
+        consumed = iters = 0
+        while consumed <= last_change:  # the varying part, one iteration at a time
+            batch = self.at(consumed)
+            if consumed + batch > train_samples:
+                return iters
+            consumed, iters = consumed + batch, iters + 1
+        return iters + (train_samples - consumed) // self.global_batch_size
+
+
 @dataclass
 class TrainConfig:
-    global_batch_size: int
+    global_batch_size: int  # the full batch (after any ramp-up)
     train_iters: int
     seed: int = 1234
     pipeline_trace: str | None = None
@@ -195,6 +256,8 @@ class TrainConfig:
     exit_duration_in_mins: float | None = None
     tensorboard_dir: str | None = None
     log_throughput: bool = False
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
@@ -206,6 +269,30 @@ class TrainConfig:
     distributed_backend: str | None = None
     distributed_timeout_minutes: float = 10.0
     log_activation_memory: bool = False
+    train_samples: int | None = None  # --train-samples (train_iters is then derived from it)
+    batch_schedule: BatchSchedule | None = None  # None: constant global_batch_size
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1:
+            raise UsageError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        if self.train_iters < 1:
+            raise UsageError(f"--train-iters must be >= 1, got {self.train_iters}"
+                             + (f" (--train-samples {self.train_samples} holds no full batch)"
+                                if self.train_samples is not None else ""))
+        for flag, value in (("--log-interval", self.log_interval), ("--eval-interval", self.eval_interval)):
+            if value < 1:
+                raise UsageError(f"{flag} must be >= 1, got {value}")
+        if self.eval_iters < 0:
+            raise UsageError(f"--eval-iters must be >= 0, got {self.eval_iters}")
+        if self.save_interval is not None and self.save_interval < 1:
+            raise UsageError(f"--save-interval must be >= 1, got {self.save_interval}")
+        if not self.distributed_timeout_minutes > 0:
+            raise UsageError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes:g}")
+        if self.batch_schedule is None:
+            self.batch_schedule = BatchSchedule(self.global_batch_size)
+        elif self.batch_schedule.global_batch_size != self.global_batch_size:
+            raise UsageError(f"--global-batch-size {self.global_batch_size} differs from the batch schedule's "
+                             f"final batch {self.batch_schedule.global_batch_size}")
 
 
 def _check_lr(lr: float, min_lr: float) -> None:
@@ -264,13 +351,20 @@ class OptimizerConfig:
 
 @dataclass
 class LRConfig:
+    """The learning-rate schedule. As in Megatron it counts samples: iteration-based lengths (--lr-decay-iters,
+    --lr-warmup-iters) are multiplied by `global_batch_size`; with --train-samples the lengths are samples."""
+
     lr: float
     min_lr: float = 0.0
     lr_decay_style: str = "linear"
     lr_decay_iters: int | None = None  # None = train_iters
     lr_warmup_iters: int = 0
-    lr_warmup_fraction: float | None = None  # fraction of lr_decay_iters; excludes lr_warmup_iters
+    lr_warmup_fraction: float | None = None  # fraction of the decay length; excludes the other warm-up flags
     train_iters: int | None = None
+    global_batch_size: int = 1  # samples per iteration, for the iteration-based lengths
+    train_samples: int | None = None  # sample-based training (--train-samples)
+    lr_decay_samples: int | None = None  # None = train_samples
+    lr_warmup_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:
@@ -278,6 +372,28 @@ class LRConfig:
                 f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, not {self.lr_decay_style!r}"
             )
         _check_lr(self.lr, self.min_lr)
+        if self.global_batch_size < 1:
+            raise UsageError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        if self.lr_warmup_fraction is not None:
+            if self.lr_warmup_iters or self.lr_warmup_samples:
+                flag = "--lr-warmup-iters" if self.lr_warmup_iters else "--lr-warmup-samples"
+                raise UsageError(f"--lr-warmup-fraction and {flag} are mutually exclusive")
+            if not 0.0 <= self.lr_warmup_fraction < 1.0:
+                raise UsageError(f"--lr-warmup-fraction must be in [0, 1), got {self.lr_warmup_fraction}")
+        if self.train_samples is not None:
+            self._check_samples()
+        else:
+            self._check_iterations()
+        if self.warmup_steps >= self.decay_steps:
+            unit = "samples" if self.train_samples is not None else "iters"
+            raise UsageError(f"--lr-warmup-{unit} must end before --lr-decay-{unit} ends (warm-up "
+                             f"{self.warmup_steps:g} samples, decay {self.decay_steps:g} samples)")
+
+    def _check_iterations(self) -> None:
+        if self.lr_decay_samples is not None or self.lr_warmup_samples:
+            flag = "--lr-decay-samples" if self.lr_decay_samples is not None else "--lr-warmup-samples"
+            raise UsageError(f"{flag} needs sample-based training (--train-samples); with --train-iters use "
+                             f"{flag.replace('samples', 'iters')}")
         if self.lr_decay_iters is None:
             self.lr_decay_iters = self.train_iters
         if self.lr_decay_iters is None:
@@ -286,22 +402,34 @@ class LRConfig:
             raise UsageError(f"--lr-decay-iters must be > 0, got {self.lr_decay_iters}")
         if self.lr_warmup_iters < 0:
             raise UsageError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
-        if self.lr_warmup_fraction is not None:
-            if self.lr_warmup_iters:
-                raise UsageError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
-            if not 0.0 <= self.lr_warmup_fraction < 1.0:
-                raise UsageError(f"--lr-warmup-fraction must be in [0, 1), got {self.lr_warmup_fraction}")
-        if self.warmup_steps >= self.lr_decay_iters:
-            raise UsageError(
-                f"--lr-warmup-iters {self.warmup_steps:g} must be smaller than --lr-decay-iters {self.lr_decay_iters}"
-            )
+
+    def _check_samples(self) -> None:
+        if self.lr_decay_iters is not None or self.lr_warmup_iters:
+            flag = "--lr-decay-iters" if self.lr_decay_iters is not None else "--lr-warmup-iters"
+            raise UsageError(f"{flag} counts iterations; with --train-samples use "
+                             f"{flag.replace('iters', 'samples')}")
+        if self.lr_decay_samples is None:
+            self.lr_decay_samples = self.train_samples
+        if self.lr_decay_samples <= 0:
+            raise UsageError(f"--lr-decay-samples must be > 0, got {self.lr_decay_samples}")
+        if self.lr_warmup_samples < 0:
+            raise UsageError(f"--lr-warmup-samples must be >= 0, got {self.lr_warmup_samples}")
+
+    @property
+    def decay_steps(self) -> int:
+        """Decay length in samples."""
+        if self.train_samples is not None:
+            return self.lr_decay_samples
+        return self.lr_decay_iters * self.global_batch_size
 
     @property
     def warmup_steps(self) -> float:
-        """Warm-up length in iterations (fractional when given by --lr-warmup-fraction, like Megatron)."""
+        """Warm-up length in samples (fractional when given by --lr-warmup-fraction, like Megatron)."""
         if self.lr_warmup_fraction is not None:
-            return self.lr_warmup_fraction * self.lr_decay_iters
-        return float(self.lr_warmup_iters)
+            return self.lr_warmup_fraction * self.decay_steps
+        if self.train_samples is not None:
+            return float(self.lr_warmup_samples)
+        return float(self.lr_warmup_iters * self.global_batch_size)
 
 
 @dataclass
@@ -317,6 +445,10 @@ class DataConfig:
     merge_file: str | None = None
     vocab_size: int | None = None
     mock_data: bool = False
+
+    def __post_init__(self) -> None:
+        # Megatron reads the numbers out of --split: quotes a launch script kept, or spaces, do not matter
+        self.split = re.sub(r"[\s'\"]", "", str(self.split))
 
 
 @dataclass

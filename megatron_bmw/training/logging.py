@@ -1,9 +1,107 @@
-"""Megatron-format log lines and a TensorBoard writer that degrades to a no-op."""
+"""Megatron-format log lines, the statistics of a log interval, Megatron's FLOPs count, and a TensorBoard writer
+that degrades to a no-op."""
 
 from __future__ import annotations
 
+import datetime
 import math
+import time
 from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..config import ModelConfig
+from ..parallel.state import ParallelState
+from .optimizer import counts_in_grad_norm
+
+
+def timestamp() -> str:
+    """Megatron's ` [YYYY-MM-DD HH:MM:SS]` prefix of an iteration line (local time)."""
+    return f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
+
+
+def gpt_train_flops(model: ModelConfig, batch_size: int) -> float:
+    """FLOPs of one training iteration (forward and backward) of `batch_size` sequences, by Megatron-LM's
+    num_floating_point_operations for a GPT (no GQA, no SwiGLU, no MoE): 12 FLOPs per weight per token in the
+    transformer layers (3 passes x 2 per multiply-add x 2 GEMMs per block), causal attention counted half,
+    and the logit layer."""
+    h, s, L = model.hidden_size, model.seq_length, model.num_layers
+    attention = 12 * L * h * h * (2 + s / h / 2)
+    mlp = 12 * L * h * model.ffn_hidden_size
+    logits = 6 * h * model.vocab_size
+    return float(batch_size) * s * (attention + mlp + logits)
+
+
+def throughput_tflops(model: ModelConfig, batch_size: int, seconds_per_iteration: float, world_size: int) -> float:
+    """Megatron's `throughput per GPU (TFLOP/s/GPU)`."""
+    return gpt_train_flops(model, batch_size) / (seconds_per_iteration * 1e12 * world_size)
+
+
+def _counted(named_params, state: ParallelState) -> list[torch.nn.Parameter]:
+    """Each parameter once over the model-parallel ranks (as the grad norm counts them), trainable only."""
+    seen, out = set(), []
+    for _, p in named_params:
+        if p.requires_grad and id(p) not in seen and counts_in_grad_norm(p, state.tp_rank):
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _mp_sum(value: torch.Tensor, state: ParallelState) -> float:
+    if state.mp_group is not None:
+        dist.all_reduce(value, group=state.mp_group)
+    return float(value.item())
+
+
+@torch.no_grad()
+def params_norm(named_params, state: ParallelState) -> float:
+    """L2 norm of all model parameters (Megatron's `params norm`), over every model-parallel rank."""
+    sq = torch.zeros(1, dtype=torch.float64, device=state.device)
+    for p in _counted(named_params, state):
+        sq += p.detach().double().square().sum()
+    return _mp_sum(sq, state) ** 0.5
+
+
+@torch.no_grad()
+def num_zeros_in_grad(named_params, state: ParallelState) -> float:
+    """Zero entries of the gradients the optimizer just used (Megatron's `num zeros`), over every model-parallel
+    rank; gradients are the same on every data-parallel rank."""
+    zeros = torch.zeros(1, dtype=torch.float64, device=state.device)
+    for p in _counted(named_params, state):
+        g = getattr(p, "main_grad", None)
+        zeros += p.numel() if g is None else (g == 0).sum().double()
+    return _mp_sum(zeros, state)
+
+
+class IntervalStats:
+    """What one log interval saw: Megatron averages the loss over the iterations that were not skipped and omits
+    it when there were none; NaN losses are counted apart."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum, self.advanced, self.iterations, self.skipped, self.nan = 0.0, 0, 0, 0, 0
+        self.start = time.time()
+
+    def add(self, loss: float, successful: bool) -> None:
+        self.iterations += 1
+        if not math.isfinite(loss):
+            self.nan += 1
+        if not successful:
+            self.skipped += 1
+        elif math.isfinite(loss):
+            self.loss_sum += loss
+            self.advanced += 1
+
+    @property
+    def loss(self) -> float | None:
+        """Mean lm loss of the iterations that stepped; None when every one was skipped or NaN."""
+        return self.loss_sum / self.advanced if self.advanced else None
+
+    def seconds_per_iteration(self) -> float:
+        return (time.time() - self.start) / max(self.iterations, 1)
 
 
 def format_train_log(
@@ -21,16 +119,24 @@ def format_train_log(
     params_norm: float | None = None,
     skipped_iters: int = 0,
     nan_iters: int = 0,
+    throughput: float | None = None,
+    prefix: str = "",
 ) -> str:
-    """One training log line, field for field as Megatron prints it (`losses` already averaged)."""
+    """One training log line, field for field as Megatron prints it (`losses` already averaged; a loss that is
+    None is omitted, as Megatron omits an interval's loss when every iteration was skipped). `prefix`: Megatron's
+    ` [date time]` (see `timestamp`)."""
     parts = [
-        f" iteration {iteration:8d}/{train_iters:8d} |",
+        f"{prefix} iteration {iteration:8d}/{train_iters:8d} |",
         f" consumed samples: {consumed_samples:12d} |",
         f" elapsed time per iteration (ms): {elapsed_ms:.1f} |",
+    ]
+    if throughput is not None:
+        parts.append(f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |")
+    parts += [
         f" learning rate: {learning_rate:.6E} |",
         f" global batch size: {global_batch_size:5d} |",
     ]
-    parts += [f" {key}: {value:.6E} |" for key, value in losses.items()]
+    parts += [f" {key}: {value:.6E} |" for key, value in losses.items() if value is not None]
     parts.append(f" loss scale: {loss_scale:.1f} |")
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f} |")

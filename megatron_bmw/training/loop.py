@@ -1,32 +1,70 @@
-"""Pretraining loop: set-up from a RunConfig, then iterations, evaluation, logging and checkpoints."""
+"""Pretraining loop: set-up from a RunConfig, then iterations, evaluation, logging and checkpoints.
+
+Divergence (Megatron stops the run where ours used to skip every step and save the result): with bf16, fp32 or a
+constant fp16 --loss-scale, the first iteration whose lm loss or gradients are not finite stops the run, as
+Megatron's --check-for-nan-in-loss-and-grad does. With fp16 and dynamic loss scaling an overflow only skips the
+step and lowers the scale (normal early in training); the run stops when a step overflows although the scale
+was already at --min-loss-scale, so nothing is left to try. A diverged model is never saved: `TrainingDiverged`
+is raised on every rank at the same iteration (the ranks agree through one all-reduce), before any checkpoint.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from ..config import RunConfig
+from ..config import OptimizerConfig, RunConfig
 from ..data.builder import build_gpt_datasets
 from ..errors import UsageError
 from ..parallel.grad_sync import GradSync
 from ..parallel.random import get_rng_state, set_rng_state, set_seeds
 from ..parallel.state import ParallelState
+from ..pipeline.build import pipeline_schedule
 from ..pipeline.engine import PipelineEngine, reduce_loss
 from ..pipeline.stages import hidden_shape, pipeline_setup
 from ..pipeline.trace import Tracer
 from ..planner.profiler import measure_stage_times
 from .batches import MicroBatches
-from .checkpointing import load_checkpoint, read_tracker, save_checkpoint
-from .logging import TensorBoardWriter, format_train_log, format_validation_log
+from .checkpointing import TRACKER, load_checkpoint, read_tracker, save_checkpoint
+from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format_validation_log, num_zeros_in_grad,
+                      params_norm, throughput_tflops, timestamp)
 from .lr_scheduler import LRScheduler
-from .optimizer import build_optimizer
+from .optimizer import StepResult, build_optimizer
 
 TRACE_ITERATIONS = 20  # --pipeline-trace records this many iterations
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradients stopped being finite; the message is one line (the entry point exits with 1)."""
+
+
+def divergence(loss: float, step: StepResult, scale_before: float, cfg: OptimizerConfig) -> str | None:
+    """Why this iteration ends the run (see the module doc), or None."""
+    finite = math.isfinite(loss)
+    if cfg.fp16 and not cfg.loss_scale:
+        if step.successful or scale_before > cfg.min_loss_scale:
+            return None
+        what = f"lm loss is {loss}" if not finite else "the gradients overflow"
+        return f"{what} even at the minimum loss scale {cfg.min_loss_scale:g} (--min-loss-scale)"
+    if not finite:
+        return f"lm loss is {loss}"
+    if not step.successful:
+        return "the gradients are not finite (inf or nan)"
+    return None
+
+
+@dataclass
+class IterationResult:
+    loss: float  # mean lm loss over micro-batches and data-parallel ranks (known on every rank)
+    step: StepResult
+    batch_size: int  # the global batch this iteration consumed
+    scale_before: float  # the loss scale the iteration ran with
 
 
 def print_last(state: ParallelState, text: str) -> None:
@@ -55,11 +93,12 @@ class _Signal:
         self.received = True
 
 
-def _any_rank(flag: bool, state: ParallelState) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=state.device)
+def _agree(flags: list[bool], state: ParallelState) -> list[bool]:
+    """Each flag set on any rank, in one all-reduce."""
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=state.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(x) for x in t.tolist()]
 
 
 class Trainer:
@@ -69,11 +108,11 @@ class Trainer:
         tr, model, pl = run.train, run.model, run.pipeline
         set_seeds(tr.seed, state.tp_rank, state.pp_rank, state.rng)
         self.build_data()
-        shape = hidden_shape(model, state, pl.micro_batch_size)
+        self.shape = hidden_shape(model, state, pl.micro_batch_size)
 
         def measured_stage_times(chunks):  # for --microbatch-slicing auto
             batches = self.train_data.iteration(0, pl.num_microbatches)
-            return measure_stage_times(chunks, state, batches, shape, model.torch_dtype)
+            return measure_stage_times(chunks, state, batches, self.shape, model.torch_dtype)
 
         self.chunks, self.schedule, self.partition = pipeline_setup(model, state, tr.seed, pl,
                                                                     stage_times=measured_stage_times)
@@ -82,16 +121,39 @@ class Trainer:
         self.optimizer = build_optimizer(self.named_params, run.optimizer, state)
         self.scheduler = LRScheduler(self.optimizer, run.lr)
         self.tracer = Tracer(state.rank, state.pp_rank) if tr.pipeline_trace else None
-        self.engine = PipelineEngine(self.chunks, state, self.schedule, shape, model.torch_dtype, tracer=self.tracer,
-                                     track_activations=tr.log_activation_memory or track_memory)
+        self.track_activations = tr.log_activation_memory or track_memory
+        self.engine = self._new_engine(self.schedule)
+        # one schedule and engine per micro-batch count (a ramped-up batch changes the count); built up front
+        self.pipelines = {pl.num_microbatches: (self.schedule, self.engine)}
+        for size in tr.batch_schedule.sizes():
+            self._pipeline(self._microbatches(size), build_engine=False)
         self.iteration = 0
         self.consumed_train = 0
         self.consumed_valid = 0
         self.tb = TensorBoardWriter(tr.tensorboard_dir if state.rank == _world() - 1 else None)
         self.skipped = 0
+        self.traced = 0
         self.history: list[tuple[int, float, float | None]] = []  # (iteration, lm loss, grad norm)
         self.step_times: list[float] = []  # wall seconds of every training iteration
         self.plan_check: list[str] = []  # with --plan: predicted against measured (pretrain.py fills it)
+
+    # -- pipelines -------------------------------------------------------------------------------------------
+    def _new_engine(self, schedule) -> PipelineEngine:
+        return PipelineEngine(self.chunks, self.state, schedule, self.shape, self.run.model.torch_dtype,
+                              tracer=self.tracer, track_activations=self.track_activations)
+
+    def _microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.run.pipeline.micro_batch_size * self.state.dp_size)
+
+    def _pipeline(self, m: int, build_engine: bool = True) -> tuple:
+        """(schedule, engine) for m micro-batches per iteration (slicing and BPipe applied as for the full one)."""
+        schedule, engine = self.pipelines.get(m, (None, None))
+        if schedule is None:
+            schedule = pipeline_schedule(replace(self.run.pipeline, num_microbatches=m), self.state.pp_size)
+        if engine is None and build_engine:
+            engine = self._new_engine(schedule)
+        self.pipelines[m] = (schedule, engine)
+        return schedule, engine
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def _model_state(self) -> dict:
@@ -104,6 +166,7 @@ class Trainer:
         payload = {
             "iteration": self.iteration,
             "consumed_train_samples": self.consumed_train,
+            "consumed_valid_samples": self.consumed_valid,
             "args": self._args_dict(),
             "opt_param_scheduler": self.scheduler.state_dict(),
             "checkpoint_version": 3.0,
@@ -123,7 +186,9 @@ class Trainer:
                  data_parallel_size=self.state.dp_size, padded_vocab_size=r.model.vocab_size,
                  orig_vocab_size=r.orig_vocab_size, micro_batch_size=r.pipeline.micro_batch_size,
                  global_batch_size=r.train.global_batch_size, seed=r.train.seed, pipeline_partition=self.partition,
-                 params_dtype=str(r.model.torch_dtype))
+                 params_dtype=str(r.model.torch_dtype), consumed_train_samples=self.consumed_train,
+                 consumed_valid_samples=self.consumed_valid, train_iters=r.train.train_iters,
+                 train_samples=r.train.train_samples)
         return d
 
     def load(self) -> None:
@@ -131,13 +196,11 @@ class Trainer:
         if tr.load is None:
             return
         if read_tracker(tr.load) is None:
-            if tr.finetune or tr.load == tr.save:
-                print_first(self.state, f"WARNING: no checkpoint found in --load {tr.load}; starting from scratch")
-                return
-            raise UsageError(
-                f"--load {tr.load}: no checkpoint found (no latest_checkpointed_iteration.txt); "
-                "remove --load to start from scratch, or pass --finetune to start from scratch anyway"
-            )
+            if os.path.exists(tr.load) and not os.path.isdir(tr.load):
+                raise UsageError(f"--load {tr.load}: not a directory (give the checkpoint directory)")
+            print_first(self.state, f"WARNING: could not find the metadata file {os.path.join(tr.load, TRACKER)}\n"
+                                    "    will not load any checkpoints and will start from random")
+            return
         load_optim = tr.load_optim and not tr.finetune
         payload = load_checkpoint(tr.load, self.state, self.optimizer, load_optim=load_optim)
         for i, chunk in enumerate(self.chunks):
@@ -154,10 +217,15 @@ class Trainer:
         if tr.finetune:
             print_first(self.state, f" loaded weights from {tr.load} for finetuning (iteration reset to 0)")
             return
+        raw = payload.get("args")  # a dict here, an argparse.Namespace in Megatron-LM's checkpoints
+        args = raw if isinstance(raw, dict) else vars(raw) if hasattr(raw, "__dict__") else {}
+        saved_batch = int(args.get("global_batch_size") or tr.global_batch_size)
         self.iteration = int(payload.get("iteration", 0))
-        self.consumed_train = int(payload.get("consumed_train_samples", self.iteration * tr.global_batch_size))
+        self.consumed_train = int(payload.get("consumed_train_samples",
+                                              args.get("consumed_train_samples", self.iteration * saved_batch)))
+        self.consumed_valid = int(payload.get("consumed_valid_samples", args.get("consumed_valid_samples", 0)))
         if "opt_param_scheduler" in payload and load_optim:
-            self.scheduler.load_state_dict(payload["opt_param_scheduler"])
+            self.scheduler.load_state_dict(payload["opt_param_scheduler"], samples_per_iteration=saved_batch)
         if tr.load_rng and "rng_state" in payload:
             set_rng_state(payload["rng_state"], self.state.rng)
         print_first(self.state, f"  successfully loaded checkpoint from {tr.load} at iteration {self.iteration}")
@@ -165,8 +233,9 @@ class Trainer:
     # -- data ------------------------------------------------------------------------------------------------
     def build_data(self) -> None:
         tr, st = self.run.train, self.state
+        train = tr.train_samples if tr.train_samples is not None else tr.train_iters * tr.global_batch_size
         evals = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters
-        num = (tr.train_iters * tr.global_batch_size, evals * tr.global_batch_size, tr.eval_iters * tr.global_batch_size)
+        num = (train, evals * tr.global_batch_size, tr.eval_iters * tr.global_batch_size)
         seq = self.run.model.seq_length
         # rank 0 builds the index caches first and checks once that every token id fits the vocabulary
         datasets = None
@@ -185,37 +254,42 @@ class Trainer:
             raise UsageError("--split gives the training split no data")
 
     # -- steps -----------------------------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, object]:
-        tr = self.run.train
+    def train_step(self) -> IterationResult:
+        """One iteration at the global batch the batch schedule gives for the samples consumed so far."""
+        batch = self.run.train.batch_schedule.at(self.consumed_train)
+        m = self._microbatches(batch)
+        _, self.engine = self._pipeline(m)
         start = time.perf_counter()
         self.grad_sync.zero()
-        batches = self.train_data.iteration(self.consumed_train, self.run.pipeline.num_microbatches)
-        tracing = self.tracer is not None and len(self.tracer.events) < TRACE_ITERATIONS * len(
-            self.schedule.actions[self.state.pp_rank])
-        self.engine.tracer = self.tracer if tracing else None
-        result = self.engine.run(batches, loss_scale=self.optimizer.loss_scale if self.run.optimizer.fp16 else 1.0,
+        batches = self.train_data.iteration(self.consumed_train, m)
+        self.engine.tracer = self.tracer if self.traced < TRACE_ITERATIONS else None
+        self.traced += 1
+        scale = self.optimizer.loss_scale
+        result = self.engine.run(batches, loss_scale=scale if self.run.optimizer.fp16 else 1.0,
                                  grad_sync=self.grad_sync)
         step = self.optimizer.step()
         if step.successful:
-            self.scheduler.step(1)
+            self.scheduler.step(batch)  # the schedule counts samples, as Megatron's
         else:
             self.skipped += 1
-        loss = reduce_loss(result, self.state, self.run.pipeline.num_microbatches)
+        loss = reduce_loss(result, self.state, m)
         self.step_times.append(time.perf_counter() - start)
         self.iteration += 1
-        self.consumed_train += tr.global_batch_size
-        return loss, step
+        self.consumed_train += batch
+        return IterationResult(loss, step, batch, scale)
 
     def evaluate(self, data, iters: int) -> float | None:
+        """Mean loss over `iters` full global batches, continuing from the validation samples consumed so far."""
         if data is None or iters <= 0:
             return None
+        m = self.run.pipeline.num_microbatches
+        _, engine = self._pipeline(m)
         for c in self.chunks:
             c.eval()
         total = 0.0
         for _ in range(iters):
-            batches = data.iteration(self.consumed_valid, self.run.pipeline.num_microbatches)
-            total += reduce_loss(self.engine.run(batches, forward_only=True), self.state,
-                                 self.run.pipeline.num_microbatches)
+            batches = data.iteration(self.consumed_valid, m)
+            total += reduce_loss(engine.run(batches, forward_only=True), self.state, m)
             self.consumed_valid += self.run.train.global_batch_size
         for c in self.chunks:
             c.train()
@@ -226,49 +300,26 @@ class Trainer:
         tr, st = self.run.train, self.state
         sig = _Signal()
         start = time.time()
-        interval_loss, interval_count, interval_nan, interval_skipped = 0.0, 0, 0, 0
-        t_interval = time.time()
-        iters_in_interval = 0
+        interval = IntervalStats()
         while self.iteration < tr.train_iters:
-            loss, step = self.train_step()
-            self.history.append((self.iteration, loss, step.grad_norm))
-            iters_in_interval += 1
-            if not step.successful:
-                interval_skipped += 1
-            if math.isfinite(loss):
-                if step.successful:
-                    interval_loss += loss
-                    interval_count += 1
-            else:
-                interval_nan += 1
+            it = self.train_step()
+            self.history.append((self.iteration, it.loss, it.step.grad_norm))
+            interval.add(it.loss, it.step.successful)
+            why = divergence(it.loss, it.step, it.scale_before, self.run.optimizer)
+            late = tr.exit_duration_in_mins is not None and (time.time() - start) / 60.0 > tr.exit_duration_in_mins
+            diverged, signalled, late = _agree([why is not None, sig.received, late], st)
             if self.iteration % tr.log_interval == 0:
-                elapsed = (time.time() - t_interval) / iters_in_interval
-                avg = interval_loss / max(interval_count, 1)
-                print_last(st, format_train_log(
-                    iteration=self.iteration, train_iters=tr.train_iters, consumed_samples=self.consumed_train,
-                    elapsed_ms=elapsed * 1000.0, learning_rate=self.optimizer.get_lr(),
-                    global_batch_size=tr.global_batch_size, losses={"lm loss": avg},
-                    loss_scale=step.loss_scale, grad_norm=step.grad_norm, skipped_iters=interval_skipped,
-                    nan_iters=interval_nan))
-                tokens = tr.global_batch_size * self.run.model.seq_length
-                self.tb.add_scalars({"lm loss": avg, "learning-rate": self.optimizer.get_lr(),
-                                     "loss-scale": step.loss_scale, "grad-norm": step.grad_norm or 0.0,
-                                     "samples-per-second": tr.global_batch_size / elapsed,
-                                     "tokens-per-second": tokens / elapsed}, self.iteration)
-                interval_loss, interval_count, interval_nan, interval_skipped = 0.0, 0, 0, 0
-                iters_in_interval = 0
-                t_interval = time.time()
+                self._log(it, interval)
+                interval.reset()
+            if diverged:
+                raise TrainingDiverged(self._diverged_message(why))
             if tr.eval_interval and self.iteration % tr.eval_interval == 0 and self.valid_data is not None:
                 self._validate()
             saved = False
             if tr.save and tr.save_interval and self.iteration % tr.save_interval == 0:
                 self.save()
                 saved = True
-            stop = _any_rank(sig.received, st)
-            if tr.exit_duration_in_mins is not None:
-                stop = stop or _any_rank((time.time() - start) / 60.0 > tr.exit_duration_in_mins, st)
-            if tr.exit_interval and self.iteration % tr.exit_interval == 0:
-                stop = True
+            stop = signalled or late or bool(tr.exit_interval and self.iteration % tr.exit_interval == 0)
             if stop:
                 if tr.save and not saved:
                     self.save()
@@ -276,6 +327,34 @@ class Trainer:
                 return
         if tr.save and not (tr.save_interval and self.iteration % tr.save_interval == 0):
             self.save()
+
+    def _diverged_message(self, why: str | None) -> str:
+        saved = read_tracker(self.run.train.save) if self.run.train.save else None
+        where = f"the last checkpoint in {self.run.train.save} is iteration {saved}" if saved is not None else \
+            "nothing was saved"
+        return (f"training diverged at iteration {self.iteration}: {why or 'on another rank'}; the model is not "
+                f"saved ({where}); lower --lr or raise --clip-grad/--min-loss-scale and resume")
+
+    def _log(self, it: IterationResult, interval: IntervalStats) -> None:
+        tr, model = self.run.train, self.run.model
+        seconds = interval.seconds_per_iteration()
+        zeros = num_zeros_in_grad(self.named_params, self.state) \
+            if tr.log_num_zeros_in_grad and it.step.successful else None
+        norm = params_norm(self.named_params, self.state) if tr.log_params_norm else None
+        tflops = throughput_tflops(model, it.batch_size, seconds, _world()) if tr.log_throughput else None
+        lr = self.optimizer.get_lr()
+        print_last(self.state, format_train_log(
+            iteration=self.iteration, train_iters=tr.train_iters, consumed_samples=self.consumed_train,
+            elapsed_ms=seconds * 1000.0, learning_rate=lr, global_batch_size=it.batch_size,
+            losses={"lm loss": interval.loss}, loss_scale=it.step.loss_scale, grad_norm=it.step.grad_norm,
+            num_zeros=zeros, params_norm=norm, skipped_iters=interval.skipped, nan_iters=interval.nan,
+            throughput=tflops, prefix=timestamp()))
+        tokens = it.batch_size * model.seq_length
+        self.tb.add_scalars({"lm loss": interval.loss, "learning-rate": lr, "batch-size": it.batch_size,
+                             "loss-scale": it.step.loss_scale, "grad-norm": it.step.grad_norm,
+                             "num-zeros": zeros, "params-norm": norm, "throughput": tflops,
+                             "samples-per-second": it.batch_size / seconds,
+                             "tokens-per-second": tokens / seconds}, self.iteration)
 
     def _validate(self) -> None:
         loss = self.evaluate(self.valid_data, self.run.train.eval_iters)

@@ -1,7 +1,9 @@
 """Learning-rate schedule: linear warm-up from 0, then constant, linear or cosine decay to min_lr.
 
-Counted in iterations (`step(increment)` adds to the count). As in Megatron the schedule is evaluated at the
-current count before it is advanced, so the first iteration of a warm-up runs with lr 0.
+Counted in samples, as Megatron's optimizer-parameter scheduler: the loop calls `step(batch)` after every
+successful iteration with that iteration's global batch, so a ramped-up batch advances the schedule by what
+it consumed. The schedule is evaluated at the current count before it is advanced, so the first iteration of a
+warm-up runs with lr 0.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import math
 from typing import Protocol
 
 from ..config import LRConfig
+
+STEP_UNIT = "samples"  # what num_steps counts in checkpoints written since the count became samples
 
 
 class _HasLR(Protocol):
@@ -22,7 +26,7 @@ class LRScheduler:
         self.max_lr = cfg.lr
         self.min_lr = cfg.min_lr
         self.lr_decay_style = cfg.lr_decay_style
-        self.lr_decay_steps = cfg.lr_decay_iters
+        self.lr_decay_steps = cfg.decay_steps
         self.lr_warmup_steps = cfg.warmup_steps
         self.num_steps = 0
         self.step(0)
@@ -43,7 +47,7 @@ class LRScheduler:
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
     def step(self, increment: int = 1) -> float:
-        """Advance by `increment` iterations and push the new lr to the optimizer."""
+        """Advance by `increment` samples and push the new lr to the optimizer."""
         self.num_steps += increment
         lr = self.get_lr()
         if self.optimizer is not None:
@@ -58,15 +62,22 @@ class LRScheduler:
             "lr_decay_steps": self.lr_decay_steps,
             "lr_decay_style": self.lr_decay_style,
             "num_steps": self.num_steps,
+            "step_unit": STEP_UNIT,
         }
 
-    def load_state_dict(self, sd: dict, override: bool = False) -> None:
-        """Resume the count; the schedule comes from the checkpoint unless `override` keeps this run's settings."""
+    def load_state_dict(self, sd: dict, override: bool = False, samples_per_iteration: int = 1) -> None:
+        """Resume the count; the schedule comes from the checkpoint unless `override` keeps this run's settings.
+
+        A state without "step_unit" counted iterations (megatron_bmw before the count became samples) unless it
+        is Megatron-LM's own (it has "start_wd"); its counts are scaled by `samples_per_iteration`, the global
+        batch it was saved with."""
+        legacy = "step_unit" not in sd and "start_wd" not in sd
+        scale = samples_per_iteration if legacy else 1
         if not override:
             self.max_lr = sd["max_lr"]
             self.min_lr = sd["min_lr"]
-            self.lr_warmup_steps = sd["lr_warmup_steps"]
-            self.lr_decay_steps = sd["lr_decay_steps"]
+            self.lr_warmup_steps = sd["lr_warmup_steps"] * scale
+            self.lr_decay_steps = sd["lr_decay_steps"] * scale
             self.lr_decay_style = sd["lr_decay_style"]
         self.num_steps = 0
-        self.step(int(sd["num_steps"]))
+        self.step(int(sd["num_steps"]) * scale)

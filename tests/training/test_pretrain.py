@@ -16,9 +16,14 @@ BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-siz
         "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
         "--make-vocab-size-divisible-by", "4", "--attention-backend", "unfused"]
 LOG_RE = re.compile(
-    r" iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| elapsed time per iteration \(ms\): ([\d.]+) \| "
+    r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| elapsed time per iteration \(ms\): ([\d.]+) \| "
     r"learning rate: ([\d.E+-]+) \| global batch size:\s+(\d+) \| lm loss: ([\d.E+-]+) \| loss scale: ([\d.]+) \| "
     r"grad norm: ([\d.]+) \| number of skipped iterations:\s+(\d+) \| number of nan iterations:\s+(\d+) \|")
+
+
+def iteration_lines(stdout):
+    """The training log lines (Megatron's: a ` [date time]` prefix, then ` iteration ...`)."""
+    return [ln.split("]", 1)[1] for ln in stdout.splitlines() if ln.startswith(" [") and "] iteration" in ln]
 
 
 def _layout(tp, pp):
@@ -93,7 +98,7 @@ def test_cli_log_lines_parse_and_tensorboard(tmp_path):
     out = _cli(BASE + ["--train-iters", "4", "--tensorboard-dir", str(tb), "--eval-interval", "2",
                        "--no-masked-softmax-fusion"])
     assert out.returncode == 0, out.stderr
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(" iteration")]
+    lines = [ln for ln in out.stdout.splitlines() if "] iteration" in ln]
     assert len(lines) == 4
     parsed = [LOG_RE.match(ln) for ln in lines]
     assert all(parsed), lines[0]
@@ -114,7 +119,6 @@ def test_cli_log_lines_parse_and_tensorboard(tmp_path):
      "--microbatch-slicing needs an even --micro-batch-size"),
     (["--microbatch-slicing", "some"], {}, "--microbatch-slicing 'some'"),
     (["--pipeline-partition", "3,4"], {}, "--pipeline-partition: 2 entries given"),
-    (["--load", "/nonexistent/ckpt"], {}, "no checkpoint found"),
     (["--plan", "/nonexistent/plan.json"], {}, "--plan /nonexistent/plan.json: no such file"),
     (["--recompute-units", "none,full"], {}, "--recompute-units: 2 entries given, but the model has 6 units"),
 ])
@@ -125,19 +129,25 @@ def test_bad_input_one_line_exit_2(args, env, needle):
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
 
 
-def test_load_errors(tmp_path):
+def test_load_without_checkpoint_warns_and_starts_from_scratch(tmp_path):
+    """Megatron: --load of a directory without a tracker file warns and trains from random weights."""
     ckpt = str(tmp_path / "ckpt")
     ok = _cli(BASE + ["--train-iters", "3", "--save", ckpt])
     assert ok.returncode == 0, ok.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    out = _cli(BASE + ["--train-iters", "3", "--load", str(empty)])
-    assert out.returncode == 2 and "no checkpoint found" in out.stderr and len(out.stderr.strip().splitlines()) == 1
-    fresh = _cli(BASE + ["--train-iters", "3", "--load", str(empty), "--finetune"])
-    assert fresh.returncode == 0 and "starting from scratch" in fresh.stdout
+    for where in (str(empty), str(tmp_path / "missing")):
+        out = _cli(BASE + ["--train-iters", "3", "--load", where])
+        assert out.returncode == 0, out.stderr
+        assert "WARNING: could not find the metadata file" in out.stdout and "start from random" in out.stdout
+        assert iteration_lines(out.stdout)[0].startswith(" iteration        1/")
+    not_dir = tmp_path / "file.pt"
+    not_dir.write_text("x")
+    out = _cli(BASE + ["--train-iters", "3", "--load", str(not_dir)])
+    assert out.returncode == 2 and "not a directory" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     resumed = _cli(BASE + ["--train-iters", "4", "--load", ckpt, "--save", ckpt])
     assert resumed.returncode == 0 and "successfully loaded checkpoint" in resumed.stdout
-    assert [ln for ln in resumed.stdout.splitlines() if ln.startswith(" iteration")][0].startswith(" iteration        4/")
+    assert iteration_lines(resumed.stdout)[0].startswith(" iteration        4/")
 
 
 def _mismatch_case(rank, world_size, ckpt):
@@ -205,7 +215,7 @@ def test_sigterm_saves_and_exits(tmp_path):
                              "--save", ckpt], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=ROOT)
     for line in proc.stdout:
-        if line.startswith(" iteration        2/"):
+        if "] iteration        2/" in line:
             break
     time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
