@@ -176,6 +176,20 @@ def _mismatch(load_dir: str, saved: tuple[int, int], state: ParallelState) -> Us
     )
 
 
+def _read(load_dir: str, path: str, needs: str | None = None) -> dict:
+    """torch.load a checkpoint file that must hold a dict (with key `needs`); anything else is one error line."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise UsageError(f"--load {load_dir}: cannot read {path} (truncated or not a checkpoint: "
+                         f"{type(exc).__name__}: {reason})") from None
+    if not isinstance(data, dict) or (needs is not None and needs not in data):
+        what = f"a {type(data).__name__}" if not isinstance(data, dict) else f"a dict without {needs!r}"
+        raise UsageError(f"--load {load_dir}: {path} holds {what}, not a megatron_bmw checkpoint")
+    return data
+
+
 def load_checkpoint(
     load_dir: str,
     state: ParallelState,
@@ -200,10 +214,7 @@ def load_checkpoint(
     path = os.path.join(mp_dir, MODEL_FILE)
     if not os.path.isfile(path):
         raise UsageError(f"--load {load_dir}: checkpoint file {path} is missing")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
-        raise UsageError(f"--load {load_dir}: cannot read {path}: {type(exc).__name__}: {exc}") from exc
+    payload = _read(load_dir, path)
     args = payload.get("args") or {}
     get = args.get if isinstance(args, dict) else lambda key, default: getattr(args, key, default)
     saved_args = (get("tensor_model_parallel_size", state.tp_size), get("pipeline_model_parallel_size", state.pp_size))
@@ -219,7 +230,7 @@ def load_checkpoint(
         raise UsageError(f"--load {load_dir}: {path} has no optimizer state; load with --no-load-optim")
     distrib = os.path.join(mp_dir, DISTRIB_OPTIM_FILE)
     if os.path.isfile(distrib):
-        optim_sd["params"] = torch.load(distrib, map_location="cpu", weights_only=False)["params"]
+        optim_sd["params"] = _read(load_dir, distrib, "params")["params"]
     try:
         optimizer.load_state_dict(optim_sd)
     except ValueError as exc:
