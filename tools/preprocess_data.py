@@ -137,8 +137,34 @@ def main(argv: list[str] | None = None) -> int:
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype) for key, prefix in prefixes.items()}
 
+    try:
+        docs, tokens, progress = _tokenize_into(args, cfg, builders)
+    except BaseException:
+        _discard(builders, prefixes)
+        raise
+    if tokens == 0:
+        _discard(builders, prefixes)
+        what = "no documents (it is empty or holds only blank lines)" if docs == 0 else \
+            f"{docs} documents but no tokens (every {'/'.join(args.json_keys)} text is empty)"
+        raise UsageError(f"--input: {args.input} has {what}; nothing written")
+    for key, prefix in prefixes.items():
+        builders[key].finalize(prefix + ".idx")
+    progress(final=True)
+    return 0
+
+
+def _discard(builders: dict, prefixes: dict) -> None:
+    """Delete the unfinished outputs (and a stale .idx of the same prefix): no empty or half dataset is left."""
+    for key, builder in builders.items():
+        builder.abort()
+        if os.path.exists(prefixes[key] + ".idx"):
+            os.remove(prefixes[key] + ".idx")
+
+
+def _tokenize_into(args: argparse.Namespace, cfg: DataConfig, builders: dict):
+    """Stream `--input` into the builders; returns (documents, tokens, progress(final) printer)."""
     start = time.monotonic()
-    docs = nbytes = 0
+    docs = nbytes = tokens = 0
 
     def progress(final: bool = False) -> None:
         elapsed = max(time.monotonic() - start, 1e-9)
@@ -159,16 +185,14 @@ def main(argv: list[str] | None = None) -> int:
                     builder = builders[key]
                     if ids.size:
                         builder.add_item(ids)
+                        tokens += int(ids.size)
                     builder.end_document()
                 docs += 1
                 if docs % args.log_interval == 0:
                     progress()
         except UnicodeDecodeError as exc:
             raise UsageError(f"--input: {args.input} is not UTF-8 text ({exc.reason})") from None
-    for key, prefix in prefixes.items():
-        builders[key].finalize(prefix + ".idx")
-    progress(final=True)
-    return 0
+    return docs, tokens, progress
 
 
 if __name__ == "__main__":

@@ -252,6 +252,13 @@ class IndexedDatasetBuilder:
         self._file.close()
         _write_index(idx_path, self.dtype, np.asarray(self._lengths, dtype=np.int64), np.asarray(self._documents))
 
+    def abort(self) -> None:
+        """Close and delete the unfinished `.bin` file, leaving nothing behind."""
+        if not self._file.closed:
+            self._file.close()
+        if os.path.exists(self.bin_path):
+            os.remove(self.bin_path)
+
     def __enter__(self) -> IndexedDatasetBuilder:
         return self
 
