@@ -5,6 +5,7 @@
     autoconfig.py estimate --cluster a100-80g-ib --num-nodes 2 <pretrain_gpt.py flags> [--json]
     autoconfig.py simulate --cluster FILE.yaml [--profile prof.json] <flags> [--json] [--timeline out.png]
     autoconfig.py profile --output prof.json <model flags> [--profile-tp 1,2] [--analytic --cluster NAME]
+    autoconfig.py calibrate --results results.jsonl [--profile prof.json] --output calibrated.json
 """
 
 from __future__ import annotations
@@ -119,6 +120,14 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
                    help="the cluster device type this profile is for (with --analytic: which of the cluster's)")
     g.add_argument("--achievable-fraction", type=float, default=None,
                    help="with --analytic: of peak FLOP/s (default: the device type's, else 0.5)")
+    p = sub.add_parser("calibrate", help="fit the cost model to measured trials (tools/grid_search.py results)",
+                       allow_abbrev=False)
+    p.add_argument("--results", required=True, help="results JSONL written by tools/grid_search.py")
+    p.add_argument("--profile", action="append", default=[], help="the profile to calibrate (default: analytic)")
+    p.add_argument("--cluster", default="local", help="the cluster the trials ran on (name or YAML)")
+    p.add_argument("--output", required=True, help="calibrated profile JSON to write (for search --profile)")
+    p.add_argument("--overlap-factor", type=float, default=1.3, help="overlap factor to start from")
+    p.add_argument("--achievable-fraction", type=float, default=None, help="for the analytic start")
     return parser
 
 
@@ -294,8 +303,18 @@ def _profile(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    from .calibrate import run_calibrate
+
+    check_output_file("--output", args.output)
+    costs = CostSettings(achievable_fraction=args.achievable_fraction, overlap_factor=args.overlap_factor)
+    print(run_calibrate(args.results, args.cluster, args.profile, args.output, costs))
+    return 0
+
+
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
     parser = build_autoconfig_parser()
     args = parse_args(list(sys.argv[1:] if argv is None else argv), parser)
-    return {"estimate": _estimate, "simulate": _simulate, "profile": _profile, "search": _search}[args.command](args)
+    return {"estimate": _estimate, "simulate": _simulate, "profile": _profile, "search": _search,
+            "calibrate": _calibrate}[args.command](args)

@@ -1,0 +1,313 @@
+"""Calibrate the cost model on measured trials (`autoconfig.py calibrate --results results.jsonl`).
+
+The free parameters, each a factor on what the profile (or the analytic model) says:
+  time x per unit kind   embedding, attention, MLP, head: forward and backward times (what an achievable fraction
+                         per kind would do)
+  overhead x             the engine's per-action overhead, when the profile measured one
+  link bandwidth x, link latency x   the profile's measured links (local cluster; other clusters take their
+                         links from the cluster file, which calibrate leaves alone)
+  overlap factor         slowdown of overlapped gradient reduction (only with --overlap-grad-reduce trials, dp > 1)
+fitted by least squares on log iteration time (a coordinate pattern search in log space, no scipy), with a small
+pull toward the starting values so a factor the trials cannot see stays where it was. The memory allowance
+(fixed workspace + fragmentation on top) is fitted by linear least squares of the measured CUDA memory (device
+used, else reserved) against the memory model's peak without allowance.
+
+The output is the profile with the factors applied (unit times, overhead, links) plus a "calibration" section
+(the overlap factor and allowances, which live in flags, not profiles: `calibrate` prints them as flags for
+`search`), so `search --profile calibrated.json` takes it as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+
+from ..errors import UsageError
+from .cluster import Cluster
+from .cost_model import CostSettings
+from .evaluate import simulate_run
+from .memory_model import MemorySettings
+from .profile_data import Profile, Profiles
+
+KINDS = ("embedding", "attention", "mlp", "head")
+PULL = 1e-3  # weight of (log factor)^2 against the mean squared log error
+BOUNDS = {"overlap": (1.0, 4.0)}
+FACTOR_BOUNDS = (1e-2, 1e2)
+
+
+@dataclass
+class Params:
+    """Factors on the base profile and cluster, and the overlap factor."""
+
+    time: dict[str, float] = field(default_factory=lambda: {k: 1.0 for k in KINDS})
+    overhead: float = 1.0
+    bandwidth: float = 1.0
+    latency: float = 1.0
+    overlap: float = 1.3
+
+    def get(self, name: str) -> float:
+        return self.time[name[5:]] if name.startswith("time.") else getattr(self, name)
+
+    def set(self, name: str, value: float) -> Params:
+        out = copy.deepcopy(self)
+        if name.startswith("time."):
+            out.time[name[5:]] = value
+        else:
+            setattr(out, name, value)
+        return out
+
+
+def scaled_profile(base: Profile, p: Params) -> Profile:
+    out = copy.deepcopy(base)
+    for u in out.units:
+        k = p.time.get(u.kind, 1.0)
+        u.forward_s, u.backward_s = u.forward_s * k, u.backward_s * k
+    out.overhead = {key: v * p.overhead for key, v in out.overhead.items()}
+    for link in out.links.values():
+        link["bandwidth_Bps"] *= p.bandwidth
+        link["latency_s"] *= p.latency
+    return out
+
+
+@dataclass
+class Point:
+    """One measured trial as the fit sees it."""
+
+    id: str
+    spec: object  # RunSpec
+    schedule: object
+    measured_s: float
+    memory: dict  # stage -> measured memory entry
+
+
+class Fit:
+    """The trials, the base profile and cluster, and the objective over Params."""
+
+    def __init__(self, points: list[Point], model, base: Profile, costs: CostSettings) -> None:
+        """`model`: a trials.specs.TrialModel (cluster name, memory settings)."""
+        self.points, self.model, self.base, self.costs = points, model, base, costs
+        self.local = model.cluster == "local" and base.mode == "measured" and bool(base.links)
+        self.memory = model.memory_settings()
+        self._clusters: dict[int, Cluster] = {}  # base clusters by world size (not local: links are scaled)
+        self.evaluations = 0
+
+    def _cluster(self, world: int, prof: Profiles) -> Cluster:
+        if self.local:  # built from the scaled profile's links
+            return self.model.cluster_for(world, prof)
+        if world not in self._clusters:
+            self._clusters[world] = self.model.cluster_for(world, prof)
+        return self._clusters[world]
+
+    def predict(self, p: Params) -> list[float]:
+        prof = Profiles([scaled_profile(self.base, p)])
+        costs = replace(self.costs, overlap_factor=p.overlap)
+        clusters: dict[int, Cluster] = {}
+        out = []
+        for pt in self.points:
+            world = pt.spec.world_size
+            if world not in clusters:
+                clusters[world] = self._cluster(world, prof)
+            ev = simulate_run(pt.spec, clusters[world], prof, costs, self.memory,
+                              schedule=pt.schedule, memory_over_time=False)
+            out.append(ev.simulation.iteration_time)
+        self.evaluations += 1
+        return out
+
+    def loss(self, p: Params, start: Params) -> float:
+        pred = self.predict(p)
+        err = statistics.mean((math.log(a) - math.log(pt.measured_s)) ** 2 for a, pt in zip(pred, self.points))
+        pull = sum(math.log(p.get(n) / start.get(n)) ** 2 for n in self.free(start))
+        return err + PULL * pull
+
+    def free(self, start: Params) -> list[str]:
+        """The parameters the trials can see."""
+        names = [f"time.{k}" for k in KINDS]
+        if any(self.base.overhead.values()):
+            names.append("overhead")
+        if self.local and any(pt.spec.world_size > 1 for pt in self.points):
+            names += ["bandwidth", "latency"]  # only a local profile carries links; elsewhere the cluster file does
+        if any(pt.spec.overlap_grad_reduce and pt.spec.dp > 1 for pt in self.points):
+            names.append("overlap")
+        return names
+
+
+def pattern_search(fit: Fit, start: Params, steps=(2.0, 1.25, 1.06, 1.015), sweeps: int = 3) -> Params:
+    """Coordinate search in log space: per parameter, try the current value times step^k (k = -3..3), keep the
+    best; sweep all parameters until nothing improves, then take a finer step."""
+    best, best_loss = start, fit.loss(start, start)
+    names = fit.free(start)
+    for step in steps:
+        for _ in range(sweeps):
+            improved = False
+            for name in names:
+                lo, hi = BOUNDS.get(name, FACTOR_BOUNDS)
+                for k in (-3, -2, -1, 1, 2, 3):
+                    value = min(hi, max(lo, best.get(name) * step ** k))
+                    if value == best.get(name):
+                        continue
+                    cand = best.set(name, value)
+                    loss = fit.loss(cand, start)
+                    if loss < best_loss - 1e-12:
+                        best, best_loss, improved = cand, loss, True
+            if not improved:
+                break
+    return best
+
+
+# ---- memory allowance ------------------------------------------------------------------------------------------
+def _measured_total(entry: dict) -> float | None:
+    for key in ("device_used", "peak_reserved"):
+        if entry.get(key):
+            return float(entry[key])
+    return None
+
+
+def fit_allowance(points: list[Point]) -> tuple[float, float, int] | None:
+    """(workspace bytes, fragmentation, samples) from CUDA measurements: measured = w + (1 + f) x model."""
+    from .evaluate import estimate_memory
+
+    xs, ys = [], []
+    bare = MemorySettings(device="cuda")
+    for pt in points:
+        if not pt.memory:
+            continue
+        memory = estimate_memory(pt.spec, pt.schedule, bare)
+        for stage, entry in pt.memory.items():
+            total = _measured_total(entry)
+            if total is not None and 0 <= int(stage) < len(memory):
+                xs.append(memory[int(stage)].peak_bytes)
+                ys.append(total)
+    if not xs:
+        return None
+    n = len(xs)
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 1.0
+    slope = max(1.0, slope)
+    workspace = max(0.0, my - slope * mx)
+    return workspace, slope - 1.0, n
+
+
+# ---- the command ---------------------------------------------------------------------------------------------
+def _points(records: list[dict], model) -> tuple[list[Point], list[str]]:
+    points, notes = [], []
+    for r in records:
+        if r.get("status") != "ok" or not r.get("median_iteration_s"):
+            continue
+        try:
+            spec = model.spec(r)
+            points.append(Point(r["id"], spec, spec.build_schedule(), float(r["median_iteration_s"]),
+                                {k: v for k, v in (r.get("stage_memory") or {}).items() if int(k) >= 0}))
+        except UsageError as exc:
+            notes.append(f"trial {r['id']} left out: {exc}")
+    return points, notes
+
+
+def _base_profile(model, points: list[Point]) -> Profile:
+    """The one profile given, else an analytic one for the cluster's device type."""
+    types = model.profiles.by_type
+    if len(types) > 1 or sum(len(v) for v in types.values()) > 1:
+        raise UsageError("calibrate takes one --profile (one device type) at a time")
+    if types:
+        return next(iter(types.values()))[0]
+    from .profiler import ProfileSettings, analytic_profile
+
+    cluster = model.cluster_for(points[0].spec.world_size)
+    devices = {g.device.name: g.device for g in cluster.groups}
+    if len(devices) > 1:
+        raise UsageError(f"calibrate without --profile needs a cluster of one device type ({cluster.name} has "
+                         f"{', '.join(devices)})")
+    device = next(iter(devices.values()))
+    model_cfg = points[0].spec.model
+    return analytic_profile(model_cfg, device, ProfileSettings(micro_batch_sizes=(1, 2, 4, 8)),
+                            model.costs.fraction(device))
+
+
+def calibrate(records: list[dict], model, costs: CostSettings = CostSettings()) -> dict:
+    """Fit; returns {params, start, base, before, after, allowance, points, notes}."""
+    from ..trials.report import error_summary
+
+    points, notes = _points(records, model)
+    if len(points) < 2:
+        raise UsageError(f"calibrate needs at least 2 measured (ok) trials, the results have {len(points)}")
+    base = _base_profile(model, points)
+    model.profiles = Profiles([base])
+    fit = Fit(points, model, base, costs)
+    start = Params(overlap=costs.overlap_factor)
+    before = fit.predict(start)
+    params = pattern_search(fit, start)
+    after = fit.predict(params)
+    measured = [pt.measured_s for pt in points]
+    return {"params": params, "start": start, "base": base, "points": points, "notes": notes, "fit": fit,
+            "before": error_summary(before, measured), "after": error_summary(after, measured),
+            "predicted_before": before, "predicted_after": after, "allowance": fit_allowance(points)}
+
+
+def calibrated_profile_json(out: dict, results_path: str) -> dict:
+    p, fit = out["params"], out["fit"]
+    prof = scaled_profile(out["base"], p)
+    data = prof.to_json()
+    if prof.mode == "analytic":
+        data["device"] = {**data["device"], "calibrated": True}
+    flags = [f"--overlap-factor {p.overlap:.3g}"]
+    allowance = out["allowance"]
+    if allowance:
+        flags += [f"--memory-workspace-gb {allowance[0] / 2**30:.3g}", f"--memory-fragmentation {allowance[1]:.3g}"]
+    data["calibration"] = {
+        "results": results_path, "trials": len(out["points"]),
+        "time_factors": dict(p.time), "overhead_factor": p.overhead,
+        "link_bandwidth_factor": p.bandwidth, "link_latency_factor": p.latency,
+        "links": "fitted on the profile's links (local cluster)" if fit.local else "from the cluster file, not fitted",
+        "overlap_factor": p.overlap,
+        "memory_workspace_bytes": allowance[0] if allowance else None,
+        "memory_fragmentation": allowance[1] if allowance else None,
+        "before": _summary_json(out["before"]), "after": _summary_json(out["after"]),
+        "search_flags": " ".join(flags),
+    }
+    return data
+
+
+def _summary_json(s: dict) -> dict:
+    return {k: s[k] for k in ("n", "median_abs_error", "spearman", "pick_vs_best") if k in s}
+
+
+def calibration_table(out: dict) -> str:
+    p, s, fit = out["params"], out["start"], out["fit"]
+    free = set(fit.free(s))
+    rows = [(f"{k} time x", s.time[k], p.time[k], f"time.{k}") for k in KINDS]
+    rows += [("overhead x", s.overhead, p.overhead, "overhead"), ("link bandwidth x", s.bandwidth, p.bandwidth,
+             "bandwidth"), ("link latency x", s.latency, p.latency, "latency"),
+             ("overlap factor", s.overlap, p.overlap, "overlap")]
+    lines = [f"calibrated on {len(out['points'])} trials ({fit.evaluations} evaluations of the model)",
+             f"{'parameter':<22} {'before':>8} {'after':>8}"]
+    for label, a, b, name in rows:
+        lines.append(f"{label:<22} {a:8.3f} {b:8.3f}" + ("" if name in free else "   (not seen by these trials)"))
+    allowance = out["allowance"]
+    if allowance:
+        lines.append(f"{'memory workspace GiB':<22} {'-':>8} {allowance[0] / 2**30:8.3f}   ({allowance[2]} stage samples)")
+        lines.append(f"{'memory fragmentation':<22} {'-':>8} {allowance[1]:8.3f}")
+    else:
+        lines.append("memory allowance: no CUDA memory measurements in the results; unchanged")
+    b, a = out["before"], out["after"]
+    lines.append(f"{'median |error|':<22} {100 * b['median_abs_error']:7.1f}% {100 * a['median_abs_error']:7.1f}%")
+    lines.append(f"{'Spearman':<22} {b['spearman']:8.3f} {a['spearman']:8.3f}")
+    lines.append(f"{'pick vs best':<22} {100 * b['pick_vs_best']:7.1f}% {100 * a['pick_vs_best']:7.1f}%")
+    lines += out["notes"]
+    return "\n".join(lines)
+
+
+def run_calibrate(results_path: str, cluster: str, profile_paths: list[str], output: str,
+                  costs: CostSettings = CostSettings()) -> str:
+    """The `calibrate` subcommand: fit, write the profile, return the text to print."""
+    from ..trials.results import load_results
+    from ..trials.specs import TrialModel
+    from .files import write_json
+
+    model = TrialModel.from_paths(cluster, profile_paths, costs)
+    out = calibrate(load_results(results_path), model, costs)
+    data = calibrated_profile_json(out, results_path)
+    write_json(output, data, "--output", "profile")
+    return (calibration_table(out) + f"\nprofile written to {output}: autoconfig.py search --profile {output} "
+            f"{data['calibration']['search_flags']}")

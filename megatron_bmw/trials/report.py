@@ -1,0 +1,132 @@
+"""The sweep's report: trials sorted by measured throughput with the planner's prediction beside them, a summary
+(median |error|, Spearman of predicted against measured, how far the predicted-fastest trial is from the
+measured best), and a predicted-vs-measured PNG."""
+
+from __future__ import annotations
+
+import statistics
+
+from .grid import layout_label
+
+GiB = 2**30
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation (ties share their mean rank)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    if len(xs) < 2:
+        return float("nan")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def error_summary(predicted: list[float], measured: list[float]) -> dict:
+    """Median |predicted - measured| / measured, Spearman, and the measured cost of trusting the prediction:
+    how much slower the predicted-fastest trial ran than the measured-fastest one."""
+    if not measured:
+        return {"n": 0}
+    errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
+    fastest = min(predicted)
+    tied = [i for i, p in enumerate(predicted) if p <= fastest * (1 + 1e-9)]
+    pick = max(tied, key=lambda i: measured[i])  # a tie is settled against the prediction
+    return {"n": len(measured), "median_abs_error": statistics.median(errors),
+            "spearman": spearman(predicted, measured), "pick_index": pick,
+            "pick_vs_best": measured[pick] / min(measured) - 1}
+
+
+def measured_rows(records: list[dict]) -> list[dict]:
+    """ok trials, fastest throughput first."""
+    ok = [r for r in records if r.get("status") == "ok" and r.get("median_iteration_s")]
+    return sorted(ok, key=lambda r: -(r.get("tokens_per_s") or 0.0))
+
+
+def _label(r: dict) -> str:
+    return layout_label(r["layout"]) if r.get("layout") else r.get("label") or " ".join(r.get("argv", []))[:48]
+
+
+def _size(nbytes: float | None) -> str:
+    if not nbytes:
+        return "-"
+    return f"{nbytes / GiB:.2f}G" if nbytes >= GiB else f"{nbytes / 2**20:.1f}M"
+
+
+def table(records: list[dict], predictions: dict[str, float]) -> str:
+    rows = measured_rows(records)
+    width = max([len(_label(r)) for r in records] + [6])
+    lines = [f"{'#':>3} {'trial':<12} {'layout':<{width}} {'iter s':>9} {'tokens/s':>10} {'pred s':>9} "
+             f"{'error':>7} {'peak mem':>9}"]
+    for i, r in enumerate(rows, 1):
+        pred = predictions.get(r["id"])
+        err = f"{100 * (pred / r['median_iteration_s'] - 1):+6.1f}%" if pred else f"{'-':>7}"
+        mem = f"{_size(r.get('peak_memory_bytes')):>9}"
+        lines.append(f"{i:>3} {r['id']:<12} {_label(r):<{width}} {r['median_iteration_s']:9.4f} "
+                     f"{r.get('tokens_per_s') or 0:10.0f} {(f'{pred:9.4f}' if pred else f'{chr(45):>9}')} "
+                     f"{err} {mem}")
+    others = [r for r in records if r.get("status") != "ok" or not r.get("median_iteration_s")]
+    for r in sorted(others, key=lambda r: r.get("status", "")):
+        reason = (r.get("reason") or "").replace("\n", " ")
+        lines.append(f"{'-':>3} {r['id']:<12} {_label(r):<{width}} {r.get('status', '?'):>9}  {reason[:100]}")
+    counts = {}
+    for r in records:
+        counts[r.get("status")] = counts.get(r.get("status"), 0) + 1
+    lines.append(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    paired = [(predictions[r["id"]], r["median_iteration_s"], i) for i, r in enumerate(rows, 1)
+              if predictions.get(r["id"])]
+    if paired:
+        s = error_summary([p for p, _, _ in paired], [m for _, m, _ in paired])
+        lines.append(f"prediction over {s['n']} trials: median |error| {100 * s['median_abs_error']:.1f}%, Spearman "
+                     f"{s['spearman']:.3f}; the predicted fastest (#{paired[s['pick_index']][2]}) ran "
+                     f"{100 * s['pick_vs_best']:.1f}% slower than the measured best")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], predictions: dict[str, float], path: str) -> str:
+    """Write the predicted-vs-measured PNG; returns a note (the path, or why there is none)."""
+    rows = [(i, predictions[r["id"]], r["median_iteration_s"]) for i, r in enumerate(measured_rows(records), 1)
+            if predictions.get(r["id"])]
+    if not rows:
+        return "no PNG: no trial has both a measurement and a prediction"
+    try:
+        import matplotlib
+    except ImportError:
+        return "no PNG: matplotlib is not installed"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [p * 1e3 for _, p, _ in rows]
+    ys = [m * 1e3 for _, _, m in rows]
+    fig, ax = plt.subplots(figsize=(6, 6))
+    ax.scatter(xs, ys, s=18, color="#4C72B0")
+    for (i, _, _), x, y in zip(rows, xs, ys):
+        ax.annotate(str(i), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+    lo, hi = min(xs + ys) * 0.9, max(xs + ys) * 1.1
+    ax.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8, linestyle="--", label="predicted = measured")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("predicted iteration time (ms)")
+    ax.set_ylabel("measured iteration time (ms)")
+    s = error_summary([p for _, p, _ in rows], [m for _, _, m in rows])
+    ax.set_title(f"{s['n']} trials: median |error| {100 * s['median_abs_error']:.1f}%, Spearman {s['spearman']:.2f}",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"predicted vs measured written to {path}"

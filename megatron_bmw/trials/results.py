@@ -1,0 +1,85 @@
+"""The results file: JSON lines, one object per trial attempt, appended and flushed as the sweep goes.
+
+A trial's latest line decides its state. `running` is written when a trial starts, so a sweep killed in the
+middle leaves that trial unfinished and the next sweep runs it again; the final statuses are
+  ok          ran; median iteration time and throughput measured
+  oom         out of memory (CUDA's message in the output, or a plan check above the device's capacity)
+  crash       non-zero exit, or no iteration line after warm-up (the last `error:` line kept)
+  hang        still running at --trial-timeout; killed with its whole process tree
+  infeasible  refused before launch (the reason is what pretrain_gpt.py would have said)
+A line cut short by a kill is skipped when reading. One sweep at a time may write a file (a lock beside it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ..errors import UsageError
+
+FINAL = ("ok", "oom", "crash", "hang", "infeasible")
+
+
+class Results:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.latest: dict[str, dict] = {}
+        self.attempts: dict[str, int] = {}
+        self._lock = None
+        if os.path.exists(path):
+            self._read()
+
+    def _read(self) -> None:
+        try:
+            with open(self.path) as f:
+                lines = f.readlines()
+        except OSError as exc:
+            raise UsageError(f"--results {self.path}: cannot read it ({exc.strerror})") from None
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+            if isinstance(record, dict) and "id" in record:
+                self.latest[record["id"]] = record
+                if record.get("status") == "running":
+                    self.attempts[record["id"]] = self.attempts.get(record["id"], 0) + 1
+
+    def lock(self) -> None:
+        """Hold an exclusive lock on `<results>.lock` until the process ends."""
+        import fcntl
+
+        folder = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--results {self.path}: folder {folder} does not exist")
+        self._lock = open(self.path + ".lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UsageError(f"--results {self.path}: another sweep is writing it") from None
+
+    def done(self, trial_id: str, retry: tuple[str, ...] = ()) -> bool:
+        status = self.latest.get(trial_id, {}).get("status")
+        return status in FINAL and status not in retry
+
+    def append(self, record: dict) -> None:
+        self.latest[record["id"]] = record
+        if record.get("status") == "running":
+            self.attempts[record["id"]] = self.attempts.get(record["id"], 0) + 1
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise UsageError(f"--results {self.path}: cannot write it ({exc.strerror})") from None
+
+    def final_records(self) -> list[dict]:
+        return [r for r in self.latest.values() if r.get("status") in FINAL]
+
+
+def load_results(path: str) -> list[dict]:
+    """The latest final record of every trial in a results file (for reports and calibration)."""
+    if not os.path.exists(path):
+        raise UsageError(f"--results {path}: no such file")
+    return Results(path).final_records()
