@@ -1,0 +1,162 @@
+"""Megatron-LM flags real launch scripts use, and flag values refused with one line naming the flag."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_bmw.arguments import IGNORED_KERNEL_FLAGS, IGNORED_LOGGING_FLAGS, configs_from_args, parse_args
+from megatron_bmw.data.gpt_dataset import parse_split
+from megatron_bmw.errors import UsageError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "1", "--make-vocab-size-divisible-by", "4"]
+
+
+def _run(extra, world=1):
+    return configs_from_args(parse_args(BASE + extra), world)
+
+
+def _refused(extra, needle, world=1):
+    with pytest.raises(UsageError) as err:
+        _run(extra, world)
+    message = str(err.value)
+    assert needle in message and "\n" not in message, message
+    return message
+
+
+# ---- refused values (exit 2 through the entry point) -------------------------------------------------------------
+@pytest.mark.parametrize("extra,needle", [
+    (["--global-batch-size", "0"], "--global-batch-size must be >= 1"),
+    (["--save-interval", "0"], "--save-interval must be >= 1"),
+    (["--save-interval", "-3"], "--save-interval must be >= 1"),
+    (["--eval-iters", "-1"], "--eval-iters must be >= 0"),
+    (["--ffn-hidden-size", "0"], "--ffn-hidden-size must be >= 1"),
+    (["--hidden-dropout", "1.0"], "--hidden-dropout must be in [0, 1)"),
+    (["--hidden-dropout", "-0.1"], "--hidden-dropout must be in [0, 1)"),
+    (["--attention-dropout", "1.5"], "--attention-dropout must be in [0, 1)"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be > 0"),
+    (["--distributed-timeout-minutes", "-5"], "--distributed-timeout-minutes must be > 0"),
+    (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-num-layers is missing"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "5"],
+     "between 1 and 4"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "0"],
+     "between 1 and 4"),
+    (["--position-embedding-type", "rope"], "--position-embedding-type rope: not supported"),
+    (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: not supported"),
+    (["--ckpt-format", "zarr"], "--ckpt-format zarr: not supported"),
+    (["--ckpt-format", "nope"], "--ckpt-format nope: unknown"),
+    (["--train-iters", "5", "--train-samples", "40"], "give --train-iters or --train-samples, not both"),
+    (["--train-samples", "0"], "--train-samples must be >= 1"),
+    (["--global-batch-size", "8", "--train-samples", "7"], "--train-iters must be >= 1"),
+])
+def test_refused(extra, needle):
+    _refused(extra, needle)
+
+
+def test_recompute_block_counts_layers_per_pipeline_stage():
+    pp2 = ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method", "block"]
+    _refused(pp2 + ["--recompute-num-layers", "3"], "between 1 and 2 (layers per stage)", world=2)
+    run = _run(pp2 + ["--recompute-num-layers", "2"], world=2)
+    assert run.pipeline.recompute.count("full") == 8  # every layer's two units
+    assert _run(pp2 + ["--recompute-num-layers", "1"], world=2).pipeline.recompute.count("full") == 4
+
+
+def test_interleaved_count_names_flags_that_exist():
+    msg = _refused(["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+                    "--global-batch-size", "3"], "--global-batch-size 3 gives 3 micro-batches", world=2)
+    assert "--num-microbatches" not in msg
+
+
+# ---- batch ramp-up and step schedules ----------------------------------------------------------------------------
+def test_rampup_and_train_samples():
+    run = _run(["--global-batch-size", "32", "--rampup-batch-size", "8", "8", "100", "--train-samples", "1000"], 2)
+    tr = run.train
+    assert tr.train_iters == 36 and tr.train_samples == 1000 and tr.global_batch_size == 32
+    assert tr.batch_schedule.sizes() == [8, 16, 24, 32] and run.pipeline.num_microbatches == 16
+    assert run.lr.decay_steps == 1000
+    # Megatron refuses a ramp with --train-iters (its own 175B example script trips on it); here it runs, the
+    # LR schedule measured in iterations of the full batch
+    it = _run(["--global-batch-size", "32", "--rampup-batch-size", "8", "8", "100", "--train-iters", "50"], 2)
+    assert it.train.train_iters == 50 and it.lr.decay_steps == 50 * 32
+
+
+def test_step_schedule_sets_the_batch():
+    run = _run(["--step-batch-size-schedule", "0:4 160:8", "--train-samples", "100"])  # 160 tokens = 10 samples
+    assert run.train.global_batch_size == 8 and run.train.batch_schedule.steps == ((0, 4), (10, 8))
+    assert run.train.train_iters == 3 + 11  # 3 x 4 to 12 samples, then 11 x 8
+    _refused(["--step-batch-size-schedule", "0:4 160:8", "--global-batch-size", "4"], "differs from the last batch 8")
+    assert _run(["--step-batch-size-schedule", "0:4 160:8", "--global-batch-size", "8"]).train.global_batch_size == 8
+    _refused(["--step-batch-size-schedule", "0:4", "--rampup-batch-size", "2", "2", "10"], "mutually exclusive")
+
+
+@pytest.mark.parametrize("extra,needle,world", [
+    (["--global-batch-size", "8", "--rampup-batch-size", "3", "5", "100"], "global batch 3 is not divisible", 2),
+    (["--rampup-batch-size", "2", "2", "100"], "--rampup-batch-size needs --global-batch-size", 1),
+    (["--global-batch-size", "8", "--rampup-batch-size", "2", "2", "10", "--microbatch-slicing", "auto",
+      "--micro-batch-size", "2"], "--microbatch-slicing auto", 1),
+    (["--global-batch-size", "16", "--rampup-batch-size", "4", "4", "10", "--microbatch-slicing", "4",
+      "--micro-batch-size", "2"], "fewer than --microbatch-slicing 4", 1),
+    (["--global-batch-size", "8", "--rampup-batch-size", "2", "2", "10", "--plan", "p.json"], "--plan p.json", 1),
+    (["--global-batch-size", "8", "--rampup-batch-size", "2", "1", "10", "--pipeline-model-parallel-size", "2",
+      "--virtual-pipeline-model-parallel-size", "2"], "global batch 3 gives 3 micro-batches, not a multiple", 2),
+    (["--global-batch-size", "8", "--step-batch-size-schedule", "0:3 16:8"], "global batch 3 is not divisible", 2),
+])
+def test_varying_batch_refusals(extra, needle, world):
+    _refused(extra, needle, world)
+
+
+def test_rampup_with_bpipe_interleaving_allowed_where_counts_fit():
+    run = _run(["--global-batch-size", "8", "--rampup-batch-size", "4", "2", "10", "--pipeline-model-parallel-size",
+                "2", "--virtual-pipeline-model-parallel-size", "2"], world=2)
+    assert run.train.batch_schedule.sizes() == [4, 6, 8]
+    assert _run(["--global-batch-size", "8", "--rampup-batch-size", "2", "2", "10", "--pipeline-model-parallel-size",
+                 "4", "--bpipe"], world=4).pipeline.bpipe
+
+
+# ---- aliases and accepted values ---------------------------------------------------------------------------------
+def test_aliases_and_accepted_megatron_values():
+    run = _run(["--norm-epsilon", "1e-6", "--position-embedding-type", "learned_absolute", "--ckpt-format", "torch"])
+    assert run.model.layernorm_epsilon == 1e-6
+    args = parse_args(BASE + ["--log-params-norm", "--log-num-zeros-in-grad", "--log-throughput"])
+    tr = configs_from_args(args, 1).train
+    assert tr.log_params_norm and tr.log_num_zeros_in_grad and tr.log_throughput
+    assert "--log-params-norm" not in IGNORED_LOGGING_FLAGS and "--log-num-zeros-in-grad" not in IGNORED_KERNEL_FLAGS
+
+
+@pytest.mark.parametrize("text", ["949,50,1", "'949,50,1'", '"949,50,1"', "949/50/1", "'949/50/1'", "949, 50, 1"])
+def test_split_as_megatron_reads_it(text):
+    split = _run(["--split", text]).data.split
+    assert parse_split(split) == pytest.approx([0.949, 0.05, 0.001])
+
+
+def test_ignored_flags_are_split_by_kind():
+    args = parse_args(BASE + ["--no-masked-softmax-fusion", "--transformer-impl", "local", "--log-timers-to-tensorboard",
+                              "--tensorboard-queue-size", "5", "--data-impl", "mmap"])
+    assert args.ignored_kernel_flags == ["--no-masked-softmax-fusion", "--transformer-impl", "--data-impl"]
+    assert args.ignored_logging_flags == ["--log-timers-to-tensorboard", "--tensorboard-queue-size"]
+    assert args.ignored_flags == ["--no-masked-softmax-fusion", "--transformer-impl", "--log-timers-to-tensorboard",
+                                  "--tensorboard-queue-size", "--data-impl"]
+    assert not set(IGNORED_KERNEL_FLAGS) & set(IGNORED_LOGGING_FLAGS)
+
+
+def test_train_iters_defaults_to_10():
+    assert _run([]).train.train_iters == 10
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--global-batch-size", "0"], "error: --global-batch-size must be >= 1, got 0"),
+    (["--save-interval", "0"], "error: --save-interval must be >= 1, got 0"),
+    (["--hidden-dropout", "1"], "error: --hidden-dropout must be in [0, 1), got 1.0"),
+    (["--position-embedding-type", "rope"], "error: --position-embedding-type rope: not supported"),
+    (["--rampup-batch-size", "2", "2"], "error: argument --rampup-batch-size: expected 3 arguments"),
+])
+def test_cli_one_line_exit_2(extra, needle):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *BASE, "--train-iters", "2", *extra],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(needle), out.stderr
