@@ -21,6 +21,7 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabPara
 from ..parallel.mappings import scatter_to_sp
 from ..parallel.random import checkpoint
 from ..parallel.state import ParallelState
+from .softmax import causal_softmax
 from ..units import unit_names
 
 __all__ = ["GPTModel", "build_units", "unit_names"]
@@ -116,9 +117,7 @@ class Attention(Unit):
         with self.state.rng.fork():
             if self.flash:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
-            causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
-            probs = scores.float().masked_fill(causal, float("-inf")).softmax(dim=-1).to(q.dtype)
+            probs = causal_softmax(torch.matmul(q, k.transpose(-1, -2)), 1.0 / math.sqrt(self.head_dim))
             if p > 0.0:
                 probs = F.dropout(probs, p, True)
             return torch.matmul(probs, v)

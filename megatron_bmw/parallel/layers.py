@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .init import shard
-from .mappings import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
+from .mappings import (copy_to_tp, gather_along, gather_from_tp, reduce_from_tp, reduce_scatter_along,
+                       reduce_scatter_to_sp)
 from .state import ParallelState
 
 
@@ -21,6 +22,35 @@ def _param(full: torch.Tensor, state: ParallelState, dim: int | None, dtype: tor
     p.tensor_model_parallel = dim is not None and state.tp_size > 1
     p.partition_dim = dim
     return p
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """Y = all-gather(X) A^T + b over the sequence, saving only this rank's sequence part of X: the backward
+    gathers it again for A's gradient and reduce-scatters X's gradient (Megatron's sequence-parallel linear)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(gather_along(x, 0, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        total = gather_along(x, 0, ctx.group)
+        grad_x = reduce_scatter_along(g.matmul(weight), 0, ctx.group)
+        g2 = g.reshape(-1, g.size(-1))
+        grad_w = g2.t().matmul(total.reshape(-1, total.size(-1)))
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             state: ParallelState) -> torch.Tensor:
+    """F.linear on the tensor-parallel input: all-gathered over the sequence with SP, else copied to tp."""
+    if state.sequence_parallel and state.tp_size > 1:
+        return _GatheredLinear.apply(x, weight, bias, state.tp_group)
+    return F.linear(copy_to_tp(x, state.tp_group), weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -35,10 +65,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param(bias, state, 0, dtype) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group = self.state.tp_group
-        x = gather_from_sp(x, group) if self.state.sequence_parallel else copy_to_tp(x, group)
-        y = F.linear(x, self.weight, self.bias)
-        return gather_from_tp(y, group) if self.gather_output else y
+        y = sequence_parallel_linear(x, self.weight, self.bias, self.state)
+        return gather_from_tp(y, self.state.tp_group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -81,6 +109,4 @@ class VocabParallelEmbedding(nn.Module):
 
 def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Logits split over the vocabulary: [s, b, h] x [v/t, h] -> [s, b, v/t]."""
-    group = state.tp_group
-    x = gather_from_sp(hidden, group) if state.sequence_parallel else copy_to_tp(hidden, group)
-    return F.linear(x, weight)
+    return sequence_parallel_linear(hidden, weight, None, state)

@@ -29,7 +29,8 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
-def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """All-gather `x` over `group` along `dim` (not autograd-aware)."""
     n = group_size(group)
     if n == 1:
         return x
@@ -39,7 +40,8 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum `x` over `group` and keep this rank's part along `dim` (not autograd-aware)."""
     n = group_size(group)
     if n == 1:
         return x
@@ -79,14 +81,14 @@ class _ScatterToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, -1, ctx.group), None
+        return gather_along(g, -1, ctx.group), None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather(x, -1, group)
+        return gather_along(x, -1, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -101,7 +103,7 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, 0, ctx.group), None
+        return gather_along(g, 0, ctx.group), None
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -110,12 +112,12 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, tp_output_grad):
         ctx.group, ctx.tp_output_grad = group, tp_output_grad
-        return _gather(x, 0, group)
+        return gather_along(x, 0, group)
 
     @staticmethod
     def backward(ctx, g):
         if ctx.tp_output_grad:
-            return _reduce_scatter(g, 0, ctx.group), None, None
+            return reduce_scatter_along(g, 0, ctx.group), None, None
         return _split(g, 0, ctx.group), None, None
 
 
@@ -123,11 +125,11 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, 0, group)
+        return reduce_scatter_along(x, 0, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, 0, ctx.group), None
+        return gather_along(g, 0, ctx.group), None
 
 
 def copy_to_tp(x, group):

@@ -44,6 +44,25 @@ def _key(a: Action) -> tuple:
     return (a.microbatch, a.chunk, a.half)
 
 
+def backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """torch.autograd.backward(output, grad) without its shape check: `output`'s data may be freed already."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        (output,), (grad,), keep_graph=False, create_graph=False, inputs=(), allow_unreachable=True,
+        accumulate_grad=True)
+
+
+def _sent(entry: tuple) -> bool:
+    """Has this send completed? Then free the stage output it sent, which backward needs only for its graph
+    (Megatron's deallocate_output_tensor): the next stage holds the values."""
+    work, _, slot = entry
+    if not work.is_completed():
+        return False
+    out = slot.output if slot is not None else None
+    if out is not None and out._base is None and out.numel() > 1:
+        out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+    return True
+
+
 class PipelineEngine:
     def __init__(self, chunks: list[nn.Module], state: ParallelState, schedule: Schedule,
                  hidden_shape: tuple[int, int, int], dtype: torch.dtype, tracer=None,
@@ -118,7 +137,7 @@ class PipelineEngine:
             if pending:
                 self._post(pending, slots, recvs, sends)
                 pending.clear()
-                sends[:] = [(w, t) for w, t in sends if not w.is_completed()]  # free what has gone out
+                sends[:] = [entry for entry in sends if not _sent(entry)]  # free what has gone out
 
         ctx = torch.no_grad() if forward_only else torch.enable_grad()
         settle = False  # BPipe sends posted before the last compute are completed once its own posts are out
@@ -147,8 +166,9 @@ class PipelineEngine:
                 if self.tracer is not None:
                     self.tracer.record(a, t0, time.time())
             flush()
-            for work, _ in sends:
-                work.wait()
+            for entry in sends:
+                entry[0].wait()
+                _sent(entry)
             if runner is not None:
                 runner.finish()
         if grad_sync is not None and not forward_only:
@@ -170,9 +190,10 @@ class PipelineEngine:
                 tensor = (slot.input.grad if grad else slot.output).detach().contiguous()
                 if grad or not torch.is_grad_enabled():  # nothing of this slot is needed after the send
                     slots.pop(_key(a))
+                    slot = None
                 group = self.state.p2p_group(self.state.rank, peer)
                 p2p.append(dist.P2POp(dist.isend, tensor, peer, group=group, tag=self._tag(a)))
-                targets.append(tensor)
+                targets.append((tensor, slot))
             else:
                 buf = torch.empty(self._shape(a), dtype=self.dtype, device=self.state.device)
                 group = self.state.p2p_group(peer, self.state.rank)
@@ -180,11 +201,11 @@ class PipelineEngine:
                 targets.append((kind, _key(a), buf))
         works = self._start(p2p)
         for target, work in zip(targets, works):
-            if isinstance(target, tuple):
+            if len(target) == 3:
                 kind, key, buf = target
                 recvs[(kind, key)] = (work, buf)
             else:
-                sends.append((work, target))  # keep the tensor alive until the send completes
+                sends.append((work, *target))  # keep the tensor alive until the send completes
 
     def _start(self, ops: list) -> list:
         """Post operations asynchronously; on NCCL, those sharing a (one-direction) group go in one batch."""
@@ -240,7 +261,7 @@ class PipelineEngine:
         if vstage == self.num_vstages - 1:
             torch.autograd.backward(slot.output * scale)
         else:
-            torch.autograd.backward(slot.output, grad_tensors=grad)
+            backward_from(slot.output, grad)
         if self.store is not None:
             self.store.release(_key(a))
         slot.output = None

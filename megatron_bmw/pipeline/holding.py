@@ -87,17 +87,15 @@ def held_during(actions: list[Action], rank: int) -> list[float]:
     return out
 
 
-def bytes_size(saved: Callable[[int], list[float]], held: list[float] | None) -> Callable[[Hold], float]:
-    """size() for `peak` in bytes: `saved(owner)[chunk]` per chunk-micro-batch, plus this rank's `held[chunk]`
-    (the chunk output the engine keeps) for its own computes."""
+def bytes_size(saved: Callable[[int], list[float]]) -> Callable[[Hold], float]:
+    """size() for `peak` in bytes: `saved(owner)[chunk]` per chunk-micro-batch."""
     cache: dict[int, list[float]] = {}
 
     def size(h: Hold) -> float:
         own = cache.get(h.owner)
         if own is None:
             own = cache[h.owner] = saved(h.owner)
-        extra = held[h.chunk] if h.compute and held else 0.0
-        return h.share * (own[h.chunk] + extra)
+        return h.share * own[h.chunk]
 
     return size
 

@@ -8,7 +8,7 @@ from ..pipeline.replay import CompiledSchedule
 from ..pipeline.schedule import Schedule
 from .cluster import Cluster
 from .cost_model import CostModel, CostSettings
-from .memory_model import MemorySettings, RankMemory, chunk_held_bytes, chunk_saved_bytes, precision_from, rank_memory
+from .memory_model import MemorySettings, RankMemory, chunk_saved_bytes, precision_from, rank_memory
 from .profile_data import Profile, Profiles
 from .simulator import Simulation, simulate
 from .spec import RunSpec
@@ -45,11 +45,10 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
     cost = CostModel(spec, cluster, profiles, cost_settings)
     layout = spec.stage_layout()
     saved = [chunk_saved_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
-    held = [chunk_held_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
     memory = estimate_memory(spec, schedule, memory_settings)
     static = [m.static_bytes for m in memory]
     sim = simulate(compiled or schedule, cost.compute_time, cost.transfer_time, cost.copy_time, saved, static,
-                   cost.finish_times, record_transfers=record_transfers, held_bytes=held,
+                   cost.finish_times, record_transfers=record_transfers,
                    memory_over_time=memory_over_time)
     return Evaluation(spec, schedule, memory, sim, cost)
 

@@ -6,27 +6,26 @@ s sequence, b micro-batch, h hidden, a heads, f ffn, v padded vocabulary, t tens
 element of the parameter dtype; with sequence parallelism the hidden state between units has s/t rows.
 
 Per unit, no recomputation (flash = fused SDPA kernel, unfused = explicit softmax):
-  attention  LN input s'bh e, LN statistics 2 s'b, QKV input (LN output, or the all-gathered one with SP)
-             sbh e, QKV output 3sbh/t e (kept through the q/k/v views), the core (below), the context copy
-             sbh/t e fed to the output projection, and the dropout mask s'bh.
-    unfused core: causal mask s^2 (bool), softmax output ab s^2/t x 4 (we upcast scores to fp32), then either
-             the dropout mask and the dropped probabilities in e, or (no dropout, e != 4) their cast copy.
+  attention  LN input s'bh e, LN statistics 2 s'b, QKV input (the LN output; with SP only its sequence part,
+             re-gathered in backward) s'bh e, QKV output 3sbh/t e (kept through the q/k/v views), the core
+             (below), the context copy sbh/t e fed to the output projection, and the dropout mask s'bh.
+    unfused core: softmax output ab s^2/t e (computed in fp32, kept in e, as Megatron's fused kernel), and
+             with attention dropout its mask and the dropped probabilities in e.
     flash core: the log-sum-exp abs/t x 4 (its output, laid out like q, is the context itself).
-  mlp        LN input and statistics, FC1 input sbh e, GeLU input and output 2 sbf/t e, dropout mask s'bh.
+  mlp        LN input and statistics, FC1 input s'bh e, GeLU input and output 2 sbf/t e, dropout mask s'bh.
   embedding  token ids (int64; with t > 1 the masked local ids and the out-of-range mask), position ids and
              the dropout mask s'bh.
-  head       LN input and statistics, the logits' input sbh e, the fp32 softmax sbv/t x 4 of the vocab-parallel
+  head       LN input and statistics, the logits' input s'bh e, the fp32 softmax sbv/t x 4 of the vocab-parallel
              cross entropy, its local targets (int64) and out-of-range mask, the loss mask and the divisor.
 Selective recomputation keeps the attention unit minus its core; full recomputation keeps the unit's input.
+The engine frees a stage's output once it is sent (Megatron's deallocate_output_tensor), so between units
+nothing is held beyond what the next unit saves.
 
-Differences from Korthikanti et al. 2022 (sbh(34 + 5as/h) bytes per layer in fp16): their 34 sbh is our
-13 sbh (attention with its LayerNorm) + 21 sbh (MLP with its LayerNorm) exactly; their 5as^2b is our 7as^2b
-because our unfused softmax output is kept in fp32 (4 bytes instead of 2), and flash keeps no s^2 term at
-all. With tensor parallelism both agree on what is replicated (10 sbh: LayerNorm inputs, linear inputs and
-dropout masks). With sequence parallelism our column-parallel linears save the all-gathered input (sbh, not
-sbh/t), so 4 sbh e per layer stay undivided where Megatron re-gathers in backward. Our LayerNorm statistics
-and integer ids are counted too (Korthikanti ignores them); full recomputation at sub-layer granularity keeps
-two inputs per layer (one per unit), i.e. 4 sbh in fp16 instead of their 2 sbh.
+This is Korthikanti et al. 2022 (sbh(34 + 5as/h) bytes per layer in fp16, 34 sbh/t with SP): their 34 sbh is
+our 13 sbh (attention with its LayerNorm) + 21 sbh (MLP with its LayerNorm), their 5as^2b our unfused core
+with dropout (flash keeps no s^2 term). We also count the LayerNorm statistics and integer ids (they ignore
+them), and full recomputation at sub-layer granularity keeps two inputs per layer (one per unit), i.e. 4 sbh
+in fp16 instead of their 2 sbh.
 
 Device kinds: on "cuda" a dropout mask is bool (1 byte) and LayerNorm statistics are fp32; on "cpu" dropout
 keeps its scaled noise in the tensor's dtype and LayerNorm statistics are in that dtype, and SDPA with
@@ -43,7 +42,7 @@ from ..errors import UsageError
 from ..pipeline.holding import bytes_size, holding_events, peak
 from ..pipeline.partition import rank_chunks
 from ..pipeline.schedule import Schedule
-from ..units import RECOMPUTE, UNIT_KINDS, hidden_shape, owns_output_weight, unit_kind, unit_names
+from ..units import RECOMPUTE, UNIT_KINDS, owns_output_weight, unit_kind, unit_names
 
 DEVICE_KINDS = ("cuda", "cpu")
 _INT64, _BOOL, _FP32 = 8, 1, 4
@@ -101,7 +100,7 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         return out
     if kind == "head":
         layernorm()
-        add("logits input", s * b * h, e)
+        add("logits input", hidden_local, e)
         add("softmax (fp32)", s * b * (v // tp), _FP32)
         add("local targets", s * b, _INT64)
         add("out-of-vocabulary-shard mask", s * b, _BOOL)
@@ -113,12 +112,12 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         return out
     layernorm()
     if kind == "mlp":
-        add("fc1 input", s * b * h, e)
+        add("fc1 input", hidden_local, e)
         add("gelu input", s * b * (f // tp), e)
         add("gelu output", s * b * (f // tp), e)
         hidden_dropout()
         return out
-    add("qkv input", s * b * h, e)
+    add("qkv input", hidden_local, e)
     local_h = s * b * h // tp
     score = b * heads * s * s
     p_attn = model.attention_dropout
@@ -127,12 +126,9 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         add("qkv output", 3 * local_h, e)
     elif not model.flash_attention:
         add("qkv output", 3 * local_h, e)
-        add("causal mask", s * s, _BOOL)
-        add("softmax output (fp32)", score, _FP32)
+        add("softmax output", score, e)
         if p_attn > 0:
             add("attention dropout mask", score, _BOOL if device == "cuda" else e)
-            add("attention probabilities", score, e)
-        elif e != _FP32:
             add("attention probabilities", score, e)
     elif math_path:  # SDPA's math fallback: scaled q and k, v (a copy when 16-bit inputs are upcast), 3 s^2 terms
         c = _FP32
@@ -245,7 +241,6 @@ class MemorySettings:
     device: str = "cuda"
     workspace_bytes: float = 0.0  # fixed per rank: framework context, kernels' workspace
     fragmentation: float = 0.0  # fraction added on top of everything else
-    engine_holds_output: bool = True  # the engine keeps each chunk's output until its backward
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_KINDS:
@@ -303,14 +298,6 @@ def chunk_units(layout: StageLayout, model: ModelConfig, rank: int) -> list[list
     return [[names[i] for i in chunk] for chunk in chunk_unit_indices(layout, rank)]
 
 
-def chunk_activation_bytes(layout: StageLayout, model: ModelConfig, rank: int,
-                           settings: MemorySettings = MemorySettings()) -> list[float]:
-    """Bytes one micro-batch leaves in memory on `rank`, per model chunk (saved tensors + held output)."""
-    saved = chunk_saved_bytes(layout, model, rank, settings)
-    held = chunk_held_bytes(layout, model, rank, settings)
-    return [a + b for a, b in zip(saved, held)]
-
-
 def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
                       settings: MemorySettings = MemorySettings()) -> list[float]:
     """Per model chunk of `rank`, what its units save for backward for one micro-batch (what the activation
@@ -322,26 +309,11 @@ def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
             for chunk in chunk_unit_indices(layout, rank)]
 
 
-def chunk_held_bytes(layout: StageLayout, model: ModelConfig, rank: int,
-                     settings: MemorySettings = MemorySettings()) -> list[float]:
-    """Per model chunk of `rank`, the output the engine keeps from a forward until its backward (none for the
-    last virtual stage, whose output is the loss)."""
-    nchunks = len(layout.partition) // layout.pp
-    s, b, h = hidden_shape(model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp,
-                           layout.sequence_parallel)
-    out = s * b * h * model.dtype_bytes
-    last = layout.pp * nchunks - 1
-    return [0.0 if (not settings.engine_holds_output or c * layout.pp + rank == last) else float(out)
-            for c in range(nchunks)]
-
-
-def activation_walk(schedule: Schedule, rank: int, saved: Callable[[int], list[float]],
-                    held: list[float] | None = None) -> tuple[float, float]:
+def activation_walk(schedule: Schedule, rank: int, saved: Callable[[int], list[float]]) -> tuple[float, float]:
     """(peak activation bytes, peak chunk-micro-batches) of the rank's action list, by pipeline/holding.py's
-    rule. `saved(r)` gives rank r's saved bytes per chunk (an acceptor holds its evictor's), `held` this rank's
-    never-moved bytes per chunk."""
+    rule. `saved(r)` gives rank r's saved bytes per chunk (an acceptor holds its evictor's)."""
     holds = holding_events(schedule.actions[rank], rank)
-    return peak(holds, bytes_size(saved, held)), peak(holds)
+    return peak(holds, bytes_size(saved)), peak(holds)
 
 
 def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, rank: int,
@@ -355,9 +327,8 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
     names = [n for c in chunks for n in c]
     own_output = owns_output_weight(model.untie_embeddings_and_output_weights, layout.pp, names)
     params = sum(unit_param_count(unit_kind(n), model, layout.tp, output_weight=own_output) for n in names)
-    chunk_bytes = chunk_activation_bytes(layout, model, rank, settings)
-    act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings),
-                                    chunk_held_bytes(layout, model, rank, settings))
+    chunk_bytes = chunk_saved_bytes(layout, model, rank, settings)
+    act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings))
     if activation_peak is not None:
         act = activation_peak
     transient = _backward_transient(layout, model, rank, settings)

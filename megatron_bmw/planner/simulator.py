@@ -61,14 +61,12 @@ def simulate(
     static_bytes: list[float] | None = None,
     finish: Callable[[list[float], list[tuple[float, float]]], list[float]] | None = None,
     record_transfers: bool = False,
-    held_bytes: list[list[float]] | None = None,
     memory_over_time: bool = True,
 ) -> Simulation:
     """Execute `schedule` (a Schedule or replay.compile_schedule's result, to reuse across calls).
 
     chunk_bytes[rank][chunk]: saved activations one micro-batch leaves on the rank (what BPipe moves);
-    held_bytes[rank][chunk]: more bytes a micro-batch holds until its backward but never moves (the chunk's
-    output the engine keeps); static_bytes[rank]: weights and optimizer states. copy_time(rank, action, bytes):
+    static_bytes[rank]: weights and optimizer states. copy_time(rank, action, bytes):
     duration of an EVICT or RETURN posted on `rank`. `record_transfers` keeps every p2p transfer's span;
     without `memory_over_time` the memory timeline is skipped (chunk_bytes then only sizes BPipe's moves)."""
     compiled = schedule if isinstance(schedule, CompiledSchedule) else compile_schedule(schedule)
@@ -86,11 +84,11 @@ def simulate(
     rep = replay(compiled, compute_time, transfer_time, record=True, **kwargs) if transfer_time is not None \
         else replay(compiled, compute_time, record=True, **kwargs)
     with gc_paused():
-        return _analyse(sched, rep, chunk_bytes if memory_over_time else None, held_bytes, static_bytes, finish,
+        return _analyse(sched, rep, chunk_bytes if memory_over_time else None, static_bytes, finish,
                         record_transfers)
 
 
-def _analyse(sched, rep, chunk_bytes, held_bytes, static_bytes, finish, record_transfers) -> Simulation:
+def _analyse(sched, rep, chunk_bytes, static_bytes, finish, record_transfers) -> Simulation:
     p = sched.num_stages
     computes = [[x for x in line if x[0].kind is _F or x[0].kind is _B] for line in rep.timeline]
     ends = [max([acts[-1][2] if acts else 0.0] + [x[2] for x in rep.moves[r]]) for r, acts in enumerate(computes)]
@@ -105,16 +103,16 @@ def _analyse(sched, rep, chunk_bytes, held_bytes, static_bytes, finish, record_t
                      rep.transfers if record_transfers else [], [(r, *computes[r][i]) for r, i in path],
                      _master_stage(computes, path))
     if chunk_bytes is not None:
-        _memory(sim, rep.timeline, chunk_bytes, held_bytes, static_bytes)
+        _memory(sim, rep.timeline, chunk_bytes, static_bytes)
     return sim
 
 
-def _memory(sim: Simulation, timeline, chunk_bytes, held_bytes, static_bytes) -> None:
+def _memory(sim: Simulation, timeline, chunk_bytes, static_bytes) -> None:
     """Memory over time per rank: pipeline/holding.py's holds, at the start or end time of their action."""
     p = len(timeline)
     static = static_bytes or [0.0] * p
     for r, line in enumerate(timeline):
-        size = bytes_size(lambda owner: chunk_bytes[owner], held_bytes[r] if held_bytes else None)
+        size = bytes_size(lambda owner: chunk_bytes[owner])
         events = [(line[h.index][2] if h.at_end else line[h.index][1], size(h))
                   for h in holding_events([a for a, _, _ in line], r)]
         level = top = static[r]

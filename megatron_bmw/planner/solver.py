@@ -209,8 +209,6 @@ class LayoutProblem:
         own_output = model.untie_embeddings_and_output_weights or lay.pp > 1
         self.params = [unit_param_count(k, model, lay.tp, output_weight=own_output) for k in kinds]
         self.static = [p * per_param for p in self.params]
-        s = model.seq_length // lay.tp if sp else model.seq_length
-        self.held = float(s * lay.mbs * model.hidden_size * model.dtype_bytes) if memory.engine_holds_output else 0.0
         self.p2p = self.cost.transfer_time(0, 1, _SEND) if lay.pp > 1 else 0.0
         self.embedding_sync = self.cost.embedding_sync_time()
         self._knap: dict[tuple, tuple | None] = {}
@@ -271,14 +269,14 @@ class LayoutProblem:
         return self._ranks[key]
 
     def _mixed_choice(self, rank: int, chunks: list[list[int]], mixes: list[list[float]]):
-        plain_chunk = [sum(self.saved[i][0] for i in units) + self.held for units in chunks]
+        plain_chunk = [sum(self.saved[i][0] for i in units) for units in chunks]
         counts = max(mixes, key=lambda mix: sum(n * b for n, b in zip(mix, plain_chunk)))
         for _ in range(len(chunks) + 1):
             got = self._choice_for(rank, chunks, counts)
             if got is None:
                 return None
             picks = got[0]
-            chunk_bytes = [sum(self.saved[i][picks[i]] for i in units) + self.held for units in chunks]
+            chunk_bytes = [sum(self.saved[i][picks[i]] for i in units) for units in chunks]
             heaviest = max(mixes, key=lambda mix: sum(n * b for n, b in zip(mix, chunk_bytes)))
             if sum(n * b for n, b in zip(heaviest, chunk_bytes)) <= sum(n * b for n, b in zip(counts, chunk_bytes)):
                 return got
@@ -288,15 +286,13 @@ class LayoutProblem:
     def _choice_for(self, rank: int, chunks: list[list[int]], counts: list[float]):
         ms = self.memory
         static = sum(self.static[i] for units in chunks for i in units)
-        last = self.stages - 1
-        held = sum(counts[c] * self.held for c, _ in enumerate(chunks) if c * self.layout.pp + rank != last)
-        room = (self.capacity[rank] - ms.workspace_bytes) / (1 + ms.fragmentation) - static - held
+        room = (self.capacity[rank] - ms.workspace_bytes) / (1 + ms.fragmentation) - static
         items = [(i, counts[c]) for c, units in enumerate(chunks) for i in units]
         options = [[(sum(self.times[rank][i][j]), cnt * self.saved[i][j], self.transient[i][j])
                     for j in range(len(self.choices[i]))] for i, cnt in items]
         plain = sum(o[0][1] for o in options) + max(o[0][2] for o in options)
         if plain <= room:  # the first (least recomputing) choice everywhere fits
-            return {i: 0 for i, _ in items}, self._peak(static + held + plain)
+            return {i: 0 for i, _ in items}, self._peak(static + plain)
         if room <= 0:
             return None
         order = sorted(range(len(options)), key=lambda n: options[n])  # the same units in any order: one entry
@@ -307,7 +303,7 @@ class LayoutProblem:
         if got is None:
             return None
         choice, _, peak = got
-        return {items[n][0]: choice[k] for k, n in enumerate(order)}, self._peak(static + held + peak)
+        return {items[n][0]: choice[k] for k, n in enumerate(order)}, self._peak(static + peak)
 
     def _peak(self, nbytes: float) -> float:
         return self.memory.workspace_bytes + nbytes * (1 + self.memory.fragmentation)

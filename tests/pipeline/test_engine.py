@@ -123,3 +123,23 @@ def test_partitions():
         parse_partition("4,4,2", 4, 2)
     with pytest.raises(UsageError, match="comma-separated"):
         parse_partition("a,b", 4, 2)
+
+
+def test_sent_stage_output_is_freed_and_backward_still_runs():
+    """After its send completes, a stage output keeps only its graph (Megatron's deallocate_output_tensor)."""
+    from megatron_bmw.pipeline.engine import _Slot, _sent, backward_from
+
+    class Done:
+        def is_completed(self):
+            return True
+
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 3)
+    out = x @ w + x  # like a unit: a residual add, whose output autograd does not save
+    expected = torch.autograd.grad((out * 2.0).sum(), x)[0]
+    out = x @ w + x
+    slot = _Slot(input=x, output=out)
+    assert _sent((Done(), out.detach(), slot))
+    assert slot.output.numel() == 1
+    backward_from(slot.output, torch.full((4, 3), 2.0))
+    assert torch.equal(x.grad, expected)
