@@ -1,0 +1,277 @@
+"""Convert checkpoints between Megatron-LM (--ckpt-format torch, megatron-core GPT) and megatron_bmw, both ways.
+
+    python tools/checkpoint/convert_megatron.py --direction megatron-to-ours --load-dir megatron_ckpt/ \\
+        --save-dir ours_ckpt/ [--target-tensor-parallel-size 2 --target-pipeline-model-parallel-size 2 \\
+        --target-pipeline-partition 5,5]
+    python tools/checkpoint/convert_megatron.py --direction ours-to-megatron --load-dir ours_ckpt/ \\
+        --save-dir megatron_ckpt/ [--megatron-layer-spec local]
+
+Weights only: optimizer state, RNG state and the LR schedule are not converted. The iteration and the consumed
+samples are kept, so training continues from the result with --no-load-optim --no-load-rng (or starts afresh with
+--finetune). The tensor/pipeline shards of the source are merged and split again for the target layout (default:
+the source's). Reads the checkpoint named by <load-dir>/latest_checkpointed_iteration.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import re
+import shutil
+import sys
+import types
+from typing import Any
+
+import torch
+
+try:
+    import megatron_bmw  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron_bmw.errors import UsageError, exit_on_usage_error
+from megatron_bmw.models.convert_megatron import (
+    MEGATRON_SPECS, Layout, Model, Target, megatron_stage_layers, read_megatron, read_ours, retarget, write_megatron,
+    write_ours,
+)
+from megatron_bmw.pipeline.partition import default_partition
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RANK_FILE = "model_optim_rng.pt"
+DIRECTIONS = ("megatron-to-ours", "ours-to-megatron")
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.split("\n\n")[0],
+                epilog="Weights only: no optimizer or RNG state is written; continue training from the result with "
+                       "--no-load-optim --no-load-rng, or fine-tune with --finetune.")
+    p.add_argument("--direction", required=True, choices=DIRECTIONS)
+    p.add_argument("--load-dir", required=True,
+                   help="checkpoint directory to read (its tracker file names the iteration)")
+    p.add_argument("--save-dir", required=True, help="directory to write the converted checkpoint into")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=None, help="default: the source's")
+    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=None, help="default: the source's")
+    p.add_argument("--target-virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="model chunks per pipeline rank (default: the source's when the pipeline size is kept, else 1)")
+    p.add_argument("--target-pipeline-partition", default=None,
+                   help="units per (virtual) pipeline stage, as pretrain_gpt.py's --pipeline-partition (units are "
+                        "[embedding, attn_0, mlp_0, ..., head]); Megatron stages must hold whole layers. Default: "
+                        "the source's when the layout's stage count is kept, else the default split")
+    p.add_argument("--megatron-layer-spec", default="transformer_engine", choices=MEGATRON_SPECS,
+                   help="ours-to-megatron: the parameter names of Megatron's --transformer-impl (default "
+                        "transformer_engine)")
+    p.add_argument("--true-vocab-size", type=int, default=None,
+                   help="the tokenizer's vocabulary size, needed to re-pad the vocabulary when the tensor-parallel "
+                        "size changes and the checkpoint does not record it")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                   help="vocabulary padding multiple (default: the checkpoint's, else inferred)")
+    p.add_argument("--tokenizer-type", default=None,
+                   help="ours-to-megatron: tokenizer_type recorded in Megatron's args (default: the checkpoint's, "
+                        "else GPT2BPETokenizer; Megatron compares it when given --vocab-file)")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading checkpoint directories
+
+
+class _Missing:
+    """Stands in for a class whose package is not installed here (Megatron pickles e.g. its enums into `args`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return type(name, (_Missing,), {"__module__": f"missing.{module}"})
+
+
+def _pickle_load(f: Any, **kwargs: Any) -> Any:  # torch.load's path for files of the pre-1.6 format
+    return _Unpickler(f, **kwargs).load()
+
+
+_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=_pickle_load, __name__="convert_megatron_pickle")
+
+
+def _torch_load(path: str, where: str) -> Any:
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE, mmap=True)
+        except RuntimeError as exc:  # mmap needs the zip format of torch >= 1.6
+            if "mmap" not in str(exc):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file is a user error
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UsageError(f"{where}: cannot read {path}: {type(exc).__name__}: {first}") from None
+
+
+def read_tracker(load_dir: str) -> int | str:
+    if not os.path.isdir(load_dir):
+        raise UsageError(f"--load-dir {load_dir} is not a directory")
+    path = os.path.join(load_dir, TRACKER)
+    if not os.path.isfile(path):
+        raise UsageError(f"--load-dir {load_dir} has no {TRACKER}")
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        return text
+    if not text.isdigit():
+        raise UsageError(f"--load-dir: {path} holds {text!r}, not an iteration number or 'release'")
+    return int(text)
+
+
+def iteration_dir_name(iteration: int | str) -> str:
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def read_checkpoint_dir(load_dir: str) -> tuple[dict[tuple[int, int], dict], int | str]:
+    """({(tp_rank, pp_rank): payload}, iteration) of the checkpoint the tracker names."""
+    iteration = read_tracker(load_dir)
+    it_dir = os.path.join(load_dir, iteration_dir_name(iteration))
+    if not os.path.isdir(it_dir):
+        raise UsageError(f"--load-dir: the tracker names {iteration}, but {it_dir} does not exist")
+    entries = sorted(os.listdir(it_dir))
+    ranks: dict[tuple[int, int], str] = {}
+    piped = False
+    for e in entries:
+        m = _RANK_DIR.fullmatch(e)
+        if not m:
+            continue
+        if m.group(3) is not None:
+            raise UsageError(f"--load-dir: {e} is an expert-parallel rank; MoE checkpoints are not supported")
+        piped = piped or m.group(2) is not None
+        ranks[int(m.group(1)), int(m.group(2) or 0)] = os.path.join(it_dir, e, RANK_FILE)
+    if not ranks:
+        if any(e.endswith(".distcp") or e in (".metadata", "metadata.json", "common.pt") for e in entries):
+            raise UsageError(f"--load-dir {load_dir}: {it_dir} is a torch_dist (distributed) checkpoint; only "
+                             "--ckpt-format torch is supported (Megatron converts with --ckpt-convert-format torch)")
+        raise UsageError(f"--load-dir: {it_dir} has no mp_rank_* directories")
+    files = {}
+    for key, path in sorted(ranks.items()):
+        if not os.path.isfile(path):
+            raise UsageError(f"--load-dir: missing {path}")
+        payload = _torch_load(path, "--load-dir")
+        if not isinstance(payload, dict):
+            raise UsageError(f"--load-dir: {path} holds a {type(payload).__name__}, not a checkpoint dict")
+        files[key] = payload
+    return files, iteration
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_checkpoint_dir(save_dir: str, files: dict[tuple[int, int], dict], iteration: int | str, pp: int) -> str:
+    """Write one model_optim_rng.pt per (tp, pp) rank and then the tracker; returns the iteration directory."""
+    final = os.path.join(save_dir, iteration_dir_name(iteration))
+    if os.path.exists(final) or os.path.exists(os.path.join(save_dir, TRACKER)):
+        raise UsageError(f"--save-dir {save_dir} already holds a checkpoint; choose a new directory")
+    tmp = f"{final}.tmp-convert"
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        for (t, r), payload in sorted(files.items()):
+            d = os.path.join(tmp, rank_dir_name(t, r, pp))
+            os.makedirs(d, exist_ok=True)
+            torch.save(payload, os.path.join(d, RANK_FILE))
+        os.rename(tmp, final)
+        with open(os.path.join(save_dir, TRACKER), "w") as f:
+            f.write(f"{iteration}\n")
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UsageError(f"--save-dir {save_dir}: cannot write: {exc}") from None
+    return final
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conversion
+
+
+def convert(direction: str, load_dir: str, save_dir: str, target: Target, spec: str = "transformer_engine",
+            tokenizer_type: str | None = None) -> tuple[Model, Layout]:
+    """Read `load_dir`, convert, write `save_dir`; returns the model written and its layout."""
+    if direction not in DIRECTIONS:
+        raise UsageError(f"--direction must be one of {', '.join(DIRECTIONS)}")
+    files, iteration = read_checkpoint_dir(load_dir)
+    to_megatron = direction == "ours-to-megatron"
+    read = read_ours if to_megatron else read_megatron
+    model = read(files, iteration=iteration, where=f"--load-dir {load_dir}")
+    del files
+    model, layout = retarget(model, target, to_megatron=to_megatron)
+    out = write_megatron(model, layout, spec, tokenizer_type) if to_megatron else write_ours(model, layout)
+    write_checkpoint_dir(save_dir, out, iteration, layout.pp)
+    return model, layout
+
+
+def _summary(direction: str, save_dir: str, model: Model, layout: Layout) -> list[str]:
+    cfg = model.config
+    lines = [f"wrote {save_dir}: {'Megatron-LM' if direction == 'ours-to-megatron' else 'megatron_bmw'} checkpoint "
+             f"at iteration {model.iteration}, {layout.describe()}, {cfg['num_layers']} layers, "
+             f"padded vocabulary {cfg['vocab_size']} (weights only)"]
+    if direction == "ours-to-megatron":
+        layers = megatron_stage_layers(layout, cfg["num_layers"])
+        flags = "--ckpt-format torch --no-load-optim --no-load-rng"
+        if layout.virtual > 1 and len(set(layers)) == 1:
+            flags += f" --num-layers-per-virtual-pipeline-stage {layers[0]}"
+        if len(set(layers)) > 1:
+            flags += f", and Megatron's pipeline stages must hold {','.join(map(str, layers))} layers"
+            if layout.virtual == 1 and len(set(layers[1:-1])) <= 1:
+                flags += (f" (--decoder-first-pipeline-num-layers {layers[0]} "
+                          f"--decoder-last-pipeline-num-layers {layers[-1]})")
+        lines.append(f"load it in Megatron-LM with {flags}")
+    else:
+        flags = "--no-load-optim --no-load-rng"
+        if layout.virtual > 1:
+            flags += f" --virtual-pipeline-model-parallel-size {layout.virtual}"
+        try:
+            default = default_partition(cfg["num_layers"], layout.pp, layout.virtual)
+        except UsageError:  # fewer layers than stages: only an explicit partition works
+            default = None
+        if layout.partition != default:
+            flags += f" --pipeline-partition {','.join(map(str, layout.partition))}"
+        lines.append(f"continue training with --load {save_dir} {flags} (or --finetune)")
+    return lines
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> int:
+    """Run the conversion named by --direction."""
+    args = build_parser().parse_args(argv)
+    target = Target(tp=args.target_tensor_parallel_size, pp=args.target_pipeline_model_parallel_size,
+                    virtual=args.target_virtual_pipeline_model_parallel_size, partition=args.target_pipeline_partition,
+                    true_vocab_size=args.true_vocab_size,
+                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    for flag, value in (("--true-vocab-size", args.true_vocab_size),
+                        ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    model, layout = convert(args.direction, args.load_dir, args.save_dir, target, args.megatron_layer_spec,
+                            args.tokenizer_type)
+    for note in model.notes:
+        print(f"note: {note}", file=sys.stderr)
+    for line in _summary(args.direction, args.save_dir, model, layout):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
