@@ -70,3 +70,48 @@ def test_a_hung_rank_fails_the_job_within_the_timeout(tmp_path, layout):
     lines = _errors(tmp_path, 0)
     assert len(lines) == 1 and lines[0].startswith("error: rank 0: lost contact with another rank"), lines
     assert "--distributed-timeout-minutes" in lines[0]
+
+
+def _one_process(args, tmp_path, tool="pretrain_gpt.py"):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, os.path.join(ROOT, *tool.split("/")), *args], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=str(tmp_path))
+
+
+@pytest.mark.parametrize("flag,kind", [("--save", "file"), ("--tensorboard-dir", "file"), ("--save", "under-file"),
+                                       ("--pipeline-trace", "dir"), ("--pipeline-trace", "no-folder")])
+def test_unusable_output_paths_are_refused_at_start_up(tmp_path, flag, kind):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_dir").mkdir()
+    path = {"file": tmp_path / "a_file", "under-file": tmp_path / "a_file" / "ckpt", "dir": tmp_path / "a_dir",
+            "no-folder": tmp_path / "missing" / "trace.json"}[kind]
+    out = _one_process(TINY + ["--train-iters", "2", flag, str(path)], tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag} {path}"), lines
+    assert "iteration" not in out.stdout  # refused before training
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_save_directory_is_refused(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    out = _one_process(TINY + ["--train-iters", "2", "--save", str(ro)], tmp_path)
+    assert out.returncode == 2 and "cannot write in" in out.stderr
+
+
+@pytest.mark.parametrize("command,flag", [("search", "--output"), ("search", "--timeline"), ("simulate", "--timeline"),
+                                          ("profile", "--output")])
+def test_autoconfig_output_that_is_a_directory_is_refused(tmp_path, command, flag):
+    args = [command, flag, str(tmp_path)] + (["--global-batch-size", "8"] if command == "search" else [])
+    out = _one_process(args, tmp_path, tool="tools/autoconfig.py")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == f"error: {flag} {tmp_path}: is a directory, expected a file name"
+
+
+def test_autoconfig_world_size_zero_is_refused(tmp_path):
+    out = _one_process(["search", "--world-size", "0", "--global-batch-size", "8"], tmp_path, tool="tools/autoconfig.py")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == "error: argument --world-size: --world-size must be >= 1, got 0"
