@@ -329,11 +329,11 @@ class Trainer:
             self.save()
 
     def _diverged_message(self, why: str | None) -> str:
-        saved = read_tracker(self.run.train.save) if self.run.train.save else None
-        where = f"the last checkpoint in {self.run.train.save} is iteration {saved}" if saved is not None else \
-            "nothing was saved"
-        return (f"training diverged at iteration {self.iteration}: {why or 'on another rank'}; the model is not "
-                f"saved ({where}); lower --lr or raise --clip-grad/--min-loss-scale and resume")
+        save = self.run.train.save
+        saved = read_tracker(save) if save and os.path.isdir(save) else None
+        kept = f"the last checkpoint is iteration {saved} in {save}" if saved is not None else "nothing was saved"
+        return (f"training diverged at iteration {self.iteration}: {why or 'on another rank'}; the diverged model "
+                f"is not saved ({kept}); try a lower --lr")
 
     def _log(self, it: IterationResult, interval: IntervalStats) -> None:
         tr, model = self.run.train, self.run.model

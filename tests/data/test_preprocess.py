@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -114,3 +115,33 @@ def test_workers_do_not_change_the_output(preprocess, tmp_path, bpe_files):
     for ext in (".bin", ".idx"):
         one = (tmp_path / f"w1_text_document{ext}").read_bytes()
         assert one == (tmp_path / f"w2_text_document{ext}").read_bytes()
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("", "has no documents (it is empty or holds only blank lines)"),
+    ("\n   \n\t\n", "has no documents (it is empty or holds only blank lines)"),
+    ('{"text": ""}\n{"text": ""}\n', "has 2 documents but no tokens (every text text is empty)"),
+])
+def test_empty_input_is_one_error_and_writes_nothing(tmp_path, text, needle):
+    src = tmp_path / "empty.jsonl"
+    src.write_text(text)
+    (tmp_path / "out").mkdir()
+    stale = tmp_path / "out" / "c_text_document.idx"
+    stale.write_bytes(b"old")  # a previous run's index would no longer match its .bin
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(src), "--output-prefix",
+         str(tmp_path / "out" / "c"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "5", "--workers", "2"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: --input: {src} {needle}; nothing written"]
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_error_mid_file_leaves_no_partial_dataset(preprocess, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "1 2"}\n' * 50 + "{not json}\n")
+    argv = ["--input", str(bad), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "10"]
+    assert "line 51 is not JSON" in error_line(preprocess, argv, capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]

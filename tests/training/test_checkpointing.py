@@ -188,3 +188,42 @@ def test_distributed_layouts_on_disk(tmp_path):
     assert written["zero"] == sorted(
         [tracker, "iter_0000007/mp_rank_00/distrib_optim.pt", "iter_0000007/mp_rank_00/model_optim_rng.pt"]
     )
+
+
+def _saved(tmp_path, distributed=False):
+    state = ParallelState.serial()
+    model = _model()
+    opt = build_optimizer(list(model.named_parameters()),
+                          OptimizerConfig(lr=1e-2, use_distributed_optimizer=distributed), state)
+    _train(model, opt, 2)
+    save_checkpoint(str(tmp_path), 5, state, _payload(model, state, 5), opt)
+    return state, opt, tmp_path / "iter_0000005" / "mp_rank_00"
+
+
+def _one_line_error(tmp_path, state, opt, needle):
+    with pytest.raises(UsageError) as err:
+        load_checkpoint(str(tmp_path), state, opt)
+    message = str(err.value)
+    assert needle in message and "\n" not in message, message
+
+
+def test_checkpoint_file_that_is_not_a_dict(tmp_path):
+    state, opt, mp = _saved(tmp_path)
+    torch.save([1, 2, 3], mp / "model_optim_rng.pt")
+    _one_line_error(tmp_path, state, opt, f"{mp / 'model_optim_rng.pt'} holds a list, not a megatron_bmw checkpoint")
+
+
+@pytest.mark.parametrize("name", ["model_optim_rng.pt", "distrib_optim.pt"])
+def test_truncated_checkpoint_files(tmp_path, name):
+    state, opt, mp = _saved(tmp_path, distributed=True)
+    path = mp / name
+    assert path.is_file()
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    _one_line_error(tmp_path, state, opt, f"cannot read {path} (truncated or not a checkpoint")
+
+
+def test_distrib_optim_without_params(tmp_path):
+    state, opt, mp = _saved(tmp_path, distributed=True)
+    torch.save({"other": 1}, mp / "distrib_optim.pt")
+    _one_line_error(tmp_path, state, opt, "distrib_optim.pt holds a dict without 'params'")
