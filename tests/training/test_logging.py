@@ -73,3 +73,24 @@ def test_tensorboard_disabled_is_noop():
     w.flush()
     w.close()
     assert not w.enabled
+
+
+def test_megatron_prefix_throughput_and_omitted_loss():
+    import re
+
+    from megatron_bmw.training.logging import IntervalStats, timestamp
+
+    assert re.fullmatch(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\]", timestamp())
+    line = _line(prefix=" [2024-01-02 03:04:05]", throughput=123.456, losses={"lm loss": None}, grad_norm=None)
+    assert line.startswith(" [2024-01-02 03:04:05] iteration        5/      10 |")
+    assert " elapsed time per iteration (ms): 123.4 | throughput per GPU (TFLOP/s/GPU): 123.5 | learning rate:" in line
+    assert "lm loss" not in line
+    stats = IntervalStats()
+    stats.add(float("nan"), False)
+    stats.add(3.0, False)  # an fp16 overflow: skipped, its loss not averaged
+    assert (stats.loss, stats.skipped, stats.nan, stats.iterations) == (None, 2, 1, 2)
+    stats.add(2.0, True)
+    stats.add(4.0, True)
+    assert stats.loss == 3.0
+    stats.reset()
+    assert stats.loss is None and stats.iterations == 0
