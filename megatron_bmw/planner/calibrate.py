@@ -1,19 +1,21 @@
 """Calibrate the cost model on measured trials (`autoconfig.py calibrate --results results.jsonl`).
 
 The free parameters, each a factor on what the profile (or the analytic model) says:
-  time x per unit kind   embedding, attention, MLP, head: forward and backward times (what an achievable fraction
-                         per kind would do)
+  unit time x            every unit's forward and backward time, and on top of it one factor per unit kind
+                         (embedding, attention, MLP, head): what an achievable fraction per kind would do
   overhead x             the engine's per-action overhead, when the profile measured one
   link bandwidth x, link latency x   the profile's measured links (local cluster; other clusters take their
                          links from the cluster file, which calibrate leaves alone)
   overlap factor         slowdown of overlapped gradient reduction (only with --overlap-grad-reduce trials, dp > 1)
-fitted by least squares on log iteration time (a coordinate pattern search in log space, no scipy), with a small
-pull toward the starting values so a factor the trials cannot see stays where it was. The memory allowance
-(fixed workspace + fragmentation on top) is fitted by linear least squares of the measured CUDA memory (device
-used, else reserved) against the memory model's peak without allowance.
+Fitted by least squares on log iteration time: Levenberg-Marquardt over the log of the factors with a
+forward-difference Jacobian from the simulator (no scipy), errors beyond 10% counted linearly (Huber), and a pull
+of every factor but the common one toward its start whose weight follows the noise a first free fit leaves
+(exact trials are fitted exactly; noisy ones move a factor only as far as the trials agree on it). The memory
+allowance (fixed workspace + fragmentation on top) is fitted by linear least squares of the measured CUDA memory
+(device used, else reserved) against the memory model's peak without allowance.
 
 The output is the profile with the factors applied (unit times, overhead, links) plus a "calibration" section
-(the overlap factor and allowances, which live in flags, not profiles: `calibrate` prints them as flags for
+(the overlap factor and allowances live in flags, not in profiles: `calibrate` prints them as flags for
 `search`), so `search --profile calibrated.json` takes it as it is.
 """
 
@@ -32,7 +34,8 @@ from .memory_model import MemorySettings
 from .profile_data import Profile, Profiles
 
 KINDS = ("embedding", "attention", "mlp", "head")
-PULL = 1e-3  # weight of (log factor)^2 against the mean squared log error
+PRIOR = 0.5  # prior spread of a factor's log (factors within about 1.6x of the start); its weight grows with noise
+HUBER = 0.1  # log errors beyond this (about 10%) count linearly
 BOUNDS = {"overlap": (1.0, 4.0)}
 FACTOR_BOUNDS = (1e-2, 1e2)
 
@@ -41,7 +44,8 @@ FACTOR_BOUNDS = (1e-2, 1e2)
 class Params:
     """Factors on the base profile and cluster, and the overlap factor."""
 
-    time: dict[str, float] = field(default_factory=lambda: {k: 1.0 for k in KINDS})
+    scale: float = 1.0  # every unit kind's time (free: no pull toward 1)
+    time: dict[str, float] = field(default_factory=lambda: {k: 1.0 for k in KINDS})  # each kind's, on top
     overhead: float = 1.0
     bandwidth: float = 1.0
     latency: float = 1.0
@@ -62,7 +66,7 @@ class Params:
 def scaled_profile(base: Profile, p: Params) -> Profile:
     out = copy.deepcopy(base)
     for u in out.units:
-        k = p.time.get(u.kind, 1.0)
+        k = p.scale * p.time.get(u.kind, 1.0)
         u.forward_s, u.backward_s = u.forward_s * k, u.backward_s * k
     out.overhead = {key: v * p.overhead for key, v in out.overhead.items()}
     for link in out.links.values():
@@ -92,6 +96,7 @@ class Fit:
         self.memory = model.memory_settings()
         self._clusters: dict[int, Cluster] = {}  # base clusters by world size (not local: links are scaled)
         self.evaluations = 0
+        self.pull = 1e-6  # weight of (log factor)^2 against the mean loss of the log errors
 
     def _cluster(self, world: int, prof: Profiles) -> Cluster:
         if self.local:  # built from the scaled profile's links
@@ -115,15 +120,24 @@ class Fit:
         self.evaluations += 1
         return out
 
-    def loss(self, p: Params, start: Params) -> float:
+    def residuals(self, p: Params, start: Params) -> list[float]:
+        """Huber-transformed log errors (their squares sum to the Huber loss; one noisy trial cannot twist
+        every factor), then the pull of each factor toward its start (not the common scale)."""
         pred = self.predict(p)
-        err = statistics.mean((math.log(a) - math.log(pt.measured_s)) ** 2 for a, pt in zip(pred, self.points))
-        pull = sum(math.log(p.get(n) / start.get(n)) ** 2 for n in self.free(start))
-        return err + PULL * pull
+        n = len(pred)
+        out = []
+        for a, pt in zip(pred, self.points):
+            e = math.log(a) - math.log(pt.measured_s)
+            out.append(math.copysign(math.sqrt(2 * HUBER * abs(e) - HUBER ** 2), e) if abs(e) > HUBER else e)
+        return [e / math.sqrt(n) for e in out] + \
+            [math.sqrt(self.pull) * math.log(p.get(x) / start.get(x)) for x in self.free(start) if x != "scale"]
+
+    def loss(self, p: Params, start: Params) -> float:
+        return sum(r * r for r in self.residuals(p, start))
 
     def free(self, start: Params) -> list[str]:
         """The parameters the trials can see."""
-        names = [f"time.{k}" for k in KINDS]
+        names = ["scale"] + [f"time.{k}" for k in KINDS]
         if any(self.base.overhead.values()):
             names.append("overhead")
         if self.local and any(pt.spec.world_size > 1 for pt in self.points):
@@ -133,27 +147,80 @@ class Fit:
         return names
 
 
-def pattern_search(fit: Fit, start: Params, steps=(2.0, 1.25, 1.06, 1.015), sweeps: int = 3) -> Params:
-    """Coordinate search in log space: per parameter, try the current value times step^k (k = -3..3), keep the
-    best; sweep all parameters until nothing improves, then take a finer step."""
-    best, best_loss = start, fit.loss(start, start)
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (the small normal equations of the fit)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[pivot] = m[pivot], m[c]
+        if abs(m[c][c]) < 1e-300:
+            continue
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for k in range(c, n + 1):
+                m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r] if abs(m[r][r]) > 1e-300 else 0.0
+    return x
+
+
+def levenberg_marquardt(fit: Fit, start: Params, iterations: int = 40) -> Params:
+    """Least squares on log time over the log of the free parameters: Levenberg-Marquardt with a forward-difference
+    Jacobian (the simulator is piecewise linear in unit times, so the steps are damped), within bounds."""
     names = fit.free(start)
-    for step in steps:
-        for _ in range(sweeps):
-            improved = False
-            for name in names:
-                lo, hi = BOUNDS.get(name, FACTOR_BOUNDS)
-                for k in (-3, -2, -1, 1, 2, 3):
-                    value = min(hi, max(lo, best.get(name) * step ** k))
-                    if value == best.get(name):
-                        continue
-                    cand = best.set(name, value)
-                    loss = fit.loss(cand, start)
-                    if loss < best_loss - 1e-12:
-                        best, best_loss, improved = cand, loss, True
-            if not improved:
+    lo = [math.log(BOUNDS.get(n, FACTOR_BOUNDS)[0]) for n in names]
+    hi = [math.log(BOUNDS.get(n, FACTOR_BOUNDS)[1]) for n in names]
+    x0 = [math.log(start.get(n)) for n in names]
+
+    def params(x: list[float]) -> Params:
+        p = start
+        for n, v in zip(names, x):
+            p = p.set(n, math.exp(v))
+        return p
+
+    def residuals(x: list[float]) -> list[float]:
+        return fit.residuals(params(x), start)
+
+    x, r = x0[:], residuals(x0)
+    cost, lam, h = sum(v * v for v in r), 1e-2, 1e-4
+    for _ in range(iterations):
+        cols = []
+        for k in range(len(x)):
+            xk = x[:]
+            xk[k] += h if xk[k] + h <= hi[k] else -h
+            rk = residuals(xk)
+            cols.append([(b - a) / (xk[k] - x[k]) for a, b in zip(r, rk)])
+        jtj = [[sum(a * b for a, b in zip(ci, cj)) for cj in cols] for ci in cols]
+        jtr = [sum(a * b for a, b in zip(ci, r)) for ci in cols]
+        improved = False
+        for _ in range(8):
+            a = [[jtj[i][j] + (lam * jtj[i][i] + 1e-12 if i == j else 0.0) for j in range(len(x))] for i in range(len(x))]
+            step = _solve(a, [-g for g in jtr])
+            xn = [min(u, max(l_, v + d)) for v, d, l_, u in zip(x, step, lo, hi)]
+            rn = residuals(xn)
+            cn = sum(v * v for v in rn)
+            if cn < cost:
+                improved = cost - cn > 1e-12 * max(cost, 1e-30)
+                x, r, cost, lam = xn, rn, cn, max(lam / 3, 1e-7)
                 break
-    return best
+            lam *= 4
+        if not improved:
+            break
+    return params(x)
+
+
+def fit_params(fit: Fit, start: Params) -> Params:
+    """Two passes: a nearly free fit tells the noise of the measurements (its residuals over the degrees of freedom
+    left), which sets the pull toward the start for the final fit (MAP with a log-normal prior of spread PRIOR):
+    exact trials are fitted exactly, noisy ones move the factors only as far as they agree."""
+    first = levenberg_marquardt(fit, start, iterations=12)
+    n, k = len(fit.points), len(fit.free(start))
+    errors = fit.residuals(first, start)[:n]
+    noise = sum(e * e for e in errors) * n / max(1, n - k)  # residuals are divided by sqrt(n)
+    fit.pull = min(1.0, max(1e-8, noise / (n * PRIOR ** 2)))
+    return levenberg_marquardt(fit, start)
 
 
 # ---- memory allowance ------------------------------------------------------------------------------------------
@@ -237,7 +304,7 @@ def calibrate(records: list[dict], model, costs: CostSettings = CostSettings()) 
     fit = Fit(points, model, base, costs)
     start = Params(overlap=costs.overlap_factor)
     before = fit.predict(start)
-    params = pattern_search(fit, start)
+    params = fit_params(fit, start)
     after = fit.predict(params)
     measured = [pt.measured_s for pt in points]
     return {"params": params, "start": start, "base": base, "points": points, "notes": notes, "fit": fit,
@@ -257,7 +324,7 @@ def calibrated_profile_json(out: dict, results_path: str) -> dict:
         flags += [f"--memory-workspace-gb {allowance[0] / 2**30:.3g}", f"--memory-fragmentation {allowance[1]:.3g}"]
     data["calibration"] = {
         "results": results_path, "trials": len(out["points"]),
-        "time_factors": dict(p.time), "overhead_factor": p.overhead,
+        "time_factors": {k: p.scale * v for k, v in p.time.items()}, "overhead_factor": p.overhead,
         "link_bandwidth_factor": p.bandwidth, "link_latency_factor": p.latency,
         "links": "fitted on the profile's links (local cluster)" if fit.local else "from the cluster file, not fitted",
         "overlap_factor": p.overlap,
@@ -276,7 +343,8 @@ def _summary_json(s: dict) -> dict:
 def calibration_table(out: dict) -> str:
     p, s, fit = out["params"], out["start"], out["fit"]
     free = set(fit.free(s))
-    rows = [(f"{k} time x", s.time[k], p.time[k], f"time.{k}") for k in KINDS]
+    rows = [("unit time x (all)", s.scale, p.scale, "scale")]
+    rows += [(f"{k} time x", s.time[k], p.time[k], f"time.{k}") for k in KINDS]
     rows += [("overhead x", s.overhead, p.overhead, "overhead"), ("link bandwidth x", s.bandwidth, p.bandwidth,
              "bandwidth"), ("link latency x", s.latency, p.latency, "latency"),
              ("overlap factor", s.overlap, p.overlap, "overlap")]

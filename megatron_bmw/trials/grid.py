@@ -86,7 +86,7 @@ class Trial:
         if lay:
             return layout_label(lay)
         shown = self.point or self.flags
-        return " ".join(f"{k.lstrip('-')}={'on' if v is True else 'off' if v is None else v}"
+        return " ".join(f"{k.lstrip('-')}={'on' if v is True else 'none' if v is None else v}"
                         for k, v in shown.items() if not isinstance(v, list))[:80]
 
 
