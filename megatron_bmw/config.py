@@ -10,6 +10,7 @@ from .errors import UsageError
 from .units import DTYPE_BYTES, num_units, parse_recompute
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+MODEL_TYPES = ("gpt", "bert")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 _TORCH_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -39,9 +40,15 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     attention_backend: str = "auto"  # auto | flash | unfused
     params_dtype: str = "fp32"  # fp32 | bf16 | fp16 (a torch dtype is accepted and named)
+    model_type: str = "gpt"  # gpt (causal LM) | bert (bidirectional, masked LM + sentence order)
+    bert_binary_head: bool = True  # BERT: pooler, sentence-order head and token-type embeddings
+    apply_residual_connection_post_layernorm: bool = False  # residual taken after the LayerNorm (HF BERT layout)
+    openai_gelu: bool = False  # the BERT LM head's GeLU as the tanh approximation (the MLP always uses it)
 
     def __post_init__(self) -> None:
         self.params_dtype = dtype_name(self.params_dtype)
+        if self.model_type not in MODEL_TYPES:
+            raise UsageError(f"unknown model type {self.model_type!r} (use {' or '.join(MODEL_TYPES)})")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
@@ -65,6 +72,11 @@ class ModelConfig:
     def num_units(self) -> int:
         """embedding + (attention, mlp) per layer + head."""
         return num_units(self.num_layers)
+
+    @property
+    def num_tokentypes(self) -> int:
+        """Token-type (segment) embeddings: BERT with the binary head has two, as in Megatron."""
+        return 2 if self.model_type == "bert" and self.bert_binary_head else 0
 
     @property
     def dtype_bytes(self) -> int:

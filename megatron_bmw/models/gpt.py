@@ -3,6 +3,8 @@
 Between any two units flows the hidden state [seq, batch, hidden] (seq/tp with sequence parallelism), so a
 pipeline stage may end after any unit. Every unit has the signature `unit(hidden, batch) -> hidden`; the
 embedding ignores `hidden` and reads batch["tokens"], the head returns the micro-batch's mean loss.
+A BERT (cfg.model_type "bert", models/bert.py) reuses Attention and MLP, attending over the batch's padding
+mask instead of causally, with its own embedding and head.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabPara
 from ..parallel.mappings import scatter_to_sp
 from ..parallel.random import checkpoint
 from ..parallel.state import ParallelState
-from .softmax import causal_softmax
+from .softmax import causal_softmax, padding_softmax
 from ..units import unit_names
 
 __all__ = ["GPTModel", "build_units", "unit_names"]
@@ -83,7 +85,8 @@ class Embedding(Unit):
 
 
 class Attention(Unit):
-    """Pre-LayerNorm causal self-attention with a fused QKV projection and the residual add."""
+    """Pre-LayerNorm self-attention with a fused QKV projection and the residual add: causal (GPT), or over the
+    keys batch["padding_mask"] marks as real tokens (BERT)."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit, name: str) -> None:
         super().__init__(state)
@@ -93,6 +96,8 @@ class Attention(Unit):
         self.dropout, self.attention_dropout = cfg.hidden_dropout, cfg.attention_dropout
         self.flash = cfg.flash_attention
         self.selective = False
+        self.causal = cfg.model_type != "bert"
+        self.residual_post_ln = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = _norm(cfg, state)
         # QKV rows are laid out per head as [head, (q|k|v), head_dim], so a contiguous tp shard holds whole heads.
         self.qkv = ColumnParallelLinear(init.normal(f"{name}.qkv.weight", (3 * h, h)), init.zeros((3 * h,)), state,
@@ -105,19 +110,21 @@ class Attention(Unit):
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, self.heads, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)  # [b, n, s, d]
+        keep = None if self.causal else batch["padding_mask"].bool()[:, None, None, :]  # keys to attend to
         if self.selective and self.training and torch.is_grad_enabled():
-            ctx = checkpoint(self.core_attention, self.state.rng, q, k, v)
+            ctx = checkpoint(self.core_attention, self.state.rng, q, k, v, keep)
         else:
-            ctx = self.core_attention(q, k, v)
+            ctx = self.core_attention(q, k, v, keep)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
-        return hidden + self._dropout(self.proj(ctx), self.dropout)
+        return (x if self.residual_post_ln else hidden) + self._dropout(self.proj(ctx), self.dropout)
 
-    def core_attention(self, q, k, v):
+    def core_attention(self, q, k, v, keep=None):
         p = self.attention_dropout if self.training else 0.0
         with self.state.rng.fork():
             if self.flash:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-            probs = causal_softmax(torch.matmul(q, k.transpose(-1, -2)), 1.0 / math.sqrt(self.head_dim))
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p, is_causal=keep is None)
+            scores, scale = torch.matmul(q, k.transpose(-1, -2)), 1.0 / math.sqrt(self.head_dim)
+            probs = causal_softmax(scores, scale) if keep is None else padding_softmax(scores, scale, keep)
             if p > 0.0:
                 probs = F.dropout(probs, p, True)
             return torch.matmul(probs, v)
@@ -130,6 +137,7 @@ class MLP(Unit):
         super().__init__(state)
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.dropout = cfg.hidden_dropout
+        self.residual_post_ln = cfg.apply_residual_connection_post_layernorm
         self.post_attention_layernorm = _norm(cfg, state)
         self.fc1 = ColumnParallelLinear(init.normal(f"{name}.fc1.weight", (f, h)), init.zeros((f,)), state,
                                         dtype=cfg.torch_dtype)
@@ -137,8 +145,9 @@ class MLP(Unit):
                                      state, dtype=cfg.torch_dtype)
 
     def compute(self, hidden, batch):
-        x = F.gelu(self.fc1(self.post_attention_layernorm(hidden)), approximate="tanh")
-        return hidden + self._dropout(self.fc2(x), self.dropout)
+        x = self.post_attention_layernorm(hidden)
+        y = self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return (x if self.residual_post_ln else hidden) + self._dropout(y, self.dropout)
 
 
 class Head(Unit):
@@ -179,6 +188,9 @@ def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list
     """Build the units with the given indices (all by default), in order, keyed by unit name.
     `recompute`: None, selective or full for every unit of the model (PipelineConfig.recompute)."""
     cfg.check_tensor_parallel(state.tp_size)
+    embedding_unit, head_unit = Embedding, Head
+    if cfg.model_type == "bert":
+        from .bert import BertEmbedding as embedding_unit, BertHead as head_unit  # noqa: N813
     names = unit_names(cfg.num_layers)
     indices = list(range(len(names))) if indices is None else sorted(indices)
     init = ParamInit(seed, cfg.init_method_std, cfg.num_layers)
@@ -186,12 +198,12 @@ def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list
     for i in indices:
         name = names[i]
         if name == "embedding":
-            unit = Embedding(cfg, state, init)
+            unit = embedding_unit(cfg, state, init)
             if not cfg.untie_embeddings_and_output_weights and state.pp_size > 1:
                 unit.word_embeddings.weight.shared_embedding = True
         elif name == "head":
             emb = units.get("embedding")
-            unit = Head(cfg, state, init, emb.word_embeddings.weight if emb is not None else None)
+            unit = head_unit(cfg, state, init, emb.word_embeddings.weight if emb is not None else None)
         elif name.startswith("attn_"):
             unit = Attention(cfg, state, init, name)
         else:

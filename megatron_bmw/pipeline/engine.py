@@ -107,6 +107,8 @@ class PipelineEngine:
         if a.half is None:
             return batch, 1.0
         halves = {k: v.chunk(2, 0)[a.half] for k, v in batch.items()}
+        if "loss_divisors" in batch:  # the head divides by the whole micro-batch's counts (BERT): halves add up
+            return halves, 1.0
         mask = batch["loss_mask"]
         weight = (halves["loss_mask"].sum() / mask.sum().clamp(min=1)).item()
         return halves, weight
