@@ -123,6 +123,23 @@ class BertHead(Head):
         return loss
 
 
+def synthetic_batch(cfg: ModelConfig, batch_size: int, seed: int, pad: bool = True) -> dict[str, torch.Tensor]:
+    """A random BERT micro-batch (for tests and the profiler): samples padded at the end (at least 3 real tokens;
+    none padded with pad=False), two segments, ~15% of the real tokens predicted (always position 1)."""
+    g = torch.Generator().manual_seed(seed)
+    b, s = batch_size, cfg.seq_length
+    tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
+    lengths = torch.randint(min(3, s), s + 1, (b,), generator=g) if pad else torch.full((b,), s)
+    real = torch.arange(s)[None, :] < lengths[:, None]
+    types = (torch.arange(s)[None, :] >= (lengths[:, None] // 2)).long() * real
+    predict = (torch.rand(b, s, generator=g) < 0.15) & real
+    predict[:, min(1, s - 1)] = True
+    labels = torch.where(predict, torch.randint(0, cfg.vocab_size, (b, s), generator=g), torch.full((b, s), -1))
+    mask = predict.float()
+    return {"tokens": tokens * real, "types": types, "padding_mask": real, "labels": labels, "loss_mask": mask,
+            "sop_labels": torch.randint(0, 2, (b,), generator=g), "loss_divisors": loss_divisors(mask)}
+
+
 def loss_divisors(loss_mask: torch.Tensor) -> torch.Tensor:
     """[b, 2] float32: every row (masked tokens, samples) of the micro-batch `loss_mask` [b, s] belongs to."""
     b = loss_mask.size(0)

@@ -8,12 +8,16 @@ from ..config import ModelConfig
 def unit_forward_flops(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1) -> float:
     s, b, h, f, v = model.seq_length, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
     tokens = s * b
-    if kind == "embedding":
-        return 3.0 * tokens * h  # lookups, the position add and dropout: elementwise
+    bert = model.model_type == "bert"
+    if kind == "embedding":  # lookups, the position (and token-type) add and dropout: elementwise
+        return (4.0 if model.num_tokentypes else 3.0) * tokens * h
     if kind == "attention":
         return (2.0 * tokens * h * 3 * h + 2.0 * tokens * h * h + 4.0 * s * tokens * h) / tp
     if kind == "mlp":
         return 4.0 * tokens * h * f / tp
+    if kind == "head" and bert:  # logits; the LM dense, pooler and sentence-order layers on every tp rank
+        extra = 2.0 * b * h * (h + 2) if model.bert_binary_head else 0.0
+        return 2.0 * tokens * h * v / tp + 2.0 * tokens * h * h + extra
     if kind == "head":
         return 2.0 * tokens * h * v / tp
     raise ValueError(f"unknown unit kind {kind!r}")

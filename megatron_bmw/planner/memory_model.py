@@ -17,7 +17,14 @@ Per unit, no recomputation (flash = fused SDPA kernel, unfused = explicit softma
              the dropout mask s'bh.
   head       LN input and statistics, the logits' input s'bh e, the fp32 softmax sbv/t x 4 of the vocab-parallel
              cross entropy, its local targets (int64) and out-of-range mask, the loss mask and the divisor.
-Selective recomputation keeps the attention unit minus its core; full recomputation keeps the unit's input.
+BERT (model_type "bert", models/bert.py) adds to the embedding the token-type ids (int64), to a flash attention
+unit the padding mask the kernel takes as an additive bias, b s e, and has its own head: the final LayerNorm
+(input and statistics), the LM head's dense input s'bh e, GeLU input s'bh e, LayerNorm (input and statistics),
+the logits' input s'bh e, the vocab-parallel cross entropy as GPT's, the loss mask and the two loss divisors;
+with the binary head the pooler's input bh e (with SP only: the gathered first token; else it is a view of the
+dense input), its tanh output bh e, and the sentence-order log-probabilities 2b x 4, labels (int64) and weight.
+Selective recomputation keeps the attention unit minus its core (BERT: plus the core's input padding mask, b s
+bool); full recomputation keeps the unit's input.
 The engine frees a stage's output once it is sent (Megatron's deallocate_output_tensor), so between units
 nothing is held beyond what the next unit saves.
 
@@ -91,12 +98,34 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         if model.hidden_dropout > 0:
             add("dropout mask", hidden_local, mask_size)
 
+    bert = model.model_type == "bert"
     if kind == "embedding":
         add("token ids", b * s, _INT64)
         if tp > 1:
             add("out-of-vocabulary-shard mask", b * s, _BOOL)
         add("position ids", s, _INT64)
+        if model.num_tokentypes:
+            add("token-type ids", b * s, _INT64)
         hidden_dropout()
+        return out
+    if kind == "head" and bert:
+        layernorm()
+        add("lm dense input", hidden_local, e)
+        add("lm gelu input", hidden_local, e)
+        layernorm()
+        add("logits input", hidden_local, e)
+        add("softmax (fp32)", s * b * (v // tp), _FP32)
+        add("local targets", s * b, _INT64)
+        add("out-of-vocabulary-shard mask", s * b, _BOOL)
+        add("loss mask", s * b, _FP32)
+        add("loss divisors", 2, _FP32)
+        if model.bert_binary_head:
+            if sp:
+                add("pooler input (gathered first token)", b * h, e)
+            add("pooler output (tanh)", b * h, e)
+            add("sentence-order log-probabilities (fp32)", 2 * b, _FP32)
+            add("sentence-order labels", b, _INT64)
+            add("sentence-order loss weight", 1, _FP32)
         return out
     if kind == "head":
         layernorm()
@@ -124,6 +153,8 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     math_path = model.flash_attention and device == "cpu" and p_attn > 0
     if recompute == "selective":
         add("qkv output", 3 * local_h, e)
+        if bert:  # an input of the recomputed core
+            add("padding mask (bool)", b * s, _BOOL)
     elif not model.flash_attention:
         add("qkv output", 3 * local_h, e)
         add("softmax output", score, e)
@@ -141,13 +172,15 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     else:  # the kernel's output is laid out like q, so the projection's input is a view of it
         add("qkv output", 3 * local_h, e)
         add("log-sum-exp (fp32)", b * heads * s, _FP32)
+        if bert:
+            add("padding mask (additive, for the kernel)", b * s, e)
     add("context (output projection input)", local_h, e)
     hidden_dropout()
     return out
 
 
 _SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
-               "attention_backend", "hidden_dropout", "attention_dropout")
+               "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head")
 _saved_memo: dict[tuple, int] = {}
 
 
@@ -198,13 +231,16 @@ def unit_param_count(kind: str, model: ModelConfig, tp: int = 1, output_weight: 
     embedding's."""
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
     if kind == "embedding":
-        return (v // tp) * h + model.max_position_embeddings * h
+        return (v // tp) * h + model.max_position_embeddings * h + model.num_tokentypes * h
     if kind == "attention":
         return 2 * h + (3 * h // tp) * h + 3 * h // tp + h * (h // tp) + h
     if kind == "mlp":
         return 2 * h + (f // tp) * h + f // tp + h * (f // tp) + h
     if kind == "head":
-        return 2 * h + ((v // tp) * h if output_weight else 0)
+        n = 2 * h + ((v // tp) * h if output_weight else 0)
+        if model.model_type == "bert":  # LM dense, LayerNorm and output bias; pooler and sentence-order head
+            n += h * h + h + 2 * h + v // tp + ((h * h + h) + (2 * h + 2) if model.bert_binary_head else 0)
+        return n
     raise ValueError(f"unknown unit kind {kind!r}")
 
 

@@ -60,6 +60,10 @@ class ProfileSettings:
 
 
 def _batch(model: ModelConfig, b: int, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    if model.model_type == "bert":
+        from ..models.bert import synthetic_batch
+
+        return {k: v.to(device) for k, v in synthetic_batch(model, b, seed, pad=False).items()}
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, model.vocab_size, (b, model.seq_length + 1), generator=g)
     return {"tokens": tokens[:, :-1].clone().to(device), "labels": tokens[:, 1:].clone().to(device),

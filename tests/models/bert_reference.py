@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_bmw.config import ModelConfig
-from megatron_bmw.models.bert import loss_divisors
+from megatron_bmw.models.bert import loss_divisors, synthetic_batch
 from megatron_bmw.models.gpt import GPTModel, build_units
 from megatron_bmw.parallel.state import ParallelState
 from tests.reference import RECOMPUTE_FLAGS, SEED
@@ -18,33 +18,23 @@ def bert_config(**overrides) -> ModelConfig:
     return ModelConfig(**kw)
 
 
-def bert_batch(cfg: ModelConfig, batch_size: int, seed: int) -> dict[str, torch.Tensor]:
-    """Random samples with padding at the end (at least 3 real tokens) and ~30% of the real ones predicted."""
-    g = torch.Generator().manual_seed(seed)
-    b, s = batch_size, cfg.seq_length
-    tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
-    lengths = torch.randint(3, s + 1, (b,), generator=g)
-    real = torch.arange(s)[None, :] < lengths[:, None]
-    types = (torch.arange(s)[None, :] >= (lengths[:, None] // 2)).long() * real
-    predict = (torch.rand(b, s, generator=g) < 0.3) & real
-    predict[:, 1] = True
-    labels = torch.where(predict, torch.randint(0, cfg.vocab_size, (b, s), generator=g), torch.full((b, s), -1))
-    return {"tokens": tokens * real, "types": types, "padding_mask": real, "labels": labels,
-            "loss_mask": predict.float(), "sop_labels": torch.randint(0, 2, (b,), generator=g)}
-
-
 def split_micro(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
-    """Micro-batches, each with its own loss divisors."""
+    """Micro-batches of a batch, each with its own loss divisors."""
     chunks = {k: v.chunk(parts, 0) for k, v in batch.items()}
     out = []
     for i in range(parts):
-        mb = {k: chunks[k][i] for k in batch}
+        mb = {k: chunks[k][i].clone() for k in batch}
         mb["loss_divisors"] = loss_divisors(mb["loss_mask"])
         out.append(mb)
     return out
 
 
+def bert_batch(cfg: ModelConfig, batch_size: int, seed: int) -> dict[str, torch.Tensor]:
+    return synthetic_batch(cfg, batch_size, seed)
+
+
 def bert_serial_reference(cfg: ModelConfig, microbatches):
+    """Mean loss over micro-batches, every parameter's gradient by name, and the model."""
     model = GPTModel(build_units(cfg, ParallelState.serial(), SEED))
     total = 0.0
     for mb in microbatches:
