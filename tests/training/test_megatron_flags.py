@@ -42,11 +42,28 @@ def test_rampup_runs_every_layout_alike():
         "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
         "interleaved": (2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
         "pp4-bpipe": (4, ["--pipeline-model-parallel-size", "4", "--bpipe"]),
+        "pp2-sliced": (2, ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--microbatch-slicing",
+                           "1"]),
     }
     for name, (world, extra) in layouts.items():
         history, consumed, _ = run_distributed(world, _ramp_case, extra)[-1]
         assert consumed == 60, name
         assert [h[1] for h in history] == pytest.approx([h[1] for h in serial], rel=1e-5), name
+
+
+def _steps_case(rank, world_size, extra):
+    trainer = build_trainer(MODEL + ["--micro-batch-size", "1", "--step-batch-size-schedule", "0:2 64:4",
+                                     "--train-samples", "20", "--log-interval", "100"] + extra)
+    trainer.train()
+    return [h[1] for h in trainer.history], trainer.consumed_train, trainer.run.train.train_iters
+
+
+def test_step_batch_size_schedule_runs():
+    """64 tokens = 4 samples at --seq-length 16: batches 2, 2, then 4 until 20 samples."""
+    losses, consumed, iters = run_distributed(1, _steps_case, [])[0]
+    assert (len(losses), consumed, iters) == (6, 20, 6)
+    pp2 = run_distributed(2, _steps_case, ["--pipeline-model-parallel-size", "2"])[-1]
+    assert pp2[0] == pytest.approx(losses, rel=1e-5) and pp2[1:] == (20, 6)
 
 
 def test_rampup_log_lines_and_consumed_samples():
