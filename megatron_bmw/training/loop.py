@@ -123,10 +123,10 @@ class Trainer:
         self.tracer = Tracer(state.rank, state.pp_rank) if tr.pipeline_trace else None
         self.track_activations = tr.log_activation_memory or track_memory
         self.engine = self._new_engine(self.schedule)
-        # one schedule and engine per micro-batch count (a ramped-up batch changes the count); built up front
+        # one schedule and engine per micro-batch count (a ramped-up batch changes the count), cached; the smallest
+        # count's schedule is built now so a count that cannot be scheduled fails at start-up
         self.pipelines = {pl.num_microbatches: (self.schedule, self.engine)}
-        for size in tr.batch_schedule.sizes():
-            self._pipeline(self._microbatches(size), build_engine=False)
+        self._pipeline(self._microbatches(tr.batch_schedule.sizes()[0]), build_engine=False)
         self.iteration = 0
         self.consumed_train = 0
         self.consumed_valid = 0
