@@ -362,7 +362,11 @@ def _training_length(args, schedule: BatchSchedule) -> int:
             raise UsageError("give --train-iters or --train-samples, not both")
         if args.train_samples < 1:
             raise UsageError(f"--train-samples must be >= 1, got {args.train_samples}")
-        return schedule.iterations(args.train_samples)
+        iterations = schedule.iterations(args.train_samples)
+        if iterations == 0:
+            raise UsageError(f"--train-samples {args.train_samples} is less than the first global batch "
+                             f"({schedule.at(0)})")
+        return iterations
     return 10 if args.train_iters is None else args.train_iters
 
 

@@ -288,9 +288,7 @@ class TrainConfig:
         if self.global_batch_size < 1:
             raise UsageError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
         if self.train_iters < 1:
-            raise UsageError(f"--train-iters must be >= 1, got {self.train_iters}"
-                             + (f" (--train-samples {self.train_samples} holds no full batch)"
-                                if self.train_samples is not None else ""))
+            raise UsageError(f"--train-iters must be >= 1, got {self.train_iters}")
         for flag, value in (("--log-interval", self.log_interval), ("--eval-interval", self.eval_interval)):
             if value < 1:
                 raise UsageError(f"{flag} must be >= 1, got {value}")

@@ -50,7 +50,9 @@ def _refused(extra, needle, world=1):
     (["--ckpt-format", "nope"], "--ckpt-format nope: unknown"),
     (["--train-iters", "5", "--train-samples", "40"], "give --train-iters or --train-samples, not both"),
     (["--train-samples", "0"], "--train-samples must be >= 1"),
-    (["--global-batch-size", "8", "--train-samples", "7"], "--train-iters must be >= 1"),
+    (["--global-batch-size", "8", "--train-samples", "7"], "--train-samples 7 is less than the first global "
+                                                            "batch (8)"),
+    (["--train-iters", "0"], "--train-iters must be >= 1"),
 ])
 def test_refused(extra, needle):
     _refused(extra, needle)
