@@ -1,7 +1,9 @@
 """Tokenize a JSON-lines corpus into Megatron-LM `.bin/.idx` datasets, one per JSON key.
 
 Each input line is one JSON document; for every `--json-keys` key the text becomes one sequence
-(and one document) in `{output_prefix}_{key}_document.bin/.idx`.
+(and one document) in `{output_prefix}_{key}_document.bin/.idx`. With `--split-sentences` (BERT data) each
+sentence becomes its own sequence, the document's sentences one document, in `{output_prefix}_{key}_sentence.*`
+(sentences by megatron_bmw/data/sentences.py; `--keep-newlines` keeps the newlines after them).
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
@@ -27,6 +29,7 @@ except ImportError:
 
 from megatron_bmw.config import DataConfig
 from megatron_bmw.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
+from megatron_bmw.data.sentences import split_sentences
 from megatron_bmw.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from megatron_bmw.errors import UsageError, exit_on_usage_error
 
@@ -43,10 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     p.add_argument("--tokenizer-model", help="SentencePiece .model file or Hugging Face tokenizer directory")
-    p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json")
+    p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json, or a BERT WordPiece vocab.txt")
     p.add_argument("--merge-file", help="GPT-2 BPE merges.txt")
     p.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
+    p.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (BERT's input)")
+    p.add_argument("--keep-newlines", action="store_true",
+                   help="with --split-sentences: keep the newlines that follow each sentence")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     p.add_argument("--log-interval", type=int, default=1000, help="progress line every N documents")
     return p
@@ -57,16 +63,30 @@ _tokenizer: Tokenizer | None = None
 _keys: list[str] = []
 _append_eod = False
 _input = ""
+_sentences: tuple[bool, bool] = (False, False)  # (split, keep newlines)
 
 
-def _init_worker(cfg: DataConfig, keys: list[str], append_eod: bool, input_path: str) -> None:
-    global _tokenizer, _keys, _append_eod, _input
+def _init_worker(cfg: DataConfig, keys: list[str], append_eod: bool, input_path: str,
+                 sentences: tuple[bool, bool] = (False, False)) -> None:
+    global _tokenizer, _keys, _append_eod, _input, _sentences
     _tokenizer = build_tokenizer(cfg)
-    _keys, _append_eod, _input = keys, append_eod, input_path
+    _keys, _append_eod, _input, _sentences = keys, append_eod, input_path, sentences
 
 
-def _encode(item: tuple[int, str]) -> tuple[dict[str, np.ndarray] | None, int]:
-    """One JSON line -> token ids per key (None for a blank line), and the line's size in bytes."""
+def _sequences(text: str) -> list[np.ndarray]:
+    """The token ids of a document's sequences: the whole text, or its non-empty sentences."""
+    if not _sentences[0]:
+        pieces = [_tokenizer.tokenize(text)]
+    else:
+        pieces = [ids for ids in (_tokenizer.tokenize(s) for s in split_sentences(text, _sentences[1])) if ids]
+    if _append_eod and pieces and pieces[-1]:  # as Megatron-LM: an empty text stays empty, without eod
+        pieces[-1] = pieces[-1] + [_tokenizer.eod]
+    return [np.asarray(ids, dtype=np.int64) for ids in pieces]
+
+
+def _encode(item: tuple[int, str]) -> tuple[dict[str, list[np.ndarray]] | None, int]:
+    """One JSON line -> the token ids of its sequences per key (None for a blank line), and the line's size in
+    bytes."""
     lineno, line = item
     size = len(line.encode("utf-8"))
     if not line.strip():
@@ -77,16 +97,13 @@ def _encode(item: tuple[int, str]) -> tuple[dict[str, np.ndarray] | None, int]:
         raise UsageError(f"--input: {_input} line {lineno} is not JSON ({exc.msg})") from None
     if not isinstance(doc, dict):
         raise UsageError(f"--input: {_input} line {lineno} is not a JSON object")
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, list[np.ndarray]] = {}
     for key in _keys:
         text = doc.get(key)
         if not isinstance(text, str):
             what = "missing" if text is None else "not a string"
             raise UsageError(f"--json-keys: key {key!r} is {what} in {_input} line {lineno}")
-        ids = _tokenizer.tokenize(text)
-        if _append_eod and ids:  # as Megatron-LM: an empty text stays empty, without eod
-            ids.append(_tokenizer.eod)
-        out[key] = np.asarray(ids, dtype=np.int64)
+        out[key] = _sequences(text)
     return out, size
 
 
@@ -99,12 +116,14 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--log-interval: must be at least 1, got {args.log_interval}")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise UsageError(f"--json-keys: repeated key in {args.json_keys}")
+    if args.keep_newlines and not args.split_sentences:
+        raise UsageError("--keep-newlines: applies to --split-sentences only")
 
 
 def _encoded(
     args: argparse.Namespace, cfg: DataConfig, lines: Iterator[tuple[int, str]]
 ) -> Iterator[tuple[dict[str, np.ndarray] | None, int]]:
-    init = (cfg, args.json_keys, args.append_eod, args.input)
+    init = (cfg, args.json_keys, args.append_eod, args.input, (args.split_sentences, args.keep_newlines))
     if args.workers == 1:
         _init_worker(*init)
         yield from map(_encode, lines)
@@ -134,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--output-prefix: cannot create {out_dir!r}: {exc.strerror}") from None
-    prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
+    level = "sentence" if args.split_sentences else "document"
+    prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
     builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype) for key, prefix in prefixes.items()}
 
     try:
@@ -181,11 +201,12 @@ def _tokenize_into(args: argparse.Namespace, cfg: DataConfig, builders: dict):
                 nbytes += size
                 if encoded is None:
                     continue
-                for key, ids in encoded.items():
+                for key, sequences in encoded.items():
                     builder = builders[key]
-                    if ids.size:
-                        builder.add_item(ids)
-                        tokens += int(ids.size)
+                    for ids in sequences:
+                        if ids.size:
+                            builder.add_item(ids)
+                            tokens += int(ids.size)
                     builder.end_document()
                 docs += 1
                 if docs % args.log_interval == 0:

@@ -7,6 +7,8 @@
 - `HuggingFaceTokenizer`: a local directory loaded with transformers' AutoTokenizer; eod = its eos token.
 - `NullTokenizer`: text is space-separated ids below `cfg.vocab_size`; as in Megatron-LM the
   vocabulary has `vocab_size + 1` entries and eod = `cfg.vocab_size`.
+- `BertWordPieceLowerCase` / `BertWordPieceCase`: BERT's WordPiece from a `vocab.txt` (data/wordpiece.py), with
+  `cls`, `sep`, `pad`, `mask` ids; [BOS]/[EOS] appended when missing, as Megatron does; eod = [EOS].
 """
 
 from __future__ import annotations
@@ -263,7 +265,46 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids])
 
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+class BertWordPieceTokenizer(Tokenizer):
+    """BERT WordPiece (lower-cased and accent-stripped, or cased) from a one-piece-per-line vocabulary file."""
+
+    def __init__(self, vocab_file: str | None, lower_case: bool) -> None:
+        from .wordpiece import WordPiece, read_vocab
+
+        self.lower_case = lower_case
+        self.inv_vocab = read_vocab(vocab_file)
+        self.vocab = {piece: i for i, piece in enumerate(self.inv_vocab)}
+        for extra in ("[BOS]", "[EOS]"):
+            if extra not in self.vocab:
+                self.vocab[extra] = len(self.inv_vocab)
+                self.inv_vocab.append(extra)
+        self.cls, self.sep, self.pad, self.mask = (self.vocab[t] for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]"))
+        self._wordpiece = WordPiece(self.vocab)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.inv_vocab)
+
+    @property
+    def eod(self) -> int:
+        return self.vocab["[EOS]"]
+
+    def pieces(self, text: str) -> list[str]:
+        from .wordpiece import basic_tokenize
+
+        return [p for word in basic_tokenize(text, self.lower_case) for p in self._wordpiece.split(word)]
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.vocab[p] for p in self.pieces(text)]
+
+    def detokenize(self, ids: list[int]) -> str:
+        from .wordpiece import detokenize_pieces
+
+        return detokenize_pieces([self.inv_vocab[int(i)] for i in ids])
+
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer",
+                   "BertWordPieceLowerCase", "BertWordPieceCase")
 
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
@@ -279,4 +320,6 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
         return HuggingFaceTokenizer(cfg.tokenizer_model)
     if kind == "NullTokenizer":
         return NullTokenizer(cfg.vocab_size)
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        return BertWordPieceTokenizer(cfg.vocab_file, lower_case=kind == "BertWordPieceLowerCase")
     raise UsageError(f"--tokenizer-type: unknown {kind!r} (one of {', '.join(TOKENIZER_TYPES)})")
