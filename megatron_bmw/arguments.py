@@ -36,9 +36,33 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Megatron-style GPT pretraining (megatron_bmw)", allow_abbrev=False)
-    return add_megatron_args(p)
+def build_parser(prog: str = "pretrain_gpt.py", model_type: str = "gpt") -> argparse.ArgumentParser:
+    what = "BERT" if model_type == "bert" else "GPT"
+    p = _Parser(prog=prog, description=f"Megatron-style {what} pretraining (megatron_bmw)", allow_abbrev=False)
+    add_megatron_args(p)
+    if model_type == "bert":
+        add_bert_args(p)
+    return p
+
+
+def add_bert_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """pretrain_bert.py's flags (Megatron's names; --no-whole-word-masking and --masking-max-ngram are ours)."""
+    g = p.add_argument_group("bert")
+    g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false",
+                   help="no sentence-order head (and no token-type embeddings)")
+    g.add_argument("--bert-binary-head", dest="bert_binary_head", action="store_true",
+                   help="the sentence-order head with the pooler (default)")
+    g.add_argument("--mask-prob", type=float, default=0.15, help="fraction of tokens to predict (default 0.15)")
+    g.add_argument("--short-seq-prob", type=float, default=0.1,
+                   help="probability of a sample shorter than --seq-length (default 0.1)")
+    g.add_argument("--no-whole-word-masking", dest="whole_word_masking", action="store_false",
+                   help="mask WordPiece pieces independently instead of whole words")
+    g.add_argument("--masking-max-ngram", type=int, default=3, help="longest masked n-gram of words (default 3)")
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                   help="residuals from the LayerNorm outputs (the layout Hugging Face's post-LN BERT converts to)")
+    g.add_argument("--openai-gelu", action="store_true", help="tanh-approximated GeLU in the LM head")
+    p.set_defaults(model_type="bert", bert_binary_head=True)
+    return p
 
 
 def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -178,6 +202,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
         kept.append(argv[i])
         i += 1
     args = parser.parse_args(kept)
+    if getattr(args, "model_type", "gpt") == "bert" and args.tokenizer_type is None and args.vocab_file:
+        args.tokenizer_type = "BertWordPieceLowerCase"  # Megatron's pretrain_bert default
     args.ignored_flags = ignored
     args.ignored_kernel_flags = [f for f in ignored if f in IGNORED_KERNEL_FLAGS]
     args.ignored_logging_flags = [f for f in ignored if f in IGNORED_LOGGING_FLAGS]
@@ -210,7 +236,10 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
     return DataConfig(data_path=args.data_path or [], split=args.split, data_cache_path=args.data_cache_path,
                       tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                       vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
-                      mock_data=args.mock_data)
+                      mock_data=args.mock_data, mask_prob=getattr(args, "mask_prob", 0.15),
+                      short_seq_prob=getattr(args, "short_seq_prob", 0.1),
+                      whole_word_masking=getattr(args, "whole_word_masking", True),
+                      masking_max_ngram=getattr(args, "masking_max_ngram", 3))
 
 
 def _virtual_stages(args) -> int:
@@ -403,6 +432,9 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         layernorm_epsilon=args.layernorm_epsilon,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights, attention_backend=backend,
         params_dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        model_type=getattr(args, "model_type", "gpt"), bert_binary_head=getattr(args, "bert_binary_head", True),
+        apply_residual_connection_post_layernorm=getattr(args, "apply_residual_connection_post_layernorm", False),
+        openai_gelu=getattr(args, "openai_gelu", False),
     )
     model.check_tensor_parallel(tp)
     if args.sequence_parallel and tp > 1 and args.seq_length % tp:
@@ -505,6 +537,9 @@ def apply_plan(args: argparse.Namespace, argv: list[str], parser: argparse.Argum
 def check_against_plan(run: RunConfig, plan, world_size: int, path: str) -> None:
     """What the flags cannot carry: the world size and the padded vocabulary."""
     s = plan.spec
+    if run.model.model_type != s.model.model_type:
+        raise UsageError(f"--plan {path}: planned for a {s.model.model_type.upper()} model, this run trains a "
+                         f"{run.model.model_type.upper()}")
     if world_size != s.world_size:
         raise UsageError(f"--plan {path}: planned for {s.world_size} ranks (tp {s.tp} x pp {s.pp} x dp {s.dp}), "
                          f"launched with {world_size}")

@@ -455,6 +455,11 @@ class DataConfig:
     merge_file: str | None = None
     vocab_size: int | None = None
     mock_data: bool = False
+    # BERT samples (data/bert_dataset.py)
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    whole_word_masking: bool = True
+    masking_max_ngram: int = 3
 
     def __post_init__(self) -> None:
         # Megatron reads the numbers out of --split: quotes a launch script kept, or spaces, do not matter

@@ -98,3 +98,48 @@ def describe(datasets: Datasets) -> str:
     for name, ds in zip(SPLIT_NAMES, datasets):
         lines.append(f"{name}: {'none' if ds is None else f'{type(ds).__name__} with {len(ds)} samples'}")
     return "\n".join(lines)
+
+
+def build_bert_datasets(cfg: DataConfig, sample: "BertSampleConfig", num_samples: tuple[int, int, int],
+                        tokenizer=None, check_vocab_size: int | None = None) -> Datasets:
+    """(train, valid, test) BERT datasets (data/bert_dataset.py) over sentence-level prefixes
+    (`preprocess_data.py --split-sentences`); each prefix's documents are split by `cfg.split` and blends mix
+    the prefixes as for GPT. Mock data uses the tokenizer's special ids, or [PAD] 0 [CLS] 1 [SEP] 2 [MASK] 3."""
+    from megatron_bmw.data.bert_dataset import BertDataset, BertVocab, MockBertDataset
+
+    num_samples = tuple(int(n or 0) for n in num_samples)
+    if tokenizer is not None:
+        vocab = BertVocab.of(tokenizer)
+    elif cfg.mock_data and cfg.vocab_size is not None:
+        vocab = BertVocab.synthetic(cfg.vocab_size)
+    else:
+        raise UsageError("--tokenizer-type: BERT data needs BertWordPieceLowerCase or BertWordPieceCase "
+                         "(or --mock-data with --vocab-size)")
+    weights = parse_split(cfg.split)
+    if cfg.mock_data:
+        return tuple(MockBertDataset(vocab, n, sample, name) if n and w > 0 else None
+                     for name, n, w in zip(SPLIT_NAMES, num_samples, weights))
+    if not cfg.data_path:
+        raise UsageError("--data-path: required unless --mock-data is set")
+    blend = [(w, p) for w, p in parse_data_path(cfg.data_path) if w > 0 or len(cfg.data_path) == 1]
+    indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    if check_vocab_size is not None:
+        for ds in indexed:
+            ds.check_vocab(check_vocab_size)
+    ranges = [split_ranges(cfg.split, len(ds.document_indices) - 1) for ds in indexed]
+    out: list[object | None] = []
+    for s, (name, n) in enumerate(zip(SPLIT_NAMES, num_samples)):
+        members = [(w, ds, r[s]) for (w, _), ds, r in zip(blend, indexed, ranges) if r[s][1] > r[s][0]]
+        if n == 0 or not members:
+            out.append(None)
+            continue
+        if len(blend) == 1:
+            _, ds, rng = members[0]
+            out.append(BertDataset(ds, np.arange(*rng), n, sample, vocab, name))
+            continue
+        total = sum(w for w, _, _ in members)
+        member_weights = [w / total for w, _, _ in members]
+        parts = [BertDataset(ds, np.arange(*rng), c, sample, vocab, name)
+                 for (_, ds, rng), c in zip(members, samples_per_dataset(member_weights, n))]
+        out.append(BlendedDataset(parts, member_weights, n, None, name))
+    return tuple(out)

@@ -83,9 +83,11 @@ class IntervalStats:
 
     def reset(self) -> None:
         self.loss_sum, self.advanced, self.iterations, self.skipped, self.nan = 0.0, 0, 0, 0, 0
+        self.part_sums: dict[str, float] = {}
         self.start = time.time()
 
-    def add(self, loss: float, successful: bool) -> None:
+    def add(self, loss: float, successful: bool, parts: Mapping[str, float] | None = None) -> None:
+        """`parts`: the loss's named terms when it has several (BERT: lm loss, sop loss)."""
         self.iterations += 1
         if not math.isfinite(loss):
             self.nan += 1
@@ -94,6 +96,15 @@ class IntervalStats:
         elif math.isfinite(loss):
             self.loss_sum += loss
             self.advanced += 1
+            for key, value in (parts or {}).items():
+                self.part_sums[key] = self.part_sums.get(key, 0.0) + value
+
+    def losses(self) -> dict[str, float | None]:
+        """The interval's mean losses by name, as the log line shows them: `lm loss` (the whole loss), or each
+        named term; None values when every iteration was skipped or NaN."""
+        if not self.part_sums:
+            return {"lm loss": self.loss}
+        return {key: total / self.advanced for key, total in self.part_sums.items()}
 
     @property
     def loss(self) -> float | None:

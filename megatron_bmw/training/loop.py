@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import OptimizerConfig, RunConfig
-from ..data.builder import build_gpt_datasets
+from ..data.builder import build_bert_datasets, build_gpt_datasets
 from ..errors import UsageError
 from ..parallel.grad_sync import GradSync
 from ..parallel.random import get_rng_state, set_rng_state, set_seeds
@@ -30,7 +30,9 @@ from ..pipeline.engine import PipelineEngine, reduce_loss
 from ..pipeline.stages import hidden_shape, pipeline_setup
 from ..pipeline.trace import Tracer
 from ..planner.profiler import measure_stage_times
+from ..models.bert import LOSS_NAMES, drain_reported
 from .batches import MicroBatches
+from .bert_batches import BertMicroBatches
 from .checkpointing import TRACKER, load_checkpoint, read_tracker, save_checkpoint
 from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format_validation_log, num_zeros_in_grad,
                       params_norm, throughput_tflops, timestamp)
@@ -65,6 +67,7 @@ class IterationResult:
     step: StepResult
     batch_size: int  # the global batch this iteration consumed
     scale_before: float  # the loss scale the iteration ran with
+    parts: dict[str, float] | None = None  # BERT: lm loss and sop loss (their sum is `loss`)
 
 
 def print_last(state: ParallelState, text: str) -> None:
@@ -136,6 +139,7 @@ class Trainer:
         self.history: list[tuple[int, float, float | None]] = []  # (iteration, lm loss, grad norm)
         self.step_times: list[float] = []  # wall seconds of every training iteration
         self.plan_check: list[str] = []  # with --plan: predicted against measured (pretrain.py fills it)
+        self.eval_losses: dict[str, float] | None = None  # the last evaluation's losses by name
 
     # -- pipelines -------------------------------------------------------------------------------------------
     def _new_engine(self, schedule) -> PipelineEngine:
@@ -237,21 +241,53 @@ class Trainer:
         evals = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters
         num = (train, evals * tr.global_batch_size, tr.eval_iters * tr.global_batch_size)
         seq = self.run.model.seq_length
+        bert = self.run.model.model_type == "bert"
         # rank 0 builds the index caches first and checks once that every token id fits the vocabulary
         datasets = None
         if st.rank == 0:
-            datasets = build_gpt_datasets(self.run.data, seq, tr.seed, num,
-                                          check_vocab_size=None if self.run.data.mock_data else self.run.orig_vocab_size)
+            datasets = self._datasets(num, None if self.run.data.mock_data else self.run.orig_vocab_size)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         if datasets is None:
-            datasets = build_gpt_datasets(self.run.data, seq, tr.seed, num)
+            datasets = self._datasets(num, None)
         eod = self.tokenizer.eod if self.tokenizer is not None else None
+        batches = BertMicroBatches if bert else MicroBatches
         self.train_data, self.valid_data, self.test_data = (
-            MicroBatches(d, self.run.pipeline.micro_batch_size, st.dp_size, st.dp_rank, st.device, eod, tr.eod_mask_loss)
+            batches(d, self.run.pipeline.micro_batch_size, st.dp_size, st.dp_rank, st.device, eod, tr.eod_mask_loss)
             if d is not None else None for d in datasets)
         if self.train_data is None:
             raise UsageError("--split gives the training split no data")
+
+    def _datasets(self, num: tuple[int, int, int], check_vocab_size: int | None):
+        run = self.run
+        if run.model.model_type != "bert":
+            return build_gpt_datasets(run.data, run.model.seq_length, run.train.seed, num,
+                                      check_vocab_size=check_vocab_size)
+        from ..data.bert_dataset import BertSampleConfig
+
+        d = run.data
+        sample = BertSampleConfig(seq_length=run.model.seq_length, mask_prob=d.mask_prob,
+                                  short_seq_prob=d.short_seq_prob, binary_head=run.model.bert_binary_head,
+                                  whole_word=d.whole_word_masking, max_ngram=d.masking_max_ngram, seed=run.train.seed)
+        return build_bert_datasets(d, sample, num, self.tokenizer, check_vocab_size=check_vocab_size)
+
+    def _loss_parts(self, m: int) -> dict[str, float] | None:
+        """BERT: the iteration's mean lm loss and sop loss (over micro-batches and data-parallel ranks) from what
+        the head recorded, known on every rank; None for GPT."""
+        if self.run.model.model_type != "bert":
+            return None
+        st = self.state
+        t = torch.zeros(2, dtype=torch.float32, device=st.device)
+        reported = drain_reported(self.chunks)
+        if st.is_last_stage and reported is not None:
+            t += reported.float().to(st.device) / m
+        if st.pp_group is not None:
+            dist.broadcast(t, src=st.pp_ranks[-1], group=st.pp_group)
+        if st.dp_group is not None:
+            dist.all_reduce(t, group=st.dp_group)
+            t /= st.dp_size
+        names = LOSS_NAMES if self.run.model.bert_binary_head else LOSS_NAMES[:1]
+        return dict(zip(names, t.tolist()))
 
     # -- steps -----------------------------------------------------------------------------------------------
     def train_step(self) -> IterationResult:
@@ -265,6 +301,7 @@ class Trainer:
         self.engine.tracer = self.tracer if self.traced < TRACE_ITERATIONS else None
         self.traced += 1
         scale = self.optimizer.loss_scale
+        drain_reported(self.chunks)  # forget forwards run outside iterations (e.g. measuring stage times)
         result = self.engine.run(batches, loss_scale=scale if self.run.optimizer.fp16 else 1.0,
                                  grad_sync=self.grad_sync)
         step = self.optimizer.step()
@@ -273,10 +310,11 @@ class Trainer:
         else:
             self.skipped += 1
         loss = reduce_loss(result, self.state, m)
+        parts = self._loss_parts(m)
         self.step_times.append(time.perf_counter() - start)
         self.iteration += 1
         self.consumed_train += batch
-        return IterationResult(loss, step, batch, scale)
+        return IterationResult(loss, step, batch, scale, parts)
 
     def evaluate(self, data, iters: int) -> float | None:
         """Mean loss over `iters` full global batches, continuing from the validation samples consumed so far."""
@@ -286,13 +324,17 @@ class Trainer:
         _, engine = self._pipeline(m)
         for c in self.chunks:
             c.eval()
-        total = 0.0
+        total, parts = 0.0, {}
+        drain_reported(self.chunks)
         for _ in range(iters):
             batches = data.iteration(self.consumed_valid, m)
             total += reduce_loss(engine.run(batches, forward_only=True), self.state, m)
+            for key, value in (self._loss_parts(m) or {}).items():
+                parts[key] = parts.get(key, 0.0) + value / iters
             self.consumed_valid += self.run.train.global_batch_size
         for c in self.chunks:
             c.train()
+        self.eval_losses = parts or {"lm loss": total / iters}
         return total / iters
 
     # -- loop ------------------------------------------------------------------------------------------------
@@ -304,7 +346,7 @@ class Trainer:
         while self.iteration < tr.train_iters:
             it = self.train_step()
             self.history.append((self.iteration, it.loss, it.step.grad_norm))
-            interval.add(it.loss, it.step.successful)
+            interval.add(it.loss, it.step.successful, it.parts)
             why = divergence(it.loss, it.step, it.scale_before, self.run.optimizer)
             late = tr.exit_duration_in_mins is not None and (time.time() - start) / 60.0 > tr.exit_duration_in_mins
             diverged, signalled, late = _agree([why is not None, sig.received, late], st)
@@ -346,11 +388,11 @@ class Trainer:
         print_last(self.state, format_train_log(
             iteration=self.iteration, train_iters=tr.train_iters, consumed_samples=self.consumed_train,
             elapsed_ms=seconds * 1000.0, learning_rate=lr, global_batch_size=it.batch_size,
-            losses={"lm loss": interval.loss}, loss_scale=it.step.loss_scale, grad_norm=it.step.grad_norm,
+            losses=interval.losses(), loss_scale=it.step.loss_scale, grad_norm=it.step.grad_norm,
             num_zeros=zeros, params_norm=norm, skipped_iters=interval.skipped, nan_iters=interval.nan,
             throughput=tflops, prefix=timestamp()))
         tokens = it.batch_size * model.seq_length
-        self.tb.add_scalars({"lm loss": interval.loss, "learning-rate": lr, "batch-size": it.batch_size,
+        self.tb.add_scalars({**interval.losses(), "learning-rate": lr, "batch-size": it.batch_size,
                              "loss-scale": it.step.loss_scale, "grad-norm": it.step.grad_norm,
                              "num-zeros": zeros, "params-norm": norm, "throughput": tflops,
                              "samples-per-second": it.batch_size / seconds,
@@ -360,10 +402,10 @@ class Trainer:
         loss = self.evaluate(self.valid_data, self.run.train.eval_iters)
         if loss is None:
             return
-        line = format_validation_log(self.iteration, loss)
+        line = format_validation_log(self.iteration, self.eval_losses)
         bar = "-" * (len(line) + 1)
         print_last(self.state, f"{bar}\n {line}\n{bar}")
-        self.tb.add_scalars({"lm loss validation": loss}, self.iteration)
+        self.tb.add_scalars({f"{k} validation": v for k, v in self.eval_losses.items()}, self.iteration)
 
     def memory_in_use(self) -> float:
         """This rank's peak bytes: CUDA's peak allocation; on the CPU the model states' tensors plus the activation
@@ -388,11 +430,13 @@ class Trainer:
         self.tb.close()
 
 
-def build_trainer(argv: list[str], tokenizer=None) -> Trainer:
-    """Parse flags and set up a Trainer inside an initialised process group (used by tests and tools)."""
-    from ..arguments import configs_from_args, parse_args
+def build_trainer(argv: list[str], tokenizer=None, model_type: str = "gpt") -> Trainer:
+    """Parse flags (pretrain_gpt.py's, or pretrain_bert.py's with model_type "bert") and set up a Trainer inside an
+    initialised process group (used by tests and tools)."""
+    from ..arguments import build_parser, configs_from_args, parse_args
 
-    run = configs_from_args(parse_args(argv), _world(), vocab_size=tokenizer.vocab_size if tokenizer else None)
+    args = parse_args(argv, build_parser(model_type=model_type))
+    run = configs_from_args(args, _world(), vocab_size=tokenizer.vocab_size if tokenizer else None)
     trainer = Trainer(run, ParallelState.build(run.parallel), tokenizer)
     trainer.load()
     return trainer

@@ -1,4 +1,4 @@
-"""`pretrain_gpt.py`: parse Megatron flags once, set up, train."""
+"""`pretrain_gpt.py` and `pretrain_bert.py`: parse Megatron flags once, set up, train."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..arguments import apply_plan, check_against_plan, configs_from_args, data_config_from_args, parse_args
+from ..arguments import (apply_plan, build_parser, check_against_plan, configs_from_args, data_config_from_args,
+                         parse_args)
 from ..data.tokenizers import build_tokenizer
 from ..errors import exit_on_usage_error
 from ..fused import HAVE_APEX, HAVE_TE
@@ -22,17 +23,19 @@ from .loop import Trainer, count_parameters, print_first, print_last
 
 
 @exit_on_usage_error
-def main(argv: list[str] | None = None) -> None:
-    pretrain(list(sys.argv[1:] if argv is None else argv))
+def main(argv: list[str] | None = None, model_type: str = "gpt") -> None:
+    pretrain(list(sys.argv[1:] if argv is None else argv), model_type)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
-def pretrain(argv: list[str]) -> Trainer:
-    """Everything main does inside the process group (which it leaves to the caller)."""
-    args = parse_args(argv)
-    plan = apply_plan(args, argv) if args.plan else None
+def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
+    """Everything main does inside the process group (which it leaves to the caller); model_type "bert" takes
+    pretrain_bert.py's flags."""
+    parser = build_parser(f"pretrain_{model_type}.py", model_type)
+    args = parse_args(argv, parser)
+    plan = apply_plan(args, argv, parser) if args.plan else None
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     tokenizer = build_tokenizer(data_config_from_args(args)) if args.tokenizer_type else None
     run = configs_from_args(args, world, vocab_size=tokenizer.vocab_size if tokenizer is not None else None)
@@ -57,8 +60,8 @@ def pretrain(argv: list[str]) -> Trainer:
     print_first(state, "training ...")
     trainer.train()
     if trainer.test_data is not None and run.train.eval_iters > 0:
-        loss = trainer.evaluate(trainer.test_data, run.train.eval_iters)
-        print_last(state, format_validation_log(trainer.iteration, loss,
+        trainer.evaluate(trainer.test_data, run.train.eval_iters)
+        print_last(state, format_validation_log(trainer.iteration, trainer.eval_losses,
                                                 label=f"iteration {trainer.iteration} on test set"))
     trainer.finish()
     if plan is not None:
