@@ -1,0 +1,113 @@
+"""Convert a Hugging Face BERT pretraining model (BertForPreTraining or MegatronBertForPreTraining) to a
+tensor-parallel megatron_bmw BERT checkpoint, and back.
+
+    python tools/checkpoint/convert_hf_bert.py --direction hf-to-megatron --hf-dir bert/ --save ckpt/ \\
+        --tensor-model-parallel-size 2 [--make-vocab-size-divisible-by 128]
+    python tools/checkpoint/convert_hf_bert.py --direction megatron-to-hf --load ckpt/ --hf-dir bert-out/
+
+A post-LayerNorm BertForPreTraining converts to a model that pretrain_bert.py runs with
+--apply-residual-connection-post-layernorm (the tool prints the flags); see megatron_bmw/models/convert_bert.py.
+Weights only; pipeline-parallel checkpoints are not read (convert from pp=1). Layout as convert_hf_gpt2.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+try:
+    import megatron_bmw  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
+from megatron_bmw.models.convert_bert import (check_hf_config, hf_to_ours, merge_shards, ours_to_hf,  # noqa: E402
+                                              shard_state_dict)
+
+
+def _gpt2_tool():
+    """The HF/Megatron file helpers of convert_hf_gpt2.py (reading HF dirs, writing and reading checkpoints)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "convert_hf_gpt2.py")
+    spec = importlib.util.spec_from_file_location("convert_hf_gpt2", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _flags(kwargs: dict) -> str:
+    flags = ["--bert-binary-head"]
+    if kwargs["apply_residual_connection_post_layernorm"]:
+        flags.append("--apply-residual-connection-post-layernorm")
+    if kwargs["openai_gelu"]:
+        flags.append("--openai-gelu")
+    if kwargs["untie_embeddings_and_output_weights"]:
+        flags.append("--untie-embeddings-and-output-weights")
+    return " ".join(flags + [f"--num-layers {kwargs['num_layers']}", f"--hidden-size {kwargs['hidden_size']}",
+                             f"--num-attention-heads {kwargs['num_attention_heads']}",
+                             f"--ffn-hidden-size {kwargs['ffn_hidden_size']}",
+                             f"--max-position-embeddings {kwargs['max_position_embeddings']}",
+                             f"--layernorm-epsilon {kwargs['layernorm_epsilon']}"])
+
+
+def hf_to_megatron_dir(hf_dir: str, save: str, tp: int, divisible_by: int) -> dict:
+    tool = _gpt2_tool()
+    config, hf_sd = tool.read_hf_dir(hf_dir)
+    for note in check_hf_config(config):
+        print(f"note: {note}")
+    kwargs, full = hf_to_ours(hf_sd, config, make_vocab_size_divisible_by=divisible_by, tp=tp)
+    args = dict(kwargs, padded_vocab_size=kwargs["vocab_size"], orig_vocab_size=config["vocab_size"],
+                make_vocab_size_divisible_by=divisible_by, tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=1)
+    tool.save_megatron(save, [shard_state_dict(full, tp, r) for r in range(tp)], args)
+    return args
+
+
+def megatron_to_hf_dir(load: str, hf_dir: str) -> None:
+    tool = _gpt2_tool()
+    shards, args = tool.load_megatron(load)
+    orig = args.get("orig_vocab_size") or args.get("padded_vocab_size") or args.get("vocab_size")
+    hf_sd, config = ours_to_hf(merge_shards(shards), args, int(orig))
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("--direction megatron-to-hf needs the transformers package") from None
+    arch = config["architectures"][0]
+    config_cls = transformers.BertConfig if arch == "BertForPreTraining" else transformers.MegatronBertConfig
+    model = getattr(transformers, arch)(config_cls(**config))
+    model.to(hf_sd["bert.embeddings.word_embeddings.weight"].dtype)
+    missing, unexpected = model.load_state_dict(hf_sd, strict=False)
+    missing = [k for k in missing if not k.endswith(("position_ids", "token_type_ids"))]
+    if missing or unexpected:
+        raise UsageError(f"--load: converted weights do not fit {arch} (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    try:
+        os.makedirs(hf_dir, exist_ok=True)
+        model.save_pretrained(hf_dir)
+    except OSError as exc:
+        raise UsageError(f"--hf-dir {hf_dir}: cannot write: {exc}") from None
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> int:
+    args = _gpt2_tool().build_parser().parse_args(argv)
+    if args.direction == "hf-to-megatron":
+        if not args.save:
+            raise UsageError("--save is required for --direction hf-to-megatron")
+        if args.tensor_model_parallel_size < 1:
+            raise UsageError(f"--tensor-model-parallel-size must be >= 1, got {args.tensor_model_parallel_size}")
+        out = hf_to_megatron_dir(args.hf_dir, args.save, args.tensor_model_parallel_size,
+                                 args.make_vocab_size_divisible_by)
+        print(f"wrote {args.save}: tp={out['tensor_model_parallel_size']}, layers={out['num_layers']}, "
+              f"vocab {out['orig_vocab_size']} padded to {out['padded_vocab_size']}")
+        print(f"run it with: pretrain_bert.py {_flags(out)} --load {args.save} --finetune")
+    else:
+        if not args.load:
+            raise UsageError("--load is required for --direction megatron-to-hf")
+        megatron_to_hf_dir(args.load, args.hf_dir)
+        print(f"wrote {args.hf_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
