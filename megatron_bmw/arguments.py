@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
@@ -31,8 +32,9 @@ CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")  # M
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit code 2
-        print(f"error: {message}", file=sys.stderr)
+    def error(self, message: str):  # one line, exit code 2, said once (every rank parses the same flags)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -16,7 +16,7 @@ def _check_sizes(p: int, m: int, v: int = 1) -> None:
     if p < 1:
         raise UsageError(f"--pipeline-model-parallel-size must be >= 1, got {p}")
     if m < 1:
-        raise UsageError(f"--num-microbatches must be >= 1, got {m}")
+        raise UsageError(f"micro-batches per iteration must be >= 1, got {m}")
     if v < 1:
         raise UsageError(f"--virtual-pipeline-model-parallel-size must be >= 1, got {v}")
 
@@ -78,8 +78,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
         return Schedule("interleaved", p, m, 1, _one_f_one_b_order(p, m))
     if m % p:
         raise UsageError(
-            f"--num-microbatches {m}: the interleaved schedule needs the number of micro-batches "
-            f"to be a multiple of the pipeline size {p}"
+            f"micro-batches per iteration {m}: the interleaved schedule needs a multiple of the pipeline size {p}"
         )
     group = p * v
     total = m * v

@@ -4,7 +4,8 @@
     <dir>/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt    payload + optimizer state
     <dir>/iter_0000010/mp_rank_TT[_PPP]/distrib_optim.pt      per-parameter optimizer state (ZeRO-1 only)
 
-DP rank 0 of each (tp, pp) writes. Everything goes into `iter_XXXXXXX.tmp-<token>` first; after a barrier
+DP rank 0 of each (tp, pp) writes. Everything goes into `iter_XXXXXXX.tmp-<token>` first; once every rank
+has written (parallel/agree.py: a full disk on any rank stops all of them, the temporary directory removed)
 rank 0 renames it into place and then replaces the tracker file, so a crash at any point leaves the
 previous checkpoint and tracker intact. Re-saving an existing iteration moves the old directory to
 `iter_XXXXXXX.old-<token>` for the instant of the swap; loading falls back to it if the swap was cut short.
@@ -19,7 +20,8 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from ..errors import UsageError
+from ..errors import Reported, RunError, UsageError
+from ..parallel.agree import agree
 from ..parallel.state import ParallelState
 from .optimizer import MixedPrecisionOptimizer
 
@@ -64,11 +66,6 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
-    if _world()[1] > 1:
-        dist.barrier()
-
-
 def _shared_token(state: ParallelState) -> str:
     """A random name part every rank agrees on."""
     value = torch.tensor([int.from_bytes(os.urandom(7), "little")], dtype=torch.int64)
@@ -92,23 +89,46 @@ def save_checkpoint(
     name = iteration_dir_name(iteration)
     tmp_dir = os.path.join(save_dir, f"{name}.tmp-{token}")
     final_dir = os.path.join(save_dir, name)
-    if state.dp_rank == 0:
-        mp_dir = os.path.join(tmp_dir, mp_rank_dir_name(state.tp_rank, state.pp_rank, state.pp_size))
-        os.makedirs(mp_dir, exist_ok=True)
-        data = dict(payload)
-        if optim_sd is not None:
-            if optimizer.distributed:
-                torch.save({"params": optim_sd.pop("params")}, os.path.join(mp_dir, DISTRIB_OPTIM_FILE))
-            data["optimizer"] = optim_sd
-        torch.save(data, os.path.join(mp_dir, MODEL_FILE))
-    _barrier()
-    if _world()[0] == 0:
-        _move_into_place(tmp_dir, final_dir, token)
-        _write_tracker(save_dir, iteration, token)
+    rank = _world()[0]
+
+    def failed(exc: OSError) -> RunError:
+        return RunError(f"--save {save_dir}: cannot write the checkpoint of iteration {iteration} "
+                        f"({exc.strerror or exc}); the previous checkpoint is kept")
+
+    def write() -> None:
+        if state.dp_rank != 0:
+            return
+        try:
+            mp_dir = os.path.join(tmp_dir, mp_rank_dir_name(state.tp_rank, state.pp_rank, state.pp_size))
+            os.makedirs(mp_dir, exist_ok=True)
+            data = dict(payload)
+            if optim_sd is not None:
+                if optimizer.distributed:
+                    torch.save({"params": optim_sd.pop("params")}, os.path.join(mp_dir, DISTRIB_OPTIM_FILE))
+                data["optimizer"] = optim_sd
+            torch.save(data, os.path.join(mp_dir, MODEL_FILE))
+        except OSError as exc:
+            raise failed(exc) from None
+
+    def publish() -> None:
+        if rank != 0:
+            return
+        try:
+            _move_into_place(tmp_dir, final_dir, token)
+            _write_tracker(save_dir, iteration, token)
+        except OSError as exc:
+            raise failed(exc) from None
         for pattern in ("iter_*.tmp-*", "iter_*.old-*", "release.tmp-*", "release.old-*"):
             for debris in glob.glob(os.path.join(save_dir, pattern)):  # left by crashed saves
                 shutil.rmtree(debris, ignore_errors=True)
-    _barrier()
+
+    try:  # the agreements stand in for barriers: a full disk on any rank stops every rank with its line
+        agree(write)
+        agree(publish)
+    except (Reported, RunError):
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
     return final_dir
 
 

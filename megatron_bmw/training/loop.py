@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from ..config import OptimizerConfig, RunConfig
 from ..data.builder import build_bert_datasets, build_gpt_datasets
-from ..errors import UsageError
+from ..errors import RunError, UsageError
+from ..parallel.agree import agree
 from ..parallel.grad_sync import GradSync
 from ..parallel.random import get_rng_state, set_rng_state, set_seeds
 from ..parallel.state import ParallelState
@@ -42,8 +43,9 @@ from .optimizer import StepResult, build_optimizer
 TRACE_ITERATIONS = 20  # --pipeline-trace records this many iterations
 
 
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradients stopped being finite; the message is one line (the entry point exits with 1)."""
+class TrainingDiverged(RunError):
+    """The loss or the gradients stopped being finite; every rank raises it together (the entry point prints its
+    one line and exits with 1)."""
 
 
 def divergence(loss: float, step: StepResult, scale_before: float, cfg: OptimizerConfig) -> str | None:
@@ -195,6 +197,21 @@ class Trainer:
                  train_samples=r.train.train_samples)
         return d
 
+    def _load_weights(self, load_optim: bool) -> dict:
+        """This rank's checkpoint file into the model chunks (and the optimizer); no collectives."""
+        tr = self.run.train
+        payload = load_checkpoint(tr.load, self.state, self.optimizer, load_optim=load_optim)
+        for i, chunk in enumerate(self.chunks):
+            key = "model" if len(self.chunks) == 1 else f"model{i}"
+            if key not in payload:
+                raise UsageError(f"--load {tr.load}: checkpoint has no {key!r} (saved with another virtual pipeline size?)")
+            try:
+                chunk.load_state_dict(payload[key], strict=True)
+            except RuntimeError as exc:
+                first = str(exc).strip().splitlines()[0]
+                raise UsageError(f"--load {tr.load}: model weights do not fit this model: {first}") from None
+        return payload
+
     def load(self) -> None:
         tr = self.run.train
         if tr.load is None:
@@ -206,16 +223,8 @@ class Trainer:
                                     "    will not load any checkpoints and will start from random")
             return
         load_optim = tr.load_optim and not tr.finetune
-        payload = load_checkpoint(tr.load, self.state, self.optimizer, load_optim=load_optim)
-        for i, chunk in enumerate(self.chunks):
-            key = "model" if len(self.chunks) == 1 else f"model{i}"
-            if key not in payload:
-                raise UsageError(f"--load {tr.load}: checkpoint has no {key!r} (saved with another virtual pipeline size?)")
-            try:
-                chunk.load_state_dict(payload[key], strict=True)
-            except RuntimeError as exc:
-                first = str(exc).strip().splitlines()[0]
-                raise UsageError(f"--load {tr.load}: model weights do not fit this model: {first}") from None
+        # a file one rank cannot read (e.g. a truncated stage) stops every rank here, with that rank's error
+        payload = agree(self._load_weights, load_optim)
         if not load_optim:
             self.optimizer.reload_model_params()
         if tr.finetune:
@@ -242,14 +251,11 @@ class Trainer:
         num = (train, evals * tr.global_batch_size, tr.eval_iters * tr.global_batch_size)
         seq = self.run.model.seq_length
         bert = self.run.model.model_type == "bert"
-        # rank 0 builds the index caches first and checks once that every token id fits the vocabulary
-        datasets = None
-        if st.rank == 0:
-            datasets = self._datasets(num, None if self.run.data.mock_data else self.run.orig_vocab_size)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
-        if datasets is None:
-            datasets = self._datasets(num, None)
+        # rank 0 builds the index caches first and checks once that every token id fits the vocabulary; the
+        # agreements stand in for barriers, so a data error on any rank stops all of them with its own line
+        check = None if self.run.data.mock_data else self.run.orig_vocab_size
+        first = agree(lambda: self._datasets(num, check) if st.rank == 0 else None)
+        datasets = agree(lambda: first if first is not None else self._datasets(num, None))
         eod = self.tokenizer.eod if self.tokenizer is not None else None
         batches = BertMicroBatches if bert else MicroBatches
         self.train_data, self.valid_data, self.test_data = (

@@ -13,7 +13,6 @@ from ..arguments import (apply_plan, build_parser, check_against_plan, configs_f
 from ..data.tokenizers import build_tokenizer
 from ..errors import exit_on_usage_error
 from ..fused import HAVE_APEX, HAVE_TE
-from ..parallel.agree import agree
 from ..parallel.state import ParallelState, init_distributed
 from ..paths import check_output_dir, check_output_file
 from ..pipeline.slicing import num_sliced
@@ -103,6 +102,8 @@ def _banner(run, state: ParallelState, args) -> None:
         f"> padded vocab (size: {run.orig_vocab_size}) with {run.model.vocab_size - run.orig_vocab_size} dummy "
         f"tokens (new size: {run.model.vocab_size})",
     ]
-    if args.ignored_flags:
-        lines.append(f"> ignored Megatron flags (kernel selection only): {' '.join(args.ignored_flags)}")
+    for kind, flags in (("kernel or implementation choice", args.ignored_kernel_flags),
+                        ("logging not written here", args.ignored_logging_flags)):
+        if flags:
+            lines.append(f"> ignored Megatron flags ({kind}): {' '.join(flags)}")
     print_first(state, "\n".join(lines))

@@ -146,7 +146,7 @@ def test_checker_accepts_generated_schedules(p):
 def test_build_schedule_errors():
     cases = [
         (("1f1b", 0, 4), "--pipeline-model-parallel-size"),
-        (("1f1b", 4, 0), "--num-microbatches"),
+        (("1f1b", 4, 0), "micro-batches per iteration must be >= 1"),
         (("interleaved", 4, 8, 0), "--virtual-pipeline-model-parallel-size"),
         (("1f1b", 4, 8, 2), "needs the interleaved schedule"),
         (("zigzag", 4, 8), "unknown pipeline schedule"),

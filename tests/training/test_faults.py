@@ -115,3 +115,70 @@ def test_autoconfig_world_size_zero_is_refused(tmp_path):
     out = _one_process(["search", "--world-size", "0", "--global-batch-size", "8"], tmp_path, tool="tools/autoconfig.py")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == "error: argument --world-size: --world-size must be >= 1, got 0"
+
+
+def test_a_truncated_stage_checkpoint_stops_every_rank_with_that_ranks_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = TINY + ["--pipeline-model-parallel-size", "2", "--distributed-timeout-minutes", "1"]
+    procs = _launch(2, args + ["--train-iters", "2", "--save", str(ckpt)], tmp_path)
+    assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    stage1 = ckpt / "iter_0000002" / "mp_rank_00_001" / "model_optim_rng.pt"
+    stage1.write_bytes(stage1.read_bytes()[:100])
+    procs = _launch(2, args + ["--train-iters", "4", "--load", str(ckpt)], tmp_path)
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        _kill_all(procs)
+    assert codes == [2, 2]
+    assert _errors(tmp_path, 0) == []
+    lines = _errors(tmp_path, 1)
+    assert len(lines) == 1 and lines[0].startswith(f"error: rank 1: --load {ckpt}") and "mp_rank_00_001" in lines[0]
+    assert "successfully loaded" not in (tmp_path / "out0.txt").read_text()
+
+
+def _disk_full_case(rank, world_size, ckpt):
+    import errno
+
+    import torch
+
+    from megatron_bmw.errors import Reported
+    from megatron_bmw.training import checkpointing
+    from megatron_bmw.training.loop import build_trainer
+
+    argv = TINY + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
+    trainer = build_trainer(argv)
+    real_save = torch.save
+
+    def full(obj, path, *a, **k):
+        if trainer.iteration == 4 and rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *a, **k)
+
+    checkpointing.torch.save = full
+    try:
+        trainer.train()
+    except Reported as exc:
+        return exc.exit_code
+    finally:
+        checkpointing.torch.save = real_save
+    return 0
+
+
+def test_a_full_disk_at_save_stops_every_rank_and_keeps_the_previous_checkpoint(tmp_path, capfd):
+    from tests.dist_harness import run_distributed
+
+    ckpt = str(tmp_path / "ckpt")
+    assert run_distributed(2, _disk_full_case, ckpt) == [1, 1]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def test_divergence_and_argparse_errors_are_one_line_once(tmp_path):
+    procs = _launch(2, TINY + ["--train-iters", "3", "--no-such-flag"], tmp_path)
+    assert [p.wait(timeout=120) for p in procs] == [2, 2]
+    assert _errors(tmp_path, 0) == ["error: unrecognized arguments: --no-such-flag"] and _errors(tmp_path, 1) == []
+    procs = _launch(2, TINY + ["--train-iters", "3", "--lr", "1e30", "--clip-grad", "0",
+                               "--distributed-timeout-minutes", "1"], tmp_path)
+    assert [p.wait(timeout=120) for p in procs] == [1, 1]
+    lines = _errors(tmp_path, 0)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and _errors(tmp_path, 1) == []

@@ -88,7 +88,7 @@ def test_megatron_pretrain_bert_sh_on_real_text(bert_data, tmp_path):
     last = lines[-1]
     assert 0 < float(last.group(4)) < 6 and 0 < float(last.group(5)) < 1.5, last.group(0)
     assert "validation loss at iteration 20 | lm loss value:" in out.stdout and "| sop loss value:" in out.stdout
-    assert "ignored Megatron flags (kernel selection only): --data-impl" in out.stdout
+    assert "ignored Megatron flags (kernel or implementation choice): --data-impl" in out.stdout
     assert "padded vocab (size: 122)" in out.stdout  # 120 pieces + [BOS] + [EOS], as Megatron's BERT tokenizer
     assert os.path.isfile(tmp_path / "ckpt" / "iter_0000030" / "mp_rank_00" / "model_optim_rng.pt")
 
