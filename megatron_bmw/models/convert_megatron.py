@@ -502,6 +502,9 @@ def read_ours(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int
     a = args_dict(first.get("args"))
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = {k: a[k] for k in names if k in a and k != "params_dtype"}
+    if cfg.get("model_type", "gpt") != "gpt":
+        raise UsageError(f"{where} holds a {str(cfg['model_type']).upper()} model; only GPT checkpoints convert to "
+                         "Megatron-LM")
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
         if not isinstance(cfg.get(key), int):
             raise UsageError(f"{where}: checkpoint args lack an integer {key!r}")

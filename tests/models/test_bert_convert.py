@@ -126,6 +126,10 @@ def test_refused_configs():
     kwargs, full = hf_to_ours(hf.state_dict(), config)
     with pytest.raises(UsageError, match="without the binary head"):
         ours_to_hf(full, {**kwargs, "bert_binary_head": False}, SMALL["vocab_size"])
+    from megatron_bmw.models.convert_megatron import read_ours  # the Megatron-LM converter is GPT only
+
+    with pytest.raises(UsageError, match="holds a BERT model; only GPT checkpoints convert"):
+        read_ours({(0, 0): {"args": {**kwargs, "tensor_model_parallel_size": 1}, "model": {}}})
 
 
 def test_cli_round_trip(tmp_path):
