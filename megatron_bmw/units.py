@@ -2,7 +2,9 @@
 cost models and the planner agree on.
 
 A GPT is [embedding, attn_0, mlp_0, ..., attn_{L-1}, mlp_{L-1}, head]; between any two units flows the hidden
-state [seq, batch, hidden] (seq/tp with sequence parallelism).
+state [seq, batch, hidden] (seq/tp with sequence parallelism). A BERT (ModelConfig.model_type "bert") has the same
+units and kinds; its embedding and head differ in size and work, which the memory model and FLOPs read from the
+ModelConfig.
 """
 
 from __future__ import annotations
