@@ -464,6 +464,12 @@ class DataConfig:
     def __post_init__(self) -> None:
         # Megatron reads the numbers out of --split: quotes a launch script kept, or spaces, do not matter
         self.split = re.sub(r"[\s'\"]", "", str(self.split))
+        if not 0.0 < self.mask_prob < 1.0:
+            raise UsageError(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise UsageError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
+        if self.masking_max_ngram < 1:
+            raise UsageError(f"--masking-max-ngram must be >= 1, got {self.masking_max_ngram}")
 
 
 @dataclass
