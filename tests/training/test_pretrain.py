@@ -151,17 +151,24 @@ def test_load_without_checkpoint_warns_and_starts_from_scratch(tmp_path):
 
 
 def _mismatch_case(rank, world_size, ckpt):
-    from megatron_bmw.errors import UsageError
+    """Every rank meets the mismatch; they agree on it, rank 0 prints it and all stop with code 2."""
+    import contextlib
+    import io
 
-    with pytest.raises(UsageError, match=r"saved with tensor/pipeline parallel sizes \(1, 1\)"):
+    from megatron_bmw.errors import Reported
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(Reported) as info:
         build_trainer(BASE + _layout(2, 1) + ["--train-iters", "3", "--load", ckpt])
-    return True
+    return info.value.exit_code, err.getvalue()
 
 
 def test_load_from_other_layout_refused(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     assert _cli(BASE + ["--train-iters", "3", "--save", ckpt]).returncode == 0
-    assert all(run_distributed(2, _mismatch_case, ckpt))
+    (code0, err0), (code1, err1) = run_distributed(2, _mismatch_case, ckpt)
+    assert code0 == code1 == 2 and err1 == ""
+    assert err0.startswith("error: rank 0: --load") and "saved with tensor/pipeline parallel sizes (1, 1)" in err0
 
 
 def _write_corpus(path, docs):
