@@ -54,7 +54,17 @@ def _positive(flag: str):
     return parse
 
 
+def _model_type_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model type")
+    g.add_argument("--model-type", choices=["gpt", "bert"], default="gpt",
+                   help="plan for pretrain_gpt.py (default) or pretrain_bert.py")
+    g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false",
+                   help="with --model-type bert: no sentence-order head")
+    p.set_defaults(bert_binary_head=True)
+
+
 def _planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
+    _model_type_args(p)
     g = p.add_argument_group("planner")
     g.add_argument("--cluster", default="local", help=f"built-in ({', '.join(BUILTIN)}) or a YAML file")
     g.add_argument("--num-nodes", type=_positive("--num-nodes"), default=None, help="resize a single-group cluster")
@@ -103,6 +113,7 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="measure unit times, saved bytes and links on this machine",
                        allow_abbrev=False)
     add_megatron_args(p)
+    _model_type_args(p)
     p.set_defaults(mock_data=True, vocab_size=50257)
     g = p.add_argument_group("profiler")
     g.add_argument("--output", required=True, help="profile JSON to write")
@@ -258,7 +269,7 @@ def _search(args) -> int:
     else:
         print(search_table(result))
         if args.output:
-            print(f"plan written to {args.output}: run it with pretrain_gpt.py --plan {args.output}")
+            print(f"plan written to {args.output}: run it with pretrain_{args.model_type}.py --plan {args.output}")
         if args.timeline:
             print(f"timeline of the best plan written to {args.timeline}")
     return 0

@@ -320,3 +320,42 @@ def test_search_plans_run_with_plan_and_fit(tmp_path, world_size):
                            if plan.spec.rank_layout().coords(r)[2] == stage["stage"])
             assert measured <= stage["capacity_bytes"], (path, stage, measured)
             assert measured == pytest.approx(stage["peak_bytes"] - stage["allowance_bytes"], rel=0.1), (path, stage)
+
+
+def _run_bert_plan(rank, world_size, path):
+    from megatron_bmw.training.pretrain import pretrain
+
+    trainer = pretrain(PLAN_MODEL + ["--plan", path, "--train-iters", "3", "--lr", "1e-3", "--log-interval", "1",
+                                     "--eval-iters", "0"], "bert")
+    return trainer.plan_check, trainer.memory_in_use(), [h[1] for h in trainer.history]
+
+
+def test_bert_plans_from_autoconfig_run_with_pretrain_bert(tmp_path):
+    """autoconfig.py search --model-type bert writes a BERT plan; pretrain_bert.py --plan runs it on 2 ranks
+    within the predicted memory, and pretrain_gpt.py refuses it."""
+    from megatron_bmw.planner.plan import Plan
+
+    cluster = tmp_path / "cpu.yaml"
+    cluster.write_text("name: cpu-ranks\ninter_node: {bandwidth_GBps: 1, latency_us: 50}\n"
+                       "device_types: {cpu: {memory_gb: 0.0009, peak_tflops: {fp32: 0.02}}}\n"
+                       "groups: [{nodes: 1, gpus_per_node: 2, device: cpu, "
+                       "intra_node: {bandwidth_GBps: 1, latency_us: 50}}]\n")
+    path = str(tmp_path / "bert_plan.json")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "autoconfig.py"), "search", "--model-type",
+                          "bert", *PLAN_MODEL, "--global-batch-size", "8", "--cluster", str(cluster), "--memory-device",
+                          "cpu", "--no-progress", "--output", path], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    assert f"pretrain_bert.py --plan {path}" in out.stdout
+    plan = Plan.load(path)
+    assert plan.spec.model.model_type == "bert"
+    results = run_distributed(2, _run_bert_plan, path)
+    assert results[0][0][0].startswith(" plan check | iteration time predicted")
+    assert len(results[-1][2]) == 3 and all(x == x for x in results[-1][2])
+    for stage in plan.prediction["stages"]:
+        measured = max(mem for r, (_, mem, _) in enumerate(results)
+                       if plan.spec.rank_layout().coords(r)[2] == stage["stage"])
+        assert measured <= stage["capacity_bytes"], (stage, measured)
+        assert measured == pytest.approx(stage["peak_bytes"] - stage["allowance_bytes"], rel=0.1), stage
+    refused = _cli(PLAN_MODEL + ["--plan", path, "--train-iters", "3"], {"WORLD_SIZE": "2"})
+    assert refused.returncode == 2 and "planned for a BERT model, this run trains a GPT" in refused.stderr
