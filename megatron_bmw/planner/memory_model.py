@@ -94,6 +94,15 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         add("layernorm input", hidden_local, e)
         add("layernorm statistics", 2 * s_local * b, stat_size)
 
+    def lm_loss(divisor: str, divisors: int) -> None:  # final LayerNorm, logits, vocab-parallel cross entropy
+        layernorm()
+        add("logits input", hidden_local, e)
+        add("softmax (fp32)", s * b * (v // tp), _FP32)
+        add("local targets", s * b, _INT64)
+        add("out-of-vocabulary-shard mask", s * b, _BOOL)
+        add("loss mask", s * b, _FP32)
+        add(divisor, divisors, _FP32)
+
     def hidden_dropout() -> None:
         if model.hidden_dropout > 0:
             add("dropout mask", hidden_local, mask_size)
@@ -112,13 +121,7 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         layernorm()
         add("lm dense input", hidden_local, e)
         add("lm gelu input", hidden_local, e)
-        layernorm()
-        add("logits input", hidden_local, e)
-        add("softmax (fp32)", s * b * (v // tp), _FP32)
-        add("local targets", s * b, _INT64)
-        add("out-of-vocabulary-shard mask", s * b, _BOOL)
-        add("loss mask", s * b, _FP32)
-        add("loss divisors", 2, _FP32)
+        lm_loss("loss divisors", 2)
         if model.bert_binary_head:
             if sp:
                 add("pooler input (gathered first token)", b * h, e)
@@ -128,13 +131,7 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
             add("sentence-order loss weight", 1, _FP32)
         return out
     if kind == "head":
-        layernorm()
-        add("logits input", hidden_local, e)
-        add("softmax (fp32)", s * b * (v // tp), _FP32)
-        add("local targets", s * b, _INT64)
-        add("out-of-vocabulary-shard mask", s * b, _BOOL)
-        add("loss mask", s * b, _FP32)
-        add("loss divisor", 1, _FP32)
+        lm_loss("loss divisor", 1)
         return out
     if recompute == "full":
         add("unit input (full recomputation)", hidden_local, e)
