@@ -151,7 +151,7 @@ def test_torchrun_hang_kills_every_worker(tmp_path):
     pids.mkdir()
     results = tmp_path / "hang.jsonl"
     args = ["--nproc-per-node", "2", "--script", os.path.join(HERE, "fake", "fake_trainer.py"), *TINY,
-            "--seed", "3", "--trial-iters", "4", "--warmup-iters", "1", "--trial-timeout", "10", "--kill-grace", "1",
+            "--seed", "3", "--trial-iters", "4", "--warmup-iters", "1", "--trial-timeout", "25", "--kill-grace", "1",
             "--results", str(results)]
     _sweep(args, tmp_path, _env(FAKE_PID_DIR=str(pids)))
     (record,) = _latest(results).values()
