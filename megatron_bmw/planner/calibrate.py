@@ -36,7 +36,7 @@ from .profile_data import Profile, Profiles
 KINDS = ("embedding", "attention", "mlp", "head")
 PRIOR = 0.5  # prior spread of a factor's log (factors within about 1.6x of the start); its weight grows with noise
 HUBER = 0.1  # log errors beyond this (about 10%) count linearly
-BOUNDS = {"overlap": (1.0, 4.0)}
+BOUNDS = {"overlap": (1.0, 4.0), "scale": (1e-4, 1e4)}  # the common factor may move a device type far
 FACTOR_BOUNDS = (1e-2, 1e2)
 
 
