@@ -114,8 +114,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     rank_order: str = "tp-dp-pp"  # Megatron's; "bpipe" places pipeline pairs (s, p-1-s) side by side
     gpus_per_node: int | None = None
+    # Galvatron-BMW hybrid: one strategy per unit (strategy.py text form) over the stage's world/pp ranks; tp is 1
+    unit_strategies: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.unit_strategies is not None:
+            self.unit_strategies = tuple(str(s) for s in self.unit_strategies)
         for name, value in (
             ("--tensor-model-parallel-size", self.tensor_model_parallel_size),
             ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size),

@@ -44,7 +44,8 @@ class Plan:
             "model": s.model.to_json(), "orig_vocab_size": self.orig_vocab_size,
             "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by,
             "parallel": {"tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp,
-                         "data_parallel_size": s.dp, "sequence_parallel": s.sp, "rank_order": s.rank_order},
+                         "data_parallel_size": s.dp, "sequence_parallel": s.sp, "rank_order": s.rank_order,
+                         **({"unit_strategies": list(s.unit_strategies)} if s.unit_strategies else {})},
             "pipeline": s.pipeline.to_json(),
             "training": {"global_batch_size": self.global_batch_size, "distributed_optimizer": s.distributed_optimizer,
                          "overlap_grad_reduce": s.overlap_grad_reduce},
@@ -75,7 +76,8 @@ class Plan:
                            pipeline=pipeline, sequence_parallel=bool(par.get("sequence_parallel", False)),
                            rank_order=par.get("rank_order", "tp-dp-pp"),
                            distributed_optimizer=bool(tr.get("distributed_optimizer", False)),
-                           overlap_grad_reduce=bool(tr.get("overlap_grad_reduce", False)))
+                           overlap_grad_reduce=bool(tr.get("overlap_grad_reduce", False)),
+                           unit_strategies=par.get("unit_strategies"))
             gbs = int(tr["global_batch_size"])
         except KeyError as exc:
             raise UsageError(f"{where}: missing field {exc}") from None

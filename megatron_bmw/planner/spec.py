@@ -10,6 +10,7 @@ from ..parallel.layout import RankLayout
 from ..pipeline.build import pipeline_schedule
 from ..pipeline.partition import parse_partition
 from ..pipeline.schedule import Schedule
+from ..strategy import parse_unit_strategies
 from ..units import hidden_shape
 from .memory_model import StageLayout
 
@@ -25,10 +26,18 @@ class RunSpec:
     rank_order: str = "tp-dp-pp"
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    # Galvatron-BMW hybrid (tp 1, each unit its own strategy over the stage's dp ranks): one canonical strategy
+    # string per unit (strategy.py), or None for the uniform Megatron layout
+    unit_strategies: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if min(self.tp, self.pp, self.dp) < 1:
             raise UsageError("parallel degrees must be >= 1")
+        if self.unit_strategies is not None:
+            if self.tp != 1:
+                raise UsageError("unit strategies need tensor-model-parallel size 1 (each unit has its own tp)")
+            parsed = parse_unit_strategies(self.unit_strategies, self.model.num_units, self.dp, "unit_strategies")
+            object.__setattr__(self, "unit_strategies", tuple(str(s) for s in parsed))
         if self.sequence_parallel and self.tp == 1:
             object.__setattr__(self, "sequence_parallel", False)
         pl = self.pipeline
@@ -70,4 +79,4 @@ def spec_from_run_config(cfg: RunConfig, world_size: int) -> RunSpec:
                    dp=par.data_parallel_size(world_size), pipeline=cfg.pipeline,
                    sequence_parallel=par.sequence_parallel, rank_order=par.rank_order,
                    distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                   overlap_grad_reduce=cfg.train.overlap_grad_reduce)
+                   overlap_grad_reduce=cfg.train.overlap_grad_reduce, unit_strategies=par.unit_strategies)
