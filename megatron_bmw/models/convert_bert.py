@@ -28,39 +28,10 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
+from .tp_shards import merge_shards, partition_dim, shard_state_dict  # noqa: F401 - part of this module's API
 
 ARCHITECTURES = ("BertForPreTraining", "MegatronBertForPreTraining")
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
-_SPLIT_ROWS = re.compile(r"(\.qkv\.(weight|bias)|\.fc1\.(weight|bias)|word_embeddings\.weight|head\.output_weight|"
-                         r"head\.lm_bias)$")
-_SPLIT_COLS = re.compile(r"\.(proj|fc2)\.weight$")
-
-
-def partition_dim(name: str) -> int | None:
-    if _SPLIT_ROWS.search(name):
-        return 0
-    if _SPLIT_COLS.search(name):
-        return 1
-    return None
-
-
-def shard_state_dict(full: Mapping[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, t in full.items():
-        dim = partition_dim(name)
-        if dim is not None and t.size(dim) % tp:
-            raise UsageError(f"--tensor-model-parallel-size {tp} does not divide dim {dim} of {name} {tuple(t.shape)}")
-        out[name] = (t.chunk(tp, dim)[rank] if dim is not None and tp > 1 else t).contiguous().clone()
-    return out
-
-
-def merge_shards(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    full = {}
-    for name in shards[0]:
-        dim = partition_dim(name)
-        full[name] = torch.cat([s[name] for s in shards], dim) if dim is not None and len(shards) > 1 \
-            else shards[0][name]
-    return full
 
 
 def _layer_names(arch: str, num_layers: int) -> dict[str, str]:
