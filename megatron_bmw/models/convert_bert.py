@@ -21,7 +21,6 @@ padded with zero rows (and zero output bias) to a multiple of `make_vocab_size_d
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
