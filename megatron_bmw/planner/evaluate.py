@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ..pipeline.replay import CompiledSchedule
 from ..pipeline.schedule import Schedule
 from .cluster import Cluster
-from .cost_model import CostModel, CostSettings
+from .cost_model import CostModel, CostSettings, simulate_sharing_cores
 from .memory_model import MemorySettings, RankMemory, chunk_saved_bytes, precision_from, rank_memory
 from .profile_data import Profile, Profiles
 from .simulator import Simulation, simulate
@@ -19,6 +19,10 @@ def estimate_memory(spec: RunSpec, schedule: Schedule | None = None,
                     activation_peaks: list[float] | None = None) -> list[RankMemory]:
     """Memory of every pipeline stage; in-flight micro-batches come from walking `schedule`."""
     schedule = schedule or spec.build_schedule()
+    if spec.unit_strategies is not None:  # Galvatron-BMW per-unit strategies
+        from .hybrid_memory import rank_memory_hybrid
+        return [rank_memory_hybrid(spec, schedule, r, settings,
+                                   None if activation_peaks is None else activation_peaks[r]) for r in range(spec.pp)]
     precision = precision_from(spec.model, spec.distributed_optimizer)
     layout = spec.stage_layout()
     return [rank_memory(layout, spec.model, schedule, r, precision, settings,
@@ -42,14 +46,20 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
     cost model's durations."""
     compiled = schedule if isinstance(schedule, CompiledSchedule) else None
     schedule = compiled.schedule if compiled is not None else schedule or spec.build_schedule()
-    cost = CostModel(spec, cluster, profiles, cost_settings)
     layout = spec.stage_layout()
-    saved = [chunk_saved_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
+    if spec.unit_strategies is not None:  # Galvatron-BMW per-unit strategies
+        from .hybrid_cost import HybridCostModel
+        from .hybrid_memory import hybrid_chunk_saved_bytes
+        cost = HybridCostModel(spec, cluster, profiles, cost_settings)
+        saved = [hybrid_chunk_saved_bytes(spec, r, memory_settings) for r in range(spec.pp)]
+    else:
+        cost = CostModel(spec, cluster, profiles, cost_settings)
+        saved = [chunk_saved_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
     memory = estimate_memory(spec, schedule, memory_settings)
     static = [m.static_bytes for m in memory]
-    sim = simulate(compiled or schedule, cost.compute_time, cost.transfer_time, cost.copy_time, saved, static,
-                   cost.finish_times, record_transfers=record_transfers,
-                   memory_over_time=memory_over_time)
+    sim = simulate_sharing_cores(cost, lambda: simulate(
+        compiled or schedule, cost.compute_time, cost.transfer_time, cost.copy_time, saved, static,
+        cost.finish_times, record_transfers=record_transfers, memory_over_time=memory_over_time))
     return Evaluation(spec, schedule, memory, sim, cost)
 
 

@@ -133,7 +133,8 @@ def _layout(spec: RunSpec) -> dict:
             "num_microbatches": pl.num_microbatches, "schedule": pl.schedule, "virtual": pl.virtual_stages,
             "sequence_parallel": spec.sp, "zero1": spec.distributed_optimizer, "bpipe": pl.bpipe,
             "slicing": pl.slicing, "partition": list(pl.partition),
-            "recomputed_units": sum(1 for x in pl.recompute or () if x)}
+            "recomputed_units": sum(1 for x in pl.recompute or () if x),
+            "unit_strategies": list(spec.unit_strategies) if spec.unit_strategies else None}
 
 
 def plan_from(ranked, result, profiles, orig_vocab: int | None):
@@ -174,7 +175,8 @@ def search_table(result) -> str:
             if r.gains.get(key, 0) > 0:
                 notes.append(f"{label} -{100 * r.gains[key] / (r.time + r.gains[key]):.1f}%")
         flag = lambda b: "y" if b else "-"  # noqa: E731
-        lines.append(f"{i:>2} {r.time:8.4f} {p['tokens_per_s']:10.0f} {100 * p['mfu']:5.1f}% {lay['tp']:>3} "
+        tp = "hyb" if lay["unit_strategies"] else lay["tp"]  # per-unit strategies: in the notes
+        lines.append(f"{i:>2} {r.time:8.4f} {p['tokens_per_s']:10.0f} {100 * p['mfu']:5.1f}% {tp:>3} "
                      f"{lay['pp']:>3} {lay['dp']:>4} {lay['micro_batch_size']:>4} {lay['num_microbatches']:>5} "
                      f"{sched:<13} {flag(lay['sequence_parallel']):>2} {flag(lay['zero1']):>2} {flag(lay['bpipe']):>2} "
                      f"{lay['slicing']:>2} {lay['recomputed_units']:>4} {100 * mem:7.1f}%  {'; '.join(notes)}")

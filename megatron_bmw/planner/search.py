@@ -30,6 +30,7 @@ from .cluster import Cluster
 from .cost_model import CostSettings
 from .evaluate import Evaluation, simulate_run, stage_capacity
 from .flops import unit_forward_flops
+from .hybrid_search import HybridProblem, HybridSolution, hybrid_layouts, summarize
 from .memory_model import MemorySettings
 from .partitioners import autopipe_refine, hill_climb
 from .profile_data import Profiles
@@ -132,7 +133,7 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
     tps = [t for t in tp_degrees(model, node, world)
            if padded_model(model, orig_vocab, divisible_by, t).vocab_size % t == 0]
     todo = layouts(space, model, world, global_batch, tps)
-    if not todo:
+    if not todo and "uniform" in space.strategy:
         raise UsageError("the search space holds no layout: check --space, --global-batch-size and the world size")
     shapes = ScheduleShapes()
     uniform_modes: list = [False] if space.per_unit_recompute else list(space.recompute)
@@ -140,6 +141,8 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
     stats = {"layouts": len(todo), "solved": 0, "pruned": 0, "infeasible": 0, "simulated": 0}
 
     problems = []
+    if "uniform" not in space.strategy:
+        todo = []
     for lay in todo:
         for mode in uniform_modes:
             for sp in (s for s in space.sp if not s or lay.tp > 1):
@@ -149,6 +152,12 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
                                     memory, shapes, mode)
                     if prob is not None:
                         problems.append((lower_bound(prob), prob))
+    if "hybrid" in space.strategy:  # Galvatron-BMW: tp 1 at the top, every unit its own strategy per stage
+        problems += _hybrid_problems(model, orig_vocab, divisible_by, global_batch, world, cluster, profiles,
+                                     space, costs, memory, shapes)
+    if not problems and not todo and "uniform" not in space.strategy:
+        raise UsageError("the search space holds no hybrid layout: check --space and --global-batch-size")
+    stats["layouts"] = len(problems) if "uniform" not in space.strategy else stats["layouts"]
     problems.sort(key=lambda x: x[0])
     progress = _Progress(settings.progress, len(problems))
     solutions: list[Solution] = []
@@ -165,8 +174,14 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
             stats["unsolved"] = stats.get("unsolved", 0) + 1
             progress.step(f"best {best:.4g} s (time budget spent)")
             continue
-        found = _solve_with_savers(prob, space, model, orig_vocab, divisible_by, cluster, profiles, costs, memory,
-                                   shapes, stats)
+        if isinstance(prob, HybridProblem):
+            got = prob.solve()
+            stats["solved"] += 1
+            stats["infeasible"] += got is None
+            found = [got] if got is not None else []
+        else:
+            found = _solve_with_savers(prob, space, model, orig_vocab, divisible_by, cluster, profiles, costs,
+                                       memory, shapes, stats)
         if not found:  # more micro-batches per rank only need more memory
             too_big[family] = min(too_big.get(family, _INF), lay.mbs)
         for sol in found:
@@ -182,7 +197,7 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
     finalists = [s for s in solutions if s.estimate <= solutions[0].estimate * (1 + settings.estimate_margin)][:count]
     if len(finalists) < settings.top_k:
         finalists = solutions[:max(settings.top_k, len(finalists))]
-    by_key = {(s.layout, s.variant): s for s in solutions}
+    by_key = {(s.layout, s.variant): s for s in solutions if not isinstance(s, HybridSolution)}
     sims, starts = [], []
     deadline = time.time() + settings.finalist_budget_s
     for sol in finalists:  # one simulation each, the best estimates first, until the budget is spent
@@ -212,6 +227,17 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
     ranked.sort(key=lambda r: r.time)
     stats["elapsed_s"] = time.time() - started
     return SearchResult(ranked[:max(settings.top_k, 1)], stats, model, global_batch, cluster, divisible_by)
+
+
+def _hybrid_problems(model, orig_vocab, divisible_by, global_batch, world, cluster, profiles, space, costs, memory,
+                     shapes) -> list[tuple[float, HybridProblem]]:
+    out = []
+    for lay in hybrid_layouts(space, model, world, global_batch):
+        wide = padded_model(model, orig_vocab, divisible_by, lay.dp)  # every unit's tp degree divides it
+        prob = HybridProblem(lay, wide, cluster, profiles, space, costs, memory, shapes)
+        if prob.strategies and prob.could_fit():
+            out.append((prob.lower_bound(), prob))
+    return out
 
 
 def _problem(lay: Layout, variant: Variant, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
@@ -326,7 +352,9 @@ def _finalist(sol: Solution, sim: _Simulator, space: SearchSpace, settings: Sear
     if start_time > ev.simulation.iteration_time:
         gains["refinement_s"] = start_time - ev.simulation.iteration_time
     lay = sol.layout
-    if True in space.slicing and lay.pp > 1 and lay.mbs % 2 == 0 and lay.schedule != "gpipe":
+    if isinstance(sol, HybridSolution):
+        notes.append(summarize(sol.strategies))
+    elif True in space.slicing and lay.pp > 1 and lay.mbs % 2 == 0 and lay.schedule != "gpipe":
         fwd = [sum(x) for x in ev.cost.chunk_forward]
         bwd = [sum(x) for x in ev.cost.chunk_backward]
         k = choose_slices(fwd, bwd, prob.p2p, lay.m)

@@ -11,7 +11,8 @@ from ..errors import UsageError
 _BOOL = {"on": (True,), "off": (False,), "both": (False, True), "true": (True,), "false": (False,)}
 _HELP = ("tp, pp, dp, mbs (lists of integers); schedule (1f1b, gpipe, interleaved); virtual (chunks per rank); "
          "sp, zero1, bpipe, slicing (on, off, both); recompute (none, selective, full: the choices allowed per "
-         "unit); recompute-granularity (unit or uniform); partition (unit or layer: where stages may end)")
+         "unit); recompute-granularity (unit or uniform); partition (unit or layer: where stages may end); strategy "
+         "(uniform, hybrid, both: Megatron's one layout for all units, Galvatron-BMW's per-unit strategies, or both)")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class SearchSpace:
     recompute: tuple[str | None, ...] = (None, "selective", "full")
     per_unit_recompute: bool = True  # else one choice for every transformer unit
     sublayer: bool = True  # stages may end between a layer's attention and MLP units
+    strategy: tuple[str, ...] = ("uniform",)  # uniform layouts, Galvatron-BMW's per-unit hybrid ones, or both
 
     @classmethod
     def parse(cls, items: list[str] | None) -> SearchSpace:
@@ -81,6 +83,11 @@ def _parse_dim(key: str, values: list[str], item: str) -> dict:
         if values not in (["unit"], ["layer"]):
             raise UsageError(f"--space {item!r}: partition takes unit or layer")
         return {"sublayer": values[0] == "unit"}
+    if key == "strategy":
+        kinds = {"uniform": ("uniform",), "hybrid": ("hybrid",), "both": ("uniform", "hybrid")}
+        if len(values) != 1 or values[0] not in kinds:
+            raise UsageError(f"--space {item!r}: strategy takes uniform, hybrid or both")
+        return {"strategy": kinds[values[0]]}
     raise UsageError(f"--space {item!r}: unknown dimension {key!r} ({_HELP})")
 
 
