@@ -160,7 +160,8 @@ def _cluster(args, profiles: Profiles) -> Cluster:
             raise UsageError(f"--profile {profile.source}: no measured links (profiled with --no-links); "
                              "use another --cluster")
         memory = float(profile.device.get("memory_bytes") or load_cluster("local").groups[0].device.memory_bytes)
-        return local_cluster(gpus, profile.device_type(memory), p2p, profile.link("allreduce"))
+        cores = profile.cores() if profile.device.get("kind") == "cpu" else None  # CPU ranks share the cores
+        return local_cluster(gpus, profile.device_type(memory), p2p, profile.link("allreduce"), cores)
     return load_cluster(args.cluster, args.num_nodes)
 
 

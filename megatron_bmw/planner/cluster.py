@@ -14,6 +14,11 @@ YAML (bandwidths in GB/s = 1e9 bytes/s, latencies in microseconds, memory in GiB
       - {nodes: 3, gpus_per_node: 4, device: v100, intra_node: {bandwidth_GBps: 150, latency_us: 5}}
     inter_node: {bandwidth_GBps: 1.25, latency_us: 30}
     bandwidth_matrix_GBps: [[...], ...]   # optional, one row per GPU
+
+CPU ranks share the cores of their node: a group's optional `cores_per_node` says how many (the built-in `local`
+cluster and the local cluster built from a CPU profile default to this machine's os.cpu_count()). When more ranks of
+a node compute at once than it has cores, the cost model stretches their compute (see cost_model.py). Without
+it every rank has a device of its own (GPUs), as before.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class NodeGroup:
     device: DeviceType
     intra_node: Link
     inter_node: Link | None = None  # this group's network interface, if it differs from the cluster's
+    cores_per_node: int | None = None  # CPU ranks share this many cores per node; None: a device per rank
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,15 @@ class Cluster:
             gpu -= size
             node += g.nodes
         raise AssertionError("unreachable")
+
+    def node_cores(self, gpu: int) -> tuple[int, int | None]:
+        """(global node index, cores its ranks share or None) of a GPU (a CPU rank)."""
+        group, node = self.locate(gpu)
+        return node, group.cores_per_node
+
+    @property
+    def shares_cores(self) -> bool:
+        return any(g.cores_per_node is not None for g in self.groups)
 
     def device(self, gpu: int) -> DeviceType:
         return self.locate(gpu)[0].device
@@ -180,6 +195,8 @@ def load_cluster(name_or_path: str, num_nodes: int | None = None) -> Cluster:
         at = f" at line {mark.line + 1}" if mark is not None else ""
         raise UsageError(f"--cluster {where}: not valid YAML{at}") from None
     cluster = parse_cluster(data, where)
+    if name_or_path == "local" and cluster.groups[0].cores_per_node is None:  # this machine's cores
+        cluster = replace(cluster, groups=(replace(cluster.groups[0], cores_per_node=os.cpu_count() or 1),))
     return cluster.with_nodes(num_nodes) if num_nodes is not None else cluster
 
 
@@ -278,9 +295,11 @@ def _link(spec, where: str) -> Link:
 def _group(spec, types: dict[str, DeviceType], where: str) -> NodeGroup:
     if not isinstance(spec, dict):
         raise UsageError(f"{where}: expected a mapping with nodes, gpus_per_node, device and intra_node")
-    _only(spec, {"nodes", "gpus_per_node", "device", "intra_node", "inter_node"}, where)
+    _only(spec, {"nodes", "gpus_per_node", "device", "intra_node", "inter_node", "cores_per_node"}, where)
     counts = {}
-    for key in ("nodes", "gpus_per_node"):
+    for key in ("nodes", "gpus_per_node", "cores_per_node"):
+        if key == "cores_per_node" and key not in spec:
+            continue
         x = spec.get(key)
         if not isinstance(x, int) or isinstance(x, bool) or x < 1:
             raise UsageError(f"{where}: {key!r} must be an integer >= 1, got {x!r}")
@@ -290,12 +309,15 @@ def _group(spec, types: dict[str, DeviceType], where: str) -> NodeGroup:
         raise UsageError(f"{where}: device {device!r} is not one of device_types ({', '.join(types)})")
     intra = _link(_need(spec, "intra_node", dict, where), f"{where}.intra_node")
     inter = _link(spec["inter_node"], f"{where}.inter_node") if "inter_node" in spec else None
-    return NodeGroup(counts["nodes"], counts["gpus_per_node"], types[device], intra, inter)
+    return NodeGroup(counts["nodes"], counts["gpus_per_node"], types[device], intra, inter,
+                     counts.get("cores_per_node"))
 
 
-def local_cluster(gpus: int, device: DeviceType, p2p: Link, allreduce: Link | None = None) -> Cluster:
+def local_cluster(gpus: int, device: DeviceType, p2p: Link, allreduce: Link | None = None,
+                  cores: int | None = None) -> Cluster:
     """One node of `gpus` identical devices joined by the measured link (the `local` cluster, filled in from a
-    profile). The all-reduce link, when measured separately, is kept in `measured`."""
-    group = NodeGroup(1, gpus, device, p2p)
+    profile). The all-reduce link, when measured separately, is kept in `measured`. `cores`: CPU ranks share
+    this many cores (None: GPUs, a device each)."""
+    group = NodeGroup(1, gpus, device, p2p, cores_per_node=cores)
     measured = {"allreduce": allreduce} if allreduce is not None else {}
     return Cluster("local", (group,), p2p, source="local (measured)", measured=measured)

@@ -12,6 +12,15 @@ After the last backward each rank all-reduces its fp32 gradients over data paral
 last backward when --overlap-grad-reduce, both slowed by the overlap factor, Galvatron's 1.3), sums the
 sequence-parallel gradients over tensor parallel, and the first and last stage all-reduce the tied embedding;
 then the optimizer steps (memory-bound) and, with ZeRO-1, the parameters are all-gathered.
+
+CPU ranks that share cores (a cluster group with cores_per_node, e.g. gloo ranks on this machine): a rank gets
+min(1, cores / ranks computing on its node) of a core. Each duration is split into CPU work (compute, the
+bandwidth term of a collective) and waiting (a collective's latency, a peer's lag), and only the work stretches.
+A profile entry for tp > 1 was itself measured with tp processes on the profiling machine's cores: its work is
+the tp=1 time / tp (at the contention it was measured under), the rest of it is waiting. Statically (the solver's
+estimates) every rank of the node is taken as busy; `simulate_sharing_cores` then replays the schedule with
+processor sharing, each compute stretched by the mean of max(1, busy ranks / cores) over its span on the timeline.
+GPU clusters (no cores_per_node) are unaffected.
 """
 
 from __future__ import annotations
@@ -50,9 +59,14 @@ class CostSettings:
 
 
 def allreduce_time(nbytes: float, n: int, link: Link) -> float:
+    return sum(allreduce_parts(nbytes, n, link))
+
+
+def allreduce_parts(nbytes: float, n: int, link: Link) -> tuple[float, float]:
+    """(bandwidth term, latency term) of a ring all-reduce."""
     if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+        return 0.0, 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth, 2 * (n - 1) * link.latency
 
 
 def allgather_time(nbytes: float, n: int, link: Link) -> float:
@@ -98,6 +112,26 @@ class CostModel:
             self.profiles.for_device(device.name)  # a device type without a profile is an error now, not later
         self._p2p: dict[tuple, Link] = placement.setdefault("links", {})  # stage pairs, each stage's tp/dp group
         self._tables: tuple[list[list[float]], list[list[float]], list[int]] | None = None
+        # CPU ranks sharing cores: per stage {node: its ranks there}, cores per node, the static factor per stage
+        self.shares_cores = cluster.shares_cores
+        self.action_factors: dict[tuple[int, Action], float] | None = None  # set by simulate_sharing_cores
+        if self.shares_cores:
+            if "sharing" not in placement:
+                stage_nodes, cores = [], {}
+                for s in range(p):
+                    count: dict[int, int] = {}
+                    for g in self.gpus(s):
+                        node, c = cluster.node_cores(g)
+                        count[node] = count.get(node, 0) + 1
+                        if c is not None:
+                            cores[node] = c
+                    stage_nodes.append(count)
+                on_node = {n: sum(c.get(n, 0) for c in stage_nodes) for n in cores}
+                static = [max([1.0] + [on_node[n] / cores[n] for n in c if n in cores]) for c in stage_nodes]
+                placement["sharing"] = (stage_nodes, cores, static)
+            self.stage_nodes, self.node_cores, self.static_factor = placement["sharing"]
+        else:
+            self.stage_nodes, self.node_cores, self.static_factor = [], {}, [1.0] * p
 
     @property
     def chunk_forward(self) -> list[list[float]]:
@@ -122,20 +156,25 @@ class CostModel:
         params: list[int] = []
         names = unit_names(spec.model.num_layers)
         layout = spec.stage_layout()
+        self._split = []  # per rank, per chunk: (forward work, forward wait, backward work, backward wait)
         for rank in range(spec.pp):
             chunks = chunk_unit_indices(layout, rank)
-            fwd, bwd = [], []
+            fwd, bwd, split = [], [], []
             for c in chunks:
-                f = b = 0.0
+                fw = fl = bw = bl = 0.0
                 for i in c:
-                    uf, ub = self.unit_times(unit_kind(names[i]), layout.unit_recompute(i), self.devices[rank], rank,
-                                             i)
-                    f, b = f + uf, b + ub
+                    (a, b), (x, y) = self.unit_parts(unit_kind(names[i]), layout.unit_recompute(i),
+                                                     self.devices[rank], rank, i)
+                    fw, fl, bw, bl = fw + a, fl + b, bw + x, bl + y
                 over = self._overhead(self.devices[rank])
-                fwd.append(f + over[0])
-                bwd.append(b + over[1])
+                fw, bw = fw + over[0], bw + over[1]
+                k = self.static_factor[rank]
+                fwd.append(fw * k + fl)
+                bwd.append(bw * k + bl)
+                split.append((fw, fl, bw, bl))
             chunk_forward.append(fwd)
             chunk_backward.append(bwd)
+            self._split.append(split)
             params.append(self._rank_params([names[i] for c in chunks for i in c]))
         self._tables = (chunk_forward, chunk_backward, params)
         return self._tables
@@ -188,53 +227,105 @@ class CostModel:
     def _compute(self, kind: str, device: DeviceType, index: int | None) -> tuple[float, float, bool]:
         """(forward, backward, TP communication included): the profile at this tp, else its tp=1 times split
         over tp ranks, else analytic."""
+        (fw, fl), (bw, bl), comm_in = self._compute_parts(kind, device, index)
+        return fw + fl, bw + bl, comm_in
+
+    def _compute_parts(self, kind: str, device: DeviceType, index: int | None):
+        """((forward work, wait), (backward work, wait), TP communication included); waiting only where ranks
+        share cores and a tp > 1 profile entry holds more than its share of the tp=1 work."""
         tp, b = self.spec.tp, self.spec.pipeline.micro_batch_size
         profiles = self.profiles.for_device(device.name)
         for degree in (tp, 1):
             for prof in profiles:
                 timed = prof.unit_time(kind, degree, b, self.spec.model, index)
                 if timed is not None:
-                    return timed[0] * degree / tp, timed[1] * degree / tp, degree == tp
+                    f, g = timed[0] * degree / tp, timed[1] * degree / tp
+                    if self.shares_cores and degree > 1 and prof.device.get("kind") == "cpu":
+                        one = prof.unit_time(kind, 1, b, self.spec.model, index)
+                        if one is not None:
+                            c = max(1.0, degree * int(prof.device.get("threads") or 1) / prof.cores())
+                            fw, bw = min(f / c, one[0] / degree), min(g / c, one[1] / degree)
+                            return (fw, f - fw * c), (bw, g - bw * c), True
+                    return (f, 0.0), (g, 0.0), degree == tp
         if profiles and kind in ("attention", "mlp"):
             raise UsageError(f"--profile for device type {device.name} has no {kind} timings")
         fwd, bwd = self._analytic(kind, tp, device)
-        return fwd, bwd, False
+        return (fwd, 0.0), (bwd, 0.0), False
 
     def tp_comm(self, kind: str, stage: int) -> tuple[float, float]:
         """Tensor-parallel collectives of one unit: (forward, backward) seconds."""
+        (fw, fl), (bw, bl) = self.tp_comm_parts(kind, stage)
+        return fw + fl, bw + bl
+
+    def tp_comm_parts(self, kind: str, stage: int) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Tensor-parallel collectives of one unit: ((forward bandwidth term, latency), (backward ...))."""
         tp = self.spec.tp
         if tp == 1:
-            return 0.0, 0.0
+            return (0.0, 0.0), (0.0, 0.0)
         link = self.tp_link(stage)
         m = self.spec.model.seq_length * self.spec.pipeline.micro_batch_size * self.spec.model.hidden_size \
             * self.spec.model.dtype_bytes
-        ar, ag = allreduce_time(m, tp, link), allgather_time(m, tp, link)
+        ar = allreduce_parts(m, tp, link)
+        ag = ((tp - 1) / tp * m / link.bandwidth, (tp - 1) * link.latency)
+        zero = (0.0, 0.0)
+
+        def add(*xs):
+            return sum(x[0] for x in xs), sum(x[1] for x in xs)
+
         sp = self.spec.sp
         if kind in ("attention", "mlp"):
-            return (2 * ag, 2 * ag) if sp else (ar, ar)
+            return (add(ag, ag), add(ag, ag)) if sp else (ar, ar)
         if kind == "embedding":
-            return ar, (ag if sp else 0.0)
-        small = 3 * allreduce_time(self.spec.model.seq_length * self.spec.pipeline.micro_batch_size * 4, tp, link)
-        return (ag if sp else 0.0) + small, (ag if sp else ar)
+            return ar, (ag if sp else zero)
+        small = allreduce_parts(self.spec.model.seq_length * self.spec.pipeline.micro_batch_size * 4, tp, link)
+        return add(ag if sp else zero, small, small, small), (ag if sp else ar)
 
     def unit_times(self, kind: str, recompute: str | None, device: DeviceType, stage: int,
                    index: int | None = None) -> tuple[float, float]:
         """(forward, backward) of one unit (unit `index` of the model, for per-unit profiles) for one micro-batch,
-        collectives and recomputation included."""
-        fwd, bwd, comm_in = self._compute(kind, device, index)
-        if not comm_in:
-            cf, cb = self.tp_comm(kind, stage)
-            fwd, bwd = fwd + cf, bwd + cb
+        collectives and recomputation included; CPU work stretched by the stage's static core-sharing factor."""
+        (fw, fl), (bw, bl) = self.unit_parts(kind, recompute, device, stage, index)
+        k = self.static_factor[stage] if stage < len(self.static_factor) else 1.0
+        return fw * k + fl, bw * k + bl
+
+    def unit_parts(self, kind: str, recompute: str | None, device: DeviceType, stage: int,
+                   index: int | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
+        """unit_times as ((forward work, forward wait), (backward work, backward wait)) on a core of its own."""
+        (fw, fl), (bw, bl), comm_in = self._compute_parts(kind, device, index)
+        if not comm_in:  # gloo's reduction burns CPU: the bandwidth term is work, the latency waiting
+            (a, b), (c, d) = self.tp_comm_parts(kind, stage)
+            fw, fl, bw, bl = fw + a, fl + b, bw + c, bl + d
         if recompute == "full":
-            bwd += fwd
+            bw, bl = bw + fw, bl + fl
         elif recompute == "selective" and kind == "attention":
-            bwd += fwd * core_attention_share(self.spec.model)
-        return fwd, bwd
+            share = core_attention_share(self.spec.model)
+            bw, bl = bw + fw * share, bl + fl * share
+        return (fw, fl), (bw, bl)
 
     # ---- per action --------------------------------------------------------------------------------------------
     def compute_time(self, rank: int, action: Action) -> float:
+        if self.action_factors is not None:
+            fw, fl, bw, bl = self._split_of(rank, action.chunk)
+            work, wait = (fw, fl) if action.kind is Kind.FORWARD else (bw, bl)
+            return (work * self.action_factors.get((rank, action), self.static_factor[rank]) + wait) * action.weight
         table = self.chunk_forward if action.kind is Kind.FORWARD else self.chunk_backward
         return table[rank][action.chunk] * action.weight
+
+    def _split_of(self, rank: int, chunk: int) -> tuple[float, float, float, float]:
+        return self.work_split()[rank][chunk]
+
+    def work_split(self) -> list[list[tuple[float, float, float, float]]] | None:
+        """Per rank, per chunk: (forward work, forward wait, backward work, backward wait) on a core of its own;
+        None when a subclass built its tables without it (then no processor-sharing replay)."""
+        self._chunk_tables()
+        return getattr(self, "_split", None)
+
+    def busy_share(self, rank: int, action: Action, factor: float) -> float:
+        """Share of a compute action's span its ranks spend on the CPU (the rest waits), at `factor`."""
+        fw, fl, bw, bl = self._split_of(rank, action.chunk)
+        work, wait = (fw, fl) if action.kind is Kind.FORWARD else (bw, bl)
+        total = work * factor + wait
+        return 1.0 if total <= 0 else work * factor / total
 
     def transfer_time(self, src: int, dst: int, action: Action) -> float:
         return self.p2p_link(src, dst).time(self.spec.hidden_bytes(action.half is not None))
@@ -252,7 +343,10 @@ class CostModel:
         return sum(unit_param_count(unit_kind(n), model, self.spec.tp, own_output) for n in names)
 
     def dp_sync_time(self, rank: int) -> float:
-        return allreduce_time(4.0 * self.params[rank], self.spec.dp, self.dp_link(rank))
+        """The gradient all-reduce; on shared cores its bandwidth term (gloo reduces on the CPU) is stretched by
+        the stage's static factor (every rank of the node reduces at about the same time)."""
+        bw, lat = allreduce_parts(4.0 * self.params[rank], self.spec.dp, self.dp_link(rank))
+        return bw * self.static_factor[rank] + lat
 
     def sp_sync_time(self, rank: int) -> float:
         """Sequence-parallel replicated gradients (LayerNorms, row-parallel biases) summed over tp."""
@@ -300,3 +394,71 @@ class CostModel:
             both = max(out[0], out[-1]) + emb
             out[0] = out[-1] = both
         return [t + self.optimizer_step_time(r) + self.optimizer_gather_time(r) for r, t in enumerate(out)]
+
+
+# ---- CPU ranks sharing cores ------------------------------------------------------------------------------------
+def sharing_factors(cost: CostModel, computes: list[list[tuple[Action, float, float]]]) -> dict:
+    """Per (rank, action): the mean of max(1, busy ranks / cores) over the action's span on its node(s), the
+    busy ranks counted from the timeline `computes` (each compute action's ranks, weighted by the share of its span
+    they spend on the CPU at its current factor)."""
+    import bisect
+
+    current = cost.action_factors or {}
+    per_node: dict[int, list[tuple[float, float]]] = {n: [] for n in cost.node_cores}
+    for r, line in enumerate(computes):
+        for action, start, end in line:
+            if end <= start:
+                continue
+            share = cost.busy_share(r, action, current.get((r, action), cost.static_factor[r]))
+            for node, count in cost.stage_nodes[r].items():
+                if node in per_node:
+                    per_node[node] += [(start, count * share), (end, -count * share)]
+    integrals = {}
+    for node, events in per_node.items():  # piecewise constant max(1, n / cores), and its running integral
+        events.sort()
+        times, acc, level, area, last = [], [], 0.0, 0.0, None
+        for t, delta in events:
+            if last is not None:
+                area += max(1.0, level / cost.node_cores[node]) * (t - last)
+            times.append(t)
+            acc.append(area)
+            level += delta
+            last = t
+        integrals[node] = (times, acc)
+
+    def integral(node: int, t: float) -> float:
+        """Integral of max(1, n / cores) from the first event to t (1 outside the events)."""
+        times, acc = integrals[node]
+        if not times or t <= times[0]:
+            return t - (times[0] if times else 0.0)
+        i = bisect.bisect_right(times, t) - 1
+        if i + 1 >= len(times):
+            return acc[-1] + (t - times[-1])
+        span = times[i + 1] - times[i]
+        return acc[i] + (0.0 if span <= 0 else (acc[i + 1] - acc[i]) * (t - times[i]) / span)
+
+    out = {}
+    for r, line in enumerate(computes):
+        nodes = [n for n in cost.stage_nodes[r] if n in integrals]
+        for action, start, end in line:
+            if end <= start or not nodes:
+                continue
+            out[(r, action)] = max(max(1.0, (integral(n, end) - integral(n, start)) / (end - start)) for n in nodes)
+    return out
+
+
+def simulate_sharing_cores(cost: CostModel, run, rounds: int = 4):
+    """`run()` simulates with cost.compute_time; where ranks share cores, replay `rounds` more times, each
+    compute stretched by its factor from the previous timeline (damped: the geometric mean with the previous
+    factor). Returns the last simulation."""
+    sim = run()
+    if not cost.shares_cores or cost.work_split() is None:
+        return sim
+    for _ in range(rounds):
+        new = sharing_factors(cost, sim.computes)
+        old = cost.action_factors
+        if old is not None:
+            new = {k: (v * old.get(k, v)) ** 0.5 for k, v in new.items()}
+        cost.action_factors = new
+        sim = run()
+    return sim

@@ -14,6 +14,7 @@ without times every unit of its kind.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 from ..config import ModelConfig
@@ -54,6 +55,10 @@ class Profile:
     # ---- lookup ------------------------------------------------------------------------------------------------
     def tps(self, kind: str) -> set[int]:
         return {u.tp for u in self.units if u.kind == kind}
+
+    def cores(self) -> int:
+        """CPU cores of the machine the profile was measured on (device.cores; older profiles: this machine's)."""
+        return int(self.device.get("cores") or os.cpu_count() or 1)
 
     @property
     def device_type_name(self) -> str:

@@ -313,6 +313,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
         torch.set_num_threads(previous)
     name = torch.cuda.get_device_name(0) if cuda else f"cpu-{settings.threads}-thread"
     info = {"name": name, "kind": "cuda" if cuda else "cpu", "threads": settings.threads,
+            "cores": os.cpu_count() or 1,  # the tp > 1 entries ran tp processes on these (cost_model.py)
             "statistic": settings.statistic,
             "memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else _host_memory()}
     if sequence_parallel:

@@ -57,7 +57,7 @@ class TrialModel:
         cluster = cli._cluster(self._ns(world), profiles)
         if cluster.num_gpus < world and self.cluster == "local":  # the analytic local machine, grown to the trial
             group = load_cluster("local").groups[0]
-            cluster = local_cluster(world, group.device, group.intra_node)
+            cluster = local_cluster(world, group.device, group.intra_node, cores=group.cores_per_node)
         if cluster.num_gpus < world:
             raise UsageError(f"--cluster {self.cluster} has {cluster.num_gpus} GPUs, the trial runs on {world}")
         return cluster
