@@ -4,7 +4,8 @@ model that gives the simulator a hybrid run's durations.
 A unit with strategy (t, d) on a stage of N ranks (stage micro-batch B = micro-batch size x N):
   compute and tensor-parallel collectives: the cost model's unit times at tp t and micro-batch B/d, on the
     links of the strategy's tp groups (the slowest of them; their placement follows the rank order);
-  plain dp: its fp32 gradients all-reduced over its dp group once per iteration (2(d-1)/d x 4P / B);
+  plain dp: its fp32 gradients all-reduced over its dp group once per iteration (2(d-1)/d x 4P / B), the units
+    of one dp grouping in one bucket;
   sharded dp (FSDP2): per micro-batch its parameters all-gathered before forward and again before backward and
     its gradients reduce-scattered, in the parameter dtype (Galvatron's 1.5 x a DP all-reduce), not overlapped;
   re-layout from the previous unit's strategy (parallel/relayout.py): free when every rank's new samples lie
@@ -101,10 +102,22 @@ class StageCosts:
         return self._times[key]
 
     def sync_time(self, kind: str, s: UnitStrategy, own_output: bool = True) -> float:
-        """Plain dp: the unit's fp32 gradient all-reduce, once per iteration."""
+        """Plain dp: the unit's fp32 gradient all-reduce, once per iteration (bandwidth term: units of one dp
+        grouping reduce in one bucket, see stage_sync_time)."""
         if s.sharded or s.dp == 1:
             return 0.0
-        return allreduce_time(4.0 * self.params(kind, s, own_output), s.dp, self.dp_link(s))
+        return allreduce_time(4.0 * self.params(kind, s, own_output), s.dp, Link(self.dp_link(s).bandwidth, 0.0))
+
+    def stage_sync_time(self, units: list[tuple[str, UnitStrategy, bool]]) -> float:
+        """The plain-dp gradient all-reduces of a stage's units (kind, strategy, owns output): one all-reduce per
+        dp grouping, one after the other."""
+        buckets: dict[tuple, list] = {}
+        for kind, s, own in units:
+            if s.sharded or s.dp == 1:
+                continue
+            key = tuple(tuple(g) for g in s.dp_groups())
+            buckets.setdefault(key, [s, 0.0])[1] += 4.0 * self.params(kind, s, own)
+        return sum(allreduce_time(nbytes, s.dp, self.dp_link(s)) for s, nbytes in buckets.values())
 
     def hidden_bytes(self, samples: float) -> float:
         return self.model.seq_length * samples * self.model.hidden_size * self.model.dtype_bytes
@@ -159,7 +172,7 @@ class HybridCostModel(CostModel):
             chunks = chunk_unit_indices(layout, rank)
             own = owns_output_weight(spec.model.untie_embeddings_and_output_weights, spec.pp,
                                      [names[i] for c in chunks for i in c])
-            fwd, bwd, params, sync = [], [], 0.0, 0.0
+            fwd, bwd, params, synced = [], [], 0.0, []
             for c in chunks:
                 f = b = 0.0
                 for i in c:
@@ -171,14 +184,14 @@ class HybridCostModel(CostModel):
                     f, b = f + uf, b + ub
                     p = sc.params(kind, s, own)
                     params += p / s.dp if s.sharded else p
-                    sync += sc.sync_time(kind, s, own)
+                    synced.append((kind, s, own))
                 over = self._overhead(self.devices[rank])
                 fwd.append(f + over[0])
                 bwd.append(b + over[1])
             fwd_t.append(fwd)
             bwd_t.append(bwd)
             params_t.append(params)
-            sync_t.append(sync)
+            sync_t.append(sc.stage_sync_time(synced))
         self._sync = sync_t
         self._tables = (fwd_t, bwd_t, params_t)
         return self._tables

@@ -2,7 +2,7 @@
 
 Units u = 0..L-1 in order; each has options o = (strategy index s_o, time c_o, memory m_o, transient r_o).
 Consecutive units with strategies p then s pay a re-layout R[p][s]; the first pays enter[s]. With memory in
-buckets of budget / resolution (rounded up, so a choice the table allows really fits):
+buckets of budget / resolution (rounded to the nearest; the read-back checks the true bytes):
 
     C(u, s, e) = min over options o of unit u with s_o = s of  c_o + min over p of ( C(u-1, p, e - m_o) + R[p][s] )
 
@@ -22,7 +22,7 @@ _INF = math.inf
 
 
 def stage_dp(options: list[list[tuple[int, float, float, float]]], relayout, enter, budget: float,
-             resolution: int = 256, max_caps: int | None = 8):
+             resolution: int = 512, max_caps: int | None = 8):
     """Per unit an option index with the least total time (unit times + re-layouts) under `budget` bytes.
 
     options[u]: (strategy index, time, memory, transient); relayout[p][s]: seconds; enter[s]: seconds for the
@@ -65,13 +65,8 @@ def _solve(options, relayout, enter, budget: float, resolution: int):
     R = np.asarray(relayout, dtype=float).reshape(n_s, n_s)
     q = budget / resolution
     width = resolution + 1
-    weights = []
-    for opts in options:
-        ws = []
-        for _, _, mem, _ in opts:
-            w = math.ceil(mem / q) if mem <= budget else width
-            ws.append(w + 1 if w * q < mem else w)
-        weights.append(ws)
+    # nearest buckets: rounding errors cancel over many units; the read-back checks the true bytes
+    weights = [[round(mem / q) if mem <= budget else width for _, _, mem, _ in opts] for opts in options]
     prev = None  # C(u-1, :, :)
     tables, args, picks = [], [], []
     for u, opts in enumerate(options):

@@ -2,7 +2,8 @@
 every unit's strategy (strategy.py) and recomputation, and the unit partition.
 
 Per stage the per-layer DP (hybrid_dp.stage_dp) picks (strategy, recomputation) per unit minimising
-m x (forward + backward) + the plain-dp gradient all-reduce + m x re-layouts, under the stage's memory (model
+m x (forward + backward) + (overlap factor - 1) x the plain-dp gradient all-reduce (it overlaps the last
+backward) + m x re-layouts, under the stage's memory (model
 states + the micro-batches 1F1B holds at its peak x saved activations + the worst backward). Stages are solved
 in order, each entering from the previous stage's last strategy. Partitions are walked as for uniform layouts
 (solver.py): from the memory-balanced start toward time balance (Galvatron-BMW's bi-objective walk). The
@@ -59,7 +60,7 @@ class HybridProblem:
 
     def __init__(self, layout: Layout, model: ModelConfig, cluster: Cluster, profiles: Profiles | None,
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
-                 strategies: list[UnitStrategy] | None = None, resolution: int = 256) -> None:
+                 strategies: list[UnitStrategy] | None = None, resolution: int = 512) -> None:
         self.layout, self.model, self.space, self.memory, self.cluster = layout, model, space, memory, cluster
         self.variant = Variant()
         self.resolution = resolution
@@ -107,6 +108,7 @@ class HybridProblem:
             return self._rows[key]
         sc, lay, cnt = self.stage_costs[rank], self.layout, self.counts[rank]
         choices = self.recompute if kind in ("attention", "mlp") else (None,)
+        overlap = sc.settings.overlap_factor - 1  # the all-reduce overlaps the last backward (mostly hidden)
         out = []
         for k, s in enumerate(self.strategies):
             mine = []
@@ -116,7 +118,7 @@ class HybridProblem:
                 f, b = sc.unit_times(kind, s, c, i if self.per_unit else None, own_output)
                 sync = sc.sync_time(kind, s, own_output)
                 um = unit_memory(kind, self.model, s, lay.mbs, c, self.memory.device, own_output)
-                mine.append((k, lay.m * (f + b) + sync, um.state_bytes + cnt * um.saved_bytes, um.transient_bytes,
+                mine.append((k, lay.m * (f + b) + overlap * sync, um.state_bytes + cnt * um.saved_bytes, um.transient_bytes,
                              f, b, sync, um.params, c))
             keep = [o for o in mine if not any(x is not o and x[1] <= o[1] and x[2] <= o[2] and x[3] <= o[3]
                                                and (x[1], x[2], x[3]) != (o[1], o[2], o[3]) for x in mine)]
@@ -156,7 +158,8 @@ class HybridProblem:
                 prev = o[0]
             over = self.stage_costs[rank].overhead()
             ms = self.memory
-            out = (picked, fwd + over[0], bwd + over[1], sum(o[6] for o in picked), sum(o[7] for o in picked),
+            out = (picked, fwd + over[0], bwd + over[1], self.stage_costs[rank].stage_sync_time(
+                [(self.kinds[start + u], self.strategies[o[0]], own) for u, o in enumerate(picked)]), sum(o[7] for o in picked),
                    ms.workspace_bytes + peak * (1 + ms.fragmentation))
         self._stage[key] = out
         return out

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_bmw.config import ModelConfig
 from megatron_bmw.errors import UsageError
-from megatron_bmw.planner.cluster import load_cluster
+from megatron_bmw.planner.cluster import Link, load_cluster
 from megatron_bmw.planner.cost_model import CostSettings, allgather_time, allreduce_time
 from megatron_bmw.planner.evaluate import simulate_run
 from megatron_bmw.planner.hybrid_cost import StageCosts
@@ -55,7 +55,11 @@ def test_unit_cost_by_hand():
     fs, bs = sc.unit_times("attention", sharded)
     gather = allgather_time(8480 * 4, 2, link)
     assert fs == pytest.approx(f + gather) and bs == pytest.approx(b + 2 * gather)
-    assert sc.sync_time("attention", plain) == pytest.approx(allreduce_time(4.0 * 8480, 2, link))
+    assert sc.sync_time("attention", plain) == pytest.approx(allreduce_time(4.0 * 8480, 2, Link(link.bandwidth, 0)))
+    # a stage's plain units of one dp grouping reduce in one bucket (one latency)
+    both = sc.stage_sync_time([("attention", plain, True), ("mlp", plain, True), ("mlp", sharded, True)])
+    mlp = sc.params("mlp", plain)
+    assert both == pytest.approx(allreduce_time(4.0 * (8480 + mlp), 2, link))
     assert sc.sync_time("attention", sharded) == 0.0
     # compute at (t, B/d): tp2-dp2 works on 2 samples split 2 ways, dp4 on 1 sample whole: same FLOPs
     f1, _ = sc.cost_model(parse_strategy("dp4")).unit_times("attention", None, sc.device, 0)
