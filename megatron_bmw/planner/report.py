@@ -141,8 +141,11 @@ def plan_from(ranked, result, profiles, orig_vocab: int | None):
     from .plan import Plan
 
     spec, cluster = ranked.spec, result.cluster
+    divisible = result.make_vocab_size_divisible_by
+    if spec.unit_strategies:  # the search pads a hybrid plan's vocabulary for every tp degree up to the stage width
+        divisible *= spec.dp
     return Plan(spec=spec, global_batch_size=result.global_batch_size, orig_vocab_size=orig_vocab,
-                make_vocab_size_divisible_by=result.make_vocab_size_divisible_by,
+                make_vocab_size_divisible_by=divisible,
                 devices=[cluster.device(g).name for g in range(spec.world_size)],
                 cluster={"name": cluster.name, "source": cluster.source, "num_gpus": cluster.num_gpus},
                 profiles=profiles.identity(), prediction=prediction(ranked, cluster),

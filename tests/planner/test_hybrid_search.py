@@ -170,8 +170,15 @@ def test_space_restriction():
     cluster = load_cluster("a100-80g-ib")
     model = replace(MODEL, num_layers=4)
     fast = dict(space=SearchSpace.parse(["strategy=hybrid", "pp=1,2"]))
-    hybrid = search(model, 128, 128, 8, cluster, **fast)
+    hybrid = search(model, 100, 128, 8, cluster, **fast)
     assert hybrid.ranked and all(r.spec.unit_strategies for r in hybrid.ranked)
+    from megatron_bmw.planner.profile_data import Profiles
+    from megatron_bmw.planner.report import plan_from, search_table
+    plan = plan_from(hybrid.best, hybrid, Profiles(), 100)  # the runtime pads 100 by 128 x dp (tp 1) alike
+    multiple = plan.make_vocab_size_divisible_by
+    assert multiple == 128 * hybrid.best.spec.dp
+    assert plan.spec.model.vocab_size == -(-100 // multiple) * multiple
+    assert " hyb " in search_table(hybrid)
     uniform = search(model, 128, 128, 8, cluster, space=SearchSpace.parse(["pp=1,2"]))
     assert uniform.ranked and not any(r.spec.unit_strategies for r in uniform.ranked)
     both = search(model, 128, 128, 8, cluster, space=SearchSpace.parse(["strategy=both", "pp=1,2"]))
