@@ -1,7 +1,8 @@
 """tools/autoconfig.py: search for a plan, estimate memory, simulate an iteration, or profile this machine.
 
     autoconfig.py search --cluster a100-80g-ib --num-nodes 2 <model flags> --global-batch-size 512 \\
-        [--profile a.json --profile b.json] [--top-k 5] [--space tp=1,2 --space bpipe=off] --output plan.json
+        [--profile a.json --profile b.json] [--top-k 5] [--space tp=1,2 --space bpipe=off] --output plan.json \\
+        [--output-dir plans/]   # the top-k plans as plans/plan_1.json ... (tools/grid_search.py --plans plans/)
     autoconfig.py estimate --cluster a100-80g-ib --num-nodes 2 <pretrain_gpt.py flags> [--json]
     autoconfig.py simulate --cluster FILE.yaml [--profile prof.json] <flags> [--json] [--timeline out.png]
     autoconfig.py profile --output prof.json <model flags> [--profile-tp 1,2] [--analytic --cluster NAME]
@@ -17,7 +18,7 @@ from dataclasses import replace
 
 from ..arguments import _Parser, add_megatron_args, configs_from_args, parse_args
 from ..errors import UsageError, exit_on_usage_error
-from ..paths import check_output_file
+from ..paths import check_output_dir, check_output_file
 from .cluster import BUILTIN, Cluster, load_cluster, local_cluster
 from ..pipeline.slicing import choose_slices, stage_times_from_cost
 from .cost_model import CostModel, CostSettings
@@ -54,7 +55,7 @@ def _positive(flag: str):
     return parse
 
 
-def _model_type_args(p: argparse.ArgumentParser) -> None:
+def add_model_type_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model type")
     g.add_argument("--model-type", choices=["gpt", "bert"], default="gpt",
                    help="plan for pretrain_gpt.py (default) or pretrain_bert.py")
@@ -63,8 +64,8 @@ def _model_type_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(bert_binary_head=True)
 
 
-def _planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
-    _model_type_args(p)
+def add_planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
+    add_model_type_args(p)
     g = p.add_argument_group("planner")
     g.add_argument("--cluster", default="local", help=f"built-in ({', '.join(BUILTIN)}) or a YAML file")
     g.add_argument("--num-nodes", type=_positive("--num-nodes"), default=None, help="resize a single-group cluster")
@@ -97,15 +98,18 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
                                    ("simulate", True, "simulate one iteration on a cluster")):
         p = sub.add_parser(name, help=help_text, allow_abbrev=False)
         add_megatron_args(p)
-        _planner_args(p, timed)
+        add_planner_args(p, timed)
         p.set_defaults(mock_data=True, vocab_size=50257)
     p = sub.add_parser("search", help="the fastest plan that fits, and the runner-ups", allow_abbrev=False)
     add_megatron_args(p)
-    _planner_args(p, True)
+    add_planner_args(p, True)
     p.set_defaults(mock_data=True, vocab_size=50257)
     g = p.add_argument_group("search")
     g.add_argument("--top-k", type=int, default=5, help="plans in the table")
     g.add_argument("--output", default=None, help="write the best plan (JSON) for pretrain_gpt.py --plan")
+    g.add_argument("--output-dir", default=None,
+                   help="write the top-k plans as DIR/plan_1.json ... (best first; stale plan_N.json beyond k are "
+                        "removed) for tools/grid_search.py --plans DIR")
     g.add_argument("--space", action="append", default=[],
                    help="restrict a dimension, e.g. tp=1,2 pp=4 mbs=1,2 schedule=1f1b virtual=2 sp=off zero1=on "
                         "bpipe=off slicing=off recompute=none,full recompute-granularity=uniform partition=layer")
@@ -113,7 +117,7 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="measure unit times, saved bytes and links on this machine",
                        allow_abbrev=False)
     add_megatron_args(p)
-    _model_type_args(p)
+    add_model_type_args(p)
     p.set_defaults(mock_data=True, vocab_size=50257)
     g = p.add_argument_group("profiler")
     g.add_argument("--output", required=True, help="profile JSON to write")
@@ -146,11 +150,11 @@ CUDA_WORKSPACE_GB = 1.5  # CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces
 CUDA_FRAGMENTATION = 0.10  # the caching allocator's reserve above the peak it hands out
 
 
-def _profiles(args) -> Profiles:
+def load_profiles(args) -> Profiles:
     return Profiles([Profile.load(path) for path in args.profile])
 
 
-def _cluster(args, profiles: Profiles) -> Cluster:
+def cluster_from_args(args, profiles: Profiles) -> Cluster:
     measured = [p for ps in profiles.by_type.values() for p in ps if p.mode == "measured"]
     if args.cluster == "local" and measured:
         profile = measured[0]
@@ -165,7 +169,7 @@ def _cluster(args, profiles: Profiles) -> Cluster:
     return load_cluster(args.cluster, args.num_nodes)
 
 
-def _memory_settings(args, profiles: Profiles) -> MemorySettings:
+def memory_settings(args, profiles: Profiles) -> MemorySettings:
     device = args.memory_device
     if device is None:
         cpu = any(p.device.get("kind") == "cpu" for ps in profiles.by_type.values() for p in ps)
@@ -179,7 +183,7 @@ def _memory_settings(args, profiles: Profiles) -> MemorySettings:
     return MemorySettings(device=device, workspace_bytes=workspace * 2**30, fragmentation=fragmentation)
 
 
-def _spec(args, cluster: Cluster, profiles: Profiles, costs: CostSettings = CostSettings()):
+def spec_from_args(args, cluster: Cluster, profiles: Profiles, costs: CostSettings = CostSettings()):
     world = args.world_size or cluster.num_gpus
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")
@@ -198,28 +202,28 @@ def _spec(args, cluster: Cluster, profiles: Profiles, costs: CostSettings = Cost
 
 
 def _estimate(args) -> int:
-    profiles = _profiles(args)
-    cluster = _cluster(args, profiles)
-    spec = _spec(args, cluster, profiles)
-    settings = _memory_settings(args, profiles)
+    profiles = load_profiles(args)
+    cluster = cluster_from_args(args, profiles)
+    spec = spec_from_args(args, cluster, profiles)
+    settings = memory_settings(args, profiles)
     memory = estimate_memory(spec, settings=settings)
     data = estimate_json(spec, memory, cluster, settings)
     print(json.dumps(data) if args.json else memory_table(data))
     return 0
 
 
-def _costs(args) -> CostSettings:
+def cost_settings(args) -> CostSettings:
     return CostSettings(achievable_fraction=args.achievable_fraction, bandwidth_fraction=args.bandwidth_fraction,
                         overlap_factor=args.overlap_factor)
 
 
 def _simulate(args) -> int:
     check_output_file("--timeline", args.timeline)
-    profiles = _profiles(args)
-    cluster = _cluster(args, profiles)
-    costs = _costs(args)
-    spec = _spec(args, cluster, profiles, costs)
-    settings = _memory_settings(args, profiles)
+    profiles = load_profiles(args)
+    cluster = cluster_from_args(args, profiles)
+    costs = cost_settings(args)
+    spec = spec_from_args(args, cluster, profiles, costs)
+    settings = memory_settings(args, profiles)
     ev = simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline))
     data = simulate_json(ev, cluster, settings)
     if args.timeline:
@@ -235,8 +239,8 @@ def _simulate(args) -> int:
     return 0
 
 
-def _search(args) -> int:
-    from .report import plan_from, search_json, search_table
+def run_search(args, progress: bool | None = None):
+    """The search of `autoconfig.py search` on parsed flags: (SearchResult, Profiles, the serial RunConfig)."""
     from .search import SearchSettings, search
     from .space import SearchSpace
 
@@ -244,23 +248,61 @@ def _search(args) -> int:
         raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
     if args.global_batch_size is None:
         raise UsageError("search needs --global-batch-size")
-    check_output_file("--output", args.output)
-    check_output_file("--timeline", args.timeline)
-    profiles = _profiles(args)
-    cluster = _cluster(args, profiles)
+    profiles = load_profiles(args)
+    cluster = cluster_from_args(args, profiles)
     space = SearchSpace.parse(args.space)
-    settings = _memory_settings(args, profiles)
+    settings = memory_settings(args, profiles)
     world = args.world_size or cluster.num_gpus
     one = configs_from_args(argparse.Namespace(**{**vars(args), **SERIAL_FLAGS}), 1)
+    if progress is None:
+        progress = not args.no_progress and not args.json
     result = search(one.model, one.orig_vocab_size, args.make_vocab_size_divisible_by, args.global_batch_size,
-                    cluster, profiles, space, _costs(args), settings,
-                    SearchSettings(world_size=world, top_k=args.top_k, progress=not args.no_progress and not args.json))
+                    cluster, profiles, space, cost_settings(args), settings,
+                    SearchSettings(world_size=world, top_k=args.top_k, progress=progress))
     if result.best is None:
         raise UsageError(f"no plan fits: every layout of the space runs out of memory on cluster {cluster.name} "
                          "(try more GPUs, a smaller --global-batch-size, or relax --space)")
+    return result, profiles, one
+
+
+def write_plans(result, profiles: Profiles, orig_vocab_size: int, out_dir: str, top_k: int) -> list[str]:
+    """The top-k plans of `result` as out_dir/plan_1.json ... (best first, each with its search rank), numbered
+    with as many digits as k needs; plan_N.json files beyond them (an earlier, longer search) are removed.
+    Returns the paths written."""
+    import os
+    import re
+
+    from .report import plan_from
+
+    check_output_dir("--output-dir", out_dir)
+    ranked = result.ranked[:top_k]
+    width = len(str(len(ranked)))
+    paths = []
+    for i, r in enumerate(ranked, 1):
+        plan = plan_from(r, result, profiles, orig_vocab_size)
+        plan.search["rank"] = i
+        path = os.path.join(out_dir, f"plan_{i:0{width}d}.json")
+        plan.save(path)
+        paths.append(path)
+    kept = {os.path.basename(p) for p in paths}
+    for name in os.listdir(out_dir):
+        if re.fullmatch(r"plan_\d+\.json", name) and name not in kept:
+            os.remove(os.path.join(out_dir, name))
+    return paths
+
+
+def _search(args) -> int:
+    from .report import plan_from, search_json, search_table
+
+    check_output_file("--output", args.output)
+    check_output_file("--timeline", args.timeline)
+    check_output_dir("--output-dir", args.output_dir)
+    result, profiles, one = run_search(args)
     plan = plan_from(result.best, result, profiles, one.orig_vocab_size)
     if args.output:
         plan.save(args.output)
+    written = write_plans(result, profiles, one.orig_vocab_size, args.output_dir, args.top_k) \
+        if args.output_dir else []
     if args.timeline:
         from .timeline import render_timeline
 
@@ -271,6 +313,9 @@ def _search(args) -> int:
         print(search_table(result))
         if args.output:
             print(f"plan written to {args.output}: run it with pretrain_{args.model_type}.py --plan {args.output}")
+        if written:
+            print(f"{len(written)} plans written to {args.output_dir} (plan_1.json is the best): run them with "
+                  f"tools/grid_search.py --plans {args.output_dir}")
         if args.timeline:
             print(f"timeline of the best plan written to {args.timeline}")
     return 0
@@ -330,3 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv), parser)
     return {"estimate": _estimate, "simulate": _simulate, "profile": _profile, "search": _search,
             "calibrate": _calibrate}[args.command](args)
+
+
+# The names these helpers had before they were public.
+_profiles, _cluster, _memory_settings, _costs, _spec = (load_profiles, cluster_from_args, memory_settings,
+                                                        cost_settings, spec_from_args)
+_planner_args, _model_type_args = add_planner_args, add_model_type_args

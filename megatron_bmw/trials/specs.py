@@ -30,7 +30,7 @@ def _simulate_parser() -> argparse.ArgumentParser:
     from ..arguments import add_megatron_args
 
     add_megatron_args(p)
-    cli._planner_args(p, True)
+    cli.add_planner_args(p, True)
     p.set_defaults(mock_data=True, vocab_size=50257)
     return p
 
@@ -54,7 +54,7 @@ class TrialModel:
 
     def cluster_for(self, world: int, profiles: Profiles | None = None) -> Cluster:
         profiles = self.profiles if profiles is None else profiles
-        cluster = cli._cluster(self._ns(world), profiles)
+        cluster = cli.cluster_from_args(self._ns(world), profiles)
         if cluster.num_gpus < world and self.cluster == "local":  # the analytic local machine, grown to the trial
             group = load_cluster("local").groups[0]
             cluster = local_cluster(world, group.device, group.intra_node, cores=group.cores_per_node)
@@ -63,7 +63,7 @@ class TrialModel:
         return cluster
 
     def memory_settings(self) -> MemorySettings:
-        return self.memory or cli._memory_settings(self._ns(1), self.profiles)
+        return self.memory or cli.memory_settings(self._ns(1), self.profiles)
 
     def spec(self, record: dict) -> RunSpec:
         """The RunSpec of a trial record (its plan, or its flags on its world size)."""
@@ -73,7 +73,7 @@ class TrialModel:
         args = parse_args([*record["argv"], "--world-size", str(world)], _simulate_parser())
         args.cluster, args.num_nodes = self.cluster, None
         _resolve_vocab(args)
-        return cli._spec(args, self.cluster_for(world), self.profiles, self.costs)
+        return cli.spec_from_args(args, self.cluster_for(world), self.profiles, self.costs)
 
     def predict(self, record: dict) -> dict:
         """{iteration_time_s, stages: [{peak_bytes, allowance_bytes, capacity_bytes}], fits}."""
