@@ -145,7 +145,14 @@ def measured(opts) -> None:
         print(f"  budget {top * frac / 2**20:.1f} MiB: uniform {_t(uni.best)} s, hybrid {_t(hyb.best)} s", flush=True)
         if uni.best and (chosen is None or gain > chosen[0]):
             chosen = (gain, top * frac, uni, hyb)
+    if chosen is None:
+        raise SystemExit("no budget where both a uniform and a hybrid plan fit")
     gain, budget, uni, hyb = chosen
+    print(f"  chosen budget {budget / 2**20:.1f} MiB: predicted uniform / hybrid time {gain:.3f}", flush=True)
+    for tag, r in (("uniform", uni.best), ("hybrid", hyb.best)):
+        print(f"    {tag}: {_layout(r)}; predicted {r.time:.4f} s", flush=True)
+    if opts.predict_only:
+        return
     plans = {}
     for tag, result in (("uniform", uni), ("hybrid", hyb)):
         path = os.path.join(opts.out, f"plan_{tag}.json")
@@ -196,6 +203,7 @@ def main() -> None:
     p.add_argument("--trial-iters", type=int, default=10)
     p.add_argument("--warmup-iters", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--predict-only", action="store_true", help="(b): plan, but run nothing")
     opts = p.parse_args()
     if not opts.measured_only:
         modelled()

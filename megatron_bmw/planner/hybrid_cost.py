@@ -22,7 +22,7 @@ from ..pipeline.schedule import Action
 from ..strategy import UnitStrategy
 from ..units import owns_output_weight, unit_kind, unit_names
 from .cluster import Cluster, Link
-from .cost_model import CostModel, CostSettings, allgather_time, allreduce_time, optimizer_step_seconds
+from .cost_model import CostModel, CostSettings, allreduce_parts, allreduce_time, optimizer_step_seconds
 from .hybrid_memory import local_batch, spec_strategies
 from .memory_model import chunk_unit_indices, unit_param_count
 from .profile_data import Profiles
@@ -87,18 +87,33 @@ class StageCosts:
         """Parameters of the unit's tp shard (before FSDP sharding)."""
         return unit_param_count(kind, self.model, s.tp, own_output)
 
+    @property
+    def static_factor(self) -> float:
+        """Where CPU ranks share cores: the stretch of CPU work with every rank of the node busy (cost_model.py)."""
+        cm = self.cost_model(UnitStrategy(1, self.width))
+        return cm.static_factor[self.stage]
+
     def unit_times(self, kind: str, s: UnitStrategy, recompute: str | None = None, index: int | None = None,
                    own_output: bool = True) -> tuple[float, float]:
         """(forward, backward) of one micro-batch: compute, tp collectives, recomputation and FSDP's gathers."""
+        (fw, fl), (bw, bl) = self.unit_parts(kind, s, recompute, index, own_output)
+        k = self.static_factor
+        return fw * k + fl, bw * k + bl
+
+    def unit_parts(self, kind: str, s: UnitStrategy, recompute: str | None = None, index: int | None = None,
+                   own_output: bool = True) -> tuple[tuple[float, float], tuple[float, float]]:
+        """unit_times as ((forward work, wait), (backward work, wait)) on a core of its own (cost_model.py's
+        split: compute and a collective's bandwidth term are work, its latency waiting)."""
         key = (kind, s, recompute, index, own_output)
         if key not in self._times:
             cm = self.cost_model(s)
-            fwd, bwd = cm.unit_times(kind, recompute, cm.devices[self.stage], self.stage, index)
+            (fw, fl), (bw, bl) = cm.unit_parts(kind, recompute, cm.devices[self.stage], self.stage, index)
             if s.sharded:
                 nbytes = self.params(kind, s, own_output) * self.model.dtype_bytes
-                gather = allgather_time(nbytes, s.dp, self.dp_link(s))
-                fwd, bwd = fwd + gather, bwd + 2 * gather  # gather again before backward, then reduce-scatter
-            self._times[key] = (fwd, bwd)
+                work, wait = _gather_parts(nbytes, s.dp, self.dp_link(s))
+                fw, fl = fw + work, fl + wait  # gather before forward
+                bw, bl = bw + 2 * work, bl + 2 * wait  # gather again before backward, then reduce-scatter
+            self._times[key] = ((fw, fl), (bw, bl))
         return self._times[key]
 
     def sync_time(self, kind: str, s: UnitStrategy, own_output: bool = True) -> float:
@@ -106,18 +121,23 @@ class StageCosts:
         grouping reduce in one bucket, see stage_sync_time)."""
         if s.sharded or s.dp == 1:
             return 0.0
-        return allreduce_time(4.0 * self.params(kind, s, own_output), s.dp, Link(self.dp_link(s).bandwidth, 0.0))
+        return allreduce_parts(4.0 * self.params(kind, s, own_output), s.dp, self.dp_link(s))[0] * self.static_factor
 
     def stage_sync_time(self, units: list[tuple[str, UnitStrategy, bool]]) -> float:
         """The plain-dp gradient all-reduces of a stage's units (kind, strategy, owns output): one all-reduce per
         dp grouping, one after the other."""
+        work, wait = self.stage_sync_parts(units)
+        return work * self.static_factor + wait
+
+    def stage_sync_parts(self, units: list[tuple[str, UnitStrategy, bool]]) -> tuple[float, float]:
         buckets: dict[tuple, list] = {}
         for kind, s, own in units:
             if s.sharded or s.dp == 1:
                 continue
             key = tuple(tuple(g) for g in s.dp_groups())
             buckets.setdefault(key, [s, 0.0])[1] += 4.0 * self.params(kind, s, own)
-        return sum(allreduce_time(nbytes, s.dp, self.dp_link(s)) for s, nbytes in buckets.values())
+        parts = [allreduce_parts(nbytes, s.dp, self.dp_link(s)) for s, nbytes in buckets.values()]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
     def hidden_bytes(self, samples: float) -> float:
         return self.model.seq_length * samples * self.model.hidden_size * self.model.dtype_bytes
@@ -125,16 +145,28 @@ class StageCosts:
     def relayout(self, prev: UnitStrategy, nxt: UnitStrategy) -> tuple[float, float]:
         """(forward, backward) seconds to move the hidden state from `prev`'s layout to `nxt`'s (the gradient
         moves back the same way)."""
+        k = self.static_factor
+        (fw, fl), (bw, bl) = self.relayout_parts(prev, nxt)
+        return fw * k + fl, bw * k + bl
+
+    def relayout_parts(self, prev: UnitStrategy, nxt: UnitStrategy):
         return self.move(prev, nxt), self.move(nxt, prev)
 
-    def move(self, src: UnitStrategy, dst: UnitStrategy) -> float:
-        """parallel/relayout.py's move: nothing when every rank's new rows lie inside its old ones (a slice),
-        else an all-gather of every rank's `src` rows over the stage."""
+    def move(self, src: UnitStrategy, dst: UnitStrategy) -> tuple[float, float]:
+        """parallel/relayout.py's move as (work, wait): nothing when every rank's new rows lie inside its old
+        ones (a slice), else an all-gather of every rank's `src` rows over the stage."""
         if _inside_everywhere(src, dst):
-            return 0.0
+            return 0.0, 0.0
         n = self.width
         got = n * self.hidden_bytes(self.mbs * n / src.dp)
-        return allgather_time(got, n, self.link([list(range(n))]))
+        return _gather_parts(got, n, self.link([list(range(n))]))
+
+
+def _gather_parts(nbytes: float, n: int, link: Link) -> tuple[float, float]:
+    """allgather_time as (bandwidth term, latency term)."""
+    if n <= 1:
+        return 0.0, 0.0
+    return (n - 1) / n * nbytes / link.bandwidth, (n - 1) * link.latency
 
 
 def _inside_everywhere(src: UnitStrategy, dst: UnitStrategy) -> bool:
@@ -166,33 +198,39 @@ class HybridCostModel(CostModel):
         spec = self.spec
         names = unit_names(spec.model.num_layers)
         layout = spec.stage_layout()
-        fwd_t, bwd_t, params_t, sync_t = [], [], [], []
+        fwd_t, bwd_t, params_t, sync_t, split_t = [], [], [], [], []
         for rank in range(spec.pp):
             sc = self.stage_costs[rank]
+            k = self.static_factor[rank]
             chunks = chunk_unit_indices(layout, rank)
             own = owns_output_weight(spec.model.untie_embeddings_and_output_weights, spec.pp,
                                      [names[i] for c in chunks for i in c])
-            fwd, bwd, params, synced = [], [], 0.0, []
+            fwd, bwd, split, params, synced = [], [], [], 0.0, []
             for c in chunks:
-                f = b = 0.0
+                fw = fl = bw = bl = 0.0
                 for i in c:
                     s, kind = self.strategies[i], unit_kind(names[i])
-                    uf, ub = sc.unit_times(kind, s, layout.unit_recompute(i), i, own)
+                    (a, b), (x, y) = sc.unit_parts(kind, s, layout.unit_recompute(i), i, own)
+                    fw, fl, bw, bl = fw + a, fl + b, bw + x, bl + y
                     if i > 0:
-                        rf, rb = sc.relayout(self.strategies[i - 1], s)
-                        uf, ub = uf + rf, ub + rb
-                    f, b = f + uf, b + ub
+                        (a, b), (x, y) = sc.relayout_parts(self.strategies[i - 1], s)
+                        fw, fl, bw, bl = fw + a, fl + b, bw + x, bl + y
                     p = sc.params(kind, s, own)
                     params += p / s.dp if s.sharded else p
                     synced.append((kind, s, own))
                 over = self._overhead(self.devices[rank])
-                fwd.append(f + over[0])
-                bwd.append(b + over[1])
+                fw, bw = fw + over[0], bw + over[1]
+                fwd.append(fw * k + fl)
+                bwd.append(bw * k + bl)
+                split.append((fw, fl, bw, bl))
             fwd_t.append(fwd)
             bwd_t.append(bwd)
+            split_t.append(split)
             params_t.append(params)
-            sync_t.append(sc.stage_sync_time(synced))
+            work, wait = sc.stage_sync_parts(synced)
+            sync_t.append(work * k + wait)
         self._sync = sync_t
+        self._split = split_t
         self._tables = (fwd_t, bwd_t, params_t)
         return self._tables
 

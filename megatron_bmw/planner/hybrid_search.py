@@ -156,9 +156,10 @@ class HybridProblem:
                     rf, rb = self.relayout[rank][prev][o[0]]
                     fwd, bwd = fwd + rf, bwd + rb
                 prev = o[0]
-            over = self.stage_costs[rank].overhead()
+            sc = self.stage_costs[rank]
+            over = sc.overhead()
             ms = self.memory
-            out = (picked, fwd + over[0], bwd + over[1], self.stage_costs[rank].stage_sync_time(
+            out = (picked, fwd + over[0] * sc.static_factor, bwd + over[1] * sc.static_factor, self.stage_costs[rank].stage_sync_time(
                 [(self.kinds[start + u], self.strategies[o[0]], own) for u, o in enumerate(picked)]), sum(o[7] for o in picked),
                    ms.workspace_bytes + peak * (1 + ms.fragmentation))
         self._stage[key] = out

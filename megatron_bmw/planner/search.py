@@ -153,11 +153,12 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
                     if prob is not None:
                         problems.append((lower_bound(prob), prob))
     if "hybrid" in space.strategy:  # Galvatron-BMW: tp 1 at the top, every unit its own strategy per stage
-        problems += _hybrid_problems(model, orig_vocab, divisible_by, global_batch, world, cluster, profiles,
-                                     space, costs, memory, shapes)
-    if not problems and not todo and "uniform" not in space.strategy:
-        raise UsageError("the search space holds no hybrid layout: check --space and --global-batch-size")
-    stats["layouts"] = len(problems) if "uniform" not in space.strategy else stats["layouts"]
+        hybrid = hybrid_layouts(space, model, world, global_batch)
+        if not hybrid and "uniform" not in space.strategy:
+            raise UsageError("the search space holds no hybrid layout: check --space and --global-batch-size")
+        problems += _hybrid_problems(hybrid, model, orig_vocab, divisible_by, cluster, profiles, space, costs,
+                                     memory, shapes)
+        stats["layouts"] = len(todo) + len(hybrid)
     problems.sort(key=lambda x: x[0])
     progress = _Progress(settings.progress, len(problems))
     solutions: list[Solution] = []
@@ -229,10 +230,10 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
     return SearchResult(ranked[:max(settings.top_k, 1)], stats, model, global_batch, cluster, divisible_by)
 
 
-def _hybrid_problems(model, orig_vocab, divisible_by, global_batch, world, cluster, profiles, space, costs, memory,
+def _hybrid_problems(hybrid: list[Layout], model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
                      shapes) -> list[tuple[float, HybridProblem]]:
     out = []
-    for lay in hybrid_layouts(space, model, world, global_batch):
+    for lay in hybrid:
         wide = padded_model(model, orig_vocab, divisible_by, lay.dp)  # every unit's tp degree divides it
         prob = HybridProblem(lay, wide, cluster, profiles, space, costs, memory, shapes)
         if prob.strategies and prob.could_fit():

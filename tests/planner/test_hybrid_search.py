@@ -196,3 +196,24 @@ def test_dp_with_transients_equals_exhaustive():
         assert (got is None) == (want is None), trial
         if want is not None:
             assert got[1] == pytest.approx(want[1]) and got[2] <= budget, trial
+
+
+@pytest.mark.parametrize("cluster", ["a100-80g-ib", "local"])
+def test_uniform_strategies_simulate_as_the_uniform_layout(cluster):
+    """Every unit on tp2-dp2 (micro-batch 1 x 4 ranks, 2 samples per rank) is Megatron's tp 2, dp 2, micro-batch
+    2: the same time and memory (core sharing included on the local cluster)."""
+    from megatron_bmw.config import PipelineConfig
+    from megatron_bmw.planner.spec import RunSpec
+    c = load_cluster(cluster, 2 if cluster == "local" else None)
+    model = replace(MODEL, num_layers=2)
+    ms = MemorySettings(device="cpu")
+    for pp, part in ((1, (6,)), (2, (3, 3))):
+        n = 4 // pp
+        uniform = RunSpec(model=model, tp=2, pp=pp, dp=n // 2, overlap_grad_reduce=n > 2,
+                          pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=8 // n, partition=part))
+        hybrid = RunSpec(model=model, tp=1, pp=pp, dp=n, overlap_grad_reduce=True,
+                         unit_strategies=("tp2-dp2" if n == 4 else "tp2",) * model.num_units,
+                         pipeline=PipelineConfig(micro_batch_size=1, num_microbatches=8 // n, partition=part))
+        a, b = simulate_run(uniform, c, memory_settings=ms), simulate_run(hybrid, c, memory_settings=ms)
+        assert b.simulation.iteration_time == pytest.approx(a.simulation.iteration_time)
+        assert [m.peak_bytes for m in b.memory] == pytest.approx([m.peak_bytes for m in a.memory])
