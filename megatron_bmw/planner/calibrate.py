@@ -14,9 +14,10 @@ of every factor but the common one toward its start whose weight follows the noi
 allowance (fixed workspace + fragmentation on top) is fitted by linear least squares of the measured CUDA memory
 (device used, else reserved) against the memory model's peak without allowance.
 
-The output is the profile with the factors applied (unit times, overhead, links) plus a "calibration" section
-(the overlap factor and allowances live in flags, not in profiles: `calibrate` prints them as flags for
-`search`), so `search --profile calibrated.json` takes it as it is.
+The output is the profile with the factors applied (unit times, overhead, links), the fitted overlap factor and
+memory allowance as the profile's own fields (`overlap_factor`, `memory_allowance`), which search, estimate and
+simulate read unless a flag says otherwise, and a "calibration" section recording the fit, so
+`search --profile calibrated.json` takes it as it is.
 """
 
 from __future__ import annotations
@@ -315,6 +316,9 @@ def calibrate(records: list[dict], model, costs: CostSettings = CostSettings()) 
 def calibrated_profile_json(out: dict, results_path: str) -> dict:
     p, fit = out["params"], out["fit"]
     prof = scaled_profile(out["base"], p)
+    prof.overlap_factor = p.overlap
+    if out["allowance"]:
+        prof.memory_workspace_bytes, prof.memory_fragmentation = out["allowance"][0], out["allowance"][1]
     data = prof.to_json()
     if prof.mode == "analytic":
         data["device"] = {**data["device"], "calibrated": True}
@@ -378,4 +382,4 @@ def run_calibrate(results_path: str, cluster: str, profile_paths: list[str], out
     data = calibrated_profile_json(out, results_path)
     write_json(output, data, "--output", "profile")
     return (calibration_table(out) + f"\nprofile written to {output}: autoconfig.py search --profile {output} "
-            f"{data['calibration']['search_flags']}")
+            f"(it carries the overlap factor and the memory allowance; flags given beside it win)")

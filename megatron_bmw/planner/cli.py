@@ -76,9 +76,11 @@ def add_planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
     g.add_argument("--memory-device", choices=["cuda", "cpu"], default=None,
                    help="kernel behaviour the activation count follows (default: cpu only for a local CPU profile)")
     g.add_argument("--memory-workspace-gb", type=float, default=None,
-                   help=f"fixed allowance per GPU (default {CUDA_WORKSPACE_GB} on cuda, 0 on cpu)")
+                   help=f"fixed allowance per GPU (default: the profile's memory_allowance, else {CUDA_WORKSPACE_GB} "
+                        "on cuda, 0 on cpu)")
     g.add_argument("--memory-fragmentation", type=float, default=None,
-                   help=f"fractional allowance on top (default {CUDA_FRAGMENTATION} on cuda, 0 on cpu)")
+                   help=f"fractional allowance on top (default: the profile's memory_allowance, else "
+                        f"{CUDA_FRAGMENTATION} on cuda, 0 on cpu)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     if timed:
         g.add_argument("--achievable-fraction", type=float, default=None,
@@ -86,7 +88,8 @@ def add_planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
                             "else 0.5)")
         g.add_argument("--bandwidth-fraction", type=float, default=0.8,
                        help="of the memory bandwidth, for memory-bound work")
-        g.add_argument("--overlap-factor", type=float, default=1.3, help="slowdown of overlapped DP sync")
+        g.add_argument("--overlap-factor", type=float, default=None,
+                       help="slowdown of overlapped DP sync (default: the profile's overlap_factor, else 1.3)")
         g.add_argument("--timeline", default=None, help="write the simulated timeline as a PNG")
 
 
@@ -141,7 +144,8 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="append", default=[], help="the profile to calibrate (default: analytic)")
     p.add_argument("--cluster", default="local", help="the cluster the trials ran on (name or YAML)")
     p.add_argument("--output", required=True, help="calibrated profile JSON to write (for search --profile)")
-    p.add_argument("--overlap-factor", type=float, default=1.3, help="overlap factor to start from")
+    p.add_argument("--overlap-factor", type=float, default=None,
+                   help="overlap factor to start from (default: the profile's, else 1.3)")
     p.add_argument("--achievable-fraction", type=float, default=None, help="for the analytic start")
     return parser
 
@@ -176,6 +180,10 @@ def memory_settings(args, profiles: Profiles) -> MemorySettings:
         device = "cpu" if cpu and args.cluster == "local" else "cuda"
     workspace = args.memory_workspace_gb
     fragmentation = args.memory_fragmentation
+    if workspace is None and profiles.memory_workspace_bytes is not None:  # calibrated
+        workspace = profiles.memory_workspace_bytes / 2**30
+    if fragmentation is None and profiles.memory_fragmentation is not None:
+        fragmentation = profiles.memory_fragmentation
     if workspace is None:
         workspace = CUDA_WORKSPACE_GB if device == "cuda" else 0.0
     if fragmentation is None:
@@ -212,16 +220,20 @@ def _estimate(args) -> int:
     return 0
 
 
-def cost_settings(args) -> CostSettings:
+def cost_settings(args, profiles: Profiles | None = None) -> CostSettings:
+    """The flags' cost settings; the overlap factor, when not given, from the profiles (calibrated), else 1.3."""
+    overlap = args.overlap_factor
+    if overlap is None:
+        overlap = (profiles.overlap_factor if profiles is not None else None) or CostSettings().overlap_factor
     return CostSettings(achievable_fraction=args.achievable_fraction, bandwidth_fraction=args.bandwidth_fraction,
-                        overlap_factor=args.overlap_factor)
+                        overlap_factor=overlap)
 
 
 def _simulate(args) -> int:
     check_output_file("--timeline", args.timeline)
     profiles = load_profiles(args)
     cluster = cluster_from_args(args, profiles)
-    costs = cost_settings(args)
+    costs = cost_settings(args, profiles)
     spec = spec_from_args(args, cluster, profiles, costs)
     settings = memory_settings(args, profiles)
     ev = simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline))
@@ -257,7 +269,7 @@ def run_search(args, progress: bool | None = None):
     if progress is None:
         progress = not args.no_progress and not args.json
     result = search(one.model, one.orig_vocab_size, args.make_vocab_size_divisible_by, args.global_batch_size,
-                    cluster, profiles, space, cost_settings(args), settings,
+                    cluster, profiles, space, cost_settings(args, profiles), settings,
                     SearchSettings(world_size=world, top_k=args.top_k, progress=progress))
     if result.best is None:
         raise UsageError(f"no plan fits: every layout of the space runs out of memory on cluster {cluster.name} "
@@ -364,7 +376,10 @@ def _calibrate(args) -> int:
     from .calibrate import run_calibrate
 
     check_output_file("--output", args.output)
-    costs = CostSettings(achievable_fraction=args.achievable_fraction, overlap_factor=args.overlap_factor)
+    overlap = args.overlap_factor
+    if overlap is None:
+        overlap = load_profiles(args).overlap_factor or CostSettings().overlap_factor
+    costs = CostSettings(achievable_fraction=args.achievable_fraction, overlap_factor=overlap)
     print(run_calibrate(args.results, args.cluster, args.profile, args.output, costs))
     return 0
 

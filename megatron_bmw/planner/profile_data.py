@@ -6,7 +6,15 @@ JSON layout (format 1):
              hidden_dropout, attention_dropout},
    "units": [{"kind", "tp", "micro_batch_size", "forward_s", "backward_s", "saved_bytes", "unit"}, ...],
    "links": {"p2p": {"bandwidth_Bps", "latency_s"}, "allreduce": {...}},
-   "overhead": {"forward_s", "backward_s"}}     # per compute action of the engine, beside the units
+   "overhead": {"forward_s", "backward_s"},     # per compute action of the engine, beside the units
+   "overlap_factor": 1.3,                       # optional: slowdown of overlapped gradient reduction
+   "memory_allowance": {"workspace_bytes", "fragmentation"},   # optional: per GPU, and the share on top
+   "calibration": {...}}                        # optional: what `autoconfig.py calibrate` fitted it on
+"overlap_factor" and "memory_allowance" (written by `autoconfig.py calibrate`) are what search, estimate and
+simulate use unless --overlap-factor, --memory-workspace-gb or --memory-fragmentation say otherwise; a profile
+without them leaves the defaults (1.3; 1.5 GiB and 10% on CUDA, none on the CPU). Profiles calibrated before
+these fields existed carry them only in "calibration" (overlap_factor, memory_workspace_bytes,
+memory_fragmentation), which is read the same way. "device.cores": the CPU cores of the profiling machine.
 "device.type" names the cluster device type the profile is for (default: device.name); a unit entry with
 "unit" (its index in [embedding, attn_0, mlp_0, ..., head]) times that unit alone (per-layer profiles), one
 without times every unit of its kind.
@@ -51,6 +59,10 @@ class Profile:
     overhead: dict = field(default_factory=dict)
     mode: str = "measured"
     source: str = ""  # the file it was read from
+    overlap_factor: float | None = None  # fitted by calibrate; None: the default (CostSettings)
+    memory_workspace_bytes: float | None = None  # fitted by calibrate; None: the default (cli.memory_settings)
+    memory_fragmentation: float | None = None
+    calibration: dict = field(default_factory=dict)  # calibrate's record of the fit (provenance only)
 
     # ---- lookup ------------------------------------------------------------------------------------------------
     def tps(self, kind: str) -> set[int]:
@@ -110,8 +122,16 @@ class Profile:
 
     # ---- files ---------------------------------------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {"format": FORMAT, "mode": self.mode, "device": self.device, "dtype": self.dtype, "model": self.model,
+        data = {"format": FORMAT, "mode": self.mode, "device": self.device, "dtype": self.dtype, "model": self.model,
                 "units": [asdict(u) for u in self.units], "links": self.links, "overhead": self.overhead}
+        if self.overlap_factor is not None:
+            data["overlap_factor"] = self.overlap_factor
+        if self.memory_workspace_bytes is not None or self.memory_fragmentation is not None:
+            data["memory_allowance"] = {"workspace_bytes": self.memory_workspace_bytes,
+                                        "fragmentation": self.memory_fragmentation}
+        if self.calibration:
+            data["calibration"] = self.calibration
+        return data
 
     def save(self, path: str) -> None:
         write_json(path, self.to_json(), "--output", "profile")
@@ -132,10 +152,28 @@ class Profile:
             missing = [k for k in MODEL_KEYS if k not in model]
             if missing:
                 raise KeyError(missing[0])
+            calibration = data.get("calibration") or {}
+            allowance = data.get("memory_allowance") or {}
+            overlap = _optional(data.get("overlap_factor", calibration.get("overlap_factor")), "overlap_factor",
+                                where, 1.0)
+            workspace = _optional(allowance.get("workspace_bytes", calibration.get("memory_workspace_bytes")),
+                                  "memory_allowance.workspace_bytes", where, 0.0)
+            fragmentation = _optional(allowance.get("fragmentation", calibration.get("memory_fragmentation")),
+                                      "memory_allowance.fragmentation", where, 0.0)
             return cls(device=data["device"], dtype=data["dtype"], model=model, units=units,
-                       links=data.get("links", {}), overhead=data.get("overhead", {}), mode=data.get("mode", "measured"))
-        except (KeyError, TypeError) as exc:
+                       links=data.get("links", {}), overhead=data.get("overhead", {}), mode=data.get("mode", "measured"),
+                       overlap_factor=overlap, memory_workspace_bytes=workspace, memory_fragmentation=fragmentation,
+                       calibration=dict(calibration))
+        except (KeyError, TypeError, AttributeError) as exc:
             raise UsageError(f"--profile {where}: missing or malformed field {exc}") from None
+
+
+def _optional(value, name: str, where: str, least: float) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < least:
+        raise UsageError(f"--profile {where}: {name} must be a number >= {least:g}, got {value!r}")
+    return float(value)
 
 
 class Profiles:
@@ -158,6 +196,23 @@ class Profiles:
                              f"{', '.join(sorted(self.by_type))}); profile that device (autoconfig.py profile "
                              f"--device-type {device_type}) or give no --profile for analytic times")
         return self.by_type[device_type]
+
+    def _fitted(self, name: str) -> float | None:
+        """The largest of the profiles' `name` (the most cautious where device types differ), None if none has it."""
+        values = [getattr(p, name) for ps in self.by_type.values() for p in ps if getattr(p, name) is not None]
+        return max(values) if values else None
+
+    @property
+    def overlap_factor(self) -> float | None:
+        return self._fitted("overlap_factor")
+
+    @property
+    def memory_workspace_bytes(self) -> float | None:
+        return self._fitted("memory_workspace_bytes")
+
+    @property
+    def memory_fragmentation(self) -> float | None:
+        return self._fitted("memory_fragmentation")
 
     def identity(self) -> list[dict]:
         """What a plan records of the profiles it was made with."""

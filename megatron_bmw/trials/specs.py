@@ -45,8 +45,12 @@ class TrialModel:
     memory: MemorySettings | None = None  # None: autoconfig.py's default for the cluster and profiles
 
     @classmethod
-    def from_paths(cls, cluster: str, profile_paths: list[str], costs: CostSettings = CostSettings()) -> TrialModel:
-        return cls(cluster, Profiles([Profile.load(p) for p in profile_paths]), costs)
+    def from_paths(cls, cluster: str, profile_paths: list[str], costs: CostSettings | None = None) -> TrialModel:
+        """`costs` None: the defaults with the profiles' overlap factor (a calibrated profile's), as search has."""
+        profiles = Profiles([Profile.load(p) for p in profile_paths])
+        if costs is None:
+            costs = CostSettings(overlap_factor=profiles.overlap_factor or CostSettings().overlap_factor)
+        return cls(cluster, profiles, costs)
 
     def _ns(self, world: int) -> argparse.Namespace:
         return argparse.Namespace(cluster=self.cluster, num_nodes=None, world_size=world, memory_device=None,

@@ -88,6 +88,7 @@ def test_cli_writes_a_profile_search_takes(tmp_path, capsys):
     assert data["calibration"]["trials"] == 12 and "--overlap-factor" in data["calibration"]["search_flags"]
     calibrated = Profile.load(str(output))
     assert calibrated.device_type_name == Profile.load(PROFILE).device_type_name
+    assert data["overlap_factor"] == data["calibration"]["overlap_factor"] == calibrated.overlap_factor  # first-class
     plan = tmp_path / "plan.json"
     assert main(["search", "--cluster", "local", "--profile", str(output), "--world-size", "2", "--num-layers", "4",
                  "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--vocab-size", "512",

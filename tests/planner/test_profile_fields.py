@@ -1,0 +1,93 @@
+"""The profile's calibrated fields (overlap factor, memory allowance): a JSON round trip, old profiles (no fields, or
+calibrate's former `calibration` section only) still read, and search/estimate/simulate use them unless a flag
+says otherwise."""
+
+import json
+
+import pytest
+
+from megatron_bmw.errors import UsageError
+from megatron_bmw.planner.cli import main
+from megatron_bmw.planner.profile_data import Profile, Profiles, UnitTiming
+
+MODEL = {"hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256, "seq_length": 32, "vocab_size": 256,
+         "attention_backend": "auto", "hidden_dropout": 0.1, "attention_dropout": 0.1}
+FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "256", "--make-vocab-size-divisible-by", "8", "--global-batch-size", "8"]
+CLUSTER = """
+name: gpu-test
+device_types:
+  gpu-test: {memory_gb: 16, peak_tflops: {fp32: 10}}
+groups:
+  - {nodes: 1, gpus_per_node: 4, device: gpu-test, intra_node: {bandwidth_GBps: 0.01, latency_us: 10}}
+inter_node: {bandwidth_GBps: 0.01, latency_us: 10}
+"""
+
+
+def _profile(**extra) -> dict:
+    units = [UnitTiming(k, 1, b, 1e-3 * b, 2e-3 * b).__dict__ for b in (1, 2) for k in
+             ("embedding", "attention", "mlp", "head")]
+    return {"format": 1, "mode": "measured", "device": {"name": "gpu-test", "kind": "cuda"}, "dtype": "fp32",
+            "model": MODEL, "units": units, **extra}
+
+
+def _write(tmp_path, data, name="prof.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_round_trip_and_old_profiles(tmp_path):
+    prof = Profile.from_json(_profile(overlap_factor=1.7, memory_allowance={"workspace_bytes": 3e8,
+                                                                           "fragmentation": 0.05}))
+    assert (prof.overlap_factor, prof.memory_workspace_bytes, prof.memory_fragmentation) == (1.7, 3e8, 0.05)
+    prof.save(str(tmp_path / "again.json"))
+    again = Profile.load(str(tmp_path / "again.json"))
+    assert (again.overlap_factor, again.memory_workspace_bytes, again.memory_fragmentation) == (1.7, 3e8, 0.05)
+    plain = Profile.from_json(_profile())  # a profile from before: the defaults
+    assert plain.overlap_factor is None and plain.memory_workspace_bytes is None
+    assert "overlap_factor" not in plain.to_json() and "memory_allowance" not in plain.to_json()
+    old = Profile.from_json(_profile(calibration={"overlap_factor": 1.9, "memory_workspace_bytes": 1e8,
+                                                  "memory_fragmentation": 0.2, "trials": 12}))
+    assert (old.overlap_factor, old.memory_workspace_bytes, old.memory_fragmentation) == (1.9, 1e8, 0.2)
+    assert old.to_json()["calibration"]["trials"] == 12 and old.to_json()["overlap_factor"] == 1.9
+    with pytest.raises(UsageError, match="overlap_factor must be a number >= 1"):
+        Profile.from_json(_profile(overlap_factor=0.5))
+    with pytest.raises(UsageError, match="fragmentation"):
+        Profile.from_json(_profile(memory_allowance={"fragmentation": "lots"}))
+    both = Profiles([Profile.from_json(_profile(overlap_factor=1.2)),
+                     Profile.from_json({**_profile(overlap_factor=1.6), "device": {"name": "other"}})])
+    assert both.overlap_factor == 1.6  # the most cautious of the device types
+
+
+def test_commands_use_the_profile_fields_unless_flags_say_otherwise(tmp_path, capsys):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER)
+    plain = _write(tmp_path, _profile(), "plain.json")
+    fitted = _write(tmp_path, _profile(overlap_factor=3.0, memory_allowance={"workspace_bytes": 2**30,
+                                                                             "fragmentation": 0.5}), "fitted.json")
+    layout = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--micro-batch-size", "2",
+              "--overlap-grad-reduce"]
+
+    def run(command, prof, *extra):
+        assert main([command, "--cluster", str(cluster), "--profile", prof, *FLAGS, *layout, "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    base, cal = run("simulate", plain), run("simulate", fitted)
+    assert cal["iteration_time_s"] > base["iteration_time_s"]  # overlap factor 3 against the default 1.3
+    assert run("simulate", fitted, "--overlap-factor", "1.3")["iteration_time_s"] == \
+        pytest.approx(base["iteration_time_s"])
+    est_base, est_cal = run("estimate", plain)["stages"][0], run("estimate", fitted)["stages"][0]
+    assert est_base["allowance_bytes"] != est_cal["allowance_bytes"]
+    bare = est_cal["peak_bytes"] - est_cal["allowance_bytes"]
+    assert est_cal["allowance_bytes"] == pytest.approx(2**30 + 0.5 * bare)
+    flagged = run("estimate", fitted, "--memory-workspace-gb", "0", "--memory-fragmentation", "0")["stages"][0]
+    assert flagged["allowance_bytes"] == 0
+    # search: the plan's prediction carries the profile's overlap factor
+    assert main(["search", "--cluster", str(cluster), "--profile", fitted, *FLAGS, "--space", "tp=1",
+                 "--space", "pp=1", "--no-progress", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert main(["search", "--cluster", str(cluster), "--profile", fitted, *FLAGS, "--space", "tp=1",
+                 "--space", "pp=1", "--no-progress", "--json", "--overlap-factor", "1.0"]) == 0
+    plain_plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans[0]["prediction"]["iteration_time_s"] > 1.2 * plain_plans[0]["prediction"]["iteration_time_s"]
