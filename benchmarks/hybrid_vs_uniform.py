@@ -44,7 +44,7 @@ MODELLED = {  # name: (layers, hidden, heads, seq, global batch)
 BUDGETS_GB = (6, 8, 12, 16, 24, 32)
 PLAIN = ["sp=off", "zero1=off", "schedule=1f1b", "bpipe=off", "slicing=off"]  # the features hybrid plans lack
 WORLD = 4
-SMALL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=4096)
+SMALL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=32768)  # a large vocabulary
 SMALL_GBS = 16
 
 
@@ -117,7 +117,7 @@ def _model_flags(gbs=SMALL_GBS):
 
 
 def measured(opts) -> None:
-    from megatron_bmw.planner.cli import _cluster
+    from megatron_bmw.planner.cli import cluster_from_args
     from megatron_bmw.planner.profile_data import Profile, Profiles
     from megatron_bmw.planner.report import plan_from
     from megatron_bmw.trials.results import load_results
@@ -128,14 +128,14 @@ def measured(opts) -> None:
         _run([sys.executable, "tools/autoconfig.py", "profile", "--output", prof, *_model_flags(),
               "--profile-micro-batch-sizes", "1,2,4", "--profile-tp", "1,2,4"], "autoconfig.py profile")
     profiles = Profiles([Profile.load(prof)])
-    base = _cluster(SimpleNamespace(cluster="local", world_size=WORLD, num_nodes=None), profiles)
+    base = cluster_from_args(SimpleNamespace(cluster="local", world_size=WORLD, num_nodes=None), profiles)
     model = ModelConfig(**SMALL, max_position_embeddings=SMALL["seq_length"])
     cpu = MemorySettings(device="cpu")
     # the budget where the hybrid's predicted advantage is largest, among fractions of the uniform plan's peak
     ample = best(model, SMALL_GBS, base, "uniform", cpu, profiles, WORLD).best
     top = max(s["peak_bytes"] for s in _prediction(ample, base)["stages"])
     chosen = None
-    for frac in (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2):
+    for frac in (1.0, 0.8, 0.6, 0.45, 0.35, 0.25):
         cluster = with_memory(base, top * frac)
         uni = best(model, SMALL_GBS, cluster, "uniform", cpu, profiles, WORLD)
         hyb = best(model, SMALL_GBS, cluster, "hybrid", cpu, profiles, WORLD)

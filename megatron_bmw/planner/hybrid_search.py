@@ -80,6 +80,9 @@ class HybridProblem:
         self.per_unit = profiles is not None and any(u.unit is not None for ps in profiles.by_type.values()
                                                      for p in ps for u in p.units)
         self.recompute = tuple(c for c in (None, "selective", "full") if c in space.recompute) or (None,)
+        # a tied word embedding: the embedding and the head take one unsharded strategy (parallel/hybrid.py)
+        self.ties = [None] if model.untie_embeddings_and_output_weights else \
+            [k for k, s in enumerate(self.strategies) if not s.sharded]
         n_s = len(self.strategies)
         self.relayout = []  # per stage [p][s]: (forward, backward) seconds
         for sc in self.stage_costs:
@@ -130,15 +133,21 @@ class HybridProblem:
         ms = self.memory
         return (self.capacity[rank] - ms.workspace_bytes) / (1 + ms.fragmentation)
 
-    def solve_stage(self, rank: int, start: int, stop: int, enter: int | None):
+    def solve_stage(self, rank: int, start: int, stop: int, enter: int | None, tie: int | None = None):
         """Units start..stop-1 on pipeline rank `rank`, entering from strategy index `enter` (None: the model's
-        first unit). Returns (options picked, forward, backward, sync, params, peak bytes) or None."""
-        key = (rank, start, stop, enter)
+        first unit); `tie`: the strategy index the embedding and the head must take. Returns (options picked,
+        forward, backward, sync, params, peak bytes) or None."""
+        last = len(self.names) - 1
+        tie = tie if start == 0 or stop == last + 1 else None
+        key = (rank, start, stop, enter, tie)
         if key in self._stage:
             return self._stage[key]
         own = owns_output_weight(self.model.untie_embeddings_and_output_weights, self.layout.pp,
                                  self.names[start:stop])
         options = [self.rows(rank, i, own) for i in range(start, stop)]
+        if tie is not None:
+            options = [[o for o in opts if o[0] == tie] if start + u in (0, last) else opts
+                       for u, opts in enumerate(options)]
         m = self.layout.m
         rel = [[m * (f + b) for f, b in row] for row in self.relayout[rank]]
         enter_cost = [0.0] * self._n_s if enter is None else rel[enter]
@@ -166,18 +175,24 @@ class HybridProblem:
         return out
 
     def evaluate(self, partition: tuple[int, ...]) -> HybridSolution | None:
+        """The partition's best plan; with a tied word embedding, the best over the embedding's and the head's
+        common (unsharded) strategy, as the runtime needs (parallel/hybrid.py)."""
         key = tuple(partition)
-        if key in self._seen:
-            return self._seen[key]
+        if key not in self._seen:
+            got = [self._evaluate(key, tie) for tie in self.ties]
+            got = [x for x in got if x is not None]
+            self._seen[key] = min(got, key=lambda x: x.estimate) if got else None
+        return self._seen[key]
+
+    def _evaluate(self, partition: tuple[int, ...], tie: int | None) -> HybridSolution | None:
         lay = self.layout
         strategies, recompute = [], []
         fwd, bwd, syncs, params, memory = [], [], [], [], []
         start, enter = 0, None
-        sol = None
         for r, size in enumerate(partition):
-            got = self.solve_stage(r, start, start + size, enter)
+            got = self.solve_stage(r, start, start + size, enter, tie)
             if got is None:
-                break
+                return None
             picked, f, b, sync, p, peak = got
             strategies += [str(self.strategies[o[0]]) for o in picked]
             recompute += [o[8] for o in picked]
@@ -188,15 +203,12 @@ class HybridProblem:
             memory.append(peak)
             enter = picked[-1][0]
             start += size
-        else:
-            fb = [f + b for f, b in zip(fwd, bwd)]
-            estimate = sum(fb) + (lay.m - 1) * max(fb) + 2 * (lay.pp - 1) * self.p2p
-            estimate += max(self._exposed(r, syncs[r], bwd[r], params[r]) for r in range(lay.pp))
-            rc = tuple(recompute) if any(recompute) else None
-            sol = HybridSolution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity,
-                                 self, tuple(strategies))
-        self._seen[key] = sol
-        return sol
+        fb = [f + b for f, b in zip(fwd, bwd)]
+        estimate = sum(fb) + (lay.m - 1) * max(fb) + 2 * (lay.pp - 1) * self.p2p
+        estimate += max(self._exposed(r, syncs[r], bwd[r], params[r]) for r in range(lay.pp))
+        rc = tuple(recompute) if any(recompute) else None
+        return HybridSolution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity,
+                              self, tuple(strategies))
 
     def _exposed(self, rank: int, sync: float, last_backward: float, params: float) -> float:
         sc = self.stage_costs[rank]

@@ -172,6 +172,9 @@ def test_space_restriction():
     fast = dict(space=SearchSpace.parse(["strategy=hybrid", "pp=1,2"]))
     hybrid = search(model, 100, 128, 8, cluster, **fast)
     assert hybrid.ranked and all(r.spec.unit_strategies for r in hybrid.ranked)
+    for r in hybrid.ranked:  # a tied word embedding: one unsharded strategy for the embedding and the head
+        first, last = r.spec.unit_strategies[0], r.spec.unit_strategies[-1]
+        assert first == last and not parse_strategy(first).sharded
     from megatron_bmw.planner.profile_data import Profiles
     from megatron_bmw.planner.report import plan_from, search_table
     plan = plan_from(hybrid.best, hybrid, Profiles(), 100)  # the runtime pads 100 by 128 x dp (tp 1) alike
