@@ -153,7 +153,9 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
                     if prob is not None:
                         problems.append((lower_bound(prob), prob))
     if "hybrid" in space.strategy:  # Galvatron-BMW: tp 1 at the top, every unit its own strategy per stage
-        hybrid = hybrid_layouts(space, model, world, global_batch)
+        if model.model_type != "gpt" and "uniform" not in space.strategy:
+            raise UsageError("--space strategy=hybrid: per-unit strategies run GPT models only")
+        hybrid = hybrid_layouts(space, model, world, global_batch) if model.model_type == "gpt" else []
         if not hybrid and "uniform" not in space.strategy:
             raise UsageError("the search space holds no hybrid layout: check --space and --global-batch-size")
         problems += _hybrid_problems(hybrid, model, orig_vocab, divisible_by, cluster, profiles, space, costs,

@@ -220,3 +220,9 @@ def test_uniform_strategies_simulate_as_the_uniform_layout(cluster):
         a, b = simulate_run(uniform, c, memory_settings=ms), simulate_run(hybrid, c, memory_settings=ms)
         assert b.simulation.iteration_time == pytest.approx(a.simulation.iteration_time)
         assert [m.peak_bytes for m in b.memory] == pytest.approx([m.peak_bytes for m in a.memory])
+
+
+def test_hybrid_plans_gpt_only():
+    bert = replace(MODEL, model_type="bert")
+    with pytest.raises(UsageError, match="GPT"):
+        search(bert, 128, 128, 8, load_cluster("a100-80g-ib"), space=SearchSpace.parse(["strategy=hybrid"]))
