@@ -14,9 +14,11 @@ picks, the fastest measured trials and the predicted-fastest ones are measured a
 confirmation rounds, and the pick is judged on those too.
 
 Everything is kept in --out (default: $TMPDIR/megatron_bmw_search_vs_grid): a second run resumes the sweep
-and reuses the profile.
+and reuses the profile. To re-measure only the profile, the picks and the confirmation rounds against a grid
+measured before, copy that run's results.jsonl and results_K.jsonl (the grid passes) into a new --out.
 
     python benchmarks/search_vs_grid.py [--out DIR] [--trial-iters 12] [--warmup-iters 4] [--json out.json]
+        [--profile-statistic min|median]
 """
 
 from __future__ import annotations
@@ -67,11 +69,14 @@ def _tool(name: str) -> list[str]:
     return [sys.executable, os.path.join(ROOT, "tools", name)]
 
 
-def profile(out: str) -> str:
+def profile(out: str, statistic: str = "min") -> str:
+    """This machine's profile (kept in `out`). Other jobs only ever slow a sample down, so by default each entry
+    keeps its fastest sample (the least disturbed one), as the grid keeps each trial's faster pass."""
     path = os.path.join(out, "profile.json")
     if not os.path.exists(path):
         _run(_tool("autoconfig.py") + ["profile", "--output", path, *MODEL, "--profile-micro-batch-sizes", "1,2,4",
-                                       "--profile-tp", "1,2,4", "--profile-rounds", "2"], "autoconfig.py profile")
+                                       "--profile-tp", "1,2,4", "--profile-rounds", "2", "--profile-statistic",
+                                       statistic], "autoconfig.py profile")
     return path
 
 
@@ -175,13 +180,15 @@ def main() -> None:
     ap.add_argument("--grid-passes", type=int, default=2, help="times the whole grid is measured")
     ap.add_argument("--confirm-rounds", type=int, default=3, help="re-measure the picks and the fastest trials")
     ap.add_argument("--confirm-top", type=int, default=4, help="fastest measured trials re-measured")
+    ap.add_argument("--profile-statistic", choices=["min", "median"], default="min",
+                    help="of each profile entry's samples (min: the least disturbed by other jobs)")
     ap.add_argument("--json", default=None)
     opts = ap.parse_args()
     os.makedirs(opts.out, exist_ok=True)
     results = os.path.join(opts.out, "results.jsonl")
     t0 = time.time()
     print(f"search vs grid on {WORLD} gloo ranks; working in {opts.out}", flush=True)
-    prof = profile(opts.out)
+    prof = profile(opts.out, opts.profile_statistic)
     passes = [results] + [os.path.join(opts.out, f"results_{k}.jsonl") for k in range(2, opts.grid_passes + 1)]
     for k, path in enumerate(passes, 1):
         print(f" grid pass {k}/{len(passes)}", flush=True)
@@ -196,8 +203,8 @@ def main() -> None:
     _run(_tool("autoconfig.py") + ["calibrate", "--results", merged_path, "--profile", prof, "--output", cal_path],
          "autoconfig.py calibrate")
     p = cal["params"]
-    picks["calibrated profile"] = search_and_run(opts.out, results, cal_path, "calibrated", opts,
-                                                 ["--overlap-factor", f"{p.overlap:.4g}"])
+    # the calibrated profile carries the fitted overlap factor (and memory allowance) itself
+    picks["calibrated profile"] = search_and_run(opts.out, results, cal_path, "calibrated", opts, [])
     measured = load_results(results)
     pool = grid + [r for r in measured if r["status"] == "ok" and r.get("plan")]
     best = min(pool, key=lambda r: r["median_iteration_s"])
