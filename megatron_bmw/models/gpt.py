@@ -180,13 +180,17 @@ class Head(Unit):
     def compute(self, hidden, batch):
         losses = vocab_parallel_cross_entropy(self.logits(hidden), batch["labels"].transpose(0, 1), self.state)
         mask = batch["loss_mask"].transpose(0, 1).float()
+        if "sample_weights" in batch:  # hybrid strategies: this shard's share of the loss (parallel/hybrid.py)
+            return (losses * mask * batch["sample_weights"].unsqueeze(0)).sum()
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list[int] | None = None,
-                recompute: tuple[str | None, ...] | None = None) -> dict[str, Unit]:
+                recompute: tuple[str | None, ...] | None = None, state_of=None) -> dict[str, Unit]:
     """Build the units with the given indices (all by default), in order, keyed by unit name.
-    `recompute`: None, selective or full for every unit of the model (PipelineConfig.recompute)."""
+    `recompute`: None, selective or full for every unit of the model (PipelineConfig.recompute).
+    `state_of(i)`: the ParallelState unit i is built with (hybrid strategies), else `state` for all."""
+    base = state
     cfg.check_tensor_parallel(state.tp_size)
     embedding_unit, head_unit = Embedding, Head
     if cfg.model_type == "bert":
@@ -197,6 +201,7 @@ def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list
     units: dict[str, Unit] = {}
     for i in indices:
         name = names[i]
+        state = state_of(i) if state_of is not None else base
         if name == "embedding":
             unit = embedding_unit(cfg, state, init)
             if not cfg.untie_embeddings_and_output_weights and state.pp_size > 1:

@@ -42,6 +42,7 @@ class ParallelState:
     # NCCL with the bpipe rank order: one group per direction of each BPipe pair (stage s, stage p-1-s), keyed
     # (src, dst) global ranks, so evicted activations never share a communicator with stage-to-stage traffic.
     transfer_groups: dict = field(default_factory=dict)
+    hybrid: object = None  # parallel/hybrid.Hybrid with --unit-strategies (per-unit strategies), else None
 
     def __post_init__(self) -> None:
         if self.rng.device != self.device:
@@ -53,10 +54,11 @@ class ParallelState:
 
     @classmethod
     def build(cls, cfg: ParallelConfig, device: torch.device | str | None = None,
-              timeout_minutes: float | None = None) -> "ParallelState":
+              timeout_minutes: float | None = None, num_units: int | None = None) -> "ParallelState":
         """Create every group. All ranks must call this together (dist must be initialised if world > 1).
         timeout_minutes: of every collective in the new groups (--distributed-timeout-minutes); torch does not
-        pass the default group's timeout on, and its own default is 30 minutes."""
+        pass the default group's timeout on, and its own default is 30 minutes.
+        num_units: the model's unit count, needed with cfg.unit_strategies (then `hybrid` holds their groups)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         dp = cfg.data_parallel_size(world)
@@ -74,6 +76,13 @@ class ParallelState:
         ):
             setattr(state, attr, _new_groups(groups, rank, new_group))
         state.pp_ranks = tuple(next(g for g in layout.pp_groups() if rank in g))
+        if cfg.unit_strategies is not None:
+            from .hybrid import Hybrid
+
+            if num_units is None:
+                raise ValueError("ParallelState.build: unit strategies need num_units")
+            state.hybrid = Hybrid.build(cfg.unit_strategies, num_units, layout, rank, state.dp_group,
+                                        timeout_minutes)
         if dist.is_initialized() and dist.get_backend() == "nccl":
             state.p2p_groups = _directional_groups(layout.pp_groups(), rank, new_group)
             if layout.order == "bpipe":

@@ -90,6 +90,7 @@ class ActivationStore:
         self.device = torch.device(device)
         self.copier = copier or PlainCopier(self.device)
         self._param_storages: set[int] = set()
+        self.more_params: Callable[[], set[int]] | None = None  # storages of parameters that come and go (FSDP2)
         self.set_params(params)
         self._entries: dict[Key, _Entry] = {}
         self._accepted: dict[tuple[int, Key], tuple[torch.Tensor, float, Transfer]] = {}
@@ -105,7 +106,8 @@ class ActivationStore:
 
     def set_params(self, params: list[nn.Parameter]) -> None:
         """Tensors sharing these parameters' memory are never recorded (refresh if parameters are replaced)."""
-        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2's DTensor shards
+        self._param_storages = {p.untyped_storage().data_ptr() for p in local}
 
     # -- capture ----------------------------------------------------------------------------------------------
     @contextmanager
@@ -133,6 +135,8 @@ class ActivationStore:
         if isinstance(t._base, nn.Parameter):
             return False
         ptr = t.untyped_storage().data_ptr()
+        if self.more_params is not None and ptr in self.more_params():
+            return False
         return ptr != 0 and ptr not in self._param_storages
 
     def _index(self, entry: _Entry) -> None:

@@ -88,6 +88,10 @@ class PipelineEngine:
         if track_activations or transfers:
             channel = make_channel(state) if transfers else None
             self.store = ActivationStore(state.device, copier=channel)
+            if state.hybrid is not None:  # sharded units' gathered parameters are not activations
+                from ..parallel.hybrid import unsharded_storages
+
+                self.store.more_params = lambda: unsharded_storages(chunks)
             if transfers:
                 self.transfers = TransferRunner(schedule, state, self.store, channel)
 
@@ -98,16 +102,21 @@ class PipelineEngine:
     def _tag(self, a: Action) -> int:
         return self.schedule.p2p_tag(self.schedule.wire_tensor(self.rank, a))
 
-    def _shape(self, a: Action) -> tuple[int, int, int]:
+    def _shape(self, a: Action, kind: Kind = Kind.RECV_ACT) -> tuple[int, int, int]:
         s, b, h = self.hidden_shape
-        return (s, b // 2 if a.half is not None else b, h)
+        b = b // 2 if a.half is not None else b
+        # hybrid: the rows of the unit before this chunk (activations) or of its last unit (gradients)
+        dp = getattr(self.chunks[a.chunk], "input_dp" if kind is Kind.RECV_ACT else "output_dp", None)
+        return (s, b // dp if dp else b, h)
 
     def _batch(self, get_batch: Callable[[int], dict], a: Action) -> tuple[dict, float]:
         batch = get_batch(a.microbatch)
+        if self.state.hybrid is not None:
+            batch = self.state.hybrid.weigh(batch)
         if a.half is None:
             return batch, 1.0
         halves = {k: v.chunk(2, 0)[a.half] for k, v in batch.items()}
-        if "loss_divisors" in batch:  # the head divides by the whole micro-batch's counts (BERT): halves add up
+        if "loss_divisors" in batch or "sample_weights" in batch:  # the head's loss shares add up over halves
             return halves, 1.0
         mask = batch["loss_mask"]
         weight = (halves["loss_mask"].sum() / mask.sum().clamp(min=1)).item()
@@ -197,7 +206,7 @@ class PipelineEngine:
                 p2p.append(dist.P2POp(dist.isend, tensor, peer, group=group, tag=self._tag(a)))
                 targets.append((tensor, slot))
             else:
-                buf = torch.empty(self._shape(a), dtype=self.dtype, device=self.state.device)
+                buf = torch.empty(self._shape(a, kind), dtype=self.dtype, device=self.state.device)
                 group = self.state.p2p_group(peer, self.state.rank)
                 p2p.append(dist.P2POp(dist.irecv, buf, peer, group=group, tag=self._tag(a)))
                 targets.append((kind, _key(a), buf))
@@ -294,5 +303,6 @@ def reduce_loss(result: RunResult, state: ParallelState, num_microbatches: int) 
         dist.broadcast(t, src=state.pp_ranks[-1], group=state.pp_group)
     if state.dp_group is not None:
         dist.all_reduce(t, group=state.dp_group)
-        t /= state.dp_size
+        # hybrid: the head's dp shards hold shares of the loss, each on the head's tp ranks
+        t /= state.hybrid.loss_replicas() if state.hybrid is not None else state.dp_size
     return t.item()

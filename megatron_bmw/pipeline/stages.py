@@ -22,6 +22,10 @@ def build_model_chunks(cfg: ModelConfig, state: ParallelState, seed: int, partit
     """One GPTModel per local chunk. All units of the rank are built together so that, at pp=1, the head
     shares the embedding's word-embedding Parameter."""
     chunks = rank_chunks(partition, state.pp_size, state.pp_rank)
+    if state.hybrid is not None:  # per-unit strategies (parallel/hybrid.py)
+        from ..parallel.hybrid import build_hybrid_chunks
+
+        return build_hybrid_chunks(cfg, state, seed, chunks, recompute)
     names = unit_names(cfg.num_layers)
     units = build_units(cfg, state, seed, [i for c in chunks for i in c], recompute)
     return [GPTModel({names[i]: units[names[i]] for i in c}) for c in chunks]
@@ -50,4 +54,8 @@ def pipeline_setup(cfg: ModelConfig, state: ParallelState, seed: int, pipeline: 
 
 
 def hidden_shape(cfg: ModelConfig, state: ParallelState, micro_batch_size: int) -> tuple[int, int, int]:
+    """[seq, batch, hidden] of the hidden state between stages; with unit strategies the batch is the whole stage
+    micro-batch (the engine divides it by the dp of the unit before a chunk)."""
+    if state.hybrid is not None:
+        return (cfg.seq_length, micro_batch_size * state.hybrid.width, cfg.hidden_size)
     return _hidden_shape(cfg.seq_length, micro_batch_size, cfg.hidden_size, state.tp_size, state.sequence_parallel)
