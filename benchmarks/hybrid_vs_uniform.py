@@ -44,8 +44,9 @@ MODELLED = {  # name: (layers, hidden, heads, seq, global batch)
 BUDGETS_GB = (6, 8, 12, 16, 24, 32)
 PLAIN = ["sp=off", "zero1=off", "schedule=1f1b", "bpipe=off", "slicing=off"]  # the features hybrid plans lack
 WORLD = 4
-SMALL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=32768)  # a large vocabulary
-SMALL_GBS = 16
+SMALL = dict(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=128, vocab_size=8192,
+             untie_embeddings_and_output_weights=True)  # untied: the embedding and the head may differ
+SMALL_GBS = 8
 
 
 def with_memory(cluster, nbytes: float):
@@ -113,7 +114,8 @@ def _run(cmd, what):
 def _model_flags(gbs=SMALL_GBS):
     return ["--num-layers", str(SMALL["num_layers"]), "--hidden-size", str(SMALL["hidden_size"]),
             "--num-attention-heads", str(SMALL["num_attention_heads"]), "--seq-length", str(SMALL["seq_length"]),
-            "--vocab-size", str(SMALL["vocab_size"]), "--global-batch-size", str(gbs)]
+            "--vocab-size", str(SMALL["vocab_size"]), "--global-batch-size", str(gbs),
+            "--untie-embeddings-and-output-weights"]
 
 
 def measured(opts) -> None:
@@ -135,7 +137,7 @@ def measured(opts) -> None:
     ample = best(model, SMALL_GBS, base, "uniform", cpu, profiles, WORLD).best
     top = max(s["peak_bytes"] for s in _prediction(ample, base)["stages"])
     chosen = None
-    for frac in (1.0, 0.8, 0.6, 0.45, 0.35, 0.25):
+    for frac in (1.0, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3):
         cluster = with_memory(base, top * frac)
         uni = best(model, SMALL_GBS, cluster, "uniform", cpu, profiles, WORLD)
         hyb = best(model, SMALL_GBS, cluster, "hybrid", cpu, profiles, WORLD)

@@ -47,10 +47,12 @@ class HybridSolution(Solution):
                        unit_strategies=self.strategies)
 
 
-def hybrid_strategies(model: ModelConfig, width: int) -> list[UnitStrategy]:
-    """The stage strategies whose tp degree splits heads, hidden and FFN."""
+def hybrid_strategies(model: ModelConfig, width: int, max_tp: int | None = None) -> list[UnitStrategy]:
+    """The stage strategies whose tp degree splits heads, hidden and FFN (and is at most `max_tp`: tensor
+    parallelism stays inside a node, as for uniform layouts)."""
     return [s for s in stage_strategies(width) if not (model.num_attention_heads % s.tp or model.hidden_size % s.tp
-                                                      or model.ffn_hidden_size % s.tp)]
+                                                      or model.ffn_hidden_size % s.tp)
+            and (max_tp is None or s.tp <= max_tp)]
 
 
 class HybridProblem:
@@ -68,7 +70,8 @@ class HybridProblem:
         self.stages = lay.pp
         self.names = unit_names(model.num_layers)
         self.kinds = [unit_kind(n) for n in self.names]
-        self.strategies = strategies or hybrid_strategies(model, lay.dp)
+        node = min(g.gpus_per_node for g in cluster.groups)
+        self.strategies = strategies or hybrid_strategies(model, lay.dp, node)
         self.index = {s: k for k, s in enumerate(self.strategies)}
         base = RunSpec(model=model, tp=1, pp=lay.pp, dp=lay.dp,
                        pipeline=PipelineConfig(micro_batch_size=lay.mbs, num_microbatches=lay.m,
