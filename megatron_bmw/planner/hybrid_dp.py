@@ -50,7 +50,11 @@ def stage_dp(options: list[list[tuple[int, float, float, float]]], relayout, ent
         if not all(keep):
             continue
         sub = [[options[u][j] for j in ks] for u, ks in enumerate(keep)]
-        found, _ = _solve(sub, relayout, enter, budget - cap, resolution)
+        q = budget / resolution  # the same buckets as the whole budget's table
+        room = int((budget - cap) / q + 1e-9)
+        if room < 1:
+            continue
+        found, _ = _solve(sub, relayout, enter, room * q, room, budget)
         if found is not None and (best is None or found[1] < best[1]):
             choice = [keep[u][j] for u, j in enumerate(found[0])]
             picked = [options[u][j] for u, j in enumerate(choice)]
@@ -58,8 +62,11 @@ def stage_dp(options: list[list[tuple[int, float, float, float]]], relayout, ent
     return best
 
 
-def _solve(options, relayout, enter, budget: float, resolution: int):
-    """The decoupled table and its read-back: (result or None, whether the whole budget's best plan fit)."""
+def _solve(options, relayout, enter, budget: float, resolution: int, limit: float | None = None):
+    """The decoupled table over forward memory up to `budget` and its read-back of plans whose peak (forward
+    memory + largest transient) is at most `limit` (default `budget`): (result or None, whether the whole
+    budget's best plan fit)."""
+    limit = budget if limit is None else limit
     n = len(options)
     n_s = len(enter)
     R = np.asarray(relayout, dtype=float).reshape(n_s, n_s)
@@ -116,7 +123,7 @@ def _solve(options, relayout, enter, budget: float, resolution: int):
         seen.add(key)
         picked = [options[u][j] for u, j in enumerate(choice)]
         peak = math.fsum(o[2] for o in picked) + max(o[3] for o in picked)
-        if peak <= budget:
+        if peak <= limit:
             return (choice, float(best_per_e[e]), peak), top
         top = False
     return None, False

@@ -190,7 +190,7 @@ def test_space_restriction():
 
 def test_dp_with_transients_equals_exhaustive():
     rng = random.Random(1)
-    for trial in range(30):
+    for trial in range(100):
         options, relayout, enter = _random_case(rng, rng.randint(1, 4), rng.randint(1, 3), 2)
         options = [[(s, t, m, float(rng.randint(0, 5))) for s, t, m, _ in opts] for opts in options]
         budget = float(rng.randint(4, 30))
@@ -226,3 +226,22 @@ def test_hybrid_plans_gpt_only():
     bert = replace(MODEL, model_type="bert")
     with pytest.raises(UsageError, match="GPT"):
         search(bert, 128, 128, 8, load_cluster("a100-80g-ib"), space=SearchSpace.parse(["strategy=hybrid"]))
+
+
+def test_stage_dp_on_model_rows_equals_exhaustive():
+    """The DP on a real stage (a 1-layer GPT on 4 ranks: embedding, attention, MLP, head; every strategy and
+    recomputation the cost and memory models give) finds what enumerating every combination finds."""
+    model = replace(MODEL, num_layers=1, untie_embeddings_and_output_weights=True)
+    lay = [x for x in hybrid_layouts(SearchSpace(), model, 4, 8) if x.pp == 1 and x.mbs == 1][0]
+    prob = HybridProblem(lay, model, load_cluster("a100-80g-ib"), None, SearchSpace(), CostSettings(),
+                         MemorySettings(), ScheduleShapes())
+    options = [[o[:4] for o in prob.rows(0, i, True)] for i in range(model.num_units)]
+    relayout = [[lay.m * (f + b) for f, b in row] for row in prob.relayout[0]]
+    enter = [0.0] * len(prob.strategies)
+    heaviest = sum(max(o[2] for o in opts) for opts in options) + max(o[3] for opts in options for o in opts)
+    lightest = sum(min(o[2] for o in opts) for opts in options)
+    for budget in (heaviest, 0.5 * (heaviest + lightest), 0.3 * heaviest + 0.7 * lightest):
+        want = exhaustive(options, relayout, enter, budget)
+        got = stage_dp(options, relayout, enter, budget, resolution=1 << 14, max_caps=None)  # fine buckets
+        assert want is not None and got is not None
+        assert got[1] == pytest.approx(want[1], rel=1e-9) and got[2] <= budget
