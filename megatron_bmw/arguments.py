@@ -99,6 +99,10 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                    help="model chunks per pipeline rank (interleaved 1F1B); with --pipeline-partition any unit split")
+    g.add_argument("--unit-strategies", type=str, default=None,
+                   help="Galvatron-BMW hybrid: a strategy per unit over the world/pp ranks of a stage (tp2-dp2, "
+                        "dp2-tp2, sdp4, tp4, ...), comma separated over [embedding, attn_0, mlp_0, ..., head], or "
+                        "one for all; needs --tensor-model-parallel-size 1")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -414,7 +418,8 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     tp = args.tensor_model_parallel_size
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel,
-                              rank_order="bpipe" if args.bpipe else "tp-dp-pp", gpus_per_node=args.gpus_per_node)
+                              rank_order="bpipe" if args.bpipe else "tp-dp-pp", gpus_per_node=args.gpus_per_node,
+                              unit_strategies=_unit_strategies(args, world_size))
     dp = parallel.data_parallel_size(world_size)
     batches = batch_schedule_from_args(args, args.micro_batch_size * dp)
     gbs = batches.global_batch_size
@@ -477,6 +482,46 @@ _RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_
                     "num_layers_per_virtual_pipeline_stage")
 
 
+def _unit_strategies(args: argparse.Namespace, world_size: int) -> tuple[str, ...] | None:
+    """--unit-strategies checked against the other flags: canonical strategy strings, one per unit."""
+    text = getattr(args, "unit_strategies", None)
+    if not text:
+        return None
+    from .strategy import parse_unit_strategies
+    from .units import num_units
+
+    flag = "--unit-strategies"
+    for bad, why in ((args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (each unit sets its own tp)"),
+                     (args.sequence_parallel, "--sequence-parallel"),
+                     (args.use_distributed_optimizer, "--use-distributed-optimizer (sharded strategies, sdpN, shard "
+                                                      "the optimizer state instead)"),
+                     (getattr(args, "model_type", "gpt") != "gpt", "a BERT model (hybrid strategies run GPT only)")):
+        if bad:
+            raise UsageError(f"{flag} cannot be combined with {why}")
+    pp = args.pipeline_model_parallel_size
+    if world_size % pp:
+        raise UsageError(f"world size {world_size} is not divisible by --pipeline-model-parallel-size {pp}")
+    strategies = parse_unit_strategies(text, num_units(args.num_layers), world_size // pp, flag)
+    first, last = strategies[0], strategies[-1]
+    if not args.untie_embeddings_and_output_weights and (first != last or first.sharded):
+        raise UsageError(f"{flag}: a tied word embedding needs the same, unsharded strategy for the embedding and "
+                         f"the head (got {first} and {last}); give --untie-embeddings-and-output-weights to use "
+                         "different ones")
+    for name, value in (("--num-attention-heads", args.num_attention_heads), ("--hidden-size", args.hidden_size),
+                        ("--ffn-hidden-size", args.ffn_hidden_size)):
+        bad = sorted({str(x) for x in strategies if value is not None and value % x.tp})
+        if bad:
+            raise UsageError(f"{flag}: {name} {value} does not split over the tp of {', '.join(bad)}")
+    slicing = str(getattr(args, "microbatch_slicing", "0") or "0")
+    half = args.micro_batch_size * (world_size // pp) // 2
+    if slicing != "0":
+        bad = sorted({str(x) for x in strategies if (args.micro_batch_size * (world_size // pp)) % 2 or half % x.dp})
+        if bad:
+            raise UsageError(f"{flag} with --microbatch-slicing: half a stage micro-batch ({half} samples) does not "
+                             f"split over the dp of {', '.join(bad)}")
+    return tuple(str(x) for x in strategies)
+
+
 def plan_flags(plan) -> dict[str, object]:
     """The flag values (argparse dests) a plan decides."""
     s, pl, m = plan.spec, plan.spec.pipeline, plan.spec.model
@@ -497,6 +542,7 @@ def plan_flags(plan) -> dict[str, object]:
         "recompute_units": ",".join(x or "none" for x in pl.unit_recompute(m.num_units)),
         "bpipe": pl.bpipe, "microbatch_slicing": str(pl.slicing),
         "use_distributed_optimizer": s.distributed_optimizer, "overlap_grad_reduce": s.overlap_grad_reduce,
+        "unit_strategies": ",".join(s.unit_strategies) if s.unit_strategies else None,
     }
 
 

@@ -206,7 +206,7 @@ def local_params(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch
     out = []
     for n, p in named:
         if is_sharded(p):
-            local = p.to_local().detach()
+            local = p.to_local().detach().requires_grad_(p.requires_grad)  # trainable, outside any graph
             for f in PARAM_FLAGS:
                 if hasattr(p, f):
                     setattr(local, f, getattr(p, f))
@@ -347,3 +347,22 @@ def unsharded_storages(modules: list[nn.Module]) -> set[int]:
                     if ptr:
                         out.add(ptr)
     return out
+
+
+def local_state_dict(module: nn.Module) -> dict:
+    """module.state_dict() with FSDP2's DTensors as this rank's local shards (what a hybrid checkpoint holds)."""
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in module.state_dict().items()}
+
+
+@torch.no_grad()
+def load_local_state_dict(module: nn.Module, sd: dict) -> None:
+    """Inverse of local_state_dict (strict: the same names and shapes), into the parameters' memory."""
+    own = module.state_dict()
+    missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+    if missing or extra:
+        raise RuntimeError(f"missing keys {missing[:3]}, unexpected keys {extra[:3]}")
+    for k, v in own.items():
+        target = v.to_local() if hasattr(v, "to_local") else v
+        if tuple(target.shape) != tuple(sd[k].shape):
+            raise RuntimeError(f"size mismatch for {k}: checkpoint {tuple(sd[k].shape)}, model {tuple(target.shape)}")
+        target.copy_(sd[k])

@@ -39,9 +39,17 @@ def mp_rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
+def _mp_coords(state: ParallelState) -> tuple[int, int, bool]:
+    """(rank, size) naming the mp_rank_* directory, and whether this rank writes one. Hybrid unit strategies:
+    every rank of a stage holds its own shards, so each writes mp_rank_<position in stage>_<stage>."""
+    if state.hybrid is not None:
+        return state.hybrid.local, state.hybrid.width, True
+    return state.tp_rank, state.tp_size, state.dp_rank == 0
+
+
 def checkpoint_file(ckpt_dir: str, iteration: int | str, state: ParallelState, name: str = MODEL_FILE) -> str:
     """Where this rank's (tp, pp) file of `iteration` lives."""
-    mp = mp_rank_dir_name(state.tp_rank, state.pp_rank, state.pp_size)
+    mp = mp_rank_dir_name(_mp_coords(state)[0], state.pp_rank, state.pp_size)
     return os.path.join(ckpt_dir, iteration_dir_name(iteration), mp, name)
 
 
@@ -95,11 +103,13 @@ def save_checkpoint(
         return RunError(f"--save {save_dir}: cannot write the checkpoint of iteration {iteration} "
                         f"({exc.strerror or exc}); the previous checkpoint is kept")
 
+    mp_rank, _, writes = _mp_coords(state)
+
     def write() -> None:
-        if state.dp_rank != 0:
+        if not writes:
             return
         try:
-            mp_dir = os.path.join(tmp_dir, mp_rank_dir_name(state.tp_rank, state.pp_rank, state.pp_size))
+            mp_dir = os.path.join(tmp_dir, mp_rank_dir_name(mp_rank, state.pp_rank, state.pp_size))
             os.makedirs(mp_dir, exist_ok=True)
             data = dict(payload)
             if optim_sd is not None:
@@ -196,6 +206,27 @@ def _mismatch(load_dir: str, saved: tuple[int, int], state: ParallelState) -> Us
     )
 
 
+def _strategies(state: ParallelState) -> list[str] | None:
+    return [str(s) for s in state.hybrid.strategies] if state.hybrid is not None else None
+
+
+def _strategies_mismatch(load_dir: str, theirs, state: ParallelState) -> UsageError:
+    said = lambda x: ",".join(x) if x else "none (a uniform layout)"  # noqa: E731
+    return UsageError(f"--load {load_dir}: checkpoint was saved with unit strategies {said(theirs)}, but this run "
+                      f"uses {said(_strategies(state))} (a hybrid checkpoint loads only into the same plan)")
+
+
+def _saved_strategies(load_dir: str, iter_dir: str) -> list[str] | None:
+    """The unit strategies a checkpoint was saved with (read from its first file), for a clear mismatch line."""
+    for entry in sorted(os.listdir(iter_dir)):
+        path = os.path.join(iter_dir, entry, MODEL_FILE)
+        if entry.startswith("mp_rank_") and os.path.isfile(path):
+            args = _read(load_dir, path).get("args") or {}
+            got = args.get("unit_strategies") if isinstance(args, dict) else getattr(args, "unit_strategies", None)
+            return list(got) if got else None
+    return None
+
+
 def _read(load_dir: str, path: str, needs: str | None = None) -> dict:
     """torch.load a checkpoint file that must hold a dict (with key `needs`); anything else is one error line."""
     try:
@@ -227,10 +258,14 @@ def load_checkpoint(
         if iteration is None:
             return None
     iter_dir = _resolve_iteration_dir(load_dir, iteration)
+    mp_rank, mp_size, _ = _mp_coords(state)
     saved = _saved_layout(iter_dir)
-    if saved is not None and saved != (state.tp_size, state.pp_size):
+    if saved is not None and saved != (mp_size, state.pp_size):
+        theirs = _saved_strategies(load_dir, iter_dir)
+        if state.hybrid is not None or theirs:
+            raise _strategies_mismatch(load_dir, theirs, state)
         raise _mismatch(load_dir, saved, state)
-    mp_dir = os.path.join(iter_dir, mp_rank_dir_name(state.tp_rank, state.pp_rank, state.pp_size))
+    mp_dir = os.path.join(iter_dir, mp_rank_dir_name(mp_rank, state.pp_rank, state.pp_size))
     path = os.path.join(mp_dir, MODEL_FILE)
     if not os.path.isfile(path):
         raise UsageError(f"--load {load_dir}: checkpoint file {path} is missing")
@@ -238,6 +273,8 @@ def load_checkpoint(
     args = payload.get("args") or {}
     get = args.get if isinstance(args, dict) else lambda key, default: getattr(args, key, default)
     saved_args = (get("tensor_model_parallel_size", state.tp_size), get("pipeline_model_parallel_size", state.pp_size))
+    if (list(get("unit_strategies", None) or []) or None) != _strategies(state):
+        raise _strategies_mismatch(load_dir, get("unit_strategies", None), state)
     if saved_args != (state.tp_size, state.pp_size):
         raise _mismatch(load_dir, saved_args, state)
     optim_sd = payload.pop("optimizer", None)

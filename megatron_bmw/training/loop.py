@@ -24,6 +24,7 @@ from ..data.builder import build_bert_datasets, build_gpt_datasets
 from ..errors import RunError, UsageError
 from ..parallel.agree import agree
 from ..parallel.grad_sync import GradSync
+from ..parallel.hybrid import HybridGradSync, load_local_state_dict, local_params, local_state_dict
 from ..parallel.random import get_rng_state, set_rng_state, set_seeds
 from ..parallel.state import ParallelState
 from ..pipeline.build import pipeline_schedule
@@ -122,7 +123,11 @@ class Trainer:
         self.chunks, self.schedule, self.partition = pipeline_setup(model, state, tr.seed, pl,
                                                                     stage_times=measured_stage_times)
         self.named_params = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
-        self.grad_sync = GradSync([p for _, p in self.named_params], state, overlap=tr.overlap_grad_reduce)
+        if state.hybrid is not None:  # per-unit strategies: sharded units' parameters as their local shards
+            self.named_params = local_params(self.named_params)
+            self.grad_sync = HybridGradSync([p for _, p in self.named_params], state)
+        else:
+            self.grad_sync = GradSync([p for _, p in self.named_params], state, overlap=tr.overlap_grad_reduce)
         self.optimizer = build_optimizer(self.named_params, run.optimizer, state)
         self.scheduler = LRScheduler(self.optimizer, run.lr)
         self.tracer = Tracer(state.rank, state.pp_rank) if tr.pipeline_trace else None
@@ -164,8 +169,8 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------
     def _model_state(self) -> dict:
         if len(self.chunks) == 1:
-            return {"model": self.chunks[0].state_dict()}
-        return {f"model{i}": c.state_dict() for i, c in enumerate(self.chunks)}
+            return {"model": local_state_dict(self.chunks[0])}
+        return {f"model{i}": local_state_dict(c) for i, c in enumerate(self.chunks)}
 
     def save(self) -> None:
         tr = self.run.train
@@ -195,6 +200,8 @@ class Trainer:
                  params_dtype=str(r.model.torch_dtype), consumed_train_samples=self.consumed_train,
                  consumed_valid_samples=self.consumed_valid, train_iters=r.train.train_iters,
                  train_samples=r.train.train_samples)
+        if self.state.hybrid is not None:
+            d["unit_strategies"] = [str(s) for s in self.state.hybrid.strategies]
         return d
 
     def _load_weights(self, load_optim: bool) -> dict:
@@ -206,7 +213,10 @@ class Trainer:
             if key not in payload:
                 raise UsageError(f"--load {tr.load}: checkpoint has no {key!r} (saved with another virtual pipeline size?)")
             try:
-                chunk.load_state_dict(payload[key], strict=True)
+                if self.state.hybrid is not None:
+                    load_local_state_dict(chunk, payload[key])
+                else:
+                    chunk.load_state_dict(payload[key], strict=True)
             except RuntimeError as exc:
                 first = str(exc).strip().splitlines()[0]
                 raise UsageError(f"--load {tr.load}: model weights do not fit this model: {first}") from None
@@ -258,9 +268,12 @@ class Trainer:
         datasets = agree(lambda: first if first is not None else self._datasets(num, None))
         eod = self.tokenizer.eod if self.tokenizer is not None else None
         batches = BertMicroBatches if bert else MicroBatches
+        mbs, dp, dp_rank = self.run.pipeline.micro_batch_size, st.dp_size, st.dp_rank
+        if st.hybrid is not None:  # every rank of a stage loads the stage micro-batch: dp ranks 0..N-1's samples
+            mbs, dp, dp_rank = mbs * st.dp_size, 1, 0
         self.train_data, self.valid_data, self.test_data = (
-            batches(d, self.run.pipeline.micro_batch_size, st.dp_size, st.dp_rank, st.device, eod, tr.eod_mask_loss)
-            if d is not None else None for d in datasets)
+            batches(d, mbs, dp, dp_rank, st.device, eod, tr.eod_mask_loss) if d is not None else None
+            for d in datasets)
         if self.train_data is None:
             raise UsageError("--split gives the training split no data")
 
@@ -443,7 +456,7 @@ def build_trainer(argv: list[str], tokenizer=None, model_type: str = "gpt") -> T
 
     args = parse_args(argv, build_parser(model_type=model_type))
     run = configs_from_args(args, _world(), vocab_size=tokenizer.vocab_size if tokenizer else None)
-    trainer = Trainer(run, ParallelState.build(run.parallel), tokenizer)
+    trainer = Trainer(run, ParallelState.build(run.parallel, num_units=run.model.num_units), tokenizer)
     trainer.load()
     return trainer
 

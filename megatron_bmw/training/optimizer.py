@@ -57,6 +57,9 @@ def counts_in_grad_norm(param: torch.Tensor, tp_rank: int) -> bool:
     """Whether this rank adds the parameter's gradient to the global norm (each gradient counted once)."""
     if getattr(param, "shared_embedding_copy", False):
         return False
+    counted = getattr(param, "counts_in_norm", None)  # hybrid strategies decide per unit (parallel/hybrid.py)
+    if counted is not None:
+        return counted
     return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
 
 
@@ -210,6 +213,10 @@ class MixedPrecisionOptimizer:
             norms = torch.stack(torch._foreach_norm(grads)).double()
             buf[0] = norms[self._counted].square().sum()
             buf[1] = (~torch.isfinite(norms)).any().double()
+        if self.state.hybrid is not None:  # each distinct gradient element is counted on one rank of the world
+            dist.all_reduce(buf)
+            sq, inf = buf.tolist()
+            return inf > 0, sq**0.5
         if self.state.dp_group is not None:
             # ZeRO: each DP rank saw only its shard; otherwise all DP ranks saw the same gradients.
             op = dist.ReduceOp.SUM if self.distributed else dist.ReduceOp.MAX

@@ -44,7 +44,8 @@ def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
     check_output_dir("--tensorboard-dir", run.train.tensorboard_dir)
     check_output_file("--pipeline-trace", run.train.pipeline_trace)
     init_distributed(run.train.distributed_backend, run.train.distributed_timeout_minutes)
-    state = ParallelState.build(run.parallel, timeout_minutes=run.train.distributed_timeout_minutes)
+    state = ParallelState.build(run.parallel, timeout_minutes=run.train.distributed_timeout_minutes,
+                                num_units=run.model.num_units)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     _banner(run, state, args)
     if plan is not None:
