@@ -88,7 +88,7 @@ class PipelineEngine:
         if track_activations or transfers:
             channel = make_channel(state) if transfers else None
             self.store = ActivationStore(state.device, copier=channel)
-            if state.hybrid is not None:  # sharded units' gathered parameters are not activations
+            if getattr(state, "hybrid", None) is not None:  # sharded units' gathered parameters are not activations
                 from ..parallel.hybrid import unsharded_storages
 
                 self.store.more_params = lambda: unsharded_storages(chunks)
@@ -111,7 +111,7 @@ class PipelineEngine:
 
     def _batch(self, get_batch: Callable[[int], dict], a: Action) -> tuple[dict, float]:
         batch = get_batch(a.microbatch)
-        if self.state.hybrid is not None:
+        if getattr(self.state, "hybrid", None) is not None:
             batch = self.state.hybrid.weigh(batch)
         if a.half is None:
             return batch, 1.0
@@ -304,5 +304,6 @@ def reduce_loss(result: RunResult, state: ParallelState, num_microbatches: int) 
     if state.dp_group is not None:
         dist.all_reduce(t, group=state.dp_group)
         # hybrid: the head's dp shards hold shares of the loss, each on the head's tp ranks
-        t /= state.hybrid.loss_replicas() if state.hybrid is not None else state.dp_size
+        hybrid = getattr(state, "hybrid", None)
+        t /= hybrid.loss_replicas() if hybrid is not None else state.dp_size
     return t.item()

@@ -49,7 +49,9 @@ def _counted(named_params, state: ParallelState) -> list[torch.nn.Parameter]:
 
 
 def _mp_sum(value: torch.Tensor, state: ParallelState) -> float:
-    if state.mp_group is not None:
+    if getattr(state, "hybrid", None) is not None:  # per-unit strategies: counted elements lie on every rank
+        dist.all_reduce(value)
+    elif state.mp_group is not None:
         dist.all_reduce(value, group=state.mp_group)
     return float(value.item())
 

@@ -21,10 +21,14 @@ PP2 = "tp2,dp2,sdp2,tp2,dp2,tp2"  # 4 ranks, two stages of 2; tied embedding: th
 
 
 def _train(argv):
+    from megatron_bmw.training.logging import num_zeros_in_grad, params_norm
+
     trainer = build_trainer(argv)
     trainer.train()
     trainer.finish()
-    return [(it, loss, norm) for it, loss, norm in trainer.history]
+    # after the last step: the norm of the parameters and the zeros of the gradients, each element once
+    end = (params_norm(trainer.named_params, trainer.state), num_zeros_in_grad(trainer.named_params, trainer.state))
+    return [(it, loss, norm) for it, loss, norm in trainer.history] + [end]
 
 
 def _refused(argv) -> str:
@@ -82,12 +86,18 @@ def test_hybrid_pretrain_equals_uniform_and_resumes(tmp_path):
     results = run_distributed(4, _cases, str(tmp_path))
     last = results[-1]
     for hybrid, uniform in (("hybrid-pp1", "dp4"), ("hybrid-pp2", "pp2-dp2"), ("plan", "dp4")):
-        assert len(last[hybrid]) == 3
-        for (it, loss, norm), (_, ref_loss, ref_norm) in zip(last[hybrid], last[uniform]):
+        assert len(last[hybrid]) == 3 + (hybrid != "plan")
+        for (it, loss, norm), (_, ref_loss, ref_norm) in zip(last[hybrid][:3], last[uniform]):
             assert loss == pytest.approx(ref_loss, rel=1e-5), (hybrid, it)
             assert norm == pytest.approx(ref_norm, rel=1e-4), (hybrid, it)
-    assert [h[0] for h in last["first"]] == [1, 2] and [h[0] for h in last["second"]] == [3]
-    assert [h[1:] for h in last["first"] + last["second"]] == [h[1:] for h in last["hybrid-pp1"]]  # bit-exact
+        if hybrid != "plan":
+            assert last[hybrid][3][0] == pytest.approx(last[uniform][3][0], rel=1e-6), hybrid  # params norm
+            # zeros in the gradients (each element once; an exact zero may come out 1e-12 in another sum order)
+            assert abs(last[hybrid][3][1] - last[uniform][3][1]) <= 2, hybrid
+    assert [h[0] for h in last["first"][:2]] == [1, 2] and [h[0] for h in last["second"][:1]] == [3]
+    resumed = last["first"][:2] + last["second"][:1]
+    assert [h[1:] for h in resumed] == [h[1:] for h in last["hybrid-pp1"][:3]]  # bit-exact
+    assert last["second"][1] == last["hybrid-pp1"][3]
     assert all(os.path.isfile(tmp_path / "ckpt" / "iter_0000002" / f"mp_rank_0{i}" / "model_optim_rng.pt")
                for i in range(4))
     err = results[0]["other-plan"]
