@@ -11,6 +11,7 @@ from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, Optimizer
 from .errors import UsageError
 from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
+from .strategy import parse_strategy, parse_unit_strategies
 from .units import num_units, parse_recompute, recompute_from_flags, unit_layer, unit_names
 
 # Megatron flags accepted so existing launch scripts run unchanged, reported once at start-up, otherwise ignored
@@ -444,6 +445,11 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         openai_gelu=getattr(args, "openai_gelu", False),
     )
     model.check_tensor_parallel(tp)
+    for strategy in sorted(set(parallel.unit_strategies or ())):
+        t = parse_strategy(strategy).tp
+        if model.vocab_size % t:
+            raise UsageError(f"--unit-strategies {strategy}: the padded vocabulary {model.vocab_size} does not split "
+                             f"over tp {t} (raise --make-vocab-size-divisible-by)")
     if args.sequence_parallel and tp > 1 and args.seq_length % tp:
         raise UsageError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by tensor-parallel size {tp}")
     train = TrainConfig(
@@ -487,9 +493,6 @@ def _unit_strategies(args: argparse.Namespace, world_size: int) -> tuple[str, ..
     text = getattr(args, "unit_strategies", None)
     if not text:
         return None
-    from .strategy import parse_unit_strategies
-    from .units import num_units
-
     flag = "--unit-strategies"
     for bad, why in ((args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (each unit sets its own tp)"),
                      (args.sequence_parallel, "--sequence-parallel"),

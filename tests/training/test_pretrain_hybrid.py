@@ -117,6 +117,8 @@ BAD = [
     (["--unit-strategies", "tp8"], 8, "--num-attention-heads 4 does not split over the tp of tp8"),
     (["--unit-strategies", "tp3"], 3, "--num-attention-heads 4 does not split over the tp of tp3"),
     (["--unit-strategies", "tp2-dq2"], 4, "'tp2-dq2' is not a strategy"),
+    (["--unit-strategies", "dp2-tp2", "--vocab-size", "99", "--make-vocab-size-divisible-by", "1"], 4,
+     "--unit-strategies dp2-tp2: the padded vocabulary 99 does not split over tp 2"),
     (["--unit-strategies", "tp2,tp2,tp2,dp2,dp2,tp2", "--microbatch-slicing", "1", "--micro-batch-size", "1",
       "--global-batch-size", "4"], 2, "half a stage micro-batch (1 samples) does not split over the dp of dp2"),
 ]
