@@ -136,13 +136,14 @@ class HybridProblem:
         ms = self.memory
         return (self.capacity[rank] - ms.workspace_bytes) / (1 + ms.fragmentation)
 
-    def solve_stage(self, rank: int, start: int, stop: int, enter: int | None, tie: int | None = None):
+    def solve_stage(self, rank: int, start: int, stop: int, enter: int | None, tie: int | None = None,
+                    only: int | None = None):
         """Units start..stop-1 on pipeline rank `rank`, entering from strategy index `enter` (None: the model's
         first unit); `tie`: the strategy index the embedding and the head must take. Returns (options picked,
         forward, backward, sync, params, peak bytes) or None."""
         last = len(self.names) - 1
         tie = tie if start == 0 or stop == last + 1 else None
-        key = (rank, start, stop, enter, tie)
+        key = (rank, start, stop, enter, tie, only)
         if key in self._stage:
             return self._stage[key]
         own = owns_output_weight(self.model.untie_embeddings_and_output_weights, self.layout.pp,
@@ -151,6 +152,8 @@ class HybridProblem:
         if tie is not None:
             options = [[o for o in opts if o[0] == tie] if start + u in (0, last) else opts
                        for u, opts in enumerate(options)]
+        if only is not None:  # one strategy for every unit
+            options = [[o for o in opts if o[0] == only] for opts in options]
         m = self.layout.m
         rel = [[m * (f + b) for f, b in row] for row in self.relayout[rank]]
         enter_cost = [0.0] * self._n_s if enter is None else rel[enter]
@@ -187,13 +190,28 @@ class HybridProblem:
             self._seen[key] = min(got, key=lambda x: x.estimate) if got else None
         return self._seen[key]
 
-    def _evaluate(self, partition: tuple[int, ...], tie: int | None) -> HybridSolution | None:
+    def single_strategy(self, partition: tuple[int, ...]) -> list[HybridSolution]:
+        """The partition with one strategy for every unit (each that fits; recomputation still per unit): the
+        uniform plans of the hybrid space, which the search's finalists are also simulated with, since the
+        static estimate can misjudge a mix against them (e.g. tensor parallelism on CPU ranks sharing cores)."""
+        out = []
+        for k, s in enumerate(self.strategies):
+            tie = k if not s.sharded and self.ties != [None] else None
+            if self.ties != [None] and s.sharded:
+                continue
+            got = self._evaluate(tuple(partition), tie, only=k)
+            if got is not None:
+                out.append(got)
+        return out
+
+    def _evaluate(self, partition: tuple[int, ...], tie: int | None, only: int | None = None
+                  ) -> HybridSolution | None:
         lay = self.layout
         strategies, recompute = [], []
         fwd, bwd, syncs, params, memory = [], [], [], [], []
         start, enter = 0, None
         for r, size in enumerate(partition):
-            got = self.solve_stage(r, start, start + size, enter, tie)
+            got = self.solve_stage(r, start, start + size, enter, tie, only)
             if got is None:
                 return None
             picked, f, b, sync, p, peak = got

@@ -313,6 +313,18 @@ class _Simulator:
         self.cache[key] = (sol, ev)
         return sol, ev
 
+    def run_solution(self, sol: Solution) -> Evaluation | None:
+        """Simulate a given solution of the problem (a hybrid plan other than the partition's DP pick)."""
+        key = (sol.partition, getattr(sol, "strategies", None), sol.recompute)
+        if key not in self.cache:
+            spec = sol.spec(self.prob.model)
+            if 0 not in self.compiled:
+                self.compiled[0] = compile_schedule(pipeline_schedule(spec.pipeline, spec.pp))
+            self.cache[key] = (sol, simulate_run(spec, self.cluster, self.profiles, self.costs, self.memory,
+                                                 schedule=self.compiled[0], memory_over_time=False))
+            self.stats["simulated"] += 1
+        return self.cache[key][1]
+
     def time(self, partition, slicing: int = 0) -> float:
         sol, ev = self.run(partition, slicing)
         if ev is None or not _fits(ev, self.cluster):
@@ -349,14 +361,21 @@ def _finalist(sol: Solution, sim: _Simulator, space: SearchSpace, settings: Sear
         part, _ = hill_climb(list(part), lambda p: sim.time(tuple(p)), max_evals=budget)
         part = tuple(part)
     best_sol, ev = sim.run(part)
+    if isinstance(sol, HybridSolution):  # the layout's single-strategy plans, simulated beside the DP's mix
+        for other in prob.single_strategy(part):
+            got = sim.run_solution(other)
+            if got is not None and _fits(got, sim.cluster) and (
+                    ev is None or not _fits(ev, sim.cluster)
+                    or got.simulation.iteration_time < ev.simulation.iteration_time):
+                best_sol, ev = other, got
     if ev is None or not _fits(ev, sim.cluster):
         return None
     notes, gains = [], {}
     if start_time > ev.simulation.iteration_time:
         gains["refinement_s"] = start_time - ev.simulation.iteration_time
     lay = sol.layout
-    if isinstance(sol, HybridSolution):
-        notes.append(summarize(sol.strategies))
+    if isinstance(best_sol, HybridSolution):
+        notes.append(summarize(best_sol.strategies))
     elif True in space.slicing and lay.pp > 1 and lay.mbs % 2 == 0 and lay.schedule != "gpipe":
         fwd = [sum(x) for x in ev.cost.chunk_forward]
         bwd = [sum(x) for x in ev.cost.chunk_backward]

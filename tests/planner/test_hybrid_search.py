@@ -245,3 +245,15 @@ def test_stage_dp_on_model_rows_equals_exhaustive():
         got = stage_dp(options, relayout, enter, budget, resolution=1 << 14, max_caps=None)  # fine buckets
         assert want is not None and got is not None
         assert got[1] == pytest.approx(want[1], rel=1e-9) and got[2] <= budget
+
+
+def test_single_strategy_plans_of_a_partition():
+    model = replace(MODEL, num_layers=2)
+    lay = [x for x in hybrid_layouts(SearchSpace(), model, 4, 8) if x.pp == 1 and x.mbs == 1][0]
+    prob = HybridProblem(lay, model, load_cluster("a100-80g-ib"), None, SearchSpace(), CostSettings(),
+                         MemorySettings(), ScheduleShapes())
+    best = prob.solve()
+    plans = prob.single_strategy(best.partition)
+    assert {len(set(p.strategies)) for p in plans} == {1}
+    assert {p.strategies[0] for p in plans} == {str(s) for s in prob.strategies if not s.sharded}  # tied
+    assert min(p.estimate for p in plans) >= best.estimate * (1 - 1e-9)  # the DP's mix is at least as good
