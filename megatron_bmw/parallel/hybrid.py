@@ -33,11 +33,33 @@ from torch import nn
 from ..errors import UsageError
 from ..strategy import UnitStrategy, parse_unit_strategies
 from .layout import RankLayout
+from .random import TP_RNG
 from .relayout import relayout
 from .state import ParallelState
 
 PARAM_FLAGS = ("tensor_model_parallel", "partition_dim", "sequence_parallel", "shared_embedding", "counts_in_norm",
                "shared_embedding_copy")
+
+
+class UnitRNG:
+    """The rank's RNG tracker as a unit sees it: its tensor-parallel stream is the one of its tp rank (Megatron's
+    seed + 2718 + tp rank, see Hybrid.seed), so dropout inside tp regions differs over the unit's tp ranks."""
+
+    def __init__(self, tracker, tp_rank: int) -> None:
+        self.tracker, self.name = tracker, f"{TP_RNG}-tp{tp_rank}"
+
+    @property
+    def device(self):
+        return self.tracker.device
+
+    def fork(self, name: str = TP_RNG):
+        return self.tracker.fork(self.name if name == TP_RNG else name)
+
+    def get_states(self):
+        return self.tracker.get_states()
+
+    def set_states(self, states) -> None:
+        self.tracker.set_states(states)
 
 
 @dataclass
@@ -103,8 +125,14 @@ class Hybrid:
         """The ParallelState unit `index` is built with."""
         s = self.strategies[index]
         kw = {f.name: getattr(state, f.name) for f in fields(ParallelState)}
-        kw.update(tp_group=self.groups[s][0], dp_group=self.groups[s][1], sequence_parallel=False)
+        kw.update(tp_group=self.groups[s][0], dp_group=self.groups[s][1], sequence_parallel=False,
+                  rng=UnitRNG(state.rng, s.coords(self.local)[0]))
         return UnitState(**kw, strategy=s, local=self.local)
+
+    def seed(self, tracker, seed: int) -> None:
+        """Add the tensor-parallel stream of every tp rank a unit may have here (after random.set_seeds)."""
+        for t in range(self.width):
+            tracker.add(f"{TP_RNG}-tp{t}", seed + 2718 + t)
 
     # -- data ------------------------------------------------------------------------------------------------
     def weigh(self, batch: dict) -> dict:

@@ -113,6 +113,8 @@ class Trainer:
         self.run, self.state, self.tokenizer = run, state, tokenizer
         tr, model, pl = run.train, run.model, run.pipeline
         set_seeds(tr.seed, state.tp_rank, state.pp_rank, state.rng)
+        if state.hybrid is not None:  # a tensor-parallel stream per tp rank of the units
+            state.hybrid.seed(state.rng, tr.seed)
         self.build_data()
         self.shape = hidden_shape(model, state, pl.micro_batch_size)
 

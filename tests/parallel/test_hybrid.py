@@ -99,8 +99,25 @@ CASES = {
 }
 
 
+def _tp_streams(rank, world_size):
+    """A unit's tensor-parallel dropout stream differs over its tp ranks and repeats over its dp ranks."""
+    import torch.distributed as dist
+
+    st = ParallelState.build(ParallelConfig(unit_strategies=("dp2-tp2",)), num_units=6)
+    st.hybrid.seed(st.rng, 7)
+    view = st.hybrid.view(st, 1)
+    with view.rng.fork():
+        x = torch.rand(4)
+    xs = [torch.empty(4) for _ in range(world_size)]
+    dist.all_gather(xs, x)
+    tp = [view.strategy.coords(i)[0] for i in range(world_size)]
+    return all(torch.equal(xs[i], xs[j]) == (tp[i] == tp[j]) for i in range(world_size) for j in range(world_size))
+
+
 def _cases(rank, world_size):
-    return [_case(rank, world_size, *case) for case in CASES[world_size]]
+    out = [_case(rank, world_size, *case) for case in CASES[world_size]]
+    assert world_size != 4 or _tp_streams(rank, world_size)
+    return out
 
 
 @pytest.mark.parametrize("world", sorted(CASES))

@@ -1,6 +1,6 @@
 """pretrain_gpt with per-unit hybrid strategies (--unit-strategies, or a plan's parallel.unit_strategies): losses
-and grad norms equal a uniform data-parallel run over several optimizer steps, exact resume, a checkpoint of
-another plan refused, bad input refused in one line."""
+and grad norms equal a uniform data-parallel run over several optimizer steps, exact resume (with dropout), a
+checkpoint of another plan refused, bad input refused in one line."""
 
 import contextlib
 import io
@@ -63,7 +63,8 @@ def _cases(rank, world_size, tmp):
     }
     # exact resume: 3 iterations, against 2 saved + 1 loaded (sharded units' local shards and their Adam state)
     ckpt = os.path.join(tmp, "ckpt")
-    hybrid = ARGS + UNTIED + ["--unit-strategies", PP1]
+    hybrid = ARGS + UNTIED + ["--unit-strategies", PP1, "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    out["full"] = _train(hybrid)
     out["first"] = _train(hybrid + ["--save", ckpt, "--exit-interval", "2"])
     out["second"] = _train(hybrid + ["--load", ckpt])
     out["other-plan"] = _refused(ARGS + UNTIED + ["--unit-strategies", "dp4", "--load", ckpt])
@@ -96,8 +97,9 @@ def test_hybrid_pretrain_equals_uniform_and_resumes(tmp_path):
             assert abs(last[hybrid][3][1] - last[uniform][3][1]) <= 2, hybrid
     assert [h[0] for h in last["first"][:2]] == [1, 2] and [h[0] for h in last["second"][:1]] == [3]
     resumed = last["first"][:2] + last["second"][:1]
-    assert [h[1:] for h in resumed] == [h[1:] for h in last["hybrid-pp1"][:3]]  # bit-exact
-    assert last["second"][1] == last["hybrid-pp1"][3]
+    assert [h[1:] for h in resumed] == [h[1:] for h in last["full"][:3]]  # bit-exact, dropout on
+    assert last["second"][1] == last["full"][3]
+    assert last["full"][0][1] != last["hybrid-pp1"][0][1]  # dropout did something
     assert all(os.path.isfile(tmp_path / "ckpt" / "iter_0000002" / f"mp_rank_0{i}" / "model_optim_rng.pt")
                for i in range(4))
     err = results[0]["other-plan"]
