@@ -37,9 +37,12 @@ from megatron_bmw.planner.search import SearchSettings, search  # noqa: E402
 from megatron_bmw.planner.space import SearchSpace  # noqa: E402
 
 GiB = 2**30
-MODELLED = {  # name: (layers, hidden, heads, seq, global batch)
-    "BERT-large": (24, 1024, 16, 512, 256),
-    "GPT-1.3B": (24, 2048, 16, 1024, 64),
+MODELLED = {  # name: (layers, hidden, heads, seq, global batch, vocabulary, untied)
+    "BERT-large": (24, 1024, 16, 512, 256, 30592, False),
+    "GPT-1.3B": (24, 2048, 16, 1024, 64, 50304, False),
+    # a vocabulary as large as today's (256k, untied): the embedding and the head outweigh a layer, Galvatron's case
+    # for giving them their own strategy
+    "GPT-8x2048-v256k": (8, 2048, 16, 1024, 64, 256000, True),
 }
 BUDGETS_GB = (6, 8, 12, 16, 24, 32)
 PLAIN = ["sp=off", "zero1=off", "schedule=1f1b", "bpipe=off", "slicing=off"]  # the features hybrid plans lack
@@ -63,10 +66,10 @@ def best(model, gbs, cluster, strategy: str, memory: MemorySettings, profiles=No
 def modelled() -> None:
     cuda = MemorySettings(workspace_bytes=1.5 * GiB, fragmentation=0.1)
     rows = []
-    for name, (layers, hidden, heads, seq, gbs) in MODELLED.items():
+    for name, (layers, hidden, heads, seq, gbs, vocab, untied) in MODELLED.items():
         model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
-                            vocab_size=30592 if name.startswith("BERT") else 50304, max_position_embeddings=seq,
-                            params_dtype="bf16")
+                            vocab_size=vocab, max_position_embeddings=seq, params_dtype="bf16",
+                            untie_embeddings_and_output_weights=untied)
         for gb in BUDGETS_GB:
             cluster = with_memory(load_cluster("a100-80g-ib"), gb * GiB)
             res = {s: best(model, gbs, cluster, s, cuda).best for s in ("uniform", "hybrid")}
