@@ -391,8 +391,3 @@ def main(argv: list[str] | None = None) -> int:
     return {"estimate": _estimate, "simulate": _simulate, "profile": _profile, "search": _search,
             "calibrate": _calibrate}[args.command](args)
 
-
-# The names these helpers had before they were public.
-_profiles, _cluster, _memory_settings, _costs, _spec = (load_profiles, cluster_from_args, memory_settings,
-                                                        cost_settings, spec_from_args)
-_planner_args, _model_type_args = add_planner_args, add_model_type_args
