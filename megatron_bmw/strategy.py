@@ -137,5 +137,16 @@ def galvatron_space_size(world: int) -> int:
                    and (pp & (pp - 1)) == 0)
 
 
+def local_slice(src: UnitStrategy, dst: UnitStrategy) -> bool:
+    """Does every stage position find its `dst` batch rows among its `src` rows (a re-layout without traffic)?"""
+    n = src.dp * dst.dp
+    for pos in range(src.width):
+        s0, s1 = src.samples(pos, n)
+        d0, d1 = dst.samples(pos, n)
+        if not (s0 <= d0 and d1 <= s1):
+            return False
+    return True
+
+
 def is_uniform(strategies) -> bool:
     return strategies is None or len(set(strategies)) <= 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..strategy import UnitStrategy
+from ..strategy import UnitStrategy, local_slice  # noqa: F401 - local_slice is part of this module's API
 
 BATCH_DIM = 1
 
@@ -34,18 +34,6 @@ def move(x: torch.Tensor, src: UnitStrategy, dst: UnitStrategy, local: int, stag
         owner.setdefault(src.coords(pos)[1], pos)
     full = torch.cat([parts[owner[j]] for j in range(src.dp)], BATCH_DIM)
     return full.narrow(BATCH_DIM, d0, d1 - d0).contiguous()
-
-
-def local_slice(src: UnitStrategy, dst: UnitStrategy) -> bool:
-    """Does every stage position find its `dst` rows among its `src` rows? (Decided alike on every rank, since
-    the gather is a collective over the stage.)"""
-    n = src.dp * dst.dp
-    for pos in range(src.width):
-        s0, s1 = src.samples(pos, n)
-        d0, d1 = dst.samples(pos, n)
-        if not (s0 <= d0 and d1 <= s1):
-            return False
-    return True
 
 
 def same_rows(src: UnitStrategy, dst: UnitStrategy) -> bool:

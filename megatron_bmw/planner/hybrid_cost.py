@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..config import PipelineConfig
 from ..parallel.layout import RankLayout
 from ..pipeline.schedule import Action
-from ..strategy import UnitStrategy
+from ..strategy import UnitStrategy, local_slice
 from ..units import owns_output_weight, unit_kind, unit_names
 from .cluster import Cluster, Link
 from .cost_model import CostModel, CostSettings, allreduce_parts, allreduce_time, optimizer_step_seconds
@@ -155,7 +155,7 @@ class StageCosts:
     def move(self, src: UnitStrategy, dst: UnitStrategy) -> tuple[float, float]:
         """parallel/relayout.py's move as (work, wait): nothing when every rank's new rows lie inside its old
         ones (a slice), else an all-gather of every rank's `src` rows over the stage."""
-        if _inside_everywhere(src, dst):
+        if local_slice(src, dst):
             return 0.0, 0.0
         n = self.width
         got = n * self.hidden_bytes(self.mbs * n / src.dp)
@@ -167,16 +167,6 @@ def _gather_parts(nbytes: float, n: int, link: Link) -> tuple[float, float]:
     if n <= 1:
         return 0.0, 0.0
     return (n - 1) / n * nbytes / link.bandwidth, (n - 1) * link.latency
-
-
-def _inside_everywhere(src: UnitStrategy, dst: UnitStrategy) -> bool:
-    n = src.dp * dst.dp
-    for pos in range(src.width):
-        s0, s1 = src.samples(pos, n)
-        d0, d1 = dst.samples(pos, n)
-        if not (s0 <= d0 and d1 <= s1):
-            return False
-    return True
 
 
 class HybridCostModel(CostModel):

@@ -28,7 +28,7 @@ from .hybrid_memory import unit_memory
 from .memory_model import MemorySettings
 from .partitioners import galvatron_walk, minmax_partition
 from .profile_data import Profiles
-from .solver import ScheduleShapes, Solution, Variant, even_partition
+from .solver import ScheduleShapes, Solution, Variant, even_partition, stage_blocks
 from .space import Layout, SearchSpace
 from .spec import RunSpec
 
@@ -254,13 +254,7 @@ class HybridProblem:
 
     # ---- the partition search ---------------------------------------------------------------------------------
     def blocks(self) -> list[list[int]]:
-        n = len(self.names)
-        if self.space.sublayer:
-            return [[i] for i in range(n)]
-        layers = [[2 * i + 1, 2 * i + 2] for i in range(self.model.num_layers)]
-        layers[0] = [0] + layers[0]
-        layers[-1] = layers[-1] + [n - 1]
-        return layers
+        return stage_blocks(self.model.num_layers, self.space.sublayer)
 
     def solve(self) -> HybridSolution | None:
         blocks = self.blocks()

@@ -346,15 +346,7 @@ class LayoutProblem:
 
     # ---- the partition search -----------------------------------------------------------------------------
     def blocks(self) -> list[list[int]]:
-        """What a stage is made of: single units, or whole layers (the embedding with the first, the head with
-        the last) when stages may not end inside a layer."""
-        n = len(self.names)
-        if self.space.sublayer:
-            return [[i] for i in range(n)]
-        layers = [[2 * i + 1, 2 * i + 2] for i in range(self.model.num_layers)]
-        layers[0] = [0] + layers[0]
-        layers[-1] = layers[-1] + [n - 1]
-        return layers
+        return stage_blocks(self.model.num_layers, self.space.sublayer)
 
     def solve(self) -> Solution | None:
         """The best (estimated) partition with its recomputation, or None when nothing fits."""
@@ -482,3 +474,14 @@ def could_fit(problem: LayoutProblem, zero1: bool) -> bool:
     room = sum((c - ms.workspace_bytes) / (1 + ms.fragmentation) for c in problem.capacity)
     return static + least <= room
 
+
+def stage_blocks(num_layers: int, sublayer: bool) -> list[list[int]]:
+    """What a stage is made of: single units, or whole layers (the embedding with the first, the head with the
+    last) when stages may not end inside a layer."""
+    n = 2 * num_layers + 2
+    if sublayer:
+        return [[i] for i in range(n)]
+    layers = [[2 * i + 1, 2 * i + 2] for i in range(num_layers)]
+    layers[0] = [0] + layers[0]
+    layers[-1] = layers[-1] + [n - 1]
+    return layers
