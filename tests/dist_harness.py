@@ -40,7 +40,24 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             results.put((rank, True, fn(rank, world_size, *args)))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, traceback.format_exc()))
+        _drop_groups(dist)
     dist.destroy_process_group()
+
+
+def _drop_groups(dist) -> None:
+    """Destroy the groups a task made: each gloo group keeps threads that wake up on their own, and hundreds of
+    them left in a long-lived worker load a 2-core machine for the rest of the session."""
+    import gc
+
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        dist.barrier()  # every rank is done with the task's groups
+    except Exception:  # noqa: BLE001 - a broken task: the parent reports it
+        return
+    for group in [g for g in list(c10d._world.pg_map) if g is not c10d._world.default_pg]:
+        dist.destroy_process_group(group)
+    gc.collect()
 
 
 class _Pool:
