@@ -128,7 +128,7 @@ def measured(opts) -> None:
     from megatron_bmw.trials.results import load_results
 
     os.makedirs(opts.out, exist_ok=True)
-    prof = os.path.join(opts.out, "profile.json")
+    prof = os.path.join(opts.out, f"profile_v{SMALL['vocab_size']}.json")
     if not os.path.exists(prof):
         _run([sys.executable, "tools/autoconfig.py", "profile", "--output", prof, *_model_flags(),
               "--profile-micro-batch-sizes", "1,2,4", "--profile-tp", "1,2,4"], "autoconfig.py profile")
@@ -209,7 +209,10 @@ def main() -> None:
     p.add_argument("--warmup-iters", type=int, default=3)
     p.add_argument("--json", default=None)
     p.add_argument("--predict-only", action="store_true", help="(b): plan, but run nothing")
+    p.add_argument("--vocab-size", type=int, default=SMALL["vocab_size"],
+                   help="(b): the small GPT's vocabulary (a large one makes the embedding and head outweigh a layer)")
     opts = p.parse_args()
+    SMALL["vocab_size"] = opts.vocab_size
     if not opts.measured_only:
         modelled()
     if not opts.modelled_only:
