@@ -5,6 +5,9 @@ from __future__ import annotations
 import datetime
 import os
 import statistics
+import subprocess
+import sys
+import time
 import traceback
 
 import torch
@@ -70,3 +73,14 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(headers), sep] + [line(r) for r in text])
+
+
+def run_command(cmd: list[str], what: str, root: str) -> str:
+    """Run a tool of this repository (one thread, the repository on PYTHONPATH); its stdout, or exit with its tail."""
+    t0 = time.time()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
+    if proc.returncode != 0:
+        sys.exit(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    print(f"  {what}: {time.time() - t0:.0f} s", flush=True)
+    return proc.stdout

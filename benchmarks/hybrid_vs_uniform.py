@@ -19,17 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import format_table, median  # noqa: E402
+from benchmarks.common import format_table, median, run_command  # noqa: E402
 from megatron_bmw.config import ModelConfig  # noqa: E402
 from megatron_bmw.planner.cluster import load_cluster  # noqa: E402
 from megatron_bmw.planner.memory_model import MemorySettings  # noqa: E402
@@ -104,14 +102,8 @@ def _layout(r) -> str:
 
 
 # ---- (b) measured ------------------------------------------------------------------------------------------------
-def _run(cmd, what):
-    t0 = time.time()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    print(f"  {what}: {time.time() - t0:.0f} s", flush=True)
-    return proc.stdout
+def _run(cmd: list[str], what: str) -> str:
+    return run_command(cmd, what, ROOT)
 
 
 def _model_flags(gbs=SMALL_GBS):

@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks.common import run_command  # noqa: E402
 
 from megatron_bmw.planner.calibrate import calibrate, scaled_profile  # noqa: E402
 from megatron_bmw.planner.cost_model import CostSettings  # noqa: E402
@@ -56,13 +56,7 @@ SWEEPS = [
 
 
 def _run(cmd: list[str], what: str) -> str:
-    t0 = time.time()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    print(f"  {what}: {time.time() - t0:.0f} s", flush=True)
-    return proc.stdout
+    return run_command(cmd, what, ROOT)
 
 
 def _tool(name: str) -> list[str]:
