@@ -28,7 +28,7 @@ from .hybrid_memory import unit_memory
 from .memory_model import MemorySettings
 from .partitioners import galvatron_walk, minmax_partition
 from .profile_data import Profiles
-from .solver import ScheduleShapes, Solution, Variant, even_partition, stage_blocks
+from .solver import ScheduleShapes, Solution, Variant, block_units, even_partition, stage_blocks
 from .space import Layout, SearchSpace
 from .spec import RunSpec
 
@@ -264,15 +264,9 @@ class HybridProblem:
         fast = [sum(self.times[0][i][0][0] + self.times[0][i][0][1] for i in blk) for blk in blocks]
         light = [[sum(min(o[2] for o in self.rows(k, i, True)) for i in blk) for blk in blocks] for k in range(p)]
 
-        def units_of(block_part) -> tuple[int, ...]:
-            out, b = [], 0
-            for size in block_part:
-                out.append(sum(len(blocks[j]) for j in range(b, b + size)))
-                b += size
-            return tuple(out)
 
         def score(block_part):
-            return self.evaluate(units_of(block_part))
+            return self.evaluate(block_units(blocks, block_part))
 
         starts = [minmax_partition(fast, p), minmax_partition(light, p, exact=False),
                   list(even_partition(len(blocks), p))]

@@ -366,17 +366,11 @@ class LayoutProblem:
         tight_mem = [[s + c * a for s, a in zip(static, least)] for c in cnt]
         seen: dict[tuple[int, ...], Solution | None] = {}
 
-        def units_of(block_part) -> tuple[int, ...]:
-            out, b = [], 0
-            for size in block_part:
-                out.append(sum(len(blocks[j]) for j in range(b, b + size)))
-                b += size
-            return tuple(out)
 
         def score(block_part) -> Solution | None:
             key = tuple(block_part)
             if key not in seen:
-                seen[key] = self.evaluate(units_of(key))
+                seen[key] = self.evaluate(block_units(blocks, key))
             return seen[key]
 
         starts = [minmax_partition(plain_time, self.stages), minmax_partition(plain_mem, self.stages, exact=False),
@@ -473,6 +467,15 @@ def could_fit(problem: LayoutProblem, zero1: bool) -> bool:
     least = min(max(min(mix) for mix in mixes) for mixes in problem.counts) * sum(min(s) for s in problem.saved)
     room = sum((c - ms.workspace_bytes) / (1 + ms.fragmentation) for c in problem.capacity)
     return static + least <= room
+
+
+def block_units(blocks: list[list[int]], block_part) -> tuple[int, ...]:
+    """Units per stage of a partition given in blocks per stage."""
+    out, b = [], 0
+    for size in block_part:
+        out.append(sum(len(blocks[j]) for j in range(b, b + size)))
+        b += size
+    return tuple(out)
 
 
 def stage_blocks(num_layers: int, sublayer: bool) -> list[list[int]]:
