@@ -9,6 +9,9 @@ seconds per iteration (AMP's own model: 0.935), the real time of the trial predi
 best, which out-of-memory trials are predicted not to fit and which trials that ran are wrongly flagged, and
 the planner's search on the same profile and cluster. Nothing here is fitted to the real times.
 
+Memory is our runtime's model on CUDA plus what DeepSpeed's pipeline engine (which ran the trials) holds beyond
+it: the last stage's previous fp32 logits (deepspeed_held_bytes); `--engine ours` leaves that out.
+
     python benchmarks/amp_trials.py [--batch-scaling linear|fixed] [--json out.json]
 
 Batch scaling: the profile has batch 1 only. `linear` scales the whole time with the batch, as AMP does.
@@ -100,7 +103,19 @@ def profile(data: dict, batch_scaling: str) -> Profile:
                    mode="measured")
 
 
-def evaluate(data: dict, batch_scaling: str, memory: MemorySettings) -> dict:
+def deepspeed_held_bytes(spec: RunSpec) -> float:
+    """What DeepSpeed's pipeline engine, which ran AMP's trials, keeps beyond the memory our runtime needs: on
+    the last stage, the previous micro-batch's output. The engine stores each forward's output in a pipe buffer
+    (the last stage has two) and its last-stage backward returns without freeing it, so the buffer lives until
+    a later forward overwrites it. The GPT-2 pipeline model's last layer casts the logits to fp32, and the
+    cross entropy works in place on them, so that output is the micro-batch's fp32 logits."""
+    if spec.pipeline.num_microbatches < 2:
+        return 0.0
+    model = spec.model
+    return float(model.seq_length * spec.pipeline.micro_batch_size * (model.vocab_size // spec.tp) * 4)
+
+
+def evaluate(data: dict, batch_scaling: str, memory: MemorySettings, engine: str = "deepspeed") -> dict:
     cluster = load_cluster("aws-g4dn.12xlarge", num_nodes=4)
     profiles = Profiles([profile(data, batch_scaling)])
     rows = []
@@ -109,7 +124,8 @@ def evaluate(data: dict, batch_scaling: str, memory: MemorySettings) -> dict:
         pipe = PipelineConfig(micro_batch_size=t["mbs"], num_microbatches=m, partition=partition(t["boundaries"]))
         spec = RunSpec(MODEL, t["tp"], t["pp"], t["dp"], pipe, overlap_grad_reduce=OVERLAP)
         ev = simulate_run(spec, cluster, profiles, CostSettings(), memory, memory_over_time=False)
-        need = max(x.peak_bytes / stage_capacity(spec, cluster, s) for s, x in enumerate(ev.memory))
+        held = [0.0] * (t["pp"] - 1) + [deepspeed_held_bytes(spec) if engine == "deepspeed" else 0.0]
+        need = max((x.peak_bytes + held[s]) / stage_capacity(spec, cluster, s) for s, x in enumerate(ev.memory))
         rows.append({**t, "predicted_s": ev.simulation.iteration_time, "memory_vs_capacity": need,
                      "fits": need <= 1.0})
     ran = [r for r in rows if r["real_s"] is not None]
@@ -130,6 +146,8 @@ def evaluate(data: dict, batch_scaling: str, memory: MemorySettings) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-scaling", choices=["fixed", "linear"], default="fixed")
+    parser.add_argument("--engine", choices=["deepspeed", "ours"], default="deepspeed",
+                        help="memory of the engine that ran the trials (deepspeed) or of our runtime alone")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     with open(DATA) as f:
@@ -137,7 +155,7 @@ def main() -> int:
     memory = MemorySettings(device="cuda", workspace_bytes=1.5 * 2**30, fragmentation=0.10)
     out = {}
     for scaling in (["linear", "fixed"] if args.batch_scaling == "fixed" else ["linear"]):
-        out[scaling] = evaluate(data, scaling, memory)
+        out[scaling] = evaluate(data, scaling, memory, args.engine)
     res = out[args.batch_scaling]
     print(f"{'mbs':>3} {'tp':>2} {'dp':>2} {'pp':>2} {'real s':>7} {'AMP s':>7} {'ours s':>7} {'ours/real':>9} "
           f"{'mem/cap':>7}")
@@ -159,9 +177,11 @@ def main() -> int:
                     Profiles([profile(data, args.batch_scaling)]), SearchSpace(), CostSettings(), memory,
                     SearchSettings(top_k=3))
     best = result.best.spec
+    recompute = sorted({r for r in best.pipeline.recompute or () if r})
     print(f"search on this profile ({time.time() - started:.1f} s): tp {best.tp} pp {best.pp} dp {best.dp} "
-          f"mbs {best.pipeline.micro_batch_size} {best.pipeline.schedule} v{best.pipeline.virtual_stages}, "
-          f"predicted {result.best.time:.3f} s")
+          f"mbs {best.pipeline.micro_batch_size} {best.pipeline.schedule} v{best.pipeline.virtual_stages}"
+          f"{' zero1' if best.distributed_optimizer else ''}{' recompute ' + '/'.join(recompute) if recompute else ''}"
+          f", predicted {result.best.time:.3f} s (our runtime's memory, not DeepSpeed's)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
