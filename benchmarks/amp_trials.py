@@ -9,8 +9,11 @@ seconds per iteration (AMP's own model: 0.935), the real time of the trial predi
 best, which out-of-memory trials are predicted not to fit and which trials that ran are wrongly flagged, and
 the planner's search on the same profile and cluster. Nothing here is fitted to the real times.
 
-Memory is our runtime's model on CUDA plus what DeepSpeed's pipeline engine (which ran the trials) holds beyond
-it: the last stage's previous fp32 logits (deepspeed_held_bytes); `--engine ours` leaves that out.
+The trials ran Megatron-LM v1.1.5's GPT-2 on DeepSpeed's pipeline engine (AMP's repository): fp16 with gradients
+all-reduced in fp32 (`fp32_allreduce` in its ds_config), no activation recomputation, the rank order tp-dp-pp,
+and a pipeline model whose last layer casts the logits to fp32. Our cost model assumes the same, so nothing is
+changed for time. Memory is our runtime's model on CUDA plus what the engine holds beyond it: the last stage's
+previous fp32 logits (deepspeed_held_bytes); `--engine ours` leaves that out.
 
     python benchmarks/amp_trials.py [--batch-scaling linear|fixed] [--json out.json]
 
