@@ -36,7 +36,7 @@ from benchmarks.common import run_command  # noqa: E402
 
 from megatron_bmw.planner.calibrate import calibrate, scaled_profile  # noqa: E402
 from megatron_bmw.planner.cost_model import CostSettings  # noqa: E402
-from megatron_bmw.planner.profile_data import Profile, Profiles  # noqa: E402
+from megatron_bmw.planner.profile_data import Profiles  # noqa: E402
 from megatron_bmw.trials.report import error_summary, table  # noqa: E402
 from megatron_bmw.trials.results import load_results  # noqa: E402
 from megatron_bmw.trials.specs import TrialModel  # noqa: E402

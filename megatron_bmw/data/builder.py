@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from megatron_bmw.config import DataConfig
@@ -17,6 +19,9 @@ from megatron_bmw.data.gpt_dataset import (
 from megatron_bmw.data.indexed_dataset import IndexedDataset
 from megatron_bmw.data.tokenizers import build_tokenizer
 from megatron_bmw.errors import UsageError
+
+if TYPE_CHECKING:
+    from megatron_bmw.data.bert_dataset import BertSampleConfig
 
 Datasets = tuple[object | None, object | None, object | None]
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..strategy import UnitStrategy, parse_unit_strategies
+from .layers import counted_once
 from .layout import RankLayout
 from .random import TP_RNG
 from .relayout import relayout
@@ -104,7 +105,7 @@ class Hybrid:
             raise UsageError("--unit-strategies needs --tensor-model-parallel-size 1 (each unit sets its own tp)")
         width = layout.dp
         strategies = parse_unit_strategies(text, n_units, width)
-        local, _, stage = layout.coords(rank)[1], None, layout.coords(rank)[2]
+        _, local, stage = layout.coords(rank)
         timeout = None if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)
         groups = {}
         for s in sorted(set(strategies), key=str):
@@ -253,11 +254,7 @@ def mark_norm_counting(chunks: list[HybridModel], hybrid: Hybrid) -> None:
             s = hybrid.strategies[i]
             tp_rank, dp_rank = s.coords(hybrid.local)
             for p in unit.parameters():
-                if getattr(p, "shared_embedding_copy", False):
-                    p.counts_in_norm = False
-                    continue
-                tp_ok = getattr(p, "tensor_model_parallel", False) or tp_rank == 0
-                p.counts_in_norm = tp_ok and (s.sharded or dp_rank == 0)
+                p.counts_in_norm = counted_once(p, tp_rank) and (s.sharded or dp_rank == 0)
 
 
 class HybridGradSync:

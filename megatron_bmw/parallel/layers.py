@@ -45,6 +45,14 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+def counted_once(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank's copy of `param` is the one counted in world-wide norms over tp: never the tied output
+    copy of the embedding, always a tensor-parallel shard, a tp-replicated parameter on tp rank 0."""
+    if getattr(param, "shared_embedding_copy", False):
+        return False
+    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
+
+
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              state: ParallelState) -> torch.Tensor:
     """F.linear on the tensor-parallel input: all-gathered over the sequence with SP, else copied to tp."""

@@ -261,7 +261,6 @@ class Trainer:
         train = tr.train_samples if tr.train_samples is not None else tr.train_iters * tr.global_batch_size
         evals = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters
         num = (train, evals * tr.global_batch_size, tr.eval_iters * tr.global_batch_size)
-        seq = self.run.model.seq_length
         bert = self.run.model.model_type == "bert"
         # rank 0 builds the index caches first and checks once that every token id fits the vocabulary; the
         # agreements stand in for barriers, so a data error on any rank stops all of them with its own line

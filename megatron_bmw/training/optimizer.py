@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..parallel.layers import counted_once
 from ..parallel.state import ParallelState, group_rank, group_size
 from ..config import OptimizerConfig
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -55,12 +56,10 @@ def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
 
 def counts_in_grad_norm(param: torch.Tensor, tp_rank: int) -> bool:
     """Whether this rank adds the parameter's gradient to the global norm (each gradient counted once)."""
-    if getattr(param, "shared_embedding_copy", False):
-        return False
     counted = getattr(param, "counts_in_norm", None)  # hybrid strategies decide per unit (parallel/hybrid.py)
     if counted is not None:
         return counted
-    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
+    return counted_once(param, tp_rank)
 
 
 class MixedPrecisionOptimizer:

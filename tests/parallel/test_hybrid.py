@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from megatron_bmw.config import ParallelConfig
-from megatron_bmw.errors import UsageError
 from megatron_bmw.models.gpt import unit_names
 from megatron_bmw.parallel.hybrid import HybridGradSync, local_params
 from megatron_bmw.parallel.state import ParallelState

@@ -14,7 +14,7 @@ from megatron_bmw.planner.cost_model import CostSettings
 from megatron_bmw.planner.evaluate import simulate_run, stage_capacity
 from megatron_bmw.planner.memory_model import MemorySettings
 from megatron_bmw.planner.plan import Plan
-from megatron_bmw.planner.search import SearchSettings, padded_model, search
+from megatron_bmw.planner.search import padded_model, search
 from megatron_bmw.planner.space import SearchSpace, layouts, tp_degrees
 from megatron_bmw.planner.spec import RunSpec
 
