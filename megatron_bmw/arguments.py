@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                      PipelineConfig, RunConfig, TrainConfig)
-from .errors import UsageError
+from .errors import UsageError, report
 from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
 from .strategy import parse_strategy, parse_unit_strategies
@@ -34,9 +33,7 @@ CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")  # M
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit code 2, said once (every rank parses the same flags)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report(UsageError(message)))
 
 
 def build_parser(prog: str = "pretrain_gpt.py", model_type: str = "gpt") -> argparse.ArgumentParser:

@@ -5,12 +5,17 @@
 - Reported: already printed by the rank that saw it (see parallel/agree.py); only exit with its code.
 - A collective that timed out or lost its peer: the rank says which, in one line, exit code 1.
 
-Before torch.distributed is initialised every rank meets the same bad input, so only rank 0 prints; after it,
-errors can be one rank's own, so that rank prints with its rank number.
+Before torch.distributed is initialised every rank meets the same bad input, so rank 0 prints. Under torchrun,
+which stops every rank once one has failed, another rank that got there first waits REPORT_GRACE_S and then
+prints the same line if it is still alive, so the line is not lost when rank 0 is the slow one. After
+initialisation, errors can be one rank's own, so that rank prints with its rank number.
 """
 
 import os
 import sys
+import time
+
+REPORT_GRACE_S = 5.0
 
 
 class UsageError(Exception):
@@ -65,8 +70,11 @@ def report(exc: BaseException) -> int:
         return exc.exit_code
     if isinstance(exc, UsageError):
         if not initialised:
-            if rank == 0:
-                say(str(exc))
+            if rank != 0:
+                if not os.environ.get("TORCHELASTIC_RUN_ID"):  # other launchers leave rank 0 to print
+                    return exc.exit_code
+                time.sleep(REPORT_GRACE_S)
+            say(str(exc))
         else:
             say(f"rank {rank}: {exc}")
         return exc.exit_code

@@ -1,0 +1,33 @@
+"""errors.report: one line per bad input, never lost when rank 0 is slower than the others."""
+
+import pytest
+
+from megatron_bmw import errors
+from megatron_bmw.errors import UsageError, report
+
+
+def test_usage_error_before_init_rank0_prints_at_once(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(errors.time, "sleep", lambda s: pytest.fail("rank 0 must not wait"))
+    assert report(UsageError("--save /x: cannot be created")) == 2
+    assert capsys.readouterr().err == "error: --save /x: cannot be created\n"
+
+
+def test_usage_error_before_init_other_rank_under_torchrun_prints_after_grace(monkeypatch, capsys):
+    """torchrun stops the other ranks once one has failed: a rank still alive after the grace (rank 0 was the
+    slower one, and was stopped before it printed) prints the same line, so it is never lost."""
+    waited = []
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setattr(errors.time, "sleep", waited.append)
+    assert report(UsageError("--save /x: cannot be created")) == 2
+    assert waited == [errors.REPORT_GRACE_S]
+    assert capsys.readouterr().err == "error: --save /x: cannot be created\n"
+
+
+def test_usage_error_before_init_other_rank_elsewhere_is_silent(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(errors.time, "sleep", lambda s: pytest.fail("no wait outside torchrun"))
+    assert report(UsageError("--save /x: cannot be created")) == 2
+    assert capsys.readouterr().err == ""
