@@ -15,7 +15,7 @@ and a pipeline model whose last layer casts the logits to fp32. Our cost model a
 changed for time. Memory is our runtime's model on CUDA plus what the engine holds beyond it: the last stage's
 previous fp32 logits (deepspeed_held_bytes); `--engine ours` leaves that out.
 
-    python benchmarks/amp_trials.py [--batch-scaling linear|fixed] [--json out.json]
+    python benchmarks/amp_trials.py [--batch-scaling linear|fixed] [--engine deepspeed|ours] [--json out.json]
 
 Batch scaling: the profile has batch 1 only. `linear` scales the whole time with the batch, as AMP does.
 `fixed` (default) splits each profiled time at tp > 1 into a part that grows with the batch - the tp=1 time
