@@ -68,33 +68,13 @@ def build_gpt_datasets(
     weights = [w for w, _ in blend]
     if len(blend) > 1 and min(weights) == 0:
         blend = [(w, p) for w, p in blend if w > 0]
-    indexed = [IndexedDataset(prefix) for _, prefix in blend]
-    if check_vocab_size is not None:
-        for ds in indexed:
-            ds.check_vocab(check_vocab_size)
-    ranges = [split_ranges(cfg.split, len(ds)) for ds in indexed]
-    out: list[object | None] = []
-    for s, (name, n) in enumerate(zip(SPLIT_NAMES, num_samples)):
-        members = [(w, ds, r[s]) for (w, _), ds, r in zip(blend, indexed, ranges) if r[s][1] > r[s][0]]
-        if n == 0 or not members:
-            out.append(None)
-            continue
 
-        def make(ds: IndexedDataset, rng: tuple[int, int], count: int) -> GPTDataset:
-            cache = cfg.data_cache_path or default_cache_dir(ds.path_prefix)
-            return GPTDataset(ds, np.arange(*rng), count, seq_length, seed, cache, name)
+    def make(ds: IndexedDataset, rng: tuple[int, int], count: int, name: str) -> GPTDataset:
+        cache = cfg.data_cache_path or default_cache_dir(ds.path_prefix)
+        return GPTDataset(ds, np.arange(*rng), count, seq_length, seed, cache, name)
 
-        if len(blend) == 1:
-            _, ds, rng = members[0]
-            out.append(make(ds, rng, n))
-            continue
-        total = sum(w for w, _, _ in members)
-        member_weights = [w / total for w, _, _ in members]
-        counts = samples_per_dataset(member_weights, n)
-        parts = [make(ds, rng, c) for (_, ds, rng), c in zip(members, counts)]
-        cache = cfg.data_cache_path or default_cache_dir(members[0][1].path_prefix)
-        out.append(BlendedDataset(parts, member_weights, n, cache, name))
-    return tuple(out)
+    return _split_and_blend(cfg, blend, num_samples, check_vocab_size, len, make,
+                            lambda first: cfg.data_cache_path or default_cache_dir(first.path_prefix))
 
 
 def describe(datasets: Datasets) -> str:
@@ -127,11 +107,22 @@ def build_bert_datasets(cfg: DataConfig, sample: "BertSampleConfig", num_samples
     if not cfg.data_path:
         raise UsageError("--data-path: required unless --mock-data is set")
     blend = [(w, p) for w, p in parse_data_path(cfg.data_path) if w > 0 or len(cfg.data_path) == 1]
+    def make(ds: IndexedDataset, rng: tuple[int, int], count: int, name: str):
+        return BertDataset(ds, np.arange(*rng), count, sample, vocab, name)
+
+    return _split_and_blend(cfg, blend, num_samples, check_vocab_size, lambda ds: len(ds.document_indices) - 1,
+                            make, lambda first: None)
+
+
+def _split_and_blend(cfg: DataConfig, blend: list, num_samples: tuple[int, int, int], check_vocab_size: int | None,
+                     length, make, blend_cache) -> Datasets:
+    """Split each prefix of `blend` by `cfg.split` (over `length(ds)` items) and, per split, one dataset
+    (`make(ds, range, count, split name)`) or a BlendedDataset of the prefixes that have items there."""
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
     if check_vocab_size is not None:
         for ds in indexed:
             ds.check_vocab(check_vocab_size)
-    ranges = [split_ranges(cfg.split, len(ds.document_indices) - 1) for ds in indexed]
+    ranges = [split_ranges(cfg.split, length(ds)) for ds in indexed]
     out: list[object | None] = []
     for s, (name, n) in enumerate(zip(SPLIT_NAMES, num_samples)):
         members = [(w, ds, r[s]) for (w, _), ds, r in zip(blend, indexed, ranges) if r[s][1] > r[s][0]]
@@ -140,11 +131,10 @@ def build_bert_datasets(cfg: DataConfig, sample: "BertSampleConfig", num_samples
             continue
         if len(blend) == 1:
             _, ds, rng = members[0]
-            out.append(BertDataset(ds, np.arange(*rng), n, sample, vocab, name))
+            out.append(make(ds, rng, n, name))
             continue
         total = sum(w for w, _, _ in members)
         member_weights = [w / total for w, _, _ in members]
-        parts = [BertDataset(ds, np.arange(*rng), c, sample, vocab, name)
-                 for (_, ds, rng), c in zip(members, samples_per_dataset(member_weights, n))]
-        out.append(BlendedDataset(parts, member_weights, n, None, name))
+        parts = [make(ds, rng, c, name) for (_, ds, rng), c in zip(members, samples_per_dataset(member_weights, n))]
+        out.append(BlendedDataset(parts, member_weights, n, blend_cache(members[0][1]), name))
     return tuple(out)
