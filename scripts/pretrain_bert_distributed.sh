@@ -1,15 +1,6 @@
 #!/usr/bin/env bash
 # torchrun launcher for BERT, one or many nodes. Run it on every node with the same MASTER_ADDR and its own NODE_RANK:
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=host0 bash scripts/pretrain_bert_distributed.sh <pretrain_bert.py flags>
-# GPUS_PER_NODE defaults to the visible GPU count (1 process on a machine without GPUs).
+# Same environment variables as pretrain_gpt_distributed.sh.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-if [ -z "${GPUS_PER_NODE:-}" ]; then
-  GPUS_PER_NODE=$(nvidia-smi -L 2>/dev/null | wc -l || true)
-  [ "${GPUS_PER_NODE:-0}" -gt 0 ] || GPUS_PER_NODE=1
-fi
-PYTHON_BIN=${PYTHON_BIN:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
-exec "$PYTHON_BIN" -m torch.distributed.run \
-    --nproc_per_node "$GPUS_PER_NODE" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
-    --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \
-    pretrain_bert.py "$@"
+ENTRY=pretrain_bert.py exec bash "$(dirname "$0")/pretrain_gpt_distributed.sh" "$@"

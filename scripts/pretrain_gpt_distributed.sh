@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # torchrun launcher, one or many nodes. Run it on every node with the same MASTER_ADDR and its own NODE_RANK:
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=host0 bash scripts/pretrain_gpt_distributed.sh <pretrain_gpt.py flags>
+# ENTRY picks the entry script (default pretrain_gpt.py; pretrain_bert_distributed.sh sets pretrain_bert.py).
 # GPUS_PER_NODE defaults to the visible GPU count (1 process on a machine without GPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +13,4 @@ PYTHON_BIN=${PYTHON_BIN:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || 
 exec "$PYTHON_BIN" -m torch.distributed.run \
     --nproc_per_node "$GPUS_PER_NODE" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
     --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \
-    pretrain_gpt.py "$@"
+    "${ENTRY:-pretrain_gpt.py}" "$@"
