@@ -11,6 +11,8 @@ micro-batch:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -47,7 +49,7 @@ class GradSync:
             self.buckets.append(_Bucket(current, state.device))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._remaining: dict[int, int] = {}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks = weak_grad_hooks(self, self.params)
 
     def buffer_bytes(self) -> int:
         """Bytes of the fp32 gradient buffers."""
@@ -94,6 +96,20 @@ class GradSync:
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+def weak_grad_hooks(owner, params: list[nn.Parameter]) -> list:
+    """Post-accumulate-grad hooks calling `owner._on_grad` through a weak reference. Autograd keeps hooks where
+    the garbage collector cannot see them, so a bound method would keep the owner, its parameters and its
+    process groups alive for the life of the process."""
+    ref = weakref.ref(owner)
+
+    def hook(p: nn.Parameter) -> None:
+        live = ref()
+        if live is not None:
+            live._on_grad(p)
+
+    return [p.register_post_accumulate_grad_hook(hook) for p in params]
 
 
 def _sum_over(params: list[nn.Parameter], flag: str, group) -> None:

@@ -264,7 +264,7 @@ class HybridGradSync:
     embedding copy is summed over the embedding group as in a uniform run."""
 
     def __init__(self, params: list[torch.Tensor], state: ParallelState, bucket_size: int = 40_000_000) -> None:
-        from .grad_sync import _Bucket
+        from .grad_sync import _Bucket, weak_grad_hooks
 
         self.state = state
         self.params = [p for p in params if getattr(p, "fsdp_param", None) is not None or p.requires_grad]
@@ -290,7 +290,7 @@ class HybridGradSync:
                 self.buckets.append(_Bucket(current, state.device))
                 self.groups.append(keep[key])
         self._sharded_buffer = _Bucket(self.sharded, state.device) if self.sharded else None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in plain if p.requires_grad]
+        self._hooks = weak_grad_hooks(self, [p for p in plain if p.requires_grad])
 
     def _on_grad(self, p) -> None:
         p.main_grad.add_(p.grad)
