@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ParallelConfig
-from ..device import choose_backend, default_device, free_port, set_device
+from ..device import choose_backend, default_device, set_device
 from .layout import RankLayout
 from .random import RNGTracker
 
@@ -43,6 +43,7 @@ class ParallelState:
     # (src, dst) global ranks, so evicted activations never share a communicator with stage-to-stage traffic.
     transfer_groups: dict = field(default_factory=dict)
     hybrid: object = None  # parallel/hybrid.Hybrid with --unit-strategies (per-unit strategies), else None
+    owned_groups: list = field(default_factory=list, repr=False)  # every group build() made: destroy() ends them
 
     def __post_init__(self) -> None:
         if self.rng.device != self.device:
@@ -66,6 +67,7 @@ class ParallelState:
         if device is None:
             device = default_device()
         state = cls(layout=layout, rank=rank, device=torch.device(device), sequence_parallel=cfg.sequence_parallel)
+        before = set(_live_groups())
         new_group = _group_maker(timeout_minutes)
         for attr, groups in (
             ("tp_group", layout.tp_groups()),
@@ -87,7 +89,18 @@ class ParallelState:
             state.p2p_groups = _directional_groups(layout.pp_groups(), rank, new_group)
             if layout.order == "bpipe":
                 state.transfer_groups = _pair_groups(layout.pp_groups(), rank, new_group)
+        state.owned_groups = [g for g in _live_groups() if g not in before]
         return state
+
+    def destroy(self) -> None:
+        """Destroy every process group `build` made (hybrid per-unit groups included); the default group is the
+        caller's. Idempotent; the state must not be used for communication afterwards."""
+        live = set(_live_groups())
+        for g in self.owned_groups:
+            if g in live:
+                dist.destroy_process_group(g)
+        self.owned_groups = []
+        self.p2p_groups, self.transfer_groups = {}, {}
 
     def p2p_group(self, src: int, dst: int):
         """Process group for point-to-point traffic from global rank src to dst (None: the default group)."""
@@ -128,6 +141,15 @@ class ParallelState:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+
+def _live_groups() -> list:
+    """Every process group this process holds, the default one excepted."""
+    if not dist.is_initialized():
+        return []
+    from torch.distributed import distributed_c10d as c10d
+
+    return [g for g in c10d._world.pg_map if g is not c10d._world.default_pg]
 
 
 def _group_maker(timeout_minutes: float | None):
@@ -185,13 +207,14 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0) 
     env.update(slurm_environment(env))
     world = int(env.get("WORLD_SIZE", "1"))
     backend = choose_backend(backend)
-    if world == 1 and "MASTER_ADDR" not in env:
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(free_port()))
+    set_device(int(env.get("LOCAL_RANK", "0")), backend)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if world == 1 and "MASTER_ADDR" not in env:  # one process: an in-memory store, no port to race for
         env.setdefault("RANK", "0")
         env.setdefault("WORLD_SIZE", "1")
-    set_device(int(env.get("LOCAL_RANK", "0")), backend)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def slurm_environment(env) -> dict[str, str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, ParallelConfig, PipelineConfig
-from ..device import choose_backend, free_port, ping_pong, set_device, synchronize, timed
+from ..device import choose_backend, ping_pong, set_device, synchronize, timed
 from ..errors import UsageError
 from .cluster import DeviceType
 from .flops import unit_forward_flops
@@ -213,7 +214,7 @@ def time_links(sizes, repeats: int = 5, device: torch.device | None = None, stat
 
 
 # ---- multi-process driver -----------------------------------------------------------------------------------
-def _worker(rank: int, world: int, port: int, model: ModelConfig, settings: ProfileSettings, tp: int, sp: bool,
+def _worker(rank: int, world: int, init_file: str, model: ModelConfig, settings: ProfileSettings, tp: int, sp: bool,
             queue) -> None:
     import datetime
 
@@ -222,12 +223,12 @@ def _worker(rank: int, world: int, port: int, model: ModelConfig, settings: Prof
     from ..parallel.state import ParallelState
 
     torch.set_num_threads(settings.threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     backend = choose_backend(None, world)
     set_device(rank, backend)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=5))
         result: dict = {}
         if tp:
             state = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp))
@@ -235,6 +236,7 @@ def _worker(rank: int, world: int, port: int, model: ModelConfig, settings: Prof
             units = time_units(model, state, settings.micro_batch_sizes, settings.warmup, settings.repeats,
                                barrier=dist.barrier, statistic=settings.statistic, rounds=settings.rounds)
             result["units"] = units
+            state.destroy()
         else:
             device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
             result["links"] = time_links(settings.comm_sizes, settings.repeats, device, settings.statistic)
@@ -249,8 +251,9 @@ def _spawn(world: int, model: ModelConfig, settings: ProfileSettings, tp: int, s
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, model, settings, tp, sp, queue), daemon=True)
+    rendezvous = tempfile.TemporaryDirectory(prefix="mbmw-profile-")  # a file store: no port to race for
+    init_file = os.path.join(rendezvous.name, "store")
+    procs = [ctx.Process(target=_worker, args=(r, world, init_file, model, settings, tp, sp, queue), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -264,6 +267,7 @@ def _spawn(world: int, model: ModelConfig, settings: ProfileSettings, tp: int, s
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
+        rendezvous.cleanup()
     errors = [f"rank {r}: {v['error']}" for r, v in sorted(results.items()) if "error" in v]
     if errors:
         raise RuntimeError("profiling failed: " + "; ".join(errors))

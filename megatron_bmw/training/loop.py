@@ -86,14 +86,23 @@ def print_first(state: ParallelState, text: str) -> None:
 
 
 class _Signal:
-    """SIGTERM sets a flag; ranks agree on it at the end of each iteration, then save and exit."""
+    """While entered, SIGTERM sets a flag; ranks agree on it at the end of each iteration, then save and exit.
+    On exit the previous handler is back."""
 
     def __init__(self) -> None:
         self.received = False
+        self._previous = None
+
+    def __enter__(self) -> "_Signal":
         try:
-            signal.signal(signal.SIGTERM, self._handle)
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
         except ValueError:  # not in the main thread
             pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
     def _handle(self, signum, frame) -> None:
         self.received = True
@@ -359,8 +368,11 @@ class Trainer:
 
     # -- loop ------------------------------------------------------------------------------------------------
     def train(self) -> None:
+        with _Signal() as sig:
+            self._train(sig)
+
+    def _train(self, sig: _Signal) -> None:
         tr, st = self.run.train, self.state
-        sig = _Signal()
         start = time.time()
         interval = IntervalStats()
         while self.iteration < tr.train_iters:

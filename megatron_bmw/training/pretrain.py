@@ -23,7 +23,8 @@ from .loop import Trainer, count_parameters, print_first, print_last
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None, model_type: str = "gpt") -> None:
-    pretrain(list(sys.argv[1:] if argv is None else argv), model_type)
+    trainer = pretrain(list(sys.argv[1:] if argv is None else argv), model_type)
+    trainer.state.destroy()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

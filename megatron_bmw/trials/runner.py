@@ -50,15 +50,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(cfg: LaunchConfig, argv: list[str], port: int) -> tuple[list[str], dict[str, str]]:
-    """(command, environment additions) that run `argv` (pretrain_gpt.py flags) on cfg.world_size ranks."""
+def launch_command(cfg: LaunchConfig, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(command, environment additions) that run `argv` (pretrain_gpt.py flags) on cfg.world_size ranks.
+    torchrun runs standalone: its rendezvous binds a port the system chooses, so two trials never race for one."""
     target = ["-m", ENTRY_MODULE] if cfg.script is None else [cfg.script]
-    env = {"MASTER_PORT": str(port),
-           "PYTHONPATH": os.pathsep.join(x for x in (REPO_ROOT, os.environ.get("PYTHONPATH")) if x)}
+    env = {"PYTHONPATH": os.pathsep.join(x for x in (REPO_ROOT, os.environ.get("PYTHONPATH")) if x)}
     if cfg.launcher == "torchrun":
-        cmd = [cfg.python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-               str(cfg.nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port), *target]
+        cmd = [cfg.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+               str(cfg.nproc_per_node), *target]
     else:
+        env["MASTER_PORT"] = str(free_port())  # on the first node; srun has no port choice of its own
         cmd = ["srun", "--nodes", str(cfg.nnodes), "--ntasks", str(cfg.world_size), "--ntasks-per-node",
                str(cfg.nproc_per_node), "--kill-on-bad-exit=1", *cfg.srun_args, cfg.python, *target]
     return cmd + list(argv), env
@@ -79,7 +80,7 @@ class Runner:
         self._proc: subprocess.Popen | None = None
 
     def run(self, argv: list[str], log_path: str) -> Outcome:
-        cmd, extra = launch_command(self.cfg, argv, free_port())
+        cmd, extra = launch_command(self.cfg, argv)
         env = {**os.environ, **extra}
         t0 = time.time()
         with open(log_path, "wb") as log:
