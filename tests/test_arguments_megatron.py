@@ -148,6 +148,7 @@ def test_train_iters_defaults_to_10():
     assert _run([]).train.train_iters == 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,needle", [
     (["--global-batch-size", "0"], "error: --global-batch-size must be >= 1, got 0"),
     (["--save-interval", "0"], "error: --save-interval must be >= 1, got 0"),

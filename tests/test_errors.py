@@ -13,6 +13,7 @@ def test_usage_error_before_init_rank0_prints_at_once(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: --save /x: cannot be created\n"
 
 
+@pytest.mark.slow
 def test_usage_error_before_init_other_rank_under_torchrun_prints_after_grace(monkeypatch, capsys):
     """torchrun stops the other ranks once one has failed: a rank still alive after the grace (rank 0 was the
     slower one, and was stopped before it printed) prints the same line, so it is never lost."""
@@ -25,6 +26,7 @@ def test_usage_error_before_init_other_rank_under_torchrun_prints_after_grace(mo
     assert capsys.readouterr().err == "error: --save /x: cannot be created\n"
 
 
+@pytest.mark.slow
 def test_usage_error_before_init_other_rank_elsewhere_is_silent(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)

@@ -93,6 +93,7 @@ def test_sentence_splitter():
     assert split_sentences("   ") == [] and split_sentences("no end") == ["no end"]
 
 
+@pytest.mark.slow
 def test_preprocess_split_sentences(vocab_file, tmp_path):
     docs = [" ".join(TEXTS[:2]), "", TEXTS[2] + " " + TEXTS[3]]
     with open(tmp_path / "c.jsonl", "w") as f:

@@ -96,6 +96,7 @@ def test_bad_inputs(preprocess, tmp_path, capsys):
     assert "--workers" in error_line(preprocess, ["--input", str(good), *out, *null, "--workers", "0"], capsys)
 
 
+@pytest.mark.slow
 def test_cli_missing_input_exits_2(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(tmp_path / "missing.jsonl"),
@@ -117,6 +118,7 @@ def test_workers_do_not_change_the_output(preprocess, tmp_path, bpe_files):
         assert one == (tmp_path / f"w2_text_document{ext}").read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text,needle", [
     ("", "has no documents (it is empty or holds only blank lines)"),
     ("\n   \n\t\n", "has no documents (it is empty or holds only blank lines)"),

@@ -109,6 +109,7 @@ def _tp2_case(rank, world_size, arch):
     return all(torch.equal(merged[k], full[k]) for k in full)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["BertForPreTraining", "MegatronBertForPreTraining"])
 def test_hf_logits_equal_ours_tp2(arch):
     assert all(run_distributed(2, _tp2_case, arch))
@@ -132,6 +133,7 @@ def test_refused_configs():
         read_ours({(0, 0): {"args": {**kwargs, "tensor_model_parallel_size": 1}, "model": {}}})
 
 
+@pytest.mark.slow
 def test_cli_round_trip(tmp_path):
     hf = _hf_model("BertForPreTraining")
     hf.save_pretrained(tmp_path / "hf")

@@ -82,6 +82,7 @@ IDS = ["tp2", "tp2-sp-flash-selective", "pp2-cut-recompute", "dp2-overlap-no-bin
        "pp2-slicing-untied", "pp4-bpipe", "tp2-pp2-sp-full-recompute-slicing"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ws,tp,pp,v,m,partition,overrides,extra", PARAMS, ids=IDS)
 def test_bert_pipeline_equals_serial(ws, tp, pp, v, m, partition, overrides, extra):
     out = run_distributed(ws, _run_case, tp, pp, v, m, partition, overrides, extra)

@@ -58,6 +58,7 @@ def _tp_body(rank, world_size, sp):
     return _mismatches(state, 2, sp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True])
 def test_bert_saved_bytes_tp2_exact(sp):
     assert run_distributed(2, _tp_body, sp) == [[], []]

@@ -132,6 +132,7 @@ def test_logits_match_hf_serial(converted):
     assert diff <= TOL, diff
 
 
+@pytest.mark.slow
 def test_logits_match_hf_tp2(converted):
     outs = run_distributed(2, _tp_logits, converted["saves"][2], _tokens())
     for logits in outs:
@@ -211,6 +212,7 @@ def test_bad_tp_is_usage_error(converted, capsys):
         hf_to_megatron({}, {**HF_CONFIG, "model_type": "gpt2"}, tp=3)
 
 
+@pytest.mark.slow
 def test_missing_hf_dir_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, TOOL, "--direction", "hf-to-megatron", "--hf-dir", str(tmp_path / "nope"),
                            "--save", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
@@ -220,6 +222,7 @@ def test_missing_hf_dir_exits_2(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_pretrain_gpt_finetunes_from_converted_checkpoint(converted):
     """pretrain_gpt.py loads the converter's `release` checkpoint (weights only) and trains on."""
     import subprocess

@@ -466,6 +466,7 @@ def test_unsupported_megatron_models_exit_2(tmp_path, capsys, override, message)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_torch_dist_directory_exits_2(tmp_path):
     root = tmp_path / "dist"
     (root / "iter_0000010").mkdir(parents=True)
@@ -507,6 +508,7 @@ def _pretrain(args, timeout=240):
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_pretrain_continues_from_converted_checkpoint(megatron, tmp_path):
     case = megatron["transformer_engine"]
     ours = _convert("megatron-to-ours", case["ckpt"], tmp_path / "ours", "--target-tensor-parallel-size", "1",
@@ -548,6 +550,7 @@ def _load_error(rank, world_size, argv):
     return None
 
 
+@pytest.mark.slow
 def test_distributed_tp2pp2_continues_like_serial(megatron, tmp_path):
     """The converted tp2 pp2 checkpoint loads into 4 ranks and trains on exactly like its tp1 pp1 conversion."""
     from tests.dist_harness import run_distributed

@@ -48,6 +48,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("overrides,sequence_parallel", CASES)
 def test_gpt_tensor_parallel_equals_serial(world_size, overrides, sequence_parallel):

@@ -119,6 +119,7 @@ def _cases(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_hybrid_equals_serial(world):
     names = run_distributed(world, _cases)

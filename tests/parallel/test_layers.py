@@ -115,21 +115,25 @@ def _rng_case(rank, world_size):
     return outside, inside, after
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_linear_layers_match_serial(world_size, sequence_parallel):
     assert all(run_distributed(world_size, _layers_case, sequence_parallel))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_embedding_and_cross_entropy_match_serial(world_size):
     assert all(run_distributed(world_size, _embedding_and_loss_case))
 
 
+@pytest.mark.slow
 def test_sequence_parallel_mappings():
     assert all(run_distributed(2, _sequence_mappings_case))
 
 
+@pytest.mark.slow
 def test_tp_rng_differs_inside_tp_region_only():
     (o0, i0, a0), (o1, i1, a1) = run_distributed(2, _rng_case)
     assert torch.equal(o0, o1) and torch.equal(a0, a1)

@@ -1,6 +1,7 @@
 """relayout: every pair of 4-rank strategies moves the hidden state's rows and its gradient as the serial
 tensor says (gradients of replicated shards whole and equal on their tp ranks)."""
 
+import pytest
 import torch
 
 from megatron_bmw.parallel.relayout import local_slice, relayout, same_rows
@@ -27,6 +28,7 @@ def _all_pairs(rank, world_size):
     return sorted(kinds)
 
 
+@pytest.mark.slow
 def test_relayout_all_pairs_on_four_ranks():
     assert run_distributed(4, _all_pairs) == [["gather", "same", "slice"]] * 4
 

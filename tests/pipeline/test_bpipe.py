@@ -234,12 +234,14 @@ def _check_memory(out, p, v, m):
     assert max(o["plain"]["peak_microbatches"] for o in out) > limit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ws,tp,pp,v,m,overrides", DIST_CASES)
 def test_bpipe_run_equals_plain_run(ws, tp, pp, v, m, overrides):
     out = run_distributed(ws, transformed_equals_plain, tp, pp, v, m, overrides, True, 0)
     _check_memory(out, pp, v, m)
 
 
+@pytest.mark.slow
 def test_bpipe_run_pp6():
     """pp=6 on its own pool of six ranks, several cases in one go."""
     for v, m, overrides in ((1, 7, {"num_layers": 6}), (1, 12, {"num_layers": 6, "recompute_granularity": "full"})):

@@ -99,6 +99,7 @@ PARAMS = [(ws, *case, overlap) for ws, cases in CASES.items() for case in cases
           for overlap in ((False, True) if ws > case[0] * case[1] else (False,))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ws,tp,pp,v,schedule,partition,m,overrides,overlap", PARAMS)
 def test_pipeline_equals_serial(ws, tp, pp, v, schedule, partition, m, overrides, overlap):
     clean = {k: val for k, val in overrides.items() if not k.startswith("_")}

@@ -13,6 +13,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_cli_prints_timeline():
     out = _run("--pp", "4", "--microbatches", "8", "--schedule", "1f1b")
     assert out.returncode == 0, out.stderr
@@ -22,6 +23,7 @@ def test_cli_prints_timeline():
     assert "makespan 33" in out.stdout and "bubble fraction 27.3%" in out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,text",
     [

@@ -140,6 +140,7 @@ DIST_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ws,tp,pp,v,m,overrides,bpipe,slicing,base", DIST_CASES)
 def test_sliced_run_equals_unsliced_run(ws, tp, pp, v, m, overrides, bpipe, slicing, base):
     out = run_distributed(ws, transformed_equals_plain, tp, pp, v, m, overrides, bpipe, slicing, base)

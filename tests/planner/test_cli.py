@@ -128,6 +128,7 @@ def test_usage_errors(capsys, argv, message):
     assert out.startswith("error: ") and message in out and out.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_bad_cluster_file_exit_code(tmp_path):
     bad = tmp_path / "c.yaml"
     bad.write_text("device_types: {x: {memory_gb: 8, peak_tflops: {fp32: 1}}}\ngroups: []\ninter_node: {}\n")

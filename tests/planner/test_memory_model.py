@@ -73,6 +73,7 @@ def test_saved_bytes_tp1_exact():
     assert _mismatches(ParallelState.serial(), 1, False) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True])
 def test_saved_bytes_tp2_exact(sp):
     results = run_distributed(2, _tp_body, sp)

@@ -176,6 +176,7 @@ def _distributed_layouts(rank, world_size, root):
     return written
 
 
+@pytest.mark.slow
 def test_distributed_layouts_on_disk(tmp_path):
     written = run_distributed(2, _distributed_layouts, str(tmp_path))[0]
     tracker = "latest_checkpointed_iteration.txt"

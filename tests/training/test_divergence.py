@@ -38,6 +38,7 @@ def _diverging(rank, world_size, ckpt, extra):
     return trainer.iteration, str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,extra", [(1, []), (1, ["--bf16"]), (2, ["--pipeline-model-parallel-size", "2"]),
                                               (2, ["--tensor-model-parallel-size", "2"]), (2, [])])
 def test_nan_loss_stops_every_rank_at_once_and_is_not_saved(tmp_path, world_size, extra):

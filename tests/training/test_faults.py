@@ -51,6 +51,7 @@ def _errors(tmp_path, rank: int) -> list[str]:
     return [line for line in (tmp_path / f"err{rank}.txt").read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"], []], ids=["pp2", "dp2"])
 def test_a_hung_rank_fails_the_job_within_the_timeout(tmp_path, layout):
     timeout_min = 0.25
@@ -79,6 +80,7 @@ def _one_process(args, tmp_path, tool="pretrain_gpt.py"):
                           text=True, timeout=120, env=env, cwd=str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,kind", [("--save", "file"), ("--tensorboard-dir", "file"), ("--save", "under-file"),
                                        ("--pipeline-trace", "dir"), ("--pipeline-trace", "no-folder")])
 def test_unusable_output_paths_are_refused_at_start_up(tmp_path, flag, kind):
@@ -93,6 +95,7 @@ def test_unusable_output_paths_are_refused_at_start_up(tmp_path, flag, kind):
     assert "iteration" not in out.stdout  # refused before training
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_read_only_save_directory_is_refused(tmp_path):
     ro = tmp_path / "ro"
@@ -102,6 +105,7 @@ def test_read_only_save_directory_is_refused(tmp_path):
     assert out.returncode == 2 and "cannot write in" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,flag", [("search", "--output"), ("search", "--timeline"), ("simulate", "--timeline"),
                                           ("profile", "--output")])
 def test_autoconfig_output_that_is_a_directory_is_refused(tmp_path, command, flag):
@@ -111,12 +115,14 @@ def test_autoconfig_output_that_is_a_directory_is_refused(tmp_path, command, fla
     assert out.stderr.strip() == f"error: {flag} {tmp_path}: is a directory, expected a file name"
 
 
+@pytest.mark.slow
 def test_autoconfig_world_size_zero_is_refused(tmp_path):
     out = _one_process(["search", "--world-size", "0", "--global-batch-size", "8"], tmp_path, tool="tools/autoconfig.py")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == "error: argument --world-size: --world-size must be >= 1, got 0"
 
 
+@pytest.mark.slow
 def test_a_truncated_stage_checkpoint_stops_every_rank_with_that_ranks_line(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = TINY + ["--pipeline-model-parallel-size", "2", "--distributed-timeout-minutes", "1"]
@@ -164,6 +170,7 @@ def _disk_full_case(rank, world_size, ckpt):
     return 0
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_save_stops_every_rank_and_keeps_the_previous_checkpoint(tmp_path, capfd):
     from tests.dist_harness import run_distributed
 
@@ -173,6 +180,7 @@ def test_a_full_disk_at_save_stops_every_rank_and_keeps_the_previous_checkpoint(
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
+@pytest.mark.slow
 def test_divergence_and_argparse_errors_are_one_line_once(tmp_path):
     procs = _launch(2, TINY + ["--train-iters", "3", "--no-such-flag"], tmp_path)
     assert [p.wait(timeout=120) for p in procs] == [2, 2]

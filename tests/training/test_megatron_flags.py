@@ -32,6 +32,7 @@ def _ramp_case(rank, world_size, extra):
     return trainer.history, trainer.consumed_train, sorted(trainer.pipelines)
 
 
+@pytest.mark.slow
 def test_rampup_runs_every_layout_alike():
     """The batch grows 2, 4, 6, 8 (one schedule per micro-batch count); every layout gives the serial losses."""
     serial, consumed, counts = run_distributed(1, _ramp_case, [])[0]
@@ -58,6 +59,7 @@ def _steps_case(rank, world_size, extra):
     return [h[1] for h in trainer.history], trainer.consumed_train, trainer.run.train.train_iters
 
 
+@pytest.mark.slow
 def test_step_batch_size_schedule_runs():
     """64 tokens = 4 samples at --seq-length 16: batches 2, 2, then 4 until 20 samples."""
     losses, consumed, iters = run_distributed(1, _steps_case, [])[0]
@@ -89,6 +91,7 @@ def _resume_ramp(rank, world_size, ckpt, extra):
     return full.history, first.history + second.history, second.consumed_train, second.scheduler.num_steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,extra", [(1, []), (2, ["--pipeline-model-parallel-size", "2"])])
 def test_resume_inside_the_ramp_is_exact(tmp_path, world_size, extra):
     full, resumed, consumed, lr_steps = run_distributed(world_size, _resume_ramp, str(tmp_path / "c"), extra)[-1]
@@ -128,6 +131,7 @@ def _norms_case(rank, world_size, extra):
     return norm, zeros, num_zeros_in_grad(trainer.named_params, trainer.state), count_parameters(trainer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("untie", [False, True])
 def test_params_norm_and_num_zeros_count_each_parameter_once(untie):
     """Summed over tensor- and pipeline-parallel ranks, each shared or replicated parameter once: all-zero gradients
@@ -178,6 +182,7 @@ def _script_case(rank, world_size, argv):
     return trainer.iteration, trainer.consumed_train, len(trainer.history)
 
 
+@pytest.mark.slow
 def test_gpt3_175b_example_flags_run(tmp_path):
     """examples/gpt3/train_gpt3_175b_distributed.sh: TP x PP, fp16 (its first steps skipped by the loss scaler,
     which must not stop the run), a batch ramp-up with --train-iters, --save and --load the same directory."""
@@ -201,6 +206,7 @@ def test_gpt3_175b_example_flags_run(tmp_path):
     assert (iteration, steps) == (8, 2) and consumed == 20 + 8 + 8  # resumed at 6, the ramp over
 
 
+@pytest.mark.slow
 def test_pretrain_gpt_example_flags_run(tmp_path):
     """examples/pretrain_gpt.sh (345M): --data-impl mmap, warm-up fraction, cosine decay, fp16."""
     ckpt = str(tmp_path / "ckpt")

@@ -149,6 +149,7 @@ def _zero_vs_plain(rank, world_size, dtype):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero1_equals_plain_adam_on_dp2(dtype):
     assert run_distributed(2, _zero_vs_plain, dtype) == [True, True]
@@ -184,6 +185,7 @@ def _tp_norm(rank, world_size):
     return res.grad_norm
 
 
+@pytest.mark.slow
 def test_grad_norm_on_tp2_equals_unsharded_norm_and_clips():
     a, b = run_distributed(2, _tp_norm)
     assert a == b
@@ -204,6 +206,7 @@ def _pp_shared_embedding(rank, world_size):
     return True
 
 
+@pytest.mark.slow
 def test_shared_embedding_copy_not_double_counted():
     assert run_distributed(2, _pp_shared_embedding) == [True, True]
 
@@ -220,5 +223,6 @@ def _zero_fp16_overflow(rank, world_size):
     return res.successful, res.loss_scale
 
 
+@pytest.mark.slow
 def test_zero1_overflow_seen_by_one_shard_skips_everywhere():
     assert run_distributed(2, _zero_fp16_overflow) == [(False, 2.0**31)] * 2

@@ -45,6 +45,7 @@ def _resume_case(rank, world_size, tp, pp, ckpt):
     return full, first, second
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,tp,pp", [(1, 1, 1), (2, 2, 1), (2, 1, 2), (2, 1, 1)])
 def test_resume_is_exact(tmp_path, world_size, tp, pp):
     ckpt = str(tmp_path / "ckpt")
@@ -63,6 +64,7 @@ def _layouts_case(rank, world_size, extra):
                                             "--vocab-size", "128"] + extra)
 
 
+@pytest.mark.slow
 def test_layouts_zero1_and_grad_norm_agree():
     serial = run_distributed(1, _layouts_case, [])[0]
     runs = {
@@ -78,6 +80,7 @@ def test_layouts_zero1_and_grad_norm_agree():
             assert norm == pytest.approx(ref_norm, rel=1e-4), (name, it)
 
 
+@pytest.mark.slow
 def test_bf16_close_to_fp32():
     fp32 = run_distributed(1, _layouts_case, [])[0]
     bf16 = run_distributed(1, _layouts_case, ["--bf16"])[0]
@@ -93,6 +96,7 @@ def _cli(args, env_extra=None, timeout=120):
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_cli_log_lines_parse_and_tensorboard(tmp_path):
     tb = tmp_path / "tb"
     out = _cli(BASE + ["--train-iters", "4", "--tensorboard-dir", str(tb), "--eval-interval", "2",
@@ -109,6 +113,7 @@ def test_cli_log_lines_parse_and_tensorboard(tmp_path):
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,env,needle", [
     (["--global-batch-size", "6", "--micro-batch-size", "4"], {}, "--global-batch-size 6"),
     (["--fp16", "--bf16"], {}, "--fp16 and --bf16"),
@@ -129,6 +134,7 @@ def test_bad_input_one_line_exit_2(args, env, needle):
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
 
 
+@pytest.mark.slow
 def test_load_without_checkpoint_warns_and_starts_from_scratch(tmp_path):
     """Megatron: --load of a directory without a tracker file warns and trains from random weights."""
     ckpt = str(tmp_path / "ckpt")
@@ -163,6 +169,7 @@ def _mismatch_case(rank, world_size, ckpt):
     return info.value.exit_code, err.getvalue()
 
 
+@pytest.mark.slow
 def test_load_from_other_layout_refused(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     assert _cli(BASE + ["--train-iters", "3", "--save", ckpt]).returncode == 0
@@ -179,6 +186,7 @@ def _write_corpus(path, docs):
             f.write(json.dumps({"text": " ".join(map(str, doc))}) + "\n")
 
 
+@pytest.mark.slow
 def test_train_on_preprocessed_blend(tmp_path):
     """NullTokenizer corpus -> tools/preprocess_data.py -> pretrain_gpt.py with a two-prefix blend and validation."""
     import random
@@ -211,6 +219,7 @@ def test_train_on_preprocessed_blend(tmp_path):
     assert missing.returncode == 2 and "nope" in missing.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits(tmp_path):
     import signal
     import time
@@ -233,6 +242,7 @@ def test_sigterm_saves_and_exits(tmp_path):
         assert int(f.read()) >= 2
 
 
+@pytest.mark.slow
 def test_pipeline_trace_and_fp16(tmp_path):
     import json
 
@@ -254,6 +264,7 @@ def _features_case(rank, world_size, extra):
     return trainer.history, stats, trainer.schedule.num_microbatches
 
 
+@pytest.mark.slow
 def test_bpipe_and_slicing_through_pretrain_keep_the_losses():
     plain = run_distributed(4, _features_case, [])[-1][0]
     both = run_distributed(4, _features_case, ["--bpipe", "--microbatch-slicing", "2", "--log-activation-memory"])
@@ -300,6 +311,7 @@ def _run_plan(rank, world_size, path):
     return trainer.plan_check, trainer.memory_in_use(), [h[1] for h in trainer.history]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_search_plans_run_with_plan_and_fit(tmp_path, world_size):
     """Every plan the search emits for a small CPU cluster runs with --plan; per stage the memory measured
@@ -330,6 +342,7 @@ def _run_bert_plan(rank, world_size, path):
     return trainer.plan_check, trainer.memory_in_use(), [h[1] for h in trainer.history]
 
 
+@pytest.mark.slow
 def test_bert_plans_from_autoconfig_run_with_pretrain_bert(tmp_path):
     """autoconfig.py search --model-type bert writes a BERT plan; pretrain_bert.py --plan runs it on 2 ranks
     within the predicted memory, and pretrain_gpt.py refuses it."""

@@ -78,6 +78,7 @@ def _shrunk_pretrain_bert_sh(vocab, data, ckpt):
             "--log-interval", "10", "--save-interval", "20", "--eval-interval", "20", "--eval-iters", "2", "--fp16"]
 
 
+@pytest.mark.slow
 def test_megatron_pretrain_bert_sh_on_real_text(bert_data, tmp_path):
     vocab, data = bert_data
     out = _cli(_shrunk_pretrain_bert_sh(vocab, data, str(tmp_path / "ckpt")))
@@ -102,6 +103,7 @@ def _learn_case(rank, world_size, vocab, data):
     return _train(rank, world_size, argv, vocab)
 
 
+@pytest.mark.slow
 def test_bert_loss_falls_on_real_text(bert_data):
     vocab, data = bert_data
     history = run_distributed(1, _learn_case, vocab, data)[0]
@@ -138,6 +140,7 @@ def _megatron_340m_case(rank, world_size, vocab, data, ckpt, tb):
     return [h[1] for h in trainer.history]
 
 
+@pytest.mark.slow
 def test_megatron_bert_340m_flags_on_tp2_pp2(bert_data, tmp_path):
     vocab, data = bert_data
     out = run_distributed(4, _megatron_340m_case, vocab, data, str(tmp_path / "ckpt"), str(tmp_path / "tb"))
@@ -155,6 +158,7 @@ def _resume_case(rank, world_size, layout, ckpt):
     return full, first, second
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,layout", [(1, []), (2, ["--pipeline-model-parallel-size", "2"])])
 def test_bert_resume_is_exact(tmp_path, world_size, layout):
     full, first, second = run_distributed(world_size, _resume_case, layout, str(tmp_path / "ckpt"))[-1]
@@ -167,6 +171,7 @@ def _layouts_case(rank, world_size, extra):
                                             "--vocab-size", "96"] + extra)
 
 
+@pytest.mark.slow
 def test_bert_layouts_and_zero1_agree_with_serial():
     serial = run_distributed(1, _layouts_case, [])[0]
     runs = {
@@ -181,6 +186,7 @@ def test_bert_layouts_and_zero1_agree_with_serial():
             assert norm == pytest.approx(ref_norm, rel=1e-4), (name, it)
 
 
+@pytest.mark.slow
 def test_bert_cli_no_binary_head_logs_lm_loss_only():
     out = _cli(MOCK + ["--train-iters", "2", "--bert-no-binary-head"])
     assert out.returncode == 0, out.stderr
@@ -188,6 +194,7 @@ def test_bert_cli_no_binary_head_logs_lm_loss_only():
     assert len(lines) == 2 and all(m and m.group(5) is None for m in lines)
 
 
+@pytest.mark.slow
 def test_bert_bad_input_one_line_exit_2():
     out = _cli(MOCK + ["--train-iters", "2", "--mask-prob", "1.5"])
     assert out.returncode == 2, out.stderr
@@ -204,6 +211,7 @@ def _refused(rank, world_size, cases):
     return True
 
 
+@pytest.mark.slow
 def test_bert_bad_input_refused():
     cases = [(["--short-seq-prob", "-0.1"], "--short-seq-prob must be in [0, 1]"),
              (["--seq-length", "4", "--max-position-embeddings", "4"], "--seq-length 4: a BERT sample needs"),

@@ -83,6 +83,7 @@ def _cases(rank, world_size, tmp):
     return out
 
 
+@pytest.mark.slow
 def test_hybrid_pretrain_equals_uniform_and_resumes(tmp_path):
     results = run_distributed(4, _cases, str(tmp_path))
     last = results[-1]

@@ -117,6 +117,7 @@ def test_dry_run_lists_without_running(tmp_path, capsys):
     assert not results.exists()
 
 
+@pytest.mark.slow
 def test_the_sweep_does_not_import_torch():
     code = ("import sys, megatron_bmw.trials.cli, megatron_bmw.trials.specs, megatron_bmw.planner.calibrate; "
             "sys.exit('torch' in sys.modules)")

@@ -68,6 +68,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_local_torchrun_sweep(tmp_path):
     """Real trials: one runs, one crashes at start-up (a --save folder that cannot be made), two are infeasible; the
     report has the prediction beside the measurement; a second run of the same sweep runs nothing."""
@@ -97,6 +98,7 @@ def test_local_torchrun_sweep(tmp_path):
     assert len(_records(results)) == 6  # 2 infeasible + (running, final) x 2: nothing appended the second time
 
 
+@pytest.mark.slow
 def test_slurm_path_with_fake_sbatch_and_srun(tmp_path, fake_bin):
     """--sbatch writes a script; the (fake) sbatch runs it; its sweep launches the trial with (fake) srun,
     and pretrain_gpt.py takes its ranks from SLURM's variables."""
@@ -120,6 +122,7 @@ def test_slurm_path_with_fake_sbatch_and_srun(tmp_path, fake_bin):
     assert log.startswith("$ srun --nodes 1 --ntasks 2") and "fake srun: 2 tasks" in log
 
 
+@pytest.mark.slow
 def test_crash_hang_and_oom_do_not_stop_the_sweep(tmp_path, fake_bin):
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -145,6 +148,7 @@ def test_crash_hang_and_oom_do_not_stop_the_sweep(tmp_path, fake_bin):
     assert [r["attempt"] for r in hang] == [1, 2]
 
 
+@pytest.mark.slow
 def test_torchrun_hang_kills_every_worker(tmp_path):
     """torchrun starts each worker in a session of its own: a hung trial's workers must die with it."""
     pids = tmp_path / "pids"
@@ -171,6 +175,7 @@ def _wait_for(path, predicate, timeout=60.0):
     raise AssertionError(f"timed out waiting on {path}")
 
 
+@pytest.mark.slow
 def test_kill_and_resume(tmp_path, fake_bin):
     """SIGKILL the sweep while its second trial runs; the next sweep skips the first and runs the other two."""
     results = tmp_path / "resume.jsonl"
@@ -191,6 +196,7 @@ def test_kill_and_resume(tmp_path, fake_bin):
     assert sum(1 for r in _records(results) if r["id"] == first["id"]) == 2  # never started again
 
 
+@pytest.mark.slow
 def test_sigterm_takes_the_running_trial_down(tmp_path, fake_bin):
     pids = tmp_path / "pids"
     pids.mkdir()
