@@ -114,7 +114,7 @@ def _model_flags(gbs=SMALL_GBS):
 
 
 def measured(opts) -> None:
-    from megatron_bmw.planner.cli import cluster_from_args
+    from megatron_bmw.planner_args import cluster_from_args
     from megatron_bmw.planner.profile_data import Profile, Profiles
     from megatron_bmw.planner.report import plan_from
     from megatron_bmw.trials.results import load_results

@@ -26,7 +26,7 @@ except ImportError:
 
 from megatron_bmw.config import ModelConfig
 from megatron_bmw.planner.cluster import load_cluster
-from megatron_bmw.planner.cli import CUDA_FRAGMENTATION, CUDA_WORKSPACE_GB
+from megatron_bmw.planner_args import CUDA_FRAGMENTATION, CUDA_WORKSPACE_GB
 from megatron_bmw.planner.memory_model import MemorySettings
 from megatron_bmw.planner.search import SearchSettings, search
 from megatron_bmw.planner.space import SearchSpace

@@ -43,7 +43,7 @@ from megatron_bmw.planner.evaluate import simulate_run
 from megatron_bmw.planner.memory_model import (MemorySettings, activation_walk, chunk_saved_bytes,
                                                unit_activation_bytes)
 from megatron_bmw.planner.profile_data import Profile
-from megatron_bmw.planner.profiler import ProfileSettings
+from megatron_bmw.planner.analytic import ProfileSettings
 from megatron_bmw.planner.spec import RunSpec
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=1024, seq_length=128,
@@ -170,7 +170,7 @@ def _profile_round(model: ModelConfig, tp2_state, settings: ProfileSettings) -> 
     import torch.distributed as dist
 
     from megatron_bmw.parallel.state import ParallelState
-    from megatron_bmw.planner.profiler import time_engine_overhead, time_links, time_units
+    from megatron_bmw.training.profiler import time_engine_overhead, time_links, time_units
 
     args = (settings.micro_batch_sizes, settings.warmup, settings.repeats)
     serial = ParallelState.serial()
@@ -227,7 +227,7 @@ def _combine_profile(model: ModelConfig, rounds: list[list[dict]], settings: Pro
     """Quiet rounds combined with the statistic (all rounds where none was quiet); tp=1 ranks (timed in turn)
     averaged, tp=2 ranks (one group) maxed. rounds[rank][round]."""
     from megatron_bmw.planner.profile_data import UnitTiming, model_signature
-    from megatron_bmw.planner.profiler import _fit_link
+    from megatron_bmw.training.profiler import _fit_link
 
     pick = min if settings.statistic == "min" else statistics.median
     units = []
@@ -325,7 +325,7 @@ def memory_check(model: ModelConfig, mbs: int = 2) -> list[dict]:
     from megatron_bmw.parallel.state import ParallelState
     from megatron_bmw.units import recompute_from_flags, unit_kind
     from megatron_bmw.pipeline.activation_store import ActivationStore
-    from megatron_bmw.planner.saved_bytes import measure_saved
+    from megatron_bmw.training.saved_bytes import measure_saved
 
     rows = []
     for dtype in (torch.float32, torch.bfloat16):

@@ -16,7 +16,7 @@ PACKAGE = os.path.join(ROOT, "megatron_bmw")
 # Lowest first. Keys are top-level modules or subpackages of megatron_bmw.
 LAYERS = [
     ("errors", "paths"),
-    ("units", "strategy", "config", "plan"),  # numbers only
+    ("units", "strategy", "config"),          # numbers only
     ("device", "fused"),                        # torch leaves
     ("parallel", "data"),
     ("models",),

@@ -19,7 +19,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_bmw.planner.cli import main
+from megatron_bmw.cli.autoconfig import main
 
 if __name__ == "__main__":
     sys.exit(main())

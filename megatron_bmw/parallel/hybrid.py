@@ -327,35 +327,6 @@ class HybridGradSync:
             h.remove()
 
 
-def build_hybrid_chunks(cfg, state: ParallelState, seed: int, chunk_units: list[list[int]],
-                        recompute: tuple | None = None) -> list[HybridModel]:
-    """This rank's model chunks on their unit strategies (sharded units wrapped by FSDP2)."""
-    from ..models.gpt import build_units, unit_names
-
-    hybrid: Hybrid = state.hybrid
-    check_hybrid(hybrid, cfg)
-    names = unit_names(cfg.num_layers)
-    views = {}
-
-    def state_of(i: int) -> UnitState:
-        views[i] = hybrid.view(state, i)
-        return views[i]
-
-    flat = [i for c in chunk_units for i in c]
-    units = build_units(cfg, state, seed, flat, recompute, state_of=state_of)
-    for i in flat:
-        for p in units[names[i]].parameters():
-            if not hasattr(p, "grad_group"):
-                p.grad_group = views[i].dp_group
-    chunks = []
-    for c in chunk_units:
-        mine = {names[i]: units[names[i]] for i in c}
-        shard_units(mine, c, hybrid, state.device)
-        chunks.append(HybridModel(mine, c, hybrid))
-    mark_norm_counting(chunks, hybrid)
-    return chunks
-
-
 def unsharded_storages(modules: list[nn.Module]) -> set[int]:
     """Storage addresses of the sharded units' parameters while gathered (FSDP2's all-gather outputs)."""
     from torch.distributed.fsdp import FSDPModule

@@ -1,4 +1,7 @@
-"""The schedule a PipelineConfig runs: generated, then sliced and BPipe-transformed, and checked. No torch."""
+"""The schedule a PipelineConfig runs: generated, then sliced and BPipe-transformed, and checked. No torch.
+
+`build_schedule` is the one entry point: the runtime (pipeline/stages.py, training/loop.py), the planner and the
+trials all ask it; generators.generate (a named schedule, untransformed) is its first step."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ from ..config import PipelineConfig
 from ..errors import UsageError
 from .bpipe import ActivationLimitError, insert_bpipe
 from .checker import check
-from .generators import build_schedule
+from .generators import generate
 from .schedule import Schedule
 from .slicing import slice_microbatches
 
@@ -33,12 +36,12 @@ def transform_schedule(schedule: Schedule, slicing: int = 0, bpipe: bool = False
     raise AssertionError("unreachable")
 
 
-def pipeline_schedule(pipeline: PipelineConfig, pp: int, slicing: int | None = None) -> Schedule:
+def build_schedule(pipeline: PipelineConfig, pp: int, slicing: int | None = None) -> Schedule:
     """The schedule of `pipeline` on `pp` ranks. `slicing` replaces an "auto" count (chosen by the caller with
     slicing.choose_slices); with it, slicing may come out smaller if BPipe cannot hold that many halves."""
     auto = pipeline.slicing == "auto"
     k = slicing if slicing is not None else pipeline.slicing
     if k == "auto":
         raise ValueError("slicing 'auto' must be resolved to a count first (slicing.choose_slices)")
-    sched = build_schedule(pipeline.schedule, pp, pipeline.num_microbatches, pipeline.virtual_stages)
+    sched = generate(pipeline.schedule, pp, pipeline.num_microbatches, pipeline.virtual_stages)
     return transform_schedule(sched, k, pipeline.bpipe, fit_slicing=auto)

@@ -1,7 +1,7 @@
 """Schedule generators: GPipe, 1F1B (PipeDream-Flush), Megatron's interleaved 1F1B.
 
 Each generator returns the compute order only; `add_communication` inserts the SEND/RECV
-actions and `build_schedule` does both.
+actions and `generate` does both.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def add_communication(schedule: Schedule) -> Schedule:
     return schedule.copy(new_actions)
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+def generate(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """Build a schedule with communication. `name` in gpipe | 1f1b | interleaved."""
     if name not in SCHEDULES:
         raise UsageError(f"unknown pipeline schedule {name!r} (choose gpipe, 1f1b or interleaved)")

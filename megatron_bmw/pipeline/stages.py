@@ -7,9 +7,10 @@ from collections.abc import Callable
 from ..config import ModelConfig, PipelineConfig
 from ..errors import UsageError
 from ..models.gpt import GPTModel, build_units, unit_names
+from ..parallel.hybrid import HybridModel, check_hybrid, mark_norm_counting, shard_units
 from ..parallel.state import ParallelState
 from ..units import hidden_shape as _hidden_shape
-from .build import pipeline_schedule
+from .build import build_schedule
 from .partition import parse_partition, rank_chunks
 from .schedule import Schedule
 from .slicing import check_slicing, choose_slices
@@ -23,12 +24,37 @@ def build_model_chunks(cfg: ModelConfig, state: ParallelState, seed: int, partit
     shares the embedding's word-embedding Parameter."""
     chunks = rank_chunks(partition, state.pp_size, state.pp_rank)
     if state.hybrid is not None:  # per-unit strategies (parallel/hybrid.py)
-        from ..parallel.hybrid import build_hybrid_chunks
-
-        return build_hybrid_chunks(cfg, state, seed, chunks, recompute)
+        return _hybrid_chunks(cfg, state, seed, chunks, recompute)
     names = unit_names(cfg.num_layers)
     units = build_units(cfg, state, seed, [i for c in chunks for i in c], recompute)
     return [GPTModel({names[i]: units[names[i]] for i in c}) for c in chunks]
+
+
+def _hybrid_chunks(cfg, state: ParallelState, seed: int, chunk_units: list[list[int]],
+                   recompute: tuple | None = None) -> list[HybridModel]:
+    """This rank's model chunks on their unit strategies (sharded units wrapped by FSDP2)."""
+    hybrid = state.hybrid
+    check_hybrid(hybrid, cfg)
+    names = unit_names(cfg.num_layers)
+    views = {}
+
+    def state_of(i: int) -> ParallelState:
+        views[i] = hybrid.view(state, i)
+        return views[i]
+
+    flat = [i for c in chunk_units for i in c]
+    units = build_units(cfg, state, seed, flat, recompute, state_of=state_of)
+    for i in flat:
+        for p in units[names[i]].parameters():
+            if not hasattr(p, "grad_group"):
+                p.grad_group = views[i].dp_group
+    chunks = []
+    for c in chunk_units:
+        mine = {names[i]: units[names[i]] for i in c}
+        shard_units(mine, c, hybrid, state.device)
+        chunks.append(HybridModel(mine, c, hybrid))
+    mark_norm_counting(chunks, hybrid)
+    return chunks
 
 
 def pipeline_setup(cfg: ModelConfig, state: ParallelState, seed: int, pipeline: PipelineConfig,
@@ -50,7 +76,7 @@ def pipeline_setup(cfg: ModelConfig, state: ParallelState, seed: int, pipeline: 
             raise ValueError("slicing='auto' needs stage_times (a cost model's or a measurement's)")
         forward, backward, comm = stage_times(chunks)
         slicing = choose_slices(forward, backward, comm, pipeline.num_microbatches)
-    return chunks, pipeline_schedule(pipeline, state.pp_size, slicing), parts
+    return chunks, build_schedule(pipeline, state.pp_size, slicing), parts
 
 
 def hidden_shape(cfg: ModelConfig, state: ParallelState, micro_batch_size: int) -> tuple[int, int, int]:

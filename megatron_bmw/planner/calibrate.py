@@ -28,6 +28,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from ..errors import UsageError
+from ..pipeline.build import build_schedule
+from .accuracy import error_summary
 from .cluster import Cluster
 from .cost_model import CostSettings
 from .evaluate import simulate_run
@@ -266,7 +268,8 @@ def _points(records: list[dict], model) -> tuple[list[Point], list[str]]:
             continue
         try:
             spec = model.spec(r)
-            points.append(Point(r["id"], spec, spec.build_schedule(), float(r["median_iteration_s"]),
+            schedule = build_schedule(spec.pipeline, spec.pp)
+            points.append(Point(r["id"], spec, schedule, float(r["median_iteration_s"]),
                                 {k: v for k, v in (r.get("stage_memory") or {}).items() if int(k) >= 0}))
         except UsageError as exc:
             notes.append(f"trial {r['id']} left out: {exc}")
@@ -280,7 +283,7 @@ def _base_profile(model, points: list[Point]) -> Profile:
         raise UsageError("calibrate takes one --profile (one device type) at a time")
     if types:
         return next(iter(types.values()))[0]
-    from .profiler import ProfileSettings, analytic_profile
+    from .analytic import ProfileSettings, analytic_profile
 
     cluster = model.cluster_for(points[0].spec.world_size)
     devices = {g.device.name: g.device for g in cluster.groups}
@@ -295,8 +298,6 @@ def _base_profile(model, points: list[Point]) -> Profile:
 
 def calibrate(records: list[dict], model, costs: CostSettings = CostSettings()) -> dict:
     """Fit; returns {params, start, base, before, after, allowance, points, notes}."""
-    from ..trials.report import error_summary
-
     points, notes = _points(records, model)
     if len(points) < 2:
         raise UsageError(f"calibrate needs at least 2 measured (ok) trials, the results have {len(points)}")
@@ -368,18 +369,3 @@ def calibration_table(out: dict) -> str:
     lines.append(f"{'pick vs best':<22} {100 * b['pick_vs_best']:7.1f}% {100 * a['pick_vs_best']:7.1f}%")
     lines += out["notes"]
     return "\n".join(lines)
-
-
-def run_calibrate(results_path: str, cluster: str, profile_paths: list[str], output: str,
-                  costs: CostSettings = CostSettings()) -> str:
-    """The `calibrate` subcommand: fit, write the profile, return the text to print."""
-    from ..trials.results import load_results
-    from ..trials.specs import TrialModel
-    from .files import write_json
-
-    model = TrialModel.from_paths(cluster, profile_paths, costs)
-    out = calibrate(load_results(results_path), model, costs)
-    data = calibrated_profile_json(out, results_path)
-    write_json(output, data, "--output", "profile")
-    return (calibration_table(out) + f"\nprofile written to {output}: autoconfig.py search --profile {output} "
-            f"(it carries the overlap factor and the memory allowance; flags given beside it win)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..pipeline.build import build_schedule
 from ..pipeline.replay import CompiledSchedule
 from ..pipeline.schedule import Schedule
 from .cluster import Cluster
@@ -18,7 +19,7 @@ def estimate_memory(spec: RunSpec, schedule: Schedule | None = None,
                     settings: MemorySettings = MemorySettings(),
                     activation_peaks: list[float] | None = None) -> list[RankMemory]:
     """Memory of every pipeline stage; in-flight micro-batches come from walking `schedule`."""
-    schedule = schedule or spec.build_schedule()
+    schedule = schedule or build_schedule(spec.pipeline, spec.pp)
     if spec.unit_strategies is not None:  # Galvatron-BMW per-unit strategies
         from .hybrid_memory import rank_memory_hybrid
         return [rank_memory_hybrid(spec, schedule, r, settings,
@@ -45,7 +46,7 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
     """Simulate one iteration of `schedule` (default: the spec's; a compiled one is reused as it is) with the
     cost model's durations."""
     compiled = schedule if isinstance(schedule, CompiledSchedule) else None
-    schedule = compiled.schedule if compiled is not None else schedule or spec.build_schedule()
+    schedule = compiled.schedule if compiled is not None else schedule or build_schedule(spec.pipeline, spec.pp)
     layout = spec.stage_layout()
     if spec.unit_strategies is not None:  # Galvatron-BMW per-unit strategies
         from .hybrid_cost import HybridCostModel

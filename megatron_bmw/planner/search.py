@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..pipeline.build import pipeline_schedule
+from ..pipeline.build import build_schedule
 from ..pipeline.replay import compile_schedule
 from ..pipeline.slicing import choose_slices
 from .cluster import Cluster
@@ -306,7 +306,7 @@ class _Simulator:
         if sol is not None:
             spec = sol.spec(self.prob.model, slicing)
             if slicing not in self.compiled:
-                self.compiled[slicing] = compile_schedule(pipeline_schedule(spec.pipeline, spec.pp))
+                self.compiled[slicing] = compile_schedule(build_schedule(spec.pipeline, spec.pp))
             ev = simulate_run(spec, self.cluster, self.profiles, self.costs, self.memory,
                               schedule=self.compiled[slicing], memory_over_time=False)
             self.stats["simulated"] += 1
@@ -319,7 +319,7 @@ class _Simulator:
         if key not in self.cache:
             spec = sol.spec(self.prob.model)
             if 0 not in self.compiled:
-                self.compiled[0] = compile_schedule(pipeline_schedule(spec.pipeline, spec.pp))
+                self.compiled[0] = compile_schedule(build_schedule(spec.pipeline, spec.pp))
             self.cache[key] = (sol, simulate_run(spec, self.cluster, self.profiles, self.costs, self.memory,
                                                  schedule=self.compiled[0], memory_over_time=False))
             self.stats["simulated"] += 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from ..config import ModelConfig, PipelineConfig, RunConfig
 from ..errors import UsageError
 from ..parallel.layout import RankLayout
-from ..pipeline.build import pipeline_schedule
+from ..pipeline.build import build_schedule
 from ..pipeline.partition import parse_partition
 from ..pipeline.schedule import Schedule
 from ..strategy import parse_unit_strategies
@@ -61,10 +61,6 @@ class RunSpec:
 
     def rank_layout(self) -> RankLayout:
         return RankLayout(self.tp, self.dp, self.pp, self.rank_order)
-
-    def build_schedule(self) -> Schedule:
-        """The schedule the engine would run: generated, then sliced and BPipe-transformed as asked."""
-        return pipeline_schedule(self.pipeline, self.pp)
 
     def hidden_bytes(self, half: bool = False) -> float:
         """Bytes of the hidden state one tensor-parallel rank sends between pipeline stages."""

@@ -27,11 +27,11 @@ from ..parallel.grad_sync import GradSync
 from ..parallel.hybrid import HybridGradSync, load_local_state_dict, local_params, local_state_dict
 from ..parallel.random import get_rng_state, set_rng_state, set_seeds
 from ..parallel.state import ParallelState
-from ..pipeline.build import pipeline_schedule
+from ..pipeline.build import build_schedule
 from ..pipeline.engine import PipelineEngine, reduce_loss
 from ..pipeline.stages import hidden_shape, pipeline_setup
 from ..pipeline.trace import Tracer
-from ..planner.profiler import measure_stage_times
+from .profiler import measure_stage_times
 from ..models.bert import LOSS_NAMES, drain_reported
 from .batches import MicroBatches
 from .bert_batches import BertMicroBatches
@@ -171,7 +171,7 @@ class Trainer:
         """(schedule, engine) for m micro-batches per iteration (slicing and BPipe applied as for the full one)."""
         schedule, engine = self.pipelines.get(m, (None, None))
         if schedule is None:
-            schedule = pipeline_schedule(replace(self.run.pipeline, num_microbatches=m), self.state.pp_size)
+            schedule = build_schedule(replace(self.run.pipeline, num_microbatches=m), self.state.pp_size)
         if engine is None and build_engine:
             engine = self._new_engine(schedule)
         self.pipelines[m] = (schedule, engine)

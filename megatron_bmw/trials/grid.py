@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from ..arguments import (IGNORED_FLAGS, add_megatron_args, apply_plan, check_against_plan, configs_from_args,
                          data_config_from_args, parse_args)
 from ..errors import UsageError
+from ..pipeline.build import build_schedule
 
 BOOL_WORDS = {"on": True, "off": False, "true": True, "false": False, "yes": True, "no": False, "1": True,
               "0": False}
@@ -300,7 +301,7 @@ def check_trial(trial: Trial) -> None:
         if plan is not None:
             check_against_plan(cfg, plan, trial.world_size, trial.plan_path)
         spec = spec_from_run_config(cfg, trial.world_size)
-        spec.build_schedule()
+        build_schedule(spec.pipeline, spec.pp)
     except UsageError as exc:
         trial.skip_reason = str(exc)
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..arguments import parse_args
 from ..errors import UsageError
-from ..planner import cli
+from .. import planner_args as cli
 
 
 def search_plans(flags: list[str], cluster: str, profile_paths: list[str], world_size: int | None, top_k: int,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ..arguments import parse_args
 from ..errors import UsageError
-from ..planner import cli
+from .. import planner_args as cli
 from ..planner.cluster import Cluster, load_cluster, local_cluster
 from ..planner.cost_model import CostSettings
 from ..planner.evaluate import simulate_run

@@ -14,7 +14,7 @@ from megatron_bmw.models.gpt import build_units
 from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.planner.flops import unit_forward_flops
 from megatron_bmw.planner.memory_model import total_parameters, unit_kind, unit_param_count, unit_saved_tensors
-from megatron_bmw.planner.saved_bytes import measure_saved
+from megatron_bmw.training.saved_bytes import measure_saved
 from megatron_bmw.units import recompute_from_flags
 from tests.dist_harness import run_distributed
 from tests.models.bert_reference import bert_config

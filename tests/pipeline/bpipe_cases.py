@@ -14,7 +14,7 @@ from megatron_bmw.pipeline.engine import PipelineEngine, reduce_loss
 from megatron_bmw.pipeline.holding import peak_inflight, resident_peaks
 from megatron_bmw.pipeline.slicing import num_sliced
 from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup
-from megatron_bmw.planner.profiler import measure_stage_times
+from megatron_bmw.training.profiler import measure_stage_times
 from tests.reference import (SEED, expected_shard, make_batch, pipeline_of, reference_name, serial_reference,
                              small_config, split_batch)
 

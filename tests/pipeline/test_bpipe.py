@@ -7,7 +7,7 @@ from megatron_bmw.errors import UsageError
 from megatron_bmw.parallel.layout import RankLayout
 from megatron_bmw.pipeline.bpipe import ActivationLimitError, bpipe_pairs, insert_bpipe, mu_opt
 from megatron_bmw.pipeline.checker import check
-from megatron_bmw.pipeline.generators import build_schedule
+from megatron_bmw.pipeline.generators import generate
 from megatron_bmw.pipeline.holding import peak_inflight, resident_peaks
 from megatron_bmw.pipeline.replay import replay, unit_times
 from megatron_bmw.pipeline.schedule import COMPUTE_KINDS, TRANSFER_KINDS, Action, Kind, ScheduleError
@@ -28,7 +28,7 @@ def test_mu_opt():
 def test_paper_transfer_schedule_p8():
     # warm-up: evict the newest micro-batch once 5 would be exceeded; steady: evict the furthest-needed one at
     # the backward before and load one action ahead; cool-down: load in the idle slot before the backward
-    s = insert_bpipe(build_schedule("1f1b", 8, 16))
+    s = insert_bpipe(generate("1f1b", 8, 16))
     assert _text(s, 0) == (
         "F0 F1 F2 F3 EV3>7 F4 EV4>7 F5 EV5>7 F6 F7 B0 F8 B1 F9 EV9>7 B2 LD3<7 F10 EV10>7 B3 LD4<7 F11 "
         "EV11>7 B4 LD5<7 F12 B5 F13 B6 F14 B7 F15 B8 LD9<7 B9 LD10<7 B10 LD11<7 B11 B12 B13 B14 B15")
@@ -40,11 +40,11 @@ def test_paper_transfer_schedule_p8():
 
 @pytest.mark.parametrize("p", range(1, 17))
 def test_only_early_stages_evict(p):
-    s = insert_bpipe(build_schedule("1f1b", p, 64))
+    s = insert_bpipe(generate("1f1b", p, 64))
     evictors = {r for r in range(p) if any(a.kind is Kind.EVICT for a in s.actions[r])}
     assert evictors == set(range((p - 4) // 2 + 1)) if p >= 4 else not evictors
-    assert set(bpipe_pairs(build_schedule("1f1b", p, 64)).items()) == {(e, p - 1 - e) for e in evictors}
-    untouched = build_schedule("1f1b", p, 64)
+    assert set(bpipe_pairs(generate("1f1b", p, 64)).items()) == {(e, p - 1 - e) for e in evictors}
+    untouched = generate("1f1b", p, 64)
     for r in range(p):
         if r not in evictors and p - 1 - r not in evictors:
             assert s.actions[r] == untouched.actions[r]
@@ -63,7 +63,7 @@ def test_every_transfer_schedule_passes_the_checker():
     transfers, no deadlock, and no rank (acceptors included) above mu_opt."""
     count = 0
     for p, v, m in _all_configs():
-        base = build_schedule("1f1b" if v == 1 else "interleaved", p, m, v)
+        base = generate("1f1b" if v == 1 else "interleaved", p, m, v)
         s = insert_bpipe(base)
         check(s)
         assert max(resident_peaks(s)) <= mu_opt(p, v)
@@ -72,13 +72,13 @@ def test_every_transfer_schedule_passes_the_checker():
 
 
 def test_interleaved_limit_and_sliced_input():
-    s = insert_bpipe(build_schedule("interleaved", 4, 16, 3))
+    s = insert_bpipe(generate("interleaved", 4, 16, 3))
     assert s.activation_limit == 13 and max(resident_peaks(s)) <= 13
     assert max(peak_inflight(s)) > 13
     from megatron_bmw.pipeline.slicing import slice_microbatches
 
     for p, m, k in ((4, 8, 2), (8, 16, 3), (6, 6, 6)):
-        s = insert_bpipe(slice_microbatches(build_schedule("1f1b", p, m), k))
+        s = insert_bpipe(slice_microbatches(generate("1f1b", p, m), k))
         check(s)
         assert max(resident_peaks(s)) <= mu_opt(p)
 
@@ -89,7 +89,7 @@ def test_heavy_slicing_with_bpipe_is_refused_or_fitted():
     from megatron_bmw.pipeline.slicing import num_sliced, slice_microbatches
     from megatron_bmw.pipeline.build import transform_schedule
 
-    base = build_schedule("1f1b", 8, 16)
+    base = generate("1f1b", 8, 16)
     with pytest.raises(ActivationLimitError, match="rank 5 would hold 5.5"):
         insert_bpipe(slice_microbatches(base, 9))
     with pytest.raises(UsageError, match="^--bpipe with --microbatch-slicing 9: rank 5 would hold 5.5 micro-batches "
@@ -100,12 +100,12 @@ def test_heavy_slicing_with_bpipe_is_refused_or_fitted():
 
 
 def test_insert_bpipe_is_pure_and_refuses_gpipe():
-    base = build_schedule("1f1b", 6, 12)
+    base = generate("1f1b", 6, 12)
     before = [list(a) for a in base.actions]
     insert_bpipe(base)
     assert base.actions == before and base.activation_limit is None
     with pytest.raises(UsageError, match="--bpipe needs the 1f1b or interleaved schedule"):
-        insert_bpipe(build_schedule("gpipe", 4, 8))
+        insert_bpipe(generate("gpipe", 4, 8))
     with pytest.raises(ScheduleError, match="already has transfers"):
         insert_bpipe(insert_bpipe(base))
 
@@ -115,7 +115,7 @@ def _index(acts, label):
 
 
 def test_checker_rejects_broken_transfers():
-    good = insert_bpipe(build_schedule("1f1b", 4, 6))
+    good = insert_bpipe(generate("1f1b", 4, 6))
     assert _text(good, 0) == "F0 F1 EV1>3 F2 F3 EV3>3 B0 LD1<3 F4 B1 F5 B2 LD3<3 B3 B4 B5"
     check(good)
 
@@ -157,8 +157,8 @@ def test_checker_rejects_broken_transfers():
 
 
 def test_replay_times_transfers_beside_compute():
-    s = insert_bpipe(build_schedule("1f1b", 8, 16))
-    base = replay(build_schedule("1f1b", 8, 16), unit_times(1.0, 2.0)).makespan
+    s = insert_bpipe(generate("1f1b", 8, 16))
+    base = replay(generate("1f1b", 8, 16), unit_times(1.0, 2.0)).makespan
     assert replay(s, unit_times(1.0, 2.0)).makespan == base  # free transfers cost nothing
     hidden = replay(s, unit_times(1.0, 2.0), bpipe_time=lambda src, dst, a: 0.5)
     assert hidden.makespan == base  # a transfer shorter than the compute it overlaps is hidden
@@ -175,7 +175,7 @@ def test_replay_times_transfers_beside_compute():
 def test_replay_of_a_large_bpipe_schedule_is_fast():
     import time
 
-    s = insert_bpipe(build_schedule("1f1b", 64, 512))
+    s = insert_bpipe(generate("1f1b", 64, 512))
     start = time.perf_counter()
     replay(s, unit_times(1.0, 2.0), record=False)
     assert time.perf_counter() - start < 2.0

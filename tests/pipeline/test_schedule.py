@@ -8,7 +8,7 @@ from megatron_bmw.errors import UsageError
 from megatron_bmw.pipeline.checker import check
 from megatron_bmw.pipeline.generators import (
     add_communication,
-    build_schedule,
+    generate,
     gpipe,
     interleaved_1f1b,
     interleaved_warmup,
@@ -67,13 +67,13 @@ def test_tensor_ids_and_tags_are_distinct():
 
 
 def test_text_format():
-    s = build_schedule("1f1b", 2, 3)
+    s = generate("1f1b", 2, 3)
     assert s.to_text() == "rank 0: F0 F1 B0 F2 B1 B2\nrank 1: F0 B0 F1 B1 F2 B2"
     assert str(s) == s.to_text()
     assert "SA0>1" in s.to_text(comm=True) and "RG0<1" in s.to_text(comm=True)
     assert Action(Kind.FORWARD, 3, 1).label() == "F3.1"
     assert Action(Kind.BACKWARD, 3, 0, half=1).label(show_chunk=False) == "B3b"
-    assert build_schedule("interleaved", 2, 2, 2).to_text().startswith("rank 0: F0.0 F1.0 F0.1")
+    assert generate("interleaved", 2, 2, 2).to_text().startswith("rank 0: F0.0 F1.0 F0.1")
 
 
 # ---------------------------------------------------------------- generators
@@ -130,17 +130,17 @@ def test_interleaved_warmup_counts(p, m, v):
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_interleaved_v1_equals_1f1b(p, m):
     assert interleaved_1f1b(p, m, 1).actions == one_f_one_b(p, m).actions
-    assert build_schedule("interleaved", p, m, 1).actions == build_schedule("1f1b", p, m).actions
+    assert generate("interleaved", p, m, 1).actions == generate("1f1b", p, m).actions
 
 
 @pytest.mark.parametrize("p", list(range(1, 17)))
 def test_checker_accepts_generated_schedules(p):
     for name in ("gpipe", "1f1b"):
         for m in _microbatch_counts(p):
-            check(build_schedule(name, p, m))
+            check(generate(name, p, m))
     for v in (2, 3, 4):
         for m in _interleaved_counts(p):
-            check(build_schedule("interleaved", p, m, v))
+            check(generate("interleaved", p, m, v))
 
 
 def test_build_schedule_errors():
@@ -154,7 +154,7 @@ def test_build_schedule_errors():
     ]
     for args, text in cases:
         with pytest.raises(UsageError, match=text) as info:
-            build_schedule(*args)
+            generate(*args)
         assert "\n" not in str(info.value)
 
 
@@ -162,14 +162,14 @@ def test_build_schedule_errors():
 
 
 def test_no_communication_on_one_rank():
-    for s in (build_schedule("1f1b", 1, 4), build_schedule("gpipe", 1, 3), build_schedule("interleaved", 1, 3, 3)):
+    for s in (generate("1f1b", 1, 4), generate("gpipe", 1, 3), generate("interleaved", 1, 3, 3)):
         assert not any(a.kind in COMM_KINDS for a in s.actions[0])
         check(s)
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("gpipe", 3, 5, 1), ("interleaved", 2, 6, 3)])
 def test_recv_sits_one_compute_ahead_and_send_right_after(name, p, m, v):
-    s = build_schedule(name, p, m, v)
+    s = generate(name, p, m, v)
     for rank, acts in enumerate(s.actions):
         computes = [i for i, a in enumerate(acts) if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
         for i, a in enumerate(acts):
@@ -206,7 +206,7 @@ def _channel_sequences(s: Schedule):
 @pytest.mark.parametrize("m", [2, 4, 6, 10])
 @pytest.mark.parametrize("v", [2, 3])
 def test_fifo_per_channel_interleaved_two_ranks(m, v):
-    s = build_schedule("interleaved", 2, m, v)
+    s = generate("interleaved", 2, m, v)
     sends, recvs = _channel_sequences(s)
     assert set(sends) == set(recvs) == {(0, 1), (1, 0)}
     for channel in sends:
@@ -217,12 +217,12 @@ def test_fifo_per_channel_interleaved_two_ranks(m, v):
 
 @pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 5, 9, 1), ("interleaved", 3, 9, 2)])
 def test_fifo_per_channel(name, p, m, v):
-    sends, recvs = _channel_sequences(build_schedule(name, p, m, v))
+    sends, recvs = _channel_sequences(generate(name, p, m, v))
     assert sends == recvs
 
 
 def test_add_communication_is_idempotent():
-    s = build_schedule("interleaved", 3, 6, 2)
+    s = generate("interleaved", 3, 6, 2)
     assert add_communication(s).actions == s.actions
 
 
@@ -233,7 +233,7 @@ def test_add_communication_is_idempotent():
 @pytest.mark.parametrize("p,m", [(1, 1), (1, 5), (2, 1), (4, 8), (4, 3), (7, 20)])
 @pytest.mark.parametrize("f,b", [(1.0, 1.0), (1.0, 2.0)])
 def test_makespan_1f1b_gpipe(name, p, m, f, b):
-    result = replay(build_schedule(name, p, m), unit_times(f, b))
+    result = replay(generate(name, p, m), unit_times(f, b))
     assert result.makespan == (m + p - 1) * (f + b)
     assert result.busy == [m * (f + b)] * p
     assert result.bubble_time == pytest.approx(p * (p - 1) * (f + b))
@@ -247,13 +247,13 @@ def test_interleaved_bubble(p, v, f, b):
     # bubble (p-1)(F+B)/v is (p-1)(f+b). The replay matches it exactly for every m % p == 0
     # (including m == p, where all forwards are warm-up) with zero transfer time.
     for m in (p, 2 * p, 4 * p):
-        result = replay(build_schedule("interleaved", p, m, v), unit_times(f, b))
+        result = replay(generate("interleaved", p, m, v), unit_times(f, b))
         bubble = result.makespan - m * v * (f + b)
         assert bubble == (p - 1) * (v * f + v * b) / v
 
 
 def test_transfer_time_delays_consumer():
-    s = build_schedule("1f1b", 2, 1)
+    s = generate("1f1b", 2, 1)
     result = replay(s, unit_times(1.0, 2.0), lambda src, dst, a: 0.5)
     assert result.makespan == 1 + 0.5 + 1 + 2 + 0.5 + 2
     starts = {(r, a.label(False)): (start, end) for r, line in enumerate(result.timeline) for a, start, end in line}
@@ -263,7 +263,7 @@ def test_transfer_time_delays_consumer():
 
 
 def test_replay_compiled_and_unrecorded_agree():
-    s = build_schedule("interleaved", 4, 8, 2)
+    s = generate("interleaved", 4, 8, 2)
     full = replay(s, unit_times(1.0, 2.0))
     fast = replay(compile_schedule(s), unit_times(1.0, 2.0), record=False)
     assert fast.makespan == full.makespan and fast.busy == full.busy
@@ -296,7 +296,7 @@ def test_halves():
 
 
 def test_replay_is_fast():
-    s = build_schedule("1f1b", 64, 512)
+    s = generate("1f1b", 64, 512)
     start = time.perf_counter()
     result = replay(s, unit_times(1.0, 2.0))
     elapsed = time.perf_counter() - start

@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_bmw.pipeline.checker import check
-from megatron_bmw.pipeline.generators import add_communication, build_schedule
+from megatron_bmw.pipeline.generators import add_communication, generate
 from megatron_bmw.pipeline.schedule import Action, DeadlockError, Kind, Schedule, ScheduleError
 
 
@@ -18,25 +18,25 @@ def _move(acts: list[Action], label: str, before: str) -> None:
 
 
 def test_valid_schedule_passes():
-    check(build_schedule("1f1b", 2, 4))
+    check(generate("1f1b", 2, 4))
 
 
 def test_backward_before_forward():
-    s = build_schedule("1f1b", 2, 2)
+    s = generate("1f1b", 2, 2)
     _move(s.actions[1], "B0", before="F0")
     with pytest.raises(ScheduleError, match="B0 runs before"):
         check(s)
 
 
 def test_missing_backward():
-    s = build_schedule("gpipe", 2, 3)
+    s = generate("gpipe", 2, 3)
     s.actions[0] = [a for a in s.actions[0] if a.label(False) not in ("B2", "RG2<1")]
     with pytest.raises(ScheduleError, match="no BACKWARD"):
         check(s)
 
 
 def test_duplicate_forward():
-    s = build_schedule("gpipe", 1, 3)
+    s = generate("gpipe", 1, 3)
     s.actions[0].insert(1, Action(Kind.FORWARD, 0))
     with pytest.raises(ScheduleError, match="appears twice"):
         check(s)
@@ -49,35 +49,35 @@ def test_incomplete_halves():
 
 
 def test_dropped_recv():
-    s = build_schedule("1f1b", 3, 4)
+    s = generate("1f1b", 3, 4)
     s.actions[1].pop(_index(s.actions[1], "RA2<0"))
     with pytest.raises(ScheduleError, match=r"rank 1: F2 has no RECV"):
         check(s)
 
 
 def test_recv_after_its_consumer():
-    s = build_schedule("1f1b", 2, 3)
+    s = generate("1f1b", 2, 3)
     _move(s.actions[1], "RA1<0", before="B1")
     with pytest.raises(ScheduleError, match="F1 has no RECV"):
         check(s)
 
 
 def test_dropped_send():
-    s = build_schedule("1f1b", 2, 3)
+    s = generate("1f1b", 2, 3)
     s.actions[1].pop(_index(s.actions[1], "SG1>0"))
     with pytest.raises(ScheduleError, match="no matching SEND"):
         check(s)
 
 
 def test_send_before_producer():
-    s = build_schedule("1f1b", 2, 3)
+    s = generate("1f1b", 2, 3)
     _move(s.actions[0], "SA2>1", before="F2")
     with pytest.raises(ScheduleError, match="before the compute producing it"):
         check(s)
 
 
 def test_wrong_peer():
-    s = build_schedule("1f1b", 3, 2)
+    s = generate("1f1b", 3, 2)
     i = _index(s.actions[1], "SA0>2")
     s.actions[1][i] = Action(Kind.SEND_ACT, 0, 0, peer=0)
     with pytest.raises(ScheduleError, match="consumer is rank 2"):
@@ -85,7 +85,7 @@ def test_wrong_peer():
 
 
 def test_sends_reordered_on_a_channel():
-    s = build_schedule("1f1b", 2, 4)
+    s = generate("1f1b", 2, 4)
     # F0 SA0 F1 SA1 -> F0 F1 SA1 SA0: both sends still follow their producers, but rank 1 receives 0 first
     _move(s.actions[0], "SA1>1", before="SA0>1")
     _move(s.actions[0], "F1", before="SA1>1")
@@ -94,7 +94,7 @@ def test_sends_reordered_on_a_channel():
 
 
 def test_recvs_reordered_on_a_channel():
-    s = build_schedule("interleaved", 2, 4, 2)
+    s = generate("interleaved", 2, 4, 2)
     acts = s.actions[1]
     assert acts[0].label() == "RA0.0<0" and acts[1].label() == "RA1.0<0"
     acts[0], acts[1] = acts[1], acts[0]
@@ -113,18 +113,18 @@ def test_deadlock():
 
 
 def test_local_dependency_order_on_one_rank():
-    s = build_schedule("interleaved", 1, 2, 2)
+    s = generate("interleaved", 1, 2, 2)
     _move(s.actions[0], "F0.1", before="F0.0")
     with pytest.raises(ScheduleError, match="before its producer on the same rank"):
         check(s)
 
 
 def test_out_of_range_and_wrong_rank_count():
-    s = build_schedule("1f1b", 2, 2)
+    s = generate("1f1b", 2, 2)
     s.actions[0].append(Action(Kind.FORWARD, 5))
     with pytest.raises(ScheduleError, match="micro-batch outside"):
         check(s)
-    s = build_schedule("1f1b", 2, 2)
+    s = generate("1f1b", 2, 2)
     s.actions.pop()
     with pytest.raises(ScheduleError, match="1 rank lists for 2"):
         check(s)

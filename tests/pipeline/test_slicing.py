@@ -5,7 +5,7 @@ import pytest
 
 from megatron_bmw.errors import UsageError
 from megatron_bmw.pipeline.checker import check
-from megatron_bmw.pipeline.generators import build_schedule
+from megatron_bmw.pipeline.generators import generate
 from megatron_bmw.pipeline.holding import peak_inflight
 from megatron_bmw.pipeline.replay import replay
 from megatron_bmw.pipeline.schedule import Action, Kind, ScheduleError
@@ -22,18 +22,18 @@ from tests.pipeline.bpipe_cases import transformed_equals_plain
 
 
 def test_halves_in_place_on_every_rank():
-    s = slice_microbatches(build_schedule("1f1b", 2, 3), 1)
+    s = slice_microbatches(generate("1f1b", 2, 3), 1)
     assert s.to_text() == "rank 0: F0a F0b F1 B0a B0b F2 B1 B2\nrank 1: F0a F0b B0a B0b F1 B1 F2 B2"
     assert "SA0a>1" in s.to_text(comm=True) and "RG0b<1" in s.to_text(comm=True)
     assert num_sliced(s) == 1
-    assert slice_microbatches(build_schedule("1f1b", 2, 3), 0).actions == build_schedule("1f1b", 2, 3).actions
+    assert slice_microbatches(generate("1f1b", 2, 3), 0).actions == generate("1f1b", 2, 3).actions
 
 
 @pytest.mark.parametrize("name,p,v", [("1f1b", 2, 1), ("1f1b", 4, 1), ("1f1b", 7, 1), ("gpipe", 3, 1),
                                       ("interleaved", 2, 2), ("interleaved", 4, 2), ("interleaved", 3, 3)])
 def test_sliced_schedules_pass_the_checker(name, p, v):
     for m in sorted({p, 2 * p, 3 * p} if v > 1 else {1, 2, p - 1, p, p + 1, 2 * p} - {0}):
-        base = build_schedule(name, p, m, v)
+        base = generate(name, p, m, v)
         for k in sorted({0, 1, 2, p, m} & set(range(m + 1))):
             s = slice_microbatches(base, k)
             check(s)
@@ -62,8 +62,8 @@ def _last_stage_start(schedule, f, b, c=0.0):
 def test_last_stage_starts_after_half_the_start_up_time():
     p, m = 8, 16
     f, b = [1.0] * p, [2.0] * p
-    start0, _ = _last_stage_start(build_schedule("1f1b", p, m), f, b)
-    start1, _ = _last_stage_start(slice_microbatches(build_schedule("1f1b", p, m), 1), f, b)
+    start0, _ = _last_stage_start(generate("1f1b", p, m), f, b)
+    start1, _ = _last_stage_start(slice_microbatches(generate("1f1b", p, m), 1), f, b)
     assert start0 == 7.0 and start1 == 3.5
 
 
@@ -81,7 +81,7 @@ def test_slicer_against_the_replay(f, b, c, expected):
     p, m = len(f), 4 * len(f)
     k = choose_slices(f, b, c, m)
     assert k == expected
-    base = build_schedule("1f1b", p, m)
+    base = generate("1f1b", p, m)
     spans = [_last_stage_start(slice_microbatches(base, j), f, b, c)[1] for j in range(p)]
     assert spans[k] < spans[0]
     if c == 0:
@@ -117,13 +117,13 @@ def test_flag_values_and_refusals():
     check_slicing(0, 1, 4)
     check_slicing("auto", 2, 4)
     with pytest.raises(UsageError, match="between 0 and the 3"):
-        slice_microbatches(build_schedule("1f1b", 2, 3), 4)
+        slice_microbatches(generate("1f1b", 2, 3), 4)
     with pytest.raises(ScheduleError, match="already a half"):
-        slice_microbatches(slice_microbatches(build_schedule("1f1b", 2, 3), 1), 1)
+        slice_microbatches(slice_microbatches(generate("1f1b", 2, 3), 1), 1)
     from megatron_bmw.pipeline.bpipe import insert_bpipe
 
     with pytest.raises(ScheduleError, match="before inserting BPipe"):
-        slice_microbatches(insert_bpipe(build_schedule("1f1b", 4, 8)), 1)
+        slice_microbatches(insert_bpipe(generate("1f1b", 4, 8)), 1)
 
 
 # (world size, tp, pp, v, m, overrides, bpipe, slicing, base slicing)

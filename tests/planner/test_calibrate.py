@@ -10,7 +10,7 @@ import pytest
 
 from megatron_bmw.errors import UsageError
 from megatron_bmw.planner.calibrate import Params, calibrate, scaled_profile
-from megatron_bmw.planner.cli import main
+from megatron_bmw.cli.autoconfig import main
 from megatron_bmw.planner.cost_model import CostSettings
 from megatron_bmw.planner.evaluate import estimate_memory
 from megatron_bmw.planner.memory_model import MemorySettings

@@ -8,7 +8,7 @@ import torch
 from megatron_bmw.config import ModelConfig, ParallelConfig
 from megatron_bmw.models.gpt import build_units
 from megatron_bmw.parallel.state import ParallelState
-from megatron_bmw.pipeline.generators import build_schedule
+from megatron_bmw.pipeline.generators import generate
 from megatron_bmw.planner.memory_model import (
     MemorySettings,
     PrecisionConfig,
@@ -22,7 +22,7 @@ from megatron_bmw.planner.memory_model import (
     unit_saved_tensors,
 )
 from megatron_bmw.units import recompute_from_flags
-from megatron_bmw.planner.saved_bytes import measure_saved
+from megatron_bmw.training.saved_bytes import measure_saved
 from tests.dist_harness import run_distributed
 
 SEQ, MBS, VOCAB = 8, 3, 40
@@ -125,8 +125,8 @@ def test_rank_memory_uses_schedule_inflight():
     cfg = _cfg(num_layers=4)
     layout = StageLayout(tp=1, dp=1, pp=4, sequence_parallel=False, micro_batch_size=2,
                          partition=(3, 2, 2, 3))
-    sched = build_schedule("1f1b", 4, 8)
-    gp = build_schedule("gpipe", 4, 8)
+    sched = generate("1f1b", 4, 8)
+    gp = generate("gpipe", 4, 8)
     prec = PrecisionConfig(param_bytes=4)
     for r in range(4):
         mem = rank_memory(layout, cfg, sched, r, prec, MemorySettings(device="cpu"))
@@ -138,7 +138,7 @@ def test_rank_memory_uses_schedule_inflight():
 def test_model_states_precision_and_zero():
     cfg = _cfg(num_layers=2)
     layout = StageLayout(tp=1, dp=4, pp=1, sequence_parallel=False, micro_batch_size=1, partition=(6,))
-    sched = build_schedule("1f1b", 1, 1)
+    sched = generate("1f1b", 1, 1)
     n = total_parameters(cfg)
     fp32 = rank_memory(layout, cfg, sched, 0, PrecisionConfig(4))
     assert (fp32.params_bytes, fp32.grads_bytes, fp32.optimizer_bytes) == (4 * n, 4 * n, 8 * n)
@@ -153,7 +153,7 @@ def test_model_states_precision_and_zero():
 def test_stage_forwards_match_chunk_bytes(rank, partition, rc):
     """Several micro-batches through one pipeline stage's chunk, all kept alive as during the warm-up of 1F1B."""
     from megatron_bmw.models.gpt import GPTModel
-    from megatron_bmw.planner.saved_bytes import record_saved
+    from megatron_bmw.training.saved_bytes import record_saved
     from megatron_bmw.planner.memory_model import chunk_saved_bytes
 
     cfg = _cfg(num_layers=4)
@@ -181,7 +181,7 @@ def test_bpipe_walk_matches_activation_store_accounting():
     from megatron_bmw.planner.memory_model import activation_walk
 
     for p, m in ((4, 8), (6, 6), (8, 16)):
-        sched = insert_bpipe(build_schedule("1f1b", p, m))
+        sched = insert_bpipe(generate("1f1b", p, m))
         expected = resident_peaks(sched)
         for r in range(p):
             peak, count = activation_walk(sched, r, lambda rank: [5.0])

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron_bmw.errors import UsageError
-from megatron_bmw.planner.cli import main
+from megatron_bmw.cli.autoconfig import main
 from megatron_bmw.planner.profile_data import Profile, Profiles, UnitTiming
 
 MODEL = {"hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256, "seq_length": 32, "vocab_size": 256,

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.errors import UsageError
-from megatron_bmw.planner.cli import main
+from megatron_bmw.cli.autoconfig import main
 from megatron_bmw.planner.cluster import parse_cluster
 from megatron_bmw.planner.cost_model import CostSettings
 from megatron_bmw.planner.evaluate import simulate_run, stage_capacity

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_bmw.planner.cli import main
+from megatron_bmw.cli.autoconfig import main
 from megatron_bmw.planner.plan import Plan
 from megatron_bmw.trials.grid import load_plans
 

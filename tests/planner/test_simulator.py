@@ -5,7 +5,7 @@ import random
 import pytest
 
 from megatron_bmw.pipeline.bpipe import insert_bpipe, mu_opt
-from megatron_bmw.pipeline.generators import build_schedule
+from megatron_bmw.pipeline.generators import generate
 from megatron_bmw.pipeline.holding import peak_inflight, resident_peaks
 from megatron_bmw.pipeline.replay import replay
 from megatron_bmw.pipeline.slicing import slice_microbatches
@@ -22,7 +22,7 @@ def _uniform(rank, a):
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("p,m", [(1, 1), (2, 2), (4, 8), (4, 3), (8, 16), (5, 1)])
 def test_equal_stages_take_m_plus_p_minus_1(name, p, m):
-    sim = simulate(build_schedule(name, p, m), _uniform)
+    sim = simulate(generate(name, p, m), _uniform)
     assert sim.iteration_time == pytest.approx((m + p - 1) * (F + B))
     assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
     assert all(busy == pytest.approx(m * (F + B)) for busy in sim.busy)
@@ -31,15 +31,15 @@ def test_equal_stages_take_m_plus_p_minus_1(name, p, m):
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 16, 3), (3, 6, 2)])
 def test_interleaved_bubble_is_divided_by_v(p, m, v):
     """Chunks of forward F/v and backward B/v: bubble (p - 1)(F + B)/v per rank."""
-    sim = simulate(build_schedule("interleaved", p, m, v), lambda r, a: _uniform(r, a) / v)
+    sim = simulate(generate("interleaved", p, m, v), lambda r, a: _uniform(r, a) / v)
     assert sim.iteration_time == pytest.approx(m * (F + B) + (p - 1) * (F + B) / v)
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (6, 6), (1, 3)])
 def test_peak_inflight_of_1f1b_is_min_p_minus_s_m(p, m):
-    sim = simulate(build_schedule("1f1b", p, m), _uniform, chunk_bytes=[[1.0]] * p)
+    sim = simulate(generate("1f1b", p, m), _uniform, chunk_bytes=[[1.0]] * p)
     assert sim.peak_memory == [min(p - s, m) for s in range(p)]
-    assert peak_inflight(build_schedule("1f1b", p, m)) == [min(p - s, m) for s in range(p)]
+    assert peak_inflight(generate("1f1b", p, m)) == [min(p - s, m) for s in range(p)]
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("gpipe", 3, 5, 1), ("interleaved", 4, 8, 2),
@@ -59,7 +59,7 @@ def test_matches_replay_with_random_durations(name, p, m, v):
     def transfer(src, dst, a):
         return 0.01 * (1 + src + 2 * dst)
 
-    sched = build_schedule(name, p, m, v)
+    sched = generate(name, p, m, v)
     ref = replay(sched, fixed, transfer)
     sim = simulate(sched, fixed, transfer)
     assert sim.pipeline_time == pytest.approx(ref.makespan, abs=1e-12)
@@ -75,7 +75,7 @@ def test_matches_replay_with_random_durations(name, p, m, v):
 
 def test_critical_path_of_equal_stages_runs_through_last_stage():
     p, m = 4, 8
-    sim = simulate(build_schedule("1f1b", p, m), _uniform)
+    sim = simulate(generate("1f1b", p, m), _uniform)
     assert sim.master_stage == p - 1
     assert sum(e - s for _, _, s, e in sim.critical_path) == pytest.approx((m + p - 1) * (F + B))
     steady_ranks = {r for r, a, _, _ in sim.critical_path[p:-p]}
@@ -89,7 +89,7 @@ def test_master_stage_is_the_heavy_stage(heavy):
     def compute(rank, a):
         return _uniform(rank, a) * (1.5 if rank == heavy else 1.0)
 
-    sim = simulate(build_schedule("1f1b", p, m), compute)
+    sim = simulate(generate("1f1b", p, m), compute)
     assert sim.master_stage == heavy
 
 
@@ -98,7 +98,7 @@ def test_autopipe_recurrence_oracle():
     p, m, c = 4, 8, 0.1
     f = [1.0, 1.3, 0.8, 1.1]
     b = [2.1, 2.5, 1.7, 2.0]
-    sched = build_schedule("1f1b", p, m)
+    sched = generate("1f1b", p, m)
     sim = simulate(sched, lambda r, a: f[r] if a.kind is Kind.FORWARD else b[r], lambda s, d, a: c)
     start = {(r, a.kind, a.microbatch): s for r, acts in enumerate(sim.computes) for a, s, _ in acts}
     fw, bw = Kind.FORWARD, Kind.BACKWARD
@@ -122,7 +122,7 @@ def test_autopipe_recurrence_oracle():
 def test_bpipe_schedule_moves_memory_and_hides_transfers(p, m):
     """BPipe's transform: evictor memory drops to mu_opt, the acceptor holds more, fast copies cost nothing,
     slow ones show; timings equal replay's, the memory walk equals the activation store's accounting."""
-    plain = build_schedule("1f1b", p, m)
+    plain = generate("1f1b", p, m)
     sched = insert_bpipe(plain)
     chunk = [[10.0]] * p
     fast = simulate(sched, _uniform, copy_time=lambda r, a, n: 0.1 * n / 10.0, chunk_bytes=chunk)
@@ -144,17 +144,17 @@ def test_bpipe_schedule_moves_memory_and_hides_transfers(p, m):
 
 def test_sliced_schedule_runs_halves():
     p, m = 4, 8
-    sched = slice_microbatches(build_schedule("1f1b", p, m), 2)
+    sched = slice_microbatches(generate("1f1b", p, m), 2)
     sim = simulate(sched, lambda r, a: _uniform(r, a) * (0.5 if a.half is not None else 1.0),
                    chunk_bytes=[[2.0]] * p)
-    plain = simulate(build_schedule("1f1b", p, m), _uniform)
+    plain = simulate(generate("1f1b", p, m), _uniform)
     assert sim.iteration_time < plain.iteration_time  # the last stage starts earlier
     assert sum(1 for a, _, _ in sim.computes[0] if a.half is not None) == 8
     assert sim.peak_memory[0] <= 2.0 * p
 
 
 def test_sync_after_pipeline_extends_iteration():
-    sched = build_schedule("1f1b", 2, 4)
+    sched = generate("1f1b", 2, 4)
     sim = simulate(sched, _uniform, finish=lambda ends, last: [e + 0.5 for e in ends])
     assert sim.iteration_time == pytest.approx(sim.pipeline_time + 0.5)
     assert sim.idle[0] == pytest.approx(sim.iteration_time - sim.busy[0])
@@ -163,7 +163,7 @@ def test_sync_after_pipeline_extends_iteration():
 def test_large_schedule_p64_m512():
     """A large schedule runs (its speed is a benchmark's business: benchmarks/search_speed.py), and a compiled
     schedule reused gives the same iteration as compiling it again."""
-    sched = build_schedule("1f1b", 64, 512)
+    sched = generate("1f1b", 64, 512)
     compiled = compile_schedule(sched)
     plain = simulate(sched, _uniform, lambda s, d, a: 0.01)
     again = simulate(compiled, _uniform, lambda s, d, a: 0.01, chunk_bytes=[[1.0]] * 64)

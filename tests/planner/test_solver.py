@@ -5,7 +5,7 @@ its estimate is exact for 1F1B on one device type without communication, and hop
 import pytest
 
 from megatron_bmw.config import ModelConfig
-from megatron_bmw.pipeline.build import pipeline_schedule
+from megatron_bmw.pipeline.build import build_schedule
 from megatron_bmw.pipeline.generators import interleaved_1f1b
 from megatron_bmw.pipeline.holding import holding_events, resident_peaks
 from megatron_bmw.planner.cluster import parse_cluster
@@ -41,7 +41,7 @@ def test_bpipe_counts_stay_within_mu_opt():
     for p, m in ((4, 8), (8, 16), (6, 12)):
         lay = Layout(1, p, 1, 1, m, "1f1b")
         counts = [mixes[0] for mixes in shapes.counts(lay, True)]
-        exact = resident_peaks(pipeline_schedule(PipelineConfig(1, m, bpipe=True), p))
+        exact = resident_peaks(build_schedule(PipelineConfig(1, m, bpipe=True), p))
         assert all(abs(sum(c) - e) <= 1.0 for c, e in zip(counts, exact)), (counts, exact)
         assert max(sum(c) for c in counts) <= max(exact) + 1e-9
 

@@ -6,7 +6,7 @@ tensor-parallel megatron_bmw BERT checkpoint, and back.
     python tools/checkpoint/convert_hf_bert.py --direction megatron-to-hf --load ckpt/ --hf-dir bert-out/
 
 A post-LayerNorm BertForPreTraining converts to a model that pretrain_bert.py runs with
---apply-residual-connection-post-layernorm (the tool prints the flags); see megatron_bmw/models/convert_bert.py.
+--apply-residual-connection-post-layernorm (the tool prints the flags); see megatron_bmw/convert/bert.py.
 Weights only; pipeline-parallel checkpoints are not read (convert from pp=1). Layout as convert_hf_gpt2.py.
 """
 
@@ -22,7 +22,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
-from megatron_bmw.models.convert_bert import (check_hf_config, hf_to_ours, merge_shards, ours_to_hf,  # noqa: E402
+from megatron_bmw.convert.bert import (check_hf_config, hf_to_ours, merge_shards, ours_to_hf,  # noqa: E402
                                               shard_state_dict)
 
 

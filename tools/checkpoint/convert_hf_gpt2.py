@@ -25,7 +25,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_bmw.errors import UsageError, exit_on_usage_error
-from megatron_bmw.models.convert_gpt2 import (
+from megatron_bmw.convert.gpt2 import (
     hf_config_from_megatron, hf_to_megatron, megatron_to_hf, merge_shards, shard_state_dict,
 )
 

@@ -31,7 +31,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_bmw.errors import UsageError, exit_on_usage_error
-from megatron_bmw.models.convert_megatron import (
+from megatron_bmw.convert.megatron import (
     MEGATRON_SPECS, Layout, Model, Target, megatron_stage_layers, read_megatron, read_ours, retarget, write_megatron,
     write_ours,
 )

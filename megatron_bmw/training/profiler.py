@@ -1,4 +1,5 @@
-"""Profiler: measure unit times, saved bytes and link speeds on this machine; or write an analytic profile.
+"""Profiler: measure unit times, saved bytes and link speeds on this machine (planner/analytic.py writes
+profiles for devices that are not here).
 
 Measured mode runs each unit kind (embedding, attention, MLP, head) of a one-layer model exactly as the
 engine does (the unit called on the hidden state, one autograd.backward per micro-batch, gradients
@@ -15,7 +16,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,41 +23,15 @@ from torch import nn
 
 from ..config import ModelConfig, ParallelConfig, PipelineConfig
 from ..device import choose_backend, ping_pong, set_device, synchronize, timed
-from ..errors import UsageError
-from .cluster import DeviceType
-from .flops import unit_forward_flops
-from .memory_model import UNIT_KINDS, unit_activation_bytes
-from .profile_data import Profile, UnitTiming, model_signature
+from ..planner.analytic import ProfileSettings
+from ..planner.memory_model import UNIT_KINDS
+from ..planner.profile_data import Profile, UnitTiming, model_signature
 from .saved_bytes import measure_saved
 
 if TYPE_CHECKING:
     from ..parallel.state import ParallelState
 
 _UNIT_OF_KIND = {"embedding": "embedding", "attention": "attn_0", "mlp": "mlp_0", "head": "head"}
-
-
-@dataclass(frozen=True)
-class ProfileSettings:
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
-    tp_sizes: tuple[int, ...] = (1,)
-    warmup: int = 2
-    repeats: int = 5
-    threads: int = 1
-    links: bool = True  # measure p2p and all-reduce between two local ranks
-    overhead: bool = True  # measure the engine's per-action overhead
-    rounds: int = 1  # sweeps over all entries; more spread the samples over time
-    statistic: str = "median"  # or "min": robust to other jobs on a shared machine
-    comm_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
-
-    def __post_init__(self) -> None:
-        if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
-            raise UsageError("--profile-micro-batch-sizes needs positive integers, e.g. 1,2,4")
-        if not self.tp_sizes or min(self.tp_sizes) < 1:
-            raise UsageError("--profile-tp needs positive integers, e.g. 1,2")
-        if self.repeats < 1 or self.warmup < 0:
-            raise UsageError(f"--profile-repeats must be >= 1 (got {self.repeats})")
-        if self.statistic not in ("median", "min"):
-            raise UsageError(f"--profile-statistic must be median or min, not {self.statistic!r}")
 
 
 def _batch(model: ModelConfig, b: int, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -331,24 +305,6 @@ def _host_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
-
-
-def analytic_profile(model: ModelConfig, device: DeviceType, settings: ProfileSettings = ProfileSettings(),
-                     achievable_fraction: float = 0.5) -> Profile:
-    """Unit times for a device that is not here: FLOPs / (peak x achievable fraction), backward = 2 x forward.
-    Tensor-parallel collectives are left to the cost model (so only tp=1 entries are written)."""
-    if not 0 < achievable_fraction <= 1:
-        raise UsageError(f"--achievable-fraction must be in (0, 1], got {achievable_fraction}")
-    dtype = model.params_dtype
-    rate = device.peak(dtype) * achievable_fraction
-    units = []
-    for b in settings.micro_batch_sizes:
-        for kind in UNIT_KINDS:
-            fwd = unit_forward_flops(kind, model, b) / rate
-            units.append(UnitTiming(kind, 1, b, fwd, 2 * fwd, unit_activation_bytes(kind, model, b)))
-    info = {"name": device.name, "kind": "analytic", "achievable_fraction": achievable_fraction,
-            "memory_bytes": device.memory_bytes}
-    return Profile(device=info, dtype=dtype, model=model_signature(model), units=units, mode="analytic")
 
 
 # ---- per-stage times of the model being trained (for --microbatch-slicing auto) --------------------------------

@@ -10,7 +10,8 @@ from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.planner.cluster import load_cluster
 from megatron_bmw.planner.memory_model import unit_activation_bytes
 from megatron_bmw.planner.profile_data import Profile
-from megatron_bmw.planner.profiler import _fit_link, analytic_profile, time_engine_overhead, time_units
+from megatron_bmw.planner.analytic import analytic_profile
+from megatron_bmw.training.profiler import _fit_link, time_engine_overhead, time_units
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
                     attention_backend="unfused")

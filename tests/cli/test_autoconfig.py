@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_bmw.planner.cli import main
+from megatron_bmw.cli.autoconfig import main
 from megatron_bmw.planner.memory_model import total_parameters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,7 +14,7 @@ import torch
 
 from megatron_bmw.config import ModelConfig, ParallelConfig
 from megatron_bmw.errors import UsageError
-from megatron_bmw.models.convert_gpt2 import (
+from megatron_bmw.convert.gpt2 import (
     hf_to_megatron, megatron_to_hf, merge_shards, padded_vocab_size, partition_dim, shard_state_dict,
 )
 from megatron_bmw.models.gpt import GPTModel, build_units

@@ -1,32 +1,21 @@
-"""tools/autoconfig.py: search for a plan, estimate memory, simulate an iteration, or profile this machine.
-
-    autoconfig.py search --cluster a100-80g-ib --num-nodes 2 <model flags> --global-batch-size 512 \\
-        [--profile a.json --profile b.json] [--top-k 5] [--space tp=1,2 --space bpipe=off] --output plan.json \\
-        [--output-dir plans/]   # the top-k plans as plans/plan_1.json ... (tools/grid_search.py --plans plans/)
-    autoconfig.py estimate --cluster a100-80g-ib --num-nodes 2 <pretrain_gpt.py flags> [--json]
-    autoconfig.py simulate --cluster FILE.yaml [--profile prof.json] <flags> [--json] [--timeline out.png]
-    autoconfig.py profile --output prof.json <model flags> [--profile-tp 1,2] [--analytic --cluster NAME]
-    autoconfig.py calibrate --results results.jsonl [--profile prof.json] --output calibrated.json
-"""
+"""The planner's command-line flags (model flags as pretrain_gpt.py's, plus --cluster, --profile, ...) turned into
+planner objects: cluster, profiles, memory and cost settings, a RunSpec; the search on parsed flags and the
+plan files it writes. Used by tools/autoconfig.py (cli/autoconfig.py) and the trials."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from dataclasses import replace
 
-from ..arguments import _Parser, add_megatron_args, configs_from_args, parse_args
-from ..errors import UsageError, exit_on_usage_error
-from ..paths import check_output_dir, check_output_file
-from .cluster import BUILTIN, Cluster, load_cluster, local_cluster
-from ..pipeline.slicing import choose_slices, stage_times_from_cost
-from .cost_model import CostModel, CostSettings
-from .evaluate import estimate_memory, simulate_run
-from .memory_model import MemorySettings
-from .profile_data import Profile, Profiles
-from .report import estimate_json, memory_table, simulate_json
-from .spec import spec_from_run_config
+from .arguments import _Parser, add_megatron_args, configs_from_args
+from .errors import UsageError
+from .paths import check_output_dir
+from .pipeline.slicing import choose_slices, stage_times_from_cost
+from .planner.cluster import BUILTIN, Cluster, load_cluster, local_cluster
+from .planner.cost_model import CostModel, CostSettings
+from .planner.memory_model import MemorySettings
+from .planner.profile_data import Profile, Profiles
+from .planner.spec import spec_from_run_config
 
 
 def _ints(flag: str):
@@ -151,6 +140,8 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
 
 
 CUDA_WORKSPACE_GB = 1.5  # CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces
+
+
 CUDA_FRAGMENTATION = 0.10  # the caching allocator's reserve above the peak it hands out
 
 
@@ -209,17 +200,6 @@ def spec_from_args(args, cluster: Cluster, profiles: Profiles, costs: CostSettin
     return spec_from_run_config(cfg, world)
 
 
-def _estimate(args) -> int:
-    profiles = load_profiles(args)
-    cluster = cluster_from_args(args, profiles)
-    spec = spec_from_args(args, cluster, profiles)
-    settings = memory_settings(args, profiles)
-    memory = estimate_memory(spec, settings=settings)
-    data = estimate_json(spec, memory, cluster, settings)
-    print(json.dumps(data) if args.json else memory_table(data))
-    return 0
-
-
 def cost_settings(args, profiles: Profiles | None = None) -> CostSettings:
     """The flags' cost settings; the overlap factor, when not given, from the profiles (calibrated), else 1.3."""
     overlap = args.overlap_factor
@@ -229,32 +209,10 @@ def cost_settings(args, profiles: Profiles | None = None) -> CostSettings:
                         overlap_factor=overlap)
 
 
-def _simulate(args) -> int:
-    check_output_file("--timeline", args.timeline)
-    profiles = load_profiles(args)
-    cluster = cluster_from_args(args, profiles)
-    costs = cost_settings(args, profiles)
-    spec = spec_from_args(args, cluster, profiles, costs)
-    settings = memory_settings(args, profiles)
-    ev = simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline))
-    data = simulate_json(ev, cluster, settings)
-    if args.timeline:
-        from .timeline import render_timeline
-
-        render_timeline(ev.simulation, args.timeline)
-    if args.json:
-        print(json.dumps(data))
-    else:
-        print(memory_table(data))
-        if args.timeline:
-            print(f"timeline written to {args.timeline}")
-    return 0
-
-
 def run_search(args, progress: bool | None = None):
     """The search of `autoconfig.py search` on parsed flags: (SearchResult, Profiles, the serial RunConfig)."""
-    from .search import SearchSettings, search
-    from .space import SearchSpace
+    from .planner.search import SearchSettings, search
+    from .planner.space import SearchSpace
 
     if args.top_k < 1:
         raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
@@ -284,7 +242,7 @@ def write_plans(result, profiles: Profiles, orig_vocab_size: int, out_dir: str, 
     import os
     import re
 
-    from .report import plan_from
+    from .planner.report import plan_from
 
     check_output_dir("--output-dir", out_dir)
     ranked = result.ranked[:top_k]
@@ -303,91 +261,9 @@ def write_plans(result, profiles: Profiles, orig_vocab_size: int, out_dir: str, 
     return paths
 
 
-def _search(args) -> int:
-    from .report import plan_from, search_json, search_table
-
-    check_output_file("--output", args.output)
-    check_output_file("--timeline", args.timeline)
-    check_output_dir("--output-dir", args.output_dir)
-    result, profiles, one = run_search(args)
-    plan = plan_from(result.best, result, profiles, one.orig_vocab_size)
-    if args.output:
-        plan.save(args.output)
-    written = write_plans(result, profiles, one.orig_vocab_size, args.output_dir, args.top_k) \
-        if args.output_dir else []
-    if args.timeline:
-        from .timeline import render_timeline
-
-        render_timeline(result.best.evaluation.simulation, args.timeline)
-    if args.json:
-        print(json.dumps(search_json(result)))
-    else:
-        print(search_table(result))
-        if args.output:
-            print(f"plan written to {args.output}: run it with pretrain_{args.model_type}.py --plan {args.output}")
-        if written:
-            print(f"{len(written)} plans written to {args.output_dir} (plan_1.json is the best): run them with "
-                  f"tools/grid_search.py --plans {args.output_dir}")
-        if args.timeline:
-            print(f"timeline of the best plan written to {args.timeline}")
-    return 0
-
-
 # The model alone, as the search reads it from the flags: one rank, no layout.
 SERIAL_FLAGS = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
                     micro_batch_size=1, global_batch_size=None, num_layers_per_virtual_pipeline_stage=None,
                     virtual_pipeline_model_parallel_size=None, pipeline_partition=None, bpipe=False,
                     microbatch_slicing="0", recompute_units=None, recompute_granularity=None,
                     recompute_activations=False, recompute_method=None, recompute_num_layers=None)
-
-
-def _profile(args) -> int:
-    from .profiler import ProfileSettings, analytic_profile, run_profile
-
-    check_output_file("--output", args.output)
-    cfg = configs_from_args(args, args.tensor_model_parallel_size)
-    settings = ProfileSettings(micro_batch_sizes=args.profile_micro_batch_sizes, tp_sizes=args.profile_tp,
-                               warmup=args.profile_warmup, repeats=args.profile_repeats, threads=args.threads,
-                               links=not args.no_links, rounds=args.profile_rounds,
-                               statistic=args.profile_statistic)
-    if args.analytic:
-        if not args.cluster:
-            raise UsageError("--analytic needs --cluster to name the device type's peak FLOP/s")
-        cluster = load_cluster(args.cluster)
-        types = {g.device.name: g.device for g in cluster.groups}
-        name = args.device_type or next(iter(types))
-        if name not in types:
-            raise UsageError(f"--device-type {name} is not in cluster {cluster.name} ({', '.join(types)})")
-        profile = analytic_profile(cfg.model, types[name], settings,
-                                   CostSettings(achievable_fraction=args.achievable_fraction).fraction(types[name]))
-    else:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        profile = run_profile(cfg.model, settings, cfg.parallel.sequence_parallel)
-        if args.device_type:
-            profile.device["type"] = args.device_type
-    profile.save(args.output)
-    print(f"profile of {len(profile.units)} unit timings ({profile.mode}, {profile.device.get('name')}) "
-          f"written to {args.output}")
-    return 0
-
-
-def _calibrate(args) -> int:
-    from .calibrate import run_calibrate
-
-    check_output_file("--output", args.output)
-    overlap = args.overlap_factor
-    if overlap is None:
-        overlap = load_profiles(args).overlap_factor or CostSettings().overlap_factor
-    costs = CostSettings(achievable_fraction=args.achievable_fraction, overlap_factor=overlap)
-    print(run_calibrate(args.results, args.cluster, args.profile, args.output, costs))
-    return 0
-
-
-@exit_on_usage_error
-def main(argv: list[str] | None = None) -> int:
-    parser = build_autoconfig_parser()
-    args = parse_args(list(sys.argv[1:] if argv is None else argv), parser)
-    return {"estimate": _estimate, "simulate": _simulate, "profile": _profile, "search": _search,
-            "calibrate": _calibrate}[args.command](args)
-

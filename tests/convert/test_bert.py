@@ -11,7 +11,7 @@ import torch
 
 from megatron_bmw.config import ModelConfig, ParallelConfig
 from megatron_bmw.errors import UsageError
-from megatron_bmw.models.convert_bert import hf_to_ours, merge_shards, ours_to_hf, shard_state_dict
+from megatron_bmw.convert.bert import hf_to_ours, merge_shards, ours_to_hf, shard_state_dict
 from megatron_bmw.models.gpt import GPTModel, build_units
 from megatron_bmw.parallel.mappings import gather_along
 from megatron_bmw.parallel.state import ParallelState
@@ -127,7 +127,7 @@ def test_refused_configs():
     kwargs, full = hf_to_ours(hf.state_dict(), config)
     with pytest.raises(UsageError, match="without the binary head"):
         ours_to_hf(full, {**kwargs, "bert_binary_head": False}, SMALL["vocab_size"])
-    from megatron_bmw.models.convert_megatron import read_ours  # the Megatron-LM converter is GPT only
+    from megatron_bmw.convert.megatron import read_ours  # the Megatron-LM converter is GPT only
 
     with pytest.raises(UsageError, match="holds a BERT model; only GPT checkpoints convert"):
         read_ours({(0, 0): {"args": {**kwargs, "tensor_model_parallel_size": 1}, "model": {}}})

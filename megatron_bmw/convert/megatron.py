@@ -34,7 +34,7 @@ from ..config import ModelConfig
 from ..errors import UsageError
 from ..pipeline.partition import default_partition, parse_partition, rank_chunks, virtual_stage_units
 from ..units import owns_output_weight, unit_names
-from .convert_gpt2 import POSITION_EMBEDDING, merge_shards, padded_vocab_size, shard_state_dict
+from .gpt2 import POSITION_EMBEDDING, merge_shards, padded_vocab_size, shard_state_dict
 
 CHECKPOINT_VERSION = 3.0
 MEGATRON_SPECS = ("transformer_engine", "local")

@@ -1,0 +1,1 @@
+"""Command lines over the whole package (tools/*.py call these)."""

@@ -1,0 +1,153 @@
+"""tools/autoconfig.py: search for a plan, estimate memory, simulate an iteration, or profile this machine.
+
+autoconfig.py search --cluster a100-80g-ib --num-nodes 2 <model flags> --global-batch-size 512 \
+    [--profile a.json --profile b.json] [--top-k 5] [--space tp=1,2 --space bpipe=off] --output plan.json \
+    [--output-dir plans/]   # the top-k plans as plans/plan_1.json ... (tools/grid_search.py --plans plans/)
+autoconfig.py estimate --cluster a100-80g-ib --num-nodes 2 <pretrain_gpt.py flags> [--json]
+autoconfig.py simulate --cluster FILE.yaml [--profile prof.json] <flags> [--json] [--timeline out.png]
+autoconfig.py profile --output prof.json <model flags> [--profile-tp 1,2] [--analytic --cluster NAME]
+autoconfig.py calibrate --results results.jsonl [--profile prof.json] --output calibrated.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..arguments import parse_args
+from ..errors import UsageError, exit_on_usage_error
+from ..paths import check_output_dir, check_output_file
+from ..planner.cluster import load_cluster
+from ..planner.cost_model import CostSettings
+from ..planner.calibrate import calibrate, calibrated_profile_json, calibration_table
+from ..planner.evaluate import estimate_memory, simulate_run
+from ..planner.report import estimate_json, memory_table, simulate_json
+from ..planner.files import write_json
+from ..planner_args import (build_autoconfig_parser, cluster_from_args, configs_from_args, cost_settings,
+                            load_profiles, memory_settings, run_search, spec_from_args, write_plans)
+from ..trials.results import load_results
+from ..trials.specs import TrialModel
+
+
+def _estimate(args) -> int:
+    profiles = load_profiles(args)
+    cluster = cluster_from_args(args, profiles)
+    spec = spec_from_args(args, cluster, profiles)
+    settings = memory_settings(args, profiles)
+    memory = estimate_memory(spec, settings=settings)
+    data = estimate_json(spec, memory, cluster, settings)
+    print(json.dumps(data) if args.json else memory_table(data))
+    return 0
+
+
+def _simulate(args) -> int:
+    check_output_file("--timeline", args.timeline)
+    profiles = load_profiles(args)
+    cluster = cluster_from_args(args, profiles)
+    costs = cost_settings(args, profiles)
+    spec = spec_from_args(args, cluster, profiles, costs)
+    settings = memory_settings(args, profiles)
+    ev = simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline))
+    data = simulate_json(ev, cluster, settings)
+    if args.timeline:
+        from ..planner.timeline import render_timeline
+
+        render_timeline(ev.simulation, args.timeline)
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(memory_table(data))
+        if args.timeline:
+            print(f"timeline written to {args.timeline}")
+    return 0
+
+
+def _search(args) -> int:
+    from ..planner.report import plan_from, search_json, search_table
+
+    check_output_file("--output", args.output)
+    check_output_file("--timeline", args.timeline)
+    check_output_dir("--output-dir", args.output_dir)
+    result, profiles, one = run_search(args)
+    plan = plan_from(result.best, result, profiles, one.orig_vocab_size)
+    if args.output:
+        plan.save(args.output)
+    written = write_plans(result, profiles, one.orig_vocab_size, args.output_dir, args.top_k) \
+        if args.output_dir else []
+    if args.timeline:
+        from ..planner.timeline import render_timeline
+
+        render_timeline(result.best.evaluation.simulation, args.timeline)
+    if args.json:
+        print(json.dumps(search_json(result)))
+    else:
+        print(search_table(result))
+        if args.output:
+            print(f"plan written to {args.output}: run it with pretrain_{args.model_type}.py --plan {args.output}")
+        if written:
+            print(f"{len(written)} plans written to {args.output_dir} (plan_1.json is the best): run them with "
+                  f"tools/grid_search.py --plans {args.output_dir}")
+        if args.timeline:
+            print(f"timeline of the best plan written to {args.timeline}")
+    return 0
+
+
+def _profile(args) -> int:
+    from ..planner.analytic import ProfileSettings, analytic_profile
+    from ..training.profiler import run_profile
+
+    check_output_file("--output", args.output)
+    cfg = configs_from_args(args, args.tensor_model_parallel_size)
+    settings = ProfileSettings(micro_batch_sizes=args.profile_micro_batch_sizes, tp_sizes=args.profile_tp,
+                               warmup=args.profile_warmup, repeats=args.profile_repeats, threads=args.threads,
+                               links=not args.no_links, rounds=args.profile_rounds,
+                               statistic=args.profile_statistic)
+    if args.analytic:
+        if not args.cluster:
+            raise UsageError("--analytic needs --cluster to name the device type's peak FLOP/s")
+        cluster = load_cluster(args.cluster)
+        types = {g.device.name: g.device for g in cluster.groups}
+        name = args.device_type or next(iter(types))
+        if name not in types:
+            raise UsageError(f"--device-type {name} is not in cluster {cluster.name} ({', '.join(types)})")
+        profile = analytic_profile(cfg.model, types[name], settings,
+                                   CostSettings(achievable_fraction=args.achievable_fraction).fraction(types[name]))
+    else:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        profile = run_profile(cfg.model, settings, cfg.parallel.sequence_parallel)
+        if args.device_type:
+            profile.device["type"] = args.device_type
+    profile.save(args.output)
+    print(f"profile of {len(profile.units)} unit timings ({profile.mode}, {profile.device.get('name')}) "
+          f"written to {args.output}")
+    return 0
+
+
+def _calibrate(args) -> int:
+    check_output_file("--output", args.output)
+    overlap = args.overlap_factor
+    if overlap is None:
+        overlap = load_profiles(args).overlap_factor or CostSettings().overlap_factor
+    costs = CostSettings(achievable_fraction=args.achievable_fraction, overlap_factor=overlap)
+    print(run_calibrate(args.results, args.cluster, args.profile, args.output, costs))
+    return 0
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> int:
+    parser = build_autoconfig_parser()
+    args = parse_args(list(sys.argv[1:] if argv is None else argv), parser)
+    return {"estimate": _estimate, "simulate": _simulate, "profile": _profile, "search": _search,
+            "calibrate": _calibrate}[args.command](args)
+
+
+def run_calibrate(results_path: str, cluster: str, profile_paths: list[str], output: str,
+                  costs: CostSettings = CostSettings()) -> str:
+    """The `calibrate` subcommand: fit, write the profile, return the text to print."""
+    model = TrialModel.from_paths(cluster, profile_paths, costs)
+    out = calibrate(load_results(results_path), model, costs)
+    data = calibrated_profile_json(out, results_path)
+    write_json(output, data, "--output", "profile")
+    return (calibration_table(out) + f"\nprofile written to {output}: autoconfig.py search --profile {output} "
+            f"(it carries the overlap factor and the memory allowance; flags given beside it win)")
