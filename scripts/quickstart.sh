@@ -2,6 +2,7 @@
 # Quick start: fetch Shakespeare's works, train a SentencePiece tokenizer, preprocess to .bin/.idx and pretrain
 # a small GPT on 2 gloo ranks (pipeline-parallel), with validation and a checkpoint. Falls back to --mock-data
 # when the corpus cannot be fetched. Everything lands in ./quickstart_data and ./checkpoints/quickstart.
+# A second run resumes the checkpoint there (Megatron's --load); QUICKSTART_FRESH=1 deletes it and starts over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -11,7 +12,16 @@ DATA=quickstart_data
 CKPT=checkpoints/quickstart
 ITERS=${QUICKSTART_ITERS:-300}
 mkdir -p "$DATA"
-rm -rf "$CKPT"
+LOAD_ARGS=()
+if [ -f "$CKPT/latest_checkpointed_iteration.txt" ]; then
+  if [ "${QUICKSTART_FRESH:-0}" = 1 ]; then
+    echo "[quickstart] QUICKSTART_FRESH=1: deleting the earlier checkpoint in $CKPT and starting over"
+    rm -rf "$CKPT"
+  else
+    echo "[quickstart] resuming the checkpoint in $CKPT (iteration $(cat "$CKPT/latest_checkpointed_iteration.txt")); QUICKSTART_FRESH=1 starts over"
+    LOAD_ARGS=(--load "$CKPT")
+  fi
+fi
 
 DATA_ARGS=()
 if [ ! -f "$DATA/shakespeare_text_document.idx" ]; then
@@ -34,13 +44,13 @@ else
   DATA_ARGS=(--mock-data --vocab-size 4000)
 fi
 
-echo "[quickstart] pretraining a 4-layer GPT on 2 gloo ranks (pipeline parallel 2) for $ITERS iterations"
-.venv/bin/torchrun --nproc_per_node 2 --master_port "${MASTER_PORT:-29517}" pretrain_gpt.py \
+echo "[quickstart] pretraining a 4-layer GPT on 2 gloo ranks (pipeline parallel 2) up to iteration $ITERS (a few minutes)"
+.venv/bin/torchrun --standalone --nproc_per_node 2 pretrain_gpt.py \
     "${DATA_ARGS[@]}" \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 \
     --pipeline-model-parallel-size 2 --micro-batch-size 8 --global-batch-size 32 \
     --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 \
     --hidden-dropout 0.0 --attention-dropout 0.0 \
     --train-iters "$ITERS" --log-interval 20 --eval-interval 100 --eval-iters 5 \
-    --save "$CKPT" --save-interval 1000 --distributed-backend gloo
+    --save "$CKPT" --save-interval 1000 --distributed-backend gloo "${LOAD_ARGS[@]}"
 echo "[quickstart] done; checkpoint in $CKPT"

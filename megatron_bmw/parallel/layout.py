@@ -1,7 +1,7 @@
 """Rank layout: global rank <-> (tp, dp, pp) coordinates.
 
-`megatron`: tp fastest, then dp, then pp (Megatron-LM's order).
-`bpipe`: tp fastest, then pipeline stages in pair-adjacent order 0, p-1, 1, p-2, ... (so each BPipe pair
+`tp-dp-pp`: tp fastest, then dp, then pp (Megatron-LM's order; the runtime's default).
+`bpipe` (with --bpipe): tp fastest, then pipeline stages in pair-adjacent order 0, p-1, 1, p-2, ... (so each BPipe pair
 (s, p-1-s) sits on neighbouring ranks), then dp.
 """
 

@@ -10,7 +10,7 @@ import math
 
 from ..errors import UsageError, exit_on_usage_error
 from .checker import check
-from .generators import SCHEDULES, build_schedule
+from .generators import SCHEDULES, generate
 from .replay import Replay, replay, unit_times
 from .schedule import COMPUTE_KINDS, Schedule
 
@@ -91,7 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     ):
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
-    schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+    name = args.schedule
+    if name == "1f1b" and args.virtual_stages > 1:  # Megatron's meaning: 1F1B over virtual stages is interleaved
+        name = "interleaved"
+    schedule = generate(name, args.pp, args.microbatches, args.virtual_stages)
     check(schedule)
     transfer = float(args.transfer_time)
     result = replay(

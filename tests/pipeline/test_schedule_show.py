@@ -46,3 +46,10 @@ def test_main_in_process(capsys):
         show.main(["--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--virtual-stages", "2"])
     assert info.value.code == 2
     assert capsys.readouterr().err.startswith("error: --virtual-pipeline-model-parallel-size 2")
+
+
+def test_1f1b_with_virtual_stages_is_the_interleaved_schedule(capsys):
+    show.main(["--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--virtual-stages", "2"])
+    as_1f1b = capsys.readouterr().out
+    show.main(["--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual-stages", "2"])
+    assert as_1f1b == capsys.readouterr().out and "makespan" in as_1f1b
