@@ -88,6 +88,16 @@ def report(exc: BaseException) -> int:
     return 1
 
 
+def _exit(code: int) -> None:
+    """Exit with `code`. Inside a process group, skip the interpreter's teardown: the groups still alive would be
+    destroyed in it, and a gloo group destroyed there can abort the process (exit -6 instead of `code`)."""
+    if _distributed()[0]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def exit_on_usage_error(fn):
     """Decorator for entry points: the errors above become one `error:` line and their exit code."""
 
@@ -95,11 +105,11 @@ def exit_on_usage_error(fn):
         try:
             return fn(*args, **kwargs)
         except (UsageError, RunError, Reported) as exc:
-            sys.exit(report(exc))
+            _exit(report(exc))
         except Exception as exc:  # noqa: BLE001 - only a lost peer becomes a line; anything else is a bug
             if not lost_peer(exc):
                 raise
-            sys.exit(report(exc))
+            _exit(report(exc))
 
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__

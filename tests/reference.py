@@ -64,6 +64,18 @@ def serial_reference(cfg: ModelConfig, microbatches: list[dict[str, torch.Tensor
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}, model
 
 
+def head_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
+    """The (vocab-parallel) logits [s, b, v/tp] of a whole model in eval mode, unit by unit."""
+    model.eval()
+    hidden, batch = None, {"tokens": tokens}
+    with torch.no_grad():
+        for name, unit in model.units.items():
+            if name == "head":
+                return unit.logits(hidden)
+            hidden = unit(hidden, batch)
+    raise AssertionError("no head unit")
+
+
 def reference_name(name: str, cfg: ModelConfig) -> str:
     """The serial model's name of a (possibly pipeline-copied) parameter."""
     if name.endswith("head.output_weight") and not cfg.untie_embeddings_and_output_weights:

@@ -368,8 +368,12 @@ class Trainer:
 
     # -- loop ------------------------------------------------------------------------------------------------
     def train(self) -> None:
-        with _Signal() as sig:
-            self._train(sig)
+        try:
+            with _Signal() as sig:
+                self._train(sig)
+        except BaseException:
+            self.tb.close()  # what was logged reaches the disk even when the run stops on an error
+            raise
 
     def _train(self, sig: _Signal) -> None:
         tr, st = self.run.train, self.state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -25,6 +26,8 @@ from .loop import Trainer, count_parameters, print_first, print_last
 def main(argv: list[str] | None = None, model_type: str = "gpt") -> None:
     trainer = pretrain(list(sys.argv[1:] if argv is None else argv), model_type)
     trainer.state.destroy()
+    del trainer
+    gc.collect()  # free the groups now: a gloo group destroyed during interpreter shutdown can abort the process
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -20,6 +20,7 @@ from megatron_bmw.convert.gpt2 import (
 from megatron_bmw.models.gpt import GPTModel, build_units
 from megatron_bmw.parallel.state import ParallelState
 from tests.dist_harness import run_distributed
+from tests.reference import head_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, "tools", "checkpoint", "convert_hf_gpt2.py")
@@ -88,14 +89,7 @@ def _logits(save: str, state: ParallelState, tokens: torch.Tensor) -> torch.Tens
     ckpt = _load(save, state.tp_rank)
     model = GPTModel(build_units(_model_config(ckpt["args"]), state, seed=0))
     model.load_state_dict(ckpt["model"], strict=True)
-    model.eval()
-    hidden, batch = None, {"tokens": tokens}
-    with torch.no_grad():
-        for name, unit in model.units.items():
-            if name == "head":
-                return unit.logits(hidden)
-            hidden = unit(hidden, batch)
-    raise AssertionError("no head unit")
+    return head_logits(model, tokens)
 
 
 def _tp_logits(rank, world_size, save, tokens):

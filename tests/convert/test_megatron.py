@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from megatron_bmw.config import ModelConfig
 from megatron_bmw.models.gpt import GPTModel, build_units
 from megatron_bmw.parallel.state import ParallelState
+from tests.reference import head_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, "tools", "checkpoint", "convert_megatron.py")
@@ -269,14 +270,7 @@ def _serial_logits(ckpt, tokens):
     cfg = ModelConfig(**{k: v for k, v in payload["args"].items() if k in names and k != "params_dtype"})
     model = GPTModel(build_units(cfg, ParallelState.serial(), seed=0))
     model.load_state_dict(payload["model"], strict=True)
-    model.eval()
-    hidden, batch = None, {"tokens": tokens}
-    with torch.no_grad():
-        for name, unit in model.units.items():
-            if name == "head":
-                return unit.logits(hidden)
-            hidden = unit(hidden, batch)
-    raise AssertionError("no head")
+    return head_logits(model, tokens)
 
 
 @pytest.fixture(scope="module")

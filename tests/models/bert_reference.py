@@ -6,9 +6,7 @@ import torch
 
 from megatron_bmw.config import ModelConfig
 from megatron_bmw.models.bert import loss_divisors, synthetic_batch
-from megatron_bmw.models.gpt import GPTModel, build_units
-from megatron_bmw.parallel.state import ParallelState
-from tests.reference import RECOMPUTE_FLAGS, SEED
+from tests.reference import RECOMPUTE_FLAGS
 
 
 def bert_config(**overrides) -> ModelConfig:
@@ -33,12 +31,3 @@ def bert_batch(cfg: ModelConfig, batch_size: int, seed: int) -> dict[str, torch.
     return synthetic_batch(cfg, batch_size, seed)
 
 
-def bert_serial_reference(cfg: ModelConfig, microbatches):
-    """Mean loss over micro-batches, every parameter's gradient by name, and the model."""
-    model = GPTModel(build_units(cfg, ParallelState.serial(), SEED))
-    total = 0.0
-    for mb in microbatches:
-        loss = model(None, mb) / len(microbatches)
-        loss.backward()
-        total += loss.item()
-    return total, {n: p.grad.clone() for n, p in model.named_parameters()}, model

@@ -14,7 +14,8 @@ from megatron_bmw.pipeline.engine import PipelineEngine, reduce_loss
 from megatron_bmw.pipeline.slicing import num_sliced
 from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup
 from tests.dist_harness import run_distributed
-from tests.models.bert_reference import bert_batch, bert_config, bert_serial_reference, split_micro
+from tests.models.bert_reference import bert_batch, bert_config, split_micro
+from tests.reference import serial_reference  # a BERT config builds BERT's units
 from tests.reference import SEED, expected_shard, pipeline_of, reference_name
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -25,7 +26,7 @@ def _run_case(rank, world_size, tp, pp, v, m, partition, overrides, extra):
     cfg = bert_config(**overrides)
     dp = world_size // (tp * pp)
     micro = split_micro(bert_batch(cfg, MBS * m * dp, seed=5), m * dp)
-    ref_loss, ref_grads, ref_model = bert_serial_reference(cfg, micro)
+    ref_loss, ref_grads, ref_model = serial_reference(cfg, micro)
     ref_parts = drain_reported([ref_model]) / len(micro)
     bpipe, slicing = extra.get("bpipe", False), extra.get("slicing", 0)
     st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

@@ -15,10 +15,13 @@ from tests.reference import (SEED, expected_shard, make_batch, recompute_of, ref
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _tp_case(rank, world_size, overrides, sequence_parallel):
+def _batches(cfg):
+    return split_batch(make_batch(cfg, 4, seed=7), 2)
+
+
+def _tp_case(rank, world_size, overrides, sequence_parallel, ref_loss, ref_grads):
     cfg = small_config(**overrides)
-    mbs = split_batch(make_batch(cfg, 4, seed=7), 2)
-    ref_loss, ref_grads, _ = serial_reference(cfg, mbs)
+    mbs = _batches(cfg)
     st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=world_size, sequence_parallel=sequence_parallel))
     model = GPTModel(build_units(cfg, st, SEED, recompute=recompute_of(overrides, cfg.num_layers)))
     sync = GradSync(list(model.parameters()), st)
@@ -52,7 +55,9 @@ CASES = [
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("overrides,sequence_parallel", CASES)
 def test_gpt_tensor_parallel_equals_serial(world_size, overrides, sequence_parallel):
-    losses = run_distributed(world_size, _tp_case, overrides, sequence_parallel)
+    cfg = small_config(**overrides)
+    ref_loss, ref_grads, _ = serial_reference(cfg, _batches(cfg))
+    losses = run_distributed(world_size, _tp_case, overrides, sequence_parallel, ref_loss, ref_grads)
     assert len(set(losses)) == 1
 
 

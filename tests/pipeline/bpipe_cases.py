@@ -45,13 +45,27 @@ def _iteration(cfg, overrides, st, m, v, micro, dp, bpipe, slicing, schedule="1f
     return losses, grads, engine.activation_stats(), sched, engine.activation_report(), named
 
 
-def transformed_equals_plain(rank, world_size, tp, pp, v, m, overrides, bpipe, slicing, base_slicing=0):
-    """Loss and gradients with the transform(s) equal those of the plain run (bitwise for BPipe alone);
-    returns this rank's activation numbers for the caller to check."""
+def _micro(cfg, m: int, dp: int):
+    return split_batch(make_batch(cfg, MBS * m * dp, seed=11), m * dp)
+
+
+def run_transformed(world_size, tp, pp, v, m, overrides, bpipe, slicing, base_slicing=0) -> list:
+    """`transformed_equals_plain` on `world_size` ranks, with the serial reference computed once, here."""
+    from tests.dist_harness import run_distributed
+
+    cfg = small_config(**overrides)
+    ref_loss, ref_grads, _ = serial_reference(cfg, _micro(cfg, m, world_size // (tp * pp)))
+    return run_distributed(world_size, transformed_equals_plain, tp, pp, v, m, overrides, bpipe, slicing,
+                           base_slicing, ref_loss, ref_grads)
+
+
+def transformed_equals_plain(rank, world_size, tp, pp, v, m, overrides, bpipe, slicing, base_slicing, ref_loss,
+                             ref_grads):
+    """Loss and gradients with the transform(s) equal those of the plain run (bitwise for BPipe alone) and the
+    serial reference; returns this rank's activation numbers for the caller to check."""
     cfg = small_config(**overrides)
     dp = world_size // (tp * pp)
-    micro = split_batch(make_batch(cfg, MBS * m * dp, seed=11), m * dp)
-    ref_loss, ref_grads, _ = serial_reference(cfg, micro)
+    micro = _micro(cfg, m, dp)
     st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                             rank_order="bpipe"))
     plain = _iteration(cfg, overrides, st, m, v, micro, dp, False, base_slicing)

@@ -11,8 +11,7 @@ from megatron_bmw.pipeline.generators import generate
 from megatron_bmw.pipeline.holding import peak_inflight, resident_peaks
 from megatron_bmw.pipeline.replay import replay, unit_times
 from megatron_bmw.pipeline.schedule import COMPUTE_KINDS, TRANSFER_KINDS, Action, Kind, ScheduleError
-from tests.dist_harness import run_distributed
-from tests.pipeline.bpipe_cases import transformed_equals_plain
+from tests.pipeline.bpipe_cases import run_transformed
 
 
 def _text(schedule, rank):
@@ -172,13 +171,10 @@ def test_replay_times_transfers_beside_compute():
     assert [len(x) for x in slow.timeline] == [len(a) for a in s.actions]
 
 
-def test_replay_of_a_large_bpipe_schedule_is_fast():
-    import time
-
+def test_replay_of_a_large_bpipe_schedule():
+    """64 ranks, 512 micro-batches, BPipe on: the replay finishes and BPipe costs no time with free transfers."""
     s = insert_bpipe(generate("1f1b", 64, 512))
-    start = time.perf_counter()
-    replay(s, unit_times(1.0, 2.0), record=False)
-    assert time.perf_counter() - start < 2.0
+    assert replay(s, unit_times(1.0, 2.0), record=False).makespan == (512 + 63) * 3
 
 
 @pytest.mark.parametrize("tp,dp,pp,node", [(1, 1, 4, 2), (1, 1, 8, 2), (2, 1, 4, 4), (2, 2, 4, 8), (1, 2, 6, 2),
@@ -237,7 +233,7 @@ def _check_memory(out, p, v, m):
 @pytest.mark.slow
 @pytest.mark.parametrize("ws,tp,pp,v,m,overrides", DIST_CASES)
 def test_bpipe_run_equals_plain_run(ws, tp, pp, v, m, overrides):
-    out = run_distributed(ws, transformed_equals_plain, tp, pp, v, m, overrides, True, 0)
+    out = run_transformed(ws, tp, pp, v, m, overrides, True, 0)
     _check_memory(out, pp, v, m)
 
 
@@ -245,5 +241,5 @@ def test_bpipe_run_equals_plain_run(ws, tp, pp, v, m, overrides):
 def test_bpipe_run_pp6():
     """pp=6 on its own pool of six ranks, several cases in one go."""
     for v, m, overrides in ((1, 7, {"num_layers": 6}), (1, 12, {"num_layers": 6, "recompute_granularity": "full"})):
-        out = run_distributed(6, transformed_equals_plain, 1, 6, v, m, overrides, True, 0)
+        out = run_transformed(6, 1, 6, v, m, overrides, True, 0)
         _check_memory(out, 6, v, m)

@@ -19,13 +19,16 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 MBS = 2  # micro-batch size
 
 
-def _run_case(rank, world_size, tp, pp, v, schedule, partition, m, overrides, overlap):
+def _micro(cfg, m: int, dp: int):
+    return split_batch(make_batch(cfg, MBS * m * dp, seed=11), m * dp)
+
+
+def _run_case(rank, world_size, tp, pp, v, schedule, partition, m, overrides, overlap, ref_loss, ref_grads):
     sp = overrides.get("_sp", False)
     overrides = {k: val for k, val in overrides.items() if not k.startswith("_")}
     cfg = small_config(**overrides)
     dp = world_size // (tp * pp)
-    micro = split_batch(make_batch(cfg, MBS * m * dp, seed=11), m * dp)
-    ref_loss, ref_grads, _ = serial_reference(cfg, micro)
+    micro = _micro(cfg, m, dp)
     st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                             sequence_parallel=sp))
     chunks, sched, _ = pipeline_setup(cfg, st, SEED, pipeline_of(cfg, overrides, MBS, m, pp, v, schedule, partition))
@@ -103,7 +106,8 @@ PARAMS = [(ws, *case, overlap) for ws, cases in CASES.items() for case in cases
 @pytest.mark.parametrize("ws,tp,pp,v,schedule,partition,m,overrides,overlap", PARAMS)
 def test_pipeline_equals_serial(ws, tp, pp, v, schedule, partition, m, overrides, overlap):
     clean = {k: val for k, val in overrides.items() if not k.startswith("_")}
-    names = run_distributed(ws, _run_case, tp, pp, v, schedule, partition, m, overrides, overlap)
+    ref_loss, ref_grads, _ = serial_reference(small_config(**clean), _micro(small_config(**clean), m, ws // (tp * pp)))
+    names = run_distributed(ws, _run_case, tp, pp, v, schedule, partition, m, overrides, overlap, ref_loss, ref_grads)
     covered = {n for rank_names in names for n in rank_names}
     expected = _cfg_names(clean)
     if pp > 1 and not clean.get("untie_embeddings_and_output_weights"):

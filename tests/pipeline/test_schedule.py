@@ -1,6 +1,5 @@
 """Pipeline schedule IR, generators and replay."""
 
-import time
 
 import pytest
 
@@ -295,10 +294,8 @@ def test_halves():
     assert result.makespan == 5.5  # rank 1 ends B1b at 5.0, then rank 0 runs its B1b
 
 
-def test_replay_is_fast():
+def test_replay_of_a_large_schedule():
+    """64 ranks, 512 micro-batches (its speed is benchmarks/search_speed.py's concern, not a test's)."""
     s = generate("1f1b", 64, 512)
-    start = time.perf_counter()
     result = replay(s, unit_times(1.0, 2.0))
-    elapsed = time.perf_counter() - start
     assert result.makespan == (512 + 63) * 3
-    assert elapsed < 2.0, f"replay took {elapsed:.2f}s"

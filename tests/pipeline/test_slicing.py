@@ -17,8 +17,7 @@ from megatron_bmw.pipeline.slicing import (
     slice_microbatches,
     stage_times_from_cost,
 )
-from tests.dist_harness import run_distributed
-from tests.pipeline.bpipe_cases import transformed_equals_plain
+from tests.pipeline.bpipe_cases import run_transformed
 
 
 def test_halves_in_place_on_every_rank():
@@ -143,7 +142,7 @@ DIST_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("ws,tp,pp,v,m,overrides,bpipe,slicing,base", DIST_CASES)
 def test_sliced_run_equals_unsliced_run(ws, tp, pp, v, m, overrides, bpipe, slicing, base):
-    out = run_distributed(ws, transformed_equals_plain, tp, pp, v, m, overrides, bpipe, slicing, base)
+    out = run_transformed(ws, tp, pp, v, m, overrides, bpipe, slicing, base)
     sliced = {o["sliced"] for o in out}
     assert len(sliced) == 1  # every rank runs the same schedule
     k = sliced.pop()
