@@ -11,6 +11,7 @@ PY=.venv/bin/python
 DATA=quickstart_data
 CKPT=checkpoints/quickstart
 ITERS=${QUICKSTART_ITERS:-300}
+WARMUP=$(( ITERS / 10 < 20 ? ITERS / 10 : 20 ))  # warm-up must end within the run
 mkdir -p "$DATA"
 LOAD_ARGS=()
 if [ -f "$CKPT/latest_checkpointed_iteration.txt" ]; then
@@ -49,7 +50,7 @@ echo "[quickstart] pretraining a 4-layer GPT on 2 gloo ranks (pipeline parallel 
     "${DATA_ARGS[@]}" \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 \
     --pipeline-model-parallel-size 2 --micro-batch-size 8 --global-batch-size 32 \
-    --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 \
+    --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0 \
     --hidden-dropout 0.0 --attention-dropout 0.0 \
     --train-iters "$ITERS" --log-interval 20 --eval-interval 100 --eval-iters 5 \
     --save "$CKPT" --save-interval 1000 --distributed-backend gloo "${LOAD_ARGS[@]}"
