@@ -99,9 +99,10 @@ def save_checkpoint(
     final_dir = os.path.join(save_dir, name)
     rank = _world()[0]
 
-    def failed(exc: OSError) -> RunError:
+    def failed(exc: Exception) -> RunError:
+        why = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return RunError(f"--save {save_dir}: cannot write the checkpoint of iteration {iteration} "
-                        f"({exc.strerror or exc}); the previous checkpoint is kept")
+                        f"({why}); the previous checkpoint is kept")
 
     mp_rank, _, writes = _mp_coords(state)
 
@@ -114,10 +115,14 @@ def save_checkpoint(
             data = dict(payload)
             if optim_sd is not None:
                 if optimizer.distributed:
-                    torch.save({"params": optim_sd.pop("params")}, os.path.join(mp_dir, DISTRIB_OPTIM_FILE))
+                    _save_synced({"params": optim_sd.pop("params")}, os.path.join(mp_dir, DISTRIB_OPTIM_FILE))
                 data["optimizer"] = optim_sd
-            torch.save(data, os.path.join(mp_dir, MODEL_FILE))
+            _save_synced(data, os.path.join(mp_dir, MODEL_FILE))
         except OSError as exc:
+            raise failed(exc) from None
+        except RuntimeError as exc:  # torch.save's zip writer reports a full disk as a RuntimeError
+            if "PytorchStreamWriter failed writing" not in str(exc):
+                raise
             raise failed(exc) from None
 
     def publish() -> None:
@@ -140,6 +145,14 @@ def save_checkpoint(
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return final_dir
+
+
+def _save_synced(obj, path: str) -> None:
+    """torch.save, then fsync: the file's bytes are on disk before the rename publishes them."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _move_into_place(tmp_dir: str, final_dir: str, token: str) -> None:
@@ -197,6 +210,34 @@ def _saved_layout(iter_dir: str) -> tuple[int, int] | None:
     if not tps:
         return None
     return max(tps) + 1, max(pps) + 1
+
+
+def _part_of(iter_dir: str, mp_size: int, pp_size: int) -> bool:
+    """Are the shard directories a part of this run's layout? Then shards may be missing (or the layout differs,
+    as the shards' own arguments will tell): each rank's own file decides, not the directory names."""
+    present = {e for e in os.listdir(iter_dir) if e.startswith("mp_rank_")}
+    return present < {mp_rank_dir_name(t, p, pp_size) for t in range(mp_size) for p in range(pp_size)}
+
+
+def _arg(payload: dict, key: str, default=None):
+    """One of a shard's saved arguments (a dict, or Megatron's argparse Namespace)."""
+    args = payload.get("args") or {}
+    return args.get(key, default) if isinstance(args, dict) else getattr(args, key, default)
+
+
+def _sizes_of(payload: dict, state: ParallelState) -> tuple[int, int]:
+    """(tp, pp) a shard's saved arguments name (this run's where they say nothing)."""
+    return (_arg(payload, "tensor_model_parallel_size", state.tp_size),
+            _arg(payload, "pipeline_model_parallel_size", state.pp_size))
+
+
+def _saved_sizes(load_dir: str, iter_dir: str, state: ParallelState) -> tuple[int, int] | None:
+    """(tp, pp) from the first shard present (read in full: only on the error path), None if none is."""
+    for entry in sorted(os.listdir(iter_dir)):
+        path = os.path.join(iter_dir, entry, MODEL_FILE)
+        if entry.startswith("mp_rank_") and os.path.isfile(path):
+            return _sizes_of(_read(load_dir, path), state)
+    return None
 
 
 def _mismatch(load_dir: str, saved: tuple[int, int], state: ParallelState) -> UsageError:
@@ -260,7 +301,7 @@ def load_checkpoint(
     iter_dir = _resolve_iteration_dir(load_dir, iteration)
     mp_rank, mp_size, _ = _mp_coords(state)
     saved = _saved_layout(iter_dir)
-    if saved is not None and saved != (mp_size, state.pp_size):
+    if saved is not None and saved != (mp_size, state.pp_size) and not _part_of(iter_dir, mp_size, state.pp_size):
         theirs = _saved_strategies(load_dir, iter_dir)
         if state.hybrid is not None or theirs:
             raise _strategies_mismatch(load_dir, theirs, state)
@@ -268,13 +309,16 @@ def load_checkpoint(
     mp_dir = os.path.join(iter_dir, mp_rank_dir_name(mp_rank, state.pp_rank, state.pp_size))
     path = os.path.join(mp_dir, MODEL_FILE)
     if not os.path.isfile(path):
-        raise UsageError(f"--load {load_dir}: checkpoint file {path} is missing")
+        other = _saved_sizes(load_dir, iter_dir, state)  # another layout's checkpoint, or a lost shard?
+        if other is not None and other != (state.tp_size, state.pp_size):
+            raise _mismatch(load_dir, other, state)
+        gone = "" if os.path.isdir(mp_dir) else f" (its shard directory {os.path.basename(mp_dir)} is gone)"
+        raise UsageError(f"--load {load_dir}: checkpoint file {path} is missing{gone}")
     payload = _read(load_dir, path)
-    args = payload.get("args") or {}
-    get = args.get if isinstance(args, dict) else lambda key, default: getattr(args, key, default)
-    saved_args = (get("tensor_model_parallel_size", state.tp_size), get("pipeline_model_parallel_size", state.pp_size))
-    if (list(get("unit_strategies", None) or []) or None) != _strategies(state):
-        raise _strategies_mismatch(load_dir, get("unit_strategies", None), state)
+    saved_args = _sizes_of(payload, state)
+    theirs = _arg(payload, "unit_strategies")
+    if (list(theirs or []) or None) != _strategies(state):
+        raise _strategies_mismatch(load_dir, theirs, state)
     if saved_args != (state.tp_size, state.pp_size):
         raise _mismatch(load_dir, saved_args, state)
     optim_sd = payload.pop("optimizer", None)

@@ -51,6 +51,8 @@ class TrainingDiverged(RunError):
 
 def divergence(loss: float, step: StepResult, scale_before: float, cfg: OptimizerConfig) -> str | None:
     """Why this iteration ends the run (see the module doc), or None."""
+    if not step.weights_finite:
+        return "the step made weights inf or nan (the learning rate is too large for the parameter dtype)"
     finite = math.isfinite(loss)
     if cfg.fp16 and not cfg.loss_scale:
         if step.successful or scale_before > cfg.min_loss_scale:
@@ -86,23 +88,25 @@ def print_first(state: ParallelState, text: str) -> None:
 
 
 class _Signal:
-    """While entered, SIGTERM sets a flag; ranks agree on it at the end of each iteration, then save and exit.
-    On exit the previous handler is back."""
+    """While entered, SIGTERM or SIGINT (Ctrl-C) sets a flag; ranks agree on it at the end of each iteration, then
+    save and exit. On exit the previous handlers are back."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.received = False
-        self._previous = None
+        self._previous: dict = {}
 
     def __enter__(self) -> "_Signal":
         try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         except ValueError:  # not in the main thread
             pass
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
     def _handle(self, signum, frame) -> None:
         self.received = True
@@ -120,6 +124,7 @@ class Trainer:
     def __init__(self, run: RunConfig, state: ParallelState, tokenizer=None, track_memory: bool = False) -> None:
         """track_memory: keep an activation store so `memory_in_use` can report the peak (for --plan)."""
         self.run, self.state, self.tokenizer = run, state, tokenizer
+        self.exited_early = False  # stopped by a signal, --exit-interval or --exit-duration-in-mins
         tr, model, pl = run.train, run.model, run.pipeline
         set_seeds(tr.seed, state.tp_rank, state.pp_rank, state.rng)
         if state.hybrid is not None:  # a tensor-parallel stream per tp rank of the units
@@ -401,6 +406,7 @@ class Trainer:
             if stop:
                 if tr.save and not saved:
                     self.save()
+                self.exited_early = True  # as Megatron: exit right after the save, no test-set evaluation
                 print_first(st, f" exiting program at iteration {self.iteration}")
                 return
         if tr.save and not (tr.save_interval and self.iteration % tr.save_interval == 0):

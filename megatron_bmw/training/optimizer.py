@@ -37,6 +37,7 @@ class StepResult:
     successful: bool  # False when the step was skipped (inf/nan gradients)
     grad_norm: float | None  # global norm before clipping; None on a skipped step
     loss_scale: float  # scale after this step's update
+    weights_finite: bool = True  # False when finite gradients still made a weight inf/nan (e.g. fp16 overflow)
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,19 @@ class MixedPrecisionOptimizer:
                 m.grad = None
         self._step_count += 1
         self._publish()
-        return StepResult(True, grad_norm, self.scaler.scale)
+        return StepResult(True, grad_norm, self.scaler.scale, self._weights_finite())
+
+    def _weights_finite(self) -> bool:
+        """Are this model's updated weights all finite, on every rank? (A step can overflow the 16-bit copies of
+        finite masters; a model like that must never be saved.)"""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
+        bad = torch.zeros(1, device=self.device)
+        if local:
+            peaks = torch._foreach_norm([p.detach() for p in local], ord=float("inf"))  # max |w|: inf/nan stay
+            bad[0] = (~torch.isfinite(torch.stack(peaks))).any().float()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bad.item() == 0
 
     def _check_and_norm(self, grads: list[torch.Tensor]) -> tuple[bool, float]:
         """(any inf/nan anywhere, global grad norm), agreed by all model- and data-parallel ranks."""

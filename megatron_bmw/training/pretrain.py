@@ -63,7 +63,7 @@ def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
     trainer.load()
     print_first(state, "training ...")
     trainer.train()
-    if trainer.test_data is not None and run.train.eval_iters > 0:
+    if trainer.test_data is not None and run.train.eval_iters > 0 and not trainer.exited_early:
         trainer.evaluate(trainer.test_data, run.train.eval_iters)
         print_last(state, format_validation_log(trainer.iteration, trainer.eval_losses,
                                                 label=f"iteration {trainer.iteration} on test set"))

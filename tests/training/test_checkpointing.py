@@ -228,3 +228,14 @@ def test_distrib_optim_without_params(tmp_path):
     state, opt, mp = _saved(tmp_path, distributed=True)
     torch.save({"other": 1}, mp / "distrib_optim.pt")
     _one_line_error(tmp_path, state, opt, "distrib_optim.pt holds a dict without 'params'")
+
+
+def test_a_missing_stage_directory_is_named(tmp_path):
+    state = ParallelState.serial()
+    save_checkpoint(str(tmp_path), 1, state, _payload(_model(), _state(1, 2), 1), None)
+    it = tmp_path / "iter_0000001"
+    os.rename(it / "mp_rank_00", it / "mp_rank_00_000")  # stage 0 of a pp2 checkpoint whose stage 1 is gone
+    with pytest.raises(UsageError) as err:
+        load_checkpoint(str(tmp_path), _state(1, 2, rank=1))
+    assert str(err.value) == (f"--load {tmp_path}: checkpoint file {it}/mp_rank_00_001/model_optim_rng.pt is "
+                              "missing (its shard directory mp_rank_00_001 is gone)")

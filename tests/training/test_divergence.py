@@ -82,3 +82,40 @@ def test_fp16_persistent_nan_stops_at_the_minimum_scale():
     assert out.returncode == 1
     assert "training diverged at iteration 4: lm loss is nan even at the minimum loss scale 1" in out.stderr
     assert [" loss scale: 4.0 |" in ln for ln in iteration_lines(out.stdout)][:1] == [True]
+
+
+def test_weights_made_non_finite_by_a_step_stop_the_run_in_every_mode():
+    broken = StepResult(True, 1.0, 1.0, weights_finite=False)
+    for cfg in (OptimizerConfig(lr=1.0), OptimizerConfig(lr=1.0, fp16=True, min_loss_scale=2.0)):
+        assert "made weights inf or nan" in divergence(2.0, broken, 4.0, cfg)
+
+
+def _fp16_overflow(rank, world_size, ckpt):
+    import torch
+
+    from megatron_bmw.training.checkpointing import load_checkpoint, read_tracker
+
+    trainer = build_trainer(BASE + ["--train-iters", "20", "--fp16", "--lr", "1e6", "--save", ckpt,
+                                    "--save-interval", "1"])
+    with pytest.raises(TrainingDiverged) as err:
+        trainer.train()
+    saved = read_tracker(ckpt)
+    def tensors(x):
+        if torch.is_tensor(x):
+            yield x
+        elif isinstance(x, dict):
+            for v in x.values():
+                yield from tensors(v)
+
+    weights = load_checkpoint(ckpt, trainer.state)["model"] if saved is not None else {}
+    finite = all(bool(torch.isfinite(t.float()).all()) for t in tensors(weights))
+    return trainer.iteration, str(err.value), saved, finite
+
+
+@pytest.mark.slow
+def test_fp16_never_saves_a_model_a_step_made_non_finite(tmp_path):
+    """--fp16 --lr 1e6: the gradients pass the overflow check, the update overflows the fp16 weights."""
+    ckpt = str(tmp_path / "ckpt")
+    (iteration, message, saved, finite), = run_distributed(1, _fp16_overflow, ckpt)
+    assert "made weights inf or nan" in message and f"the last checkpoint is iteration {iteration - 1}" in message
+    assert saved in (None, iteration - 1) and finite

@@ -220,7 +220,8 @@ def test_train_on_preprocessed_blend(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits(tmp_path):
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_saves_and_exits(tmp_path, signame):
     import signal
     import time
 
@@ -234,10 +235,11 @@ def test_sigterm_saves_and_exits(tmp_path):
         if "] iteration        2/" in line:
             break
     time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, signame))
     rest, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "successfully saved checkpoint" in rest and "exiting program" in rest
+    assert "on test set" not in rest and "Traceback" not in err  # exits right after the save
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         assert int(f.read()) >= 2
 
