@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                      PipelineConfig, RunConfig, TrainConfig)
@@ -403,10 +404,15 @@ def _training_length(args, schedule: BatchSchedule) -> int:
     return 10 if args.train_iters is None else args.train_iters
 
 
-def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> RunConfig:
-    """Validate the flags against each other and the world size; build the config dataclasses.
+def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int | None = None,
+                      plan=None) -> RunConfig:
+    """Validate the flags against each other and the world size; build the config dataclasses. With `plan` (a
+    Plan: --plan, checked against the flags by `apply_plan`), the model, parallel and pipeline configs are the
+    plan's own objects and the flags give the rest.
 
-    vocab_size: the padded vocabulary (from the tokenizer); defaults to --vocab-size padded like Megatron."""
+    vocab_size: the vocabulary (from the tokenizer); defaults to --vocab-size, padded like Megatron."""
+    if plan is not None:
+        return _configs_from_plan(args, world_size, vocab_size, plan)
     _positive(args, ["num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "seq-length",
                      "micro-batch-size", "global-batch-size", "train-iters", "log-interval", "eval-interval",
                      "tensor-model-parallel-size", "pipeline-model-parallel-size", "make-vocab-size-divisible-by"])
@@ -449,9 +455,18 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
                              f"over tp {t} (raise --make-vocab-size-divisible-by)")
     if args.sequence_parallel and tp > 1 and args.seq_length % tp:
         raise UsageError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by tensor-parallel size {tp}")
+    return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
+                     **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
+                                         args.use_distributed_optimizer, args.overlap_grad_reduce))
+
+
+def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool, bf16: bool,
+                      distributed_optimizer: bool, overlap_grad_reduce: bool) -> dict:
+    """The parts of a run no plan decides: training, optimizer, LR schedule and data."""
+    gbs = batches.global_batch_size
     train = TrainConfig(
         global_batch_size=gbs, train_iters=train_iters, seed=args.seed, pipeline_trace=args.pipeline_trace,
-        overlap_grad_reduce=args.overlap_grad_reduce, eod_mask_loss=args.eod_mask_loss,
+        overlap_grad_reduce=overlap_grad_reduce, eod_mask_loss=args.eod_mask_loss,
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         tensorboard_dir=args.tensorboard_dir, log_throughput=args.log_throughput,
@@ -464,10 +479,10 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     )
     optimizer = OptimizerConfig(
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, fp16=args.fp16,
-        bf16=args.bf16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, fp16=fp16,
+        bf16=bf16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        use_distributed_optimizer=distributed_optimizer,
     )
     lr = LRConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
                   lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
@@ -476,8 +491,41 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
                   lr_warmup_samples=args.lr_warmup_samples)
     if not args.mock_data and not args.data_path:
         raise UsageError("give --data-path (preprocessed .bin/.idx prefixes) or --mock-data")
-    return RunConfig(model=model, parallel=parallel, pipeline=pipeline, train=train, optimizer=optimizer, lr=lr,
-                     data=data_config_from_args(args), orig_vocab_size=orig_vocab)
+    return dict(train=train, optimizer=optimizer, lr=lr, data=data_config_from_args(args))
+
+
+def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> RunConfig:
+    """The run of a plan: its model, degrees and pipeline as they are; training flags around them."""
+    s = plan.spec
+    if args.rampup_batch_size is not None or args.step_batch_size_schedule is not None:
+        flag = "--rampup-batch-size" if args.rampup_batch_size is not None else "--step-batch-size-schedule"
+        raise UsageError(f"{flag}: --plan {args.plan} fixes the micro-batches per iteration; drop one of them")
+    if world_size != s.world_size:
+        raise UsageError(f"--plan {args.plan}: planned for {s.world_size} ranks (tp {s.tp} x pp {s.pp} x dp {s.dp}), "
+                         f"launched with {world_size}")
+    parallel = ParallelConfig(tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp,
+                              sequence_parallel=s.sp, rank_order=s.rank_order, gpus_per_node=args.gpus_per_node,
+                              unit_strategies=tuple(s.unit_strategies) if s.unit_strategies else None)
+    orig_vocab = next((v for v in (vocab_size, args.vocab_size, plan.orig_vocab_size) if v is not None), None)
+    if orig_vocab is None:
+        raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)")
+    multiple = plan.make_vocab_size_divisible_by * s.tp
+    if -(-orig_vocab // multiple) * multiple != s.model.vocab_size:
+        raise UsageError(f"--plan {args.plan}: planned for a padded vocabulary of {s.model.vocab_size}, this run has "
+                         f"{-(-orig_vocab // multiple) * multiple} (tokenizer or --vocab-size differs)")
+    if s.model.model_type != getattr(args, "model_type", "gpt"):
+        raise UsageError(f"--plan {args.plan}: planned for a {s.model.model_type.upper()} model, this run trains a "
+                         f"{getattr(args, 'model_type', 'gpt').upper()}")
+    s.model.check_tensor_parallel(s.tp)
+    batches = BatchSchedule(plan.global_batch_size)
+    dtype = s.model.params_dtype
+    rest = _training_configs(args, batches, _training_length(args, batches), dtype == "fp16", dtype == "bf16",
+                             s.distributed_optimizer, s.overlap_grad_reduce)
+    if rest["data"].vocab_size is None and vocab_size is None:  # --mock-data sized by the plan's vocabulary
+        rest["data"] = replace(rest["data"], vocab_size=orig_vocab)
+    return RunConfig(model=s.model, parallel=parallel, pipeline=s.pipeline, orig_vocab_size=orig_vocab, **rest)
+
+
 
 
 # ---- --plan: a plan file sets the flags it decides; flags given beside it must agree ------------------------------
@@ -523,7 +571,7 @@ def _unit_strategies(args: argparse.Namespace, world_size: int) -> tuple[str, ..
 
 
 def plan_flags(plan) -> dict[str, object]:
-    """The flag values (argparse dests) a plan decides."""
+    """The flag values (argparse dests) a plan decides: what flags given beside --plan are checked against."""
     s, pl, m = plan.spec, plan.spec.pipeline, plan.spec.model
     return {
         "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
@@ -558,7 +606,8 @@ def given_flags(argv: list[str], parser: argparse.ArgumentParser) -> dict[str, s
 
 
 def apply_plan(args: argparse.Namespace, argv: list[str], parser: argparse.ArgumentParser | None = None):
-    """Load --plan and set the flags it decides; a flag given beside it with another value is an error."""
+    """Load --plan and check the flags given beside it: one that disagrees with the plan is an error. The run's
+    configs then come from the plan itself (`configs_from_args(..., plan=plan)`)."""
     from .planner.plan import Plan
 
     plan = Plan.load(args.plan)
@@ -576,21 +625,4 @@ def apply_plan(args: argparse.Namespace, argv: list[str], parser: argparse.Argum
             shown = "" if isinstance(value, bool) else f" {mine}"
             raise UsageError(f"{given[dest]}{shown} disagrees with --plan {args.plan} "
                              f"({'on' if value is True else 'off' if value is False else value})")
-        setattr(args, dest, value)
-    if plan.orig_vocab_size is not None and args.vocab_size is None:
-        args.vocab_size = plan.orig_vocab_size
     return plan
-
-
-def check_against_plan(run: RunConfig, plan, world_size: int, path: str) -> None:
-    """What the flags cannot carry: the world size and the padded vocabulary."""
-    s = plan.spec
-    if run.model.model_type != s.model.model_type:
-        raise UsageError(f"--plan {path}: planned for a {s.model.model_type.upper()} model, this run trains a "
-                         f"{run.model.model_type.upper()}")
-    if world_size != s.world_size:
-        raise UsageError(f"--plan {path}: planned for {s.world_size} ranks (tp {s.tp} x pp {s.pp} x dp {s.dp}), "
-                         f"launched with {world_size}")
-    if run.model.vocab_size != s.model.vocab_size:
-        raise UsageError(f"--plan {path}: planned for a padded vocabulary of {s.model.vocab_size}, this run has "
-                         f"{run.model.vocab_size} (tokenizer or --vocab-size differs)")

@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..arguments import (apply_plan, build_parser, check_against_plan, configs_from_args, data_config_from_args,
+from ..arguments import (apply_plan, build_parser, configs_from_args, data_config_from_args,
                          parse_args)
 from ..data.tokenizers import build_tokenizer
 from ..errors import exit_on_usage_error
@@ -41,9 +41,8 @@ def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
     plan = apply_plan(args, argv, parser) if args.plan else None
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     tokenizer = build_tokenizer(data_config_from_args(args)) if args.tokenizer_type else None
-    run = configs_from_args(args, world, vocab_size=tokenizer.vocab_size if tokenizer is not None else None)
-    if plan is not None:
-        check_against_plan(run, plan, world, args.plan)
+    run = configs_from_args(args, world, vocab_size=tokenizer.vocab_size if tokenizer is not None else None,
+                            plan=plan)
     check_output_dir("--save", run.train.save)
     check_output_dir("--tensorboard-dir", run.train.tensorboard_dir)
     check_output_file("--pipeline-trace", run.train.pipeline_trace)

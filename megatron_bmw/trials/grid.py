@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from ..arguments import (IGNORED_FLAGS, add_megatron_args, apply_plan, check_against_plan, configs_from_args,
+from ..arguments import (IGNORED_FLAGS, add_megatron_args, apply_plan, configs_from_args,
                          data_config_from_args, parse_args)
 from ..errors import UsageError
 from ..pipeline.build import build_schedule
@@ -297,9 +297,7 @@ def check_trial(trial: Trial) -> None:
         args = parse_args(argv, parser)
         plan = apply_plan(args, argv, parser) if trial.plan_path else None
         _resolve_vocab(args)
-        cfg = configs_from_args(args, trial.world_size)
-        if plan is not None:
-            check_against_plan(cfg, plan, trial.world_size, trial.plan_path)
+        cfg = configs_from_args(args, trial.world_size, plan=plan)
         spec = spec_from_run_config(cfg, trial.world_size)
         build_schedule(spec.pipeline, spec.pp)
     except UsageError as exc:

@@ -74,10 +74,11 @@ def _args(tmp_path, *extra):
     return args, apply_plan(args, argv)
 
 
-def test_plan_sets_the_flags(tmp_path):
+def test_the_run_takes_the_plans_own_configs(tmp_path):
     args, plan = _args(tmp_path, "--train-iters", "3", "--tensor-model-parallel-size", "2", "--bf16")
-    run = configs_from_args(args, 8)
-    assert run.pipeline == plan.spec.pipeline
+    run = configs_from_args(args, 8, plan=plan)
+    assert run.pipeline is plan.spec.pipeline and run.model is plan.spec.model  # no round trip through flags
+    assert args.pipeline_partition is None and args.num_layers != plan.spec.model.num_layers  # flags not rewritten
     assert run.parallel.tensor_model_parallel_size == 2 and run.parallel.sequence_parallel
     assert run.optimizer.use_distributed_optimizer and run.train.overlap_grad_reduce
     assert run.model.params_dtype == "bf16" and run.model.vocab_size == 128 and run.orig_vocab_size == 100
@@ -97,12 +98,11 @@ def test_disagreeing_flags(tmp_path, extra, needle):
 
 
 def test_world_size_and_vocabulary_must_match(tmp_path):
-    from megatron_bmw.arguments import check_against_plan
-
     args, plan = _args(tmp_path)
-    run = configs_from_args(args, 8)
+    assert configs_from_args(args, 8, plan=plan).orig_vocab_size == 100
     with pytest.raises(UsageError, match="planned for 8 ranks .* launched with 4"):
-        check_against_plan(run, plan, 4, "p.json")
-    other = configs_from_args(argparse.Namespace(**{**vars(args), "vocab_size": 300}), 8)
+        configs_from_args(args, 4, plan=plan)
     with pytest.raises(UsageError, match="padded vocabulary of 128"):
-        check_against_plan(other, plan, 8, "p.json")
+        configs_from_args(argparse.Namespace(**{**vars(args), "vocab_size": 300}), 8, plan=plan)
+    with pytest.raises(UsageError, match="--rampup-batch-size: --plan .* fixes the micro-batches"):
+        configs_from_args(argparse.Namespace(**{**vars(args), "rampup_batch_size": [8, 8, 100]}), 8, plan=plan)
