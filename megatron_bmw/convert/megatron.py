@@ -559,9 +559,9 @@ def megatron_partition_problem(partition: list[int]) -> str | None:
 def retarget(model: Model, target: Target, to_megatron: bool) -> tuple[Model, Layout]:
     """The layout to write (target, else the source's) and the model with its vocabulary padded for it."""
     src, cfg = model.layout, model.config
-    tp = target.tp or src.tp
-    pp = target.pp or src.pp
-    virtual = target.virtual or (src.virtual if pp == src.pp else 1)
+    tp = src.tp if target.tp is None else target.tp  # 0 is a bad value, not "the source's"
+    pp = src.pp if target.pp is None else target.pp
+    virtual = (src.virtual if pp == src.pp else 1) if target.virtual is None else target.virtual
     for flag, value in (("--target-tensor-parallel-size", tp), ("--target-pipeline-model-parallel-size", pp),
                         ("--target-virtual-pipeline-model-parallel-size", virtual)):
         if value < 1:

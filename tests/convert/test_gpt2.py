@@ -217,15 +217,18 @@ def test_missing_hf_dir_exits_2(tmp_path):
 
 
 @pytest.mark.slow
-def test_pretrain_gpt_finetunes_from_converted_checkpoint(converted):
-    """pretrain_gpt.py loads the converter's `release` checkpoint (weights only) and trains on."""
+def test_pretrain_gpt_finetunes_from_converted_checkpoint(converted, capsys):
+    """pretrain_gpt.py loads the converter's `release` checkpoint (weights only) and trains on; the training
+    checkpoint it saves (RNG and optimizer state included) converts back to Hugging Face, and the converter never
+    writes over it."""
     import subprocess
     import sys
 
     args = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "32",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-4",
-            "--log-interval", "1", "--load", converted["saves"][1], "--attention-backend", "unfused"]
+            "--log-interval", "1", "--load", converted["saves"][1], "--attention-backend", "unfused",
+            "--save", str(converted["root"] / "trained")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
     out = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args], capture_output=True,
@@ -233,3 +236,16 @@ def test_pretrain_gpt_finetunes_from_converted_checkpoint(converted):
     assert out.returncode == 0, out.stderr
     assert "successfully loaded checkpoint" in out.stdout
     assert " iteration        1/       3 |" in out.stdout
+    trained = converted["root"] / "trained"
+    hf_out = converted["root"] / "hf_from_training"
+    assert converted["tool"].main(["--direction", "megatron-to-hf", "--load", str(trained), "--hf-dir",
+                                   str(hf_out)]) == 0
+    assert (hf_out / "config.json").is_file()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        converted["tool"].main(["--direction", "hf-to-megatron", "--hf-dir", converted["hf_dir"], "--save",
+                                str(trained)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a checkpoint" in err[0], err
+    assert (trained / "latest_checkpointed_iteration.txt").read_text().strip() == "3"

@@ -491,6 +491,18 @@ def test_wrong_direction_and_existing_save_dir(megatron, tmp_path, capsys):
         assert len(err) == 1 and want in err[0], err
 
 
+def test_a_zero_target_size_is_refused(megatron, tmp_path, capsys):
+    case = megatron["local"]
+    for flag in ("--target-tensor-parallel-size", "--target-pipeline-model-parallel-size"):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exc:
+            TOOLMOD.main(["--direction", "megatron-to-ours", "--load-dir", case["ckpt"], "--save-dir",
+                          str(tmp_path / "out"), flag, "0"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: {flag} must be >= 1, got 0"], err
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Our trainer continues from a converted checkpoint
 

@@ -11,6 +11,7 @@ Checkpoint layout: <save>/latest_checkpointed_iteration.txt ("release") and
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -137,7 +138,10 @@ def rank_dir(root: str, tp_rank: int) -> str:
 
 
 def save_megatron(save: str, shards: list[dict[str, torch.Tensor]], args: dict[str, Any]) -> None:
-    """Write one model_optim_rng.pt per tp rank and the `release` tracker."""
+    """Write one model_optim_rng.pt per tp rank and the `release` tracker (never over an existing checkpoint)."""
+    if os.path.exists(os.path.join(save, TRACKER)) or glob.glob(os.path.join(save, "iter_*")) \
+            or os.path.exists(os.path.join(save, "release")):
+        raise UsageError(f"--save {save} already holds a checkpoint; choose a new directory")
     try:
         for r, sd in enumerate(shards):
             d = rank_dir(save, r)
@@ -181,7 +185,8 @@ def load_megatron(load: str) -> tuple[list[dict[str, torch.Tensor]], dict[str, A
         if not os.path.isfile(path):
             raise UsageError(f"--load: missing {path}")
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            # a training checkpoint also holds RNG states and optimizer state: read it as --load does
+            ckpt = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as exc:  # noqa: BLE001
             raise UsageError(f"--load: cannot read {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
         if not isinstance(ckpt, dict) or "model" not in ckpt or "args" not in ckpt:
