@@ -24,10 +24,10 @@ from benchmarks.common import format_table, median, run_gloo  # noqa: E402
 from megatron_bmw.config import ModelConfig, ParallelConfig, PipelineConfig  # noqa: E402
 from megatron_bmw.parallel.state import ParallelState  # noqa: E402
 from megatron_bmw.pipeline.engine import PipelineEngine  # noqa: E402
-from megatron_bmw.pipeline.generators import generate  # noqa: E402
+from megatron_bmw.pipeline.build import build_schedule  # noqa: E402
 from megatron_bmw.pipeline.replay import replay  # noqa: E402
 from megatron_bmw.pipeline.schedule import Kind  # noqa: E402
-from megatron_bmw.pipeline.slicing import num_sliced, slice_microbatches  # noqa: E402
+from megatron_bmw.pipeline.slicing import num_sliced  # noqa: E402
 from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup  # noqa: E402
 from megatron_bmw.training.profiler import measure_stage_times  # noqa: E402
 
@@ -70,7 +70,7 @@ def _predicted(f: list[float], b: list[float], c: float, m: int, k: int) -> tupl
         t = f[rank] if a.kind is Kind.FORWARD else b[rank]
         return t / 2 if a.half is not None else t
 
-    sched = slice_microbatches(generate("1f1b", len(f), m), k)
+    sched = build_schedule(PipelineConfig(num_microbatches=m, slicing=k), len(f))
     result = replay(sched, compute, lambda s, d, a: c / 2 if a.half is not None else c)
     first = min(t for a, t, _ in result.timeline[-1] if a.kind is Kind.FORWARD)
     return first, result.makespan

@@ -411,14 +411,14 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     plan's own objects and the flags give the rest.
 
     vocab_size: the vocabulary (from the tokenizer); defaults to --vocab-size, padded like Megatron."""
-    if plan is not None:
-        return _configs_from_plan(args, world_size, vocab_size, plan)
     _positive(args, ["num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "seq-length",
                      "micro-batch-size", "global-batch-size", "train-iters", "log-interval", "eval-interval",
                      "tensor-model-parallel-size", "pipeline-model-parallel-size", "make-vocab-size-divisible-by"])
     _check_megatron_choices(args)
     if args.fp16 and args.bf16:
         raise UsageError("--fp16 and --bf16 are mutually exclusive")
+    if plan is not None:
+        return _configs_from_plan(args, world_size, vocab_size, plan)
     tp = args.tensor_model_parallel_size
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel,
@@ -447,17 +447,24 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         apply_residual_connection_post_layernorm=getattr(args, "apply_residual_connection_post_layernorm", False),
         openai_gelu=getattr(args, "openai_gelu", False),
     )
+    _check_layout(model, parallel)
+    return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
+                     **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
+                                         args.use_distributed_optimizer, args.overlap_grad_reduce))
+
+
+def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """The model splits over the tensor-parallel degrees: the run's, and every unit strategy's."""
+    tp = parallel.tensor_model_parallel_size
     model.check_tensor_parallel(tp)
     for strategy in sorted(set(parallel.unit_strategies or ())):
         t = parse_strategy(strategy).tp
         if model.vocab_size % t:
             raise UsageError(f"--unit-strategies {strategy}: the padded vocabulary {model.vocab_size} does not split "
                              f"over tp {t} (raise --make-vocab-size-divisible-by)")
-    if args.sequence_parallel and tp > 1 and args.seq_length % tp:
-        raise UsageError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by tensor-parallel size {tp}")
-    return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
-                     **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
-                                         args.use_distributed_optimizer, args.overlap_grad_reduce))
+    if parallel.sequence_parallel and tp > 1 and model.seq_length % tp:
+        raise UsageError(f"--sequence-parallel: --seq-length {model.seq_length} is not divisible by tensor-parallel "
+                         f"size {tp}")
 
 
 def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool, bf16: bool,
@@ -516,7 +523,12 @@ def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> R
     if s.model.model_type != getattr(args, "model_type", "gpt"):
         raise UsageError(f"--plan {args.plan}: planned for a {s.model.model_type.upper()} model, this run trains a "
                          f"{getattr(args, 'model_type', 'gpt').upper()}")
-    s.model.check_tensor_parallel(s.tp)
+    _check_layout(s.model, parallel)
+    pl = s.pipeline
+    check_slicing(pl.slicing, pl.micro_batch_size, pl.num_microbatches)
+    if s.unit_strategies:
+        _check_strategies_fit(parse_unit_strategies(s.unit_strategies, s.model.num_units, s.dp), s.model,
+                              pl.micro_batch_size * s.dp, pl.slicing != 0)
     batches = BatchSchedule(plan.global_batch_size)
     dtype = s.model.params_dtype
     rest = _training_configs(args, batches, _training_length(args, batches), dtype == "fp16", dtype == "bf16",
@@ -526,9 +538,7 @@ def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> R
     return RunConfig(model=s.model, parallel=parallel, pipeline=s.pipeline, orig_vocab_size=orig_vocab, **rest)
 
 
-
-
-# ---- --plan: a plan file sets the flags it decides; flags given beside it must agree ------------------------------
+# ---- --plan: the plan gives the model, parallel and pipeline configs; flags given beside it must agree -----------
 _RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_activations",
                     "num_layers_per_virtual_pipeline_stage")
 
@@ -550,24 +560,32 @@ def _unit_strategies(args: argparse.Namespace, world_size: int) -> tuple[str, ..
     if world_size % pp:
         raise UsageError(f"world size {world_size} is not divisible by --pipeline-model-parallel-size {pp}")
     strategies = parse_unit_strategies(text, num_units(args.num_layers), world_size // pp, flag)
+    _check_strategies_fit(strategies, args, args.micro_batch_size * (world_size // pp),
+                          str(getattr(args, "microbatch_slicing", "0") or "0") != "0")
+    return tuple(str(x) for x in strategies)
+
+
+def _check_strategies_fit(strategies, model, stage_batch: int, sliced: bool) -> None:
+    """Unit strategies against the model (a ModelConfig, or the flags' namespace) and the stage micro-batch: a
+    tied embedding and head share one unsharded strategy, every tp splits the heads, hidden and FFN sizes, and
+    with slicing every dp splits half a stage micro-batch."""
+    flag = "--unit-strategies"
     first, last = strategies[0], strategies[-1]
-    if not args.untie_embeddings_and_output_weights and (first != last or first.sharded):
+    if not model.untie_embeddings_and_output_weights and (first != last or first.sharded):
         raise UsageError(f"{flag}: a tied word embedding needs the same, unsharded strategy for the embedding and "
                          f"the head (got {first} and {last}); give --untie-embeddings-and-output-weights to use "
                          "different ones")
-    for name, value in (("--num-attention-heads", args.num_attention_heads), ("--hidden-size", args.hidden_size),
-                        ("--ffn-hidden-size", args.ffn_hidden_size)):
+    for name, value in (("--num-attention-heads", model.num_attention_heads), ("--hidden-size", model.hidden_size),
+                        ("--ffn-hidden-size", model.ffn_hidden_size)):
         bad = sorted({str(x) for x in strategies if value is not None and value % x.tp})
         if bad:
             raise UsageError(f"{flag}: {name} {value} does not split over the tp of {', '.join(bad)}")
-    slicing = str(getattr(args, "microbatch_slicing", "0") or "0")
-    half = args.micro_batch_size * (world_size // pp) // 2
-    if slicing != "0":
-        bad = sorted({str(x) for x in strategies if (args.micro_batch_size * (world_size // pp)) % 2 or half % x.dp})
+    half = stage_batch // 2
+    if sliced:
+        bad = sorted({str(x) for x in strategies if stage_batch % 2 or half % x.dp})
         if bad:
             raise UsageError(f"{flag} with --microbatch-slicing: half a stage micro-batch ({half} samples) does not "
                              f"split over the dp of {', '.join(bad)}")
-    return tuple(str(x) for x in strategies)
 
 
 def plan_flags(plan) -> dict[str, object]:
@@ -581,6 +599,8 @@ def plan_flags(plan) -> dict[str, object]:
         "layernorm_epsilon": m.layernorm_epsilon,
         "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
         "attention_backend": m.attention_backend, "bf16": m.params_dtype == "bf16", "fp16": m.params_dtype == "fp16",
+        "bert_binary_head": m.bert_binary_head, "openai_gelu": m.openai_gelu,
+        "apply_residual_connection_post_layernorm": m.apply_residual_connection_post_layernorm,
         "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
         "micro_batch_size": pl.micro_batch_size, "global_batch_size": plan.global_batch_size,
@@ -620,7 +640,7 @@ def apply_plan(args: argparse.Namespace, argv: list[str], parser: argparse.Argum
         raise UsageError(f"--use-flash-attn disagrees with --plan {args.plan} (attention backend "
                          f"{plan.spec.model.attention_backend})")
     for dest, value in plan_flags(plan).items():
-        mine = getattr(args, dest)
+        mine = getattr(args, dest, None)  # BERT's flags are not pretrain_gpt.py's
         if dest in given and mine != value and not (dest == "microbatch_slicing" and str(mine) == str(value)):
             shown = "" if isinstance(value, bool) else f" {mine}"
             raise UsageError(f"{given[dest]}{shown} disagrees with --plan {args.plan} "

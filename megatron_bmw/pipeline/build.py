@@ -1,7 +1,8 @@
 """The schedule a PipelineConfig runs: generated, then sliced and BPipe-transformed, and checked. No torch.
 
-`build_schedule` is the one entry point: the runtime (pipeline/stages.py, training/loop.py), the planner and the
-trials all ask it; generators.generate (a named schedule, untransformed) is its first step."""
+`build_schedule` is the one entry point: the runtime (pipeline/stages.py, training/loop.py), the planner, the
+trials and the tools (pipeline/show.py, benchmarks) all ask it; generators.generate (a named schedule,
+untransformed) is its first step."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from .schedule import Schedule
 from .slicing import slice_microbatches
 
 
-def transform_schedule(schedule: Schedule, slicing: int = 0, bpipe: bool = False,
-                       fit_slicing: bool = False) -> Schedule:
+def _transform(schedule: Schedule, slicing: int = 0, bpipe: bool = False, fit_slicing: bool = False) -> Schedule:
     """Apply micro-batch slicing (first k micro-batches halved), then BPipe, and check the result.
 
     BPipe cannot always keep every rank within mu_opt when many micro-batches are sliced: then, with
@@ -44,4 +44,4 @@ def build_schedule(pipeline: PipelineConfig, pp: int, slicing: int | None = None
     if k == "auto":
         raise ValueError("slicing 'auto' must be resolved to a count first (slicing.choose_slices)")
     sched = generate(pipeline.schedule, pp, pipeline.num_microbatches, pipeline.virtual_stages)
-    return transform_schedule(sched, k, pipeline.bpipe, fit_slicing=auto)
+    return _transform(sched, k, pipeline.bpipe, fit_slicing=auto)

@@ -1,6 +1,8 @@
 """Print a pipeline schedule and its replayed timeline as text.
 
     python -m megatron_bmw.pipeline.show --pp 4 --microbatches 8 --schedule 1f1b [--virtual-stages 2]
+
+As in Megatron-LM, 1F1B with more than one virtual stage per rank is the interleaved 1F1B schedule.
 """
 
 from __future__ import annotations
@@ -8,9 +10,10 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..config import SCHEDULES, PipelineConfig
 from ..errors import UsageError, exit_on_usage_error
+from .build import build_schedule
 from .checker import check
-from .generators import SCHEDULES, generate
 from .replay import Replay, replay, unit_times
 from .schedule import COMPUTE_KINDS, Schedule
 
@@ -70,9 +73,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="pipeline ranks p")
     ap.add_argument("--microbatches", "--num-microbatches", dest="microbatches", type=int, required=True,
                     help="micro-batches m per iteration")
-    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    ap.add_argument("--schedule", "--pipeline-schedule", dest="schedule", choices=SCHEDULES, default="1f1b")
     ap.add_argument("--virtual-stages", "--virtual-pipeline-model-parallel-size", dest="virtual_stages", type=int,
-                    default=1, help="model chunks per rank v (interleaved only)")
+                    default=1, help="model chunks per rank v; v > 1 makes 1f1b the interleaved schedule "
+                    "(micro-batches a multiple of pp); not with gpipe")
     ap.add_argument("--forward-time", type=int, default=1, help="time units per FORWARD action (one chunk)")
     ap.add_argument("--backward-time", type=int, default=2, help="time units per BACKWARD action (one chunk)")
     ap.add_argument("--transfer-time", type=int, default=0, help="time units per point-to-point transfer")
@@ -91,10 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     ):
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
-    name = args.schedule
-    if name == "1f1b" and args.virtual_stages > 1:  # Megatron's meaning: 1F1B over virtual stages is interleaved
-        name = "interleaved"
-    schedule = generate(name, args.pp, args.microbatches, args.virtual_stages)
+    # PipelineConfig reads 1F1B over virtual stages as the interleaved schedule (Megatron's meaning)
+    pipeline = PipelineConfig(num_microbatches=args.microbatches, schedule=args.schedule,
+                              virtual_stages=args.virtual_stages)
+    schedule = build_schedule(pipeline, args.pp)
     check(schedule)
     transfer = float(args.transfer_time)
     result = replay(

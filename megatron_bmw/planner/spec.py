@@ -7,9 +7,7 @@ from dataclasses import dataclass, replace
 from ..config import ModelConfig, PipelineConfig, RunConfig
 from ..errors import UsageError
 from ..parallel.layout import RankLayout
-from ..pipeline.build import build_schedule
 from ..pipeline.partition import parse_partition
-from ..pipeline.schedule import Schedule
 from ..strategy import parse_unit_strategies
 from ..units import hidden_shape
 from .memory_model import StageLayout
@@ -52,6 +50,10 @@ class RunSpec:
         return self.tp * self.pp * self.dp
 
     @property
+    def global_batch_size(self) -> int:
+        return self.dp * self.pipeline.micro_batch_size * self.pipeline.num_microbatches
+
+    @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
 
@@ -70,6 +72,8 @@ class RunSpec:
 
 
 def spec_from_run_config(cfg: RunConfig, world_size: int) -> RunSpec:
+    """The planner's view of a run: the one place a RunSpec comes from a RunConfig (a plan's RunSpec comes back
+    unchanged from the RunConfig its plan builds)."""
     par = cfg.parallel
     return RunSpec(model=cfg.model, tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
                    dp=par.data_parallel_size(world_size), pipeline=cfg.pipeline,

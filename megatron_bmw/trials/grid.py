@@ -303,17 +303,17 @@ def check_trial(trial: Trial) -> None:
     except UsageError as exc:
         trial.skip_reason = str(exc)
         return
-    trial.layout = layout_of(spec, cfg.train.global_batch_size)
+    trial.layout = layout_of(spec)
 
 
-def layout_of(spec, global_batch_size: int) -> dict:
+def layout_of(spec) -> dict:
     pl = spec.pipeline
     rc = [x or "none" for x in pl.unit_recompute(spec.model.num_units)[1:-1]]  # [attn_0, mlp_0, ...]
     kinds = sorted(set(rc)) or ["none"]
     if set(rc[0::2]) == {"selective"} and set(rc[1::2]) == {"none"}:
         kinds = ["selective"]
     return {"tp": spec.tp, "pp": spec.pp, "dp": spec.dp, "micro_batch_size": pl.micro_batch_size,
-            "num_microbatches": pl.num_microbatches, "global_batch_size": global_batch_size,
+            "num_microbatches": pl.num_microbatches, "global_batch_size": spec.global_batch_size,
             "seq_length": spec.model.seq_length, "schedule": pl.schedule, "virtual": pl.virtual_stages,
             "sp": spec.sp, "zero1": spec.distributed_optimizer, "bpipe": pl.bpipe, "slicing": pl.slicing,
             "recompute": kinds[0] if len(kinds) == 1 else f"mixed{sum(x != 'none' for x in rc)}",

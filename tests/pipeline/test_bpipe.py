@@ -85,16 +85,17 @@ def test_interleaved_limit_and_sliced_input():
 def test_heavy_slicing_with_bpipe_is_refused_or_fitted():
     """Slicing most micro-batches can leave an acceptor half a micro-batch over mu_opt: an explicit K is
     refused in one line, an automatic one is reduced until BPipe fits."""
+    from megatron_bmw.config import PipelineConfig
+    from megatron_bmw.pipeline.build import build_schedule
     from megatron_bmw.pipeline.slicing import num_sliced, slice_microbatches
-    from megatron_bmw.pipeline.build import transform_schedule
 
     base = generate("1f1b", 8, 16)
     with pytest.raises(ActivationLimitError, match="rank 5 would hold 5.5"):
         insert_bpipe(slice_microbatches(base, 9))
     with pytest.raises(UsageError, match="^--bpipe with --microbatch-slicing 9: rank 5 would hold 5.5 micro-batches "
                                          "of activations, above mu_opt 5; slice fewer micro-batches$"):
-        transform_schedule(base, 9, bpipe=True)
-    fitted = transform_schedule(base, 9, bpipe=True, fit_slicing=True)
+        build_schedule(PipelineConfig(2, 16, bpipe=True, slicing=9), 8)
+    fitted = build_schedule(PipelineConfig(2, 16, bpipe=True, slicing="auto"), 8, slicing=9)
     assert num_sliced(fitted) == 8 and max(resident_peaks(fitted)) <= 5
 
 

@@ -45,11 +45,24 @@ def test_main_in_process(capsys):
     with pytest.raises(SystemExit) as info:
         show.main(["--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--virtual-stages", "2"])
     assert info.value.code == 2
-    assert capsys.readouterr().err.startswith("error: --virtual-pipeline-model-parallel-size 2")
+    assert capsys.readouterr().err.startswith("error: --pipeline-schedule gpipe cannot interleave")
 
 
 def test_1f1b_with_virtual_stages_is_the_interleaved_schedule(capsys):
+    """The README's example: 1F1B over virtual stages means Megatron's interleaved 1F1B."""
     show.main(["--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--virtual-stages", "2"])
     as_1f1b = capsys.readouterr().out
+    assert as_1f1b.startswith("schedule interleaved: p=4 m=8 v=2")
+    assert "rank 0: F0.0 F1.0 F2.0 F3.0 F0.1" in as_1f1b  # chunk 0 of a round of p micro-batches, then chunk 1
     show.main(["--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual-stages", "2"])
-    assert as_1f1b == capsys.readouterr().out and "makespan" in as_1f1b
+    assert as_1f1b == capsys.readouterr().out
+    show.main(["--pp", "4", "--microbatches", "8", "--schedule", "1f1b"])
+    assert capsys.readouterr().out.startswith("schedule 1f1b: p=4 m=8 v=1")
+
+
+def test_error_names_a_flag_of_the_tool(capsys):
+    """The schedule's errors speak of --pipeline-schedule, which the tool accepts beside --schedule."""
+    with pytest.raises(SystemExit) as info:
+        show.main(["--pp", "2", "--microbatches", "4", "--pipeline-schedule", "gpipe", "--virtual-stages", "2"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --pipeline-schedule gpipe cannot interleave")

@@ -106,3 +106,40 @@ def test_world_size_and_vocabulary_must_match(tmp_path):
         configs_from_args(argparse.Namespace(**{**vars(args), "vocab_size": 300}), 8, plan=plan)
     with pytest.raises(UsageError, match="--rampup-batch-size: --plan .* fixes the micro-batches"):
         configs_from_args(argparse.Namespace(**{**vars(args), "rampup_batch_size": [8, 8, 100]}), 8, plan=plan)
+
+
+def test_the_planners_view_of_the_run_is_the_plans(tmp_path):
+    from megatron_bmw.planner.spec import spec_from_run_config
+
+    args, plan = _args(tmp_path)
+    assert spec_from_run_config(configs_from_args(args, 8, plan=plan), 8) == plan.spec
+
+
+def test_bert_flags_beside_a_plan_must_agree(tmp_path):
+    """The plan's model is the run's: a BERT model flag that differs from it is refused, not ignored."""
+    from megatron_bmw.arguments import build_parser
+
+    path = tmp_path / "plan.json"
+    _plan().save(str(path))
+    argv = ["--plan", str(path), "--mock-data", "--bert-no-binary-head"]
+    parser = build_parser(model_type="bert")
+    with pytest.raises(UsageError, match="^--bert-no-binary-head disagrees with --plan .* \\(on\\)$"):
+        apply_plan(parse_args(argv, parser), argv, parser)
+
+
+def test_megatron_choices_are_checked_beside_a_plan(tmp_path):
+    args, plan = _args(tmp_path, "--ckpt-format", "torch_dist")
+    with pytest.raises(UsageError, match="--ckpt-format torch_dist: not supported"):
+        configs_from_args(args, 8, plan=plan)
+
+
+def test_a_plans_unit_strategies_are_checked_as_the_flags_are(tmp_path):
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32)
+    spec = RunSpec(model, tp=1, pp=1, dp=4, pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=1),
+                   unit_strategies=("tp4", "dp4", "dp4", "dp4", "dp4", "dp4"))
+    path = tmp_path / "plan.json"
+    Plan(spec, global_batch_size=8, orig_vocab_size=128).save(str(path))
+    argv = ["--plan", str(path), "--mock-data"]
+    args = parse_args(argv)
+    with pytest.raises(UsageError, match="a tied word embedding needs the same, unsharded strategy"):
+        configs_from_args(args, 4, plan=apply_plan(args, argv))
