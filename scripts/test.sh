@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # Runs the test suite (sets up .venv first if needed). Extra arguments go to pytest.
-#   bash scripts/test.sh          the whole suite (CI's command)
-#   bash scripts/test.sh --fast   unit tests and single-process equivalence only (no test marked slow)
+#   bash scripts/test.sh                 the whole suite (CI's command)
+#   bash scripts/test.sh --fast          unit tests and single-process equivalence only (no test marked slow)
+#   bash scripts/test.sh tests/pipeline  only the paths given (with or without --fast)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 args=()
+paths=0
 for a in "$@"; do
   if [ "$a" = "--fast" ]; then
     export MBMW_TEST_TIER=fast
     args+=(-m "not slow")
   else
+    case "$a" in tests|tests/*) paths=1 ;; esac
     args+=("$a")
   fi
 done
-exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "${args[@]}"
+[ "$paths" = 1 ] || args=(tests "${args[@]}")
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "${args[@]}"

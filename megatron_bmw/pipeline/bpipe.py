@@ -3,7 +3,7 @@
 In 1F1B, rank s holds up to min(p - s, m) micro-batches of saved activations. BPipe pairs the evictor s
 with the acceptor p-1-s: the evictor sends (EVICT) the activations of some micro-batches to its acceptor,
 which holds them (ACCEPT) and sends them back (RETURN) before the evictor needs them (LOAD), so no rank
-holds more than mu_opt chunk-micro-batches. See ALGORITHMS.md, "BPipe".
+holds more than mu_opt chunk-micro-batches. See docs/algorithms.md, "BPipe".
 
 The evictor's transfers come from one walk over its compute actions (Belady's rule: evict what is needed
 furthest in the future, load one action ahead). The acceptor's ACCEPT/RETURN are placed where its own list

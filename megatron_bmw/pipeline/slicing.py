@@ -5,7 +5,7 @@ flow through the warm-up one after the other, so the last stage starts after abo
 time. Every FORWARD and BACKWARD of a sliced micro-batch becomes two actions, half 0 then half 1, in place,
 on every rank: all ranks keep one relative order, so channels stay FIFO and a deadlock-free schedule stays
 deadlock-free. The engine weights each half's loss by its share of loss-mask tokens, so loss and gradients
-equal the unsliced run. See ALGORITHMS.md, "Micro-batch slicer".
+equal the unsliced run. See docs/algorithms.md, "AutoPipe".
 """
 
 from __future__ import annotations
