@@ -9,6 +9,7 @@ from dataclasses import replace
 from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                      PipelineConfig, RunConfig, TrainConfig)
 from .errors import UsageError, report
+from .flag_rules import check_finite, join_negative_values
 from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
 from .strategy import parse_strategy, parse_unit_strategies
@@ -206,7 +207,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
             continue
         kept.append(argv[i])
         i += 1
-    args = parser.parse_args(kept)
+    args = parser.parse_args(join_negative_values(kept, parser))
+    check_finite(args, parser)
     if getattr(args, "model_type", "gpt") == "bert" and args.tokenizer_type is None and args.vocab_file:
         args.tokenizer_type = "BertWordPieceLowerCase"  # Megatron's pretrain_bert default
     args.ignored_flags = ignored
@@ -432,6 +434,9 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
         raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)")
+    if orig_vocab < 2:
+        raise UsageError(f"--vocab-size must be >= 2, got {orig_vocab}" if vocab_size is None else
+                         f"the tokenizer's vocabulary has {orig_vocab} token(s); a language model needs >= 2")
     multiple = args.make_vocab_size_divisible_by * tp
     padded = -(-orig_vocab // multiple) * multiple
     backend = "flash" if args.use_flash_attn else args.attention_backend
@@ -546,8 +551,10 @@ _RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_
 def _unit_strategies(args: argparse.Namespace, world_size: int) -> tuple[str, ...] | None:
     """--unit-strategies checked against the other flags: canonical strategy strings, one per unit."""
     text = getattr(args, "unit_strategies", None)
-    if not text:
+    if text is None:
         return None
+    if not text.strip():
+        raise UsageError("--unit-strategies is empty (give a strategy per unit, or one for all)")
     flag = "--unit-strategies"
     for bad, why in ((args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (each unit sets its own tp)"),
                      (args.sequence_parallel, "--sequence-parallel"),

@@ -3,6 +3,7 @@ is read (planner/plan.py); the library only sees these objects. No torch here: d
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -57,6 +58,9 @@ class ModelConfig:
             raise UsageError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads {self.num_attention_heads}"
             )
+        for flag, value in (("--init-method-std", self.init_method_std), ("--layernorm-epsilon", self.layernorm_epsilon)):
+            if not value > 0:
+                raise UsageError(f"{flag} must be > 0, got {value}")
         if self.attention_backend not in ("auto", "flash", "unfused"):
             raise UsageError(f"--attention-backend must be auto, flash or unfused, not {self.attention_backend!r}")
         if self.seq_length > self.max_position_embeddings:
@@ -126,6 +130,8 @@ class ParallelConfig:
         ):
             if value < 1:
                 raise UsageError(f"{name} must be >= 1, got {value}")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise UsageError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             self.sequence_parallel = False  # Megatron disables it for tp=1 as well
 
@@ -300,6 +306,12 @@ class TrainConfig:
             raise UsageError(f"--eval-iters must be >= 0, got {self.eval_iters}")
         if self.save_interval is not None and self.save_interval < 1:
             raise UsageError(f"--save-interval must be >= 1, got {self.save_interval}")
+        if self.exit_interval is not None and self.exit_interval < 1:
+            raise UsageError(f"--exit-interval must be >= 1, got {self.exit_interval}")
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            raise UsageError(f"--exit-duration-in-mins must be > 0, got {self.exit_duration_in_mins:g}")
+        if not 0 <= self.seed < 2**32:
+            raise UsageError(f"--seed must be in [0, 2**32), got {self.seed}")
         if not self.distributed_timeout_minutes > 0:
             raise UsageError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes:g}")
         if self.batch_schedule is None:
@@ -446,6 +458,22 @@ class LRConfig:
         return float(self.lr_warmup_iters * self.global_batch_size)
 
 
+def parse_split(split: str) -> list[float]:
+    """`"969,30,1"` (or `"969/30/1"`) -> three normalised weights for train/valid/test."""
+    parts = re.split(r"[,/]", split.strip())
+    if not 1 <= len(parts) <= 3:
+        raise UsageError(f"--split: expected up to 3 weights like '969,30,1', got {split!r}")
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        raise UsageError(f"--split: {split!r} is not a list of numbers") from None
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise UsageError(f"--split: weights in {split!r} must be non-negative with a positive sum")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
 @dataclass
 class DataConfig:
     """Everything the data layer needs; field names follow Megatron-LM's flags (`--data-path` -> data_path)."""
@@ -468,6 +496,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         # Megatron reads the numbers out of --split: quotes a launch script kept, or spaces, do not matter
         self.split = re.sub(r"[\s'\"]", "", str(self.split))
+        parse_split(self.split)
         if not 0.0 < self.mask_prob < 1.0:
             raise UsageError(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
         if not 0.0 <= self.short_seq_prob <= 1.0:

@@ -53,6 +53,23 @@ def _refused(extra, needle, world=1):
     (["--global-batch-size", "8", "--train-samples", "7"], "--train-samples 7 is less than the first global "
                                                             "batch (8)"),
     (["--train-iters", "0"], "--train-iters must be >= 1"),
+    # the adversarial probe's (#28): each reached torch, numpy or the loop, or was accepted
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--lr", "1e39"], "--lr must be a finite number within fp32's range"),
+    (["--min-lr", "inf"], "--min-lr must be a finite number"),
+    (["--clip-grad", "nan"], "--clip-grad must be a finite number"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
+    (["--init-method-std", "-1"], "--init-method-std must be > 0"),
+    (["--layernorm-epsilon", "-1"], "--layernorm-epsilon must be > 0"),
+    (["--exit-interval", "-1"], "--exit-interval must be >= 1"),
+    (["--exit-duration-in-mins", "-1"], "--exit-duration-in-mins must be > 0"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
+    (["--vocab-size", "1"], "--vocab-size must be >= 2"),
+    (["--split", "-1,2,3"], "--split: weights in '-1,2,3' must be non-negative"),
+    (["--lr", "-1e-3"], "--lr must be >= 0"),
+    (["--unit-strategies", ""], "--unit-strategies is empty"),
+    (["--unit-strategies", " "], "--unit-strategies is empty"),
 ])
 def test_refused(extra, needle):
     _refused(extra, needle)
@@ -155,6 +172,8 @@ def test_train_iters_defaults_to_10():
     (["--hidden-dropout", "1"], "error: --hidden-dropout must be in [0, 1), got 1.0"),
     (["--position-embedding-type", "rope"], "error: --position-embedding-type rope: not supported"),
     (["--rampup-batch-size", "2", "2"], "error: argument --rampup-batch-size: expected 3 arguments"),
+    (["--lr", "nan"], "error: --lr must be a finite number within fp32's range, got nan"),
+    (["--split", "-1,2,3"], "error: --split: weights in '-1,2,3' must be non-negative with a positive sum"),
 ])
 def test_cli_one_line_exit_2(extra, needle):
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -22,6 +22,7 @@ LAYERS = [
     ("models",),
     ("pipeline",),
     ("planner",),                               # torch-free
+    ("flag_rules",),                            # values argparse lets through
     ("arguments", "planner_args"),              # flags -> configs and planner settings
     ("training", "convert"),
     ("trials",),

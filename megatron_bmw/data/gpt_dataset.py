@@ -16,33 +16,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import zlib
 
 import numpy as np
 
 from megatron_bmw.data.indexed_dataset import IndexedDataset
+from megatron_bmw.config import parse_split  # noqa: F401 - re-exported for the data layer
 from megatron_bmw.errors import UsageError
 
 SPLIT_NAMES = ("train", "valid", "test")
 _CACHE_FORMAT = 1
 _FINAL_EPOCH_THRESHOLD = 0.80
-
-
-def parse_split(split: str) -> list[float]:
-    """`"969,30,1"` (or `"969/30/1"`) -> three normalised weights for train/valid/test."""
-    parts = re.split(r"[,/]", split.strip())
-    if not 1 <= len(parts) <= 3:
-        raise UsageError(f"--split: expected up to 3 weights like '969,30,1', got {split!r}")
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        raise UsageError(f"--split: {split!r} is not a list of numbers") from None
-    if any(not np.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise UsageError(f"--split: weights in {split!r} must be non-negative with a positive sum")
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return [w / total for w in weights]
 
 
 def split_ranges(split: str, num_elements: int) -> list[tuple[int, int]]:
@@ -124,6 +108,36 @@ def build_indices(
     return document_index, sample_index, shuffle_index
 
 
+_LENGTH_FLAGS = {"train": "--train-iters/--train-samples", "valid": "--eval-iters/--eval-interval",
+                 "test": "--eval-iters"}
+
+
+def index_bytes(tokens_per_epoch: int, num_documents: int, num_samples: int, seq_length: int) -> int:
+    """Peak bytes build_indices allocates: the tiled document index, its lengths and cumulative sums, and the
+    sample boundaries (with their temporaries) and shuffle index over every epoch's samples."""
+    epochs = _num_epochs(tokens_per_epoch, seq_length, num_samples)
+    total = (epochs * tokens_per_epoch - 1) // seq_length + 1
+    return epochs * num_documents * (4 + 8 + 8) + total * (8 * 5 + 8)
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_index_fits(lengths, documents: np.ndarray, num_samples: int, seq_length: int, name: str,
+                      prefix: str) -> None:
+    tokens = int(np.asarray(lengths)[documents].sum(dtype=np.int64))
+    need, have = index_bytes(tokens, documents.size, num_samples, seq_length), _memory_bytes()
+    if have is not None and need > have:
+        epochs = _num_epochs(tokens, seq_length, num_samples)
+        raise UsageError(f"{_LENGTH_FLAGS.get(name, name)}: {num_samples} {name} samples are {epochs} epochs of "
+                         f"{prefix!r}; their sample index needs {need / 2**30:.0f} GiB, more than this machine's "
+                         f"{have / 2**30:.0f} GiB of memory (train for fewer samples or add data)")
+
+
 def _save_atomic(path: str, array: np.ndarray) -> None:
     tmp = f"{path}.{os.getpid()}.tmp.npy"
     np.save(tmp, array, allow_pickle=False)
@@ -189,7 +203,12 @@ class GPTDataset:
             self.built_from_cache = True
         else:
             self.built_from_cache = False
-            arrays = build_indices(lengths, documents, self.num_samples, self.seq_length, self.seed)
+            _check_index_fits(lengths, documents, self.num_samples, self.seq_length, name, indexed.path_prefix)
+            try:
+                arrays = build_indices(lengths, documents, self.num_samples, self.seq_length, self.seed)
+            except MemoryError:
+                raise UsageError(f"{_LENGTH_FLAGS.get(name, name)}: the {name} split's sample index for "
+                                 f"{self.num_samples} samples of {indexed.path_prefix!r} does not fit in memory") from None
             self._write_cache(paths, arrays)
         self._load(paths)
 

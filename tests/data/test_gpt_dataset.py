@@ -12,7 +12,9 @@ from megatron_bmw.config import DataConfig
 from megatron_bmw.data.gpt_dataset import (
     GPTDataset,
     MockGPTDataset,
+    build_indices,
     build_sample_index,
+    index_bytes,
     parse_split,
     split_ranges,
 )
@@ -197,3 +199,18 @@ def test_mock_data_is_a_pure_function_of_seed_split_index():
         build_gpt_datasets(DataConfig(mock_data=True), 16, 0, (1, 0, 0))
     null = DataConfig(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=9)
     assert build_gpt_datasets(null, 4, 0, (1, 0, 0))[0].vocab_size == 10
+
+
+def test_index_estimate_covers_the_arrays_built(counting, tmp_path):
+    indexed, lengths = counting
+    docs = np.arange(len(lengths))
+    for samples in (3, 40, 500):
+        arrays = build_indices(np.asarray(lengths), docs, samples, 8, 0)
+        assert index_bytes(sum(lengths), len(lengths), samples, 8) >= sum(a.nbytes for a in arrays)
+
+
+def test_a_sample_index_beyond_memory_names_the_training_length(counting, tmp_path):
+    indexed, _ = counting
+    with pytest.raises(UsageError, match=r"--train-iters/--train-samples: .*more than this machine's"):
+        GPTDataset(indexed, np.arange(len(indexed)), 10**15, 8, 0, str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())

@@ -1,0 +1,46 @@
+"""Flag values argparse lets through: numbers that are not finite, and values that start with '-'.
+
+Ranges live with the settings they bound (config.py); this module catches what comes before them: `--lr nan`
+or `--lr 1e39` (beyond fp32) passed every `< 0` test and reached torch as a traceback, and `--split -1,2,3` was
+taken by argparse for a flag ("expected one argument")."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import struct
+
+from .errors import UsageError
+
+FP32_MAX = struct.unpack("f", b"\xff\xff\x7f\x7f")[0]
+
+
+def _single_value_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {s: a for a in parser._actions if a.option_strings and a.nargs is None
+            for s in a.option_strings if s.startswith("--")}
+
+
+def check_finite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Every float-valued flag is a finite number an fp32 tensor can hold."""
+    for action in parser._actions:
+        if action.type is not float or not action.option_strings:
+            continue
+        values = getattr(args, action.dest, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and not (math.isfinite(value) and abs(value) <= FP32_MAX):
+                raise UsageError(f"{action.option_strings[0]} must be a finite number within fp32's range, got {value}")
+
+
+def join_negative_values(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`--split -1,2,3` as `--split=-1,2,3`, so the value reaches the flag's own check."""
+    flags = _single_value_flags(parser)
+    out, i = [], 0
+    while i < len(argv):
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if argv[i] in flags and nxt.startswith("-") and not nxt.startswith("--") and len(nxt) > 1:
+            out.append(f"{argv[i]}={nxt}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
