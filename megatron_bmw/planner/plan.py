@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from ..config import ModelConfig, PipelineConfig
 from ..errors import UsageError
 from .files import read_json, write_json
+from .plan_fields import check_plan_fields
 from .spec import RunSpec
 
 FORMAT = "megatron_bmw-plan"
@@ -66,31 +67,22 @@ class Plan:
             raise UsageError(f"{where}: not a plan file (written by tools/autoconfig.py search)")
         if data.get("version") != VERSION:
             raise UsageError(f"{where}: plan version {data.get('version')!r}; this megatron_bmw reads version {VERSION}")
-        try:
-            model = ModelConfig(**_known(data["model"], ModelConfig, where, "model"))
-            par = data["parallel"]
-            tr = data["training"]
-            pipeline = PipelineConfig.from_json(data["pipeline"], model.num_units, where)
-            spec = RunSpec(model=model, tp=int(par["tensor_model_parallel_size"]),
-                           pp=int(par["pipeline_model_parallel_size"]), dp=int(par["data_parallel_size"]),
-                           pipeline=pipeline, sequence_parallel=bool(par.get("sequence_parallel", False)),
-                           rank_order=par.get("rank_order", "tp-dp-pp"),
-                           distributed_optimizer=bool(tr.get("distributed_optimizer", False)),
-                           overlap_grad_reduce=bool(tr.get("overlap_grad_reduce", False)),
-                           unit_strategies=par.get("unit_strategies"))
-            gbs = int(tr["global_batch_size"])
-        except KeyError as exc:
-            raise UsageError(f"{where}: missing field {exc}") from None
-        except (TypeError, ValueError) as exc:
-            raise UsageError(f"{where}: malformed field ({exc})") from None
-        if gbs != spec.dp * pipeline.micro_batch_size * pipeline.num_microbatches:
-            raise UsageError(f"{where}: global batch size {gbs} is not data-parallel size {spec.dp} x micro-batch size "
-                             f"{pipeline.micro_batch_size} x {pipeline.num_microbatches} micro-batches")
+        check_plan_fields(data, where)  # types, ranges and how the fields fit together, by field name
+        par, tr = data["parallel"], data["training"]
+        model = ModelConfig(**_known(data["model"], ModelConfig, where, "model"))
+        pipeline = PipelineConfig.from_json(data["pipeline"], model.num_units, where)
+        spec = RunSpec(model=model, tp=par["tensor_model_parallel_size"], pp=par["pipeline_model_parallel_size"],
+                       dp=par["data_parallel_size"], pipeline=pipeline,
+                       sequence_parallel=par.get("sequence_parallel", False),
+                       rank_order=par.get("rank_order", "tp-dp-pp"),
+                       distributed_optimizer=tr.get("distributed_optimizer", False),
+                       overlap_grad_reduce=tr.get("overlap_grad_reduce", False),
+                       unit_strategies=par.get("unit_strategies"))
+        gbs = tr["global_batch_size"]
         return cls(spec=spec, global_batch_size=gbs, orig_vocab_size=data.get("orig_vocab_size"),
-                   make_vocab_size_divisible_by=int(data.get("make_vocab_size_divisible_by", 128)),
-                   devices=list(data.get("devices", [])), cluster=dict(data.get("cluster", {})),
-                   profiles=list(data.get("profiles", [])), prediction=dict(data.get("prediction", {})),
-                   search=dict(data.get("search", {})))
+                   make_vocab_size_divisible_by=data.get("make_vocab_size_divisible_by", 128),
+                   devices=data.get("devices", []), cluster=data.get("cluster", {}), profiles=data.get("profiles", []),
+                   prediction=data.get("prediction", {}), search=data.get("search", {}))
 
 
 def _known(section, cls, where: str, name: str) -> dict:

@@ -43,7 +43,7 @@ def test_round_trip(tmp_path):
     (lambda d: d["pipeline"].update(stages=3), "unknown pipeline key 'stages'"),
     (lambda d: d["pipeline"].update(recompute=["full"] * 10), "embedding and the head are never recomputed"),
     (lambda d: d["pipeline"].update(partition=[5, 6]), "sums to 11"),
-    (lambda d: d["training"].update(global_batch_size=12), "global batch size 12 is not"),
+    (lambda d: d["training"].update(global_batch_size=12), "training.global_batch_size 12 is not"),
     (lambda d: d.pop("parallel"), "missing field 'parallel'"),
 ])
 def test_bad_plan_files(tmp_path, mutate, needle):
@@ -54,6 +54,74 @@ def test_bad_plan_files(tmp_path, mutate, needle):
     with pytest.raises(UsageError, match=needle):
         Plan.load(str(path))
         RunSpec  # noqa: B018 - the partition is checked when the spec is built
+
+
+def _set(section, key, value):
+    def mutate(d):
+        (d if section is None else d[section])[key] = value
+    return mutate
+
+
+# The adversarial probe's plan edits (#28): each named the field? Wrong types crashed, some values were taken as
+# they came, others were blamed on flags the user never gave.
+@pytest.mark.parametrize("mutate,field", [
+    (_set(None, "training", [16]), "training"),
+    (_set("training", "global_batch_size", "16"), "training.global_batch_size"),
+    (_set("training", "distributed_optimizer", "yes"), "training.distributed_optimizer"),
+    (_set(None, "make_vocab_size_divisible_by", "32"), "make_vocab_size_divisible_by"),
+    (_set(None, "make_vocab_size_divisible_by", 0), "make_vocab_size_divisible_by"),
+    (_set(None, "cluster", "a100"), "cluster"),
+    (_set(None, "devices", "a100-80g"), "devices"),
+    (_set(None, "devices", ["a100-80g"] * 3), "devices"),
+    (_set(None, "orig_vocab_size", "100"), "orig_vocab_size"),
+    (_set(None, "orig_vocab_size", 1000), "model.vocab_size"),
+    (_set(None, "prediction", 1.5), "prediction"),
+    (_set(None, "search", [1]), "search"),
+    (_set(None, "profiles", {"a": 1}), "profiles"),
+    (_set(None, "profiles", [1, 2]), "profiles"),
+    (_set("parallel", "rank_order", "bogus"), "parallel.rank_order"),
+    (_set("parallel", "sequence_parallel", 1), "parallel.sequence_parallel"),
+    (_set("parallel", "tensor_model_parallel_size", 3), "model.num_attention_heads"),
+    (_set("parallel", "tensor_model_parallel_size", 0), "parallel.tensor_model_parallel_size"),
+    (_set("parallel", "tensor_model_parallel_size", 2.0), "parallel.tensor_model_parallel_size"),
+    (_set("parallel", "data_parallel_size", 0), "parallel.data_parallel_size"),
+    (_set("parallel", "data_parallel_size", 4), "training.global_batch_size"),
+    (_set("parallel", "pipeline_model_parallel_size", 4), "pipeline.partition"),
+    (_set("parallel", "unit_strategies", "tp2"), "parallel.unit_strategies"),
+    (_set("parallel", "colour", 1), "unknown parallel key 'colour'"),
+    (_set("pipeline", "bpipe", "yes"), "pipeline.bpipe"),
+    (_set("pipeline", "partition", [4, -6]), "pipeline.partition"),
+    (_set("pipeline", "partition", "4,6"), "pipeline.partition"),
+    (_set("pipeline", "partition", [10]), "pipeline.partition"),
+    (_set("pipeline", "micro_batch_size", 0), "pipeline.micro_batch_size"),
+    (_set("pipeline", "micro_batch_size", "2"), "pipeline.micro_batch_size"),
+    (_set("pipeline", "num_microbatches", None), "pipeline.num_microbatches"),
+    (_set("pipeline", "slicing", 9), "pipeline.slicing"),
+    (_set("pipeline", "slicing", "some"), "pipeline.slicing"),
+    (_set("pipeline", "schedule", "zb"), "pipeline.schedule"),
+    (_set("pipeline", "recompute", "full"), "pipeline.recompute"),
+    (_set("model", "num_layers", 0), "model.num_layers"),
+    (_set("model", "num_layers", 5), "pipeline.partition"),
+    (_set("model", "num_layers", "4"), "model.num_layers"),
+    (_set("model", "hidden_size", 66), "model.hidden_size"),
+    (_set("model", "hidden_dropout", 1.0), "model.hidden_dropout"),
+    (_set("model", "layernorm_epsilon", -1), "model.layernorm_epsilon"),
+    (_set("model", "params_dtype", "fp8"), "model.params_dtype"),
+    (_set("model", "seq_length", 64), "model.seq_length"),
+    (_set("model", "max_position_embeddings", 16), "model.seq_length"),
+    (_set("model", "untie_embeddings_and_output_weights", "no"), "model.untie_embeddings_and_output_weights"),
+    (_set(None, "extra", 1), "unknown top-level key 'extra'"),
+])
+def test_every_plan_field_is_checked_by_name(tmp_path, mutate, field):
+    data = _plan().to_json()
+    mutate(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError) as err:
+        Plan.load(str(path))
+    message = str(err.value)
+    assert message.startswith(f"--plan {path}: ") and field in message and "\n" not in message, message
+    assert "--" not in message.replace("--plan", ""), message  # no flag the user never gave
 
 
 def test_unreadable_plan_files(tmp_path):
