@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                      PipelineConfig, RunConfig, TrainConfig)
-from .errors import UsageError, report
+from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
 from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
@@ -33,14 +33,9 @@ IGNORED_FLAGS = {**IGNORED_KERNEL_FLAGS, **IGNORED_LOGGING_FLAGS}
 CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")  # Megatron's; only torch here
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit code 2, said once (every rank parses the same flags)
-        sys.exit(report(UsageError(message)))
-
-
 def build_parser(prog: str = "pretrain_gpt.py", model_type: str = "gpt") -> argparse.ArgumentParser:
     what = "BERT" if model_type == "bert" else "GPT"
-    p = _Parser(prog=prog, description=f"Megatron-style {what} pretraining (megatron_bmw)", allow_abbrev=False)
+    p = OneLineParser(prog=prog, description=f"Megatron-style {what} pretraining (megatron_bmw)", allow_abbrev=False)
     add_megatron_args(p)
     if model_type == "bert":
         add_bert_args(p)

@@ -11,6 +11,7 @@ prints the same line if it is still alive, so the line is not lost when rank 0 i
 initialisation, errors can be one rank's own, so that rank prints with its rank number.
 """
 
+import argparse
 import os
 import sys
 import time
@@ -114,3 +115,11 @@ def exit_on_usage_error(fn):
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
     return wrapper
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with the policy above: a bad flag is one line and exit code 2, said once (every rank parses the
+    same flags), not a usage block."""
+
+    def error(self, message: str):
+        sys.exit(report(UsageError(message)))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from .arguments import _Parser, add_megatron_args, configs_from_args
+from .arguments import add_megatron_args, configs_from_args
+from .errors import OneLineParser
 from .errors import UsageError
 from .paths import check_output_dir
 from .pipeline.slicing import choose_slices, stage_times_from_cost
@@ -83,9 +84,9 @@ def add_planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
 
 
 def build_autoconfig_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="autoconfig.py", description="megatron_bmw planner: memory, simulation, profiling",
+    parser = OneLineParser(prog="autoconfig.py", description="megatron_bmw planner: memory, simulation, profiling",
                      allow_abbrev=False)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for name, timed, help_text in (("estimate", False, "memory per pipeline stage and whether it fits"),
                                    ("simulate", True, "simulate one iteration on a cluster")):
         p = sub.add_parser(name, help=help_text, allow_abbrev=False)

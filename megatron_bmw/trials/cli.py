@@ -10,13 +10,12 @@ Every flag grid_search.py does not know goes to pretrain_gpt.py (a comma list ma
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
 import time
 
-from ..errors import UsageError, exit_on_usage_error
+from ..errors import OneLineParser, UsageError, exit_on_usage_error
 from .grid import Trial, expand, load_grid_file, load_plans, parse_flag_tokens
 from .logparse import parse_log
 from .report import plot, table
@@ -24,8 +23,8 @@ from .results import FINAL, Results
 from .runner import REPO_ROOT, LaunchConfig, Runner
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grid_search.py", allow_abbrev=False,
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="grid_search.py", allow_abbrev=False,
                                 description="Run configurations for real, resumably; compare with the planner.",
                                 epilog="Any other flag is a pretrain_gpt.py flag; a comma list on it is a grid axis.")
     g = p.add_argument_group("what to run")
@@ -196,9 +195,21 @@ def _sbatch(opts, argv: list[str], trials: list[Trial]) -> None:
 
 
 def _check(opts) -> None:
-    for name in ("trial_iters", "top_k"):
-        if getattr(opts, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("trial_iters", "top_k", "nnodes", "nproc_per_node"):
+        if getattr(opts, name) is not None and getattr(opts, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}")
+    if not opts.trial_timeout > 0:
+        raise UsageError(f"--trial-timeout must be > 0 seconds, got {opts.trial_timeout:g}")
+    if not opts.kill_grace >= 0:
+        raise UsageError(f"--kill-grace must be >= 0 seconds, got {opts.kill_grace:g}")
+    if opts.script is not None and not os.path.isfile(opts.script):
+        raise UsageError(f"--script {opts.script}: no such file")
+    for flag, path in (("--plot", opts.plot), ("--results", opts.results), ("--log-dir", opts.log_dir)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise UsageError(f"{flag} {path}: folder {folder} does not exist (or is not a folder)")
+    if opts.report_only and not os.path.isfile(opts.results):
+        raise UsageError(f"--results {opts.results}: no such file (nothing to report)")
     if opts.warmup_iters < 0:
         raise UsageError("--warmup-iters must be >= 0")
     if opts.warmup_iters >= opts.trial_iters:
@@ -237,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results.lock()
     log_dir = opts.log_dir or os.path.splitext(opts.results)[0] + "_logs"
-    os.makedirs(log_dir, exist_ok=True)
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--log-dir {log_dir}: cannot create it ({exc.strerror})") from None
     cfg = LaunchConfig(opts.launcher, opts.nproc_per_node or 1, opts.nnodes, opts.python, opts.script,
                        opts.trial_timeout, opts.kill_grace, tuple(opts.srun_args.split()))
     runner = Runner(cfg)

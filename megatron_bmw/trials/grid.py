@@ -107,7 +107,11 @@ def plan_digest(plan: dict) -> str:
 
 # ---- parsing ------------------------------------------------------------------------------------------------
 def _split(flag: str, text: str) -> list[str]:
-    return [x.strip() for x in text.split(";" if flag in NATIVE_COMMA else ",")]
+    sep = ";" if flag in NATIVE_COMMA else ","
+    words = [x.strip() for x in text.split(sep)]
+    if "" in words:
+        raise UsageError(f"{flag} {text!r}: an empty value in the axis (values are separated by '{sep}')")
+    return words
 
 
 def _value(flag: str, kind: str, action, raw) -> object:
@@ -192,6 +196,8 @@ def load_grid_file(path: str) -> tuple[list[tuple[str, list]], dict]:
         raise UsageError(f"--grid {path}: cannot read it ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict) or set(data) - {"grid", "flags"}:
         raise UsageError(f"--grid {path}: expected a mapping with 'grid' and 'flags' sections")
+    if not data.get("grid") and not data.get("flags"):
+        raise UsageError(f"--grid {path}: empty (give flags to vary under 'grid', or fixed ones under 'flags')")
     kinds = _flag_kinds()
     out_axes: list[tuple[str, list]] = []
     fixed: dict = {}
@@ -206,6 +212,8 @@ def load_grid_file(path: str) -> tuple[list[tuple[str, list]], dict]:
             kind, action = kinds[flag]
             if section == "grid":
                 values = raw if isinstance(raw, list) and kind != "list" else [raw]
+                if not values:
+                    raise UsageError(f"--grid {path}: the axis {flag} has no values")
                 out_axes.append((flag, [_value(flag, kind, action, v) for v in values]))
             else:
                 value = _value(flag, kind, action, raw)

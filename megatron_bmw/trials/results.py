@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from ..errors import UsageError
 
@@ -26,24 +27,34 @@ class Results:
         self.latest: dict[str, dict] = {}
         self.attempts: dict[str, int] = {}
         self._lock = None
+        self._cut_at: int | None = None  # byte offset of a last line cut short by a kill
+        self._newline_first = False  # the last record lacks its newline
         if os.path.exists(path):
             self._read()
 
     def _read(self) -> None:
         try:
-            with open(self.path) as f:
-                lines = f.readlines()
+            with open(self.path, "rb") as f:
+                lines = f.read().splitlines(keepends=True)
         except OSError as exc:
             raise UsageError(f"--results {self.path}: cannot read it ({exc.strerror})") from None
-        for line in lines:
+        unterminated = bool(lines) and not lines[-1].endswith(b"\n")
+        for n, line in enumerate(lines, 1):
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a kill
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                if n == len(lines) and unterminated:  # cut by a kill: the first append drops it
+                    self._cut_at = sum(len(x) for x in lines[:-1])
+                    print(f"warning: --results {self.path}: line {n} was cut short (a killed sweep); skipped",
+                          file=sys.stderr, flush=True)
+                    continue
+                raise UsageError(f"--results {self.path}: line {n} is not a JSON record (not a results file, or "
+                                 "edited by hand?)") from None
             if isinstance(record, dict) and "id" in record:
                 self.latest[record["id"]] = record
                 if record.get("status") == "running":
                     self.attempts[record["id"]] = self.attempts.get(record["id"], 0) + 1
+        self._newline_first = unterminated and self._cut_at is None
 
     def lock(self) -> None:
         """Hold an exclusive lock on `<results>.lock` until the process ends."""
@@ -52,7 +63,10 @@ class Results:
         folder = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(folder):
             raise UsageError(f"--results {self.path}: folder {folder} does not exist")
-        self._lock = open(self.path + ".lock", "w")
+        try:
+            self._lock = open(self.path + ".lock", "w")
+        except OSError as exc:
+            raise UsageError(f"--results {self.path}: cannot write beside it ({exc.strerror})") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -67,8 +81,12 @@ class Results:
         if record.get("status") == "running":
             self.attempts[record["id"]] = self.attempts.get(record["id"], 0) + 1
         try:
+            if self._cut_at is not None:
+                os.truncate(self.path, self._cut_at)
+                self._cut_at = None
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(("\n" if self._newline_first else "") + json.dumps(record) + "\n")
+                self._newline_first = False
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:

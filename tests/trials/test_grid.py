@@ -106,6 +106,58 @@ def test_usage_errors_exit_2(tmp_path, monkeypatch, capsys, argv, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
+def _one_error_line(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_bad_sweep_inputs_named_in_one_line(tmp_path, monkeypatch, capsys):
+    """The adversarial probe's grid_search.py inputs (#28): tracebacks, usage blocks, silent acceptance."""
+    from megatron_bmw.trials.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.yaml").write_text("\n")
+    (tmp_path / "empty_axis.yaml").write_text("grid:\n  micro-batch-size: []\n")
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "garbage.jsonl").write_text('{"id": "a", "status": "ok"}\ngarbage\n{"id": "b", "status": "ok"}\n')
+    run = ["--nproc-per-node", "1", *MODEL.split()]
+    for argv, message in [
+        (["--nnodes", "0", *run, "--dry-run"], "--nnodes must be >= 1, got 0"),
+        (["--nproc-per-node", "0", *MODEL.split(), "--dry-run"], "--nproc-per-node must be >= 1, got 0"),
+        (["--nproc-per-node", "abc"], "argument --nproc-per-node: invalid int value: 'abc'"),
+        (["--kill-grace", "-5", *run], "--kill-grace must be >= 0 seconds"),
+        (["--trial-timeout", "0", *run], "--trial-timeout must be > 0 seconds"),
+        (["--plot", "no/dir/x.png", "--report-only", "--results", "garbage.jsonl"], "--plot no/dir/x.png: folder"),
+        (["--grid", "empty.yaml", *run], "--grid empty.yaml: empty"),
+        (["--grid", "empty_axis.yaml", *run], "the axis --micro-batch-size has no values"),
+        ([*run, "--micro-batch-size", "2,", "--dry-run"], "--micro-batch-size '2,': an empty value"),
+        (["--report-only", "--results", "garbage.jsonl"], "--results garbage.jsonl: line 2 is not a JSON record"),
+        (["--report-only", "--results", "missing.jsonl"], "--results missing.jsonl: no such file"),
+        ([*run, "--script", "nope.py"], "--script nope.py: no such file"),
+        ([*run, "--results", "a_file/r.jsonl"], "--results a_file/r.jsonl: folder"),
+        ([*run, "--log-dir", "a_file/logs"], "--log-dir a_file/logs: folder"),
+    ]:
+        assert message in _one_error_line(main, argv, capsys), argv
+
+
+def test_a_results_line_cut_by_a_kill_is_skipped_and_not_glued_to(tmp_path, capsys):
+    from megatron_bmw.trials.results import Results
+
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"id": "a", "status": "ok"}\n{"id": "b", "sta')
+    results = Results(str(path))
+    assert set(results.latest) == {"a"} and "line 2 was cut short" in capsys.readouterr().err
+    results.append({"id": "c", "status": "ok"})
+    assert set(Results(str(path)).latest) == {"a", "c"}  # the cut line is dropped
+    path.write_text('{"id": "a", "status": "ok"}')  # whole, but without its newline
+    results = Results(str(path))
+    results.append({"id": "c", "status": "ok"})
+    assert set(Results(str(path)).latest) == {"a", "c"}
+
+
 def test_dry_run_lists_without_running(tmp_path, capsys):
     from megatron_bmw.trials.cli import main
 
