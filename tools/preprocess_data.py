@@ -31,7 +31,7 @@ from megatron_bmw.config import DataConfig
 from megatron_bmw.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from megatron_bmw.data.sentences import split_sentences
 from megatron_bmw.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
-from megatron_bmw.errors import UsageError, exit_on_usage_error
+from megatron_bmw.errors import RunError, UsageError, exit_on_usage_error
 
 
 class _Parser(argparse.ArgumentParser):
@@ -155,10 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--output-prefix: cannot create {out_dir!r}: {exc.strerror}") from None
     level = "sentence" if args.split_sentences else "document"
     prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
-    builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype) for key, prefix in prefixes.items()}
+    builders = {}
+    try:
+        for key, prefix in prefixes.items():
+            builders[key] = IndexedDatasetBuilder(prefix + ".bin", dtype)
+    except OSError as exc:
+        _discard(builders, prefixes)
+        raise UsageError(f"--output-prefix: cannot write {exc.filename or out_dir!r}: {exc.strerror}") from None
 
     try:
         docs, tokens, progress = _tokenize_into(args, cfg, builders)
+    except OSError as exc:  # the input is checked before: a write failed (a full disk)
+        _discard(builders, prefixes)
+        raise RunError(f"--output-prefix: writing {args.output_prefix}* failed ({exc.strerror}); nothing written") from None
     except BaseException:
         _discard(builders, prefixes)
         raise
@@ -167,8 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         what = "no documents (it is empty or holds only blank lines)" if docs == 0 else \
             f"{docs} documents but no tokens (every {'/'.join(args.json_keys)} text is empty)"
         raise UsageError(f"--input: {args.input} has {what}; nothing written")
-    for key, prefix in prefixes.items():
-        builders[key].finalize(prefix + ".idx")
+    try:
+        for key, prefix in prefixes.items():
+            builders[key].finalize(prefix + ".idx")
+    except OSError as exc:
+        _discard(builders, prefixes)
+        raise RunError(f"--output-prefix: writing {args.output_prefix}* failed ({exc.strerror}); nothing written") from None
     progress(final=True)
     return 0
 

@@ -253,9 +253,12 @@ class IndexedDatasetBuilder:
         _write_index(idx_path, self.dtype, np.asarray(self._lengths, dtype=np.int64), np.asarray(self._documents))
 
     def abort(self) -> None:
-        """Close and delete the unfinished `.bin` file, leaving nothing behind."""
+        """Close and delete the unfinished `.bin` file, leaving nothing behind (also after a failed write)."""
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # the buffered tail cannot be written (a full disk): the file goes anyway
+                pass
         if os.path.exists(self.bin_path):
             os.remove(self.bin_path)
 

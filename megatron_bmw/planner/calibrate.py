@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import UsageError
 from ..pipeline.build import build_schedule
+from ..units import UNIT_KINDS
 from .accuracy import error_summary
 from .cluster import Cluster
 from .cost_model import CostSettings
@@ -36,7 +37,7 @@ from .evaluate import simulate_run
 from .memory_model import MemorySettings
 from .profile_data import Profile, Profiles
 
-KINDS = ("embedding", "attention", "mlp", "head")
+KINDS = UNIT_KINDS
 PRIOR = 0.5  # prior spread of a factor's log (factors within about 1.6x of the start); its weight grows with noise
 HUBER = 0.1  # log errors beyond this (about 10%) count linearly
 BOUNDS = {"overlap": (1.0, 4.0), "scale": (1e-4, 1e4)}  # the common factor may move a device type far

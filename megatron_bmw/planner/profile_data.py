@@ -22,11 +22,13 @@ without times every unit of its kind.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
 from ..config import ModelConfig
 from ..errors import UsageError
+from ..units import UNIT_KINDS
 from .cluster import DeviceType, Link
 from .files import read_json, write_json
 from .flops import unit_forward_flops
@@ -147,7 +149,7 @@ class Profile:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise UsageError(f"--profile {where}: not a format-{FORMAT} profile written by autoconfig.py profile")
         try:
-            units = [UnitTiming(**u) for u in data["units"]]
+            units = [_unit_timing(u, i, where) for i, u in enumerate(data["units"])]
             model = data["model"]
             missing = [k for k in MODEL_KEYS if k not in model]
             if missing:
@@ -160,8 +162,14 @@ class Profile:
                                   "memory_allowance.workspace_bytes", where, 0.0)
             fragmentation = _optional(allowance.get("fragmentation", calibration.get("memory_fragmentation")),
                                       "memory_allowance.fragmentation", where, 0.0)
+            links, overhead = data.get("links", {}), data.get("overhead", {})
+            for name, link in links.items():
+                for key, least in (("bandwidth_Bps", 1e-300), ("latency_s", 0.0)):
+                    _optional(link.get(key), f"links.{name}.{key}", where, least)
+            for key in ("forward_s", "backward_s"):
+                _optional(overhead.get(key), f"overhead.{key}", where, 0.0)
             return cls(device=data["device"], dtype=data["dtype"], model=model, units=units,
-                       links=data.get("links", {}), overhead=data.get("overhead", {}), mode=data.get("mode", "measured"),
+                       links=links, overhead=overhead, mode=data.get("mode", "measured"),
                        overlap_factor=overlap, memory_workspace_bytes=workspace, memory_fragmentation=fragmentation,
                        calibration=dict(calibration))
         except (KeyError, TypeError, AttributeError) as exc:
@@ -171,9 +179,32 @@ class Profile:
 def _optional(value, name: str, where: str, least: float) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < least:
-        raise UsageError(f"--profile {where}: {name} must be a number >= {least:g}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < least:
+        shown = "> 0" if 0 < least < 1e-200 else f">= {least:g}"
+        raise UsageError(f"--profile {where}: {name} must be a number {shown}, got {value!r}")
     return float(value)
+
+
+def _unit_timing(entry, i: int, where: str) -> UnitTiming:
+    """One unit entry, every number checked: a negative or NaN time would make the planner's choice nonsense."""
+    if not isinstance(entry, dict):
+        raise UsageError(f"--profile {where}: units[{i}] must be a mapping, got {entry!r}")
+    timing = UnitTiming(**entry)
+    if timing.kind not in UNIT_KINDS:
+        raise UsageError(f"--profile {where}: units[{i}].kind must be one of {', '.join(UNIT_KINDS)}, got "
+                         f"{timing.kind!r}")
+    for key in ("tp", "micro_batch_size"):
+        value = getattr(timing, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"--profile {where}: units[{i}].{key} must be an integer >= 1, got {value!r}")
+    for key in ("forward_s", "backward_s"):
+        _optional(getattr(timing, key), f"units[{i}].{key}", where, 0.0)
+        if getattr(timing, key) is None:
+            raise UsageError(f"--profile {where}: units[{i}].{key} is missing")
+    _optional(timing.saved_bytes, f"units[{i}].saved_bytes", where, 0.0)
+    if timing.unit is not None and (isinstance(timing.unit, bool) or not isinstance(timing.unit, int) or timing.unit < 0):
+        raise UsageError(f"--profile {where}: units[{i}].unit must be a unit index >= 0, got {timing.unit!r}")
+    return timing
 
 
 class Profiles:

@@ -147,3 +147,26 @@ def test_error_mid_file_leaves_no_partial_dataset(preprocess, tmp_path, capsys):
             "--vocab-size", "10"]
     assert "line 51 is not JSON" in error_line(preprocess, argv, capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_unwritable_output_and_full_disk_are_one_line(preprocess, tmp_path, capsys, monkeypatch):
+    """#28: an output that cannot be written, or a write that fails part-way, is one line and leaves nothing."""
+    good = write_jsonl(tmp_path / "good.jsonl", ["1 2 3"] * 20)
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]
+    (tmp_path / "o_text_document.bin").mkdir()  # the .bin cannot be opened for writing
+    line = error_line(preprocess, ["--input", str(good), "--output-prefix", str(tmp_path / "o"), *null], capsys)
+    assert line.startswith("error: --output-prefix: cannot write") and "o_text_document.bin" in line
+    (tmp_path / "a_file").write_text("")
+    line = error_line(preprocess, ["--input", str(good), "--output-prefix", str(tmp_path / "a_file" / "o"), *null], capsys)
+    assert line.startswith("error: --output-prefix: cannot create")
+
+    def full(self, tokens):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(preprocess.IndexedDatasetBuilder, "add_item", full)
+    with pytest.raises(SystemExit) as info:
+        preprocess.main(["--input", str(good), "--output-prefix", str(tmp_path / "p"), *null])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 1 and lines == [f"error: --output-prefix: writing {tmp_path / 'p'}* failed (No space left "
+                                              "on device); nothing written"], lines
+    assert not any(p.name.startswith("p_") for p in tmp_path.iterdir())

@@ -91,3 +91,34 @@ def test_commands_use_the_profile_fields_unless_flags_say_otherwise(tmp_path, ca
                  "--space", "pp=1", "--no-progress", "--json", "--overlap-factor", "1.0"]) == 0
     plain_plans = json.loads(capsys.readouterr().out)["plans"]
     assert plans[0]["prediction"]["iteration_time_s"] > 1.2 * plain_plans[0]["prediction"]["iteration_time_s"]
+
+
+def _unit_edit(i, **change):
+    def edit(data):
+        data["units"][i].update(change)
+    return edit
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (_unit_edit(1, forward_s=-1e-3), "units[1].forward_s must be a number >= 0"),
+    (_unit_edit(2, backward_s=float("nan")), "units[2].backward_s must be a number >= 0"),
+    (_unit_edit(0, forward_s="fast"), "units[0].forward_s must be a number"),
+    (_unit_edit(3, tp=0), "units[3].tp must be an integer >= 1"),
+    (_unit_edit(3, micro_batch_size=1.5), "units[3].micro_batch_size must be an integer >= 1"),
+    (_unit_edit(0, kind="conv"), "units[0].kind must be one of embedding, attention, mlp, head"),
+    (_unit_edit(0, saved_bytes=-5), "units[0].saved_bytes must be a number >= 0"),
+    (_unit_edit(0, unit=-1), "units[0].unit must be a unit index >= 0"),
+    (lambda d: d["units"].append(7), "units[8] must be a mapping"),
+    (lambda d: d.update(links={"p2p": {"bandwidth_Bps": 0, "latency_s": 0}}), "links.p2p.bandwidth_Bps must be a number > 0"),
+    (lambda d: d.update(overhead={"forward_s": -1}), "overhead.forward_s must be a number >= 0"),
+])
+def test_bad_unit_times_are_named(tmp_path, capsys, edit, needle):
+    data = _profile()
+    edit(data)
+    path = _write(tmp_path, data)
+    with pytest.raises(UsageError) as err:
+        Profile.load(path)
+    assert needle in str(err.value) and str(err.value).startswith(f"--profile {path}: "), str(err.value)
+    with pytest.raises(SystemExit) as exit_:  # through the command, as the probe ran it
+        main(["simulate", *FLAGS, "--cluster", "local", "--profile", path])
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err
