@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -89,27 +91,45 @@ def print_first(state: ParallelState, text: str) -> None:
 
 class _Signal:
     """While entered, SIGTERM or SIGINT (Ctrl-C) sets a flag; ranks agree on it at the end of each iteration, then
-    save and exit. On exit the previous handlers are back."""
+    save and exit. On exit the previous handlers are back.
+
+    Under torchrun the launcher's death sets it too: a worker whose parent is gone (the launcher was killed with
+    SIGKILL and could not stop it) would otherwise train on alone. A daemon thread polls the parent pid."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    POLL_S = 1.0
 
-    def __init__(self) -> None:
+    def __init__(self, watch_parent: bool | None = None) -> None:
         self.received = False
         self._previous: dict = {}
+        self._watch = bool(os.environ.get("TORCHELASTIC_RUN_ID")) if watch_parent is None else watch_parent
+        self._done = threading.Event()
 
     def __enter__(self) -> "_Signal":
         try:
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         except ValueError:  # not in the main thread
             pass
+        if self._watch:
+            threading.Thread(target=self._watch_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._done.set()
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 
     def _handle(self, signum, frame) -> None:
         self.received = True
+
+    def _watch_parent(self, parent: int) -> None:
+        while not self._done.wait(self.POLL_S):
+            if os.getppid() != parent:
+                rank = os.environ.get("RANK", "0")
+                print(f"rank {rank}: the launcher (pid {parent}) is gone: saving if --save is set, then stopping",
+                      file=sys.stderr, flush=True)
+                self.received = True
+                return
 
 
 def _agree(flags: list[bool], state: ParallelState) -> list[bool]:

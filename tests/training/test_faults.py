@@ -191,3 +191,51 @@ def test_divergence_and_argparse_errors_are_one_line_once(tmp_path):
     assert [p.wait(timeout=120) for p in procs] == [1, 1]
     lines = _errors(tmp_path, 0)
     assert len(lines) == 1 and lines[0].startswith("error: ") and _errors(tmp_path, 1) == []
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process tree from /proc")
+def test_workers_stop_and_save_when_the_launcher_is_killed(tmp_path):
+    """kill -9 of torchrun left its workers training and saving for minutes (#28): they notice and stop."""
+    ckpt = tmp_path / "ckpt"
+    log = open(tmp_path / "torchrun.txt", "w")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                                 os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "1000000",
+                                 "--save", str(ckpt), "--save-interval", "1000000", "--eval-iters", "0"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path))
+    workers = []
+    try:
+        _wait_for(tmp_path / "torchrun.txt", " iteration        3/", 120)
+        workers = _children(launcher.pid)
+        assert len(workers) == 2, workers
+        launcher.kill()
+        launcher.wait()
+        end = time.time() + 60
+        while any(_alive(p) for p in workers) and time.time() < end:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in workers), "workers outlived their launcher"
+    finally:
+        for p in workers:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        log.close()
+    text = (tmp_path / "torchrun.txt").read_text()
+    assert "the launcher (pid" in text and "is gone" in text, text[-2000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").exists()  # saved on the way out, like SIGTERM
