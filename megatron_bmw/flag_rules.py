@@ -15,14 +15,24 @@ from .errors import UsageError
 FP32_MAX = struct.unpack("f", b"\xff\xff\x7f\x7f")[0]
 
 
+def _actions(parser: argparse.ArgumentParser):
+    """The parser's actions and its subcommands' (autoconfig.py search, ...)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                yield from _actions(sub)
+        else:
+            yield action
+
+
 def _single_value_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {s: a for a in parser._actions if a.option_strings and a.nargs is None
+    return {s: a for a in _actions(parser) if a.option_strings and a.nargs is None
             for s in a.option_strings if s.startswith("--")}
 
 
 def check_finite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Every float-valued flag is a finite number an fp32 tensor can hold."""
-    for action in parser._actions:
+    for action in _actions(parser):
         if action.type is not float or not action.option_strings:
             continue
         values = getattr(args, action.dest, None)

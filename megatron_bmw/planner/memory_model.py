@@ -280,8 +280,9 @@ class MemorySettings:
             raise UsageError(f"--memory-device must be cuda or cpu, not {self.device!r}")
         if self.workspace_bytes < 0:
             raise UsageError(f"--memory-workspace-gb must be >= 0, got {self.workspace_bytes / 2**30:g}")
-        if self.fragmentation < 0:
-            raise UsageError(f"--memory-fragmentation must be >= 0, got {self.fragmentation}")
+        if not 0 <= self.fragmentation < 1:
+            raise UsageError(f"--memory-fragmentation must be in [0, 1) (a fraction added to the memory in use), "
+                             f"got {self.fragmentation}")
 
 
 @dataclass

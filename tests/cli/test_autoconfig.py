@@ -119,6 +119,11 @@ def test_analytic_profile(capsys, tmp_path):
     (["estimate", "--cluster", "local", "--pipeline-model-parallel-size", "2", "--pipeline-partition", "3,3"],
      "--pipeline-partition 3,3: sums to 6"),
     (["simulate", "--cluster", "aws-p3.8xlarge", "--achievable-fraction", "2"], "--achievable-fraction"),
+    # subcommands' float flags are finite, and a value starting with '-' reaches its check (#28)
+    (["search", "--cluster", "local", "--lr", "nan"], "--lr must be a finite number"),
+    (["search", "--cluster", "local", "--overlap-factor", "inf"], "--overlap-factor must be a finite number"),
+    (["estimate", "--cluster", "local", "--memory-fragmentation", "5"], "--memory-fragmentation must be in [0, 1)"),
+    (["estimate", "--cluster", "local", "--memory-workspace-gb", "-1"], "--memory-workspace-gb must be >= 0"),
 ])
 def test_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as err:
