@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -14,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
+from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error  # noqa: E402
 
 SCENE = re.compile(r"^\s*(SCENE|Scene)\s+[\dIVXLC]+\b", re.MULTILINE)
 
@@ -31,7 +30,7 @@ def documents(text: str, split_scenes: bool) -> list[str]:
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = OneLineParser(description=__doc__)
     p.add_argument("--input-dir", required=True)
     p.add_argument("--pattern", default="*.txt")
     p.add_argument("--output", required=True)
@@ -41,13 +40,22 @@ def main(argv: list[str] | None = None) -> None:
     if not files:
         raise UsageError(f"--input-dir {args.input_dir}: no files match {args.pattern!r}")
     count = 0
-    with open(args.output, "w", encoding="utf-8") as out:
-        for path in files:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-            for doc in documents(text, args.split_scenes):
-                out.write(json.dumps({"text": doc, "source": os.path.basename(path)}) + "\n")
-                count += 1
+    tmp = f"{args.output}.{os.getpid()}.tmp"  # published whole: a failed run leaves no half corpus
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for path in files:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    text = f.read()
+                for doc in documents(text, args.split_scenes):
+                    out.write(json.dumps({"text": doc, "source": os.path.basename(path)}) + "\n")
+                    count += 1
+        os.replace(tmp, args.output)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if exc.filename in files:
+            raise UsageError(f"--input-dir {args.input_dir}: cannot read {exc.filename} ({exc.strerror})") from None
+        raise UsageError(f"--output {args.output}: cannot write it ({exc.strerror})") from None
     print(f"wrote {count} documents from {len(files)} files to {args.output}")
 
 

@@ -31,16 +31,11 @@ from megatron_bmw.config import DataConfig
 from megatron_bmw.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from megatron_bmw.data.sentences import split_sentences
 from megatron_bmw.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
-from megatron_bmw.errors import RunError, UsageError, exit_on_usage_error
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
+from megatron_bmw.errors import RunError, OneLineParser, UsageError, exit_on_usage_error
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", required=True, help="JSON-lines file, one document per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
     p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")

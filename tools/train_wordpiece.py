@@ -9,7 +9,6 @@ merged pieces (megatron_bmw/data/wordpiece.py `train_vocab`). Use it with --toke
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -17,12 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_bmw.data.wordpiece import train_vocab  # noqa: E402
-from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
+from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error  # noqa: E402
 
 
 def _texts(paths: list[str], key: str):
@@ -48,7 +42,7 @@ def _texts(paths: list[str], key: str):
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> None:
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help=".jsonl (one document per line) or plain-text files")
     p.add_argument("--json-key", default="text")
     p.add_argument("--output", required=True, help="vocab.txt to write")

@@ -25,7 +25,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron_bmw.errors import UsageError, exit_on_usage_error
+from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error
 from megatron_bmw.convert.gpt2 import (
     hf_config_from_megatron, hf_to_megatron, megatron_to_hf, merge_shards, shard_state_dict,
 )
@@ -35,13 +35,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--direction", required=True, choices=("hf-to-megatron", "megatron-to-hf"))
     p.add_argument("--hf-dir", required=True,
                    help="Hugging Face model directory: read for hf-to-megatron, written for megatron-to-hf")

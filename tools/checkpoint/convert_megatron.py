@@ -30,7 +30,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron_bmw.errors import UsageError, exit_on_usage_error
+from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error
 from megatron_bmw.convert.megatron import (
     MEGATRON_SPECS, Layout, Model, Target, megatron_stage_layers, read_megatron, read_ours, retarget, write_megatron,
     write_ours,
@@ -43,13 +43,8 @@ DIRECTIONS = ("megatron-to-ours", "ours-to-megatron")
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0],
+    p = OneLineParser(description=__doc__.split("\n\n")[0],
                 epilog="Weights only: no optimizer or RNG state is written; continue training from the result with "
                        "--no-load-optim --no-load-rng, or fine-tune with --finetune.")
     p.add_argument("--direction", required=True, choices=DIRECTIONS)
