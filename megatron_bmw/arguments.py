@@ -260,7 +260,9 @@ def _virtual_stages(args) -> int:
     if args.num_layers_per_virtual_pipeline_stage is None:
         return 1
     per = args.num_layers_per_virtual_pipeline_stage
-    if per < 1 or args.num_layers % (pp * per):
+    if per < 1:
+        raise UsageError(f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {per}")
+    if args.num_layers % (pp * per):
         raise UsageError(
             f"--num-layers-per-virtual-pipeline-stage {per}: --num-layers {args.num_layers} must be a multiple of "
             f"it times --pipeline-model-parallel-size {pp}"
@@ -340,6 +342,8 @@ def _check_varying_batch(args, sizes: list[int], mb: int, dp: int, pp: int, virt
 
 def _check_recompute_block(args, stage_units: list[list[int]]) -> None:
     """Megatron's block method recomputes the first N layers of each pipeline stage: 1 <= N <= its layers."""
+    if args.recompute_num_layers is not None and args.recompute_num_layers < 1:
+        raise UsageError(f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
     if args.recompute_method != "block":
         return
     names = unit_names(args.num_layers)

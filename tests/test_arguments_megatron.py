@@ -43,7 +43,7 @@ def _refused(extra, needle, world=1):
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "5"],
      "between 1 and 4"),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "0"],
-     "between 1 and 4"),
+     "--recompute-num-layers must be >= 1"),
     (["--position-embedding-type", "rope"], "--position-embedding-type rope: not supported"),
     (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: not supported"),
     (["--ckpt-format", "zarr"], "--ckpt-format zarr: not supported"),
@@ -70,6 +70,9 @@ def _refused(extra, needle, world=1):
     (["--lr", "-1e-3"], "--lr must be >= 0"),
     (["--unit-strategies", ""], "--unit-strategies is empty"),
     (["--unit-strategies", " "], "--unit-strategies is empty"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"],
+     "--recompute-num-layers must be >= 1, got 0"),
+    (["--num-layers-per-virtual-pipeline-stage", "0"], "--num-layers-per-virtual-pipeline-stage must be >= 1"),
 ])
 def test_refused(extra, needle):
     _refused(extra, needle)
