@@ -321,7 +321,7 @@ def predict(model: ModelConfig, case: Case, profile: Profile) -> dict:
 # ---- memory per unit --------------------------------------------------------------------------------------------
 def memory_check(model: ModelConfig, mbs: int = 2) -> list[dict]:
     """Per unit kind and dtype: predicted saved bytes vs the activation store's bytes (and our own hooks')."""
-    from megatron_bmw.models.gpt import build_units
+    from megatron_bmw.models.chunk import build_units
     from megatron_bmw.parallel.state import ParallelState
     from megatron_bmw.units import recompute_from_flags, unit_kind
     from megatron_bmw.pipeline.activation_store import ActivationStore

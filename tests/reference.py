@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_bmw.config import ModelConfig, PipelineConfig
-from megatron_bmw.models.gpt import GPTModel, build_units
+from megatron_bmw.models.chunk import ModelChunk, build_units
 from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.pipeline.partition import parse_partition, rank_chunks
 from megatron_bmw.units import recompute_from_flags
@@ -55,7 +55,7 @@ def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, to
 
 def serial_reference(cfg: ModelConfig, microbatches: list[dict[str, torch.Tensor]]):
     """Mean loss over micro-batches and the gradients of every parameter, by name, on one process."""
-    model = GPTModel(build_units(cfg, ParallelState.serial(), SEED))
+    model = ModelChunk(build_units(cfg, ParallelState.serial(), SEED))
     total = 0.0
     for mb in microbatches:
         loss = model(None, mb) / len(microbatches)
@@ -64,7 +64,7 @@ def serial_reference(cfg: ModelConfig, microbatches: list[dict[str, torch.Tensor
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}, model
 
 
-def head_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
+def head_logits(model: ModelChunk, tokens: torch.Tensor) -> torch.Tensor:
     """The (vocab-parallel) logits [s, b, v/tp] of a whole model in eval mode, unit by unit."""
     model.eval()
     hidden, batch = None, {"tokens": tokens}

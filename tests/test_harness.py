@@ -55,12 +55,12 @@ def _build_and_train_once(rank, world_size):
     from megatron_bmw.config import ParallelConfig
     from megatron_bmw.parallel.grad_sync import GradSync
     from megatron_bmw.parallel.state import ParallelState
-    from megatron_bmw.models.gpt import GPTModel, build_units
+    from megatron_bmw.models.chunk import ModelChunk, build_units
     from tests.reference import SEED, make_batch, small_config
 
     st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=world_size))
     cfg = small_config()
-    model = GPTModel(build_units(cfg, st, SEED))
+    model = ModelChunk(build_units(cfg, st, SEED))
     sync = GradSync(list(model.parameters()), st)
     model(None, make_batch(cfg, 2, 0)).backward()
     sync.finish()

@@ -3,7 +3,7 @@
 Pure functions on state dicts (no files, no process groups):
 
     kwargs, full = hf_to_megatron(hf_sd, hf_config, make_vocab_size_divisible_by=128, tp=2)
-    shards = [shard_state_dict(full, 2, r) for r in range(2)]     # one GPTModel state dict per tp rank
+    shards = [shard_state_dict(full, 2, r) for r in range(2)]     # one ModelChunk state dict per tp rank
     hf_sd = megatron_to_hf(merge_shards(shards), {**kwargs, "orig_vocab_size": hf_config["vocab_size"]})
 
 Layout differences handled here:
@@ -101,7 +101,7 @@ def check_hf_config(hf_config: Mapping[str, Any]) -> None:
 def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], hf_config_dict: Mapping[str, Any],
                    make_vocab_size_divisible_by: int = 128, tp: int = 1
                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """HF GPT2LMHeadModel weights -> (ModelConfig kwargs, full unsharded state dict of our GPTModel).
+    """HF GPT2LMHeadModel weights -> (ModelConfig kwargs, full unsharded state dict of our ModelChunk).
 
     The vocabulary is padded with zero rows to a multiple of `make_vocab_size_divisible_by * tp`.
     """
@@ -182,7 +182,7 @@ def _field(model_config: ModelConfig | Mapping[str, Any], key: str, default: Any
 
 def megatron_to_hf(full_state_dict: Mapping[str, torch.Tensor], model_config: ModelConfig | Mapping[str, Any],
                    orig_vocab_size: int | None = None) -> dict[str, torch.Tensor]:
-    """Full (merged) state dict of our GPTModel -> HF GPT2LMHeadModel state dict.
+    """Full (merged) state dict of our ModelChunk -> HF GPT2LMHeadModel state dict.
 
     `model_config` is a ModelConfig or a checkpoint's "args" dict; padded vocabulary rows beyond
     `orig_vocab_size` (default: args["orig_vocab_size"], else no stripping) are dropped.

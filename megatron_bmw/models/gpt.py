@@ -24,9 +24,6 @@ from ..parallel.mappings import scatter_to_sp
 from ..parallel.random import checkpoint
 from ..parallel.state import ParallelState
 from .softmax import causal_softmax, padding_softmax
-from ..units import unit_names
-
-__all__ = ["GPTModel", "build_units", "unit_names"]
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -183,53 +180,3 @@ class Head(Unit):
         if "sample_weights" in batch:  # hybrid strategies: this shard's share of the loss (parallel/hybrid.py)
             return (losses * mask * batch["sample_weights"].unsqueeze(0)).sum()
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list[int] | None = None,
-                recompute: tuple[str | None, ...] | None = None, state_of=None) -> dict[str, Unit]:
-    """Build the units with the given indices (all by default), in order, keyed by unit name.
-    `recompute`: None, selective or full for every unit of the model (PipelineConfig.recompute).
-    `state_of(i)`: the ParallelState unit i is built with (hybrid strategies), else `state` for all."""
-    base = state
-    cfg.check_tensor_parallel(state.tp_size)
-    embedding_unit, head_unit = Embedding, Head
-    if cfg.model_type == "bert":
-        from .bert import BertEmbedding as embedding_unit, BertHead as head_unit  # noqa: N813
-    names = unit_names(cfg.num_layers)
-    indices = list(range(len(names))) if indices is None else sorted(indices)
-    init = ParamInit(seed, cfg.init_method_std, cfg.num_layers)
-    units: dict[str, Unit] = {}
-    for i in indices:
-        name = names[i]
-        state = state_of(i) if state_of is not None else base
-        if name == "embedding":
-            unit = embedding_unit(cfg, state, init)
-            if not cfg.untie_embeddings_and_output_weights and state.pp_size > 1:
-                unit.word_embeddings.weight.shared_embedding = True
-        elif name == "head":
-            emb = units.get("embedding")
-            unit = head_unit(cfg, state, init, emb.word_embeddings.weight if emb is not None else None)
-        elif name.startswith("attn_"):
-            unit = Attention(cfg, state, init, name)
-        else:
-            unit = MLP(cfg, state, init, name)
-        choice = recompute[i] if recompute is not None else None
-        if choice == "selective" and isinstance(unit, Attention):
-            unit.selective = True
-        elif choice == "full":
-            unit.recompute = "full"
-        units[name] = unit
-    return units
-
-
-class GPTModel(nn.Module):
-    """A contiguous run of units (the whole model, or one pipeline chunk)."""
-
-    def __init__(self, units: dict[str, Unit]) -> None:
-        super().__init__()
-        self.units = nn.ModuleDict(units)
-
-    def forward(self, hidden, batch):
-        for unit in self.units.values():
-            hidden = unit(hidden, batch)
-        return hidden

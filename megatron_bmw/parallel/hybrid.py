@@ -32,10 +32,12 @@ from torch import nn
 
 from ..errors import UsageError
 from ..strategy import UnitStrategy, parse_unit_strategies
+from ..units import unit_names
 from .layers import counted_once
 from .layout import RankLayout
 from .random import TP_RNG
 from .relayout import relayout
+from .placement import Uniform
 from .state import ParallelState
 
 PARAM_FLAGS = ("tensor_model_parallel", "partition_dim", "sequence_parallel", "shared_embedding", "counts_in_norm",
@@ -88,14 +90,16 @@ class UnitState(ParallelState):
 
 
 @dataclass
-class Hybrid:
-    """This rank's hybrid set-up: one strategy per unit of the model, and the groups of every strategy."""
+class Hybrid(Uniform):
+    """This rank's hybrid set-up: one strategy per unit of the model, and the groups of every strategy. The
+    placement interface of parallel/placement.py."""
 
     strategies: tuple[UnitStrategy, ...]
     width: int
     local: int
     stage_group: object  # the N ranks of this rank's stage (the base layout's dp group)
     groups: dict = field(default_factory=dict)  # strategy -> (tp group, dp group) of this rank
+    norms_over_world = True  # each distinct gradient element is counted on one rank of the world
 
     @classmethod
     def build(cls, text, n_units: int, layout: RankLayout, rank: int, stage_group,
@@ -121,6 +125,71 @@ class Hybrid:
                             mine[k] = g
             groups[s] = tuple(mine)
         return cls(strategies, width, local, stage_group, groups)
+
+    def names(self) -> list[str]:
+        return [str(s) for s in self.strategies]
+
+    def unit_state(self, state: ParallelState, index: int) -> UnitState:
+        return self.view(state, index)
+
+    def check(self, cfg) -> None:
+        check_hybrid(self, cfg)
+
+    def chunks(self, cfg, state: ParallelState, units: dict, chunk_units: list[list[int]], make_chunk=None) -> list:
+        """HybridModel chunks: each unit's parameters reduce over its own dp group; sharded units wrapped by FSDP2."""
+        names = unit_names(cfg.num_layers)
+        for i in (i for c in chunk_units for i in c):
+            for p in units[names[i]].parameters():
+                if not hasattr(p, "grad_group"):
+                    p.grad_group = self.groups[self.strategies[i]][1]
+        chunks = []
+        for c in chunk_units:
+            mine = {names[i]: units[names[i]] for i in c}
+            shard_units(mine, c, self, state.device)
+            chunks.append(HybridModel(mine, c, self))
+        mark_norm_counting(chunks, self)
+        return chunks
+
+    def loader(self, state: ParallelState, micro_batch_size: int) -> tuple[int, int, int]:
+        """Every rank of a stage loads the stage micro-batch: what dp ranks 0..N-1 of a uniform run would."""
+        return micro_batch_size * self.width, 1, 0
+
+    def hidden_shape(self, cfg, state: ParallelState, micro_batch_size: int) -> tuple[int, int, int]:
+        """The whole stage micro-batch (the engine divides it by the dp of the unit before a chunk)."""
+        return (cfg.seq_length, micro_batch_size * self.width, cfg.hidden_size)
+
+    def loss_divisor(self, state: ParallelState) -> int:
+        return self.loss_replicas()
+
+    def trainable(self, named: list) -> list:
+        return local_params(named)
+
+    def grad_sync(self, params: list, state: ParallelState, overlap: bool = False):
+        return HybridGradSync(params, state)
+
+    def activation_params(self, chunks: list):
+        return lambda: unsharded_storages(chunks)
+
+    def checkpoint_shard(self, state: ParallelState) -> tuple[int, int, bool]:
+        """Every rank of a stage holds its own shards: each writes mp_rank_<position in stage>_<stage>."""
+        return self.local, self.width, True
+
+    def state_dict(self, chunk) -> dict:
+        return local_state_dict(chunk)
+
+    def load_state_dict(self, chunk, sd: dict) -> None:
+        load_local_state_dict(chunk, sd)
+
+    def destroy(self) -> None:
+        """Drop DTensor's process-wide sharding caches, which keep the FSDP2 meshes (and their groups) alive."""
+        try:  # private helpers of torch 2.13; an older or newer torch without them keeps its caches
+            from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+            _clear_sharding_prop_cache()
+            clear_redistribute_planner_cache()
+        except (ImportError, AttributeError):
+            pass
 
     def view(self, state: ParallelState, index: int) -> UnitState:
         """The ParallelState unit `index` is built with."""
@@ -169,7 +238,7 @@ def shard_batch(batch: dict, strategy: UnitStrategy, local: int) -> dict:
 class HybridModel(nn.Module):
     """A contiguous run of units, each on its strategy: slices its batch shard and re-lays out the hidden state
     coming from the previous unit (of this chunk, or of the previous pipeline stage). State-dict names equal
-    GPTModel's."""
+    ModelChunk's."""
 
     def __init__(self, units: dict[str, nn.Module], indices: list[int], hybrid: Hybrid) -> None:
         super().__init__()

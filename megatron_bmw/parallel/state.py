@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..config import ParallelConfig
 from ..device import choose_backend, default_device, set_device
 from .layout import RankLayout
+from .placement import Uniform
 from .random import RNGTracker
 
 
@@ -42,7 +43,8 @@ class ParallelState:
     # NCCL with the bpipe rank order: one group per direction of each BPipe pair (stage s, stage p-1-s), keyed
     # (src, dst) global ranks, so evicted activations never share a communicator with stage-to-stage traffic.
     transfer_groups: dict = field(default_factory=dict)
-    hybrid: object = None  # parallel/hybrid.Hybrid with --unit-strategies (per-unit strategies), else None
+    # where the units live on the stage's ranks (parallel/placement.py): Megatron's, or per-unit strategies
+    units: Uniform = field(default_factory=Uniform)
     owned_groups: list = field(default_factory=list, repr=False)  # every group build() made: destroy() ends them
 
     def __post_init__(self) -> None:
@@ -59,7 +61,7 @@ class ParallelState:
         """Create every group. All ranks must call this together (dist must be initialised if world > 1).
         timeout_minutes: of every collective in the new groups (--distributed-timeout-minutes); torch does not
         pass the default group's timeout on, and its own default is 30 minutes.
-        num_units: the model's unit count, needed with cfg.unit_strategies (then `hybrid` holds their groups)."""
+        num_units: the model's unit count, needed with cfg.unit_strategies (then `units` holds their groups)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         dp = cfg.data_parallel_size(world)
@@ -83,7 +85,7 @@ class ParallelState:
 
             if num_units is None:
                 raise ValueError("ParallelState.build: unit strategies need num_units")
-            state.hybrid = Hybrid.build(cfg.unit_strategies, num_units, layout, rank, state.dp_group,
+            state.units = Hybrid.build(cfg.unit_strategies, num_units, layout, rank, state.dp_group,
                                         timeout_minutes)
         if dist.is_initialized() and dist.get_backend() == "nccl":
             state.p2p_groups = _directional_groups(layout.pp_groups(), rank, new_group)
@@ -101,6 +103,7 @@ class ParallelState:
                 dist.destroy_process_group(g)
         self.owned_groups = []
         self.p2p_groups, self.transfer_groups = {}, {}
+        self.units.destroy()
 
     def p2p_group(self, src: int, dst: int):
         """Process group for point-to-point traffic from global rank src to dst (None: the default group)."""

@@ -88,10 +88,9 @@ class PipelineEngine:
         if track_activations or transfers:
             channel = make_channel(state) if transfers else None
             self.store = ActivationStore(state.device, copier=channel)
-            if getattr(state, "hybrid", None) is not None:  # sharded units' gathered parameters are not activations
-                from ..parallel.hybrid import unsharded_storages
-
-                self.store.more_params = lambda: unsharded_storages(chunks)
+            params = state.units.activation_params(chunks)  # e.g. sharded units' gathered parameters
+            if params is not None:
+                self.store.more_params = params
             if transfers:
                 self.transfers = TransferRunner(schedule, state, self.store, channel)
 
@@ -111,8 +110,7 @@ class PipelineEngine:
 
     def _batch(self, get_batch: Callable[[int], dict], a: Action) -> tuple[dict, float]:
         batch = get_batch(a.microbatch)
-        if getattr(self.state, "hybrid", None) is not None:
-            batch = self.state.hybrid.weigh(batch)
+        batch = self.state.units.weigh(batch)
         if a.half is None:
             return batch, 1.0
         halves = {k: v.chunk(2, 0)[a.half] for k, v in batch.items()}
@@ -303,7 +301,5 @@ def reduce_loss(result: RunResult, state: ParallelState, num_microbatches: int) 
         dist.broadcast(t, src=state.pp_ranks[-1], group=state.pp_group)
     if state.dp_group is not None:
         dist.all_reduce(t, group=state.dp_group)
-        # hybrid: the head's dp shards hold shares of the loss, each on the head's tp ranks
-        hybrid = getattr(state, "hybrid", None)
-        t /= hybrid.loss_replicas() if hybrid is not None else state.dp_size
+        t /= state.units.loss_divisor(state)
     return t.item()

@@ -6,10 +6,8 @@ from collections.abc import Callable
 
 from ..config import ModelConfig, PipelineConfig
 from ..errors import UsageError
-from ..models.gpt import GPTModel, build_units, unit_names
-from ..parallel.hybrid import HybridModel, check_hybrid, mark_norm_counting, shard_units
+from ..models.chunk import ModelChunk, build_units
 from ..parallel.state import ParallelState
-from ..units import hidden_shape as _hidden_shape
 from .build import build_schedule
 from .partition import parse_partition, rank_chunks
 from .schedule import Schedule
@@ -19,47 +17,20 @@ StageTimes = tuple[list[float], list[float], float]  # forward, backward per sta
 
 
 def build_model_chunks(cfg: ModelConfig, state: ParallelState, seed: int, partition: list[int],
-                       recompute: tuple | None = None) -> list[GPTModel]:
-    """One GPTModel per local chunk. All units of the rank are built together so that, at pp=1, the head
-    shares the embedding's word-embedding Parameter."""
+                       recompute: tuple | None = None) -> list[ModelChunk]:
+    """This rank's model chunks, placed as `state.units` says. All units of the rank are built together so that,
+    at pp=1, the head shares the embedding's word-embedding Parameter."""
     chunks = rank_chunks(partition, state.pp_size, state.pp_rank)
-    if state.hybrid is not None:  # per-unit strategies (parallel/hybrid.py)
-        return _hybrid_chunks(cfg, state, seed, chunks, recompute)
-    names = unit_names(cfg.num_layers)
-    units = build_units(cfg, state, seed, [i for c in chunks for i in c], recompute)
-    return [GPTModel({names[i]: units[names[i]] for i in c}) for c in chunks]
-
-
-def _hybrid_chunks(cfg, state: ParallelState, seed: int, chunk_units: list[list[int]],
-                   recompute: tuple | None = None) -> list[HybridModel]:
-    """This rank's model chunks on their unit strategies (sharded units wrapped by FSDP2)."""
-    hybrid = state.hybrid
-    check_hybrid(hybrid, cfg)
-    names = unit_names(cfg.num_layers)
-    views = {}
-
-    def state_of(i: int) -> ParallelState:
-        views[i] = hybrid.view(state, i)
-        return views[i]
-
-    flat = [i for c in chunk_units for i in c]
-    units = build_units(cfg, state, seed, flat, recompute, state_of=state_of)
-    for i in flat:
-        for p in units[names[i]].parameters():
-            if not hasattr(p, "grad_group"):
-                p.grad_group = views[i].dp_group
-    chunks = []
-    for c in chunk_units:
-        mine = {names[i]: units[names[i]] for i in c}
-        shard_units(mine, c, hybrid, state.device)
-        chunks.append(HybridModel(mine, c, hybrid))
-    mark_norm_counting(chunks, hybrid)
-    return chunks
+    placement = state.units
+    placement.check(cfg)
+    units = build_units(cfg, state, seed, [i for c in chunks for i in c], recompute,
+                        state_of=lambda i: placement.unit_state(state, i))
+    return placement.chunks(cfg, state, units, chunks, ModelChunk)
 
 
 def pipeline_setup(cfg: ModelConfig, state: ParallelState, seed: int, pipeline: PipelineConfig,
-                   stage_times: Callable[[list[GPTModel]], StageTimes] | None = None,
-                   ) -> tuple[list[GPTModel], Schedule, list[int]]:
+                   stage_times: Callable[[list[ModelChunk]], StageTimes] | None = None,
+                   ) -> tuple[list[ModelChunk], Schedule, list[int]]:
     """Model chunks of this rank, the (transformed) schedule and the partition.
 
     With slicing "auto", `stage_times(chunks)` gives the per-stage times for AutoPipe's slicer
@@ -80,8 +51,5 @@ def pipeline_setup(cfg: ModelConfig, state: ParallelState, seed: int, pipeline: 
 
 
 def hidden_shape(cfg: ModelConfig, state: ParallelState, micro_batch_size: int) -> tuple[int, int, int]:
-    """[seq, batch, hidden] of the hidden state between stages; with unit strategies the batch is the whole stage
-    micro-batch (the engine divides it by the dp of the unit before a chunk)."""
-    if state.hybrid is not None:
-        return (cfg.seq_length, micro_batch_size * state.hybrid.width, cfg.hidden_size)
-    return _hidden_shape(cfg.seq_length, micro_batch_size, cfg.hidden_size, state.tp_size, state.sequence_parallel)
+    """[seq, batch, hidden] of the hidden state between stages (parallel/placement.py)."""
+    return state.units.hidden_shape(cfg, state, micro_batch_size)

@@ -40,11 +40,8 @@ def mp_rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
 
 
 def _mp_coords(state: ParallelState) -> tuple[int, int, bool]:
-    """(rank, size) naming the mp_rank_* directory, and whether this rank writes one. Hybrid unit strategies:
-    every rank of a stage holds its own shards, so each writes mp_rank_<position in stage>_<stage>."""
-    if state.hybrid is not None:
-        return state.hybrid.local, state.hybrid.width, True
-    return state.tp_rank, state.tp_size, state.dp_rank == 0
+    """(rank, size) naming the mp_rank_* directory, and whether this rank writes one (parallel/placement.py)."""
+    return state.units.checkpoint_shard(state)
 
 
 def checkpoint_file(ckpt_dir: str, iteration: int | str, state: ParallelState, name: str = MODEL_FILE) -> str:
@@ -248,7 +245,7 @@ def _mismatch(load_dir: str, saved: tuple[int, int], state: ParallelState) -> Us
 
 
 def _strategies(state: ParallelState) -> list[str] | None:
-    return [str(s) for s in state.hybrid.strategies] if state.hybrid is not None else None
+    return state.units.names()
 
 
 def _strategies_mismatch(load_dir: str, theirs, state: ParallelState) -> UsageError:
@@ -303,7 +300,7 @@ def load_checkpoint(
     saved = _saved_layout(iter_dir)
     if saved is not None and saved != (mp_size, state.pp_size) and not _part_of(iter_dir, mp_size, state.pp_size):
         theirs = _saved_strategies(load_dir, iter_dir)
-        if state.hybrid is not None or theirs:
+        if state.units.names() is not None or theirs:
             raise _strategies_mismatch(load_dir, theirs, state)
         raise _mismatch(load_dir, saved, state)
     mp_dir = os.path.join(iter_dir, mp_rank_dir_name(mp_rank, state.pp_rank, state.pp_size))

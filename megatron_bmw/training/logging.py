@@ -49,7 +49,7 @@ def _counted(named_params, state: ParallelState) -> list[torch.nn.Parameter]:
 
 
 def _mp_sum(value: torch.Tensor, state: ParallelState) -> float:
-    if getattr(state, "hybrid", None) is not None:  # per-unit strategies: counted elements lie on every rank
+    if state.units.norms_over_world:  # per-unit strategies: counted elements lie on every rank
         dist.all_reduce(value)
     elif state.mp_group is not None:
         dist.all_reduce(value, group=state.mp_group)

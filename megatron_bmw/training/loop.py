@@ -25,8 +25,6 @@ from ..config import OptimizerConfig, RunConfig
 from ..data.builder import build_bert_datasets, build_gpt_datasets
 from ..errors import RunError, UsageError
 from ..parallel.agree import agree
-from ..parallel.grad_sync import GradSync
-from ..parallel.hybrid import HybridGradSync, load_local_state_dict, local_params, local_state_dict
 from ..parallel.random import get_rng_state, set_rng_state, set_seeds
 from ..parallel.state import ParallelState
 from ..pipeline.build import build_schedule
@@ -147,8 +145,7 @@ class Trainer:
         self.exited_early = False  # stopped by a signal, --exit-interval or --exit-duration-in-mins
         tr, model, pl = run.train, run.model, run.pipeline
         set_seeds(tr.seed, state.tp_rank, state.pp_rank, state.rng)
-        if state.hybrid is not None:  # a tensor-parallel stream per tp rank of the units
-            state.hybrid.seed(state.rng, tr.seed)
+        state.units.seed(state.rng, tr.seed)
         self.build_data()
         self.shape = hidden_shape(model, state, pl.micro_batch_size)
 
@@ -158,12 +155,8 @@ class Trainer:
 
         self.chunks, self.schedule, self.partition = pipeline_setup(model, state, tr.seed, pl,
                                                                     stage_times=measured_stage_times)
-        self.named_params = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
-        if state.hybrid is not None:  # per-unit strategies: sharded units' parameters as their local shards
-            self.named_params = local_params(self.named_params)
-            self.grad_sync = HybridGradSync([p for _, p in self.named_params], state)
-        else:
-            self.grad_sync = GradSync([p for _, p in self.named_params], state, overlap=tr.overlap_grad_reduce)
+        self.named_params = state.units.trainable([(n, p) for c in self.chunks for n, p in c.named_parameters()])
+        self.grad_sync = state.units.grad_sync([p for _, p in self.named_params], state, overlap=tr.overlap_grad_reduce)
         self.optimizer = build_optimizer(self.named_params, run.optimizer, state)
         self.scheduler = LRScheduler(self.optimizer, run.lr)
         self.tracer = Tracer(state.rank, state.pp_rank) if tr.pipeline_trace else None
@@ -204,9 +197,10 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def _model_state(self) -> dict:
+        sd = self.state.units.state_dict
         if len(self.chunks) == 1:
-            return {"model": local_state_dict(self.chunks[0])}
-        return {f"model{i}": local_state_dict(c) for i, c in enumerate(self.chunks)}
+            return {"model": sd(self.chunks[0])}
+        return {f"model{i}": sd(c) for i, c in enumerate(self.chunks)}
 
     def save(self) -> None:
         tr = self.run.train
@@ -236,8 +230,8 @@ class Trainer:
                  params_dtype=str(r.model.torch_dtype), consumed_train_samples=self.consumed_train,
                  consumed_valid_samples=self.consumed_valid, train_iters=r.train.train_iters,
                  train_samples=r.train.train_samples)
-        if self.state.hybrid is not None:
-            d["unit_strategies"] = [str(s) for s in self.state.hybrid.strategies]
+        if self.state.units.names() is not None:
+            d["unit_strategies"] = self.state.units.names()
         return d
 
     def _load_weights(self, load_optim: bool) -> dict:
@@ -249,10 +243,7 @@ class Trainer:
             if key not in payload:
                 raise UsageError(f"--load {tr.load}: checkpoint has no {key!r} (saved with another virtual pipeline size?)")
             try:
-                if self.state.hybrid is not None:
-                    load_local_state_dict(chunk, payload[key])
-                else:
-                    chunk.load_state_dict(payload[key], strict=True)
+                self.state.units.load_state_dict(chunk, payload[key])
             except RuntimeError as exc:
                 first = str(exc).strip().splitlines()[0]
                 raise UsageError(f"--load {tr.load}: model weights do not fit this model: {first}") from None
@@ -303,9 +294,7 @@ class Trainer:
         datasets = agree(lambda: first if first is not None else self._datasets(num, None))
         eod = self.tokenizer.eod if self.tokenizer is not None else None
         batches = BertMicroBatches if bert else MicroBatches
-        mbs, dp, dp_rank = self.run.pipeline.micro_batch_size, st.dp_size, st.dp_rank
-        if st.hybrid is not None:  # every rank of a stage loads the stage micro-batch: dp ranks 0..N-1's samples
-            mbs, dp, dp_rank = mbs * st.dp_size, 1, 0
+        mbs, dp, dp_rank = st.units.loader(st, self.run.pipeline.micro_batch_size)
         self.train_data, self.valid_data, self.test_data = (
             batches(d, mbs, dp, dp_rank, st.device, eod, tr.eod_mask_loss) if d is not None else None
             for d in datasets)

@@ -225,7 +225,7 @@ class MixedPrecisionOptimizer:
             norms = torch.stack(torch._foreach_norm(grads)).double()
             buf[0] = norms[self._counted].square().sum()
             buf[1] = (~torch.isfinite(norms)).any().double()
-        if getattr(self.state, "hybrid", None) is not None:  # each distinct gradient element is counted on one rank of the world
+        if self.state.units.norms_over_world:  # each distinct gradient element is counted on one rank of the world
             dist.all_reduce(buf)
             sq, inf = buf.tolist()
             return inf > 0, sq**0.5

@@ -56,7 +56,7 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
     The sweep over micro-batch sizes and kinds runs `rounds` times with `repeats` samples each, so the samples
     of one entry spread over the whole profiling time; `barrier` (all profiling processes) starts each entry's
     samples together (not each sample: lock-stepped identical kernels contend more than a pipeline's do)."""
-    from ..models.gpt import build_units
+    from ..models.chunk import build_units
     from ..parallel.grad_sync import GradSync
 
     one_layer = ModelConfig(**{**model.__dict__, "num_layers": 1})

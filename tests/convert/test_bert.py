@@ -12,7 +12,7 @@ import torch
 from megatron_bmw.config import ModelConfig, ParallelConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.convert.bert import hf_to_ours, merge_shards, ours_to_hf, shard_state_dict
-from megatron_bmw.models.gpt import GPTModel, build_units
+from megatron_bmw.models.chunk import ModelChunk, build_units
 from megatron_bmw.parallel.mappings import gather_along
 from megatron_bmw.parallel.state import ParallelState
 from tests.dist_harness import run_distributed
@@ -50,7 +50,7 @@ def _inputs():
 
 def _ours_logits(kwargs, shard, state):
     cfg = ModelConfig(**kwargs)
-    model = GPTModel(build_units(cfg, state, seed=0)).eval()
+    model = ModelChunk(build_units(cfg, state, seed=0)).eval()
     model.load_state_dict(shard, strict=True)
     ids, mask, types = _inputs()
     batch = {"tokens": ids, "types": types, "padding_mask": mask.bool()}

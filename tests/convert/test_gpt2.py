@@ -17,7 +17,7 @@ from megatron_bmw.errors import UsageError
 from megatron_bmw.convert.gpt2 import (
     hf_to_megatron, megatron_to_hf, merge_shards, padded_vocab_size, partition_dim, shard_state_dict,
 )
-from megatron_bmw.models.gpt import GPTModel, build_units
+from megatron_bmw.models.chunk import ModelChunk, build_units
 from megatron_bmw.parallel.state import ParallelState
 from tests.dist_harness import run_distributed
 from tests.reference import head_logits
@@ -87,7 +87,7 @@ def _model_config(args: dict) -> ModelConfig:
 def _logits(save: str, state: ParallelState, tokens: torch.Tensor) -> torch.Tensor:
     """This tp rank's vocab-parallel logits [s, b, v/tp] from the checkpoint at `save`."""
     ckpt = _load(save, state.tp_rank)
-    model = GPTModel(build_units(_model_config(ckpt["args"]), state, seed=0))
+    model = ModelChunk(build_units(_model_config(ckpt["args"]), state, seed=0))
     model.load_state_dict(ckpt["model"], strict=True)
     return head_logits(model, tokens)
 
@@ -170,7 +170,7 @@ def test_untied_round_trip_and_sharding():
     for k, v in hf_sd.items():
         assert torch.equal(back[k], v), k
     # The serial model built from the converted weights reproduces HF's logits with an untied head.
-    model = GPTModel(build_units(ModelConfig(**kwargs), ParallelState.serial(), seed=0))
+    model = ModelChunk(build_units(ModelConfig(**kwargs), ParallelState.serial(), seed=0))
     model.load_state_dict(full, strict=True)
     model.eval()
     with torch.no_grad():

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_bmw.config import ModelConfig
-from megatron_bmw.models.gpt import GPTModel, build_units
+from megatron_bmw.models.chunk import ModelChunk, build_units
 from megatron_bmw.parallel.state import ParallelState
 from tests.reference import head_logits
 
@@ -262,13 +262,13 @@ def _assert_same_weights(a, b):
 
 
 def _serial_logits(ckpt, tokens):
-    """Logits of our serial GPTModel loaded (strictly) from a tp=1, pp=1 megatron_bmw checkpoint."""
+    """Logits of our serial ModelChunk loaded (strictly) from a tp=1, pp=1 megatron_bmw checkpoint."""
     files, _ = _files(ckpt)
     assert set(files) == {(0, 0)}
     payload = files[0, 0]
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: v for k, v in payload["args"].items() if k in names and k != "params_dtype"})
-    model = GPTModel(build_units(cfg, ParallelState.serial(), seed=0))
+    model = ModelChunk(build_units(cfg, ParallelState.serial(), seed=0))
     model.load_state_dict(payload["model"], strict=True)
     return head_logits(model, tokens)
 

@@ -22,12 +22,23 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 MBS = 4  # even: slicing halves micro-batches
 
 
-def _run_case(rank, world_size, tp, pp, v, m, partition, overrides, extra):
+def _micro(cfg, dp, m):
+    return split_micro(bert_batch(cfg, MBS * m * dp, seed=5), m * dp)
+
+
+def _reference(ws, tp, pp, m, overrides):
+    """The serial model's loss, gradients and (lm, sop) parts, computed once in the parent."""
+    cfg = bert_config(**overrides)
+    micro = _micro(cfg, ws // (tp * pp), m)
+    loss, grads, model = serial_reference(cfg, micro)
+    return loss, grads, drain_reported([model]) / len(micro)
+
+
+def _run_case(rank, world_size, ref, tp, pp, v, m, partition, overrides, extra):
     cfg = bert_config(**overrides)
     dp = world_size // (tp * pp)
-    micro = split_micro(bert_batch(cfg, MBS * m * dp, seed=5), m * dp)
-    ref_loss, ref_grads, ref_model = serial_reference(cfg, micro)
-    ref_parts = drain_reported([ref_model]) / len(micro)
+    micro = _micro(cfg, dp, m)
+    ref_loss, ref_grads, ref_parts = ref
     bpipe, slicing = extra.get("bpipe", False), extra.get("slicing", 0)
     st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                             sequence_parallel=extra.get("sp", False),
@@ -86,7 +97,8 @@ IDS = ["tp2", "tp2-sp-flash-selective", "pp2-cut-recompute", "dp2-overlap-no-bin
 @pytest.mark.slow
 @pytest.mark.parametrize("ws,tp,pp,v,m,partition,overrides,extra", PARAMS, ids=IDS)
 def test_bert_pipeline_equals_serial(ws, tp, pp, v, m, partition, overrides, extra):
-    out = run_distributed(ws, _run_case, tp, pp, v, m, partition, overrides, extra)
+    ref = _reference(ws, tp, pp, m, overrides)
+    out = run_distributed(ws, _run_case, ref, tp, pp, v, m, partition, overrides, extra)
     covered = {n for names, _ in out for n in names}
     expected = set(out[0][1])
     if pp > 1 and not overrides.get("untie_embeddings_and_output_weights"):

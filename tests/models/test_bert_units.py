@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from megatron_bmw.config import ParallelConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.models.bert import synthetic_batch
-from megatron_bmw.models.gpt import build_units
+from megatron_bmw.models.chunk import build_units
 from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.planner.flops import unit_forward_flops
 from megatron_bmw.planner.memory_model import total_parameters, unit_kind, unit_param_count, unit_saved_tensors

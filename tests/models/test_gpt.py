@@ -5,7 +5,8 @@ import torch
 
 from megatron_bmw.config import ModelConfig, ParallelConfig
 from megatron_bmw.errors import UsageError
-from megatron_bmw.models.gpt import GPTModel, build_units, unit_names
+from megatron_bmw.models.chunk import ModelChunk, build_units
+from megatron_bmw.units import unit_names
 from megatron_bmw.parallel.grad_sync import GradSync
 from megatron_bmw.parallel.state import ParallelState
 from tests.dist_harness import run_distributed
@@ -23,7 +24,7 @@ def _tp_case(rank, world_size, overrides, sequence_parallel, ref_loss, ref_grads
     cfg = small_config(**overrides)
     mbs = _batches(cfg)
     st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=world_size, sequence_parallel=sequence_parallel))
-    model = GPTModel(build_units(cfg, st, SEED, recompute=recompute_of(overrides, cfg.num_layers)))
+    model = ModelChunk(build_units(cfg, st, SEED, recompute=recompute_of(overrides, cfg.num_layers)))
     sync = GradSync(list(model.parameters()), st)
     total = 0.0
     for mb in mbs:
@@ -64,8 +65,8 @@ def test_gpt_tensor_parallel_equals_serial(world_size, overrides, sequence_paral
 def test_units_and_layout_independent_init():
     cfg = small_config(num_layers=3)
     assert unit_names(3) == ["embedding", "attn_0", "mlp_0", "attn_1", "mlp_1", "attn_2", "mlp_2", "head"]
-    full = GPTModel(build_units(cfg, ParallelState.serial(), SEED))
-    part = GPTModel(build_units(cfg, ParallelState.serial(), SEED, indices=[3, 4]))
+    full = ModelChunk(build_units(cfg, ParallelState.serial(), SEED))
+    part = ModelChunk(build_units(cfg, ParallelState.serial(), SEED, indices=[3, 4]))
     for name, p in part.named_parameters():
         assert torch.equal(p, dict(full.named_parameters())[name])
 
@@ -78,7 +79,7 @@ def test_dropout_recompute_replays_masks():
         st = ParallelState.serial()
         st.rng.add("model-parallel-rng", 99)
         torch.manual_seed(5)
-        model = GPTModel(build_units(cfg, st, SEED,
+        model = ModelChunk(build_units(cfg, st, SEED,
                                      recompute=recompute_of({"recompute_granularity": granularity}, cfg.num_layers)))
         model(None, batch).backward()
         grads.append([p.grad.clone() for p in model.parameters()])

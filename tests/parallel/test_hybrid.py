@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_bmw.config import ParallelConfig
-from megatron_bmw.models.gpt import unit_names
+from megatron_bmw.units import unit_names
 from megatron_bmw.parallel.hybrid import HybridGradSync, local_params
 from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.pipeline.engine import PipelineEngine, reduce_loss
@@ -37,12 +37,23 @@ def stage_batches(cfg, m, width, seed=11):
     return stages, micro
 
 
-def _case(rank, world_size, pp, strategies, m, overrides, extra):
+def _config(overrides):
+    return small_config(**{k: v for k, v in overrides.items() if not k.startswith("_")})
+
+
+def _reference(world_size, pp, strategies, m, overrides, extra):
+    """The serial model's loss and gradients for a case, computed once in the parent."""
+    cfg = _config(overrides)
+    loss, grads, _ = serial_reference(cfg, stage_batches(cfg, m, world_size // pp)[1])
+    return loss, grads
+
+
+def _case(rank, world_size, ref, pp, strategies, m, overrides, extra):
     overrides = dict(overrides)
-    cfg = small_config(**{k: v for k, v in overrides.items() if not k.startswith("_")})
+    cfg = _config(overrides)
     width = world_size // pp
-    stages, micro = stage_batches(cfg, m, width)
-    ref_loss, ref_grads, _ = serial_reference(cfg, micro)
+    stages, _ = stage_batches(cfg, m, width)
+    ref_loss, ref_grads = ref
     order = "bpipe" if extra.get("bpipe") else "tp-dp-pp"
     st = ParallelState.build(ParallelConfig(pipeline_model_parallel_size=pp, rank_order=order,
                                             unit_strategies=tuple(strategies.split(","))),
@@ -58,8 +69,8 @@ def _case(rank, world_size, pp, strategies, m, overrides, extra):
     names = unit_names(cfg.num_layers)
     out = []
     for name, p in named:
-        strategy = st.hybrid.strategies[names.index(name.split(".")[1])]
-        want = expected_grad(ref_grads[reference_name(name, cfg)], p, strategy, st.hybrid.local)
+        strategy = st.units.strategies[names.index(name.split(".")[1])]
+        want = expected_grad(ref_grads[reference_name(name, cfg)], p, strategy, st.units.local)
         torch.testing.assert_close(p.main_grad, want.reshape(p.main_grad.shape), **TOL,
                                    msg=lambda msg: f"{name} ({strategy}): {msg}")
         out.append(name)
@@ -103,8 +114,8 @@ def _tp_streams(rank, world_size):
     import torch.distributed as dist
 
     st = ParallelState.build(ParallelConfig(unit_strategies=("dp2-tp2",)), num_units=6)
-    st.hybrid.seed(st.rng, 7)
-    view = st.hybrid.view(st, 1)
+    st.units.seed(st.rng, 7)
+    view = st.units.view(st, 1)
     with view.rng.fork():
         x = torch.rand(4)
     xs = [torch.empty(4) for _ in range(world_size)]
@@ -113,8 +124,8 @@ def _tp_streams(rank, world_size):
     return all(torch.equal(xs[i], xs[j]) == (tp[i] == tp[j]) for i in range(world_size) for j in range(world_size))
 
 
-def _cases(rank, world_size):
-    out = [_case(rank, world_size, *case) for case in CASES[world_size]]
+def _cases(rank, world_size, refs):
+    out = [_case(rank, world_size, ref, *case) for ref, case in zip(refs, CASES[world_size])]
     assert world_size != 4 or _tp_streams(rank, world_size)
     return out
 
@@ -122,9 +133,9 @@ def _cases(rank, world_size):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_hybrid_equals_serial(world):
-    names = run_distributed(world, _cases)
+    refs = [_reference(world, *case) for case in CASES[world]]
+    names = run_distributed(world, _cases, refs)
     for i, case in enumerate(CASES[world]):
         covered = {n for rank_names in names for n in rank_names[i]}
-        cfg = small_config(**{k: v for k, v in case[3].items() if not k.startswith("_")})
-        _, grads, _ = serial_reference(cfg, stage_batches(cfg, 1, 1)[1])
-        assert {reference_name(n, cfg) for n in covered} == set(grads), case
+        cfg = _config(case[3])
+        assert {reference_name(n, cfg) for n in covered} == set(refs[i][1]), case

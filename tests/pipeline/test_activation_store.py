@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_bmw.models.gpt import GPTModel, build_units
+from megatron_bmw.models.chunk import ModelChunk, build_units
 from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.pipeline.activation_store import ActivationStore
 from tests.reference import SEED, make_batch, recompute_of, small_config
@@ -130,7 +130,7 @@ def test_stacks_with_recomputation(recompute):
     """Recomputation's own hooks take over inside checkpointed regions; the store sees what they keep (their
     inputs), and evicting and loading those keeps gradients bit for bit."""
     cfg = small_config(num_layers=2)
-    model = GPTModel(build_units(cfg, ParallelState.serial(), SEED,
+    model = ModelChunk(build_units(cfg, ParallelState.serial(), SEED,
                                  recompute=recompute_of({"recompute_granularity": recompute}, 2)))
     batch = make_batch(cfg, 4, 3)
     model(None, batch).backward()
@@ -153,7 +153,7 @@ def test_stacks_with_recomputation(recompute):
     plain = ActivationStore("cpu", list(model.parameters()))
     if recompute is not None:
         cfg0 = small_config(num_layers=2)
-        m0 = GPTModel(build_units(cfg0, ParallelState.serial(), SEED))
+        m0 = ModelChunk(build_units(cfg0, ParallelState.serial(), SEED))
         with plain.capture(key):
             m0(None, batch)
         assert nbytes < plain.nbytes(key)  # recomputation keeps less

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_bmw.config import ModelConfig, ParallelConfig
-from megatron_bmw.models.gpt import build_units
+from megatron_bmw.models.chunk import build_units
 from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.pipeline.generators import generate
 from megatron_bmw.planner.memory_model import (
@@ -152,7 +152,7 @@ def test_model_states_precision_and_zero():
                                                 (0, (3, 7), "full")])
 def test_stage_forwards_match_chunk_bytes(rank, partition, rc):
     """Several micro-batches through one pipeline stage's chunk, all kept alive as during the warm-up of 1F1B."""
-    from megatron_bmw.models.gpt import GPTModel
+    from megatron_bmw.models.chunk import ModelChunk
     from megatron_bmw.training.saved_bytes import record_saved
     from megatron_bmw.planner.memory_model import chunk_saved_bytes
 
@@ -164,7 +164,7 @@ def test_stage_forwards_match_chunk_bytes(rank, partition, rc):
     layout = StageLayout(tp=1, dp=1, pp=2, sequence_parallel=False, micro_batch_size=MBS, partition=partition,
                          recompute=recompute)
     units = build_units(cfg, ParallelState.serial(), 1, mine, recompute)
-    chunk = GPTModel(units)
+    chunk = ModelChunk(units)
     params = list(chunk.parameters())
     outs = []
     with record_saved(params) as saved:

@@ -79,7 +79,7 @@ def _cases(rank, world_size, tmp):
     trainer = pretrain(["--mock-data", "--plan", plan, "--train-iters", "3", "--lr", "1e-3", "--lr-warmup-iters", "2",
                         "--log-interval", "1", "--eval-iters", "0", "--seed", "1234"])
     out["plan"] = list(trainer.history)
-    out["plan-strategies"] = [str(s) for s in trainer.state.hybrid.strategies]
+    out["plan-strategies"] = [str(s) for s in trainer.state.units.strategies]
     return out
 
 

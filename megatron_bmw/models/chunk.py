@@ -1,0 +1,64 @@
+"""A model as units: building them for a model type, and a chunk (a contiguous run of units: the whole model,
+or what one pipeline rank holds of it). GPT and BERT share the transformer units (models/gpt.py) and differ in
+their ends (BERT's embedding and heads, models/bert.py)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.init import ParamInit
+from ..parallel.state import ParallelState
+from ..units import unit_names
+from .bert import BertEmbedding, BertHead
+from .gpt import MLP, Attention, Embedding, Head, Unit
+
+ENDS = {"gpt": (Embedding, Head), "bert": (BertEmbedding, BertHead)}  # model type -> (embedding, head) units
+
+
+def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list[int] | None = None,
+                recompute: tuple[str | None, ...] | None = None, state_of=None) -> dict[str, Unit]:
+    """Build the units with the given indices (all by default), in order, keyed by unit name.
+    `recompute`: None, selective or full for every unit of the model (PipelineConfig.recompute).
+    `state_of(i)`: the ParallelState unit i is built with (hybrid strategies), else `state` for all."""
+    base = state
+    cfg.check_tensor_parallel(state.tp_size)
+    embedding_unit, head_unit = ENDS[cfg.model_type]
+    names = unit_names(cfg.num_layers)
+    indices = list(range(len(names))) if indices is None else sorted(indices)
+    init = ParamInit(seed, cfg.init_method_std, cfg.num_layers)
+    units: dict[str, Unit] = {}
+    for i in indices:
+        name = names[i]
+        state = state_of(i) if state_of is not None else base
+        if name == "embedding":
+            unit = embedding_unit(cfg, state, init)
+            if not cfg.untie_embeddings_and_output_weights and state.pp_size > 1:
+                unit.word_embeddings.weight.shared_embedding = True
+        elif name == "head":
+            emb = units.get("embedding")
+            unit = head_unit(cfg, state, init, emb.word_embeddings.weight if emb is not None else None)
+        elif name.startswith("attn_"):
+            unit = Attention(cfg, state, init, name)
+        else:
+            unit = MLP(cfg, state, init, name)
+        choice = recompute[i] if recompute is not None else None
+        if choice == "selective" and isinstance(unit, Attention):
+            unit.selective = True
+        elif choice == "full":
+            unit.recompute = "full"
+        units[name] = unit
+    return units
+
+
+class ModelChunk(nn.Module):
+    """A contiguous run of units (the whole model, or one pipeline chunk)."""
+
+    def __init__(self, units: dict[str, Unit]) -> None:
+        super().__init__()
+        self.units = nn.ModuleDict(units)
+
+    def forward(self, hidden, batch):
+        for unit in self.units.values():
+            hidden = unit(hidden, batch)
+        return hidden
