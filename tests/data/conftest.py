@@ -66,9 +66,14 @@ def bpe_files(tmp_path_factory, corpus_lines) -> tuple[str, str]:
 @pytest.fixture(scope="session")
 def preprocess():
     """The `tools/preprocess_data.py` module, imported from its path."""
-    spec = importlib.util.spec_from_file_location("preprocess_data", REPO / "tools" / "preprocess_data.py")
+    return load_tool("preprocess_data")
+
+
+def load_tool(name: str):
+    """The module `tools/<name>.py`, imported from its path."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["preprocess_data"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

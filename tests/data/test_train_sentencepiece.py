@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from .conftest import REPO, write_jsonl
+from .conftest import load_tool, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("train_sentencepiece", REPO / "tools" / "train_sentencepiece.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_sentencepiece"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("train_sentencepiece")
 
 
 def _error(tool, argv, capsys) -> str:
