@@ -128,6 +128,8 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
                    help="the cluster device type this profile is for (with --analytic: which of the cluster's)")
     g.add_argument("--achievable-fraction", type=float, default=None,
                    help="with --analytic: of peak FLOP/s (default: the device type's, else 0.5)")
+    sub.add_parser("tune", add_help=False, help="profile, search, measure the top plans, calibrate, re-search: the "
+                                                "measured best plan (its own flags: autoconfig.py tune --help)")
     p = sub.add_parser("calibrate", help="fit the cost model to measured trials (tools/grid_search.py results)",
                        allow_abbrev=False)
     p.add_argument("--results", required=True, help="results JSONL written by tools/grid_search.py")

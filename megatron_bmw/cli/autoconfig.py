@@ -136,8 +136,13 @@ def _calibrate(args) -> int:
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tune"]:  # tune parses its own flags and passes the rest to its trials
+        from .tune import main as tune
+
+        return tune(argv[1:])
     parser = build_autoconfig_parser()
-    args = parse_args(list(sys.argv[1:] if argv is None else argv), parser)
+    args = parse_args(argv, parser)
     return {"estimate": _estimate, "simulate": _simulate, "profile": _profile, "search": _search,
             "calibrate": _calibrate}[args.command](args)
 

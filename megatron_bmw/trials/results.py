@@ -72,6 +72,12 @@ class Results:
         except OSError:
             raise UsageError(f"--results {self.path}: another sweep is writing it") from None
 
+    def unlock(self) -> None:
+        """Release the lock (a process that goes on after its sweep)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
     def done(self, trial_id: str, retry: tuple[str, ...] = ()) -> bool:
         status = self.latest.get(trial_id, {}).get("status")
         return status in FINAL and status not in retry

@@ -1,6 +1,7 @@
 """A stand-in for pretrain_gpt.py in sweep tests (no torch): prints Megatron's iteration lines from the last
 rank. --seed picks what it does: 2 crashes with an `error:` line, 3 hangs, 4 runs out of memory, anything else
-trains. FAKE_ITER_S sets the seconds per iteration; FAKE_PID_DIR, when set, gets a file per process."""
+trains. FAKE_ITER_S sets the seconds per iteration (scaled by a --plan's layout); FAKE_PID_DIR, when set, gets a
+file per process."""
 
 import os
 import sys
@@ -18,6 +19,15 @@ if os.environ.get("FAKE_PID_DIR"):
     open(os.path.join(os.environ["FAKE_PID_DIR"], str(os.getpid())), "w").close()
 seed, iters = int(flag("--seed", "1")), int(flag("--train-iters", "5"))
 step = float(os.environ.get("FAKE_ITER_S", "0.01"))
+if "--plan" in sys.argv:  # a plan's time: slower with larger micro-batches and with ZeRO-1; FAKE_OOM_MBS: OOM
+    import json
+
+    with open(flag("--plan", "")) as f:
+        plan = json.load(f)
+    mbs = plan["pipeline"]["micro_batch_size"]
+    step *= 1 + 0.1 * mbs + (0.2 if plan["training"].get("distributed_optimizer") else 0.0)
+    if str(mbs) == os.environ.get("FAKE_OOM_MBS"):
+        seed = 4
 if seed == 2:
     print("error: --data-path missing_text_document: no such file", file=sys.stderr, flush=True)
     sys.exit(2)

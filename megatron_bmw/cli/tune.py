@@ -1,0 +1,333 @@
+"""`autoconfig.py tune`: from a model to a measured best plan in one command, closing the planner's loop.
+
+    profile (this machine, when no --profile is given)
+    round k: search with the current profile -> its top-k plans
+             measure the plans not yet measured as short real trials (grid_search's runner: torchrun or srun,
+             per-trial timeout, OOM/crash/hang recorded), in interleaved repeats (A B C A B C ...), the median
+             over repeats, a trial repeated once more when its repeats spread too far
+             calibrate the profile on every trial measured so far -> the next round's profile
+    until the search's pick was measured already (the pick is stable), or --max-trials / --max-minutes is spent.
+
+The pick is the measured fastest trial; its plan is written as <output-dir>/plan.json, with the report
+(<output-dir>/report.txt and report.png: predicted, after calibration, against measured) and the calibrated
+profile. Everything lives in --output-dir: a killed tune run again with the same command resumes (measured
+repeats are kept in <output-dir>/trials.jsonl, as grid_search.py keeps its results).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, fields
+
+from ..errors import OneLineParser, UsageError, exit_on_usage_error
+from ..paths import check_output_dir
+from ..trials.cli import run_trial
+from ..trials.grid import Trial, expand, load_plans, parse_flag_tokens
+from ..trials.report import plot, table
+from ..trials.results import Results
+from ..trials.runner import LaunchConfig, Runner
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="autoconfig.py tune", allow_abbrev=False,
+                      description="Profile, search, measure the top plans, calibrate, re-search; the measured best "
+                                  "plan. Any other flag is a pretrain_gpt.py flag (model, --global-batch-size, data).")
+    g = p.add_argument_group("the machine")
+    g.add_argument("--nproc-per-node", type=int, required=True, help="ranks per node of every trial")
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--launcher", choices=["torchrun", "srun"], default="torchrun")
+    g.add_argument("--cluster", default="local", help="the cluster the search plans for (built-in or YAML)")
+    g.add_argument("--profile", action="append", default=[],
+                   help="profile JSON(s) to start from (default: profile this machine first)")
+    g.add_argument("--python", default=sys.executable, help="interpreter of the trials")
+    g.add_argument("--script", default=None, help="training script of the trials (default: pretrain_gpt.py)")
+    g = p.add_argument_group("the loop")
+    g.add_argument("--top-k", type=int, default=3, help="plans measured per round")
+    g.add_argument("--max-trials", type=int, default=12, help="plans measured in all")
+    g.add_argument("--max-minutes", type=float, default=60.0, help="wall-clock budget (checked between trials)")
+    g.add_argument("--max-rounds", type=int, default=5)
+    g.add_argument("--space", action="append", default=[], help="search space restriction, as search takes it")
+    g = p.add_argument_group("measuring")
+    g.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every trial")
+    g.add_argument("--max-spread", type=float, default=0.10,
+                   help="a trial whose repeats spread more than this fraction of their median runs once more")
+    g.add_argument("--trial-iters", type=int, default=10)
+    g.add_argument("--warmup-iters", type=int, default=3, help="first iterations left out of a trial's median")
+    g.add_argument("--trial-timeout", type=float, default=600.0, help="seconds before a trial counts as hung")
+    g.add_argument("--kill-grace", type=float, default=10.0)
+    g.add_argument("--output-dir", default="tune", help="plans, trials, profiles and the report (resumable)")
+    return p
+
+
+@dataclass
+class Repeat(Trial):
+    """One measurement of a trial: its own id in the results file, the trial's flags and plan."""
+
+    repeat: int = 1
+
+    @property
+    def id(self) -> str:
+        return f"{self.base_id}.{self.repeat}"
+
+    @property
+    def base_id(self) -> str:
+        return Trial.id.fget(self)
+
+    @classmethod
+    def of(cls, trial: Trial, repeat: int) -> Repeat:
+        return cls(**{f.name: getattr(trial, f.name) for f in fields(Trial)}, repeat=repeat)
+
+
+def _check(opts) -> None:
+    for name in ("nproc_per_node", "nnodes", "top_k", "max_trials", "max_rounds", "repeats", "trial_iters"):
+        if getattr(opts, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}")
+    if not opts.max_minutes > 0:
+        raise UsageError(f"--max-minutes must be > 0, got {opts.max_minutes:g}")
+    if not opts.max_spread > 0:
+        raise UsageError(f"--max-spread must be > 0, got {opts.max_spread:g}")
+    if not 0 <= opts.warmup_iters < opts.trial_iters:
+        raise UsageError(f"--warmup-iters {opts.warmup_iters} must be in [0, --trial-iters {opts.trial_iters})")
+    if opts.script is not None and not os.path.isfile(opts.script):
+        raise UsageError(f"--script {opts.script}: no such file")
+    if opts.launcher == "srun" and "SLURM_JOB_ID" not in os.environ:
+        raise UsageError("--launcher srun runs inside a SLURM allocation (sbatch/salloc)")
+
+
+def aggregate(base: str, records: list[dict]) -> dict | None:
+    """One trial's record from its repeats' records (None before any finished): the median over the ok repeats'
+    medians, their spread (max - min over median); a failure of any repeat is the trial's status."""
+    done = [r for r in records if r.get("status") in ("ok", "oom", "crash", "hang", "infeasible")]
+    if not done:
+        return None
+    bad = [r for r in done if r["status"] != "ok"]
+    first = dict(bad[0] if bad else done[0])
+    first.update(id=base, repeats=len(done))
+    if bad:
+        first.update(median_iteration_s=None, tokens_per_s=None, samples_per_s=None, spread=0.0)
+        return first
+    medians = [r["median_iteration_s"] for r in done]
+    median = statistics.median(medians)
+    lay = first.get("layout") or {}
+    first.update(median_iteration_s=median, repeat_medians_s=medians, spread=(max(medians) - min(medians)) / median,
+                 iteration_times_s=[t for r in done for t in r.get("iteration_times_s", [])],
+                 peak_memory_bytes=max((r.get("peak_memory_bytes") or 0) for r in done) or None)
+    if lay:
+        first["tokens_per_s"] = lay["global_batch_size"] * lay["seq_length"] / median
+        first["samples_per_s"] = lay["global_batch_size"] / median
+    return first
+
+
+class Tuner:
+    def __init__(self, opts, tokens: list[str]) -> None:
+        self.opts = opts
+        axes, self.fixed = parse_flag_tokens(tokens)
+        if axes:
+            raise UsageError(f"{axes[0][0]}: tune searches the layout itself; give each flag one value")
+        self.world = opts.nproc_per_node * opts.nnodes
+        self.out = opts.output_dir
+        check_output_dir("--output-dir", self.out)
+        self.results = Results(os.path.join(self.out, "trials.jsonl"))
+        self.trials: dict[str, Trial] = {}  # base id -> trial, in the order measured
+        self.proposed: dict[str, tuple[int, float | None]] = {}  # base id -> (round, predicted time then)
+        self.start = time.monotonic()
+        self.runner = Runner(LaunchConfig(opts.launcher, opts.nproc_per_node, opts.nnodes, opts.python, opts.script,
+                                          opts.trial_timeout, opts.kill_grace))
+
+    # -- pieces --------------------------------------------------------------------------------------------------
+    def search_flags(self) -> list[str]:
+        return Trial(flags=self.fixed, world_size=self.world).argv()
+
+    def profile(self) -> list[str]:
+        if self.opts.profile:
+            return list(self.opts.profile)
+        path = os.path.join(self.out, "profile_0.json")
+        if not os.path.isfile(path):
+            if self.opts.cluster != "local":
+                raise UsageError(f"--cluster {self.opts.cluster}: give --profile (a profile of its devices, "
+                                 "autoconfig.py profile on one of them); tune profiles this machine only")
+            from .autoconfig import main as autoconfig
+
+            print(f"[tune] no --profile: profiling this machine into {path}", flush=True)
+            tps = ",".join(str(t) for t in (1, 2, 4, 8) if t <= self.world and self.world % t == 0)
+            autoconfig(["profile", *self.search_flags(), "--profile-tp", tps, "--output", path])
+        return [path]
+
+    def search(self, round_: int, profiles: list[str], top_k: int) -> list[Trial]:
+        from ..trials.plans import search_plans
+
+        folder = os.path.join(self.out, f"round_{round_}")
+        paths = search_plans(self.search_flags(), self.opts.cluster, profiles, self.world, top_k,
+                             self.opts.space, folder, progress=False)
+        return [t for t in expand([], self.fixed, self.world, load_plans(paths))]
+
+    def measured(self, base: str) -> dict | None:
+        reps = [self.results.latest[k] for k in self.results.latest if k.rsplit(".", 1)[0] == base]
+        return aggregate(base, reps)
+
+    def out_of_budget(self) -> str | None:
+        if (time.monotonic() - self.start) / 60 > self.opts.max_minutes:
+            return f"--max-minutes {self.opts.max_minutes:g} spent"
+        if len(self.trials) >= self.opts.max_trials:
+            return f"--max-trials {self.opts.max_trials} measured"
+        return None
+
+    def measure(self, trials: list[Trial]) -> None:
+        """Interleaved repeats of `trials` (A B C A B C ...); one more repeat of a trial whose repeats spread more
+        than --max-spread. Repeats measured already (an earlier, interrupted tune) are kept."""
+        for r in range(1, self.opts.repeats + 1):
+            for t in trials:
+                self._run(t, r)
+        for t in trials:
+            m = self.measured(Trial.id.fget(t))
+            if m and m["status"] == "ok" and m["spread"] > self.opts.max_spread and m["repeats"] <= self.opts.repeats:
+                self._run(t, self.opts.repeats + 1)
+
+    def _run(self, t: Trial, repeat: int) -> None:
+        rep = Repeat.of(t, repeat)
+        so_far = self.measured(rep.base_id)
+        if self.results.done(rep.id) or (so_far is not None and so_far["status"] != "ok"):
+            return  # measured already, or failed (OOM, crash, hang) once: no repeat of a failure
+        if t.skip_reason:
+            rec = {"id": rep.id, "status": "infeasible", "reason": t.skip_reason, "plan": t.plan,
+                   "plan_path": t.plan_path, "layout": t.layout, "world_size": t.world_size, "argv": t.argv()}
+            self.results.append(rec)
+        else:
+            log_dir = os.path.join(self.out, "logs")
+            os.makedirs(log_dir, exist_ok=True)
+            rec = run_trial(rep, self.runner, self.opts, self.results, log_dir)
+        what = f"{rec['median_iteration_s']:.4f} s/iteration" if rec["status"] == "ok" else rec.get("reason")
+        print(f"[tune] {rep.base_id} {t.label()} (repeat {repeat}): {rec['status']}: {what}", flush=True)
+
+    def write_measured(self) -> str:
+        path = os.path.join(self.out, "measured.jsonl")
+        rows = [m for b in self.trials if (m := self.measured(b)) is not None]
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    def calibrate(self, round_: int, profiles: list[str]) -> list[str]:
+        from ..planner.cost_model import CostSettings
+        from .autoconfig import run_calibrate
+
+        ok = [m for b in self.trials if (m := self.measured(b)) and m["status"] == "ok"]
+        if len(ok) < 2:
+            print(f"[tune] round {round_}: {len(ok)} trial(s) ran; calibration needs 2, the profile stays", flush=True)
+            return profiles
+        path = os.path.join(self.out, f"profile_{round_}.json")
+        try:
+            text = run_calibrate(self.write_measured(), self.opts.cluster, profiles, path, CostSettings())
+        except UsageError as exc:
+            print(f"[tune] round {round_}: calibration failed ({exc}); the profile stays", flush=True)
+            return profiles
+        print(text.splitlines()[-1] if text else "", flush=True)
+        return [path]
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.results.lock()
+        try:
+            return self._loop()
+        finally:
+            self.results.unlock()
+
+    def _failed(self) -> set[str]:
+        return {b for b in self.trials if (m := self.measured(b)) is not None and m["status"] != "ok"}
+
+    def _loop(self) -> int:
+        profiles = self.profile()
+        why = None
+        for round_ in range(1, self.opts.max_rounds + 1):
+            failed = self._failed()  # searched past: plans that failed are replaced by the next ones
+            proposed = [t for t in self.search(round_, profiles, self.opts.top_k + len(failed))
+                        if Trial.id.fget(t) not in failed][:self.opts.top_k]
+            for t in proposed:
+                self.proposed.setdefault(Trial.id.fget(t), (round_, (t.plan.get("prediction") or {})
+                                                            .get("iteration_time_s")))
+            new = [t for t in proposed if Trial.id.fget(t) not in self.trials]
+            if not new:
+                why = f"round {round_}: the search's top {len(proposed)} were all measured (the pick is stable)"
+                break
+            budget = self.out_of_budget()
+            if budget:
+                why = budget
+                break
+            new = new[:self.opts.max_trials - len(self.trials)]
+            for t in new:
+                self.trials[Trial.id.fget(t)] = t
+            print(f"[tune] round {round_}: measuring {len(new)} plan(s) of the search's top {len(proposed)}",
+                  flush=True)
+            self.measure(new)
+            self.write_measured()
+            profiles = self.calibrate(round_, profiles)
+        else:
+            why = f"--max-rounds {self.opts.max_rounds} done"
+        return self.finish(why, profiles)
+
+    def finish(self, why: str, profiles: list[str]) -> int:
+        from ..trials.specs import TrialModel
+
+        rows = [m for b in self.trials if (m := self.measured(b)) is not None]
+        ok = [r for r in rows if r["status"] == "ok"]
+        print(f"[tune] stopped: {why}", flush=True)
+        if not ok:
+            raise UsageError(f"no trial ran ({', '.join(sorted({r['status'] for r in rows})) or 'none measured'}); "
+                             f"see the logs in {os.path.join(self.out, 'logs')}")
+        best = min(ok, key=lambda r: r["median_iteration_s"])
+        plan_path = os.path.join(self.out, "plan.json")
+        shutil.copyfile(best["plan_path"], plan_path)
+        model = TrialModel.from_paths(self.opts.cluster, profiles)
+        predicted = {}
+        for r in ok:
+            try:
+                predicted[r["id"]] = model.predict(r)["iteration_time_s"]
+            except UsageError:
+                pass
+        lines = [table(rows, predicted), "",
+                 f"{'trial':<12} {'round':>5} {'pred then':>10} {'pred now':>9} {'measured':>9} {'spread':>7}"]
+        for r in rows:
+            rnd, then = self.proposed.get(r["id"], (0, None))
+            now = predicted.get(r["id"])
+            shown = [f"{x:{w}.4f}" if x else f"{r['status'] if i == 2 else '-':>{w}}"
+                     for i, (x, w) in enumerate(((then, 10), (now, 9), (r.get("median_iteration_s"), 9)))]
+            lines.append(f"{r['id']:<12} {rnd:>5} {' '.join(shown)} {100 * r.get('spread', 0):6.1f}%")
+        spreads = [r.get("spread", 0) for r in ok]
+        lines.append(f"noise: repeats spread {100 * statistics.median(spreads):.1f}% (median), "
+                     f"{100 * max(spreads):.1f}% (largest) over {len(ok)} trials")
+        lines.append(f"pick: {best['id']} {best.get('label', '')}: {best['median_iteration_s']:.4f} s/iteration; "
+                     f"plan written to {plan_path}; profile {profiles[0]}")
+        report = "\n".join(lines)
+        with open(os.path.join(self.out, "report.txt"), "w") as f:
+            f.write(report + "\n")
+        print(report)
+        print(plot(rows, predicted, os.path.join(self.out, "report.png")))
+        return 0
+
+
+@exit_on_usage_error
+def main(argv: list[str]) -> int:
+    opts, tokens = build_parser().parse_known_args(argv)
+    _check(opts)
+    tuner = Tuner(opts, tokens)
+
+    def stop(signum, _frame):
+        tuner.runner.stop()
+        print(f"[tune] stopped by signal {signum}; run the same command again to resume from "
+              f"{tuner.out}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return tuner.run()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
