@@ -10,6 +10,7 @@ Every flag grid_search.py does not know goes to pretrain_gpt.py (a comma list ma
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -141,16 +142,25 @@ def run_trial(trial: Trial, runner: Runner, opts, results: Results, log_dir: str
     return record
 
 
+def _saved_predictions(opts) -> str:
+    """Where a sweep run with --predict keeps its predictions, for a later --report-only without it."""
+    return os.path.splitext(opts.results)[0] + "_predictions.json"
+
+
 def _predictions(opts, records: list[dict]) -> tuple[dict[str, float], list[str]]:
     from .specs import TrialModel, planned_time
 
     out, notes = {}, []
     model = TrialModel.from_paths(opts.cluster, opts.profile) if opts.predict else None
+    saved = {}
+    if model is None and os.path.isfile(_saved_predictions(opts)):
+        with open(_saved_predictions(opts)) as f:
+            saved = json.load(f)
     for r in records:
         if r.get("status") != "ok":
             continue
         if model is None:
-            t = planned_time(r)
+            t = saved.get(r["id"]) or planned_time(r)
             if t:
                 out[r["id"]] = t
             continue
@@ -158,6 +168,11 @@ def _predictions(opts, records: list[dict]) -> tuple[dict[str, float], list[str]
             out[r["id"]] = model.predict(r)["iteration_time_s"]
         except UsageError as exc:
             notes.append(f"no prediction for {r['id']}: {exc}")
+    if model is not None and out:
+        tmp = _saved_predictions(opts) + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f)
+        os.replace(tmp, _saved_predictions(opts))
     return out, notes
 
 
@@ -258,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def stop(signum, _frame):  # the sweep is stopped: take the running trial down with it
         runner.stop()
+        print(f"sweep stopped by {signal.Signals(signum).name}; finished trials are kept in {opts.results}: run the "
+              "same command again to resume", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)

@@ -106,6 +106,9 @@ def test_local_torchrun_sweep(tmp_path):
     again = _sweep(args, tmp_path, _env()).stdout
     assert "4 trials: 2 infeasible, 4 already in" in again and "0 to go" in again
     assert len(_records(results)) == 6  # 2 infeasible + (running, final) x 2: nothing appended the second time
+    # --report-only, without --predict, keeps the prediction the --predict run computed
+    report = _sweep(["--report-only", "--results", str(results)], tmp_path, _env()).stdout
+    assert "prediction over 1 trials" in report
 
 
 @pytest.mark.slow
@@ -210,13 +213,16 @@ def test_sigterm_takes_the_running_trial_down(tmp_path, fake_bin):
     results = tmp_path / "term.jsonl"
     args = ["--launcher", "srun", "--nproc-per-node", "2", "--script", os.path.join(HERE, "fake", "fake_trainer.py"),
             *TINY, "--seed", "3", "--trial-iters", "4", "--warmup-iters", "1", "--results", str(results)]
-    sweep = subprocess.Popen([sys.executable, TOOL, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env=_env(fake_bin, slurm=True, FAKE_PID_DIR=str(pids)), cwd=tmp_path)
+    sweep = subprocess.Popen([sys.executable, TOOL, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, env=_env(fake_bin, slurm=True, FAKE_PID_DIR=str(pids)), cwd=tmp_path)
     t0 = time.time()
     while len(os.listdir(pids)) < 2 and time.time() - t0 < 30:
         time.sleep(0.05)
     time.sleep(0.3)
     sweep.send_signal(signal.SIGTERM)
     assert sweep.wait(timeout=30) == 128 + signal.SIGTERM
+    said = sweep.stderr.read().strip().splitlines()
+    assert said == [f"sweep stopped by SIGTERM; finished trials are kept in {results}: run the same command again "
+                    "to resume"], said
     assert _all_die([int(p) for p in os.listdir(pids)])
     assert [r["status"] for r in _records(results)] == ["running"]  # unfinished: the next sweep runs it
