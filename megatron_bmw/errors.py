@@ -107,6 +107,9 @@ def exit_on_usage_error(fn):
             return fn(*args, **kwargs)
         except (UsageError, RunError, Reported) as exc:
             _exit(report(exc))
+        except BrokenPipeError:  # the reader left (`... | head`): stop quietly, as a Unix tool does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         except Exception as exc:  # noqa: BLE001 - only a lost peer becomes a line; anything else is a bug
             if not lost_peer(exc):
                 raise

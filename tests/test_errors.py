@@ -1,9 +1,15 @@
 """errors.report: one line per bad input, never lost when rank 0 is slower than the others."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from megatron_bmw import errors
 from megatron_bmw.errors import UsageError, report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_usage_error_before_init_rank0_prints_at_once(monkeypatch, capsys):
@@ -33,3 +39,18 @@ def test_usage_error_before_init_other_rank_elsewhere_is_silent(monkeypatch, cap
     monkeypatch.setattr(errors.time, "sleep", lambda s: pytest.fail("no wait outside torchrun"))
     assert report(UsageError("--save /x: cannot be created")) == 2
     assert capsys.readouterr().err == ""
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`grid_search.py --dry-run | head -1` printed a BrokenPipeError traceback."""
+    code = ("from megatron_bmw.errors import exit_on_usage_error\n"
+            "@exit_on_usage_error\n"
+            "def main():\n"
+            "    for i in range(200000):\n"
+            "        print('line', i)\n"
+            "main()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1 and "Traceback" not in err, err
