@@ -30,7 +30,8 @@ def memory_line(trainer) -> str:
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> None:
     trainer = pretrain(list(sys.argv[1:] if argv is None else argv))
-    print(memory_line(trainer), flush=True)
+    sys.stdout.write(memory_line(trainer) + "\n")  # one write: ranks share the log, a line must not split
+    sys.stdout.flush()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -85,8 +85,10 @@ def _memory_fields(text: str) -> dict:
     out = {}
     for part in text.split("|"):
         words = part.split()
-        if len(words) >= 2 and _number(words[-1]) is not None:
-            out["_".join(words[:-1])] = float(words[-1])
+        # the name, then the first number; what follows it is another rank's output glued on (ranks share the log)
+        at = next((i for i, w in enumerate(words) if _number(w) is not None), None)
+        if at:
+            out["_".join(words[:at])] = float(words[at])
     return out
 
 
@@ -103,16 +105,17 @@ def parse_log(text: str, tail_lines: int = 30) -> LogSummary:
     exceptions: list[str] = []
     for line in lines:
         it = parse_iteration(line)
+        m = TRIAL_MEMORY.search(line)
+        if m:  # before the iteration test: another rank's iteration line may be glued onto it
+            for key, value in _memory_fields(m.group(3)).items():
+                stage_max(int(m.group(2)), key, value)
         if it is not None:
             out.iterations.append(it)
             continue
+        if m:
+            continue
         if OOM.search(line):
             out.oom = True
-        m = TRIAL_MEMORY.search(line)
-        if m:
-            for key, value in _memory_fields(m.group(3)).items():
-                stage_max(int(m.group(2)), key, value)
-            continue
         m = PLAN_TIME.search(line)
         if m:
             out.plan_check.update(predicted_s=float(m.group(1)), measured_s=float(m.group(2)))

@@ -68,3 +68,14 @@ def test_oom_over_capacity_and_megatron_memory_lines():
     assert s.stage_memory[-1]["max_allocated"] == 2048 * 2**20
     assert s.error.startswith("torch.OutOfMemoryError: CUDA out of memory")
     assert s.median_iteration_s(3) == 0.01  # nothing after warm-up: every iteration counts
+
+
+def test_a_memory_line_with_another_ranks_line_glued_on():
+    """Ranks share the trial log: rank 1's iteration line once landed before rank 0's newline (seen in CI)."""
+    text = (" trial memory | rank 0 | stage 0 | peak allocated 350720 [2026-11-25 04:50:36] iteration        4/"
+            "       4 | consumed samples:           16 | elapsed time per iteration (ms): 21.4 | learning rate: "
+            "0.000000E+00 | global batch size:     4 | lm loss: 5.551847E+00 | loss scale: 1.0 | grad norm: 1.050 | "
+            "number of skipped iterations:   0 | number of nan iterations:   0 |\n"
+            " trial memory | rank 1 | stage 1 | peak allocated 335360\n")
+    summary = parse_log(text)
+    assert summary.stage_memory[0]["peak_allocated"] == 350720 and summary.stage_memory[1]["peak_allocated"] == 335360
