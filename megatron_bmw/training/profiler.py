@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -269,13 +270,22 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
 
     previous = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
+    steps = len(settings.tp_sizes) + bool(settings.links)
+    start = time.monotonic()
+
+    def progress(k: int, what: str) -> None:  # on stderr: a profile takes minutes on a big model
+        bar = "#" * k + "." * (steps - k)
+        print(f"[profile] [{bar}] {k}/{steps} {what} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+
     try:
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         units: list[UnitTiming] = []
         overhead: dict = {}
-        for tp in settings.tp_sizes:
+        for k, tp in enumerate(settings.tp_sizes):
             model.check_tensor_parallel(tp)
+            progress(k, f"timing the units at tp {tp}, micro-batch sizes "
+                        f"{','.join(map(str, settings.micro_batch_sizes))}")
             if tp == 1:
                 state = ParallelState.serial(device)
                 timed = time_units(model, state, settings.micro_batch_sizes, settings.warmup, settings.repeats,
@@ -286,7 +296,10 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
                                                     statistic=settings.statistic)
             else:
                 units += _merge_ranks(_spawn(tp, model, settings, tp, sequence_parallel))
+        if settings.links:
+            progress(len(settings.tp_sizes), "timing point-to-point and all-reduce links on 2 processes")
         links = _spawn(2, model, settings, 0, False)[0]["links"] if settings.links else {}
+        progress(steps, "done")
     finally:
         torch.set_num_threads(previous)
     name = torch.cuda.get_device_name(0) if cuda else f"cpu-{settings.threads}-thread"
