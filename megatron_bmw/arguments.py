@@ -77,7 +77,22 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
     g.add_argument("--position-embedding-type", default="learned_absolute",
-                   help="learned_absolute only (Megatron's rope and none are not supported)")
+                   help="learned_absolute (GPT-2), rope (Llama) or none")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="Megatron's older flag for rope")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="of each head's dimensions rotated")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                   help="positions divided by it (longer contexts)")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (fc1 holds the gate and up projections)")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1, help="with --group-query-attention (1: multi-query)")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in attention and MLP projections")
+    g.add_argument("--add-qkv-bias", action="store_true", help="a QKV bias even with --disable-bias-linear")
+    g.add_argument("--kv-channels", type=int, default=None, help="head dimension: hidden size / heads only")
+    g.add_argument("--qk-layernorm", action="store_true", help="not supported (refused)")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="accepted: the attention softmax always runs in fp32")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--attention-backend", choices=["auto", "flash", "unfused"], default="auto")
     g.add_argument("--use-flash-attn", action="store_true", help="Megatron's older flag; same as --attention-backend flash")
@@ -221,9 +236,12 @@ def _positive(args, names: list[str]) -> None:
 
 def _check_megatron_choices(args) -> None:
     """Megatron flags whose other values select something this implementation does not have."""
-    if args.position_embedding_type != "learned_absolute":
-        raise UsageError(f"--position-embedding-type {args.position_embedding_type}: not supported (only "
-                         "learned_absolute position embeddings are implemented)")
+    if args.qk_layernorm:
+        raise UsageError("--qk-layernorm: not supported (no LayerNorm of queries and keys is implemented)")
+    heads = args.num_attention_heads
+    if args.kv_channels is not None and heads and args.kv_channels * heads != args.hidden_size:
+        raise UsageError(f"--kv-channels {args.kv_channels}: only hidden size / heads "
+                         f"({args.hidden_size // heads if heads else '?'}) is supported")
     if args.ckpt_format != "torch":
         known = args.ckpt_format in CKPT_FORMATS
         raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; only "
@@ -449,12 +467,23 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         params_dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
         model_type=getattr(args, "model_type", "gpt"), bert_binary_head=getattr(args, "bert_binary_head", True),
         apply_residual_connection_post_layernorm=getattr(args, "apply_residual_connection_post_layernorm", False),
-        openai_gelu=getattr(args, "openai_gelu", False),
+        openai_gelu=getattr(args, "openai_gelu", False), **llama_settings(args),
     )
     _check_layout(model, parallel)
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
                      **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
                                          args.use_distributed_optimizer, args.overlap_grad_reduce))
+
+
+def llama_settings(args) -> dict:
+    """ModelConfig's Llama-family fields from Megatron's flags."""
+    rope = args.use_rotary_position_embeddings or args.position_embedding_type == "rope"
+    return dict(position_embedding_type="rope" if rope else args.position_embedding_type,
+                rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, swiglu=args.swiglu,
+                num_query_groups=args.num_query_groups if args.group_query_attention else None,
+                normalization=args.normalization, add_bias_linear=not args.disable_bias_linear,
+                add_qkv_bias=args.add_qkv_bias)
 
 
 def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:

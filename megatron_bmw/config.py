@@ -12,6 +12,8 @@ from .units import DTYPE_BYTES, num_units, parse_recompute
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 MODEL_TYPES = ("gpt", "bert")
+POSITION_TYPES = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 _TORCH_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -23,6 +25,19 @@ def dtype_name(dtype) -> str:
     if name not in DTYPE_BYTES:
         raise UsageError(f"unknown parameter dtype {dtype!r} (use fp32, bf16 or fp16)")
     return name
+
+
+def llama_features(values) -> list[str]:
+    """The Llama-family flags a model's settings (ModelConfig fields, or a checkpoint's args) use."""
+    heads = values.get("num_attention_heads")
+    groups = values.get("num_query_groups") or heads
+    position = values.get("position_embedding_type") or "learned_absolute"
+    return [flag for flag, on in (
+        (f"--position-embedding-type {position}", position != "learned_absolute"),
+        ("--swiglu", bool(values.get("swiglu"))), (f"--num-query-groups {groups}", groups != heads),
+        (f"--normalization {values.get('normalization')}", (values.get("normalization") or "LayerNorm") != "LayerNorm"),
+        ("--disable-bias-linear", values.get("add_bias_linear") is False),
+        ("--add-qkv-bias", bool(values.get("add_qkv_bias")))) if on]
 
 
 @dataclass
@@ -45,6 +60,16 @@ class ModelConfig:
     bert_binary_head: bool = True  # BERT: pooler, sentence-order head and token-type embeddings
     apply_residual_connection_post_layernorm: bool = False  # residual taken after the LayerNorm (HF BERT layout)
     openai_gelu: bool = False  # the BERT LM head's GeLU as the tanh approximation (the MLP always uses it)
+    # Llama-family GPTs (Megatron's flags of the same names)
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
+    rotary_percent: float = 1.0  # of each head's dimensions rotated
+    rotary_base: int = 10000
+    rotary_seq_len_interpolation_factor: float | None = None  # positions divided by it
+    swiglu: bool = False  # MLP: silu(gate) * up, fc1 holding [gate; up]
+    num_query_groups: int | None = None  # grouped-query attention (1: multi-query); None: one per head
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    add_bias_linear: bool = True  # biases of the attention and MLP projections (--disable-bias-linear: False)
+    add_qkv_bias: bool = False  # a QKV bias even without the other biases
 
     def __post_init__(self) -> None:
         self.params_dtype = dtype_name(self.params_dtype)
@@ -63,10 +88,54 @@ class ModelConfig:
                 raise UsageError(f"{flag} must be > 0, got {value}")
         if self.attention_backend not in ("auto", "flash", "unfused"):
             raise UsageError(f"--attention-backend must be auto, flash or unfused, not {self.attention_backend!r}")
+        self._check_llama()
         if self.seq_length > self.max_position_embeddings:
             raise UsageError(
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}"
             )
+
+    def _check_llama(self) -> None:
+        for flag, value, choices in (("--position-embedding-type", self.position_embedding_type, POSITION_TYPES),
+                                     ("--normalization", self.normalization, NORMALIZATIONS)):
+            if value not in choices:
+                raise UsageError(f"{flag} {value}: not supported (choose {', '.join(choices)})")
+        groups = self.query_groups
+        if not 1 <= groups <= self.num_attention_heads or self.num_attention_heads % groups:
+            raise UsageError(f"--num-query-groups {groups} must divide --num-attention-heads "
+                             f"{self.num_attention_heads}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise UsageError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.rotary_dim % 2:
+            raise UsageError(f"--rotary-percent {self.rotary_percent} rotates {self.rotary_dim} of the head's "
+                             f"{self.head_dim} dimensions; the rotated part must be even")
+        if not self.rotary_base > 0:
+            raise UsageError(f"--rotary-base must be > 0, got {self.rotary_base}")
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and not factor >= 1:
+            raise UsageError(f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
+        if self.model_type == "bert" and self.llama_features():
+            raise UsageError(f"{self.llama_features()[0]}: BERT runs its classic layers only (GPT models take it)")
+
+    def llama_features(self) -> list[str]:
+        """The flags of Llama-family layers this model uses (none for a GPT-2 or BERT)."""
+        return llama_features(asdict(self))
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def qkv_rows(self) -> int:
+        """Rows of the fused QKV projection: the query heads plus a key and a value head per group."""
+        return (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
+
+    @property
+    def fc1_rows(self) -> int:
+        return 2 * self.ffn_hidden_size if self.swiglu else self.ffn_hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -100,6 +169,7 @@ class ModelConfig:
     def check_tensor_parallel(self, tp: int) -> None:
         for name, value in (
             ("--num-attention-heads", self.num_attention_heads),
+            ("--num-query-groups", self.query_groups),
             ("--hidden-size", self.hidden_size),
             ("--ffn-hidden-size", self.ffn_hidden_size),
             ("padded vocabulary size", self.vocab_size),

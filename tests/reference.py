@@ -11,11 +11,14 @@ from megatron_bmw.pipeline.partition import parse_partition, rank_chunks
 from megatron_bmw.units import recompute_from_flags
 
 SEED = 1234
+LLAMA = dict(position_embedding_type="rope", swiglu=True, num_query_groups=2, normalization="RMSNorm",
+             add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=48, rotary_percent=0.5)
 RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 
 
 def small_config(**overrides) -> ModelConfig:
-    """A small GPT; Megatron's recomputation flags among `overrides` are left for `recompute_of`."""
+    """A small GPT; Megatron's recomputation flags among `overrides` are left for `recompute_of`. LLAMA: the
+    Llama-family layers (rope, SwiGLU, grouped-query attention, RMSNorm, no biases, untied output)."""
     kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8,
               hidden_dropout=0.0, attention_dropout=0.0, attention_backend="unfused")
     kw.update({k: v for k, v in overrides.items() if k not in RECOMPUTE_FLAGS})
@@ -84,7 +87,9 @@ def reference_name(name: str, cfg: ModelConfig) -> str:
 
 
 def expected_shard(full: torch.Tensor, param, state: ParallelState) -> torch.Tensor:
+    """This rank's part of a serial tensor, as its parameter is split (partition_stride: SwiGLU's [gate; up])."""
     dim = getattr(param, "partition_dim", None)
     if dim is None or not getattr(param, "tensor_model_parallel", False):
         return full
-    return full.chunk(state.tp_size, dim=dim)[state.tp_rank]
+    blocks = full.chunk(getattr(param, "partition_stride", 1), dim=dim)
+    return torch.cat([b.chunk(state.tp_size, dim=dim)[state.tp_rank] for b in blocks], dim=dim)

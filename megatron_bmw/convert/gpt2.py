@@ -15,6 +15,7 @@ Layout differences handled here:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from .tp_shards import merge_shards, partition_dim, shard_state_dict  # noqa: F401 - part of this module's API
+from .tp_shards import merge_shards, partition_dim, refuse_llama, shard_state_dict  # noqa: F401 - part of this module's API
 
 # GPT2Config's defaults (GPT-2 small), for config.json files that leave keys out.
 HF_GPT2_DEFAULTS: dict[str, Any] = dict(
@@ -187,6 +188,7 @@ def megatron_to_hf(full_state_dict: Mapping[str, torch.Tensor], model_config: Mo
     `model_config` is a ModelConfig or a checkpoint's "args" dict; padded vocabulary rows beyond
     `orig_vocab_size` (default: args["orig_vocab_size"], else no stripping) are dropped.
     """
+    refuse_llama(model_config if isinstance(model_config, Mapping) else dataclasses.asdict(model_config), "--load")
     layers = int(_field(model_config, "num_layers"))
     heads = int(_field(model_config, "num_attention_heads"))
     untied = bool(_field(model_config, "untie_embeddings_and_output_weights", False))

@@ -35,6 +35,7 @@ from ..errors import UsageError
 from ..pipeline.partition import default_partition, parse_partition, rank_chunks, virtual_stage_units
 from ..units import owns_output_weight, unit_names
 from .gpt2 import POSITION_EMBEDDING, merge_shards, padded_vocab_size, shard_state_dict
+from .tp_shards import refuse_llama
 
 CHECKPOINT_VERSION = 3.0
 MEGATRON_SPECS = ("transformer_engine", "local")
@@ -505,6 +506,7 @@ def read_ours(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int
     if cfg.get("model_type", "gpt") != "gpt":
         raise UsageError(f"{where} holds a {str(cfg['model_type']).upper()} model; only GPT checkpoints convert to "
                          "Megatron-LM")
+    refuse_llama(cfg, where)
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
         if not isinstance(cfg.get(key), int):
             raise UsageError(f"{where}: checkpoint args lack an integer {key!r}")

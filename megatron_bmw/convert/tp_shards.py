@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..config import llama_features
 from ..errors import UsageError
 
 _SPLIT_ROWS = re.compile(r"(\.qkv\.(weight|bias)|\.fc1\.(weight|bias)|word_embeddings\.weight|head\.output_weight|"
@@ -57,3 +58,11 @@ def merge_shards(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Te
         else:
             full[name] = torch.cat([sd[name] for sd in shards], dim=dim)
     return full
+
+
+def refuse_llama(values: Mapping, where: str) -> None:
+    """The converters map GPT-2-style layers only: a checkpoint of Llama-family layers is one line."""
+    found = llama_features(values)
+    if found:
+        raise UsageError(f"{where}: a model with {', '.join(found)}; the converters take GPT-2-style layers only "
+                         "(Llama-family conversion is not built yet)")

@@ -23,13 +23,17 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabPara
 from ..parallel.mappings import scatter_to_sp
 from ..parallel.random import checkpoint
 from ..parallel.state import ParallelState
+from .rotary import apply_rotary, rotary_angles
 from .softmax import causal_softmax, padding_softmax
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def _norm(cfg: ModelConfig, state: ParallelState) -> nn.Module:
-    ln = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, state.device, cfg.torch_dtype)
+    if cfg.normalization == "RMSNorm":
+        ln = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=state.device, dtype=cfg.torch_dtype)
+    else:
+        ln = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, state.device, cfg.torch_dtype)
     for p in ln.parameters():
         p.sequence_parallel = state.sequence_parallel
     return ln
@@ -68,13 +72,17 @@ class Embedding(Unit):
         self.dropout = cfg.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(init.normal(WORD_EMBEDDING, (cfg.vocab_size, h)), state,
                                                       cfg.torch_dtype)
-        full = init.normal("embedding.position_embeddings.weight", (cfg.max_position_embeddings, h))
-        self.position_embeddings = nn.Parameter(full.to(state.device, cfg.torch_dtype))
+        self.position_embeddings = None  # rope rotates queries and keys in attention instead; none has nothing
+        if cfg.position_embedding_type == "learned_absolute":
+            full = init.normal("embedding.position_embeddings.weight", (cfg.max_position_embeddings, h))
+            self.position_embeddings = nn.Parameter(full.to(state.device, cfg.torch_dtype))
 
     def compute(self, hidden, batch):
         tokens = batch["tokens"]
-        positions = torch.arange(tokens.size(1), device=tokens.device)
-        x = self.word_embeddings(tokens) + F.embedding(positions, self.position_embeddings).unsqueeze(0)
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            positions = torch.arange(tokens.size(1), device=tokens.device)
+            x = x + F.embedding(positions, self.position_embeddings).unsqueeze(0)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.state.sequence_parallel:
             x = scatter_to_sp(x, self.state.tp_group)
@@ -82,31 +90,46 @@ class Embedding(Unit):
 
 
 class Attention(Unit):
-    """Pre-LayerNorm self-attention with a fused QKV projection and the residual add: causal (GPT), or over the
-    keys batch["padding_mask"] marks as real tokens (BERT)."""
+    """Pre-norm self-attention with a fused QKV projection and the residual add: causal (GPT), or over the
+    keys batch["padding_mask"] marks as real tokens (BERT). Grouped-query attention shares a key and a value head
+    among the query heads of a group; rope rotates queries and keys by position (models/rotary.py)."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit, name: str) -> None:
         super().__init__(state)
         h, d = cfg.hidden_size, cfg.head_dim
         self.heads = cfg.num_attention_heads // state.tp_size
+        self.groups = cfg.query_groups // state.tp_size
         self.head_dim = d
+        self.rotary = (cfg.rotary_dim, cfg.rotary_base, cfg.rotary_seq_len_interpolation_factor) \
+            if cfg.position_embedding_type == "rope" else None
         self.dropout, self.attention_dropout = cfg.hidden_dropout, cfg.attention_dropout
         self.flash = cfg.flash_attention
         self.selective = False
         self.causal = cfg.model_type != "bert"
         self.residual_post_ln = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = _norm(cfg, state)
-        # QKV rows are laid out per head as [head, (q|k|v), head_dim], so a contiguous tp shard holds whole heads.
-        self.qkv = ColumnParallelLinear(init.normal(f"{name}.qkv.weight", (3 * h, h)), init.zeros((3 * h,)), state,
+        # QKV rows are laid out per query group as [group, (its q heads | k | v), head_dim] (Megatron's order; per
+        # head [head, (q|k|v), head_dim] without groups), so a contiguous tp shard holds whole groups.
+        rows = cfg.qkv_rows
+        qkv_bias = init.zeros((rows,)) if cfg.add_bias_linear or cfg.add_qkv_bias else None
+        self.qkv = ColumnParallelLinear(init.normal(f"{name}.qkv.weight", (rows, h)), qkv_bias, state,
                                         dtype=cfg.torch_dtype)
-        self.proj = RowParallelLinear(init.normal(f"{name}.proj.weight", (h, h), init.output_std), init.zeros((h,)),
-                                      state, dtype=cfg.torch_dtype)
+        self.proj = RowParallelLinear(init.normal(f"{name}.proj.weight", (h, h), init.output_std),
+                                      init.zeros((h,)) if cfg.add_bias_linear else None, state, dtype=cfg.torch_dtype)
 
     def compute(self, hidden, batch):
         x = self.input_layernorm(hidden)
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
-        q, k, v = qkv.view(s, b, self.heads, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)  # [b, n, s, d]
+        per = self.heads // self.groups  # query heads per group
+        qkv = qkv.view(s, b, self.groups, per + 2, self.head_dim)
+        q = qkv[:, :, :, :per].reshape(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)  # [b, n, s, d]
+        k, v = (qkv[:, :, :, per + i].permute(1, 2, 0, 3) for i in (0, 1))  # [b, groups, s, d]
+        if self.rotary is not None:
+            angles = rotary_angles(s, *self.rotary, q.device)
+            q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        if per > 1:
+            k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
         keep = None if self.causal else batch["padding_mask"].bool()[:, None, None, :]  # keys to attend to
         if self.selective and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self.core_attention, self.state.rng, q, k, v, keep)
@@ -128,22 +151,31 @@ class Attention(Unit):
 
 
 class MLP(Unit):
-    """Pre-LayerNorm MLP (fc1, tanh-GeLU, fc2) with the residual add."""
+    """Pre-norm MLP (fc1, tanh-GeLU or SwiGLU, fc2) with the residual add. SwiGLU's fc1 holds [gate; up], each
+    split over tp (so a rank holds its part of both: stride 2)."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit, name: str) -> None:
         super().__init__(state)
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        h, f, rows = cfg.hidden_size, cfg.ffn_hidden_size, cfg.fc1_rows
         self.dropout = cfg.hidden_dropout
+        self.swiglu = cfg.swiglu
         self.residual_post_ln = cfg.apply_residual_connection_post_layernorm
         self.post_attention_layernorm = _norm(cfg, state)
-        self.fc1 = ColumnParallelLinear(init.normal(f"{name}.fc1.weight", (f, h)), init.zeros((f,)), state,
-                                        dtype=cfg.torch_dtype)
-        self.fc2 = RowParallelLinear(init.normal(f"{name}.fc2.weight", (h, f), init.output_std), init.zeros((h,)),
-                                     state, dtype=cfg.torch_dtype)
+        bias = cfg.add_bias_linear
+        self.fc1 = ColumnParallelLinear(init.normal(f"{name}.fc1.weight", (rows, h)),
+                                        init.zeros((rows,)) if bias else None, state, dtype=cfg.torch_dtype,
+                                        stride=2 if cfg.swiglu else 1)
+        self.fc2 = RowParallelLinear(init.normal(f"{name}.fc2.weight", (h, f), init.output_std),
+                                     init.zeros((h,)) if bias else None, state, dtype=cfg.torch_dtype)
 
     def compute(self, hidden, batch):
         x = self.post_attention_layernorm(hidden)
-        y = self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        z = self.fc1(x)
+        if self.swiglu:
+            gate, up = z.chunk(2, dim=-1)
+            y = self.fc2(F.silu(gate) * up)
+        else:
+            y = self.fc2(F.gelu(z, approximate="tanh"))
         return (x if self.residual_post_ln else hidden) + self._dropout(y, self.dropout)
 
 

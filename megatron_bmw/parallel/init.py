@@ -36,7 +36,11 @@ class ParamInit:
         return torch.ones(shape, dtype=torch.float32)
 
 
-def shard(full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Tensor:
+def shard(full: torch.Tensor, dim: int | None, rank: int, size: int, stride: int = 1) -> torch.Tensor:
+    """This rank's part of `full` along `dim`. With stride k the tensor is k blocks along dim (SwiGLU's fc1:
+    [gate; up]), each split over the ranks, and a rank holds its part of every block, in order."""
     if dim is None or size == 1:
         return full
+    if stride > 1:
+        return torch.cat([b.chunk(size, dim=dim)[rank] for b in full.chunk(stride, dim=dim)], dim=dim).contiguous()
     return full.chunk(size, dim=dim)[rank].contiguous()

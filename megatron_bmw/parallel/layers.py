@@ -1,7 +1,8 @@
 """Tensor-parallel layers. Each takes the full initial weight and keeps this rank's shard.
 
 Parameter attributes read by gradient sync, the optimizer and checkpoint tools:
-  tensor_model_parallel (bool) and partition_dim: the parameter is a shard along that dim;
+  tensor_model_parallel (bool) and partition_dim: the parameter is a shard along that dim; partition_stride
+    (SwiGLU's fc1): the full tensor is that many blocks along the dim, and the shard a part of each;
   sequence_parallel (bool): replicated, but its gradient is partial per sequence shard (all-reduced over tp).
 """
 
@@ -17,10 +18,13 @@ from .mappings import (copy_to_tp, gather_along, gather_from_tp, reduce_from_tp,
 from .state import ParallelState
 
 
-def _param(full: torch.Tensor, state: ParallelState, dim: int | None, dtype: torch.dtype) -> nn.Parameter:
-    p = nn.Parameter(shard(full, dim, state.tp_rank, state.tp_size).to(device=state.device, dtype=dtype))
+def _param(full: torch.Tensor, state: ParallelState, dim: int | None, dtype: torch.dtype,
+           stride: int = 1) -> nn.Parameter:
+    p = nn.Parameter(shard(full, dim, state.tp_rank, state.tp_size, stride).to(device=state.device, dtype=dtype))
     p.tensor_model_parallel = dim is not None and state.tp_size > 1
     p.partition_dim = dim
+    if stride > 1:
+        p.partition_stride = stride
     return p
 
 
@@ -65,12 +69,13 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (output features). Output stays split unless gather_output."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, state: ParallelState,
-                 gather_output: bool = False, dtype: torch.dtype = torch.float32) -> None:
+                 gather_output: bool = False, dtype: torch.dtype = torch.float32, stride: int = 1) -> None:
+        """stride: the output rows are `stride` blocks each split over tp (SwiGLU's [gate; up])."""
         super().__init__()
         self.state = state
         self.gather_output = gather_output
-        self.weight = _param(weight, state, 0, dtype)
-        self.bias = _param(bias, state, 0, dtype) if bias is not None else None
+        self.weight = _param(weight, state, 0, dtype, stride)
+        self.bias = _param(bias, state, 0, dtype, stride) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = sequence_parallel_linear(x, self.weight, self.bias, self.state)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import MODEL_TYPES, SCHEDULES
+from ..config import MODEL_TYPES, NORMALIZATIONS, POSITION_TYPES, SCHEDULES, llama_features
 from ..errors import UsageError
 from ..parallel.layout import ORDERS
 from ..strategy import parse_unit_strategies
@@ -155,6 +155,19 @@ def _check_model(f: _Fields, data: dict) -> dict:
     f.choice(m, "attention_backend", "model.attention_backend", ("auto", "flash", "unfused"), "auto")
     f.choice(m, "params_dtype", "model.params_dtype", tuple(DTYPE_BYTES), "fp32")
     f.choice(m, "model_type", "model.model_type", MODEL_TYPES, "gpt")
+    f.choice(m, "position_embedding_type", "model.position_embedding_type", POSITION_TYPES, "learned_absolute")
+    f.choice(m, "normalization", "model.normalization", NORMALIZATIONS, "LayerNorm")
+    for key in ("swiglu", "add_bias_linear", "add_qkv_bias"):
+        f.boolean(m, key, f"model.{key}", key == "add_bias_linear")
+    f.number(m, "rotary_percent", "model.rotary_percent", 0.0, default=1.0, open_low=True)
+    f.integer(m, "rotary_base", "model.rotary_base", 1, 10000)
+    f.integer(m, "num_query_groups", "model.num_query_groups", 1, default=None, optional=True)
+    if m.get("rotary_seq_len_interpolation_factor") is not None:
+        f.number(m, "rotary_seq_len_interpolation_factor", "model.rotary_seq_len_interpolation_factor", 1.0)
+    found = llama_features(m)
+    if found:
+        f.fail("model", f"has Llama-family layers ({', '.join(x.lstrip('-') for x in found)}): plans cover GPT-2 and "
+               "BERT layers only")
     if m["hidden_size"] % m["num_attention_heads"]:
         f.fail("model.hidden_size", f"{m['hidden_size']} is not divisible by model.num_attention_heads "
                f"{m['num_attention_heads']}")

@@ -23,12 +23,12 @@ def timestamp() -> str:
 
 def gpt_train_flops(model: ModelConfig, batch_size: int) -> float:
     """FLOPs of one training iteration (forward and backward) of `batch_size` sequences, by Megatron-LM's
-    num_floating_point_operations for a GPT (no GQA, no SwiGLU, no MoE): 12 FLOPs per weight per token in the
-    transformer layers (3 passes x 2 per multiply-add x 2 GEMMs per block), causal attention counted half,
-    and the logit layer."""
+    num_floating_point_operations for a GPT (no MoE): 12 FLOPs per weight per token in the transformer layers
+    (3 passes x 2 per multiply-add x 2 GEMMs per block), the key and value projections scaled by the query
+    groups, causal attention counted half, SwiGLU's third matrix, and the logit layer."""
     h, s, L = model.hidden_size, model.seq_length, model.num_layers
-    attention = 12 * L * h * h * (2 + s / h / 2)
-    mlp = 12 * L * h * model.ffn_hidden_size
+    attention = 12 * L * h * h * (1 + model.query_groups / model.num_attention_heads + s / h / 2)
+    mlp = 12 * L * h * model.ffn_hidden_size * (1.5 if model.swiglu else 1.0)
     logits = 6 * h * model.vocab_size
     return float(batch_size) * s * (attention + mlp + logits)
 

@@ -165,3 +165,12 @@ def test_bpipe_and_slicing_flags(capsys):
     with pytest.raises(SystemExit):
         main(["estimate"] + base[1:] + ["--microbatch-slicing", "2", "--micro-batch-size", "1"])
     assert "--microbatch-slicing needs an even --micro-batch-size" in capsys.readouterr().err
+
+
+def test_the_planner_refuses_llama_layers(capsys):
+    """The memory and cost models cover GPT-2 and BERT layers: a Llama-family model is one line, not a wrong plan."""
+    for command in ("estimate", "search"):
+        with pytest.raises(SystemExit) as err:
+            main([command, "--cluster", "local", *MODEL, "--global-batch-size", "8", "--swiglu"])
+        assert err.value.code == 2
+        assert "--swiglu: the planner" in capsys.readouterr().err

@@ -249,3 +249,20 @@ def test_pretrain_gpt_finetunes_from_converted_checkpoint(converted, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already holds a checkpoint" in err[0], err
     assert (trained / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_llama_checkpoints_are_refused_in_one_line():
+    """The converters map GPT-2-style layers; a Llama-family checkpoint is named, not mis-converted."""
+    from megatron_bmw.convert.megatron import read_ours
+    from megatron_bmw.convert.tp_shards import refuse_llama
+
+    args = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "swiglu": True, "num_query_groups": 2,
+            "position_embedding_type": "rope", "normalization": "RMSNorm", "add_bias_linear": False}
+    with pytest.raises(UsageError, match=r"ckpt: a model with --position-embedding-type rope, --swiglu, "
+                                         r"--num-query-groups 2, --normalization RMSNorm, --disable-bias-linear"):
+        refuse_llama(args, "ckpt")
+    with pytest.raises(UsageError, match="--swiglu"):
+        megatron_to_hf({}, args)
+    with pytest.raises(UsageError, match="--swiglu"):
+        read_ours({(0, 0): {"args": args}}, where="ckpt")
+    refuse_llama({"num_attention_heads": 4, "num_query_groups": None, "add_bias_linear": True}, "ckpt")  # GPT-2

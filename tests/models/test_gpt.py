@@ -10,7 +10,7 @@ from megatron_bmw.units import unit_names
 from megatron_bmw.parallel.grad_sync import GradSync
 from megatron_bmw.parallel.state import ParallelState
 from tests.dist_harness import run_distributed
-from tests.reference import (SEED, expected_shard, make_batch, recompute_of, reference_name, serial_reference,
+from tests.reference import (LLAMA, SEED, expected_shard, make_batch, recompute_of, reference_name, serial_reference,
                              small_config, split_batch)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -52,14 +52,48 @@ CASES = [
 ]
 
 
+# Llama-family layers over tensor parallelism: query groups split over tp (groups % tp == 0), SwiGLU's fc1 as
+# [gate; up] split block by block, rope on a part of each head
+LLAMA_CASES = [
+    (2, {**LLAMA}, True),
+    (2, {**LLAMA, "recompute_granularity": "selective", "attention_backend": "flash"}, False),
+    (4, {**LLAMA, "num_query_groups": 4, "add_qkv_bias": True, "rotary_percent": 1.0}, True),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("overrides,sequence_parallel", CASES)
+@pytest.mark.parametrize("world_size,overrides,sequence_parallel",
+                         [(ws, o, sp) for ws in (2, 4) for o, sp in CASES] + LLAMA_CASES)
 def test_gpt_tensor_parallel_equals_serial(world_size, overrides, sequence_parallel):
     cfg = small_config(**overrides)
     ref_loss, ref_grads, _ = serial_reference(cfg, _batches(cfg))
     losses = run_distributed(world_size, _tp_case, overrides, sequence_parallel, ref_loss, ref_grads)
     assert len(set(losses)) == 1
+
+
+def test_llama_layers_serial():
+    """Rope depends on relative positions only; the fused and unfused attention agree under GQA and MQA; the
+    layers hold what Megatron's do (no biases, no position table, RMSNorm weights only)."""
+    from megatron_bmw.models.rotary import apply_rotary, rotary_angles
+
+    q, k = torch.randn(1, 1, 1, 8).expand(1, 1, 6, 8), torch.randn(1, 1, 1, 8).expand(1, 1, 6, 8)  # one q, k
+    angles = rotary_angles(6, 8, 10000, None, torch.device("cpu"))
+    scores = apply_rotary(q, angles) @ apply_rotary(k, angles).transpose(-1, -2)  # the same q and k at every position
+    for offset in (1, 3):
+        band = scores.diagonal(offset, -2, -1)
+        assert torch.allclose(band, band[..., :1].expand_as(band), atol=1e-5)  # depends on the offset only
+    assert not torch.allclose(scores.diagonal(1, -2, -1)[..., 0], scores.diagonal(3, -2, -1)[..., 0])
+    for groups in (1, 2):
+        cfgs = [small_config(**{**LLAMA, "num_query_groups": groups, "attention_backend": b}) for b in ("unfused", "flash")]
+        batch = make_batch(cfgs[0], 2, seed=3)
+        losses = [ModelChunk(build_units(c, ParallelState.serial(), SEED))(None, batch) for c in cfgs]
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    names = {n for n, _ in ModelChunk(build_units(small_config(**LLAMA), ParallelState.serial(), SEED)).named_parameters()}
+    assert "units.embedding.position_embeddings" not in names and not any(n.endswith(".bias") for n in names)
+    assert "units.attn_0.qkv.weight" in names and "units.head.final_layernorm.weight" in names
+    qkv = dict(ModelChunk(build_units(small_config(**LLAMA), ParallelState.serial(), SEED)).named_parameters())
+    assert qkv["units.attn_0.qkv.weight"].shape == ((4 + 2 * 2) * 8, 32)  # 4 query heads, 2 groups, head dim 8
+    assert qkv["units.mlp_0.fc1.weight"].shape == (2 * 48, 32)  # SwiGLU: gate and up
 
 
 def test_units_and_layout_independent_init():

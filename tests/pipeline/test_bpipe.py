@@ -11,6 +11,7 @@ from megatron_bmw.pipeline.generators import generate
 from megatron_bmw.pipeline.holding import peak_inflight, resident_peaks
 from megatron_bmw.pipeline.replay import replay, unit_times
 from megatron_bmw.pipeline.schedule import COMPUTE_KINDS, TRANSFER_KINDS, Action, Kind, ScheduleError
+from tests.reference import LLAMA
 from tests.pipeline.bpipe_cases import run_transformed
 
 
@@ -210,6 +211,7 @@ DIST_CASES = [
     (8, 1, 8, 1, 10, {"num_layers": 8}),
     (8, 2, 4, 1, 6, {"num_layers": 4}),
     (8, 1, 4, 1, 4, {"num_layers": 4, "recompute_granularity": "selective"}),  # dp=2
+    (4, 1, 4, 1, 6, {"num_layers": 4, **LLAMA}),  # Llama-family layers
 ]
 
 

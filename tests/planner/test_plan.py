@@ -111,6 +111,10 @@ def _set(section, key, value):
     (_set("model", "max_position_embeddings", 16), "model.seq_length"),
     (_set("model", "untie_embeddings_and_output_weights", "no"), "model.untie_embeddings_and_output_weights"),
     (_set(None, "extra", 1), "unknown top-level key 'extra'"),
+    (_set("model", "swiglu", "yes"), "model.swiglu"),
+    (_set("model", "swiglu", True), "Llama-family layers (swiglu)"),
+    (_set("model", "normalization", "BatchNorm"), "model.normalization"),
+    (_set("model", "num_query_groups", 0), "model.num_query_groups"),
 ])
 def test_every_plan_field_is_checked_by_name(tmp_path, mutate, field):
     data = _plan().to_json()

@@ -221,3 +221,13 @@ def test_pretrain_gpt_example_flags_run(tmp_path):
     ]
     assert run_distributed(2, _script_case, argv)[-1] == (4, 32, 4)
     assert os.path.isdir(os.path.join(ckpt, "iter_0000004"))
+
+
+def test_llama_flops_formula():
+    """With query groups and SwiGLU: the K and V projections shrink to g/n of Q's, the MLP has three matrices."""
+    m = ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=128256, seq_length=8192,
+                    ffn_hidden_size=14336, num_query_groups=8, swiglu=True, position_embedding_type="rope")
+    b, s, h, L, f, v, g, n = 1, 8192, 4096, 32, 14336, 128256, 8, 32
+    forward = L * (2 * b * s * (h + 2 * h * g / n) * h + 2 * b * s * s * h / 2 * 2 + 2 * b * s * h * h
+                   + 2 * b * s * h * 3 * f) + 2 * b * s * h * v
+    assert gpt_train_flops(m, b) == pytest.approx(3 * forward, rel=1e-12)

@@ -58,6 +58,37 @@ def test_resume_is_exact(tmp_path, world_size, tp, pp):
     assert os.path.isfile(os.path.join(ckpt, "iter_0000006", sub, "model_optim_rng.pt"))
 
 
+# Megatron's Llama flags (sizes shrunk): rope, SwiGLU, grouped-query attention, RMSNorm, no biases, untied output
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--swiglu", "--group-query-attention",
+               "--num-query-groups", "2", "--normalization", "RMSNorm", "--disable-bias-linear",
+               "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "48", "--kv-channels", "8",
+               "--attention-softmax-in-fp32", "--norm-epsilon", "1e-5"]
+
+
+@pytest.mark.slow
+def test_llama_flags_train_alike_on_every_layout_and_resume(tmp_path):
+    """Llama-family layers through pretrain_gpt.py's flags: serial, tp2 + SP, pp2 with a sub-layer cut, dp2 ZeRO-1
+    and pp2 x dp2 ZeRO-1 give the same losses and grad norms; a run stopped and resumed continues exactly."""
+    llama = LLAMA_FLAGS + ["--num-layers", "4"]
+    serial = run_distributed(1, _layouts_case, llama)[0]
+    runs = {
+        "tp2-sp": run_distributed(2, _layouts_case, llama + _layout(2, 1) + ["--sequence-parallel"])[-1],
+        "pp2-cut": run_distributed(2, _layouts_case, llama + _layout(1, 2) + ["--pipeline-partition", "4,6"])[-1],
+        "dp2-zero1": run_distributed(2, _layouts_case, llama + ["--use-distributed-optimizer"])[-1],
+        "pp2-dp2-zero1": run_distributed(4, _layouts_case, llama + _layout(1, 2) + ["--use-distributed-optimizer"])[-1],
+    }
+    for name, hist in runs.items():
+        for (it, loss, norm), (_, ref_loss, ref_norm) in zip(hist, serial):
+            assert loss == pytest.approx(ref_loss, rel=1e-5), (name, it)
+            assert norm == pytest.approx(ref_norm, rel=1e-4), (name, it)
+    ckpt = str(tmp_path / "ckpt")
+    argv = BASE + llama + _layout(2, 1) + ["--train-iters", "4", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    full = run_distributed(2, _train, argv)[-1]
+    run_distributed(2, _train, argv + ["--save", ckpt, "--exit-interval", "2"])
+    second = run_distributed(2, _train, argv + ["--load", ckpt])[-1]
+    assert [h[1] for h in second] == [h[1] for h in full[2:]]
+
+
 def _layouts_case(rank, world_size, extra):
     # vocabulary 128 needs no padding at tp=1 or 2 (padding changes the softmax, as in Megatron)
     return _train(rank, world_size, BASE + ["--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0",
