@@ -30,7 +30,7 @@ from ..paths import check_output_dir
 from ..trials.cli import run_trial
 from ..trials.grid import Trial, expand, load_plans, parse_flag_tokens
 from ..trials.report import plot, table
-from ..trials.results import Results
+from ..trials.results import FINAL, Results
 from ..trials.runner import LaunchConfig, Runner
 
 
@@ -103,7 +103,7 @@ def _check(opts) -> None:
 def aggregate(base: str, records: list[dict]) -> dict | None:
     """One trial's record from its repeats' records (None before any finished): the median over the ok repeats'
     medians, their spread (max - min over median); a failure of any repeat is the trial's status."""
-    done = [r for r in records if r.get("status") in ("ok", "oom", "crash", "hang", "infeasible")]
+    done = [r for r in records if r.get("status") in FINAL]
     if not done:
         return None
     bad = [r for r in done if r["status"] != "ok"]
