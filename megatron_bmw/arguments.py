@@ -6,8 +6,8 @@ import argparse
 import sys
 from dataclasses import replace
 
-from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                     PipelineConfig, RunConfig, TrainConfig)
+from .config import (NORMALIZATIONS, BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig,
+                     ParallelConfig, PipelineConfig, RunConfig, TrainConfig)
 from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
 from .pipeline.partition import parse_partition, rank_chunks
@@ -86,7 +86,7 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (fc1 holds the gate and up projections)")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1, help="with --group-query-attention (1: multi-query)")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--normalization", choices=NORMALIZATIONS, default="LayerNorm")
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in attention and MLP projections")
     g.add_argument("--add-qkv-bias", action="store_true", help="a QKV bias even with --disable-bias-linear")
     g.add_argument("--kv-channels", type=int, default=None, help="head dimension: hidden size / heads only")
