@@ -610,8 +610,9 @@ def _check_strategies_fit(strategies, model, stage_batch: int, sliced: bool) -> 
         raise UsageError(f"{flag}: a tied word embedding needs the same, unsharded strategy for the embedding and "
                          f"the head (got {first} and {last}); give --untie-embeddings-and-output-weights to use "
                          "different ones")
-    for name, value in (("--num-attention-heads", model.num_attention_heads), ("--hidden-size", model.hidden_size),
-                        ("--ffn-hidden-size", model.ffn_hidden_size)):
+    groups = model.num_query_groups if getattr(model, "group_query_attention", True) else None
+    for name, value in (("--num-attention-heads", model.num_attention_heads), ("--num-query-groups", groups),
+                        ("--hidden-size", model.hidden_size), ("--ffn-hidden-size", model.ffn_hidden_size)):
         bad = sorted({str(x) for x in strategies if value is not None and value % x.tp})
         if bad:
             raise UsageError(f"{flag}: {name} {value} does not split over the tp of {', '.join(bad)}")
@@ -636,6 +637,12 @@ def plan_flags(plan) -> dict[str, object]:
         "attention_backend": m.attention_backend, "bf16": m.params_dtype == "bf16", "fp16": m.params_dtype == "fp16",
         "bert_binary_head": m.bert_binary_head, "openai_gelu": m.openai_gelu,
         "apply_residual_connection_post_layernorm": m.apply_residual_connection_post_layernorm,
+        "position_embedding_type": m.position_embedding_type,
+        "use_rotary_position_embeddings": m.position_embedding_type == "rope", "rotary_percent": m.rotary_percent,
+        "rotary_base": m.rotary_base, "rotary_seq_len_interpolation_factor": m.rotary_seq_len_interpolation_factor,
+        "swiglu": m.swiglu, "group_query_attention": m.num_query_groups is not None,
+        "num_query_groups": m.num_query_groups, "normalization": m.normalization,
+        "disable_bias_linear": not m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias,
         "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
         "micro_batch_size": pl.micro_batch_size, "global_batch_size": plan.global_batch_size,

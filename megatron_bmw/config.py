@@ -75,6 +75,11 @@ class ModelConfig:
         self.params_dtype = dtype_name(self.params_dtype)
         if self.model_type not in MODEL_TYPES:
             raise UsageError(f"unknown model type {self.model_type!r} (use {' or '.join(MODEL_TYPES)})")
+        if self.ffn_hidden_size is None and self.swiglu:  # Megatron's: 8h/3 (two input matrices), a multiple of 64
+            self.ffn_hidden_size = int(4 * self.hidden_size * 2 / 3 / 64) * 64
+            if not self.ffn_hidden_size:
+                raise UsageError(f"--swiglu with --hidden-size {self.hidden_size}: Megatron's default FFN size "
+                                 "(8h/3 rounded down to a multiple of 64) is 0; give --ffn-hidden-size")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
@@ -165,6 +170,11 @@ class ModelConfig:
     def flash_attention(self) -> bool:
         """The fused attention kernel (every supported torch has scaled_dot_product_attention)."""
         return self.attention_backend != "unfused"
+
+    def splits_over(self, tp: int) -> bool:
+        """Whether tp ranks split the heads, query groups, hidden and FFN sizes (the vocabulary is padded)."""
+        return not any(x % tp for x in (self.num_attention_heads, self.query_groups, self.hidden_size,
+                                        self.ffn_hidden_size))
 
     def check_tensor_parallel(self, tp: int) -> None:
         for name, value in (

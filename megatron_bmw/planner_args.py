@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from .arguments import add_megatron_args, configs_from_args as run_configs
+from .arguments import add_megatron_args, configs_from_args
 from .errors import OneLineParser, UsageError
 from .paths import check_output_dir
 from .pipeline.slicing import choose_slices, stage_times_from_cost
@@ -18,16 +18,6 @@ from .planner.profile_data import Profile, Profiles
 from .planner.spec import spec_from_run_config
 
 
-
-def configs_from_args(args, world_size: int, **kw):
-    """The run's configs as the planner takes them: its memory and cost models, profiler and search cover GPT-2
-    and BERT layers; a model with Llama-family layers is refused in one line."""
-    cfg = run_configs(args, world_size, **kw)
-    found = cfg.model.llama_features()
-    if found:
-        raise UsageError(f"{found[0]}: the planner (memory and cost models, profiler, search) does not model "
-                         "Llama-family layers yet; pretrain_gpt.py trains them without --plan")
-    return cfg
 
 def _ints(flag: str):
     def parse(text: str) -> tuple[int, ...]:

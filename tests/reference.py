@@ -88,8 +88,13 @@ def reference_name(name: str, cfg: ModelConfig) -> str:
 
 def expected_shard(full: torch.Tensor, param, state: ParallelState) -> torch.Tensor:
     """This rank's part of a serial tensor, as its parameter is split (partition_stride: SwiGLU's [gate; up])."""
+    return tp_shard(full, param, state.tp_size, state.tp_rank)
+
+
+def tp_shard(full: torch.Tensor, param, tp: int, tp_rank: int) -> torch.Tensor:
+    """Tensor-parallel rank `tp_rank`'s part of a serial tensor over `tp` ranks, as `param` is split."""
     dim = getattr(param, "partition_dim", None)
     if dim is None or not getattr(param, "tensor_model_parallel", False):
         return full
     blocks = full.chunk(getattr(param, "partition_stride", 1), dim=dim)
-    return torch.cat([b.chunk(state.tp_size, dim=dim)[state.tp_rank] for b in blocks], dim=dim)
+    return torch.cat([b.chunk(tp, dim=dim)[tp_rank] for b in blocks], dim=dim)

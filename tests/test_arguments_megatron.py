@@ -189,3 +189,10 @@ def test_cli_one_line_exit_2(extra, needle):
                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(needle), out.stderr
+
+
+def test_swiglu_ffn_default_is_megatrons():
+    """Without --ffn-hidden-size, SwiGLU's FFN is 8h/3 rounded down to a multiple of 64, as Megatron sets it."""
+    assert _run(["--hidden-size", "512", "--num-attention-heads", "8", "--swiglu"]).model.ffn_hidden_size == 1344
+    assert _run(["--hidden-size", "512", "--num-attention-heads", "8"]).model.ffn_hidden_size == 2048
+    _refused(["--hidden-size", "16", "--swiglu"], "give --ffn-hidden-size")

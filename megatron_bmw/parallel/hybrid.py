@@ -263,9 +263,6 @@ def check_hybrid(hybrid: Hybrid, cfg) -> None:
     st = hybrid.strategies
     if cfg.model_type != "gpt":
         raise UsageError("--unit-strategies: hybrid strategies run GPT models only")
-    if cfg.llama_features():
-        raise UsageError(f"--unit-strategies: {cfg.llama_features()[0]}: hybrid strategies run GPT-2-style layers only "
-                         "(Llama-family layers are not tested with them yet)")
     for s in sorted(set(st), key=str):
         try:
             cfg.check_tensor_parallel(s.tp)

@@ -11,10 +11,10 @@ def unit_forward_flops(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     bert = model.model_type == "bert"
     if kind == "embedding":  # lookups, the position (and token-type) add and dropout: elementwise
         return (4.0 if model.num_tokentypes else 3.0) * tokens * h
-    if kind == "attention":
-        return (2.0 * tokens * h * 3 * h + 2.0 * tokens * h * h + 4.0 * s * tokens * h) / tp
-    if kind == "mlp":
-        return 4.0 * tokens * h * f / tp
+    if kind == "attention":  # QKV (grouped queries: fewer key and value rows), the core, the output projection
+        return (2.0 * tokens * h * model.qkv_rows + 2.0 * tokens * h * h + 4.0 * s * tokens * h) / tp
+    if kind == "mlp":  # SwiGLU's fc1 makes gate and up
+        return 2.0 * tokens * h * (model.fc1_rows + f) / tp
     if kind == "head" and bert:  # logits; the LM dense, pooler and sentence-order layers on every tp rank
         extra = 2.0 * b * h * (h + 2) if model.bert_binary_head else 0.0
         return 2.0 * tokens * h * v / tp + 2.0 * tokens * h * h + extra
@@ -28,4 +28,4 @@ def core_attention_share(model: ModelConfig) -> float:
     recomputation repeats)."""
     s, h = model.seq_length, model.hidden_size
     core = 4.0 * s * h
-    return core / (8.0 * h * h + core)
+    return core / (2.0 * h * (model.qkv_rows + h) + core)

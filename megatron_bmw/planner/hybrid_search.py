@@ -48,11 +48,9 @@ class HybridSolution(Solution):
 
 
 def hybrid_strategies(model: ModelConfig, width: int, max_tp: int | None = None) -> list[UnitStrategy]:
-    """The stage strategies whose tp degree splits heads, hidden and FFN (and is at most `max_tp`: tensor
+    """The stage strategies whose tp degree splits heads, query groups, hidden and FFN (and is at most `max_tp`: tensor
     parallelism stays inside a node, as for uniform layouts)."""
-    return [s for s in stage_strategies(width) if not (model.num_attention_heads % s.tp or model.hidden_size % s.tp
-                                                      or model.ffn_hidden_size % s.tp)
-            and (max_tp is None or s.tp <= max_tp)]
+    return [s for s in stage_strategies(width) if model.splits_over(s.tp) and (max_tp is None or s.tp <= max_tp)]
 
 
 class HybridProblem:

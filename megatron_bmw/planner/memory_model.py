@@ -23,6 +23,14 @@ unit the padding mask the kernel takes as an additive bias, b s e, and has its o
 the logits' input s'bh e, the vocab-parallel cross entropy as GPT's, the loss mask and the two loss divisors;
 with the binary head the pooler's input bh e (with SP only: the gathered first token; else it is a view of the
 dense input), its tanh output bh e, and the sentence-order log-probabilities 2b x 4, labels (int64) and weight.
+Llama-family units (models/gpt.py): RMSNorm keeps its input and the fp32 reciprocal RMS on "cuda" (the fused
+kernel); on "cpu" the composite computes in fp32 and keeps the upcast input, the reciprocal RMS and the normalized
+input, all fp32. Rope keeps cos and sin for queries and keys (4 s r x 4, r the rotated dims) and makes new rotated
+q and k (v stays a view of the QKV output); with rope over part of the head, the fused kernel's output is laid
+out by head and the projection's input is a copy of it. Grouped queries: k and v repeated over each group's
+heads (sbh/t e each) and q copied out of the grouped rows (a view, keeping the whole QKV output, where a rank holds
+one group and the core takes q as it is). SwiGLU keeps fc1's output (gate and up, 2 sbf/t e), silu(gate) and
+the product (sbf/t e each) where GeLU keeps its input and output. Biases change no saved tensor.
 Selective recomputation keeps the attention unit minus its core (BERT: plus the core's input padding mask, b s
 bool); full recomputation keeps the unit's input.
 The engine frees a stage's output once it is sent (Megatron's deallocate_output_tensor), so between units
@@ -91,8 +99,16 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         out.append(SavedTensor(name, numel, itemsize))
 
     def layernorm() -> None:
-        add("layernorm input", hidden_local, e)
-        add("layernorm statistics", 2 * s_local * b, stat_size)
+        if model.normalization != "RMSNorm":
+            add("layernorm input", hidden_local, e)
+            add("layernorm statistics", 2 * s_local * b, stat_size)
+        elif device == "cuda":  # the fused kernel keeps its input and the fp32 reciprocal RMS
+            add("rmsnorm input", hidden_local, e)
+            add("rmsnorm statistics (fp32)", s_local * b, _FP32)
+        else:  # the composite path computes in fp32: input (upcast), reciprocal RMS, normalized input
+            add("rmsnorm input (fp32)", hidden_local, _FP32)
+            add("rmsnorm statistics (fp32)", s_local * b, _FP32)
+            add("rmsnorm normalized input (fp32)", hidden_local, _FP32)
 
     def lm_loss(divisor: str, divisors: int) -> None:  # final LayerNorm, logits, vocab-parallel cross entropy
         layernorm()
@@ -112,7 +128,8 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         add("token ids", b * s, _INT64)
         if tp > 1:
             add("out-of-vocabulary-shard mask", b * s, _BOOL)
-        add("position ids", s, _INT64)
+        if model.position_embedding_type == "learned_absolute":
+            add("position ids", s, _INT64)
         if model.num_tokentypes:
             add("token-type ids", b * s, _INT64)
         hidden_dropout()
@@ -139,8 +156,13 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     layernorm()
     if kind == "mlp":
         add("fc1 input", hidden_local, e)
-        add("gelu input", s * b * (f // tp), e)
-        add("gelu output", s * b * (f // tp), e)
+        if model.swiglu:  # fc1's output holds [gate; up]; silu keeps the gate, the product keeps silu(gate) and up
+            add("fc1 output (gate and up)", 2 * s * b * (f // tp), e)
+            add("silu output", s * b * (f // tp), e)
+            add("swiglu output (fc2 input)", s * b * (f // tp), e)
+        else:
+            add("gelu input", s * b * (f // tp), e)
+            add("gelu output", s * b * (f // tp), e)
         hidden_dropout()
         return out
     add("qkv input", hidden_local, e)
@@ -148,27 +170,36 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     score = b * heads * s * s
     p_attn = model.attention_dropout
     math_path = model.flash_attention and device == "cpu" and p_attn > 0
+    # the unfused core's batched matmul copies a strided q; the fused kernel and a checkpoint keep q as it is
+    core_inputs = _core_inputs(model, local_h, tp, query_copied=recompute != "selective" and not model.flash_attention)
+    if model.position_embedding_type == "rope":  # cos and sin, computed for the queries and again for the keys
+        add("rotary cos and sin (fp32)", 4 * s * model.rotary_dim, _FP32)
     if recompute == "selective":
-        add("qkv output", 3 * local_h, e)
+        out.extend(core_inputs)
         if bert:  # an input of the recomputed core
             add("padding mask (bool)", b * s, _BOOL)
     elif not model.flash_attention:
-        add("qkv output", 3 * local_h, e)
+        out.extend(core_inputs)
         add("softmax output", score, e)
         if p_attn > 0:
             add("attention dropout mask", score, _BOOL if device == "cuda" else e)
             add("attention probabilities", score, e)
     elif math_path:  # SDPA's math fallback: scaled q and k, v (a copy when 16-bit inputs are upcast), 3 s^2 terms
         c = _FP32
-        add("qkv output" if e == c else "v (fp32 copy)", 3 * local_h if e == c else local_h, e if e == c else c)
+        if e == c:
+            out.append(core_inputs[-1])  # the values (or the QKV output they are a view of)
+        else:
+            add("v (fp32 copy)", local_h, c)
         add("scaled q", local_h, c)
         add("scaled k", local_h, c)
         add("softmax output", score, c)
         add("attention dropout noise", score, c)
         add("attention probabilities", score, c)
     else:  # the kernel's output is laid out like q, so the projection's input is a view of it
-        add("qkv output", 3 * local_h, e)
+        out.extend(core_inputs)
         add("log-sum-exp (fp32)", b * heads * s, _FP32)
+        if model.position_embedding_type == "rope" and model.rotary_dim < model.head_dim:
+            add("attention output (partial rope lays q out by head: the context is a copy)", local_h, e)
         if bert:
             add("padding mask (additive, for the kernel)", b * s, e)
     add("context (output projection input)", local_h, e)
@@ -176,8 +207,31 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     return out
 
 
+def _core_inputs(model: ModelConfig, local_h: int, tp: int, query_copied: bool) -> list[SavedTensor]:
+    """The storages behind the attention core's q, k and v (what the core, or selective recomputation, keeps).
+
+    Without groups or rope they are views of the QKV output. Rope makes new rotated q and k (v stays a view of
+    the QKV output); groups repeat k and v over each group's query heads and copy q out of the grouped rows,
+    unless the rank holds one group (then q is a view of the QKV output, kept whole, where the core takes q as it
+    is: `query_copied` False)."""
+    e = model.dtype_bytes
+    per = model.num_attention_heads // model.query_groups
+    qkv_local = local_h * model.qkv_rows // model.hidden_size
+    if per > 1:
+        one_group_view = model.query_groups // tp == 1 and model.position_embedding_type != "rope" and not query_copied
+        query = SavedTensor("qkv output (the query is a view of it)", qkv_local, e) if one_group_view \
+            else SavedTensor("query", local_h, e)
+        return [query, SavedTensor("keys repeated over the group", local_h, e),
+                SavedTensor("values repeated over the group", local_h, e)]
+    if model.position_embedding_type == "rope":
+        return [SavedTensor("query (rotated)", local_h, e), SavedTensor("keys (rotated)", local_h, e),
+                SavedTensor("qkv output (kept through the values' view)", qkv_local, e)]
+    return [SavedTensor("qkv output", qkv_local, e)]
+
+
 _SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
-               "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head")
+               "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head",
+               "position_embedding_type", "rotary_percent", "normalization", "swiglu", "num_query_groups")
 _saved_memo: dict[tuple, int] = {}
 
 
@@ -227,14 +281,19 @@ def unit_param_count(kind: str, model: ModelConfig, tp: int = 1, output_weight: 
     rank owns an output matrix (untied, or the tied copy on a last pipeline stage) rather than sharing the
     embedding's."""
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    norm = h if model.normalization == "RMSNorm" else 2 * h  # RMSNorm has no bias
+    bias = model.add_bias_linear
     if kind == "embedding":
-        return (v // tp) * h + model.max_position_embeddings * h + model.num_tokentypes * h
+        positions = model.max_position_embeddings if model.position_embedding_type == "learned_absolute" else 0
+        return (v // tp) * h + positions * h + model.num_tokentypes * h
     if kind == "attention":
-        return 2 * h + (3 * h // tp) * h + 3 * h // tp + h * (h // tp) + h
+        qkv = model.qkv_rows // tp
+        return norm + qkv * h + (qkv if bias or model.add_qkv_bias else 0) + h * (h // tp) + (h if bias else 0)
     if kind == "mlp":
-        return 2 * h + (f // tp) * h + f // tp + h * (f // tp) + h
+        return norm + (model.fc1_rows // tp) * h + (model.fc1_rows // tp if bias else 0) + h * (f // tp) \
+            + (h if bias else 0)
     if kind == "head":
-        n = 2 * h + ((v // tp) * h if output_weight else 0)
+        n = norm + ((v // tp) * h if output_weight else 0)
         if model.model_type == "bert":  # LM dense, LayerNorm and output bias; pooler and sentence-order head
             n += h * h + h + 2 * h + v // tp + ((h * h + h) + (2 * h + 2) if model.bert_binary_head else 0)
         return n
@@ -392,8 +451,8 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
     if kind == "attention":
         heads = model.num_attention_heads // tp
         return b * heads * s * s * (_FP32 + e) if not model.flash_attention else 3 * s * b * (h // tp) * e
-    if kind == "mlp":
-        return 2 * s * b * (f // tp) * e
+    if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's
+        return (4 if model.swiglu else 2) * s * b * (f // tp) * e
     if kind == "embedding":
         return (s // tp if sp and tp > 1 else s) * b * h * e
     raise ValueError(f"unknown unit kind {kind!r}")

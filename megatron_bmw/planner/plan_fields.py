@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import MODEL_TYPES, NORMALIZATIONS, POSITION_TYPES, SCHEDULES, llama_features
+from ..config import MODEL_TYPES, NORMALIZATIONS, POSITION_TYPES, SCHEDULES
 from ..errors import UsageError
 from ..parallel.layout import ORDERS
 from ..strategy import parse_unit_strategies
@@ -164,12 +164,12 @@ def _check_model(f: _Fields, data: dict) -> dict:
     f.integer(m, "num_query_groups", "model.num_query_groups", 1, default=None, optional=True)
     if m.get("rotary_seq_len_interpolation_factor") is not None:
         f.number(m, "rotary_seq_len_interpolation_factor", "model.rotary_seq_len_interpolation_factor", 1.0)
-    found = llama_features(m)
-    if found:
-        f.fail("model", f"has Llama-family layers ({', '.join(x.lstrip('-') for x in found)}): plans cover GPT-2 and "
-               "BERT layers only")
     if m["hidden_size"] % m["num_attention_heads"]:
         f.fail("model.hidden_size", f"{m['hidden_size']} is not divisible by model.num_attention_heads "
+               f"{m['num_attention_heads']}")
+    groups = m.get("num_query_groups") or m["num_attention_heads"]
+    if m["num_attention_heads"] % groups:
+        f.fail("model.num_query_groups", f"{groups} does not divide model.num_attention_heads "
                f"{m['num_attention_heads']}")
     max_pos = m.get("max_position_embeddings") or m["seq_length"]
     if m["seq_length"] > max_pos:

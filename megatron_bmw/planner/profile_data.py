@@ -36,8 +36,13 @@ from .flops import unit_forward_flops
 FORMAT = 1
 MODEL_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
               "attention_backend", "hidden_dropout", "attention_dropout")
+# the layer kind (Llama-family settings); a profile written before they existed timed GPT-2 layers
+LAYER_DEFAULTS = {"position_embedding_type": "learned_absolute", "rotary_percent": 1.0, "normalization": "LayerNorm",
+                  "swiglu": False, "num_query_groups": None, "add_bias_linear": True, "add_qkv_bias": False}
+
+
 def model_signature(model: ModelConfig) -> dict:
-    return {k: getattr(model, k) for k in MODEL_KEYS}
+    return {k: getattr(model, k) for k in MODEL_KEYS + tuple(LAYER_DEFAULTS)}
 
 
 @dataclass
@@ -154,6 +159,7 @@ class Profile:
             missing = [k for k in MODEL_KEYS if k not in model]
             if missing:
                 raise KeyError(missing[0])
+            model = {**LAYER_DEFAULTS, **model}
             calibration = data.get("calibration") or {}
             allowance = data.get("memory_allowance") or {}
             overlap = _optional(data.get("overlap_factor", calibration.get("overlap_factor")), "overlap_factor",

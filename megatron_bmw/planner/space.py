@@ -109,13 +109,13 @@ def divisors(n: int) -> list[int]:
 
 
 def tp_degrees(model: ModelConfig, gpus_per_node: int, world: int) -> list[int]:
-    """Tensor-parallel degrees that split heads, hidden and FFN and stay in a node (the vocabulary is padded per
+    """Tensor-parallel degrees that split heads, query groups, hidden and FFN and stay in a node (the vocabulary is padded per
     degree)."""
     out = []
     for t in divisors(world):
         if t > gpus_per_node:
             continue
-        if model.num_attention_heads % t or model.hidden_size % t or model.ffn_hidden_size % t:
+        if not model.splits_over(t):
             continue
         out.append(t)
     return out

@@ -167,10 +167,22 @@ def test_bpipe_and_slicing_flags(capsys):
     assert "--microbatch-slicing needs an even --micro-batch-size" in capsys.readouterr().err
 
 
-def test_the_planner_refuses_llama_layers(capsys):
-    """The memory and cost models cover GPT-2 and BERT layers: a Llama-family model is one line, not a wrong plan."""
-    for command in ("estimate", "search"):
-        with pytest.raises(SystemExit) as err:
-            main([command, "--cluster", "local", *MODEL, "--global-batch-size", "8", "--swiglu"])
-        assert err.value.code == 2
-        assert "--swiglu: the planner" in capsys.readouterr().err
+LLAMA = ["--position-embedding-type", "rope", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+         "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+
+
+def test_the_planner_plans_llama_layers(capsys):
+    """A Llama-family model is counted as it is built (GQA's QKV rows, SwiGLU's three matrices, RMSNorm, no
+    biases, no position table) and searched."""
+    from megatron_bmw.config import ModelConfig
+
+    data = _json(capsys, ["estimate", "--cluster", "local", *MODEL, *LLAMA, "--json", "--world-size", "1"])
+    cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
+                      position_embedding_type="rope", swiglu=True, num_query_groups=2, normalization="RMSNorm",
+                      add_bias_linear=False, untie_embeddings_and_output_weights=True)
+    assert data["parameters_total"] == total_parameters(cfg)
+    gpt2 = _json(capsys, ["estimate", "--cluster", "local", *MODEL, "--json", "--world-size", "1"])
+    assert data["parameters_total"] != gpt2["parameters_total"]
+    assert main(["search", "--cluster", "a100-80g-ib", *MODEL, *LLAMA, "--global-batch-size", "8",
+                 "--world-size", "8", "--no-progress"]) == 0
+    assert "tp" in capsys.readouterr().out

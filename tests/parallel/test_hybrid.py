@@ -12,7 +12,8 @@ from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.pipeline.engine import PipelineEngine, reduce_loss
 from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup
 from tests.dist_harness import run_distributed
-from tests.reference import SEED, make_batch, pipeline_of, reference_name, serial_reference, small_config
+from tests.reference import (LLAMA, SEED, make_batch, pipeline_of, reference_name, serial_reference,
+                             small_config, tp_shard)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 MBS = 2
@@ -21,8 +22,7 @@ MBS = 2
 def expected_grad(full, p, strategy, local):
     """The serial gradient as this rank holds it: its tp shard, then its FSDP2 dim-0 shard."""
     tp_rank, dp_rank = strategy.coords(local)
-    if getattr(p, "tensor_model_parallel", False):
-        full = full.chunk(strategy.tp, dim=p.partition_dim)[tp_rank]
+    full = tp_shard(full, p, strategy.tp, tp_rank)
     if strategy.sharded:
         parts = full.chunk(strategy.dp, dim=0)
         full = parts[dp_rank] if dp_rank < len(parts) else full[:0]
@@ -98,6 +98,8 @@ CASES = {
          {"partition": "4,6"}),
         (2, "tp2,dp2,tp2,sdp2,dp2,tp2", 4, {}, {"slicing": 2}),
         (2, "dp2,tp2,dp2,tp2,sdp2,tp2,dp2,tp2,tp2,dp2", 4, {"num_layers": 4, **UNTIED}, {"v": 2}),  # interleaved
+        # Llama-family layers (query groups and SwiGLU's [gate; up] split over tp, sharded units), a sub-layer cut
+        (2, "tp2,sdp2,tp2,tp2,dp2,sdp2", 2, {**LLAMA, "_recompute": FULL2}, {"partition": "3,3"}),
     ],
     8: [
         # pp4 x width 2 with BPipe (pair-adjacent order)

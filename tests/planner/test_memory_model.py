@@ -41,13 +41,31 @@ def _batch(b: int) -> dict:
             "loss_mask": torch.ones(b, SEQ)}
 
 
+# Llama-family layers: rope with GQA, SwiGLU, RMSNorm and no biases together; rope alone (MHA, part of the head
+# rotated); groups without rope; MQA (one group: tp 1 only).
+LLAMA_VARIANTS = (
+    dict(position_embedding_type="rope", num_query_groups=2, swiglu=True, ffn_hidden_size=40,
+         normalization="RMSNorm", add_bias_linear=False),
+    dict(position_embedding_type="rope", rotary_percent=0.5, add_qkv_bias=True, num_attention_heads=2),
+    dict(num_query_groups=2, normalization="RMSNorm"),
+    dict(num_query_groups=1),
+    dict(position_embedding_type="rope", num_query_groups=1, swiglu=True),
+)
+
+
+def _variants(tp: int):
+    classic = itertools.product((torch.float32, torch.bfloat16), ("unfused", "flash"), (None, "selective", "full"),
+                                (0.0, 0.1), (0.0, 0.1), ({},))
+    llama = itertools.product((torch.float32, torch.bfloat16), ("unfused", "flash"), (None, "selective", "full"),
+                              (0.0,), (0.0, 0.1), [v for v in LLAMA_VARIANTS if v.get("num_query_groups", 2) % tp == 0])
+    return itertools.chain(classic, llama)
+
+
 def _mismatches(state: ParallelState, tp: int, sp: bool) -> list[str]:
     """Every unit of every variant: predicted saved bytes vs measured; returns the differences."""
     bad = []
-    variants = itertools.product((torch.float32, torch.bfloat16), ("unfused", "flash"),
-                                 (None, "selective", "full"), (0.0, 0.1), (0.0, 0.1))
-    for dtype, backend, rc, hd, ad in variants:
-        cfg = _cfg(attention_backend=backend, params_dtype=dtype, hidden_dropout=hd, attention_dropout=ad)
+    for dtype, backend, rc, hd, ad, extra in _variants(tp):
+        cfg = _cfg(attention_backend=backend, params_dtype=dtype, hidden_dropout=hd, attention_dropout=ad, **extra)
         recompute = recompute_from_flags(rc, None, None, cfg.num_layers, [list(range(cfg.num_units))])
         units = build_units(cfg, state, 1, recompute=recompute)
         params = [p for u in units.values() for p in u.parameters()] + [units["embedding"].word_embeddings.weight]
@@ -59,7 +77,7 @@ def _mismatches(state: ParallelState, tp: int, sp: bool) -> list[str]:
             saved, _ = measure_saved(lambda: unit(hidden, batch), params)
             predicted = sum(t.nbytes for t in unit_saved_tensors(unit_kind(name), cfg, MBS, tp, sp, choice[name], "cpu"))
             if predicted != saved.total:
-                bad.append(f"tp={tp} sp={sp} {dtype} {backend} {rc} hd={hd} ad={ad} {name}: "
+                bad.append(f"tp={tp} sp={sp} {dtype} {backend} {rc} hd={hd} ad={ad} {extra} {name}: "
                            f"predicted {predicted}, measured {saved.total}")
     return bad
 
@@ -96,9 +114,10 @@ def test_recompute_flags_per_unit():
     assert built == choice
 
 
-def test_param_counts_match_model():
+@pytest.mark.parametrize("extra", ({},) + LLAMA_VARIANTS)
+def test_param_counts_match_model(extra):
     for tied in (False, True):
-        cfg = _cfg(untie_embeddings_and_output_weights=not tied)
+        cfg = _cfg(untie_embeddings_and_output_weights=not tied, **extra)
         units = build_units(cfg, ParallelState.serial(), 1)
         for name, unit in units.items():
             own = sum(p.numel() for p in unit.parameters())

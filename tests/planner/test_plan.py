@@ -112,7 +112,7 @@ def _set(section, key, value):
     (_set("model", "untie_embeddings_and_output_weights", "no"), "model.untie_embeddings_and_output_weights"),
     (_set(None, "extra", 1), "unknown top-level key 'extra'"),
     (_set("model", "swiglu", "yes"), "model.swiglu"),
-    (_set("model", "swiglu", True), "Llama-family layers (swiglu)"),
+    (_set("model", "num_query_groups", 3), "model.num_query_groups"),
     (_set("model", "normalization", "BatchNorm"), "model.normalization"),
     (_set("model", "num_query_groups", 0), "model.num_query_groups"),
 ])
@@ -163,6 +163,10 @@ def test_the_run_takes_the_plans_own_configs(tmp_path):
     (["--fp16"], "--fp16 disagrees"),
     (["--recompute-granularity", "full"], "sets the pipeline and every unit's recomputation"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], "drop the flag"),
+    (["--swiglu"], "--swiglu disagrees with --plan .* \\(off\\)"),
+    (["--use-rotary-position-embeddings"], "--use-rotary-position-embeddings disagrees"),
+    (["--group-query-attention", "--num-query-groups", "2"], "disagrees with --plan"),
+    (["--normalization", "RMSNorm"], "--normalization RMSNorm disagrees with --plan .* \\(LayerNorm\\)"),
 ])
 def test_disagreeing_flags(tmp_path, extra, needle):
     with pytest.raises(UsageError, match=needle):

@@ -312,7 +312,13 @@ PLAN_MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-
               "--attention-backend", "unfused", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def _local_plans(world: int, memory_mb: float, top_k: int, tmp_path) -> list[str]:
+PLAN_LLAMA_FLAGS = ["--position-embedding-type", "rope", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+               "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+PLAN_LLAMA_MODEL = dict(position_embedding_type="rope", swiglu=True, num_query_groups=2, normalization="RMSNorm",
+                   add_bias_linear=False, untie_embeddings_and_output_weights=True)
+
+
+def _local_plans(world: int, memory_mb: float, top_k: int, tmp_path, **model_kw) -> list[str]:
     from megatron_bmw.config import ModelConfig
     from megatron_bmw.planner.cluster import parse_cluster
     from megatron_bmw.planner.memory_model import MemorySettings
@@ -325,7 +331,7 @@ def _local_plans(world: int, memory_mb: float, top_k: int, tmp_path) -> list[str
                              "groups": [{"nodes": 1, "gpus_per_node": world, "device": "cpu",
                                          "intra_node": {"bandwidth_GBps": 1, "latency_us": 50}}]})
     model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16,
-                        hidden_dropout=0.0, attention_dropout=0.0, attention_backend="unfused")
+                        hidden_dropout=0.0, attention_dropout=0.0, attention_backend="unfused", **model_kw)
     result = search(model, 100, 4, 8, cluster, memory=MemorySettings(device="cpu"),
                     settings=SearchSettings(top_k=top_k))
     paths = []
@@ -336,10 +342,10 @@ def _local_plans(world: int, memory_mb: float, top_k: int, tmp_path) -> list[str
     return paths
 
 
-def _run_plan(rank, world_size, path):
+def _run_plan(rank, world_size, path, extra=()):
     from megatron_bmw.training.pretrain import pretrain
 
-    trainer = pretrain(PLAN_MODEL + ["--plan", path, "--train-iters", "4", "--lr", "1e-3", "--log-interval", "1",
+    trainer = pretrain(PLAN_MODEL + list(extra) + ["--plan", path, "--train-iters", "4", "--lr", "1e-3", "--log-interval", "1",
                                      "--eval-iters", "0"])
     return trainer.plan_check, trainer.memory_in_use(), [h[1] for h in trainer.history]
 
@@ -358,6 +364,28 @@ def test_search_plans_run_with_plan_and_fit(tmp_path, world_size):
         results = run_distributed(world_size, _run_plan, path)
         lines = results[0][0]
         assert lines[0].startswith(" plan check | iteration time predicted"), lines
+        losses = results[-1][2]
+        assert len(losses) == 4 and all(x == x for x in losses)
+        for stage in plan.prediction["stages"]:
+            measured = max(mem for r, (_, mem, _) in enumerate(results)
+                           if plan.spec.rank_layout().coords(r)[2] == stage["stage"])
+            assert measured <= stage["capacity_bytes"], (path, stage, measured)
+            assert measured == pytest.approx(stage["peak_bytes"] - stage["allowance_bytes"], rel=0.1), (path, stage)
+
+
+@pytest.mark.slow
+def test_searched_llama_plans_run_with_plan_and_fit(tmp_path):
+    """A Llama-style model (rope, GQA, SwiGLU, RMSNorm, no biases, untied): the search's plans for 4 CPU ranks run
+    with --plan and the Llama flags beside it, within the device and close to the predicted memory."""
+    from megatron_bmw.planner.plan import Plan
+
+    paths = _local_plans(4, 0.9, 2, tmp_path, **PLAN_LLAMA_MODEL)
+    assert paths
+    for path in paths:
+        plan = Plan.load(path)
+        assert plan.spec.model.swiglu and plan.spec.model.num_query_groups == 2
+        results = run_distributed(4, _run_plan, path, PLAN_LLAMA_FLAGS)
+        assert results[0][0][0].startswith(" plan check | iteration time predicted")
         losses = results[-1][2]
         assert len(losses) == 4 and all(x == x for x in losses)
         for stage in plan.prediction["stages"]:
