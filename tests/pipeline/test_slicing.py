@@ -18,6 +18,7 @@ from megatron_bmw.pipeline.slicing import (
     stage_times_from_cost,
 )
 from tests.pipeline.bpipe_cases import run_transformed
+from tests.reference import LLAMA
 
 
 def test_halves_in_place_on_every_rank():
@@ -136,6 +137,7 @@ DIST_CASES = [
     (4, 1, 4, 2, 8, {"num_layers": 8}, False, 2, 0),  # interleaved
     (4, 1, 4, 1, 6, {"num_layers": 4}, True, 2, 2),  # BPipe on a sliced schedule: bit for bit
     (4, 1, 4, 1, 6, {"num_layers": 4}, True, "auto", 0),  # both, against the plain run
+    (4, 2, 2, 1, 4, {"num_layers": 4, **LLAMA}, False, 1, 0),  # Llama layers (GQA and SwiGLU over tp2)
 ]
 
 
