@@ -78,5 +78,7 @@ def restore_from(hf_dir: str, full: dict[str, torch.Tensor], orig_vocab_size: in
         return None
     if restore_rows(full, rows, orig_vocab_size):
         return f"restored the padded vocabulary rows from {PADDING_FILE}"
-    return (f"{PADDING_FILE} does not fit this padding (another --make-vocab-size-divisible-by or tp size): "
-            "the padded vocabulary rows are zero")
+    had = orig_vocab_size + max((int(t.size(0)) for t in rows.values()), default=0)
+    now = int(full[VOCAB_TENSORS[0]].size(0))
+    return (f"{PADDING_FILE} holds the padded rows of a {had}-row vocabulary, this import pads to {now} rows "
+            "(--make-vocab-size-divisible-by x --tensor-model-parallel-size): the padded rows are zero")
