@@ -263,12 +263,16 @@ def test_tp2pp2_conversion_trains_like_the_serial_one(converted):
 
 @pytest.mark.slow
 def test_pretrain_gpt_continues_from_an_imported_checkpoint(converted):
-    """pretrain_gpt.py --load on the converted directory (the flags the tool prints) trains on, and its training
+    """pretrain_gpt.py --load on the converted directory, with the flags the tool prints, trains on; its training
     checkpoint exports back to a LlamaForCausalLM whose logits are our trained model's."""
     trained = converted["root"] / "trained"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
-    argv = _run_flags() + ["--train-iters", "3", "--load", converted["saves"][1, 1], "--save", str(trained)]
+    args = _rank_file(converted["saves"][1, 1], 0)["args"]
+    argv = converted["tool"].run_flags(args).split() + [
+        "--mock-data", "--vocab-size", "100", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size",
+        "4", "--train-iters", "3", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
+        "--attention-backend", "unfused", "--load", converted["saves"][1, 1], "--save", str(trained)]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv], capture_output=True,
                          text=True, timeout=240, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr
