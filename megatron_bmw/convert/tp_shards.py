@@ -1,5 +1,9 @@
 """Tensor-parallel sharding of a full (serial) state dict by parameter name, for the GPT and BERT unit lists:
-what the checkpoint converters use to write and read per-tp-rank files."""
+what the checkpoint converters use to write and read per-tp-rank files.
+
+Llama-family layers shard by the same names: grouped QKV rows are laid out group by group, so contiguous chunks
+hold whole groups; SwiGLU's fc1 [gate; up] has stride 2 (`swiglu=True`): a rank holds [gate_r; up_r], as
+parallel/layers.py builds it."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from ..errors import UsageError
 _SPLIT_ROWS = re.compile(r"(\.qkv\.(weight|bias)|\.fc1\.(weight|bias)|word_embeddings\.weight|head\.output_weight|"
                          r"head\.lm_bias)$")
 _SPLIT_COLS = re.compile(r"\.(proj|fc2)\.weight$")
+_FC1 = re.compile(r"\.fc1\.(weight|bias)$")
 
 
 def partition_dim(name: str) -> int | None:
@@ -25,8 +30,23 @@ def partition_dim(name: str) -> int | None:
     return None
 
 
-def shard_state_dict(full_sd: Mapping[str, torch.Tensor], tp: int, tp_rank: int) -> dict[str, torch.Tensor]:
-    """The state dict of tp rank `tp_rank`: split parameters keep chunk `tp_rank` of `tp` (own storage)."""
+def partition_stride(name: str, swiglu: bool = False) -> int:
+    """Blocks along the split dim that are each divided over the tp ranks: 2 for SwiGLU's fc1, else 1."""
+    return 2 if swiglu and _FC1.search(name) else 1
+
+
+def _chunks(t: torch.Tensor, tp: int, dim: int, stride: int) -> list[torch.Tensor]:
+    """The tp shards of `t` along `dim` (with `stride` blocks, each rank a part of every block)."""
+    if stride == 1:
+        return list(t.chunk(tp, dim))
+    blocks = [b.chunk(tp, dim) for b in t.chunk(stride, dim)]
+    return [torch.cat([b[r] for b in blocks], dim) for r in range(tp)]
+
+
+def shard_state_dict(full_sd: Mapping[str, torch.Tensor], tp: int, tp_rank: int,
+                     swiglu: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict of tp rank `tp_rank`: split parameters keep chunk `tp_rank` of `tp` (own storage); with
+    `swiglu`, fc1 keeps its part of the gate and of the up projection."""
     if tp < 1 or not 0 <= tp_rank < tp:
         raise UsageError(f"--tensor-model-parallel-size {tp}: invalid tp rank {tp_rank}")
     out: dict[str, torch.Tensor] = {}
@@ -35,14 +55,16 @@ def shard_state_dict(full_sd: Mapping[str, torch.Tensor], tp: int, tp_rank: int)
         if dim is None or tp == 1:
             out[name] = t.contiguous().clone()
             continue
-        if t.size(dim) % tp:
+        stride = partition_stride(name, swiglu)
+        if t.size(dim) % (tp * stride):
             raise UsageError(f"--tensor-model-parallel-size {tp} does not divide dim {dim} of {name} {tuple(t.shape)}")
-        out[name] = t.chunk(tp, dim)[tp_rank].contiguous().clone()  # clone: torch.save would keep the full storage
+        out[name] = _chunks(t, tp, dim, stride)[tp_rank].contiguous().clone()  # clone: torch.save keeps the storage
     return out
 
 
-def merge_shards(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Inverse of `shard_state_dict`: concatenate split parameters in tp-rank order; replicated ones from rank 0."""
+def merge_shards(shards: list[Mapping[str, torch.Tensor]], swiglu: bool = False) -> dict[str, torch.Tensor]:
+    """Inverse of `shard_state_dict`: concatenate split parameters in tp-rank order (with `swiglu`, fc1's gate
+    parts, then its up parts); replicated ones from rank 0."""
     if not shards:
         raise UsageError("no tensor-parallel shards to merge")
     names = list(shards[0])
@@ -55,14 +77,17 @@ def merge_shards(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Te
         dim = partition_dim(name)
         if dim is None or len(shards) == 1:
             full[name] = shards[0][name]
-        else:
+        elif partition_stride(name, swiglu) == 1:
             full[name] = torch.cat([sd[name] for sd in shards], dim=dim)
+        else:
+            halves = [sd[name].chunk(2, dim) for sd in shards]
+            full[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
     return full
 
 
-def refuse_llama(values: Mapping, where: str) -> None:
-    """The converters map GPT-2-style layers only: a checkpoint of Llama-family layers is one line."""
+def refuse_llama(values: Mapping, where: str, instead: str = "tools/checkpoint/convert_hf_llama.py") -> None:
+    """A converter of GPT-2-style layers refuses a checkpoint of Llama-family layers in one line."""
     found = llama_features(values)
     if found:
-        raise UsageError(f"{where}: a model with {', '.join(found)}; the converters take GPT-2-style layers only "
-                         "(Llama-family conversion is not built yet)")
+        raise UsageError(f"{where}: a model with {', '.join(found)}; this converter takes GPT-2-style layers only "
+                         f"(Llama-family models: {instead})")

@@ -141,9 +141,10 @@ def test_cli_round_trip(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, tool, "--direction", "hf-to-megatron", "--hf-dir", str(tmp_path / "hf"),
                           "--save", str(tmp_path / "ours"), "--tensor-model-parallel-size", "2",
-                          "--make-vocab-size-divisible-by", "8"], capture_output=True, text=True, timeout=180, env=env)
+                          "--pipeline-model-parallel-size", "2", "--make-vocab-size-divisible-by", "8"], capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 0, out.stderr
     assert "--apply-residual-connection-post-layernorm" in out.stdout
+    assert sorted(os.listdir(tmp_path / "ours" / "release"))[-1] == "mp_rank_01_001"  # tp 2 x pp 2, exported below
     back = subprocess.run([sys.executable, tool, "--direction", "megatron-to-hf", "--load", str(tmp_path / "ours"),
                            "--hf-dir", str(tmp_path / "hf2")], capture_output=True, text=True, timeout=180, env=env)
     assert back.returncode == 0, back.stderr

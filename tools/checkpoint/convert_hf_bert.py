@@ -7,7 +7,8 @@ tensor-parallel megatron_bmw BERT checkpoint, and back.
 
 A post-LayerNorm BertForPreTraining converts to a model that pretrain_bert.py runs with
 --apply-residual-connection-post-layernorm (the tool prints the flags); see megatron_bmw/convert/bert.py.
-Weights only; pipeline-parallel checkpoints are not read (convert from pp=1). Layout as convert_hf_gpt2.py.
+Weights only; megatron-to-hf reads any tp x pp checkpoint, and the padded vocabulary rows round-trip (files and
+layout as convert_hf_gpt2.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
-from megatron_bmw.convert.bert import (check_hf_config, hf_to_ours, merge_shards, ours_to_hf,  # noqa: E402
-                                              shard_state_dict)
+from megatron_bmw.convert.bert import check_hf_config, hf_to_ours, ours_to_hf  # noqa: E402
+from megatron_bmw.convert.checkpoint_files import load_full, save_release  # noqa: E402
+from megatron_bmw.convert.vocab_padding import padded_rows, restore_from, write_rows  # noqa: E402
 
 
 def _gpt2_tool():
@@ -50,24 +52,23 @@ def _flags(kwargs: dict) -> str:
                              f"--layernorm-epsilon {kwargs['layernorm_epsilon']}"])
 
 
-def hf_to_megatron_dir(hf_dir: str, save: str, tp: int, divisible_by: int) -> dict:
+def hf_to_megatron_dir(hf_dir: str, save: str, tp: int, divisible_by: int, pp: int = 1) -> dict:
     tool = _gpt2_tool()
     config, hf_sd = tool.read_hf_dir(hf_dir)
-    for note in check_hf_config(config):
-        print(f"note: {note}")
+    notes = check_hf_config(config)
     kwargs, full = hf_to_ours(hf_sd, config, make_vocab_size_divisible_by=divisible_by, tp=tp)
+    for note in notes + [n for n in [restore_from(hf_dir, full, config["vocab_size"])] if n]:
+        print(f"note: {note}")
     args = dict(kwargs, padded_vocab_size=kwargs["vocab_size"], orig_vocab_size=config["vocab_size"],
-                make_vocab_size_divisible_by=divisible_by, tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=1)
-    tool.save_megatron(save, [shard_state_dict(full, tp, r) for r in range(tp)], args)
-    return args
+                make_vocab_size_divisible_by=divisible_by)
+    return save_release(save, full, args, tp, pp)
 
 
 def megatron_to_hf_dir(load: str, hf_dir: str) -> None:
-    tool = _gpt2_tool()
-    shards, args = tool.load_megatron(load)
+    full, args = load_full(load)
     orig = args.get("orig_vocab_size") or args.get("padded_vocab_size") or args.get("vocab_size")
-    hf_sd, config = ours_to_hf(merge_shards(shards), args, int(orig))
+    rows = padded_rows(full, int(orig))
+    hf_sd, config = ours_to_hf(full, args, int(orig))
     try:
         import transformers
     except ImportError:
@@ -86,19 +87,21 @@ def megatron_to_hf_dir(load: str, hf_dir: str) -> None:
         model.save_pretrained(hf_dir)
     except OSError as exc:
         raise UsageError(f"--hf-dir {hf_dir}: cannot write: {exc}") from None
+    write_rows(hf_dir, rows)
 
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
-    args = _gpt2_tool().build_parser().parse_args(argv)
+    tool = _gpt2_tool()
+    args = tool.build_parser().parse_args(argv)
     if args.direction == "hf-to-megatron":
         if not args.save:
             raise UsageError("--save is required for --direction hf-to-megatron")
-        if args.tensor_model_parallel_size < 1:
-            raise UsageError(f"--tensor-model-parallel-size must be >= 1, got {args.tensor_model_parallel_size}")
+        tool.check_sizes(args)
         out = hf_to_megatron_dir(args.hf_dir, args.save, args.tensor_model_parallel_size,
-                                 args.make_vocab_size_divisible_by)
-        print(f"wrote {args.save}: tp={out['tensor_model_parallel_size']}, layers={out['num_layers']}, "
+                                 args.make_vocab_size_divisible_by, args.pipeline_model_parallel_size)
+        print(f"wrote {args.save}: tp={out['tensor_model_parallel_size']}, pp={out['pipeline_model_parallel_size']}, "
+              f"layers={out['num_layers']}, "
               f"vocab {out['orig_vocab_size']} padded to {out['padded_vocab_size']}")
         print(f"run it with: pretrain_bert.py {_flags(out)} --load {args.save} --finetune")
     else:

@@ -1,20 +1,20 @@
-"""Convert a Hugging Face GPT-2 directory to a tensor-parallel Megatron checkpoint, and back.
+"""Convert a Hugging Face GPT-2 directory to a tensor- and pipeline-parallel Megatron checkpoint, and back.
 
     python tools/checkpoint/convert_hf_gpt2.py --direction hf-to-megatron --hf-dir gpt2/ --save ckpt/ \\
-        --tensor-model-parallel-size 2 [--make-vocab-size-divisible-by 128]
+        --tensor-model-parallel-size 2 [--pipeline-model-parallel-size 2] [--make-vocab-size-divisible-by 128]
     python tools/checkpoint/convert_hf_gpt2.py --direction megatron-to-hf --load ckpt/ --hf-dir gpt2-out/
 
 Checkpoint layout: <save>/latest_checkpointed_iteration.txt ("release") and
-<save>/release/mp_rank_TT/model_optim_rng.pt = {"model", "args", "iteration", "checkpoint_version"}.
+<save>/release/mp_rank_TT[_PPP]/model_optim_rng.pt = {"model", "args", "iteration", "checkpoint_version"}.
+megatron-to-hf reads any checkpoint the runtime writes (any tp x pp, virtual stages); the padded vocabulary rows
+go to megatron_vocab_padding.safetensors beside the HF weights, and an import at the same padding restores them.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
-import re
 import sys
 from typing import Any
 
@@ -26,13 +26,9 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error
-from megatron_bmw.convert.gpt2 import (
-    hf_config_from_megatron, hf_to_megatron, megatron_to_hf, merge_shards, shard_state_dict,
-)
-
-CHECKPOINT_VERSION = 3.0
-TRACKER = "latest_checkpointed_iteration.txt"
-RANK_FILE = "model_optim_rng.pt"
+from megatron_bmw.convert.checkpoint_files import load_full, save_release
+from megatron_bmw.convert.gpt2 import hf_config_from_megatron, hf_to_megatron, megatron_to_hf
+from megatron_bmw.convert.vocab_padding import padded_rows, restore_from, write_rows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", help="Megatron checkpoint directory to write (hf-to-megatron)")
     p.add_argument("--load", help="Megatron checkpoint directory to read (megatron-to-hf)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tp ranks to shard into (default 1)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages to split into, Megatron's default partition (default 1)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this times tp (default 128)")
     return p
@@ -125,101 +123,38 @@ def write_hf_dir(hf_dir: str, hf_sd: dict[str, torch.Tensor], hf_config: dict[st
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Megatron checkpoint files
-
-
-def rank_dir(root: str, tp_rank: int) -> str:
-    return os.path.join(root, "release", f"mp_rank_{tp_rank:02d}")
-
-
-def save_megatron(save: str, shards: list[dict[str, torch.Tensor]], args: dict[str, Any]) -> None:
-    """Write one model_optim_rng.pt per tp rank and the `release` tracker (never over an existing checkpoint)."""
-    if os.path.exists(os.path.join(save, TRACKER)) or glob.glob(os.path.join(save, "iter_*")) \
-            or os.path.exists(os.path.join(save, "release")):
-        raise UsageError(f"--save {save} already holds a checkpoint; choose a new directory")
-    try:
-        for r, sd in enumerate(shards):
-            d = rank_dir(save, r)
-            os.makedirs(d, exist_ok=True)
-            torch.save({"model": sd, "args": dict(args), "iteration": 0, "checkpoint_version": CHECKPOINT_VERSION},
-                       os.path.join(d, RANK_FILE))
-        with open(os.path.join(save, TRACKER), "w") as f:
-            f.write("release\n")
-    except OSError as exc:
-        raise UsageError(f"--save {save}: cannot write: {exc}") from None
-
-
-def load_megatron(load: str) -> tuple[list[dict[str, torch.Tensor]], dict[str, Any]]:
-    """(per-tp-rank model state dicts, args) of the checkpoint named by `<load>/latest_checkpointed_iteration.txt`."""
-    if not os.path.isdir(load):
-        raise UsageError(f"--load {load} is not a directory")
-    tracker = os.path.join(load, TRACKER)
-    if not os.path.isfile(tracker):
-        raise UsageError(f"--load {load} has no {TRACKER}")
-    with open(tracker) as f:
-        tag = f.read().strip()
-    if tag == "release":
-        it_dir = os.path.join(load, "release")
-    elif tag.isdigit():
-        it_dir = os.path.join(load, f"iter_{int(tag):07d}")
-    else:
-        raise UsageError(f"--load: {tracker} holds {tag!r}, expected 'release' or an iteration number")
-    if not os.path.isdir(it_dir):
-        raise UsageError(f"--load: checkpoint directory {it_dir} does not exist")
-    entries = sorted(os.listdir(it_dir))
-    if any(re.fullmatch(r"mp_rank_\d{2}_\d{3}", e) for e in entries):
-        raise UsageError(f"--load {load}: pipeline-parallel checkpoints are not supported; convert from pp=1")
-    ranks = sorted(int(e[8:]) for e in entries if re.fullmatch(r"mp_rank_\d{2}", e))
-    if not ranks:
-        raise UsageError(f"--load: {it_dir} has no mp_rank_TT directories")
-    if ranks != list(range(len(ranks))):
-        raise UsageError(f"--load: {it_dir} has tp ranks {ranks}, expected 0..{len(ranks) - 1}")
-    shards, args = [], None
-    for r in ranks:
-        path = os.path.join(it_dir, f"mp_rank_{r:02d}", RANK_FILE)
-        if not os.path.isfile(path):
-            raise UsageError(f"--load: missing {path}")
-        try:
-            # a training checkpoint also holds RNG states and optimizer state: read it as --load does
-            ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:  # noqa: BLE001
-            raise UsageError(f"--load: cannot read {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-        if not isinstance(ckpt, dict) or "model" not in ckpt or "args" not in ckpt:
-            raise UsageError(f"--load: {path} lacks 'model' or 'args'")
-        shards.append(ckpt["model"])
-        args = args if args is not None else dict(ckpt["args"])
-    assert args is not None
-    tp = int(args.get("tensor_model_parallel_size", len(ranks)))
-    if tp != len(ranks):
-        raise UsageError(f"--load: args say tensor_model_parallel_size {tp} but {len(ranks)} mp_rank directories exist")
-    if int(args.get("pipeline_model_parallel_size", 1)) != 1:
-        raise UsageError(f"--load {load}: pipeline-parallel checkpoints are not supported")
-    return shards, args
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Directions
 
 
-def hf_to_megatron_dir(hf_dir: str, save: str, tp: int, divisible_by: int) -> dict[str, Any]:
+def hf_to_megatron_dir(hf_dir: str, save: str, tp: int, divisible_by: int, pp: int = 1) -> dict[str, Any]:
     """Convert `hf_dir` into a Megatron checkpoint at `save`; returns the checkpoint's args."""
     config, hf_sd = read_hf_dir(hf_dir)
     kwargs, full = hf_to_megatron(hf_sd, config, make_vocab_size_divisible_by=divisible_by, tp=tp)
+    note = restore_from(hf_dir, full, config["vocab_size"])
+    if note:
+        print(f"note: {note}")
     args = dict(kwargs, padded_vocab_size=kwargs["vocab_size"], orig_vocab_size=config["vocab_size"],
-                make_vocab_size_divisible_by=divisible_by, tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=1)
-    save_megatron(save, [shard_state_dict(full, tp, r) for r in range(tp)], args)
-    return args
+                make_vocab_size_divisible_by=divisible_by)
+    return save_release(save, full, args, tp, pp)
 
 
 def megatron_to_hf_dir(load: str, hf_dir: str) -> None:
-    """Convert the Megatron checkpoint at `load` into a HF GPT-2 directory `hf_dir`."""
-    shards, args = load_megatron(load)
+    """Convert the Megatron checkpoint at `load` (any tp x pp) into a HF GPT-2 directory `hf_dir`."""
+    full, args = load_full(load)
     for key in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):
         if key not in args:
             raise UsageError(f"--load: checkpoint args lack {key!r}")
-    hf_sd = megatron_to_hf(merge_shards(shards), args)
+    rows = padded_rows(full, args.get("orig_vocab_size"))
+    hf_sd = megatron_to_hf(full, args)
     write_hf_dir(hf_dir, hf_sd, hf_config_from_megatron(args))
+    write_rows(hf_dir, rows)
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
 
 
 @exit_on_usage_error
@@ -229,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.direction == "hf-to-megatron":
         if not args.save:
             raise UsageError("--save is required for --direction hf-to-megatron")
-        if args.tensor_model_parallel_size < 1:
-            raise UsageError(f"--tensor-model-parallel-size must be >= 1, got {args.tensor_model_parallel_size}")
+        check_sizes(args)
         out = hf_to_megatron_dir(args.hf_dir, args.save, args.tensor_model_parallel_size,
-                                 args.make_vocab_size_divisible_by)
-        print(f"wrote {args.save}: tp={out['tensor_model_parallel_size']}, layers={out['num_layers']}, "
+                                 args.make_vocab_size_divisible_by, args.pipeline_model_parallel_size)
+        print(f"wrote {args.save}: tp={out['tensor_model_parallel_size']}, pp={out['pipeline_model_parallel_size']}, "
+              f"layers={out['num_layers']}, "
               f"vocab {out['orig_vocab_size']} padded to {out['padded_vocab_size']}")
     else:
         if not args.load:

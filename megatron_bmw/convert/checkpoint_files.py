@@ -1,0 +1,163 @@
+"""Our checkpoints as the Hugging Face converters write and read them (training/checkpointing.py's layout).
+
+    save_release(save, full, args, tp=2, pp=2)   # <save>/release/mp_rank_TT[_PPP]/model_optim_rng.pt + tracker
+    full, args = load_full(load)                 # any tp x pp (x virtual stages) checkpoint -> one state dict
+
+Pipeline stages hold units named globally (units.attn_3...), so merging is a union over stages of the tensor-
+parallel merges; the tied output-weight copy of a last stage is dropped. Hybrid (--unit-strategies) checkpoints
+are refused.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import UsageError
+from ..pipeline.partition import default_partition, rank_chunks
+from ..training.checkpointing import MODEL_FILE, RELEASE, TRACKER, mp_rank_dir_name
+from ..units import owns_output_weight, unit_names
+from .tp_shards import merge_shards, shard_state_dict
+
+CHECKPOINT_VERSION = 3.0
+WORD_EMBEDDING = "units.embedding.word_embeddings.weight"
+OUTPUT_WEIGHT = "units.head.output_weight"
+_MP_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+
+
+def _unit(name: str) -> str:
+    return name.split(".")[1]
+
+
+def stage_state_dicts(full: Mapping[str, torch.Tensor], num_layers: int, untied: bool, pp: int
+                      ) -> list[dict[str, torch.Tensor]]:
+    """The full state dict split into pipeline stages as the runtime builds them (default partition): a tied
+    model's last stage holds its copy of the word embeddings as the output weight."""
+    names = unit_names(num_layers)
+    partition = default_partition(num_layers, pp)
+    out = []
+    for r in range(pp):
+        units = [names[i] for i in rank_chunks(partition, pp, r)[0]]
+        sd = {n: t for n, t in full.items() if _unit(n) in units}
+        if "head" in units and not untied and owns_output_weight(untied, pp, units):
+            sd[OUTPUT_WEIGHT] = full[WORD_EMBEDDING]
+        out.append(sd)
+    return out
+
+
+def save_release(save: str, full: Mapping[str, torch.Tensor], args: Mapping[str, Any], tp: int = 1, pp: int = 1
+                 ) -> dict[str, Any]:
+    """Write `full` as a `release` checkpoint sharded over tp x pp (never over an existing checkpoint); returns
+    the args written (`args` + the layout)."""
+    if os.path.exists(os.path.join(save, TRACKER)) or glob.glob(os.path.join(save, "iter_*")) \
+            or os.path.exists(os.path.join(save, RELEASE)):
+        raise UsageError(f"--save {save} already holds a checkpoint; choose a new directory")
+    layers, untied = int(args["num_layers"]), bool(args.get("untie_embeddings_and_output_weights"))
+    if not 1 <= pp <= layers:
+        raise UsageError(f"--pipeline-model-parallel-size {pp}: need 1 to the model's {layers} layers")
+    stages = stage_state_dicts(full, layers, untied, pp)
+    out = dict(args, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+               pipeline_partition=default_partition(layers, pp))
+    swiglu = bool(args.get("swiglu"))
+    try:
+        for r, stage in enumerate(stages):
+            for t in range(tp):
+                d = os.path.join(save, RELEASE, mp_rank_dir_name(t, r, pp))
+                os.makedirs(d, exist_ok=True)
+                torch.save({"model": shard_state_dict(stage, tp, t, swiglu=swiglu), "args": dict(out), "iteration": 0,
+                            "checkpoint_version": CHECKPOINT_VERSION}, os.path.join(d, MODEL_FILE))
+        with open(os.path.join(save, TRACKER), "w") as f:
+            f.write(RELEASE + "\n")
+    except OSError as exc:
+        raise UsageError(f"--save {save}: cannot write: {exc}") from None
+    return out
+
+
+def _iteration_dir(load: str) -> str:
+    if not os.path.isdir(load):
+        raise UsageError(f"--load {load} is not a directory")
+    tracker = os.path.join(load, TRACKER)
+    if not os.path.isfile(tracker):
+        raise UsageError(f"--load {load} has no {TRACKER}")
+    with open(tracker) as f:
+        tag = f.read().strip()
+    if tag == RELEASE:
+        it_dir = os.path.join(load, RELEASE)
+    elif tag.isdigit():
+        it_dir = os.path.join(load, f"iter_{int(tag):07d}")
+    else:
+        raise UsageError(f"--load: {tracker} holds {tag!r}, expected 'release' or an iteration number")
+    if not os.path.isdir(it_dir):
+        raise UsageError(f"--load: checkpoint directory {it_dir} does not exist")
+    return it_dir
+
+
+def _read(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UsageError(f"--load: missing {path}")
+    try:
+        # a training checkpoint also holds RNG and optimizer state: read it as --load does
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is a user error
+        raise UsageError(f"--load: cannot read {path}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
+    if not isinstance(ckpt, dict) or "args" not in ckpt:
+        raise UsageError(f"--load: {path} is not a megatron_bmw checkpoint (no 'args')")
+    return ckpt
+
+
+def _chunks(payload: Mapping[str, Any], path: str) -> list[dict]:
+    """["model"], or the virtual stages' ["model0", "model1", ...]."""
+    if "model" in payload:
+        return [payload["model"]]
+    keys = sorted(int(k[5:]) for k in payload if re.fullmatch(r"model\d+", str(k)))
+    if not keys or keys != list(range(len(keys))):
+        raise UsageError(f"--load: {path} holds no 'model' (or model0..modelN) weights")
+    return [payload[f"model{i}"] for i in keys]
+
+
+def load_full(load: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(full state dict, args) of the checkpoint `<load>/latest_checkpointed_iteration.txt` names, whatever its tp,
+    pp and virtual pipeline sizes."""
+    it_dir = _iteration_dir(load)
+    grid: dict[tuple[int, int], str] = {}
+    styles = set()
+    for entry in os.listdir(it_dir):
+        m = _MP_DIR.fullmatch(entry)
+        if m:
+            grid[int(m.group(1)), int(m.group(2) or 0)] = os.path.join(it_dir, entry, MODEL_FILE)
+            styles.add(m.group(2) is None)
+    if not grid:
+        raise UsageError(f"--load: {it_dir} has no mp_rank_* directories")
+    if len(styles) > 1:
+        raise UsageError(f"--load: {it_dir} mixes mp_rank_TT and mp_rank_TT_PPP directories")
+    first = _read(grid[min(grid)])
+    args = dict(first["args"]) if isinstance(first["args"], dict) else dict(vars(first["args"]))
+    if args.get("unit_strategies"):
+        raise UsageError(f"--load {load}: saved with --unit-strategies (a hybrid layout); the converters read "
+                         "uniform tp x pp checkpoints only")
+    tp = int(args.get("tensor_model_parallel_size") or 1)
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    want = {(t, r) for t in range(tp) for r in range(pp)}
+    if set(grid) != want:
+        raise UsageError(f"--load: args say tensor/pipeline parallel sizes ({tp}, {pp}) but {it_dir} holds "
+                         f"{len(grid)} mp_rank directories (missing {sorted(want - set(grid))[:3]})")
+    swiglu = bool(args.get("swiglu"))
+    full: dict[str, torch.Tensor] = {}
+    for r in range(pp):
+        per_tp = [first if (t, r) == min(grid) else _read(grid[t, r]) for t in range(tp)]
+        chunks = [_chunks(p, grid[t, r]) for t, p in enumerate(per_tp)]
+        if len({len(c) for c in chunks}) != 1:
+            raise UsageError(f"--load: the tp ranks of pipeline stage {r} hold different numbers of model chunks")
+        for i in range(len(chunks[0])):
+            for name, tensor in merge_shards([c[i] for c in chunks], swiglu=swiglu).items():
+                if name in full:
+                    raise UsageError(f"--load: {name} is held by two pipeline stages")
+                full[name] = tensor
+    if not args.get("untie_embeddings_and_output_weights"):
+        full.pop(OUTPUT_WEIGHT, None)  # the last stage's copy of the tied embedding
+    return full, args
