@@ -152,7 +152,10 @@ def load_profiles(args) -> Profiles:
     return Profiles([Profile.load(path) for path in args.profile])
 
 
-def cluster_from_args(args, profiles: Profiles) -> Cluster:
+def cluster_from_args(args, profiles: Profiles, placeholder_ok: bool = False) -> Cluster:
+    """The cluster of --cluster: `local` is this machine as a measured profile describes it; without one it is
+    refused (its built-in figures are placeholders) unless `placeholder_ok` (trial predictions shown beside the
+    measurements)."""
     measured = [p for ps in profiles.by_type.values() for p in ps if p.mode == "measured"]
     if args.cluster == "local" and measured:
         profile = measured[0]
@@ -164,6 +167,10 @@ def cluster_from_args(args, profiles: Profiles) -> Cluster:
         memory = float(profile.device.get("memory_bytes") or load_cluster("local").groups[0].device.memory_bytes)
         cores = profile.cores() if profile.device.get("kind") == "cpu" else None  # CPU ranks share the cores
         return local_cluster(gpus, profile.device_type(memory), p2p, profile.link("allreduce"), cores)
+    if args.cluster == "local" and not placeholder_ok:  # plans on placeholder figures would look real and be wrong
+        raise UsageError("--cluster local: this machine has not been measured; run `python tools/autoconfig.py "
+                         "profile --output prof.json <the same model flags>` and add --profile prof.json (or name a "
+                         f"described cluster: {', '.join(b for b in BUILTIN if b != 'local')}, or a YAML file)")
     return load_cluster(args.cluster, args.num_nodes)
 
 

@@ -58,7 +58,7 @@ class TrialModel:
 
     def cluster_for(self, world: int, profiles: Profiles | None = None) -> Cluster:
         profiles = self.profiles if profiles is None else profiles
-        cluster = cli.cluster_from_args(self._ns(world), profiles)
+        cluster = cli.cluster_from_args(self._ns(world), profiles, placeholder_ok=True)
         if cluster.num_gpus < world and self.cluster == "local":  # the analytic local machine, grown to the trial
             group = load_cluster("local").groups[0]
             cluster = local_cluster(world, group.device, group.intra_node, cores=group.cores_per_node)

@@ -116,14 +116,18 @@ def test_analytic_profile(capsys, tmp_path):
     (["estimate", "--cluster", "aws-p3.8xlarge", "--tensor-model-parallel-size", "3"],
      "world size 4 is not divisible by --tensor-model-parallel-size 3"),
     (["simulate", "--cluster", "aws-p3.8xlarge", "--world-size", "8"], "--world-size 8 exceeds the 4 GPUs"),
-    (["estimate", "--cluster", "local", "--pipeline-model-parallel-size", "2", "--pipeline-partition", "3,3"],
+    (["estimate", "--cluster", "a100-80g-ib", "--pipeline-model-parallel-size", "2", "--pipeline-partition", "3,3"],
      "--pipeline-partition 3,3: sums to 6"),
     (["simulate", "--cluster", "aws-p3.8xlarge", "--achievable-fraction", "2"], "--achievable-fraction"),
     # subcommands' float flags are finite, and a value starting with '-' reaches its check (#28)
-    (["search", "--cluster", "local", "--lr", "nan"], "--lr must be a finite number"),
-    (["search", "--cluster", "local", "--overlap-factor", "inf"], "--overlap-factor must be a finite number"),
-    (["estimate", "--cluster", "local", "--memory-fragmentation", "5"], "--memory-fragmentation must be in [0, 1)"),
-    (["estimate", "--cluster", "local", "--memory-workspace-gb", "-1"], "--memory-workspace-gb must be >= 0"),
+    (["search", "--cluster", "a100-80g-ib", "--lr", "nan"], "--lr must be a finite number"),
+    (["search", "--cluster", "a100-80g-ib", "--overlap-factor", "inf"], "--overlap-factor must be a finite number"),
+    (["estimate", "--cluster", "a100-80g-ib", "--memory-fragmentation", "5"], "--memory-fragmentation must be in [0, 1)"),
+    (["estimate", "--cluster", "a100-80g-ib", "--memory-workspace-gb", "-1"], "--memory-workspace-gb must be >= 0"),
+    # this machine's built-in figures are placeholders: no plan, time or memory from them (#29)
+    (["search", "--global-batch-size", "8"], "--cluster local: this machine has not been measured; run"),
+    (["simulate", "--cluster", "local"], "add --profile prof.json"),
+    (["estimate"], "--cluster local: this machine has not been measured"),
 ])
 def test_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as err:
@@ -146,7 +150,7 @@ def test_bad_cluster_file_exit_code(tmp_path):
 def test_parameters_total_matches_model(capsys):
     from megatron_bmw.config import ModelConfig
 
-    data = _json(capsys, ["estimate", "--cluster", "local", *MODEL, "--json", "--world-size", "1"])
+    data = _json(capsys, ["estimate", "--cluster", "a100-80g-ib", *MODEL, "--json", "--world-size", "1"])
     padded = 256  # 200 padded to a multiple of 128
     cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=padded)
     assert data["parameters_total"] == total_parameters(cfg)
@@ -176,12 +180,12 @@ def test_the_planner_plans_llama_layers(capsys):
     biases, no position table) and searched."""
     from megatron_bmw.config import ModelConfig
 
-    data = _json(capsys, ["estimate", "--cluster", "local", *MODEL, *LLAMA, "--json", "--world-size", "1"])
+    data = _json(capsys, ["estimate", "--cluster", "a100-80g-ib", *MODEL, *LLAMA, "--json", "--world-size", "1"])
     cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
                       position_embedding_type="rope", swiglu=True, num_query_groups=2, normalization="RMSNorm",
                       add_bias_linear=False, untie_embeddings_and_output_weights=True)
     assert data["parameters_total"] == total_parameters(cfg)
-    gpt2 = _json(capsys, ["estimate", "--cluster", "local", *MODEL, "--json", "--world-size", "1"])
+    gpt2 = _json(capsys, ["estimate", "--cluster", "a100-80g-ib", *MODEL, "--json", "--world-size", "1"])
     assert data["parameters_total"] != gpt2["parameters_total"]
     assert main(["search", "--cluster", "a100-80g-ib", *MODEL, *LLAMA, "--global-batch-size", "8",
                  "--world-size", "8", "--no-progress"]) == 0

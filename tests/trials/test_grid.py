@@ -73,7 +73,12 @@ def test_plans_with_world_size_and_conflicting_flags(tmp_path):
     from megatron_bmw.trials.plans import search_plans
 
     flags = f"{MODEL} --global-batch-size 8".split()
-    paths = search_plans(flags, "local", [], 2, 2, ["pp=1,2"], str(tmp_path / "plans"), progress=False)
+    cluster = tmp_path / "cpu.yaml"
+    cluster.write_text("name: cpu-ranks\ninter_node: {bandwidth_GBps: 1, latency_us: 50}\n"
+                       "device_types: {cpu: {memory_gb: 8, peak_tflops: {fp32: 0.05}}}\n"
+                       "groups: [{nodes: 1, gpus_per_node: 2, device: cpu, "
+                       "intra_node: {bandwidth_GBps: 1, latency_us: 50}}]\n")
+    paths = search_plans(flags, str(cluster), [], 2, 2, ["pp=1,2"], str(tmp_path / "plans"), progress=False)
     assert len(paths) == 2 and all(os.path.exists(p) for p in paths)
     plans = load_plans([str(tmp_path / "plans")])
     axes, fixed = parse_flag_tokens(flags)
