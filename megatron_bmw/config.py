@@ -37,7 +37,8 @@ def llama_features(values) -> list[str]:
         ("--swiglu", bool(values.get("swiglu"))), (f"--num-query-groups {groups}", groups != heads),
         (f"--normalization {values.get('normalization')}", (values.get("normalization") or "LayerNorm") != "LayerNorm"),
         ("--disable-bias-linear", values.get("add_bias_linear") is False),
-        ("--add-qkv-bias", bool(values.get("add_qkv_bias")))) if on]
+        ("--add-qkv-bias", bool(values.get("add_qkv_bias"))), ("--qk-layernorm", bool(values.get("qk_layernorm"))),
+        ("--apply-layernorm-1p", bool(values.get("apply_layernorm_1p")))) if on]
 
 
 @dataclass
@@ -70,6 +71,8 @@ class ModelConfig:
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
     add_bias_linear: bool = True  # biases of the attention and MLP projections (--disable-bias-linear: False)
     add_qkv_bias: bool = False  # a QKV bias even without the other biases
+    qk_layernorm: bool = False  # queries and keys normalised per head over the head dimension
+    apply_layernorm_1p: bool = False  # every norm's weight stored as gamma - 1 (zero-centred), applied as w + 1
 
     def __post_init__(self) -> None:
         self.params_dtype = dtype_name(self.params_dtype)
