@@ -175,8 +175,10 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
-    g.add_argument("--decoupled-lr", type=float, default=None, help="not supported (refused)")
-    g.add_argument("--decoupled-min-lr", type=float, default=None, help="not supported (refused)")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the word embedding and output layer (same warm-up and decay)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="their final learning rate (default --min-lr)")
     g.add_argument("--calculate-per-token-loss", action="store_true", help="not supported (refused)")
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
@@ -259,10 +261,6 @@ def _check_megatron_choices(args) -> None:
     if args.context_parallel_size != 1:
         raise UsageError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
                          "implemented; only 1 is accepted")
-    for flag in ("decoupled-lr", "decoupled-min-lr"):
-        if getattr(args, flag.replace("-", "_")) is not None:
-            raise UsageError(f"--{flag}: not supported (the embedding and output layer would need their own "
-                             "learning rate; every parameter follows --lr here)")
     if args.calculate_per_token_loss:
         raise UsageError("--calculate-per-token-loss: not supported (the loss is averaged per micro-batch, then "
                          "over micro-batches, as without the flag)")
@@ -557,7 +555,8 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
                   lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
                   lr_warmup_fraction=args.lr_warmup_fraction, train_iters=train_iters, global_batch_size=gbs,
                   train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
-                  lr_warmup_samples=args.lr_warmup_samples)
+                  lr_warmup_samples=args.lr_warmup_samples, decoupled_lr=args.decoupled_lr,
+                  decoupled_min_lr=args.decoupled_min_lr)
     if not args.mock_data and not args.data_path:
         raise UsageError("give --data-path (preprocessed .bin/.idx prefixes) or --mock-data")
     return dict(train=train, optimizer=optimizer, lr=lr, data=data_config_from_args(args))

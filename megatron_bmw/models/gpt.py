@@ -95,6 +95,7 @@ class Embedding(Unit):
         self.dropout = cfg.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(init.normal(WORD_EMBEDDING, (cfg.vocab_size, h)), state,
                                                       cfg.torch_dtype)
+        self.word_embeddings.weight.embedding_or_output = True  # --decoupled-lr's parameters (and the output's)
         self.position_embeddings = None  # rope rotates queries and keys in attention instead; none has nothing
         if cfg.position_embedding_type == "learned_absolute":
             full = init.normal("embedding.position_embeddings.weight", (cfg.max_position_embeddings, h))
@@ -222,6 +223,7 @@ class Head(Unit):
             name = WORD_EMBEDDING if self.tied else "head.output_layer.weight"
             full = init.normal(name, (cfg.vocab_size, cfg.hidden_size))
             self.output_weight = VocabParallelEmbedding(full, state, cfg.torch_dtype).weight
+            self.output_weight.embedding_or_output = True
             if self.tied:  # a copy on the last pipeline stage, kept equal by the embedding-group all-reduce
                 self.output_weight.shared_embedding = True
                 self.output_weight.shared_embedding_copy = True
