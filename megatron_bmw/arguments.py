@@ -179,7 +179,9 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="peak learning rate of the word embedding and output layer (same warm-up and decay)")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="their final learning rate (default --min-lr)")
-    g.add_argument("--calculate-per-token-loss", action="store_true", help="not supported (refused)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="accepted where every micro-batch has micro-batch x seq-length loss tokens (GPT without "
+                        "--eod-mask-loss): the mean over the batch's tokens is then the mean of micro-batch means")
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
@@ -261,9 +263,10 @@ def _check_megatron_choices(args) -> None:
     if args.context_parallel_size != 1:
         raise UsageError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
                          "implemented; only 1 is accepted")
-    if args.calculate_per_token_loss:
-        raise UsageError("--calculate-per-token-loss: not supported (the loss is averaged per micro-batch, then "
-                         "over micro-batches, as without the flag)")
+    if args.calculate_per_token_loss and (args.eod_mask_loss or getattr(args, "model_type", "gpt") == "bert"):
+        why = "--eod-mask-loss" if args.eod_mask_loss else "BERT's masked positions"
+        raise UsageError(f"--calculate-per-token-loss: not supported with {why} (micro-batches then hold different "
+                         "numbers of loss tokens; the loss here is the mean of the micro-batch means)")
     heads = args.num_attention_heads
     if args.kv_channels is not None and heads and args.kv_channels * heads != args.hidden_size:
         raise UsageError(f"--kv-channels {args.kv_channels}: only hidden size / heads "
