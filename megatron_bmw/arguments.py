@@ -24,17 +24,21 @@ IGNORED_KERNEL_FLAGS = {
     "--transformer-impl": 1, "--accumulate-allreduce-grads-in-fp32": 0, "--empty-unused-memory-level": 1,
     "--num-workers": 1, "--data-impl": 1, "--cross-entropy-loss-fusion": 0, "--manual-gc": 0,
     "--manual-gc-interval": 1, "--no-create-attention-mask-in-dataloader": 0, "--no-mmap-bin-files": 0,
-    "--tiktoken-pattern": 1,
+    "--tiktoken-pattern": 1, "--no-rope-fusion": 0,
     # FP8 matmuls and a bf16 gradient reduction: speed-for-precision choices; the run keeps --bf16/--fp16 matmuls
     # and fp32 gradient reduction
     "--fp8-format": 1, "--fp8-recipe": 1, "--fp8-margin": 1, "--fp8-amax-history-len": 1,
-    "--fp8-amax-compute-algo": 1, "--fp8-param-gather": 0, "--grad-reduce-in-bf16": 0,
+    "--fp8-amax-compute-algo": 1, "--fp8-param-gather": 0, "--fp8-interval": 1, "--no-fp8-wgrad": 0,
+    "--first-last-layers-bf16": 0, "--num-layers-at-start-in-bf16": 1, "--num-layers-at-end-in-bf16": 1,
+    "--grad-reduce-in-bf16": 0,
 }
 # Logging extras this implementation does not write:
 IGNORED_LOGGING_FLAGS = {
     "--timing-log-level": 1, "--log-timers-to-tensorboard": 0, "--log-validation-ppl-to-tensorboard": 0,
     "--log-memory-to-tensorboard": 0, "--tensorboard-log-interval": 1, "--tensorboard-queue-size": 1,
-    "--profile": 0, "--profile-step-start": 1, "--profile-step-end": 1,
+    "--profile": 0, "--profile-step-start": 1, "--profile-step-end": 1, "--use-pytorch-profiler": 0,
+    "--log-batch-size-to-tensorboard": 0, "--wandb-project": 1, "--wandb-exp-name": 1, "--wandb-save-dir": 1,
+    "--wandb-entity": 1,
 }
 IGNORED_FLAGS = {**IGNORED_KERNEL_FLAGS, **IGNORED_LOGGING_FLAGS}
 # Megatron's attention backends -> ours: cuDNN's fused kernel runs as torch's fused attention, local as unfused

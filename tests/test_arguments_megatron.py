@@ -173,6 +173,11 @@ def test_ignored_flags_are_split_by_kind():
     assert args.ignored_flags == ["--no-masked-softmax-fusion", "--transformer-impl", "--log-timers-to-tensorboard",
                                   "--tensorboard-queue-size", "--data-impl"]
     assert not set(IGNORED_KERNEL_FLAGS) & set(IGNORED_LOGGING_FLAGS)
+    # flags of Megatron-LM's Llama example scripts: rope fusion, FP8 recipes, W&B
+    args = parse_args(BASE + ["--no-rope-fusion", "--fp8-format", "hybrid", "--num-layers-at-start-in-bf16", "1",
+                              "--wandb-project", "p", "--wandb-exp-name=x"])
+    assert args.ignored_kernel_flags == ["--no-rope-fusion", "--fp8-format", "--num-layers-at-start-in-bf16"]
+    assert args.ignored_logging_flags == ["--wandb-project", "--wandb-exp-name"]
 
 
 def test_train_iters_defaults_to_10():
