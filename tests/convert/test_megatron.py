@@ -599,13 +599,16 @@ def test_exact_gelu_run_converts_with_a_note(tmp_path, capsys):
 # Llama-style models: megatron-core's names for rotary, SwiGLU, grouped-query attention, RMSNorm, no biases, q/k norms
 
 GROUPS, D = 2, HIDDEN // HEADS
-LLAMA_CASES = {  # spec -> Megatron args (the TE run with zero-centred norm weights and q/k norms, half-rotated heads)
-    "transformer_engine": dict(apply_layernorm_1p=True, qk_layernorm=True, rotary_percent=0.5, rotary_base=500000),
-    "local": dict(apply_layernorm_1p=False, qk_layernorm=False, rotary_percent=1.0, rotary_base=10000),
+LLAMA_CASES = {  # spec -> Megatron args: the TE run with zero-centred norm weights, q/k norms and half-rotated
+    # heads; the local one with a QKV bias (--add-qkv-bias)
+    "transformer_engine": dict(apply_layernorm_1p=True, qk_layernorm=True, rotary_percent=0.5, rotary_base=500000,
+                               add_qkv_bias=False),
+    "local": dict(apply_layernorm_1p=False, qk_layernorm=False, rotary_percent=1.0, rotary_base=10000,
+                  add_qkv_bias=True),
 }
 
 
-def _llama_weights(one_p: bool, qk: bool, seed: int = 3) -> dict:
+def _llama_weights(one_p: bool, qk: bool, qkv_bias: bool, seed: int = 3) -> dict:
     """Weights as Megatron stores them: norm weights as gamma - 1 when `one_p`, fc1 as [gate; up]."""
     g = torch.Generator().manual_seed(seed)
 
@@ -621,6 +624,8 @@ def _llama_weights(one_p: bool, qk: bool, seed: int = 3) -> dict:
                   ln2=norm(HIDDEN), fc1=rnd(2 * FFN, HIDDEN), fc2=rnd(HIDDEN, FFN))
         if qk:
             lw.update(q_ln=norm(D), k_ln=norm(D))
+        if qkv_bias:
+            lw["qkv_b"] = rnd((HEADS + 2 * GROUPS) * D, scale=0.1)
         w["layers"].append(lw)
     return w
 
@@ -645,7 +650,8 @@ def _llama_logits(w: dict, tokens: torch.Tensor, one_p: bool, qk: bool, percent:
     x = w["wte"][tokens]
     causal = torch.ones(s, s, dtype=torch.bool).triu(1)
     for lw in w["layers"]:
-        mixed = (rms(x, lw["ln1"]) @ lw["qkv"].t()).view(b, s, GROUPS, (HEADS // GROUPS + 2) * D)
+        mixed = rms(x, lw["ln1"]) @ lw["qkv"].t() + lw.get("qkv_b", 0.0)
+        mixed = mixed.view(b, s, GROUPS, (HEADS // GROUPS + 2) * D)
         q, k, v = torch.split(mixed, [HEADS // GROUPS * D, D, D], dim=-1)
         q = q.reshape(b, s, HEADS, D)
         if qk:
@@ -672,6 +678,8 @@ def _llama_chunk(w, spec, tp, t, layers, first_stage, last_stage, qk):
         lw, p = w["layers"][g], f"decoder.layers.{j}."
         sd[p + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")] = lw["ln1"].clone()
         sd[p + "self_attention.linear_qkv.weight"] = rows(lw["qkv"])
+        if "qkv_b" in lw:
+            sd[p + "self_attention.linear_qkv.bias"] = rows(lw["qkv_b"])
         if qk:
             sd[p + "self_attention.q_layernorm.weight"] = lw["q_ln"].clone()
             sd[p + "self_attention.k_layernorm.weight"] = lw["k_ln"].clone()
@@ -720,7 +728,7 @@ def llama(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert_megatron_llama")
     out = {}
     for spec, case in LLAMA_CASES.items():
-        w = _llama_weights(case["apply_layernorm_1p"], case["qk_layernorm"])
+        w = _llama_weights(case["apply_layernorm_1p"], case["qk_layernorm"], case["add_qkv_bias"])
         ckpt = write_llama_checkpoint(root / f"megatron_{spec}", w, spec, tp=2, pp=2, stage_layers=(2, 2))
         out[spec] = dict(w=w, ckpt=ckpt, ours=_convert("megatron-to-ours", ckpt, root / f"ours_{spec}"))
     return out
@@ -740,8 +748,8 @@ def test_llama_megatron_to_ours_gives_megatrons_logits_and_loss(llama, spec, tmp
     args = _files(serial)[0][0, 0]["args"]
     assert (args["position_embedding_type"], args["swiglu"], args["num_query_groups"], args["normalization"]) == \
         ("rope", True, GROUPS, "RMSNorm")
-    assert (args["qk_layernorm"], args["apply_layernorm_1p"], args["add_bias_linear"]) == \
-        (settings["qk_layernorm"], settings["apply_layernorm_1p"], False)
+    assert (args["qk_layernorm"], args["apply_layernorm_1p"], args["add_bias_linear"], args["add_qkv_bias"]) == \
+        (settings["qk_layernorm"], settings["apply_layernorm_1p"], False, settings["add_qkv_bias"])
     tokens = _tokens()
     want = _llama_logits(case["w"], tokens, settings["apply_layernorm_1p"], settings["qk_layernorm"],
                          settings["rotary_percent"], settings["rotary_base"])
