@@ -22,14 +22,28 @@ IGNORED_KERNEL_FLAGS = {
     "--no-gradient-accumulation-fusion": 0, "--no-async-tensor-model-parallel-allreduce": 0,
     "--use-mcore-models": 0, "--use-legacy-models": 0, "--overlap-param-gather": 0, "--no-persist-layer-norm": 0,
     "--transformer-impl": 1, "--accumulate-allreduce-grads-in-fp32": 0, "--empty-unused-memory-level": 1,
-    "--num-workers": 1, "--data-impl": 1,
+    "--num-workers": 1, "--data-impl": 1, "--cross-entropy-loss-fusion": 0, "--manual-gc": 0,
+    "--manual-gc-interval": 1, "--no-create-attention-mask-in-dataloader": 0, "--no-mmap-bin-files": 0,
+    "--tiktoken-pattern": 1, "--no-rope-fusion": 0,
+    # FP8 matmuls and a bf16 gradient reduction: speed-for-precision choices; the run keeps --bf16/--fp16 matmuls
+    # and fp32 gradient reduction
+    "--fp8-format": 1, "--fp8-recipe": 1, "--fp8-margin": 1, "--fp8-amax-history-len": 1,
+    "--fp8-amax-compute-algo": 1, "--fp8-param-gather": 0, "--fp8-interval": 1, "--no-fp8-wgrad": 0,
+    "--first-last-layers-bf16": 0, "--num-layers-at-start-in-bf16": 1, "--num-layers-at-end-in-bf16": 1,
+    "--grad-reduce-in-bf16": 0,
 }
 # Logging extras this implementation does not write:
 IGNORED_LOGGING_FLAGS = {
     "--timing-log-level": 1, "--log-timers-to-tensorboard": 0, "--log-validation-ppl-to-tensorboard": 0,
     "--log-memory-to-tensorboard": 0, "--tensorboard-log-interval": 1, "--tensorboard-queue-size": 1,
+    "--profile": 0, "--profile-step-start": 1, "--profile-step-end": 1, "--use-pytorch-profiler": 0,
+    "--log-batch-size-to-tensorboard": 0, "--wandb-project": 1, "--wandb-exp-name": 1, "--wandb-save-dir": 1,
+    "--wandb-entity": 1,
 }
 IGNORED_FLAGS = {**IGNORED_KERNEL_FLAGS, **IGNORED_LOGGING_FLAGS}
+# Megatron's attention backends -> ours: cuDNN's fused kernel runs as torch's fused attention, local as unfused
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+_BACKEND_AS = {"fused": "flash", "local": "unfused"}
 CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")  # Megatron's; only torch here
 
 
@@ -90,11 +104,15 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in attention and MLP projections")
     g.add_argument("--add-qkv-bias", action="store_true", help="a QKV bias even with --disable-bias-linear")
     g.add_argument("--kv-channels", type=int, default=None, help="head dimension: hidden size / heads only")
-    g.add_argument("--qk-layernorm", action="store_true", help="not supported (refused)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise every query and key head over the head dimension (--normalization's kind)")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="norm weights stored zero-centred (gamma - 1) and applied as weight + 1")
     g.add_argument("--attention-softmax-in-fp32", action="store_true",
                    help="accepted: the attention softmax always runs in fp32")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--attention-backend", choices=["auto", "flash", "unfused"], default="auto")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="auto, flash or fused (torch's fused attention), unfused or local (explicit softmax)")
     g.add_argument("--use-flash-attn", action="store_true", help="Megatron's older flag; same as --attention-backend flash")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
@@ -114,6 +132,7 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "dp2-tp2, sdp4, tp4, ...), comma separated over [embedding, attn_0, mlp_0, ..., head], or "
                         "one for all; needs --tensor-model-parallel-size 1")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1, help="1 only (no context parallelism)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
@@ -160,6 +179,13 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the word embedding and output layer (same warm-up and decay)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="their final learning rate (default --min-lr)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="accepted where every micro-batch has micro-batch x seq-length loss tokens (GPT without "
+                        "--eod-mask-loss): the mean over the batch's tokens is then the mean of micro-batch means")
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
@@ -222,6 +248,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     if getattr(args, "model_type", "gpt") == "bert" and args.tokenizer_type is None and args.vocab_file:
         args.tokenizer_type = "BertWordPieceLowerCase"  # Megatron's pretrain_bert default
     args.ignored_flags = ignored
+    if hasattr(args, "attention_backend"):
+        args.attention_backend = _BACKEND_AS.get(args.attention_backend, args.attention_backend)
     args.ignored_kernel_flags = [f for f in ignored if f in IGNORED_KERNEL_FLAGS]
     args.ignored_logging_flags = [f for f in ignored if f in IGNORED_LOGGING_FLAGS]
     return args
@@ -236,8 +264,13 @@ def _positive(args, names: list[str]) -> None:
 
 def _check_megatron_choices(args) -> None:
     """Megatron flags whose other values select something this implementation does not have."""
-    if args.qk_layernorm:
-        raise UsageError("--qk-layernorm: not supported (no LayerNorm of queries and keys is implemented)")
+    if args.context_parallel_size != 1:
+        raise UsageError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
+                         "implemented; only 1 is accepted")
+    if args.calculate_per_token_loss and (args.eod_mask_loss or getattr(args, "model_type", "gpt") == "bert"):
+        why = "--eod-mask-loss" if args.eod_mask_loss else "BERT's masked positions"
+        raise UsageError(f"--calculate-per-token-loss: not supported with {why} (micro-batches then hold different "
+                         "numbers of loss tokens; the loss here is the mean of the micro-batch means)")
     heads = args.num_attention_heads
     if args.kv_channels is not None and heads and args.kv_channels * heads != args.hidden_size:
         raise UsageError(f"--kv-channels {args.kv_channels}: only hidden size / heads "
@@ -456,7 +489,7 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
                          f"the tokenizer's vocabulary has {orig_vocab} token(s); a language model needs >= 2")
     multiple = args.make_vocab_size_divisible_by * tp
     padded = -(-orig_vocab // multiple) * multiple
-    backend = "flash" if args.use_flash_attn else args.attention_backend
+    backend = "flash" if args.use_flash_attn else _BACKEND_AS.get(args.attention_backend, args.attention_backend)
     model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=padded, seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
@@ -483,7 +516,8 @@ def llama_settings(args) -> dict:
                 rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, swiglu=args.swiglu,
                 num_query_groups=args.num_query_groups if args.group_query_attention else None,
                 normalization=args.normalization, add_bias_linear=not args.disable_bias_linear,
-                add_qkv_bias=args.add_qkv_bias)
+                add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+                apply_layernorm_1p=args.apply_layernorm_1p)
 
 
 def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -528,7 +562,8 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
                   lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
                   lr_warmup_fraction=args.lr_warmup_fraction, train_iters=train_iters, global_batch_size=gbs,
                   train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
-                  lr_warmup_samples=args.lr_warmup_samples)
+                  lr_warmup_samples=args.lr_warmup_samples, decoupled_lr=args.decoupled_lr,
+                  decoupled_min_lr=args.decoupled_min_lr)
     if not args.mock_data and not args.data_path:
         raise UsageError("give --data-path (preprocessed .bin/.idx prefixes) or --mock-data")
     return dict(train=train, optimizer=optimizer, lr=lr, data=data_config_from_args(args))

@@ -37,7 +37,8 @@ def llama_features(values) -> list[str]:
         ("--swiglu", bool(values.get("swiglu"))), (f"--num-query-groups {groups}", groups != heads),
         (f"--normalization {values.get('normalization')}", (values.get("normalization") or "LayerNorm") != "LayerNorm"),
         ("--disable-bias-linear", values.get("add_bias_linear") is False),
-        ("--add-qkv-bias", bool(values.get("add_qkv_bias")))) if on]
+        ("--add-qkv-bias", bool(values.get("add_qkv_bias"))), ("--qk-layernorm", bool(values.get("qk_layernorm"))),
+        ("--apply-layernorm-1p", bool(values.get("apply_layernorm_1p")))) if on]
 
 
 @dataclass
@@ -70,6 +71,8 @@ class ModelConfig:
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
     add_bias_linear: bool = True  # biases of the attention and MLP projections (--disable-bias-linear: False)
     add_qkv_bias: bool = False  # a QKV bias even without the other biases
+    qk_layernorm: bool = False  # queries and keys normalised per head over the head dimension
+    apply_layernorm_1p: bool = False  # every norm's weight stored as gamma - 1 (zero-centred), applied as w + 1
 
     def __post_init__(self) -> None:
         self.params_dtype = dtype_name(self.params_dtype)
@@ -401,13 +404,13 @@ class TrainConfig:
                              f"final batch {self.batch_schedule.global_batch_size}")
 
 
-def _check_lr(lr: float, min_lr: float) -> None:
+def _check_lr(lr: float, min_lr: float, lr_flag: str = "--lr", min_flag: str = "--min-lr") -> None:
     if lr < 0:
-        raise UsageError(f"--lr must be >= 0, got {lr}")
+        raise UsageError(f"{lr_flag} must be >= 0, got {lr}")
     if min_lr < 0:
-        raise UsageError(f"--min-lr must be >= 0, got {min_lr}")
+        raise UsageError(f"{min_flag} must be >= 0, got {min_lr}")
     if min_lr > lr:
-        raise UsageError(f"--min-lr {min_lr} exceeds --lr {lr}")
+        raise UsageError(f"{min_flag} {min_lr} exceeds {lr_flag} {lr}")
 
 
 @dataclass
@@ -471,6 +474,10 @@ class LRConfig:
     train_samples: int | None = None  # sample-based training (--train-samples)
     lr_decay_samples: int | None = None  # None = train_samples
     lr_warmup_samples: int = 0
+    # Megatron's --decoupled-lr/--decoupled-min-lr: the word embedding's and output layer's own peak and floor
+    # (the floor defaults to min_lr), on the same warm-up and decay
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:
@@ -478,6 +485,11 @@ class LRConfig:
                 f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, not {self.lr_decay_style!r}"
             )
         _check_lr(self.lr, self.min_lr)
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise UsageError("--decoupled-min-lr needs --decoupled-lr")
+        if self.decoupled_lr is not None:
+            _check_lr(self.decoupled_lr, self.decoupled_floor, "--decoupled-lr",
+                      "--decoupled-min-lr" if self.decoupled_min_lr is not None else "--min-lr")
         if self.global_batch_size < 1:
             raise UsageError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
         if self.lr_warmup_fraction is not None:
@@ -494,6 +506,11 @@ class LRConfig:
             unit = "samples" if self.train_samples is not None else "iters"
             raise UsageError(f"--lr-warmup-{unit} must end before --lr-decay-{unit} ends (warm-up "
                              f"{self.warmup_steps:g} samples, decay {self.decay_steps:g} samples)")
+
+    @property
+    def decoupled_floor(self) -> float:
+        """The decoupled parameters' final learning rate."""
+        return self.decoupled_min_lr if self.decoupled_min_lr is not None else self.min_lr
 
     def _check_iterations(self) -> None:
         if self.lr_decay_samples is not None or self.lr_warmup_samples:

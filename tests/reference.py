@@ -13,6 +13,7 @@ from megatron_bmw.units import recompute_from_flags
 SEED = 1234
 LLAMA = dict(position_embedding_type="rope", swiglu=True, num_query_groups=2, normalization="RMSNorm",
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=48, rotary_percent=0.5)
+QK_1P = dict(qk_layernorm=True, apply_layernorm_1p=True)  # --qk-layernorm --apply-layernorm-1p
 RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 
 

@@ -45,7 +45,9 @@ def _refused(extra, needle, world=1):
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "0"],
      "--recompute-num-layers must be >= 1"),
     (["--position-embedding-type", "relative"], "--position-embedding-type relative: not supported"),
-    (["--qk-layernorm"], "--qk-layernorm: not supported"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not implemented"),
+    (["--decoupled-min-lr", "4.5e-5"], "--decoupled-min-lr needs --decoupled-lr"),
+    (["--calculate-per-token-loss", "--eod-mask-loss"], "--calculate-per-token-loss: not supported with --eod"),
     (["--kv-channels", "16"], "--kv-channels 16: only hidden size / heads (8) is supported"),
     (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups 3 must divide"),
     (["--rotary-percent", "0"], "--rotary-percent must be in (0, 1]"),
@@ -150,6 +152,11 @@ def test_aliases_and_accepted_megatron_values():
     tr = configs_from_args(args, 1).train
     assert tr.log_params_norm and tr.log_num_zeros_in_grad and tr.log_throughput
     assert "--log-params-norm" not in IGNORED_LOGGING_FLAGS and "--log-num-zeros-in-grad" not in IGNORED_KERNEL_FLAGS
+    # Megatron's attention backends as ours; --context-parallel-size 1; the model flags reach ModelConfig
+    assert _run(["--attention-backend", "fused"]).model.attention_backend == "flash"
+    assert _run(["--attention-backend", "local"]).model.attention_backend == "unfused"
+    m = _run(["--context-parallel-size", "1", "--qk-layernorm", "--apply-layernorm-1p"]).model
+    assert m.qk_layernorm and m.apply_layernorm_1p
 
 
 @pytest.mark.parametrize("text", ["949,50,1", "'949,50,1'", '"949,50,1"', "949/50/1", "'949/50/1'", "949, 50, 1"])
@@ -166,6 +173,11 @@ def test_ignored_flags_are_split_by_kind():
     assert args.ignored_flags == ["--no-masked-softmax-fusion", "--transformer-impl", "--log-timers-to-tensorboard",
                                   "--tensorboard-queue-size", "--data-impl"]
     assert not set(IGNORED_KERNEL_FLAGS) & set(IGNORED_LOGGING_FLAGS)
+    # flags of Megatron-LM's Llama example scripts: rope fusion, FP8 recipes, W&B
+    args = parse_args(BASE + ["--no-rope-fusion", "--fp8-format", "hybrid", "--num-layers-at-start-in-bf16", "1",
+                              "--wandb-project", "p", "--wandb-exp-name=x"])
+    assert args.ignored_kernel_flags == ["--no-rope-fusion", "--fp8-format", "--num-layers-at-start-in-bf16"]
+    assert args.ignored_logging_flags == ["--wandb-project", "--wandb-exp-name"]
 
 
 def test_train_iters_defaults_to_10():

@@ -10,8 +10,11 @@ with virtual pipeline stages.
     out = write_ours(model, layout)                           # or write_megatron(model, layout, spec)
 
 The two sides differ in names only: the tensors, their tensor-parallel splits and the fused QKV row layout
-(per attention head [q_h, k_h, v_h], each head_dim rows; megatron-core's per-query-group layout when every head
-is its own group) are the same. Megatron numbers the layers of each model chunk from 0 (`decoder.layers.N` is
+(megatron-core's per query group [q heads of group g; k_g; v_g], each head_dim rows; per head [q_h; k_h; v_h]
+without groups) are the same. Llama-family layers convert too: rotary positions (no position table), SwiGLU
+(fc1 holds [gate; up]; a tp rank's shard is [gate_r; up_r], merged and split here block by block), grouped-query
+attention, RMSNorm (weights only), no biases, q/k LayerNorm, zero-centred norm weights (stored as gamma - 1 on
+both sides), an untied output layer. Megatron numbers the layers of each model chunk from 0 (`decoder.layers.N` is
 local to the chunk, as its loader and saver read them); ours names units globally (attn_i, mlp_i), and a chunk
 may end between a layer's attention and its MLP, which Megatron cannot express.
 
@@ -35,7 +38,6 @@ from ..errors import UsageError
 from ..pipeline.partition import default_partition, parse_partition, rank_chunks, virtual_stage_units
 from ..units import owns_output_weight, unit_names
 from .gpt2 import POSITION_EMBEDDING, merge_shards, padded_vocab_size, shard_state_dict
-from .tp_shards import refuse_llama
 
 CHECKPOINT_VERSION = 3.0
 MEGATRON_SPECS = ("transformer_engine", "local")
@@ -50,6 +52,10 @@ _LAYER_PARAMS = (
     ("attn", "input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
     ("attn", "qkv.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.weight"),
     ("attn", "qkv.bias", "self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias"),
+    ("attn", "q_layernorm.weight", "self_attention.q_layernorm.weight", "self_attention.q_layernorm.weight"),
+    ("attn", "q_layernorm.bias", "self_attention.q_layernorm.bias", "self_attention.q_layernorm.bias"),
+    ("attn", "k_layernorm.weight", "self_attention.k_layernorm.weight", "self_attention.k_layernorm.weight"),
+    ("attn", "k_layernorm.bias", "self_attention.k_layernorm.bias", "self_attention.k_layernorm.bias"),
     ("attn", "proj.weight", "self_attention.linear_proj.weight", "self_attention.linear_proj.weight"),
     ("attn", "proj.bias", "self_attention.linear_proj.bias", "self_attention.linear_proj.bias"),
     ("mlp", "post_attention_layernorm.weight", "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
@@ -75,6 +81,7 @@ _EXTRA_STATE_MODULES = {
                            "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2"),
     "local": ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2"),
 }
+_MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 _LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _UNIT_LAYER = re.compile(r"units\.(attn|mlp)_(\d+)\.(.+)")
 
@@ -146,7 +153,7 @@ def megatron_chunk_to_ours(sd: Mapping[str, Any], layer_offset: int, where: str 
             ours = f"units.{kind}_{layer_offset + int(m.group(1))}.{param}"
         else:
             raise UsageError(f"{where} has a tensor this converter does not know: {name} "
-                             "(only dense GPT with learned absolute positions, LayerNorm and GeLU is supported)")
+                             "(only dense GPT and Llama-style decoder layers are supported)")
         if not isinstance(value, torch.Tensor):
             raise UsageError(f"{where}: {name} is a {type(value).__name__}, not a tensor")
         if ours in out:
@@ -218,12 +225,36 @@ def model_chunks(payload: Mapping[str, Any], where: str) -> list[dict]:
     return [payload[f"model{i}"] for i in keys]
 
 
-def assemble(chunks: Mapping[tuple[int, int], list[dict]], tp: int, pp: int,
-             where: str = "checkpoint") -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+_FC1 = re.compile(r"units\.mlp_\d+\.fc1\.(weight|bias)")
+
+
+def _merge_tp(shards: list[Mapping[str, torch.Tensor]], swiglu: bool) -> dict[str, torch.Tensor]:
+    """merge_shards, with SwiGLU's fc1 put back together as [gate; up] from the ranks' [gate_r; up_r]."""
+    full = merge_shards(shards)
+    if swiglu and len(shards) > 1:
+        for name in full:
+            if _FC1.fullmatch(name):
+                halves = [sd[name].chunk(2, 0) for sd in shards]
+                full[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return full
+
+
+def _shard_tp(sd: Mapping[str, torch.Tensor], tp: int, rank: int, swiglu: bool) -> dict[str, torch.Tensor]:
+    """shard_state_dict, with SwiGLU's fc1 split block by block: rank r holds [gate_r; up_r] (Megatron's too)."""
+    out = shard_state_dict(sd, tp, rank)
+    if swiglu and tp > 1:
+        for name, t in sd.items():
+            if _FC1.fullmatch(name):
+                out[name] = torch.cat([half.chunk(tp, 0)[rank] for half in t.chunk(2, 0)])
+    return out
+
+
+def assemble(chunks: Mapping[tuple[int, int], list[dict]], tp: int, pp: int, where: str = "checkpoint",
+             swiglu: bool = False) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
     """{(tp_rank, pp_rank): chunk state dicts in our names} -> (full state dict, unit names of each virtual stage).
 
-    Tensor-parallel shards are concatenated (convert_gpt2.merge_shards); virtual stage k is chunk k // pp of
-    pipeline rank k % pp. The tied output copy of the last stage stays in (see `drop_tied_copy`)."""
+    Tensor-parallel shards are concatenated (`_merge_tp`); virtual stage k is chunk k // pp of pipeline rank
+    k % pp. The tied output copy of the last stage stays in (see `drop_tied_copy`)."""
     _check_grid(chunks, tp, pp, where)
     virtual = len(chunks[0, 0])
     full: dict[str, torch.Tensor] = {}
@@ -234,7 +265,7 @@ def assemble(chunks: Mapping[tuple[int, int], list[dict]], tp: int, pp: int,
             if len(chunks[t, r]) != virtual:
                 raise UsageError(f"{where}: rank (tp {t}, pp {r}) holds {len(chunks[t, r])} model chunks, "
                                  f"rank (0, 0) holds {virtual}")
-        merged = merge_shards([chunks[t, r][i] for t in range(tp)])
+        merged = _merge_tp([chunks[t, r][i] for t in range(tp)], swiglu)
         units: list[str] = []
         for name, tensor in merged.items():
             if name in full:
@@ -274,12 +305,12 @@ def drop_tied_copy(full: dict[str, torch.Tensor], untied: bool) -> None:
         full.pop(OUTPUT_WEIGHT, None)
 
 
-def split(full: Mapping[str, torch.Tensor], num_layers: int, untied: bool,
-          layout: Layout) -> dict[tuple[int, int], list[dict[str, torch.Tensor]]]:
+def split(full: Mapping[str, torch.Tensor], num_layers: int, untied: bool, layout: Layout,
+          swiglu: bool = False) -> dict[tuple[int, int], list[dict[str, torch.Tensor]]]:
     """Inverse of `assemble` (+ `drop_tied_copy`): {(tp_rank, pp_rank): chunk state dicts in our names}.
 
     The last stage gets its copy of the tied word embeddings whenever ours would hold one (units.owns_output_weight).
-    Tensors are tensor-parallel shards with their own storage (convert_gpt2.shard_state_dict)."""
+    Tensors are tensor-parallel shards with their own storage (`_shard_tp`)."""
     names = unit_names(num_layers)
     by_unit: dict[str, list[str]] = {}
     for name in full:
@@ -295,25 +326,36 @@ def split(full: Mapping[str, torch.Tensor], num_layers: int, untied: bool,
                 sd[OUTPUT_WEIGHT] = full[WORD_EMBEDDING]
             chunks.append(sd)
         for t in range(layout.tp):
-            out[t, r] = [shard_state_dict(sd, layout.tp, t) for sd in chunks]
+            out[t, r] = [_shard_tp(sd, layout.tp, t, swiglu) for sd in chunks]
     return out
 
 
 def expected_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Our full model's parameter names and shapes for ModelConfig fields `cfg` (tied output weight left out)."""
-    h, v, n = int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg["num_layers"])
-    f = int(cfg.get("ffn_hidden_size") or 4 * h)
-    shapes: dict[str, tuple[int, ...]] = {WORD_EMBEDDING: (v, h),
-                                          POSITION_EMBEDDING: (int(cfg["max_position_embeddings"]), h)}
-    for i in range(n):
-        a, m = f"units.attn_{i}.", f"units.mlp_{i}."
-        shapes.update({a + "input_layernorm.weight": (h,), a + "input_layernorm.bias": (h,),
-                       a + "qkv.weight": (3 * h, h), a + "qkv.bias": (3 * h,), a + "proj.weight": (h, h),
-                       a + "proj.bias": (h,), m + "post_attention_layernorm.weight": (h,),
-                       m + "post_attention_layernorm.bias": (h,), m + "fc1.weight": (f, h), m + "fc1.bias": (f,),
-                       m + "fc2.weight": (h, f), m + "fc2.bias": (h,)})
-    shapes["units.head.final_layernorm.weight"] = (h,)
-    shapes["units.head.final_layernorm.bias"] = (h,)
+    m = ModelConfig(**{k: v for k, v in cfg.items() if k in _MODEL_FIELDS})
+    h, v, f, d = m.hidden_size, m.vocab_size, m.ffn_hidden_size, m.head_dim
+    rms, bias, qkv_bias = m.normalization == "RMSNorm", m.add_bias_linear, m.add_bias_linear or m.add_qkv_bias
+    shapes: dict[str, tuple[int, ...]] = {WORD_EMBEDDING: (v, h)}
+    if m.position_embedding_type == "learned_absolute":
+        shapes[POSITION_EMBEDDING] = (m.max_position_embeddings, h)
+
+    def norm(prefix: str, size: int) -> None:
+        shapes[prefix + ".weight"] = (size,)
+        if not rms:
+            shapes[prefix + ".bias"] = (size,)
+
+    for i in range(m.num_layers):
+        a, p = f"units.attn_{i}.", f"units.mlp_{i}."
+        norm(a + "input_layernorm", h)
+        if m.qk_layernorm:
+            norm(a + "q_layernorm", d)
+            norm(a + "k_layernorm", d)
+        shapes.update({a + "qkv.weight": (m.qkv_rows, h), a + "proj.weight": (h, h),
+                       p + "fc1.weight": (m.fc1_rows, h), p + "fc2.weight": (h, f)})
+        shapes.update({a + "qkv.bias": (m.qkv_rows,)} if qkv_bias else {})
+        shapes.update({a + "proj.bias": (h,), p + "fc1.bias": (m.fc1_rows,), p + "fc2.bias": (h,)} if bias else {})
+        norm(p + "post_attention_layernorm", h)
+    norm("units.head.final_layernorm", h)
     if cfg.get("untie_embeddings_and_output_weights"):
         shapes[OUTPUT_WEIGHT] = (v, h)
     return shapes
@@ -354,18 +396,19 @@ def unsupported_megatron_features(a: Mapping[str, Any]) -> list[str]:
     """What in Megatron's args our units cannot compute (empty: supported)."""
     heads, h = a.get("num_attention_heads"), a.get("hidden_size")
     found = []
-    pos = a.get("position_embedding_type") or "learned_absolute"
-    if pos != "learned_absolute":
+    pos = _megatron_position(a)
+    if pos not in ("learned_absolute", "rope", "none"):
         found.append(f"position_embedding_type {pos}")
-    elif a.get("use_rotary_position_embeddings") or a.get("add_position_embedding") is False:
-        found.append("position embeddings other than learned absolute")
-    if a.get("swiglu"):
-        found.append("swiglu")
+    for key, what in (("rotary_interleaved", "interleaved rotary embeddings"),
+                      ("use_rope_scaling", "Llama 3.1 rope scaling (--use-rope-scaling)"),
+                      ("qk_l2_norm", "L2-normalised queries and keys"), ("window_size", "sliding-window attention"),
+                      ("attention_output_gate", "gated attention output")):
+        if a.get(key):
+            found.append(what)
+    if (a.get("softmax_type") or "vanilla") != "vanilla":
+        found.append(f"softmax_type {a.get('softmax_type')}")
     if a.get("squared_relu"):
         found.append("squared_relu")
-    groups = a.get("num_query_groups")
-    if a.get("group_query_attention") and groups not in (None, heads):
-        found.append(f"group-query attention (num_query_groups {groups} != num_attention_heads {heads})")
     if a.get("num_experts"):
         found.append(f"MoE (num_experts {a.get('num_experts')})")
     if a.get("multi_latent_attention"):
@@ -373,14 +416,8 @@ def unsupported_megatron_features(a: Mapping[str, Any]) -> list[str]:
     if a.get("mtp_num_layers"):
         found.append("multi-token prediction layers")
     norm = a.get("normalization") or "LayerNorm"
-    if norm != "LayerNorm":
+    if norm not in ("LayerNorm", "RMSNorm"):
         found.append(f"normalization {norm}")
-    if a.get("apply_layernorm_1p") or a.get("layernorm_zero_centered_gamma"):
-        found.append("zero-centered LayerNorm gamma")
-    if a.get("add_bias_linear") is False or a.get("disable_bias_linear"):
-        found.append("linear layers without biases (--disable-bias-linear)")
-    if a.get("qk_layernorm"):
-        found.append("qk_layernorm")
     if a.get("apply_residual_connection_post_layernorm"):
         found.append("apply_residual_connection_post_layernorm")
     kv = a.get("kv_channels")
@@ -394,31 +431,59 @@ def unsupported_megatron_features(a: Mapping[str, Any]) -> list[str]:
 def megatron_notes(a: Mapping[str, Any]) -> list[str]:
     """Supported, but worth a line: where our units compute slightly differently than the Megatron run did."""
     notes = []
-    if a.get("bias_gelu_fusion") is False and not a.get("openai_gelu"):
+    if a.get("bias_gelu_fusion") is False and not a.get("openai_gelu") and not a.get("swiglu"):
         notes.append("the Megatron run used the exact (erf) GeLU (--no-bias-gelu-fusion); megatron_bmw's MLP uses "
                      "the tanh approximation, as Megatron's fused bias-GeLU does: outputs differ slightly")
     return notes
+
+
+def _megatron_position(a: Mapping[str, Any]) -> str:
+    """Megatron's position embedding type (its older --use-rotary-position-embeddings is rope)."""
+    if a.get("use_rotary_position_embeddings"):
+        return "rope"
+    return a.get("position_embedding_type") or "learned_absolute"
+
+
+def _llama_config_from_megatron(a: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelConfig's Llama-family fields from a Megatron run's args."""
+    heads, groups = a["num_attention_heads"], a.get("num_query_groups")
+    factor = a.get("rotary_seq_len_interpolation_factor")
+    return dict(
+        position_embedding_type=_megatron_position(a), rotary_percent=float(a.get("rotary_percent") or 1.0),
+        rotary_base=int(a.get("rotary_base") or 10000), rotary_seq_len_interpolation_factor=factor,
+        swiglu=bool(a.get("swiglu")),
+        num_query_groups=int(groups) if a.get("group_query_attention") and groups not in (None, heads) else None,
+        normalization=a.get("normalization") or "LayerNorm",
+        add_bias_linear=not (a.get("add_bias_linear") is False or a.get("disable_bias_linear")),
+        add_qkv_bias=bool(a.get("add_qkv_bias")), qk_layernorm=bool(a.get("qk_layernorm")),
+        apply_layernorm_1p=bool(a.get("apply_layernorm_1p") or a.get("layernorm_zero_centered_gamma")),
+    )
 
 
 def _model_config_from_megatron(a: Mapping[str, Any], full: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
         if not isinstance(a.get(key), int):
             raise UsageError(f"checkpoint args lack an integer {key!r}")
-    if WORD_EMBEDDING not in full or POSITION_EMBEDDING not in full:
-        raise UsageError("checkpoint lacks the embeddings (embedding.word_embeddings.weight, "
-                         "embedding.position_embeddings.weight)")
-    max_pos = int(full[POSITION_EMBEDDING].shape[0])
+    llama = _llama_config_from_megatron(a)
+    learned = llama["position_embedding_type"] == "learned_absolute"
+    if WORD_EMBEDDING not in full or (learned and POSITION_EMBEDDING not in full):
+        raise UsageError("checkpoint lacks the embeddings (embedding.word_embeddings.weight"
+                         + (", embedding.position_embeddings.weight)" if learned else ")"))
+    max_pos = int(full[POSITION_EMBEDDING].shape[0]) if learned else \
+        int(a.get("max_position_embeddings") or a.get("seq_length") or 0) or None
     eps = a.get("norm_epsilon", a.get("layernorm_epsilon"))
     cfg = dict(
         num_layers=a["num_layers"], hidden_size=a["hidden_size"], num_attention_heads=a["num_attention_heads"],
-        vocab_size=int(full[WORD_EMBEDDING].shape[0]), seq_length=int(a.get("seq_length") or max_pos),
+        vocab_size=int(full[WORD_EMBEDDING].shape[0]), seq_length=int(a.get("seq_length") or max_pos or 0),
         max_position_embeddings=max_pos, ffn_hidden_size=a.get("ffn_hidden_size") or 4 * a["hidden_size"],
         hidden_dropout=float(a.get("hidden_dropout", 0.1)), attention_dropout=float(a.get("attention_dropout", 0.1)),
         init_method_std=float(a.get("init_method_std", 0.02)), layernorm_epsilon=float(1e-5 if eps is None else eps),
         untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights", False)),
-        params_dtype=_dtype_name(full[WORD_EMBEDDING].dtype),
+        params_dtype=_dtype_name(full[WORD_EMBEDDING].dtype), **llama,
     )
-    return cfg
+    if not cfg["seq_length"]:
+        raise UsageError("checkpoint args lack seq_length (a rotary model has no position table to tell it)")
+    return ModelConfig(**cfg).to_json()  # fills defaults, validates
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -475,7 +540,7 @@ def read_megatron(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration:
                 raise UsageError(f"{chunk_where}: tensor-parallel ranks hold different layers")
             chunks[t, r].append(megatron_chunk_to_ours(sd, offset, chunk_where))
         offset += n
-    full, stages = assemble(chunks, tp, pp, where)
+    full, stages = assemble(chunks, tp, pp, where, swiglu=bool(a.get("swiglu")))
     cfg = _model_config_from_megatron(a, full)
     if offset != cfg["num_layers"]:
         raise UsageError(f"{where}: args say num_layers {cfg['num_layers']}, the pipeline stages hold {offset} layers")
@@ -506,7 +571,6 @@ def read_ours(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int
     if cfg.get("model_type", "gpt") != "gpt":
         raise UsageError(f"{where} holds a {str(cfg['model_type']).upper()} model; only GPT checkpoints convert to "
                          "Megatron-LM")
-    refuse_llama(cfg, where)
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
         if not isinstance(cfg.get(key), int):
             raise UsageError(f"{where}: checkpoint args lack an integer {key!r}")
@@ -520,7 +584,7 @@ def read_ours(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int
                 if not str(name).startswith("units."):
                     raise UsageError(f"{where} rank (tp {key[0]}, pp {key[1]}) holds {name}, not a megatron_bmw name "
                                      "(units.*); use --direction megatron-to-ours")
-    full, stages = assemble(chunks, tp, pp, where)
+    full, stages = assemble(chunks, tp, pp, where, swiglu=bool(cfg.get("swiglu")))
     partition = partition_of(stages, cfg["num_layers"], where)
     if WORD_EMBEDDING not in full:
         raise UsageError(f"{where} lacks {WORD_EMBEDDING}")
@@ -587,8 +651,8 @@ def retarget(model: Model, target: Target, to_megatron: bool) -> tuple[Model, La
             raise UsageError(f"{origin} {','.join(map(str, partition))}: {problem}, but Megatron's pipeline stages "
                              "hold whole transformer layers; give --target-pipeline-partition")
     what = "--target-tensor-parallel-size" if target.tp else "the tensor-parallel size"
-    for name in ("num_attention_heads", "hidden_size", "ffn_hidden_size"):
-        if cfg[name] % tp:
+    for name in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "num_query_groups"):
+        if cfg.get(name) and cfg[name] % tp:
             raise UsageError(f"{what} {tp} does not divide {name} {cfg[name]}")
     model = dataclasses.replace(model, full=dict(model.full), config=dict(cfg))
     _repad_vocab(model, src.tp, tp, target)
@@ -668,7 +732,8 @@ def write_ours(model: Model, layout: Layout) -> Files:
     it = _iteration_number(model)
     out: Files = {}
     cfg = model.config
-    for key, chunks in split(model.full, cfg["num_layers"], cfg["untie_embeddings_and_output_weights"], layout).items():
+    for key, chunks in split(model.full, cfg["num_layers"], cfg["untie_embeddings_and_output_weights"], layout,
+                             bool(cfg.get("swiglu"))).items():
         payload: dict[str, Any] = {"iteration": it, "args": dict(args), "checkpoint_version": CHECKPOINT_VERSION}
         if model.consumed_train_samples is not None:
             payload["consumed_train_samples"] = model.consumed_train_samples
@@ -693,18 +758,25 @@ def megatron_args(model: Model, layout: Layout, spec: str, tokenizer_type: str |
     dtype = cfg.torch_dtype
     return argparse.Namespace(
         num_layers=cfg.num_layers, hidden_size=h, ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=heads,
-        kv_channels=h // heads, num_query_groups=heads, group_query_attention=False,
+        kv_channels=h // heads, num_query_groups=cfg.query_groups,
+        group_query_attention=cfg.num_query_groups is not None,
         seq_length=cfg.seq_length, max_position_embeddings=cfg.max_position_embeddings,
-        position_embedding_type="learned_absolute", add_position_embedding=True,
+        position_embedding_type=cfg.position_embedding_type,
+        add_position_embedding=cfg.position_embedding_type == "learned_absolute",
+        use_rotary_position_embeddings=cfg.position_embedding_type == "rope", rotary_percent=cfg.rotary_percent,
+        rotary_base=cfg.rotary_base, rotary_seq_len_interpolation_factor=cfg.rotary_seq_len_interpolation_factor,
+        rotary_interleaved=False, use_rope_scaling=False,
         padded_vocab_size=cfg.vocab_size, vocab_size=model.orig_vocab_size,
         make_vocab_size_divisible_by=divisible,
         tokenizer_type=tokenizer_type or model.extra_args.get("tokenizer_type") or "GPT2BPETokenizer",
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
-        normalization="LayerNorm", norm_epsilon=cfg.layernorm_epsilon, layernorm_epsilon=cfg.layernorm_epsilon,
+        normalization=cfg.normalization, norm_epsilon=cfg.layernorm_epsilon, layernorm_epsilon=cfg.layernorm_epsilon,
+        apply_layernorm_1p=cfg.apply_layernorm_1p,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
-        init_method_std=cfg.init_method_std, swiglu=False, squared_relu=False, openai_gelu=False,
-        bias_gelu_fusion=True, add_bias_linear=True, add_qkv_bias=False, disable_bias_linear=False,
-        qk_layernorm=False, apply_residual_connection_post_layernorm=False, num_experts=None,
+        init_method_std=cfg.init_method_std, swiglu=cfg.swiglu, squared_relu=False, openai_gelu=False,
+        bias_gelu_fusion=not cfg.swiglu, bias_swiglu_fusion=cfg.swiglu, add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias, disable_bias_linear=not cfg.add_bias_linear,
+        qk_layernorm=cfg.qk_layernorm, apply_residual_connection_post_layernorm=False, num_experts=None,
         fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16, params_dtype=dtype,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.virtual if layout.virtual > 1 else None,
@@ -740,7 +812,8 @@ def write_megatron(model: Model, layout: Layout, spec: str = "transformer_engine
         done += sum(1 for i in units if names[i].startswith("attn_"))
     out: Files = {}
     for (t, r), chunks in split(model.full, model.config["num_layers"],
-                                model.config["untie_embeddings_and_output_weights"], layout).items():
+                                model.config["untie_embeddings_and_output_weights"], layout,
+                                bool(model.config.get("swiglu"))).items():
         converted = [ours_chunk_to_megatron(sd, first_layer[i * layout.pp + r], spec) for i, sd in enumerate(chunks)]
         payload: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
                                    "iteration": _iteration_number(model), "num_floating_point_operations_so_far": 0}

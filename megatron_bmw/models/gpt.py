@@ -29,13 +29,36 @@ from .softmax import causal_softmax, padding_softmax
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def _norm(cfg: ModelConfig, state: ParallelState) -> nn.Module:
-    if cfg.normalization == "RMSNorm":
-        ln = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=state.device, dtype=cfg.torch_dtype)
+class ZeroCenteredNorm(nn.Module):
+    """LayerNorm or RMSNorm whose weight holds gamma - 1 (Megatron's --apply-layernorm-1p): zeros at
+    initialisation, applied as weight + 1."""
+
+    def __init__(self, size: int, eps: float, rms: bool, device, dtype) -> None:
+        super().__init__()
+        self.eps, self.rms = eps, rms
+        self.weight = nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+        self.bias = None if rms else nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (self.weight.numel(),)
+        if self.rms:
+            return F.rms_norm(x, shape, self.weight + 1, self.eps)
+        return F.layer_norm(x, shape, self.weight + 1, self.bias, self.eps)
+
+
+def _norm(cfg: ModelConfig, state: ParallelState, size: int | None = None, tp_partial: bool = False) -> nn.Module:
+    """The model's normalisation over `size` (default the hidden size). Its gradient is partial per tp rank with
+    sequence parallelism, or always when `tp_partial` (queries and keys: each rank normalises its own heads)."""
+    size = size or cfg.hidden_size
+    if cfg.apply_layernorm_1p:
+        ln = ZeroCenteredNorm(size, cfg.layernorm_epsilon, cfg.normalization == "RMSNorm", state.device,
+                              cfg.torch_dtype)
+    elif cfg.normalization == "RMSNorm":
+        ln = nn.RMSNorm(size, eps=cfg.layernorm_epsilon, device=state.device, dtype=cfg.torch_dtype)
     else:
-        ln = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, state.device, cfg.torch_dtype)
+        ln = layer_norm(size, cfg.layernorm_epsilon, state.device, cfg.torch_dtype)
     for p in ln.parameters():
-        p.sequence_parallel = state.sequence_parallel
+        p.sequence_parallel = state.sequence_parallel or (tp_partial and state.tp_size > 1)
     return ln
 
 
@@ -72,6 +95,7 @@ class Embedding(Unit):
         self.dropout = cfg.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(init.normal(WORD_EMBEDDING, (cfg.vocab_size, h)), state,
                                                       cfg.torch_dtype)
+        self.word_embeddings.weight.embedding_or_output = True  # --decoupled-lr's parameters (and the output's)
         self.position_embeddings = None  # rope rotates queries and keys in attention instead; none has nothing
         if cfg.position_embedding_type == "learned_absolute":
             full = init.normal("embedding.position_embeddings.weight", (cfg.max_position_embeddings, h))
@@ -92,7 +116,8 @@ class Embedding(Unit):
 class Attention(Unit):
     """Pre-norm self-attention with a fused QKV projection and the residual add: causal (GPT), or over the
     keys batch["padding_mask"] marks as real tokens (BERT). Grouped-query attention shares a key and a value head
-    among the query heads of a group; rope rotates queries and keys by position (models/rotary.py)."""
+    among the query heads of a group; rope rotates queries and keys by position (models/rotary.py); with
+    qk_layernorm every query and key head is normalised over the head dimension first (q_layernorm, k_layernorm)."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit, name: str) -> None:
         super().__init__(state)
@@ -108,6 +133,8 @@ class Attention(Unit):
         self.causal = cfg.model_type != "bert"
         self.residual_post_ln = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = _norm(cfg, state)
+        self.q_layernorm = _norm(cfg, state, d, tp_partial=True) if cfg.qk_layernorm else None
+        self.k_layernorm = _norm(cfg, state, d, tp_partial=True) if cfg.qk_layernorm else None
         # QKV rows are laid out per query group as [group, (its q heads | k | v), head_dim] (Megatron's order; per
         # head [head, (q|k|v), head_dim] without groups), so a contiguous tp shard holds whole groups.
         rows = cfg.qkv_rows
@@ -125,6 +152,8 @@ class Attention(Unit):
         qkv = qkv.view(s, b, self.groups, per + 2, self.head_dim)
         q = qkv[:, :, :, :per].reshape(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)  # [b, n, s, d]
         k, v = (qkv[:, :, :, per + i].permute(1, 2, 0, 3) for i in (0, 1))  # [b, groups, s, d]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary is not None:
             angles = rotary_angles(s, *self.rotary, q.device)
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
@@ -194,6 +223,7 @@ class Head(Unit):
             name = WORD_EMBEDDING if self.tied else "head.output_layer.weight"
             full = init.normal(name, (cfg.vocab_size, cfg.hidden_size))
             self.output_weight = VocabParallelEmbedding(full, state, cfg.torch_dtype).weight
+            self.output_weight.embedding_or_output = True
             if self.tied:  # a copy on the last pipeline stage, kept equal by the embedding-group all-reduce
                 self.output_weight.shared_embedding = True
                 self.output_weight.shared_embedding_copy = True

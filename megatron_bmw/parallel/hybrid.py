@@ -41,7 +41,7 @@ from .placement import Uniform
 from .state import ParallelState
 
 PARAM_FLAGS = ("tensor_model_parallel", "partition_dim", "sequence_parallel", "shared_embedding", "counts_in_norm",
-               "shared_embedding_copy")
+               "shared_embedding_copy", "embedding_or_output")
 
 
 class UnitRNG:

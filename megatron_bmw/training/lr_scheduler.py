@@ -17,7 +17,7 @@ STEP_UNIT = "samples"  # what num_steps counts in checkpoints written since the 
 
 
 class _HasLR(Protocol):
-    def set_lr(self, lr: float) -> None: ...
+    def set_lr(self, lr: float, decoupled_lr: float | None = None) -> None: ...
 
 
 class LRScheduler:
@@ -28,30 +28,35 @@ class LRScheduler:
         self.lr_decay_style = cfg.lr_decay_style
         self.lr_decay_steps = cfg.decay_steps
         self.lr_warmup_steps = cfg.warmup_steps
+        # --decoupled-lr: (peak, floor) of the embedding and output layer, on the same warm-up and decay
+        self.decoupled = (cfg.decoupled_lr, cfg.decoupled_floor) if cfg.decoupled_lr is not None else None
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self) -> float:
+    def get_lr(self, peak: float | None = None, floor: float | None = None) -> float:
+        """The learning rate now: of the schedule's own peak and floor, or of those given (--decoupled-lr)."""
+        max_lr = self.max_lr if peak is None else peak
+        min_lr = self.min_lr if floor is None else floor
         n = self.num_steps
         if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
-            return self.max_lr * n / self.lr_warmup_steps
+            return max_lr * n / self.lr_warmup_steps
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if n > self.lr_decay_steps:
-            return self.min_lr
+            return min_lr
         ratio = (n - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
         if self.lr_decay_style == "linear":
             coeff = 1.0 - ratio
         else:
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment: int = 1) -> float:
         """Advance by `increment` samples and push the new lr to the optimizer."""
         self.num_steps += increment
         lr = self.get_lr()
         if self.optimizer is not None:
-            self.optimizer.set_lr(lr)
+            self.optimizer.set_lr(lr, None if self.decoupled is None else self.get_lr(*self.decoupled))
         return lr
 
     def state_dict(self) -> dict:

@@ -78,6 +78,7 @@ class MixedPrecisionOptimizer:
         self.device = self.params[0].device
         self.num_skipped_steps = 0
         self._lr = cfg.lr
+        self._decoupled_lr = None  # --decoupled-lr's current value (LRScheduler sets it)
         self._step_count = 0
         self._reload_pending = False
         if cfg.fp16:
@@ -104,9 +105,11 @@ class MixedPrecisionOptimizer:
             device=self.device,
         )
         decay = [uses_weight_decay(self.names[pc.index], self.params[pc.index]) for pc in self._pieces]
-        groups = [
-            {"params": [m for m, d in zip(self._masters, decay) if d], "weight_decay": cfg.weight_decay},
-            {"params": [m for m, d in zip(self._masters, decay) if not d], "weight_decay": 0.0},
+        outer = [getattr(self.params[pc.index], "embedding_or_output", False) for pc in self._pieces]
+        groups = [  # the word embedding and output layer apart, for --decoupled-lr
+            {"params": [m for m, d, o in zip(self._masters, decay, outer) if d == wd and o == out],
+             "weight_decay": cfg.weight_decay if wd else 0.0, "decoupled": out}
+            for out in (False, True) for wd in (True, False)
         ]
         groups = [g for g in groups if g["params"]]
         self._inner, self.backend = _make_adam(groups, cfg, self.device) if groups else (None, "none")
@@ -167,11 +170,12 @@ class MixedPrecisionOptimizer:
     def get_lr(self) -> float:
         return self._lr
 
-    def set_lr(self, lr: float) -> None:
-        self._lr = lr
+    def set_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        """`lr` for every parameter, or `decoupled_lr` for the word embedding and output layer when given."""
+        self._lr, self._decoupled_lr = lr, decoupled_lr
         if self._inner is not None:
             for group in self._inner.param_groups:
-                group["lr"] = lr
+                group["lr"] = decoupled_lr if group["decoupled"] and decoupled_lr is not None else lr
 
     def reload_model_params(self) -> None:
         """Refresh the master weights from the model parameters at the next step (after loading weights only)."""
@@ -314,7 +318,7 @@ class MixedPrecisionOptimizer:
         self._step_count = int(sd["step"])
         self.num_skipped_steps = int(sd.get("num_skipped_steps", 0))
         self.scaler.load_state_dict(sd["grad_scaler"])
-        self.set_lr(float(sd.get("lr", self._lr)))
+        self.set_lr(float(sd.get("lr", self._lr)), self._decoupled_lr)
         with torch.no_grad():
             for pc, m in zip(self._pieces, self._masters):
                 src = entries[pc.index]["master"]
@@ -344,7 +348,7 @@ class MixedPrecisionOptimizer:
             for group in torch_sd["param_groups"]:
                 group["step"] = self._step_count
         self._inner.load_state_dict(torch_sd)
-        self.set_lr(self._lr)
+        self.set_lr(self._lr, self._decoupled_lr)
 
 
 def _make_adam(groups: list[dict], cfg: OptimizerConfig, device: torch.device):

@@ -253,7 +253,6 @@ def test_pretrain_gpt_finetunes_from_converted_checkpoint(converted, capsys):
 
 def test_llama_checkpoints_are_refused_in_one_line():
     """The converters map GPT-2-style layers; a Llama-family checkpoint is named, not mis-converted."""
-    from megatron_bmw.convert.megatron import read_ours
     from megatron_bmw.convert.tp_shards import refuse_llama
 
     args = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "swiglu": True, "num_query_groups": 2,
@@ -263,6 +262,4 @@ def test_llama_checkpoints_are_refused_in_one_line():
         refuse_llama(args, "ckpt")
     with pytest.raises(UsageError, match="--swiglu"):
         megatron_to_hf({}, args)
-    with pytest.raises(UsageError, match="--swiglu"):
-        read_ours({(0, 0): {"args": args}}, where="ckpt")
     refuse_llama({"num_attention_heads": 4, "num_query_groups": None, "add_bias_linear": True}, "ckpt")  # GPT-2

@@ -440,12 +440,12 @@ def test_partition_inside_a_layer(megatron, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("override,message", [
-    (dict(position_embedding_type="rope"), "position_embedding_type rope"),
-    (dict(swiglu=True), "swiglu"),
-    (dict(group_query_attention=True, num_query_groups=2), "group-query attention"),
+    (dict(position_embedding_type="relative"), "position_embedding_type relative"),
+    (dict(position_embedding_type="rope", rotary_interleaved=True), "interleaved rotary embeddings"),
+    (dict(position_embedding_type="rope", use_rope_scaling=True), "rope scaling"),
     (dict(num_experts=8), "MoE"),
-    (dict(normalization="RMSNorm"), "normalization RMSNorm"),
-    (dict(add_bias_linear=False), "without biases"),
+    (dict(normalization="L2Norm"), "normalization L2Norm"),
+    (dict(softmax_type="learnable"), "softmax_type learnable"),
 ])
 def test_unsupported_megatron_models_exit_2(tmp_path, capsys, override, message):
     w = _reference_weights(untied=False)
@@ -593,3 +593,221 @@ def test_exact_gelu_run_converts_with_a_note(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "note: the Megatron run used the exact (erf) GeLU" in captured.err
     assert "--no-load-optim --no-load-rng" in captured.out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Llama-style models: megatron-core's names for rotary, SwiGLU, grouped-query attention, RMSNorm, no biases, q/k norms
+
+GROUPS, D = 2, HIDDEN // HEADS
+LLAMA_CASES = {  # spec -> Megatron args: the TE run with zero-centred norm weights, q/k norms and half-rotated
+    # heads; the local one with a QKV bias (--add-qkv-bias)
+    "transformer_engine": dict(apply_layernorm_1p=True, qk_layernorm=True, rotary_percent=0.5, rotary_base=500000,
+                               add_qkv_bias=False),
+    "local": dict(apply_layernorm_1p=False, qk_layernorm=False, rotary_percent=1.0, rotary_base=10000,
+                  add_qkv_bias=True),
+}
+
+
+def _llama_weights(one_p: bool, qk: bool, qkv_bias: bool, seed: int = 3) -> dict:
+    """Weights as Megatron stores them: norm weights as gamma - 1 when `one_p`, fc1 as [gate; up]."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=0.2):
+        return scale * torch.randn(*shape, generator=g)
+
+    def norm(size):
+        return rnd(size, scale=0.1) + (0.0 if one_p else 1.0)
+
+    w = {"wte": rnd(VOCAB, HIDDEN), "out": rnd(VOCAB, HIDDEN), "lnf": norm(HIDDEN), "layers": []}
+    for _ in range(LAYERS):
+        lw = dict(ln1=norm(HIDDEN), qkv=rnd((HEADS + 2 * GROUPS) * D, HIDDEN), proj=rnd(HIDDEN, HIDDEN),
+                  ln2=norm(HIDDEN), fc1=rnd(2 * FFN, HIDDEN), fc2=rnd(HIDDEN, FFN))
+        if qk:
+            lw.update(q_ln=norm(D), k_ln=norm(D))
+        if qkv_bias:
+            lw["qkv_b"] = rnd((HEADS + 2 * GROUPS) * D, scale=0.1)
+        w["layers"].append(lw)
+    return w
+
+
+def _llama_logits(w: dict, tokens: torch.Tensor, one_p: bool, qk: bool, percent: float, base: float) -> torch.Tensor:
+    """Logits [s, b, v] of megatron-core's Llama-style GPT: RMSNorm (gamma = w + 1 with --apply-layernorm-1p),
+    QKV per query group [q heads; k; v], q/k RMSNorm per head, rope on the first `percent` of each head (halves
+    paired), causal attention, SwiGLU (silu(gate) * up), untied output layer."""
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * (weight + 1 if one_p else weight)
+
+    b, s = tokens.shape
+    rot = int(D * percent)
+    freqs = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
+    angles = torch.outer(torch.arange(s, dtype=torch.float32), freqs).repeat(1, 2)  # [s, rot]: (f, f)
+
+    def rope(t):  # [b, s, heads, D]
+        x1, x2 = t[..., :rot // 2], t[..., rot // 2:rot]
+        turned = t[..., :rot] * angles.cos()[:, None] + torch.cat((-x2, x1), -1) * angles.sin()[:, None]
+        return torch.cat((turned, t[..., rot:]), -1)
+
+    x = w["wte"][tokens]
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    for lw in w["layers"]:
+        mixed = rms(x, lw["ln1"]) @ lw["qkv"].t() + lw.get("qkv_b", 0.0)
+        mixed = mixed.view(b, s, GROUPS, (HEADS // GROUPS + 2) * D)
+        q, k, v = torch.split(mixed, [HEADS // GROUPS * D, D, D], dim=-1)
+        q = q.reshape(b, s, HEADS, D)
+        if qk:
+            q, k = rms(q, lw["q_ln"]), rms(k, lw["k_ln"])
+        q, k = rope(q), rope(k)
+        k, v = (t.repeat_interleave(HEADS // GROUPS, dim=2) for t in (k, v))  # group g serves query heads of g
+        scores = (q.transpose(1, 2) @ k.permute(0, 2, 3, 1)) / math.sqrt(D)
+        ctx = scores.masked_fill(causal, float("-inf")).softmax(-1) @ v.transpose(1, 2)
+        x = x + ctx.transpose(1, 2).reshape(b, s, HIDDEN) @ lw["proj"].t()
+        gate, up = (rms(x, lw["ln2"]) @ lw["fc1"].t()).chunk(2, -1)
+        x = x + (F.silu(gate) * up) @ lw["fc2"].t()
+    return (rms(x, w["lnf"]) @ w["out"].t()).transpose(0, 1)
+
+
+def _llama_chunk(w, spec, tp, t, layers, first_stage, last_stage, qk):
+    """One tp rank's Megatron state dict: QKV rows split by whole query groups, fc1 as [gate_t; up_t]."""
+    def rows(x):
+        return x.chunk(tp, 0)[t].clone()
+
+    te = spec == "transformer_engine"
+    extra = _te_extra_state if te else (lambda: None)
+    sd = {"embedding.word_embeddings.weight": rows(w["wte"])} if first_stage else {}
+    for j, g in enumerate(layers):
+        lw, p = w["layers"][g], f"decoder.layers.{j}."
+        sd[p + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")] = lw["ln1"].clone()
+        sd[p + "self_attention.linear_qkv.weight"] = rows(lw["qkv"])
+        if "qkv_b" in lw:
+            sd[p + "self_attention.linear_qkv.bias"] = rows(lw["qkv_b"])
+        if qk:
+            sd[p + "self_attention.q_layernorm.weight"] = lw["q_ln"].clone()
+            sd[p + "self_attention.k_layernorm.weight"] = lw["k_ln"].clone()
+        sd[p + "self_attention.linear_proj.weight"] = lw["proj"].chunk(tp, 1)[t].clone()
+        sd[p + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight")] = lw["ln2"].clone()
+        sd[p + "mlp.linear_fc1.weight"] = torch.cat([half.chunk(tp, 0)[t] for half in lw["fc1"].chunk(2, 0)])
+        sd[p + "mlp.linear_fc2.weight"] = lw["fc2"].chunk(tp, 1)[t].clone()
+        for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"):
+            sd[p + module + "._extra_state"] = extra()
+        if te:
+            sd[p + "self_attention.core_attention._extra_state"] = extra()
+    if last_stage:
+        sd["decoder.final_layernorm.weight"] = w["lnf"].clone()
+        sd["output_layer.weight"] = rows(w["out"])
+        sd["output_layer._extra_state"] = None
+    return sd
+
+
+def write_llama_checkpoint(root, w, spec, tp, pp, stage_layers, **overrides) -> str:
+    """A Megatron-LM --ckpt-format torch checkpoint of a Llama-style run (examples/llama's flags, shrunk)."""
+    case = {**LLAMA_CASES[spec], **overrides}
+    args = _megatron_args(tp, pp, 1, spec, True, position_embedding_type="rope", swiglu=True, normalization="RMSNorm",
+                          add_bias_linear=False, group_query_attention=True, num_query_groups=GROUPS, kv_channels=D,
+                          **case)
+    starts = [sum(stage_layers[:k]) for k in range(pp)]
+    it_dir = os.path.join(root, f"iter_{ITERATION:07d}")
+    sys.modules["fake_megatron_core_enums"] = _fake_megatron_enum()
+    try:
+        for r in range(pp):
+            for t in range(tp):
+                layers = list(range(starts[r], starts[r] + stage_layers[r]))
+                model = _llama_chunk(w, spec, tp, t, layers, r == 0, r == pp - 1, case["qk_layernorm"])
+                d = os.path.join(it_dir, f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{r:03d}")
+                os.makedirs(d)
+                torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model},
+                           os.path.join(d, "model_optim_rng.pt"))
+    finally:
+        del sys.modules["fake_megatron_core_enums"]
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(ITERATION))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert_megatron_llama")
+    out = {}
+    for spec, case in LLAMA_CASES.items():
+        w = _llama_weights(case["apply_layernorm_1p"], case["qk_layernorm"], case["add_qkv_bias"])
+        ckpt = write_llama_checkpoint(root / f"megatron_{spec}", w, spec, tp=2, pp=2, stage_layers=(2, 2))
+        out[spec] = dict(w=w, ckpt=ckpt, ours=_convert("megatron-to-ours", ckpt, root / f"ours_{spec}"))
+    return out
+
+
+def _loss(logits, tokens):
+    return F.cross_entropy(logits[:-1].reshape(-1, VOCAB), tokens.t()[1:].reshape(-1))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_llama_megatron_to_ours_gives_megatrons_logits_and_loss(llama, spec, tmp_path):
+    """Megatron tp2 pp2 -> ours tp1 pp1: our model, built from the converted args, computes the reference
+    forward's logits and loss (rope, GQA over tp, [gate_r; up_r] fc1 shards, RMSNorm, q/k norms, 1p weights)."""
+    case, settings = llama[spec], LLAMA_CASES[spec]
+    serial = _convert("megatron-to-ours", case["ckpt"], tmp_path / "serial", "--target-tensor-parallel-size", "1",
+                      "--target-pipeline-model-parallel-size", "1")
+    args = _files(serial)[0][0, 0]["args"]
+    assert (args["position_embedding_type"], args["swiglu"], args["num_query_groups"], args["normalization"]) == \
+        ("rope", True, GROUPS, "RMSNorm")
+    assert (args["qk_layernorm"], args["apply_layernorm_1p"], args["add_bias_linear"], args["add_qkv_bias"]) == \
+        (settings["qk_layernorm"], settings["apply_layernorm_1p"], False, settings["add_qkv_bias"])
+    tokens = _tokens()
+    want = _llama_logits(case["w"], tokens, settings["apply_layernorm_1p"], settings["qk_layernorm"],
+                         settings["rotary_percent"], settings["rotary_base"])
+    got = _serial_logits(serial, tokens)
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    assert _loss(got, tokens).item() == pytest.approx(_loss(want, tokens).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_llama_round_trips_at_tp1_and_tp2_are_bit_exact(llama, spec, tmp_path):
+    """Megatron tp2 -> ours tp2 -> Megatron, and Megatron tp2 -> ours tp1 -> Megatron tp2 (fc1's gate and up halves
+    merged and split again), give Megatron's files back; a tp1 Megatron checkpoint goes round as well."""
+    case = llama[spec]
+    _assert_same_weights(_convert("ours-to-megatron", case["ours"], tmp_path / "m22", "--megatron-layer-spec", spec),
+                         case["ckpt"])
+    one = _convert("megatron-to-ours", case["ckpt"], tmp_path / "o11", "--target-tensor-parallel-size", "1",
+                   "--target-pipeline-model-parallel-size", "1")
+    back = _convert("ours-to-megatron", one, tmp_path / "m22b", "--target-tensor-parallel-size", "2",
+                    "--target-pipeline-model-parallel-size", "2", "--megatron-layer-spec", spec)
+    _assert_same_weights(back, case["ckpt"])
+    args = _files(back)[0][0, 1]["args"]
+    assert (args.swiglu, args.group_query_attention, args.num_query_groups, args.add_bias_linear) == \
+        (True, True, GROUPS, False)
+    assert (args.position_embedding_type, args.normalization, args.qk_layernorm) == \
+        ("rope", "RMSNorm", LLAMA_CASES[spec]["qk_layernorm"])
+    tp1 = write_llama_checkpoint(tmp_path / "m11", case["w"], spec, tp=1, pp=1, stage_layers=(LAYERS,))
+    ours = _convert("megatron-to-ours", tp1, tmp_path / "o11b")
+    _assert_same_weights(ours, one)
+    _assert_same_weights(_convert("ours-to-megatron", ours, tmp_path / "m11b", "--megatron-layer-spec", spec), tp1)
+
+
+def _first_loss(rank, world_size, argv):
+    from megatron_bmw.training.loop import build_trainer
+
+    trainer = build_trainer(argv)
+    trainer.train()
+    return trainer.history[0][1]
+
+
+@pytest.mark.slow
+def test_llama_converted_tp2_trains_like_tp1(llama, tmp_path):
+    """The converted tp2 checkpoint (fc1 shards [gate_r; up_r], QKV by whole groups) loads into a tp2 run whose first
+    loss is the tp1 conversion's: the runtime's own shards are Megatron's."""
+    from tests.dist_harness import run_distributed
+
+    case = llama["transformer_engine"]
+    serial = _convert("megatron-to-ours", case["ckpt"], tmp_path / "o11", "--target-tensor-parallel-size", "1",
+                      "--target-pipeline-model-parallel-size", "1")
+    tp2 = _convert("megatron-to-ours", case["ckpt"], tmp_path / "o21", "--target-pipeline-model-parallel-size", "1")
+    base = ["--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "8", "--num-layers",
+            str(LAYERS), "--hidden-size", str(HIDDEN), "--ffn-hidden-size", str(FFN), "--num-attention-heads",
+            str(HEADS), "--seq-length", str(POSITIONS), "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", str(ITERATION + 1), "--lr", "1e-3", "--log-interval", "100", "--eval-iters", "0",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--attention-backend", "unfused",
+            "--untie-embeddings-and-output-weights", "--no-load-optim", "--no-load-rng", "--position-embedding-type",
+            "rope", "--rotary-percent", "0.5", "--rotary-base", "500000", "--swiglu", "--group-query-attention",
+            "--num-query-groups", str(GROUPS), "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm",
+            "--apply-layernorm-1p"]
+    ref = run_distributed(1, _first_loss, base + ["--load", serial])[0]
+    got = run_distributed(2, _first_loss, base + ["--tensor-model-parallel-size", "2", "--load", tp2])
+    assert got == pytest.approx([ref, ref], rel=1e-5)

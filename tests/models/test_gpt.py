@@ -10,7 +10,7 @@ from megatron_bmw.units import unit_names
 from megatron_bmw.parallel.grad_sync import GradSync
 from megatron_bmw.parallel.state import ParallelState
 from tests.dist_harness import run_distributed
-from tests.reference import (LLAMA, SEED, expected_shard, make_batch, recompute_of, reference_name, serial_reference,
+from tests.reference import (LLAMA, QK_1P, SEED, expected_shard, make_batch, recompute_of, reference_name, serial_reference,
                              small_config, split_batch)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -58,6 +58,9 @@ LLAMA_CASES = [
     (2, {**LLAMA}, True),
     (2, {**LLAMA, "recompute_granularity": "selective", "attention_backend": "flash"}, False),
     (4, {**LLAMA, "num_query_groups": 4, "add_qkv_bias": True, "rotary_percent": 1.0}, True),
+    # --qk-layernorm: each tp rank normalises its own heads, the q/k norm weights' gradients summed over tp
+    (2, {**LLAMA, **QK_1P, "recompute_granularity": "selective"}, True),
+    (2, {**LLAMA, "qk_layernorm": True, "normalization": "LayerNorm", "recompute_granularity": "full"}, False),
 ]
 
 
@@ -94,6 +97,37 @@ def test_llama_layers_serial():
     qkv = dict(ModelChunk(build_units(small_config(**LLAMA), ParallelState.serial(), SEED)).named_parameters())
     assert qkv["units.attn_0.qkv.weight"].shape == ((4 + 2 * 2) * 8, 32)  # 4 query heads, 2 groups, head dim 8
     assert qkv["units.mlp_0.fc1.weight"].shape == (2 * 48, 32)  # SwiGLU: gate and up
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_qk_layernorm_and_zero_centred_norms_serial(normalization):
+    """--qk-layernorm normalises every query and key head over the head dimension (Megatron's q_layernorm and
+    k_layernorm, one weight of the head size each); --apply-layernorm-1p stores every norm weight as gamma - 1 and
+    equals the plain model holding gamma."""
+    over = {**LLAMA, "normalization": normalization, "qk_layernorm": True}
+    plain = ModelChunk(build_units(small_config(**over), ParallelState.serial(), SEED))
+    params = dict(plain.named_parameters())
+    assert params["units.attn_0.q_layernorm.weight"].shape == params["units.attn_0.k_layernorm.weight"].shape == (8,)
+    seen = {}
+    attn = plain.units["attn_0"]
+    attn.q_layernorm.register_forward_hook(lambda m, i, o: seen.setdefault("q", (i[0], o)) and None)
+    attn.k_layernorm.register_forward_hook(lambda m, i, o: seen.setdefault("k", (i[0], o)) and None)
+    batch = make_batch(small_config(**over), 2, seed=3)
+    plain(None, batch)
+    assert seen["q"][1].shape == (2, 4, 8, 8) and seen["k"][1].shape == (2, 2, 8, 8)  # [b, heads or groups, s, d]
+    for x, y in seen.values():  # unit weights: each head normalised over its 8 dimensions
+        if normalization == "LayerNorm":
+            x = x - x.mean(-1, keepdim=True)
+        torch.testing.assert_close(y, x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt(), rtol=1e-5, atol=1e-6)
+    one_p = ModelChunk(build_units(small_config(**over, apply_layernorm_1p=True), ParallelState.serial(), SEED))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in one_p.named_parameters():
+            if "layernorm" in name:
+                assert not p.any()  # zero-centred: gamma 1 at initialisation
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+                params[name].copy_(p + 1 if name.endswith(".weight") else p)
+    torch.testing.assert_close(one_p(None, batch), plain(None, batch), rtol=1e-6, atol=1e-6)
 
 
 def test_units_and_layout_independent_init():

@@ -12,8 +12,8 @@ from megatron_bmw.pipeline.engine import PipelineEngine, reduce_loss
 from megatron_bmw.pipeline.partition import default_partition, parse_partition
 from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup
 from tests.dist_harness import run_distributed
-from tests.reference import (LLAMA, SEED, expected_shard, make_batch, pipeline_of, reference_name, serial_reference,
-                             small_config, split_batch)
+from tests.reference import (LLAMA, QK_1P, SEED, expected_shard, make_batch, pipeline_of, reference_name,
+                             serial_reference, small_config, split_batch)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 MBS = 2  # micro-batch size
@@ -79,7 +79,8 @@ CASES = {
         (1, 1, 1, "1f1b", None, 3, {}),  # dp=2
         (1, 2, 1, "1f1b", "4,6", 4, {"num_layers": 4, "_recompute": MIXED}),  # per-unit recomputation
         (1, 2, 1, "1f1b", "4,6", 4, {"num_layers": 4, **LLAMA}),  # Llama layers, sub-layer cut
-        (1, 2, 2, "1f1b", None, 2, {"num_layers": 4, **LLAMA, "_recompute": MIXED}),  # Llama, interleaved
+        # Llama with --qk-layernorm and --apply-layernorm-1p, interleaved, recomputation mixed per unit
+        (1, 2, 2, "1f1b", None, 2, {"num_layers": 4, **LLAMA, **QK_1P, "_recompute": MIXED}),
     ],
     4: [
         (1, 4, 1, "1f1b", None, 3, {"num_layers": 4}),
@@ -91,7 +92,8 @@ CASES = {
         (1, 4, 2, "1f1b", None, 4, {"num_layers": 8}),
         (1, 4, 2, "1f1b", None, 8, {"num_layers": 8, "attention_backend": "flash"}),
         (2, 2, 1, "1f1b", "5,5", 4, {"num_layers": 4, "_sp": True, "_recompute": MIXED}),
-        (2, 2, 1, "1f1b", "5,5", 4, {"num_layers": 4, "_sp": True, **LLAMA}),  # Llama: tp2 + SP, GQA over tp
+        # Llama: tp2 + SP, GQA over tp, q/k LayerNorm weights summed over tp
+        (2, 2, 1, "1f1b", "5,5", 4, {"num_layers": 4, "_sp": True, **LLAMA, "qk_layernorm": True}),
         (1, 2, 1, "1f1b", None, 3, {**LLAMA, "num_query_groups": 1}),  # multi-query attention, dp2
     ],
     8: [

@@ -8,10 +8,10 @@ from megatron_bmw.training.lr_scheduler import LRScheduler
 
 
 class _Opt:
-    lr = None
+    lr = decoupled = None
 
-    def set_lr(self, lr):
-        self.lr = lr
+    def set_lr(self, lr, decoupled_lr=None):
+        self.lr, self.decoupled = lr, decoupled_lr
 
 
 def _lr_at(sched, n):
@@ -59,9 +59,30 @@ def test_state_dict_round_trip_and_override():
     assert c.num_steps == 7 and c.get_lr() == 0.5
 
 
+@pytest.mark.parametrize("floor", [0.3, None])
+def test_decoupled_lr_follows_the_schedule(floor):
+    """--decoupled-lr: the embedding and output layer's peak (and floor, default --min-lr) on the same warm-up
+    and cosine decay; without it the optimizer gets None (every group at lr)."""
+    opt = _Opt()
+    sched = LRScheduler(opt, LRConfig(lr=1.0, min_lr=0.1, lr_decay_style="cosine", lr_warmup_iters=10,
+                                      train_iters=110, decoupled_lr=3.0, decoupled_min_lr=floor))
+    for n in (1, 5, 10, 35, 60, 110, 200):
+        sched.step(n - sched.num_steps)
+        coeff = min(n, 10) / 10 if n <= 10 else 0.0 if n > 110 else 0.5 * (math.cos(math.pi * (n - 10) / 100) + 1)
+        low = 0.3 if floor else 0.1
+        expected = 3.0 * coeff if n <= 10 else low + coeff * (3.0 - low)
+        assert opt.decoupled == pytest.approx(expected, abs=1e-12) and opt.lr == sched.get_lr(), n
+    LRScheduler(opt, LRConfig(lr=1.0, train_iters=10))
+    assert opt.decoupled is None
+
+
 @pytest.mark.parametrize(
     "kwargs, flag",
     [
+        (dict(lr=1.0, train_iters=10, decoupled_min_lr=0.1), "--decoupled-min-lr needs --decoupled-lr"),
+        (dict(lr=1.0, train_iters=10, decoupled_lr=0.1, decoupled_min_lr=0.2), "--decoupled-min-lr 0.2 exceeds"),
+        (dict(lr=1.0, min_lr=0.5, train_iters=10, decoupled_lr=0.1), "--min-lr 0.5 exceeds --decoupled-lr"),
+        (dict(lr=1.0, train_iters=10, decoupled_lr=-1.0), "--decoupled-lr must be >= 0"),
         (dict(lr=1.0, lr_decay_style="step", train_iters=10), "--lr-decay-style"),
         (dict(lr=1.0, lr_warmup_iters=2, lr_warmup_fraction=0.1, train_iters=10), "--lr-warmup-fraction"),
         (dict(lr=1.0), "--lr-decay-iters"),

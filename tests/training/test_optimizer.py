@@ -226,3 +226,46 @@ def _zero_fp16_overflow(rank, world_size):
 @pytest.mark.slow
 def test_zero1_overflow_seen_by_one_shard_skips_everywhere():
     assert run_distributed(2, _zero_fp16_overflow) == [(False, 2.0**31)] * 2
+
+
+def test_decoupled_lr_groups_hold_the_word_embedding_and_output_layer():
+    """--decoupled-lr's parameters are the word embedding and the output layer (Megatron's
+    is_embedding_or_output_parameter), with or without weight decay as before; the rest take --lr."""
+    from megatron_bmw.models.chunk import ModelChunk, build_units
+    from tests.reference import SEED, small_config
+
+    model = ModelChunk(build_units(small_config(untie_embeddings_and_output_weights=True), ParallelState.serial(),
+                                   SEED))
+    opt = build_optimizer(list(model.named_parameters()), _cfg(), ParallelState.serial())
+    opt.set_lr(1e-3, 5e-3)
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_lr = {}
+    for group in opt._inner.param_groups:
+        for p in group["params"]:
+            by_lr.setdefault(group["lr"], set()).add(names[id(p)])
+            assert group["weight_decay"] == (0.1 if p.ndim == 2 else 0.0)
+    assert by_lr[5e-3] == {"units.embedding.word_embeddings.weight", "units.head.output_weight"}
+    assert len(by_lr[1e-3]) == len(names) - 2
+    opt.set_lr(2e-3)
+    assert {g["lr"] for g in opt._inner.param_groups} == {2e-3}
+
+
+def _decoupled_run(rank, world_size, extra):
+    from tests.training.test_pretrain import _layouts_case
+
+    return [h[1] for h in _layouts_case(rank, world_size, ["--lr-warmup-iters", "0", "--decoupled-lr", "2e-2",
+                                                           "--decoupled-min-lr", "1e-3"] + extra)]
+
+
+@pytest.mark.slow
+def test_decoupled_lr_trains_alike_on_pp2_and_zero1():
+    """The tied word embedding's copy on the last pipeline stage takes the decoupled rate too (the copies stay
+    equal), and ZeRO-1 shards put it in the right group: pp2 and dp2 ZeRO-1 give the serial losses, which differ
+    from a run without --decoupled-lr."""
+    from tests.training.test_pretrain import _layouts_case
+
+    serial = run_distributed(1, _decoupled_run, [])[0]
+    plain = [h[1] for h in run_distributed(1, _layouts_case, ["--lr-warmup-iters", "0"])[0]]
+    assert serial[0] == plain[0] and serial[2] != pytest.approx(plain[2], rel=1e-4)
+    for extra in (["--pipeline-model-parallel-size", "2"], ["--use-distributed-optimizer"]):
+        assert run_distributed(2, _decoupled_run, extra)[-1] == pytest.approx(serial, rel=1e-5), extra

@@ -6,6 +6,10 @@
     python tools/checkpoint/convert_megatron.py --direction ours-to-megatron --load-dir ours_ckpt/ \\
         --save-dir megatron_ckpt/ [--megatron-layer-spec local]
 
+Models: megatron-core GPTs with GPT-2-style layers, and Llama-style ones (rope, --swiglu, --group-query-attention,
+RMSNorm, --disable-bias-linear, --qk-layernorm, --apply-layernorm-1p, untied output), in the names of either layer
+spec (Transformer Engine's fused norms, or local).
+
 Weights only: optimizer state, RNG state and the LR schedule are not converted. The iteration and the consumed
 samples are kept, so training continues from the result with --no-load-optim --no-load-rng (or starts afresh with
 --finetune). The tensor/pipeline shards of the source are merged and split again for the target layout (default:
