@@ -231,13 +231,24 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of `parser` and of its subcommands."""
+    out = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _option_strings(sub)
+    return out
+
+
 def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     parser = parser or build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     kept, ignored, i = [], [], 0
+    own = _option_strings(parser)  # e.g. autoconfig's --profile FILE is its own, not Megatron's ignored --profile
     while i < len(argv):
         flag = argv[i].split("=")[0]
-        if flag in IGNORED_FLAGS:
+        if flag in IGNORED_FLAGS and flag not in own:
             ignored.append(flag)
             i += 1 + (IGNORED_FLAGS[flag] if "=" not in argv[i] else 0)
             continue
@@ -677,7 +688,8 @@ def plan_flags(plan) -> dict[str, object]:
         "rotary_base": m.rotary_base, "rotary_seq_len_interpolation_factor": m.rotary_seq_len_interpolation_factor,
         "swiglu": m.swiglu, "group_query_attention": m.num_query_groups is not None,
         "num_query_groups": m.num_query_groups, "normalization": m.normalization,
-        "disable_bias_linear": not m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias,
+        "disable_bias_linear": not m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "qk_layernorm": m.qk_layernorm,
+        "apply_layernorm_1p": m.apply_layernorm_1p,
         "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
         "micro_batch_size": pl.micro_batch_size, "global_batch_size": plan.global_batch_size,

@@ -226,6 +226,9 @@ def check_exportable(model_config: ModelConfig | Mapping[str, Any], where: str =
                          "(attention_bias also gives o_proj a bias)")
     if _get(model_config, "apply_residual_connection_post_layernorm", False):
         raise UsageError(f"{where}: --apply-residual-connection-post-layernorm has no LlamaForCausalLM equivalent")
+    for key, flag in (("qk_layernorm", "--qk-layernorm"), ("apply_layernorm_1p", "--apply-layernorm-1p")):
+        if _get(model_config, key, False):
+            raise UsageError(f"{where}: {flag} has no LlamaForCausalLM equivalent (convert_megatron.py takes it)")
 
 
 def megatron_to_hf(full_state_dict: Mapping[str, torch.Tensor], model_config: ModelConfig | Mapping[str, Any],

@@ -142,6 +142,8 @@ class Hybrid(Uniform):
             for p in units[names[i]].parameters():
                 if not hasattr(p, "grad_group"):
                     p.grad_group = self.groups[self.strategies[i]][1]
+                if getattr(p, "sequence_parallel", False):  # replicated over tp, each rank's gradient partial
+                    p.tp_sum_group = self.groups[self.strategies[i]][0]
         chunks = []
         for c in chunk_units:
             mine = {names[i]: units[names[i]] for i in c}
@@ -389,6 +391,10 @@ class HybridGradSync:
             if grad is not None:
                 p.main_grad.add_(grad.to_local().reshape(p.shape))
                 p.fsdp_param.grad = None
+        tp_groups = {id(p.tp_sum_group): p.tp_sum_group for p in self.params if hasattr(p, "tp_sum_group")}
+        for key, group in tp_groups.items():  # e.g. the query and key norms of a tp unit
+            _sum_over([p for p in self.params if id(getattr(p, "tp_sum_group", None)) == key], "sequence_parallel",
+                      group)
         _sum_over(self.params, "shared_embedding", self.state.embedding_group)
 
     def remove_hooks(self) -> None:

@@ -99,6 +99,8 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         out.append(SavedTensor(name, numel, itemsize))
 
     def layernorm() -> None:
+        if model.apply_layernorm_1p:  # the norm keeps the weight + 1 it computed
+            add("norm weight + 1", h, e)
         if model.normalization != "RMSNorm":
             add("layernorm input", hidden_local, e)
             add("layernorm statistics", 2 * s_local * b, stat_size)
@@ -172,6 +174,9 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     math_path = model.flash_attention and device == "cpu" and p_attn > 0
     # the unfused core's batched matmul copies a strided q; the fused kernel and a checkpoint keep q as it is
     core_inputs = _core_inputs(model, local_h, tp, query_copied=recompute != "selective" and not model.flash_attention)
+    if model.qk_layernorm:
+        qk = _qk_norm_saved(model, local_h, tp, b * heads * s, device)
+        out.extend(qk)
     if model.position_embedding_type == "rope":  # cos and sin, computed for the queries and again for the keys
         add("rotary cos and sin (fp32)", 4 * s * model.rotary_dim, _FP32)
     if recompute == "selective":
@@ -198,12 +203,42 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     else:  # the kernel's output is laid out like q, so the projection's input is a view of it
         out.extend(core_inputs)
         add("log-sum-exp (fp32)", b * heads * s, _FP32)
-        if model.position_embedding_type == "rope" and model.rotary_dim < model.head_dim:
-            add("attention output (partial rope lays q out by head: the context is a copy)", local_h, e)
+        if model.qk_layernorm or (model.position_embedding_type == "rope" and model.rotary_dim < model.head_dim):
+            add("attention output (q laid out by head: the context is a copy)", local_h, e)
         if bert:
             add("padding mask (additive, for the kernel)", b * s, e)
     add("context (output projection input)", local_h, e)
     hidden_dropout()
+    if model.qk_layernorm:  # one storage: the QKV output the norms' inputs and the values are views of
+        first = next((i for i, t in enumerate(out) if t.name == "qkv output"), len(out))
+        out = out[:first + 1] + [t for t in out[first + 1:] if t.name != "qkv output"]
+    return out
+
+
+def _qk_norm_saved(model: ModelConfig, local_h: int, tp: int, q_rows: int, device: str) -> list[SavedTensor]:
+    """What the per-head query and key norms keep (before rope): their inputs (k, and q unless copied out of
+    grouped rows, are views of the QKV output), statistics per head row, and as for the hidden norms the fp32
+    upcast and normalized tensors of the composite RMSNorm on "cpu"; with 1p each norm's weight + 1."""
+    e = model.dtype_bytes
+    per = model.num_attention_heads // model.query_groups
+    kv_local, k_rows = local_h // per, q_rows // per
+    qkv = SavedTensor("qkv output", local_h * model.qkv_rows // model.hidden_size, e)
+    q_copied = per > 1 and model.query_groups // tp > 1
+    out = []
+    if model.apply_layernorm_1p:
+        out.append(SavedTensor("q/k norm weights + 1", 2 * model.head_dim, e))
+    rms, cpu = model.normalization == "RMSNorm", device == "cpu"
+    if rms and cpu:
+        if e == _FP32:
+            out += [qkv] + ([SavedTensor("query (norm input)", local_h, e)] if q_copied else [])
+        else:
+            out += [SavedTensor("q/k norm inputs (fp32)", local_h + kv_local, _FP32)]
+        out += [SavedTensor("q/k rms statistics (fp32)", q_rows + k_rows, _FP32),
+                SavedTensor("q/k normalized (fp32)", local_h + kv_local, _FP32)]
+        return out
+    out += [qkv] + ([SavedTensor("query (norm input)", local_h, e)] if q_copied else [])
+    stats = 1 if rms else 2  # the fused RMSNorm's reciprocal RMS; LayerNorm's mean and reciprocal std
+    out.append(SavedTensor("q/k norm statistics", stats * (q_rows + k_rows), _FP32 if device == "cuda" else e))
     return out
 
 
@@ -217,21 +252,23 @@ def _core_inputs(model: ModelConfig, local_h: int, tp: int, query_copied: bool) 
     e = model.dtype_bytes
     per = model.num_attention_heads // model.query_groups
     qkv_local = local_h * model.qkv_rows // model.hidden_size
+    new_qk = model.position_embedding_type == "rope" or model.qk_layernorm  # q and k are new tensors
     if per > 1:
-        one_group_view = model.query_groups // tp == 1 and model.position_embedding_type != "rope" and not query_copied
+        one_group_view = model.query_groups // tp == 1 and not new_qk and not query_copied
         query = SavedTensor("qkv output (the query is a view of it)", qkv_local, e) if one_group_view \
             else SavedTensor("query", local_h, e)
         return [query, SavedTensor("keys repeated over the group", local_h, e),
                 SavedTensor("values repeated over the group", local_h, e)]
-    if model.position_embedding_type == "rope":
-        return [SavedTensor("query (rotated)", local_h, e), SavedTensor("keys (rotated)", local_h, e),
-                SavedTensor("qkv output (kept through the values' view)", qkv_local, e)]
-    return [SavedTensor("qkv output", qkv_local, e)]
+    if new_qk:
+        return [SavedTensor("query (normed or rotated)", local_h, e), SavedTensor("keys (normed or rotated)", local_h, e),
+                SavedTensor("qkv output", qkv_local, e)]
+    return [SavedTensor("qkv output", qkv_local, e)]  # q, k and v are views of it
 
 
 _SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
                "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head",
-               "position_embedding_type", "rotary_percent", "normalization", "swiglu", "num_query_groups")
+               "position_embedding_type", "rotary_percent", "normalization", "swiglu", "num_query_groups",
+               "qk_layernorm", "apply_layernorm_1p")
 _saved_memo: dict[tuple, int] = {}
 
 
@@ -281,14 +318,17 @@ def unit_param_count(kind: str, model: ModelConfig, tp: int = 1, output_weight: 
     rank owns an output matrix (untied, or the tied copy on a last pipeline stage) rather than sharing the
     embedding's."""
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
-    norm = h if model.normalization == "RMSNorm" else 2 * h  # RMSNorm has no bias
+    per_norm = 1 if model.normalization == "RMSNorm" else 2  # RMSNorm has no bias
+    norm = per_norm * h
     bias = model.add_bias_linear
     if kind == "embedding":
         positions = model.max_position_embeddings if model.position_embedding_type == "learned_absolute" else 0
         return (v // tp) * h + positions * h + model.num_tokentypes * h
     if kind == "attention":
         qkv = model.qkv_rows // tp
-        return norm + qkv * h + (qkv if bias or model.add_qkv_bias else 0) + h * (h // tp) + (h if bias else 0)
+        qk_norms = 2 * per_norm * model.head_dim if model.qk_layernorm else 0  # replicated over tp
+        return norm + qk_norms + qkv * h + (qkv if bias or model.add_qkv_bias else 0) + h * (h // tp) \
+            + (h if bias else 0)
     if kind == "mlp":
         return norm + (model.fc1_rows // tp) * h + (model.fc1_rows // tp if bias else 0) + h * (f // tp) \
             + (h if bias else 0)

@@ -157,7 +157,7 @@ def _check_model(f: _Fields, data: dict) -> dict:
     f.choice(m, "model_type", "model.model_type", MODEL_TYPES, "gpt")
     f.choice(m, "position_embedding_type", "model.position_embedding_type", POSITION_TYPES, "learned_absolute")
     f.choice(m, "normalization", "model.normalization", NORMALIZATIONS, "LayerNorm")
-    for key in ("swiglu", "add_bias_linear", "add_qkv_bias"):
+    for key in ("swiglu", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p"):
         f.boolean(m, key, f"model.{key}", key == "add_bias_linear")
     f.number(m, "rotary_percent", "model.rotary_percent", 0.0, default=1.0, open_low=True)
     f.integer(m, "rotary_base", "model.rotary_base", 1, 10000)

@@ -361,6 +361,9 @@ def test_the_other_converters_name_this_one(converted, tmp_path):
     with pytest.raises(UsageError, match="--rotary-percent 0.5"):
         megatron_to_hf({}, dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm",
                                 rotary_percent=0.5))
+    for key, flag in (("qk_layernorm", "--qk-layernorm"), ("apply_layernorm_1p", "--apply-layernorm-1p")):
+        with pytest.raises(UsageError, match=f"{flag} has no LlamaForCausalLM equivalent"):
+            megatron_to_hf({}, dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm", **{key: True}))
 
 
 @pytest.mark.slow

@@ -99,7 +99,7 @@ CASES = {
         (2, "tp2,dp2,tp2,sdp2,dp2,tp2", 4, {}, {"slicing": 2}),
         (2, "dp2,tp2,dp2,tp2,sdp2,tp2,dp2,tp2,tp2,dp2", 4, {"num_layers": 4, **UNTIED}, {"v": 2}),  # interleaved
         # Llama-family layers (query groups and SwiGLU's [gate; up] split over tp, sharded units), a sub-layer cut
-        (2, "tp2,sdp2,tp2,tp2,dp2,sdp2", 2, {**LLAMA, "_recompute": FULL2}, {"partition": "3,3"}),
+        (2, "tp2,sdp2,tp2,tp2,dp2,sdp2", 2, {**LLAMA, "qk_layernorm": True, "_recompute": FULL2}, {"partition": "3,3"}),
     ],
     8: [
         # pp4 x width 2 with BPipe (pair-adjacent order)

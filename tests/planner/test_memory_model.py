@@ -42,7 +42,7 @@ def _batch(b: int) -> dict:
 
 
 # Llama-family layers: rope with GQA, SwiGLU, RMSNorm and no biases together; rope alone (MHA, part of the head
-# rotated); groups without rope; MQA (one group: tp 1 only).
+# rotated); groups without rope; MQA (one group: tp 1 only); q/k norms.
 LLAMA_VARIANTS = (
     dict(position_embedding_type="rope", num_query_groups=2, swiglu=True, ffn_hidden_size=40,
          normalization="RMSNorm", add_bias_linear=False),
@@ -50,6 +50,10 @@ LLAMA_VARIANTS = (
     dict(num_query_groups=2, normalization="RMSNorm"),
     dict(num_query_groups=1),
     dict(position_embedding_type="rope", num_query_groups=1, swiglu=True),
+    # per-head query and key norms (before rope), zero-centred norm weights
+    dict(qk_layernorm=True, apply_layernorm_1p=True),
+    dict(qk_layernorm=True, normalization="RMSNorm", position_embedding_type="rope", num_query_groups=2),
+    dict(qk_layernorm=True, normalization="RMSNorm", apply_layernorm_1p=True, num_query_groups=1),
 )
 
 

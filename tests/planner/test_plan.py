@@ -113,6 +113,7 @@ def _set(section, key, value):
     (_set(None, "extra", 1), "unknown top-level key 'extra'"),
     (_set("model", "swiglu", "yes"), "model.swiglu"),
     (_set("model", "num_query_groups", 3), "model.num_query_groups"),
+    (_set("model", "qk_layernorm", 1), "model.qk_layernorm"),
     (_set("model", "normalization", "BatchNorm"), "model.normalization"),
     (_set("model", "num_query_groups", 0), "model.num_query_groups"),
 ])
@@ -164,6 +165,7 @@ def test_the_run_takes_the_plans_own_configs(tmp_path):
     (["--recompute-granularity", "full"], "sets the pipeline and every unit's recomputation"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], "drop the flag"),
     (["--swiglu"], "--swiglu disagrees with --plan .* \\(off\\)"),
+    (["--qk-layernorm"], "--qk-layernorm disagrees with --plan"),
     (["--use-rotary-position-embeddings"], "--use-rotary-position-embeddings disagrees"),
     (["--group-query-attention", "--num-query-groups", "2"], "disagrees with --plan"),
     (["--normalization", "RMSNorm"], "--normalization RMSNorm disagrees with --plan .* \\(LayerNorm\\)"),
