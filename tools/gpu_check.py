@@ -43,9 +43,9 @@ class StepTimeout(Exception):
 
 
 # ---- sizes ------------------------------------------------------------------------------------------------------
-COMMON = ["--mock-data", "--make-vocab-size-divisible-by", "128", "--hidden-dropout", "0", "--attention-dropout",
-          "0", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000", "--log-throughput",
-          "--seed", "1234", "--weight-decay", "0.01", "--clip-grad", "1.0"]
+MODEL_FLAGS = ["--make-vocab-size-divisible-by", "128", "--hidden-dropout", "0", "--attention-dropout", "0"]
+COMMON = ["--mock-data", *MODEL_FLAGS, "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000",
+          "--log-throughput", "--seed", "1234", "--weight-decay", "0.01", "--clip-grad", "1.0"]
 LR = ["--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
 LLAMA = ["--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
          "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
@@ -71,17 +71,20 @@ class Sizes:
     steps_flag: list[str]  # tools/gpu_check_steps.py sizes
 
 
-GPU = Sizes(small=_gpt(4, 512, 8, 1024, 8192), small_batch=["--micro-batch-size", "4", "--global-batch-size", "16"],
-            iters=30,
-            big=[("GPT 1.3B", _gpt(24, 2048, 16, 2048, 50257), ["--micro-batch-size", "2", "--global-batch-size", "16"]),
-                 ("GPT 350M", _gpt(24, 1024, 16, 2048, 50257), ["--micro-batch-size", "4", "--global-batch-size", "32"])],
-            big_iters=30, profiled=_gpt(8, 1024, 16, 1024, 50257), profile_mbs="1,2,4",
+def _batch(mbs: int, gbs: int) -> list[str]:
+    return ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs)]
+
+
+GPU = Sizes(small=_gpt(4, 512, 8, 1024, 8192), small_batch=_batch(4, 16), iters=30,
+            big=[("GPT 1.3B", _gpt(24, 2048, 16, 2048, 50257), _batch(2, 16)),
+                 ("GPT 350M", _gpt(24, 1024, 16, 2048, 50257), _batch(4, 32))],
+            big_iters=40, profiled=_gpt(8, 1024, 16, 1024, 50257), profile_mbs="1,2,4",
             planned=[(1, "none"), (2, "none"), (4, "none"), (2, "full")], planned_gbs=16, planned_iters=12,
             steps_flag=[])
-DRY = Sizes(small=_gpt(2, 64, 4, 64, 512), small_batch=["--micro-batch-size", "2", "--global-batch-size", "4"],
-            iters=8, big=[("GPT tiny", _gpt(2, 64, 4, 64, 512), ["--micro-batch-size", "2", "--global-batch-size", "4"])],
-            big_iters=6, profiled=_gpt(2, 64, 4, 64, 512), profile_mbs="1,2", planned=[(1, "none"), (2, "full")],
-            planned_gbs=4, planned_iters=4, steps_flag=["--small"])
+DRY = Sizes(small=_gpt(2, 64, 4, 64, 512), small_batch=_batch(2, 4), iters=8,
+            big=[("GPT tiny", _gpt(2, 64, 4, 64, 512), _batch(2, 4))], big_iters=6, profiled=_gpt(2, 64, 4, 64, 512),
+            profile_mbs="1,2", planned=[(1, "none"), (2, "full")], planned_gbs=4, planned_iters=4,
+            steps_flag=["--small"])
 FP16_ITERS = 40  # from Megatron's initial loss scale 2^32 the first ~17 iterations overflow and are skipped
 
 
@@ -252,7 +255,7 @@ def _plan(ctx: Context, model: list[str], batch: list[str], space: list[str], pa
           what: str) -> None:
     spaces = [x for s in ["tp=1", "pp=1", *space] for x in ("--space", s)]
     ctx.autoconfig(["search", "--cluster", "h100-80g-ib", "--num-nodes", "1", "--world-size", "1",
-                    *(["--profile", profile] if profile else []), *COMMON[1:7], *model, *batch, "--bf16",
+                    *(["--profile", profile] if profile else []), *MODEL_FLAGS, *model, *batch, "--bf16",
                     "--attention-backend", "flash", *spaces, "--no-progress", "--top-k", "1", "--output", path], what)
 
 
@@ -307,14 +310,14 @@ def step_planner(ctx: Context) -> dict:
     single-GPU configurations planned with that profile."""
     s = ctx.sizes
     profile = os.path.join(ctx.work, "profile.json")
-    ctx.autoconfig(["profile", "--output", profile, *s.profiled, "--bf16", "--attention-backend", "flash",
+    ctx.autoconfig(["profile", "--output", profile, *MODEL_FLAGS, *s.profiled, "--bf16", "--attention-backend", "flash",
                     "--profile-micro-batch-sizes", s.profile_mbs, "--no-links", "--device-type", "h100-80g"],
                    "autoconfig.py profile")
     rows, failures = {}, []
     for mbs, recompute in s.planned:
         name = f"mbs{mbs}-{recompute}"
         plan = os.path.join(ctx.work, f"plan_{name}.json")
-        batch = ["--micro-batch-size", str(mbs), "--global-batch-size", str(s.planned_gbs)]
+        batch = _batch(mbs, s.planned_gbs)
         try:
             space = [f"mbs={mbs}", f"recompute={recompute}", "recompute-granularity=uniform"]
             _plan(ctx, s.profiled, batch, space, plan, profile, f"search for {name}")

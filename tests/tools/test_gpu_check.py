@@ -1,6 +1,7 @@
 """tools/gpu_check.py's dry run on the CPU: the report's shape, a failing and a hanging step recorded while the
 others still run, and one-line usage errors."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,9 +11,9 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-import gpu_check  # noqa: E402
+_spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "tools", "gpu_check.py"))
+gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(_spec)  # tools/ is not a package
+_spec.loader.exec_module(gpu_check)
 
 
 @pytest.mark.slow
