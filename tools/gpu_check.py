@@ -79,7 +79,7 @@ GPU = Sizes(small=_gpt(4, 512, 8, 1024, 8192), small_batch=_batch(4, 16), iters=
             big=[("GPT 1.3B", _gpt(24, 2048, 16, 2048, 50257), _batch(2, 16)),
                  ("GPT 350M", _gpt(24, 1024, 16, 2048, 50257), _batch(4, 32))],
             big_iters=40, profiled=_gpt(8, 1024, 16, 1024, 50257), profile_mbs="1,2,4",
-            planned=[(1, "none"), (2, "none"), (4, "none"), (2, "full")], planned_gbs=16, planned_iters=12,
+            planned=[(1, "none"), (2, "none"), (4, "none"), (2, "full")], planned_gbs=16, planned_iters=20,
             steps_flag=[])
 DRY = Sizes(small=_gpt(2, 64, 4, 64, 512), small_batch=_batch(2, 4), iters=8,
             big=[("GPT tiny", _gpt(2, 64, 4, 64, 512), _batch(2, 4))], big_iters=6, profiled=_gpt(2, 64, 4, 64, 512),
@@ -251,12 +251,17 @@ def step_store(ctx: Context) -> dict:
             "details": out, "notes": out["notes"]}
 
 
+def search_args(model: list[str], batch: list[str], space: list[str], path: str, profile: str | None) -> list[str]:
+    """autoconfig.py's arguments for a one-GPU plan (an H100's memory; analytic times without `profile`)."""
+    spaces = [x for s in ["tp=1", "pp=1", *space] for x in ("--space", s)]
+    return ["search", "--cluster", "h100-80g-ib", "--num-nodes", "1", "--world-size", "1",
+            *(["--profile", profile] if profile else []), *MODEL_FLAGS, *model, *batch, "--bf16",
+            "--attention-backend", "flash", *spaces, "--no-progress", "--top-k", "1", "--output", path]
+
+
 def _plan(ctx: Context, model: list[str], batch: list[str], space: list[str], path: str, profile: str | None,
           what: str) -> None:
-    spaces = [x for s in ["tp=1", "pp=1", *space] for x in ("--space", s)]
-    ctx.autoconfig(["search", "--cluster", "h100-80g-ib", "--num-nodes", "1", "--world-size", "1",
-                    *(["--profile", profile] if profile else []), *MODEL_FLAGS, *model, *batch, "--bf16",
-                    "--attention-backend", "flash", *spaces, "--no-progress", "--top-k", "1", "--output", path], what)
+    ctx.autoconfig(search_args(model, batch, space, path, profile), what)
 
 
 def _plan_numbers(run: dict) -> dict:
@@ -275,14 +280,21 @@ def _plan_numbers(run: dict) -> dict:
             "mem_err_pct": err(stage["measured_bytes"], stage["predicted_bytes"])}
 
 
+def big_space(batch: list[str]) -> list[str]:
+    return ["mbs=" + batch[1], "recompute=none,selective"]
+
+
+def planned_space(mbs: int, recompute: str) -> list[str]:
+    return [f"mbs={mbs}", f"recompute={recompute}", "recompute-granularity=uniform"]
+
+
 def step_big(ctx: Context) -> dict:
     """The largest GPT of the list that runs: tokens/s, MFU, the memory model against the measured peak."""
     failures = []
     for name, model, batch in ctx.sizes.big:
         plan = os.path.join(ctx.work, f"plan_big_{name.split()[-1]}.json")
         try:
-            _plan(ctx, model, batch, ["mbs=" + batch[1], "recompute=none,selective"], plan, None,
-                  f"search for {name}")
+            _plan(ctx, model, batch, big_space(batch), plan, None, f"search for {name}")
             run = ctx.pretrain([*COMMON, *LR, *model, *batch, "--bf16", "--attention-backend", "flash", "--plan",
                                 plan, "--train-iters", str(ctx.sizes.big_iters)], f"{name} run")
         except StepFailed as exc:
@@ -319,8 +331,7 @@ def step_planner(ctx: Context) -> dict:
         plan = os.path.join(ctx.work, f"plan_{name}.json")
         batch = _batch(mbs, s.planned_gbs)
         try:
-            space = [f"mbs={mbs}", f"recompute={recompute}", "recompute-granularity=uniform"]
-            _plan(ctx, s.profiled, batch, space, plan, profile, f"search for {name}")
+            _plan(ctx, s.profiled, batch, planned_space(mbs, recompute), plan, profile, f"search for {name}")
             run = ctx.pretrain([*COMMON, *LR, *s.profiled, *batch, "--bf16", "--attention-backend", "flash",
                                 "--plan", plan, "--train-iters", str(s.planned_iters)], f"{name} run")
             p = _plan_numbers(run)

@@ -170,7 +170,7 @@ class PinnedLoopback:
 
 
 def _copy_rates(device: torch.device, nbytes: int) -> dict:
-    """GB/s of pinned host <-> device copies on a side stream, timed with events (best of 5)."""
+    """GB/s of pinned host <-> device copies on a side stream, timed with events (best of 6)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device)

@@ -57,3 +57,26 @@ def test_usage_errors_are_one_line(tmp_path, capsys, argv, message):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_the_gpu_sizes_plan_on_one_h100(tmp_path, capsys):
+    """The searches the GPU run will make (torch-free, here): the big models fit one H100 80GB with room to spare,
+    and every planner configuration gets a plan with the micro-batch size and recomputation asked for."""
+    from megatron_bmw.cli.autoconfig import main
+    from megatron_bmw.planner.plan import Plan
+
+    sizes = gpu_check.GPU
+    for i, (_, model, batch) in enumerate(sizes.big):
+        path = str(tmp_path / f"big{i}.json")
+        assert main(gpu_check.search_args(model, batch, gpu_check.big_space(batch), path, None)) == 0
+        stage = Plan.load(path).prediction["stages"][0]
+        assert stage["peak_bytes"] < 0.8 * stage["capacity_bytes"]
+    for mbs, recompute in sizes.planned:
+        path = str(tmp_path / f"plan{mbs}{recompute}.json")
+        batch = gpu_check._batch(mbs, sizes.planned_gbs)
+        assert main(gpu_check.search_args(sizes.profiled, batch, gpu_check.planned_space(mbs, recompute), path,
+                                          None)) == 0
+        pipeline = Plan.load(path).spec.pipeline
+        assert pipeline.micro_batch_size == mbs
+        assert set(pipeline.recompute or ()) - {None} == ({"full"} if recompute == "full" else set()), pipeline
+    capsys.readouterr()
