@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -302,11 +303,17 @@ def step_big(ctx: Context) -> dict:
             continue
         its = run["iterations"]
         numbers = {"model": name, **_timing(its, warmup=5)}
+        count = re.search(r"number of parameters on .*: (\d+)", run["log"])
+        if count:
+            numbers["params_M"] = round(int(count.group(1)) / 1e6, 1)
         gbs, seq = int(batch[3]), int(model[model.index("--seq-length") + 1])
         numbers["tokens_per_s"] = round(gbs * seq / (numbers["ms_per_iter"] / 1e3))
         peak = ctx.env.get("peak_bf16_tflops")
         if peak and "tflops" in numbers:
             numbers["mfu_pct"] = round(100 * numbers["tflops"] / peak, 1)
+        elif ctx.cuda:
+            failures.append("no MFU: " + ("run the env step with it" if not ctx.env else
+                                          f"no bf16 peak known for {ctx.env.get('gpu')}"))
         numbers.update(_plan_numbers(run))
         losses = _losses(its)
         if not all(math.isfinite(x) for x in losses):
