@@ -70,6 +70,17 @@ def ping_pong(first: bool, x: torch.Tensor, peer: int, out=None, back=None) -> N
         dist.send(x, peer, group=out)
 
 
+def batch_p2p(ops: list) -> list:
+    """Post `ops` (dist.P2POp) as one batch and return a work per op. NCCL coalesces a batch into one work
+    (torch returns a list of one): every op of the batch then shares it, and waiting on it completes them all."""
+    works = dist.batch_isend_irecv(ops)
+    if len(works) == len(ops):
+        return list(works)
+    if len(works) == 1:
+        return [works[0]] * len(ops)
+    raise RuntimeError(f"batch_isend_irecv returned {len(works)} works for {len(ops)} operations")
+
+
 def get_rng_state(device: torch.device) -> torch.Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..device import batch_p2p
 from ..parallel.state import ParallelState
 from .activation_store import ActivationStore
 from .schedule import TRANSFER_KINDS, Action, Kind, Schedule
@@ -225,7 +226,7 @@ class PipelineEngine:
         for i, op in enumerate(ops):
             by_group.setdefault(id(op.group), []).append(i)
         for idx in by_group.values():
-            batch = dist.batch_isend_irecv([ops[i] for i in idx])
+            batch = batch_p2p([ops[i] for i in idx])  # a work per op, also when NCCL coalesces the batch
             for i, w in zip(idx, batch):
                 works[i] = w
         return works

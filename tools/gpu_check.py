@@ -1,0 +1,496 @@
+"""The GPU check (issue #27): run the CUDA paths of every feature on one GPU and write a report.
+
+    python tools/gpu_check.py OUTDIR            # on a GPU machine (scripts/gpu_check.sh wraps this)
+    python tools/gpu_check.py OUTDIR --dry-run  # the same steps in tiny sizes on the CPU
+
+Each step runs our real entry points (pretrain_gpt.py, tools/autoconfig.py) or tools/gpu_check_steps.py in a
+child process with a time limit; a step that fails or runs out of time is recorded and the next one runs. After
+every step OUTDIR/report.md (a table: step, status, key numbers, seconds), OUTDIR/report.json and
+OUTDIR/logs.tar.gz (every command's output, the plans and the profile) are rewritten, so a run cut short still
+leaves a report. Steps that need CUDA are reported as "skipped: no CUDA" without one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error  # noqa: E402
+from megatron_bmw.trials.logparse import parse_log  # noqa: E402
+
+
+class StepFailed(Exception):
+    """A step's check did not hold (one line)."""
+
+
+class StepTimeout(Exception):
+    pass
+
+
+# ---- sizes ------------------------------------------------------------------------------------------------------
+MODEL_FLAGS = ["--make-vocab-size-divisible-by", "128", "--hidden-dropout", "0", "--attention-dropout", "0"]
+COMMON = ["--mock-data", *MODEL_FLAGS, "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000",
+          "--log-throughput", "--seed", "1234", "--weight-decay", "0.01", "--clip-grad", "1.0"]
+LR = ["--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
+LLAMA = ["--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
+         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+
+
+def _gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> list[str]:
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--vocab-size", str(vocab)]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    small: list[str]  # the feature runs' model
+    small_batch: list[str]
+    iters: int
+    big: list[tuple[str, list[str], list[str]]]  # (name, model, batch) tried in order until one runs
+    big_iters: int
+    profiled: list[str]  # the planner check's model
+    profile_mbs: str
+    planned: list[tuple[int, str]]  # (micro-batch size, recomputation) runs against the planner
+    planned_gbs: int
+    planned_iters: int
+    steps_flag: list[str]  # tools/gpu_check_steps.py sizes
+
+
+def _batch(mbs: int, gbs: int) -> list[str]:
+    return ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs)]
+
+
+GPU = Sizes(small=_gpt(4, 512, 8, 1024, 8192), small_batch=_batch(4, 16), iters=30,
+            big=[("GPT 1.3B", _gpt(24, 2048, 16, 2048, 50257), _batch(2, 16)),
+                 ("GPT 350M", _gpt(24, 1024, 16, 2048, 50257), _batch(4, 32))],
+            big_iters=40, profiled=_gpt(8, 1024, 16, 1024, 50257), profile_mbs="1,2,4",
+            planned=[(1, "none"), (2, "none"), (4, "none"), (2, "full")], planned_gbs=16, planned_iters=20,
+            steps_flag=[])
+DRY = Sizes(small=_gpt(2, 64, 4, 64, 512), small_batch=_batch(2, 4), iters=8,
+            big=[("GPT tiny", _gpt(2, 64, 4, 64, 512), _batch(2, 4))], big_iters=6, profiled=_gpt(2, 64, 4, 64, 512),
+            profile_mbs="1,2", planned=[(1, "none"), (2, "full")], planned_gbs=4, planned_iters=4,
+            steps_flag=["--small"])
+FP16_ITERS = 40  # from Megatron's initial loss scale 2^32 the first ~17 iterations overflow and are skipped
+
+
+# ---- running commands -------------------------------------------------------------------------------------------
+@dataclass
+class Context:
+    out_dir: str
+    work: str
+    python: str
+    sizes: Sizes
+    cuda: bool
+    dry_run: bool
+    deadline: float  # monotonic time the whole check must end by
+    step_deadline: float = 0.0
+    log_path: str = ""
+    inject: str | None = None  # "fail" or "hang" for the running step (tests)
+    env: dict = field(default_factory=dict)  # the env step's result (the big run's MFU needs the peak)
+
+    def command(self, argv: list[str], what: str = "") -> str:
+        """Run `argv` in the repository root within the step's time; return its output; StepFailed on a
+        non-zero exit (the log's last error line), StepTimeout when the time runs out."""
+        if self.inject == "fail":
+            argv = [self.python, "-c", "import sys; sys.exit('error: injected failure')"]
+        elif self.inject == "hang":
+            argv = [self.python, "-c", "import time; time.sleep(3600)"]
+        limit = min(self.deadline, self.step_deadline) - time.monotonic()
+        if limit < 2:
+            raise StepTimeout("no time left")
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   PYTHONUNBUFFERED="1")
+        with open(self.log_path, "a") as log:
+            log.write(f"$ {shlex.join(argv)}\n")
+        t0 = time.monotonic()
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the command's own process group (torch may spawn workers)
+            out, _ = proc.communicate()
+            self._log(out, f"[killed after {time.monotonic() - t0:.0f} s]")
+            raise StepTimeout(f"{what or 'command'} ran out of time after {time.monotonic() - t0:.0f} s") from None
+        self._log(out, f"[exit {proc.returncode} after {time.monotonic() - t0:.1f} s]")
+        if proc.returncode != 0:
+            summary = parse_log(out)
+            why = summary.error or next((ln for ln in reversed(out.splitlines()) if ln.strip()), "no output")
+            raise StepFailed(f"{what or 'command'} exited {proc.returncode}: {why.strip()[:300]}")
+        return out
+
+    def _log(self, out: str, tail: str) -> None:
+        with open(self.log_path, "a") as log:
+            log.write(out + ("" if out.endswith("\n") else "\n") + tail + "\n\n")
+
+    def pretrain(self, flags: list[str], what: str) -> dict:
+        """pretrain_gpt.py with `flags`; its parsed log (iterations, plan check)."""
+        out = self.command([self.python, os.path.join(ROOT, "pretrain_gpt.py"), *flags], what)
+        summary = parse_log(out)
+        if not summary.iterations:
+            raise StepFailed(f"{what}: no iteration line in its log")
+        return {"iterations": summary.iterations, "plan_check": summary.plan_check, "log": out}
+
+    def autoconfig(self, args: list[str], what: str) -> str:
+        return self.command([self.python, os.path.join(ROOT, "tools", "autoconfig.py"), *args], what)
+
+    def steps_script(self, step: str) -> dict:
+        path = os.path.join(self.work, f"{step}.json")
+        self.command([self.python, os.path.join(ROOT, "tools", "gpu_check_steps.py"), step, "--json", path,
+                      *self.sizes.steps_flag], f"gpu_check_steps.py {step}")
+        with open(path) as f:
+            return json.load(f)
+
+
+# ---- checks on logs ---------------------------------------------------------------------------------------------
+def _losses(iterations: list[dict]) -> list[float]:
+    return [it["lm_loss"] for it in iterations if "lm_loss" in it]
+
+
+def _check_learning(iterations: list[dict], what: str, min_steps: int = 3) -> dict:
+    losses = _losses(iterations)
+    if len(losses) < min_steps:
+        raise StepFailed(f"{what}: only {len(losses)} iterations with a loss (want {min_steps})")
+    if not all(math.isfinite(x) for x in losses):
+        raise StepFailed(f"{what}: a loss is not finite: {losses}")
+    last = statistics.mean(losses[-3:])
+    if not last < losses[0]:
+        raise StepFailed(f"{what}: the loss did not fall ({losses[0]:.4f} first, {last:.4f} mean of the last 3)")
+    return {"first_loss": round(losses[0], 4), "last_loss": round(last, 4)}
+
+
+def _timing(iterations: list[dict], warmup: int = 3) -> dict:
+    timed = [it for it in iterations if it["iteration"] > warmup] or iterations
+    ms = statistics.median(it["elapsed_ms"] for it in timed)
+    out = {"ms_per_iter": round(ms, 1)}
+    tflops = [it["throughput_per_gpu_tflop_s_gpu"] for it in timed if "throughput_per_gpu_tflop_s_gpu" in it]
+    if tflops:
+        out["tflops"] = round(statistics.median(tflops), 1)
+    return out
+
+
+# ---- the steps ----------------------------------------------------------------------------------------------------
+def step_env(ctx: Context) -> dict:
+    env = ctx.steps_script("env")
+    ctx.env = env
+    keys = ("gpu", "sm_count", "memory_gib", "torch", "cuda_runtime", "matmul_bf16_tflops", "peak_bf16_tflops",
+            "fused.HAVE_APEX", "fused.HAVE_TE", "apex_fused_adam")
+    return {"numbers": {k: env[k] for k in keys if k in env}, "details": env, "notes": env.get("notes", "")}
+
+
+def _feature_run(ctx: Context, extra: list[str], what: str, iters: int | None = None) -> dict:
+    s = ctx.sizes
+    run = ctx.pretrain([*COMMON, *LR, *s.small, *s.small_batch, "--train-iters", str(iters or s.iters), *extra], what)
+    return run["iterations"]
+
+
+def step_bf16(ctx: Context) -> dict:
+    its = _feature_run(ctx, ["--bf16", "--attention-backend", "flash"], "bf16 run")
+    return {"numbers": {**_check_learning(its, "bf16"), **_timing(its)}}
+
+
+def step_fp16(ctx: Context) -> dict:
+    its = _feature_run(ctx, ["--fp16", "--attention-backend", "flash"], "fp16 run", FP16_ITERS)
+    skipped = sum(1 for it in its if "lm_loss" not in it)
+    scales = [it["loss_scale"] for it in its if "loss_scale" in it]
+    numbers = {"skipped_iters": skipped, "first_scale": scales[0] if scales else None,
+               "last_scale": scales[-1] if scales else None}
+    if not skipped or not scales or not scales[-1] < scales[0]:
+        raise StepFailed(f"fp16: dynamic loss scaling did not act (skipped {skipped}, scales {scales[:1]} -> "
+                         f"{scales[-1:]}) from the initial scale 2^32")
+    return {"numbers": {**numbers, **_check_learning(its, "fp16")}}
+
+
+def step_attention(ctx: Context) -> dict:
+    losses = {}
+    for backend in ("flash", "unfused"):
+        its = _feature_run(ctx, ["--bf16", "--attention-backend", backend, "--lr-warmup-iters", "0"],
+                           f"bf16 {backend} attention run", 1)
+        losses[backend] = _losses(its)[0]
+    rel = abs(losses["flash"] - losses["unfused"]) / abs(losses["unfused"])
+    numbers = {"loss_flash": round(losses["flash"], 5), "loss_unfused": round(losses["unfused"], 5),
+               "rel_diff": float(f"{rel:.2g}")}
+    if not rel <= 1e-2:
+        raise StepFailed(f"flash (SDPA) and unfused attention differ by {rel:.2%} on one batch (bf16 allows 1%)")
+    return {"numbers": numbers}
+
+
+def step_llama(ctx: Context) -> dict:
+    its = _feature_run(ctx, ["--bf16", "--attention-backend", "flash", *LLAMA], "Llama-style bf16 run")
+    return {"numbers": {**_check_learning(its, "Llama-style"), **_timing(its)}}
+
+
+def step_optimizer(ctx: Context) -> dict:
+    out = ctx.steps_script("optimizer")
+    if out["status"] != "ok":
+        raise StepFailed(f"optimizer: {out['notes']}")
+    return {"numbers": {k: out[k] for k in ("backend", "fused", "max_abs_diff_vs_foreach")}, "notes": out["notes"]}
+
+
+def step_store(ctx: Context) -> dict:
+    out = ctx.steps_script("store")
+    if out["status"] != "ok":
+        raise StepFailed(f"activation store: {out['notes']}")
+    keys = ("device_to_pinned_host_GBps", "pinned_host_to_device_GBps", "peak_bytes")
+    return {"numbers": {"checks_passed": len(out["checks"]), **{k: out[k] for k in keys if k in out}},
+            "details": out, "notes": out["notes"]}
+
+
+def search_args(model: list[str], batch: list[str], space: list[str], path: str, profile: str | None) -> list[str]:
+    """autoconfig.py's arguments for a one-GPU plan (an H100's memory; analytic times without `profile`)."""
+    spaces = [x for s in ["tp=1", "pp=1", *space] for x in ("--space", s)]
+    return ["search", "--cluster", "h100-80g-ib", "--num-nodes", "1", "--world-size", "1",
+            *(["--profile", profile] if profile else []), *MODEL_FLAGS, *model, *batch, "--bf16",
+            "--attention-backend", "flash", *spaces, "--no-progress", "--top-k", "1", "--output", path]
+
+
+def _plan(ctx: Context, model: list[str], batch: list[str], space: list[str], path: str, profile: str | None,
+          what: str) -> None:
+    ctx.autoconfig(search_args(model, batch, space, path, profile), what)
+
+
+def _plan_numbers(run: dict) -> dict:
+    pc = run["plan_check"]
+    if "predicted_s" not in pc or not pc.get("stages"):
+        raise StepFailed("the --plan run printed no plan check lines")
+    stage = pc["stages"][0]
+
+    def err(measured: float, predicted: float) -> float | None:  # a tiny dry-run prediction prints as 0
+        return round(100 * (measured / predicted - 1), 1) if predicted > 0 else None
+
+    return {"time_pred_s": pc["predicted_s"], "time_meas_s": pc["measured_s"],
+            "time_err_pct": err(pc["measured_s"], pc["predicted_s"]),
+            "mem_pred_gib": round(stage["predicted_bytes"] / 2**30, 3),
+            "mem_meas_gib": round(stage["measured_bytes"] / 2**30, 3),
+            "mem_err_pct": err(stage["measured_bytes"], stage["predicted_bytes"])}
+
+
+def big_space(batch: list[str]) -> list[str]:
+    return ["mbs=" + batch[1], "recompute=none,selective"]
+
+
+def planned_space(mbs: int, recompute: str) -> list[str]:
+    return [f"mbs={mbs}", f"recompute={recompute}", "recompute-granularity=uniform"]
+
+
+def step_big(ctx: Context) -> dict:
+    """The largest GPT of the list that runs: tokens/s, MFU, the memory model against the measured peak."""
+    failures = []
+    for name, model, batch in ctx.sizes.big:
+        plan = os.path.join(ctx.work, f"plan_big_{name.split()[-1]}.json")
+        try:
+            _plan(ctx, model, batch, big_space(batch), plan, None, f"search for {name}")
+            run = ctx.pretrain([*COMMON, *LR, *model, *batch, "--bf16", "--attention-backend", "flash", "--plan",
+                                plan, "--train-iters", str(ctx.sizes.big_iters)], f"{name} run")
+        except StepFailed as exc:
+            failures.append(f"{name}: {exc}")
+            continue
+        its = run["iterations"]
+        numbers = {"model": name, **_timing(its, warmup=5)}
+        count = re.search(r"number of parameters on .*: (\d+)", run["log"])
+        if count:
+            numbers["params_M"] = round(int(count.group(1)) / 1e6, 1)
+        gbs, seq = int(batch[3]), int(model[model.index("--seq-length") + 1])
+        numbers["tokens_per_s"] = round(gbs * seq / (numbers["ms_per_iter"] / 1e3))
+        peak = ctx.env.get("peak_bf16_tflops")
+        if peak and "tflops" in numbers:
+            numbers["mfu_pct"] = round(100 * numbers["tflops"] / peak, 1)
+        elif ctx.cuda:
+            failures.append("no MFU: " + ("run the env step with it" if not ctx.env else
+                                          f"no bf16 peak known for {ctx.env.get('gpu')}"))
+        numbers.update(_plan_numbers(run))
+        losses = _losses(its)
+        if not all(math.isfinite(x) for x in losses):
+            raise StepFailed(f"{name}: a loss is not finite")
+        notes = "; ".join(failures)
+        return {"numbers": numbers, "notes": (notes + "; " if notes else "") +
+                f"plan: {os.path.basename(plan)} (analytic h100-80g profile; time prediction is analytic)"}
+    raise StepFailed("; ".join(failures))
+
+
+def step_planner(ctx: Context) -> dict:
+    """autoconfig.py profile on this device, then predicted against measured step time (and memory) for a few
+    single-GPU configurations planned with that profile."""
+    s = ctx.sizes
+    profile = os.path.join(ctx.work, "profile.json")
+    ctx.autoconfig(["profile", "--output", profile, *MODEL_FLAGS, *s.profiled, "--bf16", "--attention-backend", "flash",
+                    "--profile-micro-batch-sizes", s.profile_mbs, "--no-links", "--device-type", "h100-80g"],
+                   "autoconfig.py profile")
+    rows, failures = {}, []
+    for mbs, recompute in s.planned:
+        name = f"mbs{mbs}-{recompute}"
+        plan = os.path.join(ctx.work, f"plan_{name}.json")
+        batch = _batch(mbs, s.planned_gbs)
+        try:
+            _plan(ctx, s.profiled, batch, planned_space(mbs, recompute), plan, profile, f"search for {name}")
+            run = ctx.pretrain([*COMMON, *LR, *s.profiled, *batch, "--bf16", "--attention-backend", "flash",
+                                "--plan", plan, "--train-iters", str(s.planned_iters)], f"{name} run")
+            p = _plan_numbers(run)
+            rows[name] = {k: p[k] for k in ("time_pred_s", "time_meas_s", "time_err_pct", "mem_err_pct")}
+        except StepTimeout:
+            raise
+        except StepFailed as exc:
+            failures.append(f"{name}: {exc}")
+    if not rows:
+        raise StepFailed("; ".join(failures) or "no configuration ran")
+    def worst(key: str) -> float | None:
+        values = [abs(r[key]) for r in rows.values() if r[key] is not None]
+        return max(values) if values else None
+
+    numbers = {"configs": len(rows), "worst_time_err_pct": worst("time_err_pct"),
+               "worst_mem_err_pct": worst("mem_err_pct")}
+    if failures:
+        raise StepFailed("; ".join(failures))
+    return {"numbers": numbers, "details": rows}
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    what: str
+    run: Callable[[Context], dict]
+    timeout_s: float
+    cuda_only: bool = False
+
+
+STEPS = [  # the most telling first: later ones are skipped when the check's time runs out
+    Step("env", "torch/CUDA, GPU, apex/TE detection, bf16 matmul rate", step_env, 90),
+    Step("bf16", "bf16 GPT training, flash (SDPA) attention: loss falls", step_bf16, 120),
+    Step("store", "BPipe activation store: side-stream copies, events, pinned host copies", step_store, 90),
+    Step("optimizer", "our Adam (fused on CUDA) vs torch foreach AdamW", step_optimizer, 60),
+    Step("big", "single-GPU GPT (1.3B, else 350M) seq 2048: tokens/s, MFU, memory model", step_big, 220),
+    Step("planner", "autoconfig.py profile + predicted vs measured step time, 4 configs", step_planner, 200),
+    Step("fp16", "fp16 with dynamic loss scaling from 2^32: skips, then loss falls", step_fp16, 120),
+    Step("attention", "flash (SDPA) vs unfused attention: same loss on one batch", step_attention, 120),
+    Step("llama", "rope + SwiGLU + RMSNorm + GQA, bf16: loss falls", step_llama, 120),
+]
+
+
+# ---- the report ---------------------------------------------------------------------------------------------------
+def _numbers_text(numbers: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in numbers.items() if v is not None)
+
+
+def write_report(ctx: Context, results: list[dict], started: str, finished: bool) -> None:
+    env = ctx.env
+    data = {"started": started, "finished": finished, "mode": "dry-run" if ctx.dry_run else "gpu",
+            "cuda": ctx.cuda, "device": env.get("gpu") or ("cpu" if not ctx.cuda else None), "steps": results}
+    with open(os.path.join(ctx.out_dir, "report.json"), "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    lines = [f"# GPU check ({data['mode']}), started {started}", "",
+             f"device: {data['device']}; torch {env.get('torch')}; CUDA {env.get('cuda_runtime')}; "
+             f"apex {env.get('apex_import')}; transformer-engine {env.get('transformer_engine_import')}",
+             "" if finished else "**incomplete: the check was still running when this was written**", "",
+             "| step | status | key numbers | seconds |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['name']} | {r['status']} | {_numbers_text(r.get('numbers', {}))} | {r['seconds']} |")
+    lines.append("")
+    for r in results:
+        if r.get("notes"):
+            lines.append(f"- **{r['name']}**: {r['notes']}")
+    for r in results:
+        if isinstance(r.get("details"), dict) and r["name"] in ("store", "planner"):
+            lines += ["", f"## {r['name']}", "", "```", json.dumps(r["details"], indent=1, default=str), "```"]
+    lines += ["", "Logs of every command, the plans and the profile: logs.tar.gz."]
+    with open(os.path.join(ctx.out_dir, "report.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with tarfile.open(os.path.join(ctx.out_dir, "logs.tar.gz"), "w:gz") as tar:
+        tar.add(ctx.work, arcname="gpu_check")
+
+
+def run_step(ctx: Context, step: Step, timeout_cap: float | None) -> dict:
+    t0 = time.monotonic()
+    result = {"name": step.name, "what": step.what}
+    ctx.log_path = os.path.join(ctx.work, f"{step.name}.log")
+    limit = min(step.timeout_s, timeout_cap or step.timeout_s)
+    ctx.step_deadline = t0 + limit
+    try:
+        if step.cuda_only and not ctx.cuda:
+            result.update(status="skipped: no CUDA")
+        elif not ctx.cuda and not ctx.dry_run and step.name != "env":
+            result.update(status="skipped: no CUDA (--dry-run runs the CPU sizes)")
+        elif ctx.deadline - t0 < 5:
+            result.update(status="skipped: out of time")
+        else:
+            result.update(status="ok", **step.run(ctx))
+    except StepTimeout as exc:
+        result.update(status="timeout", notes=str(exc))
+    except StepFailed as exc:
+        result.update(status="FAILED", notes=str(exc))
+    except Exception as exc:  # noqa: BLE001 - a bug in a step must not stop the others
+        result.update(status="FAILED", notes=f"{type(exc).__name__}: {exc}")
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    return result
+
+
+def _parse_inject(values: list[str]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        name, _, how = v.partition("=")
+        if name not in {s.name for s in STEPS} or how not in ("fail", "hang"):
+            raise UsageError(f"--inject {v!r}: give STEP=fail or STEP=hang with a step of "
+                             f"{','.join(s.name for s in STEPS)}")
+        out[name] = how
+    return out
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="gpu_check.py", description=__doc__.splitlines()[0])
+    p.add_argument("out_dir", help="report.md, report.json and logs.tar.gz are written here")
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes, on the CPU when there is no GPU")
+    p.add_argument("--steps", default=None, help=f"comma-separated subset of {','.join(s.name for s in STEPS)}")
+    p.add_argument("--budget-s", type=float, default=None, help="the whole check's time (default 510 s, dry 300)")
+    p.add_argument("--step-timeout-s", type=float, default=None, help="cap every step's time limit")
+    p.add_argument("--inject", action="append", default=[], help="STEP=fail or STEP=hang (tests the runner)")
+    p.add_argument("--python", default=sys.executable, help="interpreter for the steps")
+    args = p.parse_args(argv)
+    names = [s.name for s in STEPS]
+    chosen = names if args.steps is None else args.steps.split(",")
+    unknown = [n for n in chosen if n not in names]
+    if unknown:
+        raise UsageError(f"--steps: unknown step {unknown[0]!r} (steps: {','.join(names)})")
+    inject = _parse_inject(args.inject)
+    os.makedirs(args.out_dir, exist_ok=True)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    budget = args.budget_s or (300.0 if args.dry_run else 510.0)
+    work = tempfile.mkdtemp(prefix="gpu_check_")
+    ctx = Context(out_dir=args.out_dir, work=work, python=args.python, sizes=DRY if args.dry_run else GPU,
+                  cuda=cuda, dry_run=args.dry_run, deadline=time.monotonic() + budget)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    results: list[dict] = []
+    for step in STEPS:
+        if step.name not in chosen:
+            continue
+        ctx.inject = inject.get(step.name)
+        result = run_step(ctx, step, args.step_timeout_s)
+        results.append(result)
+        print(f"[gpu_check] {step.name}: {result['status']} ({result['seconds']} s) "
+              f"{_numbers_text(result.get('numbers', {}))} {result.get('notes', '')}".rstrip(), flush=True)
+        write_report(ctx, results, started, finished=False)
+    write_report(ctx, results, started, finished=True)
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"[gpu_check] report: {os.path.join(args.out_dir, 'report.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

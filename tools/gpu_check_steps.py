@@ -1,0 +1,324 @@
+"""The in-process steps of tools/gpu_check.py, one per subcommand, each writing a JSON result:
+
+  env        versions, the GPU, apex / Transformer Engine detection (fused.py), a bf16 matrix-product rate
+  optimizer  our Adam choice (training/optimizer._make_adam: apex FusedAdam, torch fused=True, else foreach)
+             against torch's foreach AdamW on the same parameters and gradients
+  store      BPipe's activation store (pipeline/activation_store.py) with the side-stream copier of
+             pipeline/transfers.CudaChannel: evict to pinned host memory and load back on side streams, gradients
+             bit for bit, the streams waiting on each other, and pinned host copy rates both ways
+
+On a machine without CUDA each runs its CPU part (store: the plain copier, no streams) and says what it left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+GiB = 2**30
+
+# Dense bf16 peak TFLOP/s (no sparsity) by device-name pattern, most specific first.
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
+                    ("GH200", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10", 125.0))
+
+
+def peak_bf16_tflops(name: str) -> float | None:
+    for pattern, peak in PEAK_BF16_TFLOPS:
+        if pattern in name:
+            return peak
+    return None
+
+
+def _probe(module: str) -> str:
+    try:
+        mod = __import__(module)
+    except Exception as exc:  # noqa: BLE001 - any failure means not usable
+        return f"no ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return f"yes ({getattr(mod, '__version__', 'version unknown')})"
+
+
+def env(small: bool) -> dict:
+    from megatron_bmw import fused
+    from megatron_bmw.training import optimizer
+
+    cuda = torch.cuda.is_available()
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda_runtime": torch.version.cuda,
+           "cudnn": torch.backends.cudnn.version() if cuda else None, "cuda_available": cuda,
+           "apex_import": _probe("apex"), "transformer_engine_import": _probe("transformer_engine"),
+           "fused.HAVE_APEX": fused.HAVE_APEX, "fused.HAVE_TE": fused.HAVE_TE,
+           "apex_fused_adam": optimizer._ApexFusedAdam is not None,
+           "sdpa": fused.flash_attention_available(), "cpu_count": os.cpu_count()}
+    if not cuda:
+        out["notes"] = "no CUDA: GPU fields left out"
+        return out
+    props = torch.cuda.get_device_properties(0)
+    out.update(gpu=props.name, sm_count=props.multi_processor_count, capability=f"{props.major}.{props.minor}",
+               memory_gib=round(props.total_memory / GiB, 2), device_count=torch.cuda.device_count(),
+               bf16_supported=torch.cuda.is_bf16_supported(), flash_sdp_enabled=torch.backends.cuda.flash_sdp_enabled(),
+               peak_bf16_tflops=peak_bf16_tflops(props.name))
+    n = 2048 if small else 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    end.synchronize()
+    out["matmul_bf16_tflops"] = round(10 * 2 * n**3 / (start.elapsed_time(end) / 1e3) / 1e12, 1)
+    return out
+
+
+def optimizer_check(small: bool) -> dict:
+    from megatron_bmw.config import OptimizerConfig
+    from megatron_bmw.training.optimizer import _make_adam
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = OptimizerConfig(lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1024, 1024), (4096,), (1024, 4096)] if not small else [(64, 64), (64,)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+
+    def run(make):
+        params = [torch.nn.Parameter(t.clone().to(device)) for t in start]
+        opt = make([{"params": params, "weight_decay": 0.01}])
+        for step in grads:
+            for p, gr in zip(params, step):
+                p.grad = gr.to(device)
+            opt.step()
+        return [p.detach().float().cpu() for p in params], opt
+
+    made: list = []
+    ours, opt = run(lambda groups: made.append(_make_adam(groups, cfg, device)) or made[0][0])
+    backend = made[0][1]
+    ref, _ = run(lambda groups: torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                                  eps=cfg.adam_eps, foreach=True))
+    diff = max(float((a - b).abs().max()) for a, b in zip(ours, ref))
+    kind = type(opt).__module__ + "." + type(opt).__name__
+    fused = bool(getattr(opt, "defaults", {}).get("fused")) or backend == "apex"
+    problems = [f"differs from foreach AdamW by {diff:.3g} after 3 steps"] if diff > 1e-5 else []
+    if device.type == "cuda" and not fused:
+        problems.append("CUDA without a fused Adam")
+    notes = "; ".join(problems) or ("" if device.type == "cuda" else "CPU: foreach AdamW (fused Adam needs CUDA)")
+    return {"status": "failed" if problems else "ok", "device": str(device), "backend": backend, "class": kind,
+            "fused": fused, "max_abs_diff_vs_foreach": diff, "notes": notes}
+
+
+# ---- the activation store on CUDA streams ---------------------------------------------------------------------
+class _Posted:
+    """Stands for the NCCL work of a transfer whose copy was queued on the transfer's own stream."""
+
+    def wait(self) -> None:
+        return None
+
+
+class PinnedLoopback:
+    """BPipe's pair, folded onto one GPU: EVICT copies the gathered buffer into pinned host memory on the send
+    stream, LOAD copies it back on the receive stream. The completion objects are transfers.py's own, so their
+    stream waits and record_stream calls are the ones a real NCCL pair runs."""
+
+    def __init__(self, device: torch.device) -> None:
+        from megatron_bmw.pipeline.transfers import CudaChannel
+
+        self.channel = CudaChannel(SimpleNamespace(device=device))
+        self.device = device
+        self.host: dict = {}
+        self.delay_cycles = 0  # spin the receive stream this long before the copy back (to see compute wait)
+
+    def send(self, key):
+        from megatron_bmw.pipeline.transfers import _CudaSend
+
+        def post(buf: torch.Tensor):
+            stream = self.channel.send_stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            host = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=True)
+            with torch.cuda.stream(stream):
+                host.copy_(buf, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            self.host[key] = (host, done)
+            return _CudaSend(_Posted(), buf, stream)
+        return post
+
+    def recv(self, key):
+        from megatron_bmw.pipeline.transfers import _CudaRecv
+
+        def post(buf: torch.Tensor):
+            host, sent = self.host.pop(key)
+            stream = self.channel.recv_stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                stream.wait_event(sent)
+                if self.delay_cycles:
+                    torch.cuda._sleep(self.delay_cycles)
+                buf.copy_(host, non_blocking=True)
+            return _CudaRecv(_Posted(), buf, stream)
+        return post
+
+
+def _copy_rates(device: torch.device, nbytes: int) -> dict:
+    """GB/s of pinned host <-> device copies on a side stream, timed with events (best of 6)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    rates = {}
+    for name, dst, src in (("device_to_pinned_host_GBps", host, dev), ("pinned_host_to_device_GBps", dev, host)):
+        best = float("inf")
+        for _ in range(6):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(stream)
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        rates[name] = round(nbytes / best / 1e9, 2)
+    rates["copy_bytes"] = nbytes
+    return rates
+
+
+def _model(device: torch.device, small: bool):
+    from megatron_bmw.config import ModelConfig
+    from megatron_bmw.models.chunk import ModelChunk, build_units
+    from megatron_bmw.parallel.state import ParallelState
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64 if small else 512, num_attention_heads=4 if small else 8,
+                      vocab_size=256 if small else 4096, seq_length=32 if small else 512, hidden_dropout=0.0,
+                      attention_dropout=0.0, attention_backend="unfused")
+    model = ModelChunk(build_units(cfg, ParallelState.serial(device), 1234))
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length + 1), generator=g)
+    batch = {"tokens": tokens[:, :-1].contiguous().to(device), "labels": tokens[:, 1:].contiguous().to(device),
+             "loss_mask": torch.ones(4, cfg.seq_length, device=device)}
+    return model, batch
+
+
+class _HostWire:
+    """CPU: a completed transfer through a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict = {}
+
+    def send(self, key):
+        def post(buf):
+            self.data[key] = buf.clone()
+            return SimpleNamespace(wait=lambda: buf)
+        return post
+
+    def recv(self, key):
+        def post(buf):
+            buf.copy_(self.data.pop(key))
+            return SimpleNamespace(wait=lambda: buf)
+        return post
+
+
+def _round(store, wire, model, batch, key, ref, cuda: bool, slow: str, cycles: int) -> dict[str, bool]:
+    """Capture, evict, load and backward one key; `slow`: which stream lags behind ("compute": the gather must
+    wait for it; "send": the freed activations must wait for the gather)."""
+    checks: dict[str, bool] = {}
+    device = store.device
+    model.zero_grad(set_to_none=True)
+    with store.capture(key):
+        loss = model(None, batch)
+    sizes = [t.untyped_storage().nbytes() for t in store._entries[key].tensors]
+    if cuda:
+        compute, send_stream = torch.cuda.current_stream(device), wire.channel.send_stream
+        torch.cuda.synchronize(device)
+        if slow == "compute":  # the compute that produced the activations is still running
+            torch.cuda._sleep(cycles)
+            produced = torch.cuda.Event(enable_timing=True)
+            produced.record(compute)
+        else:  # the send stream is busy: the gather's reads come late
+            with torch.cuda.stream(send_stream):
+                torch.cuda._sleep(cycles)
+    store.evict(key, wire.send(key))
+    if cuda:
+        if slow == "compute":
+            gathered = torch.cuda.Event(enable_timing=True)
+            gathered.record(send_stream)
+            torch.cuda.synchronize(device)  # both events complete, whatever their order
+            checks["the gather (send stream) waits for the compute that produced the activations"] = \
+                produced.elapsed_time(gathered) >= 0
+        else:
+            # The freed activations are recorded on the send stream: compute allocations of their sizes must not
+            # land on them before the gather has read them (junk there would break the gradients below).
+            junk = [torch.full((n,), 255, dtype=torch.uint8, device=device) for n in sizes]
+            junk.clear()
+    store.settle()
+    if cuda:
+        torch.cuda.synchronize(device)
+        wire.delay_cycles = cycles
+    store.load(key, wire.recv(key))
+    store.ready(key)
+    if cuda:
+        checks[f"compute waits for the load's event ({slow} round)"] = not compute.query()
+        wire.delay_cycles = 0
+    loss.backward()
+    store.release(key)
+    if cuda:
+        torch.cuda.synchronize(device)
+    mismatched = [n for n, p in model.named_parameters() if not torch.equal(p.grad, ref[n])]
+    checks[f"gradients bit for bit after evict and load ({slow} round)"] = not mismatched
+    return checks
+
+
+def store_check(small: bool) -> dict:
+    from megatron_bmw.pipeline.activation_store import ActivationStore
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    model, batch = _model(device, small)
+    model(None, batch).backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    wire = PinnedLoopback(device) if cuda else _HostWire()
+    store = ActivationStore(device, list(model.parameters()), copier=wire.channel if cuda else None)
+    cycles = 5_000_000 if small else 50_000_000  # milliseconds to tens of milliseconds at GPU clocks
+    checks: dict[str, bool] = {}
+    for i, slow in enumerate(("compute", "send")):
+        checks.update(_round(store, wire, model, batch, (i, 0, None), ref, cuda, slow, cycles))
+    out = {"device": str(device), "checks": checks, "peak_bytes": store.peak_bytes,
+           "live_bytes_after": store.live_bytes}
+    if cuda:
+        out.update(_copy_rates(device, (16 if small else 256) * 2**20))
+    failed = [name for name, ok in checks.items() if not ok]
+    if store.live_bytes:
+        failed.append(f"the store still counts {store.live_bytes} bytes")
+    out["status"] = "failed" if failed else "ok"
+    out["notes"] = "failed: " + "; ".join(failed) if failed else \
+        ("" if cuda else "CPU: plain copier; streams, events and pinned copies need CUDA")
+    return out
+
+
+STEPS = {"env": env, "optimizer": optimizer_check, "store": store_check}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("step", choices=sorted(STEPS))
+    p.add_argument("--json", required=True, help="write the result here")
+    p.add_argument("--small", action="store_true", help="tiny sizes (the dry run)")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    out = STEPS[args.step](args.small)
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    print(json.dumps(out, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
