@@ -358,6 +358,7 @@ class TrainConfig:
     load_optim: bool = True
     load_rng: bool = True
     finetune: bool = False
+    ckpt_format: str = "torch"  # what --save writes: torch (Megatron's legacy) or torch_dist (layout-free)
     distributed_backend: str | None = None
     distributed_timeout_minutes: float = 10.0
     log_activation_memory: bool = False

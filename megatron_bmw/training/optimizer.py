@@ -29,7 +29,7 @@ except Exception:  # noqa: BLE001 - apex missing or built for another torch: fal
     _ApexFusedAdam = None
 
 STATE_FORMAT = 1
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -255,11 +255,11 @@ class MixedPrecisionOptimizer:
             p.detach().copy_(full[self._offsets[i] : self._offsets[i + 1]].view(p.shape))
 
     # ---- checkpoint state ---------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, everywhere: bool = False) -> dict:
         """Full per-parameter optimizer state (tensors may alias live state: save them right away).
 
         Under ZeRO this is collective over the DP group and only DP rank 0 gets the tensors ("params" is None
-        on the others).
+        on the others); with `everywhere` every DP rank gets them (all-gathered: torch_dist spreads the writes).
         """
         sd = {
             "format": STATE_FORMAT,
@@ -283,7 +283,8 @@ class MixedPrecisionOptimizer:
                 src = m if key == "master" else st[key]
                 if src is not None:
                     buf[pc.shard_offset : pc.shard_offset + m.numel()].copy_(src.reshape(-1))
-            flat[key] = _gather_flat(buf, self.state.dp_group)
+            flat[key] = (_all_gather_flat(buf, self.state.dp_group) if everywhere
+                         else _gather_flat(buf, self.state.dp_group))
         if flat["master"] is None:
             sd["params"] = None
             return sd

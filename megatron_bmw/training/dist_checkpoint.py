@@ -1,0 +1,366 @@
+"""`--ckpt-format torch_dist`: layout-free checkpoints on torch.distributed.checkpoint (DCP).
+
+    <dir>/latest_checkpointed_iteration.txt        the iteration (Megatron's tracker)
+    <dir>/iter_0000010/.metadata                   DCP's index of every tensor's chunks
+    <dir>/iter_0000010/__R_0.distcp                what rank R wrote
+    <dir>/iter_0000010/common.pt                   iteration, args, LR schedule, loss scaler, every rank's RNG
+
+Keys name tensors globally: `model.<unit>.<tensor>` (units are named over the whole model: embedding, attn_i,
+mlp_i, head) and `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<unit>.<tensor>`. Every tensor is stored in
+its full global shape; a tensor-parallel shard is this rank's chunk of it at its global offset (SwiGLU's fc1,
+stride 2, is two chunks: a part of the gate and a part of the up block). Replicated copies (over dp, or tp for
+norms) are written once: DCP keeps one copy and spreads the writes over the ranks. A load reads only the chunks
+a rank needs, so any tp/pp/dp/virtual-stage/partition/ZeRO layout reads any other's. The tied output weight of
+a last pipeline stage is not saved: it loads from the word embedding.
+
+Atomic as the `torch` format: DCP writes into `iter_XXXXXXX.tmp-<token>`, rank 0 adds common.pt, renames the
+directory into place and then replaces the tracker (training/checkpointing.py's helpers).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ..errors import Reported, RunError, UsageError
+from ..parallel.agree import agree
+from ..parallel.state import ParallelState
+from .checkpointing import (RELEASE, _fsync_dir, _move_into_place, _resolve_iteration_dir, _shared_token,
+                            _world, _write_tracker, iteration_dir_name, read_tracker)
+from .optimizer import MOMENTS, STATE_FORMAT, MixedPrecisionOptimizer
+
+FORMAT = "torch_dist"
+COMMON_FILE = "common.pt"
+METADATA_FILE = ".metadata"
+MODEL = "model."
+OPTIM = "optimizer.state."
+MASTER = "fp32_param"
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def is_dist_checkpoint(iter_dir: str) -> bool:
+    """DCP directories hold a .metadata file (how --load tells the formats apart)."""
+    return os.path.isfile(os.path.join(iter_dir, METADATA_FILE))
+
+
+def checkpoint_format(load_dir: str) -> str | None:
+    """'torch_dist' or 'torch' for the checkpoint the tracker names; None without a tracker."""
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        return None
+    return FORMAT if is_dist_checkpoint(_resolve_iteration_dir(load_dir, iteration)) else "torch"
+
+
+# -- a rank's part of a global tensor ------------------------------------------------------------------------------
+class Slices:
+    """Chunks (global offset, local view) of a tensor of global shape `shape` that this rank holds. DCP's planners
+    call the three dunder methods (its `_Checkpointable` protocol, as DTensor implements it)."""
+
+    def __init__(self, shape: torch.Size, chunks: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
+        self.shape = torch.Size(shape)
+        self.chunks = chunks
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(off), t.size()),
+                                                      properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.shape))
+                for off, t in self.chunks]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(off), t.size()) for off, t in self.chunks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for off, t in self.chunks:
+            if torch.Size(off) == index.offset:
+                return t
+        raise ValueError(f"{index.fqn}: no chunk at offset {tuple(index.offset)} on this rank")
+
+
+def slices_of(param: torch.Tensor, local: torch.Tensor, tp_rank: int, tp_size: int) -> Slices:
+    """`local` (shaped like `param`, this rank's shard of it) placed in the parameter's global tensor, as the
+    tensor-parallel attributes of `param` say (parallel/layers.py)."""
+    dim = getattr(param, "partition_dim", None)
+    if dim is None or tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return Slices(local.shape, [((0,) * local.dim(), local)])
+    stride = getattr(param, "partition_stride", 1)
+    shape = list(local.shape)
+    shape[dim] *= tp_size
+    block = local.size(dim) // stride  # this rank's part of each of the `stride` blocks
+    chunks = []
+    for j, part in enumerate(local.split(block, dim=dim)):
+        off = [0] * local.dim()
+        off[dim] = j * block * tp_size + tp_rank * block
+        chunks.append((tuple(off), part))
+    return Slices(torch.Size(shape), chunks)
+
+
+def global_name(chunk_key: str, param: torch.Tensor | None = None) -> str:
+    """A chunk's state-dict key ('units.attn_0.qkv.weight') as the layout-free name ('attn_0.qkv.weight'); the
+    last stage's tied copy of the word embedding is the embedding's."""
+    name = chunk_key[len("units."):] if chunk_key.startswith("units.") else chunk_key
+    if param is not None and getattr(param, "shared_embedding_copy", False):
+        return WORD_EMBEDDING
+    return name
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex):
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        kept = dict(state_dict)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        state_dict.update(kept)  # DCP's meta-tensor pass replaces objects it does not know by None
+        self.state_dict = state_dict
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_tensor(index)
+
+
+# -- what a rank saves and loads -------------------------------------------------------------------------------------
+def _model_tensors(chunks: list, state: ParallelState) -> list[tuple[str, torch.Tensor, bool]]:
+    """(global name, tensor, is the tied copy) of every tensor of this rank's chunks (buffers included)."""
+    out = []
+    for chunk in chunks:
+        for key, t in chunk.state_dict(keep_vars=True).items():
+            copy = getattr(t, "shared_embedding_copy", False)
+            out.append((global_name(key, t), t, copy))
+    return out
+
+
+def _check_placement(state: ParallelState, flag: str) -> None:
+    if state.units.names() is not None:
+        raise UsageError(f"{flag}: --ckpt-format torch_dist does not yet hold per-unit strategies "
+                         "(--unit-strategies); use --ckpt-format torch")
+
+
+def layout_of(state: ParallelState) -> dict:
+    """What the RNG streams' meaning depends on: every rank keeps its coordinates when these agree."""
+    return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "order": state.layout.order,
+            "world": _world()[1]}
+
+
+def _optimizer_entries(optimizer: MixedPrecisionOptimizer, sd: dict) -> dict[str, torch.Tensor | None]:
+    """{name: {fp32_param, exp_avg, exp_avg_sq}} from `optimizer.state_dict(everywhere=True)`."""
+    out = {}
+    for name, p, e in zip(optimizer.names, optimizer.params, sd["params"]):
+        master = e.get("master")
+        out[name] = {MASTER: master if master is not None else p.detach(), **{k: e.get(k) for k in MOMENTS}}
+    return out
+
+
+def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chunks: list,
+         optimizer: MixedPrecisionOptimizer | None = None, save_optim: bool = True, rng_state=None) -> str:
+    """Save as torch_dist (every rank calls it). `payload`: the common part (no model); `rng_state`: this
+    rank's RNG streams (gathered into common.pt). Returns the iteration directory."""
+    _check_placement(state, f"--save {save_dir}")
+    optim_sd = optimizer.state_dict(everywhere=True) if optimizer is not None and save_optim else None
+    rngs = _gather_objects(rng_state)
+    token = _shared_token(state)
+    name = iteration_dir_name(iteration)
+    tmp_dir = os.path.join(save_dir, f"{name}.tmp-{token}")
+    final_dir = os.path.join(save_dir, name)
+    rank = _world()[0]
+    tensors = {}
+    for gname, t, copy in _model_tensors(chunks, state):
+        if not copy:
+            tensors[MODEL + gname] = slices_of(t, t.detach(), state.tp_rank, state.tp_size)
+    common = dict(payload, checkpoint_format=FORMAT, layout=layout_of(state), rng_state=rngs)
+    if optim_sd is not None:
+        named = dict(zip(optimizer.names, optimizer.params))
+        for pname, entry in _optimizer_entries(optimizer, optim_sd).items():
+            p = named[pname]
+            if getattr(p, "shared_embedding_copy", False):
+                continue
+            for key, value in entry.items():
+                if value is not None:
+                    tensors[f"{OPTIM}{key}.{global_name(pname)}"] = slices_of(p, value, state.tp_rank, state.tp_size)
+        common["optimizer"] = {k: v for k, v in optim_sd.items() if k not in ("params", "param_names")}
+
+    def failed(exc: BaseException) -> RunError:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return RunError(f"--save {save_dir}: cannot write the checkpoint of iteration {iteration} "
+                        f"({why}); the previous checkpoint is kept")
+
+    error = None
+    try:
+        dcp.save(tensors, checkpoint_id=tmp_dir, planner=_SavePlanner())
+    except Exception as exc:  # noqa: BLE001 - DCP gathers every rank's failure and raises it on all of them
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        error = failed(exc)
+    agree(_raise, error)
+
+    def publish() -> None:
+        if rank != 0:
+            return
+        try:
+            with open(os.path.join(tmp_dir, COMMON_FILE), "wb") as f:
+                torch.save(common, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp_dir)
+            _move_into_place(tmp_dir, final_dir, token)
+            _write_tracker(save_dir, iteration, token)
+        except OSError as exc:
+            raise failed(exc) from None
+
+    try:
+        agree(publish)
+    except (Reported, RunError):
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return final_dir
+
+
+def _gather_objects(obj) -> list | None:
+    if obj is None:
+        return None
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def read_common(load_dir: str, iter_dir: str) -> dict:
+    path = os.path.join(iter_dir, COMMON_FILE)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - missing, truncated or foreign
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise UsageError(f"--load {load_dir}: cannot read {path} ({type(exc).__name__}: {reason})") from None
+    if not isinstance(data, dict) or data.get("checkpoint_format") != FORMAT:
+        raise UsageError(f"--load {load_dir}: {path} is not a megatron_bmw torch_dist common file")
+    return data
+
+
+def _load_error(exc: BaseException) -> str:
+    import re
+
+    text = str(exc)
+    missing = re.search(r"Missing key in checkpoint state_dict: ([^\s.]+(?:\.[^\s]+)?)\.?\s", text + " ")
+    if missing:
+        key = missing.group(1).rstrip(".")
+        return f"the checkpoint has no tensor {key} (saved from another model or architecture?)"
+    size = re.search(r"Size mismatch between saved (torch\.Size\(\[[^\]]*\]\)) and current: "
+                     r"(torch\.Size\(\[[^\]]*\]\)) for (\S+)", text)
+    if size:
+        shape = lambda s: "(" + s[len("torch.Size(["):-2] + ")"  # noqa: E731
+        return (f"model tensor {size.group(3).rstrip(',')} has shape {shape(size.group(2))} in this model but "
+                f"{shape(size.group(1))} in the checkpoint")
+    return (text.strip().splitlines() or [type(exc).__name__])[-1][:300]
+
+
+def check_model(load_dir: str, common: dict, model_args: dict) -> None:
+    """A checkpoint of another model type or architecture is refused with the first difference named."""
+    saved = common.get("args") or {}
+    for key in ("model_type", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                "padded_vocab_size", "swiglu", "normalization", "position_embedding_type", "num_query_groups",
+                "untie_embeddings_and_output_weights", "add_bias_linear", "bert_binary_head"):
+        if key in saved and key in model_args and saved[key] != model_args[key]:
+            raise UsageError(f"--load {load_dir}: checkpoint has {key} = {saved[key]!r}, this run "
+                             f"{model_args[key]!r} (another model; a torch_dist checkpoint reshards the layout only)")
+
+
+def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrecisionOptimizer | None,
+         load_optim: bool = True, model_args: dict | None = None) -> dict:
+    """Load the tracker's torch_dist checkpoint into this rank's chunks (and the optimizer). Collective; an error
+    on any rank stops every rank with one line. Returns the common payload; its "rng_state" is this rank's
+    streams when the layout is the same, else absent ("rng_layout_changed" says so)."""
+    want_optim = optimizer is not None and load_optim
+    common, tensors, targets, entries = agree(_load_plan, load_dir, state, chunks, optimizer if want_optim else None,
+                                              model_args)
+    with torch.no_grad():
+        error = None
+        try:
+            dcp.load(tensors, checkpoint_id=_resolve_iteration_dir(load_dir, read_tracker(load_dir)),
+                     planner=_LoadPlanner())
+        except Exception as exc:  # noqa: BLE001 - DCP raises every rank's failure on all of them
+            error = UsageError(f"--load {load_dir}: {_load_error(exc)}")
+        agree(_raise, error)
+        for key, extra in targets.items():
+            src = tensors[key].chunks
+            for t in extra:
+                t.detach().copy_(src[0][1] if len(src) == 1 else torch.cat([c for _, c in src]))
+    if optimizer is not None:
+        if entries is not None:
+            sd = dict(common["optimizer"], format=STATE_FORMAT, param_names=list(optimizer.names),
+                      params=[{"master": e[MASTER], "exp_avg": e.get("exp_avg"), "exp_avg_sq": e.get("exp_avg_sq")}
+                              for e in entries])
+            try:
+                optimizer.load_state_dict(sd)
+            except ValueError as exc:
+                raise UsageError(f"--load {load_dir}: optimizer state does not fit this model: {exc}") from None
+        else:
+            optimizer.reload_model_params()
+    out = {k: v for k, v in common.items() if k not in ("optimizer", "rng_state", "layout")}
+    rngs = common.get("rng_state")
+    if rngs is not None and common.get("layout") == layout_of(state):
+        out["rng_state"] = rngs[_world()[0]]
+    out["rng_layout_changed"] = rngs is not None and "rng_state" not in out
+    out["saved_layout"] = common.get("layout")
+    return out
+
+
+def _raise(error: Exception | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrecisionOptimizer | None,
+               model_args: dict | None):
+    """(common payload, {key: Slices} to read, {key: further tensors to copy it into}, optimizer entries or None);
+    no collectives."""
+    _check_placement(state, f"--load {load_dir}")
+    iteration = read_tracker(load_dir)
+    iter_dir = _resolve_iteration_dir(load_dir, iteration)
+    common = read_common(load_dir, iter_dir)
+    if model_args is not None:
+        check_model(load_dir, common, model_args)
+    tensors, targets = {}, {}
+
+    def want(key: str, param: torch.Tensor, target: torch.Tensor) -> None:
+        if key in tensors:  # one rank holding a tensor twice reads it once
+            targets.setdefault(key, []).append(target)
+        else:
+            tensors[key] = slices_of(param, target.detach(), state.tp_rank, state.tp_size)
+
+    for gname, t, _ in _model_tensors(chunks, state):
+        want(MODEL + gname, t, t)
+    if optimizer is None or iteration == RELEASE:
+        return common, tensors, targets, None
+    saved = common.get("optimizer")
+    if saved is None:
+        raise UsageError(f"--load {load_dir}: the checkpoint has no optimizer state; load with --no-load-optim")
+    keys = (MASTER, *MOMENTS) if int(saved.get("step", 0)) > 0 else (MASTER,)
+    entries = []
+    for pname, p in zip(optimizer.names, optimizer.params):
+        e = {k: torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in keys}
+        for k in keys:
+            want(f"{OPTIM}{k}.{global_name(pname, p)}", p, e[k])
+        entries.append(e)
+    return common, tensors, targets, entries
