@@ -25,6 +25,7 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -33,7 +34,7 @@ from ..errors import Reported, RunError, UsageError
 from ..parallel.agree import agree
 from ..parallel.state import ParallelState
 from .checkpointing import (RELEASE, _fsync_dir, _move_into_place, _resolve_iteration_dir, _shared_token,
-                            _world, _write_tracker, iteration_dir_name, read_tracker)
+                            _world, _write_tracker, clear_debris, iteration_dir_name, read_tracker)
 from .optimizer import MOMENTS, STATE_FORMAT, MixedPrecisionOptimizer
 
 FORMAT = "torch_dist"
@@ -43,6 +44,10 @@ MODEL = "model."
 OPTIM = "optimizer.state."
 MASTER = "fp32_param"
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
+# saved arguments that make another model even where no tensor's shape tells (checked first, named on a mismatch)
+ARCHITECTURE = ("model_type", "num_layers", "num_attention_heads", "swiglu", "normalization",
+                "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
+                "bert_binary_head", "apply_residual_connection_post_layernorm")
 
 
 def is_dist_checkpoint(iter_dir: str) -> bool:
@@ -205,8 +210,8 @@ def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chu
 
     error = None
     try:
-        dcp.save(tensors, checkpoint_id=tmp_dir, planner=_SavePlanner())
-    except Exception as exc:  # noqa: BLE001 - DCP gathers every rank's failure and raises it on all of them
+        dcp.save(tensors, checkpoint_id=tmp_dir, planner=_SavePlanner(), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         error = failed(exc)
@@ -225,6 +230,7 @@ def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chu
             _write_tracker(save_dir, iteration, token)
         except OSError as exc:
             raise failed(exc) from None
+        clear_debris(save_dir)
 
     try:
         agree(publish)
@@ -269,18 +275,17 @@ def _load_error(exc: BaseException) -> str:
     size = re.search(r"Size mismatch between saved (torch\.Size\(\[[^\]]*\]\)) and current: "
                      r"(torch\.Size\(\[[^\]]*\]\)) for (\S+)", text)
     if size:
-        shape = lambda s: "(" + s[len("torch.Size(["):-2] + ")"  # noqa: E731
+        shape = lambda s: str(tuple(int(x) for x in s[len("torch.Size(["):-2].split(",") if x.strip()))  # noqa: E731
         return (f"model tensor {size.group(3).rstrip(',')} has shape {shape(size.group(2))} in this model but "
                 f"{shape(size.group(1))} in the checkpoint")
     return (text.strip().splitlines() or [type(exc).__name__])[-1][:300]
 
 
 def check_model(load_dir: str, common: dict, model_args: dict) -> None:
-    """A checkpoint of another model type or architecture is refused with the first difference named."""
+    """A checkpoint of another model type or architecture is refused with the first difference named (sizes
+    show as a tensor's two shapes instead)."""
     saved = common.get("args") or {}
-    for key in ("model_type", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                "padded_vocab_size", "swiglu", "normalization", "position_embedding_type", "num_query_groups",
-                "untie_embeddings_and_output_weights", "add_bias_linear", "bert_binary_head"):
+    for key in ARCHITECTURE:
         if key in saved and key in model_args and saved[key] != model_args[key]:
             raise UsageError(f"--load {load_dir}: checkpoint has {key} = {saved[key]!r}, this run "
                              f"{model_args[key]!r} (another model; a torch_dist checkpoint reshards the layout only)")
@@ -298,8 +303,8 @@ def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrec
         error = None
         try:
             dcp.load(tensors, checkpoint_id=_resolve_iteration_dir(load_dir, read_tracker(load_dir)),
-                     planner=_LoadPlanner())
-        except Exception as exc:  # noqa: BLE001 - DCP raises every rank's failure on all of them
+                     planner=_LoadPlanner(), no_dist=not dist.is_initialized())
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
             error = UsageError(f"--load {load_dir}: {_load_error(exc)}")
         agree(_raise, error)
         for key, extra in targets.items():

@@ -75,3 +75,110 @@ def test_resume_on_any_layout(tmp_path):
         start = _checkpoint_at(ckpts[src], 4, str(tmp_path / f"{src}-to-{dst}"))
         resumed = _run(dst, ["--train-iters", "8", "--load", start])
         _same(resumed, refs[src][4:], f"{src} -> {dst}")
+
+
+def test_tensor_parallel_chunks_tile_the_full_tensor():
+    """A shard's chunks sit at its global offsets: SwiGLU's stride-2 fc1 as a part of each block, a row-parallel
+    weight along dim 1; over the ranks they tile the full tensor exactly."""
+    import torch
+
+    from megatron_bmw.parallel.init import shard
+    from megatron_bmw.training.dist_checkpoint import slices_of
+
+    full = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
+    for dim, stride in ((0, 2), (0, 1), (1, 1)):
+        rebuilt = torch.full_like(full, -1.0)
+        for rank in range(2):
+            local = shard(full, dim, rank, 2, stride)
+            p = torch.nn.Parameter(local.clone())
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, stride
+            s = slices_of(p, local, rank, 2)
+            assert tuple(s.size()) == (8, 6) and len(s.chunks) == stride
+            for off, t in s.chunks:
+                rebuilt[tuple(slice(o, o + n) for o, n in zip(off, t.shape))] = t
+        assert torch.equal(rebuilt, full), (dim, stride)
+
+
+def _error_of(argv):
+    from megatron_bmw.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        build_trainer(argv)
+    return str(info.value)
+
+
+def test_other_model_refused_in_one_line(tmp_path):
+    """A tensor of another shape is named with both shapes; another architecture names the setting."""
+    ckpt = str(tmp_path / "ckpt")
+    small = GPT[:GPT.index("--num-layers")] + GPT[GPT.index("--hidden-size"):] + ["--num-layers", "1"]
+    _train(0, 1, small + ["--train-iters", "3", "--save", ckpt, "--ckpt-format", "torch_dist"])
+    wider = [a if a != "32" else "48" for a in small] + ["--train-iters", "4", "--load", ckpt]
+    msg = _error_of(wider)
+    assert msg.startswith(f"--load {ckpt}: model tensor ") and "(48" in msg and "(32" in msg, msg
+    assert "\n" not in msg
+    msg = _error_of(small + ["--train-iters", "4", "--load", ckpt, "--swiglu"])
+    assert msg == (f"--load {ckpt}: checkpoint has swiglu = False, this run True (another model; a torch_dist "
+                   "checkpoint reshards the layout only)")
+
+
+_KILL_CHILD = """
+import os, sys, time
+import megatron_bmw.training.dist_checkpoint as dc
+from megatron_bmw.training.loop import build_trainer
+where, marker = sys.argv[1], sys.argv[2]
+calls = []
+def hang(*a, **k):
+    calls.append(1)
+    if len(calls) == 2:  # the second save: stop dead here
+        open(marker, "w").close()
+        time.sleep(600)
+if where == "publish":
+    orig_move = dc._move_into_place
+    def move(*a, **k):
+        hang()
+        return orig_move(*a, **k)
+    dc._move_into_place = move
+else:
+    from torch.distributed.checkpoint import filesystem
+    orig_write = filesystem.FileSystemWriter.write_data
+    def write_data(self, plan, planner):
+        fut = orig_write(self, plan, planner)
+        fut.wait()
+        hang()
+        return fut
+    filesystem.FileSystemWriter.write_data = write_data
+trainer = build_trainer(sys.argv[3:])
+trainer.train()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["write", "publish"])
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, where):
+    """kill -9 while DCP writes the shards, or between the write and the rename: the tracker and the previous
+    checkpoint stay, and it loads; the next save clears the debris."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ckpt, marker = str(tmp_path / "ckpt"), str(tmp_path / "marker")
+    argv = GPT + ["--train-iters", "4", "--save", ckpt, "--save-interval", "2", "--ckpt-format", "torch_dist"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    child = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, where, marker, *argv], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not os.path.exists(marker) and child.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert os.path.exists(marker), f"the child never reached the second save (exit {child.poll()})"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == "2"
+    assert any(".tmp-" in e for e in os.listdir(ckpt))  # the killed save's debris
+    trainer = build_trainer(GPT + ["--train-iters", "3", "--load", ckpt, "--save", ckpt, "--ckpt-format",
+                                   "torch_dist"])
+    assert trainer.iteration == 2 and trainer.consumed_train == 32
+    trainer.train()
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
