@@ -32,16 +32,43 @@ NAMES = list(LAYOUTS)
 PAIRS = [(NAMES[i], NAMES[(i + k) % len(NAMES)]) for i in range(len(NAMES)) for k in (1, 3)]
 
 
-def _train(rank, world_size, argv):
-    trainer = build_trainer(argv)
+LLAMA = ["--position-embedding-type", "rope", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+         "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+         "--ffn-hidden-size", "48"]
+BERT = ["--mock-data", "--vocab-size", "96", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+        "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
+        "--make-vocab-size-divisible-by", "4", "--attention-backend", "unfused", "--hidden-dropout", "0",
+        "--attention-dropout", "0"]
+
+
+def _train(rank, world_size, argv, model_type="gpt"):
+    trainer = build_trainer(argv, model_type=model_type)
     trainer.train()
     trainer.finish()
     return trainer.history
 
 
-def _run(layout: str, extra: list[str]):
+def _train_logged(rank, world_size, argv, model_type):
+    """(history, the lines this rank printed about re-seeding)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        history = _train(rank, world_size, argv, model_type)
+    return history, [ln for ln in out.getvalue().splitlines() if "re-seeded" in ln]
+
+
+def _run(layout: str, extra: list[str], base=GPT, model_type="gpt", reseeded: int | None = None):
+    """The last rank's history; `reseeded`: how many re-seed lines all ranks together must print."""
     world, flags = LAYOUTS[layout]
-    return run_distributed(world, _train, GPT + flags + extra)[-1]
+    results = run_distributed(world, _train_logged, base + flags + extra, model_type)
+    if reseeded is not None:
+        lines = [ln for _, rank_lines in results for ln in rank_lines]
+        assert len(lines) == reseeded, lines
+        assert all("torch and model-parallel-rng" in ln for ln in lines), lines
+    return results[-1][0]
 
 
 def _checkpoint_at(src_dir: str, iteration: int, dst_dir: str) -> str:
@@ -73,8 +100,24 @@ def test_resume_on_any_layout(tmp_path):
         assert os.path.isfile(os.path.join(ckpts[name], "iter_0000004", ".metadata"))
     for src, dst in PAIRS:
         start = _checkpoint_at(ckpts[src], 4, str(tmp_path / f"{src}-to-{dst}"))
-        resumed = _run(dst, ["--train-iters", "8", "--load", start])
+        resumed = _run(dst, ["--train-iters", "8", "--load", start], reseeded=1)  # the layouts differ
         _same(resumed, refs[src][4:], f"{src} -> {dst}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,src,dsts", [
+    ("llama", "tp2", ["serial", "pp2-v2-cut"]),  # SwiGLU's stride-2 fc1, grouped QKV, untied output
+    ("llama", "serial", ["tp2-pp2-sp"]),
+    ("bert", "tp2-pp2-sp", ["serial", "dp2-zero1"]),
+])
+def test_resume_llama_and_bert_on_other_layouts(tmp_path, model, src, dsts):
+    base, model_type = (GPT + LLAMA, "gpt") if model == "llama" else (BERT, "bert")
+    ckpt = str(tmp_path / "src")
+    ref = _run(src, ["--train-iters", "8", "--save", ckpt, "--save-interval", "4", "--ckpt-format", "torch_dist"],
+               base, model_type)
+    for dst in dsts:
+        start = _checkpoint_at(ckpt, 4, str(tmp_path / dst))
+        _same(_run(dst, ["--train-iters", "8", "--load", start], base, model_type), ref[4:], f"{model} {src} -> {dst}")
 
 
 def test_tensor_parallel_chunks_tile_the_full_tensor():
@@ -182,3 +225,22 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, where):
     assert trainer.iteration == 2 and trainer.consumed_train == 32
     trainer.train()
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+
+
+def test_schedule_scaler_and_data_position_carry_over(tmp_path):
+    """fp16 with a growing loss scale: the loaded run has the saved scale, LR schedule, step, iteration, consumed
+    samples and (same layout) RNG streams."""
+    import torch
+
+    ckpt = str(tmp_path / "ckpt")
+    argv = GPT + ["--fp16", "--initial-loss-scale", "256", "--loss-scale-window", "1", "--hidden-dropout", "0.1"]
+    saved = build_trainer(argv + ["--train-iters", "3", "--save", ckpt, "--ckpt-format", "torch_dist"])
+    saved.train()
+    streams = torch.get_rng_state(), saved.state.rng.get_states()
+    loaded = build_trainer(argv + ["--train-iters", "4", "--load", ckpt])
+    assert saved.optimizer.loss_scale == loaded.optimizer.loss_scale > 256
+    assert loaded.scheduler.state_dict() == saved.scheduler.state_dict()
+    assert loaded.optimizer.get_lr() == saved.optimizer.get_lr()
+    assert (loaded.iteration, loaded.consumed_train, loaded.optimizer._step_count) == (3, 48, 3)
+    assert torch.equal(torch.get_rng_state(), streams[0])
+    assert all(torch.equal(loaded.state.rng.states[k], v) for k, v in streams[1].items())
