@@ -193,6 +193,10 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on --load, use this run's LR schedule flags instead of the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on --load, keep the checkpoint's LR schedule whatever this run's flags say")
     g.add_argument("--ckpt-format", default="torch",
                    help="torch (Megatron's legacy format, the default) or torch_dist (layout-free, "
                         "torch.distributed.checkpoint); --load reads either")
@@ -245,6 +249,9 @@ def _check_megatron_choices(args) -> None:
     if args.kv_channels is not None and heads and args.kv_channels * heads != args.hidden_size:
         raise UsageError(f"--kv-channels {args.kv_channels}: only hidden size / heads "
                          f"({args.hidden_size // heads if heads else '?'}) is supported")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise UsageError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually "
+                         "exclusive (this run's LR schedule, or the checkpoint's)")
     if args.ckpt_format not in CKPT_FORMATS_HERE:
         known = args.ckpt_format in CKPT_FORMATS
         raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; use torch "
@@ -516,7 +523,9 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
         log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad, save=args.save,
         load=args.load, save_interval=args.save_interval, save_optim=not args.no_save_optim,
         save_rng=not args.no_save_rng, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-        finetune=args.finetune, ckpt_format=args.ckpt_format, distributed_backend=args.distributed_backend,
+        finetune=args.finetune, ckpt_format=args.ckpt_format,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler, distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes, log_activation_memory=args.log_activation_memory,
         train_samples=args.train_samples, batch_schedule=batches,
     )

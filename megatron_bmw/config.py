@@ -359,6 +359,8 @@ class TrainConfig:
     load_rng: bool = True
     finetune: bool = False
     ckpt_format: str = "torch"  # what --save writes: torch (Megatron's legacy) or torch_dist (layout-free)
+    override_opt_param_scheduler: bool = False  # on --load: this run's LR schedule, not the checkpoint's
+    use_checkpoint_opt_param_scheduler: bool = False  # on --load: the checkpoint's LR schedule, whatever the flags
     distributed_backend: str | None = None
     distributed_timeout_minutes: float = 10.0
     log_activation_memory: bool = False

@@ -284,7 +284,9 @@ class Trainer:
                                               args.get("consumed_train_samples", self.iteration * saved_batch)))
         self.consumed_valid = int(payload.get("consumed_valid_samples", args.get("consumed_valid_samples", 0)))
         if "opt_param_scheduler" in payload and load_optim:
-            self.scheduler.load_state_dict(payload["opt_param_scheduler"], samples_per_iteration=saved_batch)
+            agree(self.scheduler.load_state_dict, payload["opt_param_scheduler"], samples_per_iteration=saved_batch,
+                  override=tr.override_opt_param_scheduler, use_checkpoint=tr.use_checkpoint_opt_param_scheduler,
+                  where=f"--load {tr.load}")
         if tr.load_rng and "rng_state" in payload:
             set_rng_state(payload["rng_state"], self.state.rng)
         elif tr.load_rng and payload.get("rng_layout_changed"):

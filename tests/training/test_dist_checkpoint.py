@@ -13,7 +13,7 @@ GPT = ["--mock-data", "--vocab-size", "128", "--num-layers", "4", "--hidden-size
        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "1e-3",
        "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
        "--make-vocab-size-divisible-by", "4", "--attention-backend", "unfused", "--hidden-dropout", "0",
-       "--attention-dropout", "0", "--seed", "7"]
+       "--attention-dropout", "0", "--seed", "7", "--lr-decay-iters", "8"]
 TP, PP = "--tensor-model-parallel-size", "--pipeline-model-parallel-size"
 ZERO1 = "--use-distributed-optimizer"
 # name: (world size, flags); 4 layers = 10 units
@@ -244,3 +244,21 @@ def test_schedule_scaler_and_data_position_carry_over(tmp_path):
     assert (loaded.iteration, loaded.consumed_train, loaded.optimizer._step_count) == (3, 48, 3)
     assert torch.equal(torch.get_rng_state(), streams[0])
     assert all(torch.equal(loaded.state.rng.states[k], v) for k, v in streams[1].items())
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_changed_train_iters_stop_the_load_unless_a_scheduler_flag_says(tmp_path, fmt):
+    """Megatron's continued-training flags, with either format."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = [a for a in GPT if a not in ("--lr-decay-iters", "8")] + ["--num-layers", "1"]
+    _train(0, 1, argv + ["--train-iters", "3", "--save", ckpt, "--ckpt-format", fmt])
+    msg = _error_of(argv + ["--train-iters", "5", "--load", ckpt])
+    assert msg.startswith(f"--load {ckpt}: the checkpoint's learning-rate schedule has lr_decay_steps = 48, this "
+                          "run 80 (samples:"), msg
+    kept = build_trainer(argv + ["--train-iters", "5", "--load", ckpt, "--use-checkpoint-opt_param-scheduler"])
+    assert kept.scheduler.lr_decay_steps == 48 and kept.iteration == 3
+    mine = build_trainer(argv + ["--train-iters", "5", "--load", ckpt, "--override-opt_param-scheduler"])
+    assert mine.scheduler.lr_decay_steps == 80 and mine.scheduler.num_steps == 48
+    msg = _error_of(argv + ["--train-iters", "5", "--override-opt_param-scheduler",
+                            "--use-checkpoint-opt_param-scheduler"])
+    assert "mutually exclusive" in msg
