@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import Reported, RunError, UsageError
 from ..parallel.agree import agree
@@ -93,21 +95,46 @@ class Slices:
 
 
 def slices_of(param: torch.Tensor, local: torch.Tensor, tp_rank: int, tp_size: int) -> Slices:
-    """`local` (shaped like `param`, this rank's shard of it) placed in the parameter's global tensor, as the
-    tensor-parallel attributes of `param` say (parallel/layers.py)."""
+    """`local` (this rank's part of `param`, shaped like it) placed in the parameter's global tensor, as the
+    tensor-parallel attributes of `param` say (parallel/layers.py); an FSDP2-sharded parameter (a DTensor, or the
+    optimizer's local view of one: `fsdp_param`) adds its dp shard's offset inside the tp shard."""
+    dt = getattr(param, "fsdp_param", param)
+    inner = [0] * local.dim()
+    shape = list(local.shape)
+    if isinstance(dt, DTensor):
+        shape = list(dt.shape)  # the tp shard's shape; `local` is this rank's rows of it
+        _, inner = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+        inner = list(inner)
+    if local.numel() == 0:
+        return Slices(_tp_global(shape, param, tp_size), [])
     dim = getattr(param, "partition_dim", None)
     if dim is None or tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return Slices(local.shape, [((0,) * local.dim(), local)])
+        return Slices(torch.Size(shape), [(tuple(inner), local)])
     stride = getattr(param, "partition_stride", 1)
-    shape = list(local.shape)
-    shape[dim] *= tp_size
-    block = local.size(dim) // stride  # this rank's part of each of the `stride` blocks
+    block = shape[dim] // stride  # this rank's part of each of the `stride` blocks
     chunks = []
-    for j, part in enumerate(local.split(block, dim=dim)):
-        off = [0] * local.dim()
-        off[dim] = j * block * tp_size + tp_rank * block
-        chunks.append((tuple(off), part))
-    return Slices(torch.Size(shape), chunks)
+    if stride == 1:
+        off = list(inner)
+        off[dim] += tp_rank * block
+        chunks.append((tuple(off), local))
+    else:  # (not with FSDP: hybrid strategies refuse SwiGLU)
+        for j, part in enumerate(local.split(block, dim=dim)):
+            off = [0] * local.dim()
+            off[dim] = j * block * tp_size + tp_rank * block
+            chunks.append((tuple(off), part))
+    return Slices(_tp_global(shape, param, tp_size), chunks)
+
+
+def _tp_global(shape: list[int], param: torch.Tensor, tp_size: int) -> torch.Size:
+    dim = getattr(param, "partition_dim", None)
+    out = list(shape)
+    if dim is not None and tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+        out[dim] *= tp_size
+    return torch.Size(out)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def global_name(chunk_key: str, param: torch.Tensor | None = None) -> str:
@@ -144,26 +171,33 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 # -- what a rank saves and loads -------------------------------------------------------------------------------------
-def _model_tensors(chunks: list, state: ParallelState) -> list[tuple[str, torch.Tensor, bool]]:
-    """(global name, tensor, is the tied copy) of every tensor of this rank's chunks (buffers included)."""
+def _unit_states(chunks: list, state: ParallelState) -> dict:
+    """Unit name -> the ParallelState it was built with (hybrid strategies: each unit's own tp)."""
+    return {name: getattr(unit, "state", state) for c in chunks for name, unit in c.units.items()}
+
+
+def _tp_of(name: str, units: dict, state: ParallelState) -> tuple[int, int]:
+    s = units.get(name.split(".", 1)[0], state)
+    return s.tp_rank, s.tp_size
+
+
+def _model_tensors(chunks: list, state: ParallelState) -> list[tuple[str, torch.Tensor, bool, tuple[int, int]]]:
+    """(global name, tensor, is the tied copy, (tp rank, tp size)) of every tensor of this rank's chunks (buffers
+    included)."""
+    units = _unit_states(chunks, state)
     out = []
     for chunk in chunks:
         for key, t in chunk.state_dict(keep_vars=True).items():
             copy = getattr(t, "shared_embedding_copy", False)
-            out.append((global_name(key, t), t, copy))
+            name = global_name(key, t)
+            out.append((name, t, copy, _tp_of(global_name(key), units, state)))
     return out
-
-
-def _check_placement(state: ParallelState, flag: str) -> None:
-    if state.units.names() is not None:
-        raise UsageError(f"{flag}: --ckpt-format torch_dist does not yet hold per-unit strategies "
-                         "(--unit-strategies); use --ckpt-format torch")
 
 
 def layout_of(state: ParallelState) -> dict:
     """What the RNG streams' meaning depends on: every rank keeps its coordinates when these agree."""
     return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "order": state.layout.order,
-            "world": _world()[1]}
+            "world": _world()[1], "unit_strategies": state.units.names()}
 
 
 def _optimizer_entries(optimizer: MixedPrecisionOptimizer, sd: dict) -> dict[str, torch.Tensor | None]:
@@ -179,7 +213,6 @@ def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chu
          optimizer: MixedPrecisionOptimizer | None = None, save_optim: bool = True, rng_state=None) -> str:
     """Save as torch_dist (every rank calls it). `payload`: the common part (no model); `rng_state`: this
     rank's RNG streams (gathered into common.pt). Returns the iteration directory."""
-    _check_placement(state, f"--save {save_dir}")
     optim_sd = optimizer.state_dict(everywhere=True) if optimizer is not None and save_optim else None
     rngs = _gather_objects(rng_state)
     token = _shared_token(state)
@@ -188,19 +221,21 @@ def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chu
     final_dir = os.path.join(save_dir, name)
     rank = _world()[0]
     tensors = {}
-    for gname, t, copy in _model_tensors(chunks, state):
+    for gname, t, copy, tp in _model_tensors(chunks, state):
         if not copy:
-            tensors[MODEL + gname] = slices_of(t, t.detach(), state.tp_rank, state.tp_size)
+            tensors[MODEL + gname] = slices_of(t, _local(t).detach(), *tp)
     common = dict(payload, checkpoint_format=FORMAT, layout=layout_of(state), rng_state=rngs)
     if optim_sd is not None:
         named = dict(zip(optimizer.names, optimizer.params))
+        units = _unit_states(chunks, state)
         for pname, entry in _optimizer_entries(optimizer, optim_sd).items():
             p = named[pname]
             if getattr(p, "shared_embedding_copy", False):
                 continue
             for key, value in entry.items():
                 if value is not None:
-                    tensors[f"{OPTIM}{key}.{global_name(pname)}"] = slices_of(p, value, state.tp_rank, state.tp_size)
+                    tp = _tp_of(global_name(pname), units, state)
+                    tensors[f"{OPTIM}{key}.{global_name(pname)}"] = slices_of(p, value, *tp)
         common["optimizer"] = {k: v for k, v in optim_sd.items() if k not in ("params", "param_names")}
 
     def failed(exc: BaseException) -> RunError:
@@ -340,7 +375,6 @@ def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: Mix
                model_args: dict | None):
     """(common payload, {key: Slices} to read, {key: further tensors to copy it into}, optimizer entries or None);
     no collectives."""
-    _check_placement(state, f"--load {load_dir}")
     iteration = read_tracker(load_dir)
     iter_dir = _resolve_iteration_dir(load_dir, iteration)
     common = read_common(load_dir, iter_dir)
@@ -348,14 +382,16 @@ def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: Mix
         check_model(load_dir, common, model_args)
     tensors, targets = {}, {}
 
-    def want(key: str, param: torch.Tensor, target: torch.Tensor) -> None:
+    units = _unit_states(chunks, state)
+
+    def want(key: str, param: torch.Tensor, target: torch.Tensor, tp: tuple[int, int]) -> None:
         if key in tensors:  # one rank holding a tensor twice reads it once
             targets.setdefault(key, []).append(target)
         else:
-            tensors[key] = slices_of(param, target.detach(), state.tp_rank, state.tp_size)
+            tensors[key] = slices_of(param, target.detach(), *tp)
 
-    for gname, t, _ in _model_tensors(chunks, state):
-        want(MODEL + gname, t, t)
+    for gname, t, _, tp in _model_tensors(chunks, state):
+        want(MODEL + gname, t, _local(t), tp)
     if optimizer is None or iteration == RELEASE:
         return common, tensors, targets, None
     saved = common.get("optimizer")
@@ -365,7 +401,8 @@ def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: Mix
     entries = []
     for pname, p in zip(optimizer.names, optimizer.params):
         e = {k: torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in keys}
+        tp = _tp_of(global_name(pname), units, state)
         for k in keys:
-            want(f"{OPTIM}{k}.{global_name(pname, p)}", p, e[k])
+            want(f"{OPTIM}{k}.{global_name(pname, p)}", p, e[k], tp)
         entries.append(e)
     return common, tensors, targets, entries

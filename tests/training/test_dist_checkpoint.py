@@ -26,9 +26,11 @@ LAYOUTS = {
     "tp2": (2, [TP, "2"]),
     "dp4": (4, []),
     "pp2-dp2-zero1": (4, [PP, "2", ZERO1]),
+    # per-unit strategies over a stage's 2 ranks, FSDP2-sharded units (sdp2) among them
+    "hybrid-pp2": (4, [PP, "2", "--unit-strategies", "tp2,dp2,sdp2,tp2,dp2,sdp2,tp2,dp2,sdp2,tp2"]),
 }
 NAMES = list(LAYOUTS)
-# each layout resumes from two sources and is the source of two resumes (16 ordered pairs)
+# each layout resumes from two sources and is the source of two resumes (18 ordered pairs)
 PAIRS = [(NAMES[i], NAMES[(i + k) % len(NAMES)]) for i in range(len(NAMES)) for k in (1, 3)]
 
 
