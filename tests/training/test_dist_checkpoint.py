@@ -264,3 +264,45 @@ def test_changed_train_iters_stop_the_load_unless_a_scheduler_flag_says(tmp_path
     msg = _error_of(argv + ["--train-iters", "5", "--override-opt_param-scheduler",
                             "--use-checkpoint-opt_param-scheduler"])
     assert "mutually exclusive" in msg
+
+
+def _plans_case(rank, world_size, tmp):
+    """Plan A (tp2 pp2 + SP) trains 8 iterations saving torch_dist at 4; plan B (pp2 dp2, ZeRO-1, a sub-layer
+    cut) resumes A's iteration 4 with --plan B --load."""
+    import torch.distributed as dist
+
+    from megatron_bmw.config import ModelConfig, PipelineConfig
+    from megatron_bmw.planner.plan import Plan
+    from megatron_bmw.planner.spec import RunSpec
+    from megatron_bmw.training.pretrain import pretrain
+
+    model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
+                        max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
+                        attention_backend="unfused")
+    specs = {"a": RunSpec(model=model, tp=2, pp=2, dp=1, sequence_parallel=True,
+                          pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=8)),
+             "b": RunSpec(model=model, tp=1, pp=2, dp=2, distributed_optimizer=True,
+                          pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=4, partition=(4, 6)))}
+    paths = {k: os.path.join(tmp, f"plan_{k}.json") for k in specs}
+    if rank == 0:
+        for k, spec in specs.items():
+            Plan(spec=spec, global_batch_size=16, orig_vocab_size=128, make_vocab_size_divisible_by=4).save(paths[k])
+    dist.barrier()
+    flags = ["--mock-data", "--train-iters", "8", "--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-iters", "8",
+             "--log-interval", "1", "--eval-iters", "0", "--seed", "7"]
+    ckpt = os.path.join(tmp, "a")
+    a = pretrain(flags + ["--plan", paths["a"], "--save", ckpt, "--save-interval", "4", "--ckpt-format", "torch_dist"])
+    dist.barrier()
+    if rank == 0:
+        _checkpoint_at(ckpt, 4, os.path.join(tmp, "a4"))
+    dist.barrier()
+    b = pretrain(flags + ["--plan", paths["b"], "--load", os.path.join(tmp, "a4")])
+    return a.history, b.history, (b.state.tp_size, b.state.pp_size, b.state.dp_size)
+
+
+@pytest.mark.slow
+def test_a_changed_plan_resumes_the_checkpoint(tmp_path):
+    results = run_distributed(4, _plans_case, str(tmp_path))
+    a, b, sizes = results[-1]
+    assert sizes == (1, 2, 2)
+    _same(b, a[4:], "plan a -> plan b")
