@@ -197,6 +197,9 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="on --load, use this run's LR schedule flags instead of the checkpoint's")
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
                    help="on --load, keep the checkpoint's LR schedule whatever this run's flags say")
+    g.add_argument("--ckpt-convert-format", default=None, choices=CKPT_FORMATS_HERE,
+                   help="load --load, save it in this format to --ckpt-convert-save/<format>, and exit")
+    g.add_argument("--ckpt-convert-save", default=None, help="where --ckpt-convert-format saves")
     g.add_argument("--ckpt-format", default="torch",
                    help="torch (Megatron's legacy format, the default) or torch_dist (layout-free, "
                         "torch.distributed.checkpoint); --load reads either")
@@ -252,6 +255,12 @@ def _check_megatron_choices(args) -> None:
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise UsageError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually "
                          "exclusive (this run's LR schedule, or the checkpoint's)")
+    if args.ckpt_convert_format is not None and (args.ckpt_convert_save is None or args.load is None):
+        missing = "--ckpt-convert-save" if args.ckpt_convert_save is None else "--load"
+        raise UsageError(f"--ckpt-convert-format {args.ckpt_convert_format} needs {missing} (Megatron's conversion: "
+                         "load --load, save to --ckpt-convert-save/<format>, exit)")
+    if args.ckpt_convert_save is not None and args.ckpt_convert_format is None:
+        raise UsageError("--ckpt-convert-save is only used with --ckpt-convert-format torch|torch_dist")
     if args.ckpt_format not in CKPT_FORMATS_HERE:
         known = args.ckpt_format in CKPT_FORMATS
         raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; use torch "
@@ -525,7 +534,8 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
         save_rng=not args.no_save_rng, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
         finetune=args.finetune, ckpt_format=args.ckpt_format,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler, distributed_backend=args.distributed_backend,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        ckpt_convert_format=args.ckpt_convert_format, ckpt_convert_save=args.ckpt_convert_save, distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes, log_activation_memory=args.log_activation_memory,
         train_samples=args.train_samples, batch_schedule=batches,
     )

@@ -293,6 +293,18 @@ class Trainer:
             self._reseed(payload.get("saved_layout"))
         print_first(self.state, f"  successfully loaded checkpoint from {tr.load} at iteration {self.iteration}")
 
+    def convert_checkpoint(self) -> str:
+        """Megatron's --ckpt-convert-format: save what was loaded in that format to --ckpt-convert-save/<format>."""
+        tr = self.run.train
+        source = agree(dist_checkpoint.checkpoint_format, tr.load)
+        if source is None:
+            raise UsageError(f"--ckpt-convert-format: --load {tr.load} holds no checkpoint to convert")
+        where = os.path.join(tr.ckpt_convert_save, tr.ckpt_convert_format)
+        self.run = replace(self.run, train=replace(tr, save=where, ckpt_format=tr.ckpt_convert_format))
+        self.save()
+        print_first(self.state, f"> converted checkpoint: {source} -> {tr.ckpt_convert_format}.")
+        return where
+
     def _reseed(self, saved: dict | None) -> None:
         """The checkpoint's RNG streams belong to another layout's ranks: seed them afresh from --seed and the
         iteration (so the masks of the first iterations are not repeated), and say so in one line."""

@@ -178,12 +178,16 @@ class MixedPrecisionOptimizer:
         self._reload_pending = True
 
     @torch.no_grad()
-    def step(self) -> StepResult:
+    def _reload_masters(self) -> None:
         if self._reload_pending:
             for pc, m in zip(self._pieces, self._masters):
                 if m is not self.params[pc.index]:
                     m.copy_(self._param_slice(pc, self.params[pc.index].detach()))
             self._reload_pending = False
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        self._reload_masters()
         grads = [self._grad(pc) for pc in self._pieces]
         if grads and self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, self.scaler.inv_scale)
@@ -261,6 +265,7 @@ class MixedPrecisionOptimizer:
         Under ZeRO this is collective over the DP group and only DP rank 0 gets the tensors ("params" is None
         on the others); with `everywhere` every DP rank gets them (all-gathered: torch_dist spreads the writes).
         """
+        self._reload_masters()  # weights loaded without optimizer state: the masters are the loaded weights
         sd = {
             "format": STATE_FORMAT,
             "step": self._step_count,

@@ -306,3 +306,42 @@ def test_a_changed_plan_resumes_the_checkpoint(tmp_path):
     a, b, sizes = results[-1]
     assert sizes == (1, 2, 2)
     _same(b, a[4:], "plan a -> plan b")
+
+
+def _convert_case(rank, world_size, argv):
+    import contextlib
+    import io
+
+    from megatron_bmw.training.pretrain import pretrain
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer = pretrain(argv)
+    return trainer.history, [ln for ln in out.getvalue().splitlines() if "converted checkpoint" in ln]
+
+
+@pytest.mark.slow
+def test_convert_between_formats(tmp_path):
+    """Megatron's --ckpt-convert-format/--ckpt-convert-save: a serial legacy checkpoint becomes torch_dist (and
+    trains on exactly on tp2), which becomes a legacy tp2 checkpoint (and trains on exactly)."""
+    legacy = str(tmp_path / "legacy")
+    ref = run_distributed(1, _train, GPT + ["--train-iters", "6", "--save", legacy, "--save-interval", "3"])[0]
+    start = _checkpoint_at(legacy, 3, str(tmp_path / "legacy3"))
+    conv = str(tmp_path / "conv")
+    history, lines = run_distributed(1, _convert_case, GPT + ["--train-iters", "6", "--load", start,
+                                                              "--ckpt-convert-format", "torch_dist",
+                                                              "--ckpt-convert-save", conv])[0]
+    assert history == [] and lines == ["> converted checkpoint: torch -> torch_dist."]
+    dist_dir = os.path.join(conv, "torch_dist")
+    assert os.path.isfile(os.path.join(dist_dir, "iter_0000003", ".metadata"))
+    tp2 = LAYOUTS["tp2"][1]
+    _same(run_distributed(2, _train, GPT + tp2 + ["--train-iters", "6", "--load", dist_dir])[-1], ref[3:],
+          "torch -> torch_dist -> tp2")
+    back = str(tmp_path / "back")
+    lines = run_distributed(2, _convert_case, GPT + tp2 + ["--train-iters", "6", "--load", dist_dir,
+                                                           "--ckpt-convert-format", "torch", "--ckpt-convert-save",
+                                                           back])[0][1]
+    assert lines == ["> converted checkpoint: torch_dist -> torch."]
+    assert os.path.isfile(os.path.join(back, "torch", "iter_0000003", "mp_rank_01", "model_optim_rng.pt"))
+    _same(run_distributed(2, _train, GPT + tp2 + ["--train-iters", "6", "--load", os.path.join(back, "torch")])[-1],
+          ref[3:], "torch_dist -> torch tp2")
