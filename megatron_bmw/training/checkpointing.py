@@ -301,6 +301,10 @@ def load_checkpoint(
         if iteration is None:
             return None
     iter_dir = _resolve_iteration_dir(load_dir, iteration)
+    if os.path.isfile(os.path.join(iter_dir, ".metadata")):  # training/dist_checkpoint.py's format
+        raise UsageError(f"--load {load_dir}: {iter_dir} is a torch_dist checkpoint; this reads the legacy torch "
+                         "format (convert it with pretrain_gpt.py --load DIR --ckpt-convert-format torch "
+                         "--ckpt-convert-save OUT)")
     mp_rank, mp_size, _ = _mp_coords(state)
     saved = _saved_layout(iter_dir)
     if saved is not None and saved != (mp_size, state.pp_size) and not _part_of(iter_dir, mp_size, state.pp_size):

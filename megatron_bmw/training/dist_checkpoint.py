@@ -19,8 +19,10 @@ directory into place and then replaces the tracker (training/checkpointing.py's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -245,7 +247,8 @@ def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chu
 
     error = None
     try:
-        dcp.save(tensors, checkpoint_id=tmp_dir, planner=_SavePlanner(), no_dist=not dist.is_initialized())
+        with _single_process_quiet():
+            dcp.save(tensors, checkpoint_id=tmp_dir, planner=_SavePlanner(), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -274,6 +277,14 @@ def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chu
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return final_dir
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns when it runs without a process group (tools, tests); that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _gather_objects(obj) -> list | None:
@@ -337,8 +348,9 @@ def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrec
     with torch.no_grad():
         error = None
         try:
-            dcp.load(tensors, checkpoint_id=_resolve_iteration_dir(load_dir, read_tracker(load_dir)),
-                     planner=_LoadPlanner(), no_dist=not dist.is_initialized())
+            with _single_process_quiet():
+                dcp.load(tensors, checkpoint_id=_resolve_iteration_dir(load_dir, read_tracker(load_dir)),
+                         planner=_LoadPlanner(), no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
             error = UsageError(f"--load {load_dir}: {_load_error(exc)}")
         agree(_raise, error)

@@ -22,7 +22,7 @@ LAYOUTS = {
     "tp2-pp2-sp": (4, [TP, "2", PP, "2", "--sequence-parallel"]),
     "pp2-v2-cut": (2, [PP, "2", "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-partition", "2,3,3,2"]),
     "dp2-zero1": (2, [ZERO1]),
-    "pp4-bpipe": (4, [PP, "4", "--bpipe"]),
+    "pp4-bpipe-sliced": (4, [PP, "4", "--bpipe", "--microbatch-slicing", "2"]),
     "tp2": (2, [TP, "2"]),
     "dp4": (4, []),
     "pp2-dp2-zero1": (4, [PP, "2", ZERO1]),
@@ -345,3 +345,16 @@ def test_convert_between_formats(tmp_path):
     assert os.path.isfile(os.path.join(back, "torch", "iter_0000003", "mp_rank_01", "model_optim_rng.pt"))
     _same(run_distributed(2, _train, GPT + tp2 + ["--train-iters", "6", "--load", os.path.join(back, "torch")])[-1],
           ref[3:], "torch_dist -> torch tp2")
+
+
+def test_legacy_reader_names_a_torch_dist_checkpoint(tmp_path):
+    """Tools that read the legacy format (converters) get one line saying how to convert."""
+    from megatron_bmw.errors import UsageError
+    from megatron_bmw.parallel.state import ParallelState
+    from megatron_bmw.training.checkpointing import load_checkpoint
+
+    ckpt = str(tmp_path / "ckpt")
+    small = GPT[:GPT.index("--num-layers")] + GPT[GPT.index("--hidden-size"):] + ["--num-layers", "1"]
+    _train(0, 1, small + ["--train-iters", "3", "--save", ckpt, "--ckpt-format", "torch_dist"])
+    with pytest.raises(UsageError, match="is a torch_dist checkpoint; this reads the legacy torch format"):
+        load_checkpoint(ckpt, ParallelState.serial())
