@@ -27,6 +27,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -51,7 +52,7 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 # saved arguments that make another model even where no tensor's shape tells (checked first, named on a mismatch)
 ARCHITECTURE = ("model_type", "num_layers", "num_attention_heads", "swiglu", "normalization",
                 "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
-                "bert_binary_head", "apply_residual_connection_post_layernorm")
+                "bert_binary_head", "apply_residual_connection_post_layernorm", "orig_vocab_size")
 
 
 def is_dist_checkpoint(iter_dir: str) -> bool:
@@ -332,7 +333,7 @@ def check_model(load_dir: str, common: dict, model_args: dict) -> None:
     show as a tensor's two shapes instead)."""
     saved = common.get("args") or {}
     for key in ARCHITECTURE:
-        if key in saved and key in model_args and saved[key] != model_args[key]:
+        if saved.get(key) is not None and model_args.get(key) is not None and saved[key] != model_args[key]:
             raise UsageError(f"--load {load_dir}: checkpoint has {key} = {saved[key]!r}, this run "
                              f"{model_args[key]!r} (another model; a torch_dist checkpoint reshards the layout only)")
 
@@ -354,10 +355,9 @@ def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrec
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
             error = UsageError(f"--load {load_dir}: {_load_error(exc)}")
         agree(_raise, error)
-        for key, extra in targets.items():
-            src = tensors[key].chunks
+        for src, *extra in targets.values():
             for t in extra:
-                t.detach().copy_(src[0][1] if len(src) == 1 else torch.cat([c for _, c in src]))
+                t.detach().copy_(src)
     if optimizer is not None:
         if entries is not None:
             sd = dict(common["optimizer"], format=STATE_FORMAT, param_names=list(optimizer.names),
@@ -375,7 +375,29 @@ def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrec
         out["rng_state"] = rngs[_world()[0]]
     out["rng_layout_changed"] = rngs is not None and "rng_state" not in out
     out["saved_layout"] = common.get("layout")
+    saved_rows = (common.get("args") or {}).get("padded_vocab_size")
+    if model_args is not None and saved_rows not in (None, model_args.get("padded_vocab_size")):
+        out["vocab_repadded"] = (saved_rows, model_args.get("padded_vocab_size"))
     return out
+
+
+def _vocab_rows(mine: torch.Size, saved: torch.Size, rows: tuple) -> bool:
+    """Is this a vocabulary tensor whose padding differs (Megatron pads the vocabulary to a multiple of
+    make_vocab_size_divisible_by x tp, so it changes with tp)?"""
+    return (len(mine) == len(saved) and len(mine) > 0 and tuple(mine[1:]) == tuple(saved[1:])
+            and (saved[0], mine[0]) == rows)
+
+
+def _repad(s: Slices, saved: torch.Size) -> Slices:
+    """Read the rows the checkpoint has; rows it lacks (more padding here) start at zero, as the converters pad."""
+    chunks = []
+    for off, t in s.chunks:
+        keep = max(0, min(t.size(0), saved[0] - off[0]))
+        if keep < t.size(0):
+            t[keep:].zero_()
+        if keep:
+            chunks.append((off, t[:keep]))
+    return Slices(saved, chunks)
 
 
 def _raise(error: Exception | None) -> None:
@@ -392,15 +414,24 @@ def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: Mix
     common = read_common(load_dir, iter_dir)
     if model_args is not None:
         check_model(load_dir, common, model_args)
-    tensors, targets = {}, {}
+    tensors, targets, first = {}, {}, {}
 
     units = _unit_states(chunks, state)
 
+    sizes = {k: md.size for k, md in FileSystemReader(iter_dir).read_metadata().state_dict_metadata.items()
+             if hasattr(md, "size")}
+    rows = ((common.get("args") or {}).get("padded_vocab_size"), (model_args or {}).get("padded_vocab_size"))
+
     def want(key: str, param: torch.Tensor, target: torch.Tensor, tp: tuple[int, int]) -> None:
-        if key in tensors:  # one rank holding a tensor twice reads it once
-            targets.setdefault(key, []).append(target)
-        else:
-            tensors[key] = slices_of(param, target.detach(), *tp)
+        if key in tensors:  # one rank holding a tensor twice reads it once, into the first
+            targets.setdefault(key, [first[key]]).append(target)
+            return
+        first[key] = target
+        s = slices_of(param, target.detach(), *tp)
+        saved = sizes.get(key)
+        if saved is not None and rows[0] != rows[1] and _vocab_rows(s.shape, saved, rows):
+            s = _repad(s, saved)
+        tensors[key] = s
 
     for gname, t, _, tp in _model_tensors(chunks, state):
         want(MODEL + gname, t, _local(t), tp)

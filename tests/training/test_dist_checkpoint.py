@@ -358,3 +358,49 @@ def test_legacy_reader_names_a_torch_dist_checkpoint(tmp_path):
     _train(0, 1, small + ["--train-iters", "3", "--save", ckpt, "--ckpt-format", "torch_dist"])
     with pytest.raises(UsageError, match="is a torch_dist checkpoint; this reads the legacy torch format"):
         load_checkpoint(ckpt, ParallelState.serial())
+
+
+def _embedding_case(rank, world_size, argv):
+    """(this rank's word-embedding shard and its Adam exp_avg, after loading; the lines about padding)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer = build_trainer(argv)
+    names = trainer.optimizer.names
+    i = names.index("units.embedding.word_embeddings.weight")
+    exp_avg = trainer.optimizer._inner.state[trainer.optimizer._masters[i]]["exp_avg"].clone()
+    weight = trainer.chunks[0].units["embedding"].word_embeddings.weight.detach().clone()
+    return weight, exp_avg, [ln for ln in out.getvalue().splitlines() if "vocabulary padding" in ln]
+
+
+@pytest.mark.slow
+def test_vocabulary_padding_follows_the_tensor_parallel_size(tmp_path):
+    """Vocabulary 100 pads to 104 rows at tp2 and stays 100 at tp1 (--make-vocab-size-divisible-by 4): a tp2
+    checkpoint loads into tp1 with its first 100 rows (weights and Adam state), a tp1 one into tp2 with the 4
+    padded rows at zero."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    vocab = [a if a != "128" else "100" for a in GPT] + ["--train-iters", "3", "--ckpt-format", "torch_dist"]
+    tp2 = LAYOUTS["tp2"][1]
+    keys = ("model.embedding.word_embeddings.weight", "optimizer.state.exp_avg.embedding.word_embeddings.weight")
+
+    def saved(where, rows):
+        out = {k: torch.empty(rows, 32) for k in keys}
+        dcp.load(out, checkpoint_id=os.path.join(where, "iter_0000003"), no_dist=True)
+        return [out[k] for k in keys]
+
+    wide, narrow = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    run_distributed(2, _train, vocab + tp2 + ["--save", wide])
+    run_distributed(1, _train, vocab + ["--save", narrow])
+    weight, exp_avg, lines = run_distributed(1, _embedding_case, vocab + ["--load", wide])[0]
+    assert lines == [" vocabulary padding: the checkpoint has 104 rows, this run 100 (Megatron pads to a multiple of "
+                     "--make-vocab-size-divisible-by x tp): rows beyond 100 start at zero"]
+    w, m = saved(wide, 104)
+    assert torch.equal(weight, w[:100]) and torch.equal(exp_avg, m[:100])
+    back = run_distributed(2, _embedding_case, vocab + tp2 + ["--load", narrow])
+    w, m = saved(narrow, 100)
+    for got, want in ((torch.cat([b[0] for b in back]), w), (torch.cat([b[1] for b in back]), m)):
+        assert torch.equal(got[:100], want) and not got[100:].any()
