@@ -208,7 +208,7 @@ def _optimizer_entries(optimizer: MixedPrecisionOptimizer, sd: dict) -> dict[str
     out = {}
     for name, p, e in zip(optimizer.names, optimizer.params, sd["params"]):
         master = e.get("master")
-        out[name] = {MASTER: master if master is not None else p.detach(), **{k: e.get(k) for k in MOMENTS}}
+        out[name] = {MASTER: master, **{k: e.get(k) for k in MOMENTS}}  # no master: the weights are it
     return out
 
 
@@ -361,7 +361,7 @@ def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrec
     if optimizer is not None:
         if entries is not None:
             sd = dict(common["optimizer"], format=STATE_FORMAT, param_names=list(optimizer.names),
-                      params=[{"master": e[MASTER], "exp_avg": e.get("exp_avg"), "exp_avg_sq": e.get("exp_avg_sq")}
+                      params=[{"master": e.get(MASTER), "exp_avg": e.get("exp_avg"), "exp_avg_sq": e.get("exp_avg_sq")}
                               for e in entries])
             try:
                 optimizer.load_state_dict(sd)
@@ -440,9 +440,11 @@ def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: Mix
     saved = common.get("optimizer")
     if saved is None:
         raise UsageError(f"--load {load_dir}: the checkpoint has no optimizer state; load with --no-load-optim")
-    keys = (MASTER, *MOMENTS) if int(saved.get("step", 0)) > 0 else (MASTER,)
+    moments = MOMENTS if int(saved.get("step", 0)) > 0 else ()
     entries = []
     for pname, p in zip(optimizer.names, optimizer.params):
+        # fp32 weights without ZeRO are their own masters (not saved twice): the optimizer then takes the weights
+        keys = (MASTER, *moments) if f"{OPTIM}{MASTER}.{global_name(pname, p)}" in sizes else moments
         e = {k: torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in keys}
         tp = _tp_of(global_name(pname), units, state)
         for k in keys:
