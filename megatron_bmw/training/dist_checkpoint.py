@@ -8,8 +8,10 @@
 Keys name tensors globally: `model.<unit>.<tensor>` (units are named over the whole model: embedding, attn_i,
 mlp_i, head) and `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<unit>.<tensor>`. Every tensor is stored in
 its full global shape; a tensor-parallel shard is this rank's chunk of it at its global offset (SwiGLU's fc1,
-stride 2, is two chunks: a part of the gate and a part of the up block). Replicated copies (over dp, or tp for
-norms) are written once: DCP keeps one copy and spreads the writes over the ranks. A load reads only the chunks
+stride 2, is two chunks: a part of the gate and a part of the up block); a ZeRO-1 rank's flat range of a
+parameter is a few boxes of it (partial first row, whole rows, partial last row), so optimizer state is never
+gathered. Replicated copies (over dp, or tp for norms) are written once: DCP keeps one copy and spreads the
+writes over the ranks. A load reads only the chunks
 a rank needs, so any tp/pp/dp/virtual-stage/partition/ZeRO layout reads any other's. The tied output weight of
 a last pipeline stage is not saved: it loads from the word embedding.
 
@@ -20,6 +22,7 @@ directory into place and then replaces the tracker (training/checkpointing.py's 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import warnings
@@ -40,7 +43,7 @@ from ..parallel.agree import agree
 from ..parallel.state import ParallelState
 from .checkpointing import (RELEASE, _fsync_dir, _move_into_place, _resolve_iteration_dir, _shared_token,
                             _world, _write_tracker, clear_debris, iteration_dir_name, read_tracker)
-from .optimizer import MOMENTS, STATE_FORMAT, MixedPrecisionOptimizer
+from .optimizer import MOMENTS, MixedPrecisionOptimizer
 
 FORMAT = "torch_dist"
 COMMON_FILE = "common.pt"
@@ -128,6 +131,58 @@ def slices_of(param: torch.Tensor, local: torch.Tensor, tp_rank: int, tp_size: i
     return Slices(_tp_global(shape, param, tp_size), chunks)
 
 
+def _flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple, tuple, int]]:
+    """(offsets, sizes, flat start - a) of the boxes that tile the flattened range [a, b) of a 1-D or 2-D shape:
+    a partial first row, whole rows, a partial last row."""
+    if len(shape) == 1:
+        return [((a,), (b - a,), 0)]
+    if len(shape) != 2:
+        raise ValueError(f"ZeRO pieces of {len(shape)}-D tensors are not supported")
+    cols, out, pos = shape[1], [], a
+    while pos < b:
+        row, col = divmod(pos, cols)
+        if col or b - pos < cols:
+            n = min(cols - col, b - pos)
+            out.append(((row, col), (1, n), pos - a))
+        else:
+            n = (b - pos) // cols * cols
+            out.append(((row, 0), (n // cols, cols), pos - a))
+        pos += n
+    return out
+
+
+def piece_slices(param: torch.Tensor, start: int, end: int, flat: torch.Tensor, tp_rank: int,
+                 tp_size: int) -> Slices:
+    """A ZeRO-1 piece: `flat` holds the range [start, end) of this rank's flattened tp shard of `param`; its boxes
+    placed in the global tensor (a box crossing a stride block boundary, SwiGLU's gate | up, is split there)."""
+    shape = tuple(param.shape)
+    dim = getattr(param, "partition_dim", None)
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        dim = None
+    stride = getattr(param, "partition_stride", 1)
+    chunks = []
+    for off, size, lo in _flat_boxes(shape, start, end):
+        box = flat[lo:lo + math.prod(size)].view(size)
+        if dim is None:
+            chunks.append((off, box))
+            continue
+        block, first, pos = shape[dim] // stride, off[dim], off[dim]
+        while pos < first + size[dim]:
+            j = pos // block
+            stop = min(first + size[dim], (j + 1) * block)
+            g = list(off)
+            g[dim] = j * block * tp_size + tp_rank * block + pos - j * block
+            chunks.append((tuple(g), box.narrow(dim, pos - first, stop - pos)))
+            pos = stop
+    return Slices(_tp_global(list(shape), param, tp_size), chunks)
+
+
+def _optim_slices(optimizer: MixedPrecisionOptimizer, param: torch.Tensor, start: int, end: int,
+                  t: torch.Tensor, tp: tuple[int, int]) -> Slices:
+    """An optimizer tensor of a piece: flat under ZeRO-1, else shaped like the parameter."""
+    return piece_slices(param, start, end, t, *tp) if optimizer.distributed else slices_of(param, t, *tp)
+
+
 def _tp_global(shape: list[int], param: torch.Tensor, tp_size: int) -> torch.Size:
     dim = getattr(param, "partition_dim", None)
     out = list(shape)
@@ -203,20 +258,11 @@ def layout_of(state: ParallelState) -> dict:
             "world": _world()[1], "unit_strategies": state.units.names()}
 
 
-def _optimizer_entries(optimizer: MixedPrecisionOptimizer, sd: dict) -> dict[str, torch.Tensor | None]:
-    """{name: {fp32_param, exp_avg, exp_avg_sq}} from `optimizer.state_dict(everywhere=True)`."""
-    out = {}
-    for name, p, e in zip(optimizer.names, optimizer.params, sd["params"]):
-        master = e.get("master")
-        out[name] = {MASTER: master, **{k: e.get(k) for k in MOMENTS}}  # no master: the weights are it
-    return out
-
-
 def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chunks: list,
          optimizer: MixedPrecisionOptimizer | None = None, save_optim: bool = True, rng_state=None) -> str:
     """Save as torch_dist (every rank calls it). `payload`: the common part (no model); `rng_state`: this
     rank's RNG streams (gathered into common.pt). Returns the iteration directory."""
-    optim_sd = optimizer.state_dict(everywhere=True) if optimizer is not None and save_optim else None
+    with_optim = optimizer is not None and save_optim
     rngs = _gather_objects(rng_state)
     token = _shared_token(state)
     name = iteration_dir_name(iteration)
@@ -228,18 +274,18 @@ def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chu
         if not copy:
             tensors[MODEL + gname] = slices_of(t, _local(t).detach(), *tp)
     common = dict(payload, checkpoint_format=FORMAT, layout=layout_of(state), rng_state=rngs)
-    if optim_sd is not None:
-        named = dict(zip(optimizer.names, optimizer.params))
+    if with_optim:  # each rank its own pieces: ZeRO-1's flat ranges as boxes of the global tensors, no gather
         units = _unit_states(chunks, state)
-        for pname, entry in _optimizer_entries(optimizer, optim_sd).items():
-            p = named[pname]
+        for (i, start, end), st in zip(optimizer.pieces(), optimizer.piece_state()):
+            p, pname = optimizer.params[i], optimizer.names[i]
             if getattr(p, "shared_embedding_copy", False):
                 continue
-            for key, value in entry.items():
-                if value is not None:
-                    tp = _tp_of(global_name(pname), units, state)
-                    tensors[f"{OPTIM}{key}.{global_name(pname)}"] = slices_of(p, value, *tp)
-        common["optimizer"] = {k: v for k, v in optim_sd.items() if k not in ("params", "param_names")}
+            tp = _tp_of(global_name(pname), units, state)
+            for key, value in ((MASTER, st["master"]), *((k, st[k]) for k in MOMENTS)):
+                if value is not None:  # no master: fp32 weights without ZeRO are their own
+                    tensors[f"{OPTIM}{key}.{global_name(pname)}"] = _optim_slices(optimizer, p, start, end,
+                                                                                 value.detach(), tp)
+        common["optimizer"] = optimizer.state_meta()
 
     def failed(exc: BaseException) -> RunError:
         why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -360,13 +406,7 @@ def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrec
                 t.detach().copy_(src)
     if optimizer is not None:
         if entries is not None:
-            sd = dict(common["optimizer"], format=STATE_FORMAT, param_names=list(optimizer.names),
-                      params=[{"master": e.get(MASTER), "exp_avg": e.get("exp_avg"), "exp_avg_sq": e.get("exp_avg_sq")}
-                              for e in entries])
-            try:
-                optimizer.load_state_dict(sd)
-            except ValueError as exc:
-                raise UsageError(f"--load {load_dir}: optimizer state does not fit this model: {exc}") from None
+            optimizer.load_piece_state(common["optimizer"], entries)
         else:
             optimizer.reload_model_params()
     out = {k: v for k, v in common.items() if k not in ("optimizer", "rng_state", "layout")}
@@ -422,12 +462,13 @@ def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: Mix
              if hasattr(md, "size")}
     rows = ((common.get("args") or {}).get("padded_vocab_size"), (model_args or {}).get("padded_vocab_size"))
 
-    def want(key: str, param: torch.Tensor, target: torch.Tensor, tp: tuple[int, int]) -> None:
+    def want(key: str, param: torch.Tensor, target: torch.Tensor, tp: tuple[int, int], piece=None) -> None:
         if key in tensors:  # one rank holding a tensor twice reads it once, into the first
             targets.setdefault(key, [first[key]]).append(target)
             return
         first[key] = target
-        s = slices_of(param, target.detach(), *tp)
+        s = slices_of(param, target.detach(), *tp) if piece is None else \
+            _optim_slices(optimizer, param, *piece, target.detach(), tp)
         saved = sizes.get(key)
         if saved is not None and rows[0] != rows[1] and _vocab_rows(s.shape, saved, rows):
             s = _repad(s, saved)
@@ -442,12 +483,14 @@ def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: Mix
         raise UsageError(f"--load {load_dir}: the checkpoint has no optimizer state; load with --no-load-optim")
     moments = MOMENTS if int(saved.get("step", 0)) > 0 else ()
     entries = []
-    for pname, p in zip(optimizer.names, optimizer.params):
+    for i, start, end in optimizer.pieces():  # this rank's pieces only (ZeRO-1: flat ranges)
+        p, pname = optimizer.params[i], optimizer.names[i]
         # fp32 weights without ZeRO are their own masters (not saved twice): the optimizer then takes the weights
         keys = (MASTER, *moments) if f"{OPTIM}{MASTER}.{global_name(pname, p)}" in sizes else moments
-        e = {k: torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in keys}
+        shape = (end - start,) if optimizer.distributed else p.shape
+        e = {k: torch.empty(shape, dtype=torch.float32, device=p.device) for k in keys}
         tp = _tp_of(global_name(pname), units, state)
         for k in keys:
-            want(f"{OPTIM}{k}.{global_name(pname, p)}", p, e[k], tp)
-        entries.append(e)
+            want(f"{OPTIM}{k}.{global_name(pname, p)}", p, e[k], tp, (start, end))
+        entries.append({"master": e.get(MASTER), **{k: e.get(k) for k in MOMENTS}})
     return common, tensors, targets, entries

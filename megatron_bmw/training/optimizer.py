@@ -259,21 +259,14 @@ class MixedPrecisionOptimizer:
             p.detach().copy_(full[self._offsets[i] : self._offsets[i + 1]].view(p.shape))
 
     # ---- checkpoint state ---------------------------------------------------------------------------
-    def state_dict(self, everywhere: bool = False) -> dict:
+    def state_dict(self) -> dict:
         """Full per-parameter optimizer state (tensors may alias live state: save them right away).
 
         Under ZeRO this is collective over the DP group and only DP rank 0 gets the tensors ("params" is None
-        on the others); with `everywhere` every DP rank gets them (all-gathered: torch_dist spreads the writes).
+        on the others).
         """
         self._reload_masters()  # weights loaded without optimizer state: the masters are the loaded weights
-        sd = {
-            "format": STATE_FORMAT,
-            "step": self._step_count,
-            "lr": self._lr,
-            "num_skipped_steps": self.num_skipped_steps,
-            "grad_scaler": self.scaler.state_dict(),
-            "param_names": list(self.names),
-        }
+        sd = {**self.state_meta(), "param_names": list(self.names)}
         local = [self._piece_state(m) for m in self._masters]
         if not self.distributed:
             sd["params"] = [
@@ -288,8 +281,7 @@ class MixedPrecisionOptimizer:
                 src = m if key == "master" else st[key]
                 if src is not None:
                     buf[pc.shard_offset : pc.shard_offset + m.numel()].copy_(src.reshape(-1))
-            flat[key] = (_all_gather_flat(buf, self.state.dp_group) if everywhere
-                         else _gather_flat(buf, self.state.dp_group))
+            flat[key] = _gather_flat(buf, self.state.dp_group)
         if flat["master"] is None:
             sd["params"] = None
             return sd
@@ -317,30 +309,55 @@ class MixedPrecisionOptimizer:
             for key, t in e.items():
                 if t is not None and t.shape != p.shape:
                     raise ValueError(f"{key} of {name} has shape {tuple(t.shape)}, not {tuple(p.shape)}")
-        self._step_count = int(sd["step"])
-        self.num_skipped_steps = int(sd.get("num_skipped_steps", 0))
-        self.scaler.load_state_dict(sd["grad_scaler"])
-        self.set_lr(float(sd.get("lr", self._lr)))
+        pieces = [{k: None if entries[pc.index].get(k) is None
+                   else self._param_slice(pc, entries[pc.index][k].to(self.device)) for k in ("master", *_MOMENTS)}
+                  for pc in self._pieces]
+        self.load_piece_state(sd, pieces)
+
+    # ---- this rank's pieces (torch_dist checkpoints read and write them without gathering) ---------------------
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(parameter index, start, end) of the flattened range each of this rank's masters covers; under ZeRO the
+        masters are these flat ranges, otherwise whole parameters shaped as they are."""
+        return [(pc.index, pc.start, pc.end) for pc in self._pieces]
+
+    def piece_state(self) -> list[dict]:
+        """Per piece: {"master": its fp32 master (None where the parameter is its own), "exp_avg", "exp_avg_sq"
+        (None before the first step)}; tensors alias the live state."""
+        self._reload_masters()  # weights loaded without optimizer state: the masters are the loaded weights
+        return [{"master": None if m is self.params[pc.index] else m, **self._piece_state(m)}
+                for pc, m in zip(self._pieces, self._masters)]
+
+    def state_meta(self) -> dict:
+        """The state besides the tensors (not collective)."""
+        return {"format": STATE_FORMAT, "step": self._step_count, "lr": self._lr,
+                "num_skipped_steps": self.num_skipped_steps, "grad_scaler": self.scaler.state_dict()}
+
+    def load_piece_state(self, meta: dict, pieces: list[dict]) -> None:
+        """Load `state_meta()` and, per piece of `pieces()`, tensors shaped like the piece's master (a missing
+        master is re-read from the model's weights at the next step)."""
+        self._step_count = int(meta["step"])
+        self.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
+        self.scaler.load_state_dict(meta["grad_scaler"])
+        self.set_lr(float(meta.get("lr", self._lr)))
         with torch.no_grad():
-            for pc, m in zip(self._pieces, self._masters):
-                src = entries[pc.index]["master"]
+            for pc, m, e in zip(self._pieces, self._masters, pieces):
                 if m is self.params[pc.index]:
                     continue  # the model's own weights are the master; the caller loads them
-                if src is None:
+                if e.get("master") is None:
                     self._reload_pending = True
                 else:
-                    m.copy_(self._param_slice(pc, src.to(m.device)))
+                    m.copy_(e["master"].reshape(m.shape))
         if self._inner is None:
             return
         torch_sd = self._inner.state_dict()
         moments = {}
         index = 0
-        piece_of = {id(m): pc for pc, m in zip(self._pieces, self._masters)}
+        piece_of = {id(m): i for i, m in enumerate(self._masters)}
         for group in self._inner.param_groups:
             for m in group["params"]:
-                e = entries[piece_of[id(m)].index]
+                e = pieces[piece_of[id(m)]]
                 if self._step_count > 0 and e.get("exp_avg") is not None:
-                    st = {k: self._param_slice(piece_of[id(m)], e[k]).clone() for k in _MOMENTS}
+                    st = {k: e[k].reshape(m.shape).to(m.device).clone() for k in _MOMENTS}
                     if self.backend == "torch":
                         st["step"] = torch.tensor(float(self._step_count))
                     moments[index] = st

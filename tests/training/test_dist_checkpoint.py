@@ -30,6 +30,7 @@ LAYOUTS = {
     "hybrid-pp2": (4, [PP, "2", "--unit-strategies", "tp2,dp2,sdp2,tp2,dp2,sdp2,tp2,dp2,sdp2,tp2"]),
 }
 NAMES = list(LAYOUTS)
+LAYOUTS["tp2-dp2-zero1"] = (4, [TP, "2", ZERO1])  # only the Llama resume: ZeRO-1 pieces of SwiGLU's stride-2 fc1
 # each layout resumes from two sources and is the source of two resumes (18 ordered pairs)
 PAIRS = [(NAMES[i], NAMES[(i + k) % len(NAMES)]) for i in range(len(NAMES)) for k in (1, 3)]
 
@@ -108,8 +109,9 @@ def test_resume_on_any_layout(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,src,dsts", [
-    ("llama", "tp2", ["serial", "pp2-v2-cut"]),  # SwiGLU's stride-2 fc1, grouped QKV, untied output
+    ("llama", "tp2", ["serial", "pp2-v2-cut", "tp2-dp2-zero1"]),  # SwiGLU's stride-2 fc1, grouped QKV, untied
     ("llama", "serial", ["tp2-pp2-sp"]),
+    ("llama", "tp2-dp2-zero1", ["serial"]),
     ("bert", "tp2-pp2-sp", ["serial", "dp2-zero1"]),
 ])
 def test_resume_llama_and_bert_on_other_layouts(tmp_path, model, src, dsts):
@@ -404,3 +406,29 @@ def test_vocabulary_padding_follows_the_tensor_parallel_size(tmp_path):
     w, m = saved(narrow, 100)
     for got, want in ((torch.cat([b[0] for b in back]), w), (torch.cat([b[1] for b in back]), m)):
         assert torch.equal(got[:100], want) and not got[100:].any()
+
+
+@pytest.mark.parametrize("dim,stride", [(0, 2), (0, 1), (1, 1), (None, 1)])
+def test_zero1_pieces_tile_the_full_tensor(dim, stride):
+    """ZeRO-1 flat ranges of every tp shard (partial rows, whole rows, a range crossing SwiGLU's gate | up
+    boundary) placed as boxes: over the tp ranks and ranges they tile the full tensor exactly."""
+    import torch
+
+    from megatron_bmw.parallel.init import shard
+    from megatron_bmw.training.dist_checkpoint import piece_slices
+
+    full = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
+    tp = 1 if dim is None else 2
+    rebuilt = torch.full_like(full, -1.0)
+    for rank in range(tp):
+        local = shard(full, dim, rank, tp, stride)
+        p = torch.nn.Parameter(local.clone())
+        p.tensor_model_parallel, p.partition_dim, p.partition_stride = dim is not None, dim, stride
+        for start, end in ((0, 5), (5, 13), (13, 14), (14, local.numel())):  # odd cuts, as ZeRO's shards fall
+            s = piece_slices(p, start, end, local.reshape(-1)[start:end].clone(), rank, tp)
+            assert tuple(s.size()) == (8, 6)
+            for off, t in s.chunks:
+                region = rebuilt[tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
+                assert (region == -1).all()  # no overlap
+                region.copy_(t)
+    assert torch.equal(rebuilt, full)
