@@ -11,8 +11,8 @@ its full global shape; a tensor-parallel shard is this rank's chunk of it at its
 stride 2, is two chunks: a part of the gate and a part of the up block); a ZeRO-1 rank's flat range of a
 parameter is a few boxes of it (partial first row, whole rows, partial last row), so optimizer state is never
 gathered. Replicated copies (over dp, or tp for norms) are written once: DCP keeps one copy and spreads the
-writes over the ranks. A load reads only the chunks
-a rank needs, so any tp/pp/dp/virtual-stage/partition/ZeRO layout reads any other's. The tied output weight of
+writes over the ranks. A load reads only the chunks a rank needs, so any tp/pp/dp/virtual-stage/partition/
+ZeRO/hybrid layout reads any other's (training/dist_chunks.py places the chunks). The tied output weight of
 a last pipeline stage is not saved: it loads from the word embedding.
 
 Atomic as the `torch` format: DCP writes into `iter_XXXXXXX.tmp-<token>`, rank 0 adds common.pt, renames the
@@ -22,7 +22,6 @@ directory into place and then replaces the tracker (training/checkpointing.py's 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shutil
 import warnings
@@ -32,17 +31,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import Reported, RunError, UsageError
 from ..parallel.agree import agree
 from ..parallel.state import ParallelState
 from .checkpointing import (RELEASE, _fsync_dir, _move_into_place, _resolve_iteration_dir, _shared_token,
                             _world, _write_tracker, clear_debris, iteration_dir_name, read_tracker)
+from .dist_chunks import LoadPlanner, SavePlanner, Slices, local_of, piece_slices, slices_of
 from .optimizer import MOMENTS, MixedPrecisionOptimizer
 
 FORMAT = "torch_dist"
@@ -71,128 +66,10 @@ def checkpoint_format(load_dir: str) -> str | None:
     return FORMAT if is_dist_checkpoint(_resolve_iteration_dir(load_dir, iteration)) else "torch"
 
 
-# -- a rank's part of a global tensor ------------------------------------------------------------------------------
-class Slices:
-    """Chunks (global offset, local view) of a tensor of global shape `shape` that this rank holds. DCP's planners
-    call the three dunder methods (its `_Checkpointable` protocol, as DTensor implements it)."""
-
-    def __init__(self, shape: torch.Size, chunks: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
-        self.shape = torch.Size(shape)
-        self.chunks = chunks
-
-    def size(self) -> torch.Size:
-        return self.shape
-
-    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(off), t.size()),
-                                                      properties=TensorProperties.create_from_tensor(t),
-                                                      size=self.shape))
-                for off, t in self.chunks]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(torch.Size(off), t.size()) for off, t in self.chunks]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for off, t in self.chunks:
-            if torch.Size(off) == index.offset:
-                return t
-        raise ValueError(f"{index.fqn}: no chunk at offset {tuple(index.offset)} on this rank")
-
-
-def slices_of(param: torch.Tensor, local: torch.Tensor, tp_rank: int, tp_size: int) -> Slices:
-    """`local` (this rank's part of `param`, shaped like it) placed in the parameter's global tensor, as the
-    tensor-parallel attributes of `param` say (parallel/layers.py); an FSDP2-sharded parameter (a DTensor, or the
-    optimizer's local view of one: `fsdp_param`) adds its dp shard's offset inside the tp shard."""
-    dt = getattr(param, "fsdp_param", param)
-    inner = [0] * local.dim()
-    shape = list(local.shape)
-    if isinstance(dt, DTensor):
-        shape = list(dt.shape)  # the tp shard's shape; `local` is this rank's rows of it
-        _, inner = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-        inner = list(inner)
-    if local.numel() == 0:
-        return Slices(_tp_global(shape, param, tp_size), [])
-    dim = getattr(param, "partition_dim", None)
-    if dim is None or tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return Slices(torch.Size(shape), [(tuple(inner), local)])
-    stride = getattr(param, "partition_stride", 1)
-    block = shape[dim] // stride  # this rank's part of each of the `stride` blocks
-    chunks = []
-    if stride == 1:
-        off = list(inner)
-        off[dim] += tp_rank * block
-        chunks.append((tuple(off), local))
-    else:  # (not with FSDP: hybrid strategies refuse SwiGLU)
-        for j, part in enumerate(local.split(block, dim=dim)):
-            off = [0] * local.dim()
-            off[dim] = j * block * tp_size + tp_rank * block
-            chunks.append((tuple(off), part))
-    return Slices(_tp_global(shape, param, tp_size), chunks)
-
-
-def _flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple, tuple, int]]:
-    """(offsets, sizes, flat start - a) of the boxes that tile the flattened range [a, b) of a 1-D or 2-D shape:
-    a partial first row, whole rows, a partial last row."""
-    if len(shape) == 1:
-        return [((a,), (b - a,), 0)]
-    if len(shape) != 2:
-        raise ValueError(f"ZeRO pieces of {len(shape)}-D tensors are not supported")
-    cols, out, pos = shape[1], [], a
-    while pos < b:
-        row, col = divmod(pos, cols)
-        if col or b - pos < cols:
-            n = min(cols - col, b - pos)
-            out.append(((row, col), (1, n), pos - a))
-        else:
-            n = (b - pos) // cols * cols
-            out.append(((row, 0), (n // cols, cols), pos - a))
-        pos += n
-    return out
-
-
-def piece_slices(param: torch.Tensor, start: int, end: int, flat: torch.Tensor, tp_rank: int,
-                 tp_size: int) -> Slices:
-    """A ZeRO-1 piece: `flat` holds the range [start, end) of this rank's flattened tp shard of `param`; its boxes
-    placed in the global tensor (a box crossing a stride block boundary, SwiGLU's gate | up, is split there)."""
-    shape = tuple(param.shape)
-    dim = getattr(param, "partition_dim", None)
-    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        dim = None
-    stride = getattr(param, "partition_stride", 1)
-    chunks = []
-    for off, size, lo in _flat_boxes(shape, start, end):
-        box = flat[lo:lo + math.prod(size)].view(size)
-        if dim is None:
-            chunks.append((off, box))
-            continue
-        block, first, pos = shape[dim] // stride, off[dim], off[dim]
-        while pos < first + size[dim]:
-            j = pos // block
-            stop = min(first + size[dim], (j + 1) * block)
-            g = list(off)
-            g[dim] = j * block * tp_size + tp_rank * block + pos - j * block
-            chunks.append((tuple(g), box.narrow(dim, pos - first, stop - pos)))
-            pos = stop
-    return Slices(_tp_global(list(shape), param, tp_size), chunks)
-
-
 def _optim_slices(optimizer: MixedPrecisionOptimizer, param: torch.Tensor, start: int, end: int,
                   t: torch.Tensor, tp: tuple[int, int]) -> Slices:
     """An optimizer tensor of a piece: flat under ZeRO-1, else shaped like the parameter."""
     return piece_slices(param, start, end, t, *tp) if optimizer.distributed else slices_of(param, t, *tp)
-
-
-def _tp_global(shape: list[int], param: torch.Tensor, tp_size: int) -> torch.Size:
-    dim = getattr(param, "partition_dim", None)
-    out = list(shape)
-    if dim is not None and tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-        out[dim] *= tp_size
-    return torch.Size(out)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def global_name(chunk_key: str, param: torch.Tensor | None = None) -> str:
@@ -202,30 +79,6 @@ def global_name(chunk_key: str, param: torch.Tensor | None = None) -> str:
     if param is not None and getattr(param, "shared_embedding_copy", False):
         return WORD_EMBEDDING
     return name
-
-
-class _SavePlanner(DefaultSavePlanner):
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def lookup_object(self, index: MetadataIndex):
-        obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_object(index)
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        kept = dict(state_dict)
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-        state_dict.update(kept)  # DCP's meta-tensor pass replaces objects it does not know by None
-        self.state_dict = state_dict
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_tensor(index)
 
 
 # -- what a rank saves and loads -------------------------------------------------------------------------------------
@@ -272,7 +125,7 @@ def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chu
     tensors = {}
     for gname, t, copy, tp in _model_tensors(chunks, state):
         if not copy:
-            tensors[MODEL + gname] = slices_of(t, _local(t).detach(), *tp)
+            tensors[MODEL + gname] = slices_of(t, local_of(t).detach(), *tp)
     common = dict(payload, checkpoint_format=FORMAT, layout=layout_of(state), rng_state=rngs)
     if with_optim:  # each rank its own pieces: ZeRO-1's flat ranges as boxes of the global tensors, no gather
         units = _unit_states(chunks, state)
@@ -295,7 +148,7 @@ def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chu
     error = None
     try:
         with _single_process_quiet():
-            dcp.save(tensors, checkpoint_id=tmp_dir, planner=_SavePlanner(), no_dist=not dist.is_initialized())
+            dcp.save(tensors, checkpoint_id=tmp_dir, planner=SavePlanner(), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -397,7 +250,7 @@ def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrec
         try:
             with _single_process_quiet():
                 dcp.load(tensors, checkpoint_id=_resolve_iteration_dir(load_dir, read_tracker(load_dir)),
-                         planner=_LoadPlanner(), no_dist=not dist.is_initialized())
+                         planner=LoadPlanner(), no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
             error = UsageError(f"--load {load_dir}: {_load_error(exc)}")
         agree(_raise, error)
@@ -475,7 +328,7 @@ def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: Mix
         tensors[key] = s
 
     for gname, t, _, tp in _model_tensors(chunks, state):
-        want(MODEL + gname, t, _local(t), tp)
+        want(MODEL + gname, t, local_of(t), tp)
     if optimizer is None or iteration == RELEASE:
         return common, tensors, targets, None
     saved = common.get("optimizer")

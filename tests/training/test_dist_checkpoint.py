@@ -130,7 +130,7 @@ def test_tensor_parallel_chunks_tile_the_full_tensor():
     import torch
 
     from megatron_bmw.parallel.init import shard
-    from megatron_bmw.training.dist_checkpoint import slices_of
+    from megatron_bmw.training.dist_chunks import slices_of
 
     full = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
     for dim, stride in ((0, 2), (0, 1), (1, 1)):
@@ -415,7 +415,7 @@ def test_zero1_pieces_tile_the_full_tensor(dim, stride):
     import torch
 
     from megatron_bmw.parallel.init import shard
-    from megatron_bmw.training.dist_checkpoint import piece_slices
+    from megatron_bmw.training.dist_chunks import piece_slices
 
     full = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
     tp = 1 if dim is None else 2
