@@ -82,8 +82,8 @@ def main() -> None:
           f"with Adam state, {args.nproc} gloo ranks (tp {args.nproc}); seconds (slowest rank)")
     rows = []
     for fmt in ("torch", "torch_dist"):
-        rows.append([fmt, f"{max(r[f'save {fmt}'] for r in results):.2f}", f"{max(r[f'load {fmt}'] for r in results):.2f}",
-                     f"{r0[f'bytes {fmt}'] / 2**30:.2f}"])
+        save, load = (max(r[f"{what} {fmt}"] for r in results) for what in ("save", "load"))
+        rows.append([fmt, f"{save:.2f}", f"{load:.2f}", f"{r0[f'bytes {fmt}'] / 2**30:.2f}"])
     rows.append(["torch_dist into pp", "", f"{max(r['load torch_dist into pp'] for r in results):.2f}", ""])
     print(format_table(["format", "save s", "load s", "GiB on disk"], rows))
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -535,7 +535,8 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
         finetune=args.finetune, ckpt_format=args.ckpt_format,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        ckpt_convert_format=args.ckpt_convert_format, ckpt_convert_save=args.ckpt_convert_save, distributed_backend=args.distributed_backend,
+        ckpt_convert_format=args.ckpt_convert_format, ckpt_convert_save=args.ckpt_convert_save,
+        distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes, log_activation_memory=args.log_activation_memory,
         train_samples=args.train_samples, batch_schedule=batches,
     )

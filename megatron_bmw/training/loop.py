@@ -275,9 +275,9 @@ class Trainer:
             self.optimizer.reload_model_params()
         if "vocab_repadded" in payload:
             was, now = payload["vocab_repadded"]
-            print_first(self.state, f" vocabulary padding: the checkpoint has {was} rows, this run {now} (Megatron pads "
-                                    "to a multiple of --make-vocab-size-divisible-by x tp): rows beyond "
-                                    f"{min(was, now)} start at zero")
+            print_first(self.state, f" vocabulary padding: the checkpoint has {was} rows, this run {now} "
+                                    "(Megatron pads to a multiple of --make-vocab-size-divisible-by x tp): rows "
+                                    f"beyond {min(was, now)} start at zero")
         if tr.finetune:
             print_first(self.state, f" loaded weights from {tr.load} for finetuning (iteration reset to 0)")
             return
