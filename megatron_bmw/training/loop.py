@@ -275,9 +275,10 @@ class Trainer:
             self.optimizer.reload_model_params()
         if "vocab_repadded" in payload:
             was, now = payload["vocab_repadded"]
+            what = (f"padded rows beyond {was} start at zero" if now > was
+                    else f"its padded rows beyond {now} are dropped")
             print_first(self.state, f" vocabulary padding: the checkpoint has {was} rows, this run {now} "
-                                    "(Megatron pads to a multiple of --make-vocab-size-divisible-by x tp): rows "
-                                    f"beyond {min(was, now)} start at zero")
+                                    f"(Megatron pads to a multiple of --make-vocab-size-divisible-by x tp): {what}")
         if tr.finetune:
             print_first(self.state, f" loaded weights from {tr.load} for finetuning (iteration reset to 0)")
             return

@@ -399,10 +399,12 @@ def test_vocabulary_padding_follows_the_tensor_parallel_size(tmp_path):
     run_distributed(1, _train, vocab + ["--save", narrow])
     weight, exp_avg, lines = run_distributed(1, _embedding_case, vocab + ["--load", wide])[0]
     assert lines == [" vocabulary padding: the checkpoint has 104 rows, this run 100 (Megatron pads to a multiple of "
-                     "--make-vocab-size-divisible-by x tp): rows beyond 100 start at zero"]
+                     "--make-vocab-size-divisible-by x tp): its padded rows beyond 100 are dropped"]
     w, m = saved(wide, 104)
     assert torch.equal(weight, w[:100]) and torch.equal(exp_avg, m[:100])
     back = run_distributed(2, _embedding_case, vocab + tp2 + ["--load", narrow])
+    assert back[0][2] == [" vocabulary padding: the checkpoint has 100 rows, this run 104 (Megatron pads to a "
+                          "multiple of --make-vocab-size-divisible-by x tp): padded rows beyond 100 start at zero"]
     w, m = saved(narrow, 100)
     for got, want in ((torch.cat([b[0] for b in back]), w), (torch.cat([b[1] for b in back]), m)):
         assert torch.equal(got[:100], want) and not got[100:].any()
