@@ -327,8 +327,14 @@ def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: Mix
             s = _repad(s, saved)
         tensors[key] = s
 
+    # fp32 weights that are their own masters read the saved fp32 masters where there are some (a bf16 or fp16
+    # checkpoint resumed in fp32 keeps full precision)
+    own = set() if optimizer is None or iteration == RELEASE else \
+        {id(optimizer.params[i]) for (i, _, _), st in zip(optimizer.pieces(), optimizer.piece_state())
+         if st["master"] is None}
     for gname, t, _, tp in _model_tensors(chunks, state):
-        want(MODEL + gname, t, local_of(t), tp)
+        master = f"{OPTIM}{MASTER}.{gname}"
+        want(master if id(t) in own and master in sizes else MODEL + gname, t, local_of(t), tp)
     if optimizer is None or iteration == RELEASE:
         return common, tensors, targets, None
     saved = common.get("optimizer")

@@ -434,3 +434,20 @@ def test_zero1_pieces_tile_the_full_tensor(dim, stride):
                 assert (region == -1).all()  # no overlap
                 region.copy_(t)
     assert torch.equal(rebuilt, full)
+
+
+def test_a_bf16_checkpoint_resumes_in_fp32_from_its_masters(tmp_path):
+    """fp32 weights are their own masters: resuming a bf16 run in fp32 reads the saved fp32 masters, not the
+    rounded bf16 weights."""
+    import torch
+
+    ckpt = str(tmp_path / "ckpt")
+    small = GPT[:GPT.index("--num-layers")] + GPT[GPT.index("--hidden-size"):] + ["--num-layers", "1"]
+    bf16 = build_trainer(small + ["--bf16", "--train-iters", "3", "--save", ckpt, "--ckpt-format", "torch_dist"])
+    bf16.train()
+    masters = [m.detach().clone() for m in bf16.optimizer._masters]
+    fp32 = build_trainer(small + ["--train-iters", "4", "--load", ckpt])
+    assert [n for n, _ in fp32.named_params] == bf16.optimizer.names
+    for (name, p), m, half in zip(fp32.named_params, masters, bf16.optimizer.params):
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), m), name
+        assert not torch.equal(p.detach(), half.detach().float()) or p.numel() < 64, name  # not the rounded copy
