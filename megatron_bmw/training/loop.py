@@ -302,9 +302,14 @@ class Trainer:
     def convert_checkpoint(self) -> str:
         """Megatron's --ckpt-convert-format: save what was loaded in that format to --ckpt-convert-save/<format>."""
         tr = self.run.train
-        source = agree(dist_checkpoint.checkpoint_format, tr.load)
-        if source is None:
-            raise UsageError(f"--ckpt-convert-format: --load {tr.load} holds no checkpoint to convert")
+
+        def source() -> str:
+            fmt = dist_checkpoint.checkpoint_format(tr.load)
+            if fmt is None:
+                raise UsageError(f"--ckpt-convert-format: --load {tr.load} holds no checkpoint to convert")
+            return fmt
+
+        source = agree(source)
         where = os.path.join(tr.ckpt_convert_save, tr.ckpt_convert_format)
         self.run = replace(self.run, train=replace(tr, save=where, ckpt_format=tr.ckpt_convert_format))
         self.save()
