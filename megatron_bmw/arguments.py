@@ -44,7 +44,8 @@ IGNORED_FLAGS = {**IGNORED_KERNEL_FLAGS, **IGNORED_LOGGING_FLAGS}
 # Megatron's attention backends -> ours: cuDNN's fused kernel runs as torch's fused attention, local as unfused
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 _BACKEND_AS = {"fused": "flash", "local": "unfused"}
-CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")  # Megatron's; only torch here
+CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")  # Megatron's
+CKPT_FORMATS_HERE = ("torch", "torch_dist")  # written and read here
 
 
 def build_parser(prog: str = "pretrain_gpt.py", model_type: str = "gpt") -> argparse.ArgumentParser:
@@ -218,7 +219,16 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
-    g.add_argument("--ckpt-format", default="torch", help="torch (Megatron's legacy format) only")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on --load, use this run's LR schedule flags instead of the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on --load, keep the checkpoint's LR schedule whatever this run's flags say")
+    g.add_argument("--ckpt-convert-format", default=None, choices=CKPT_FORMATS_HERE,
+                   help="load --load, save it in this format to --ckpt-convert-save/<format>, and exit")
+    g.add_argument("--ckpt-convert-save", default=None, help="where --ckpt-convert-format saves")
+    g.add_argument("--ckpt-format", default="torch",
+                   help="torch (Megatron's legacy format, the default) or torch_dist (layout-free, "
+                        "torch.distributed.checkpoint); --load reads either")
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=100)
@@ -286,10 +296,19 @@ def _check_megatron_choices(args) -> None:
     if args.kv_channels is not None and heads and args.kv_channels * heads != args.hidden_size:
         raise UsageError(f"--kv-channels {args.kv_channels}: only hidden size / heads "
                          f"({args.hidden_size // heads if heads else '?'}) is supported")
-    if args.ckpt_format != "torch":
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise UsageError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually "
+                         "exclusive (this run's LR schedule, or the checkpoint's)")
+    if args.ckpt_convert_format is not None and (args.ckpt_convert_save is None or args.load is None):
+        missing = "--ckpt-convert-save" if args.ckpt_convert_save is None else "--load"
+        raise UsageError(f"--ckpt-convert-format {args.ckpt_convert_format} needs {missing} (Megatron's conversion: "
+                         "load --load, save to --ckpt-convert-save/<format>, exit)")
+    if args.ckpt_convert_save is not None and args.ckpt_convert_format is None:
+        raise UsageError("--ckpt-convert-save is only used with --ckpt-convert-format torch|torch_dist")
+    if args.ckpt_format not in CKPT_FORMATS_HERE:
         known = args.ckpt_format in CKPT_FORMATS
-        raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; only "
-                         "Megatron's legacy 'torch' format is read and written (drop the flag or use torch)")
+        raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; use torch "
+                         "(Megatron's legacy format) or torch_dist")
     for flag in ("hidden-dropout", "attention-dropout"):
         value = getattr(args, flag.replace("-", "_"))
         if not 0.0 <= value < 1.0:
@@ -558,7 +577,11 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
         log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad, save=args.save,
         load=args.load, save_interval=args.save_interval, save_optim=not args.no_save_optim,
         save_rng=not args.no_save_rng, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-        finetune=args.finetune, distributed_backend=args.distributed_backend,
+        finetune=args.finetune, ckpt_format=args.ckpt_format,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        ckpt_convert_format=args.ckpt_convert_format, ckpt_convert_save=args.ckpt_convert_save,
+        distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes, log_activation_memory=args.log_activation_memory,
         train_samples=args.train_samples, batch_schedule=batches,
     )

@@ -371,6 +371,11 @@ class TrainConfig:
     load_optim: bool = True
     load_rng: bool = True
     finetune: bool = False
+    ckpt_format: str = "torch"  # what --save writes: torch (Megatron's legacy) or torch_dist (layout-free)
+    override_opt_param_scheduler: bool = False  # on --load: this run's LR schedule, not the checkpoint's
+    use_checkpoint_opt_param_scheduler: bool = False  # on --load: the checkpoint's LR schedule, whatever the flags
+    ckpt_convert_format: str | None = None  # --ckpt-convert-format: load, save in this format, exit (Megatron's)
+    ckpt_convert_save: str | None = None  # --ckpt-convert-save: the converted checkpoint goes to <this>/<format>
     distributed_backend: str | None = None
     distributed_timeout_minutes: float = 10.0
     log_activation_memory: bool = False

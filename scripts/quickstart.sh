@@ -20,7 +20,8 @@ if [ -f "$CKPT/latest_checkpointed_iteration.txt" ]; then
     rm -rf "$CKPT"
   else
     echo "[quickstart] resuming the checkpoint in $CKPT (iteration $(cat "$CKPT/latest_checkpointed_iteration.txt")); QUICKSTART_FRESH=1 starts over"
-    LOAD_ARGS=(--load "$CKPT")
+    # a changed QUICKSTART_ITERS keeps the checkpoint's LR schedule (Megatron stops on a changed schedule otherwise)
+    LOAD_ARGS=(--load "$CKPT" --use-checkpoint-opt_param-scheduler)
   fi
 fi
 

@@ -51,7 +51,12 @@ def _refused(extra, needle, world=1):
     (["--kv-channels", "16"], "--kv-channels 16: only hidden size / heads (8) is supported"),
     (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups 3 must divide"),
     (["--rotary-percent", "0"], "--rotary-percent must be in (0, 1]"),
-    (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: not supported"),
+    (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor: not supported"),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], "are mutually exclusive"),
+    (["--ckpt-convert-format", "torch_dist", "--load", "x"],
+     "--ckpt-convert-format torch_dist needs --ckpt-convert-save"),
+    (["--ckpt-convert-format", "torch", "--ckpt-convert-save", "y"], "--ckpt-convert-format torch needs --load"),
+    (["--ckpt-convert-save", "y"], "--ckpt-convert-save is only used with --ckpt-convert-format"),
     (["--ckpt-format", "zarr"], "--ckpt-format zarr: not supported"),
     (["--ckpt-format", "nope"], "--ckpt-format nope: unknown"),
     (["--train-iters", "5", "--train-samples", "40"], "give --train-iters or --train-samples, not both"),
@@ -147,7 +152,10 @@ def test_rampup_with_bpipe_interleaving_allowed_where_counts_fit():
 # ---- aliases and accepted values ---------------------------------------------------------------------------------
 def test_aliases_and_accepted_megatron_values():
     run = _run(["--norm-epsilon", "1e-6", "--position-embedding-type", "learned_absolute", "--ckpt-format", "torch"])
-    assert run.model.layernorm_epsilon == 1e-6
+    assert run.model.layernorm_epsilon == 1e-6 and run.train.ckpt_format == "torch"
+    tr = _run(["--ckpt-format", "torch_dist", "--use-checkpoint-opt_param-scheduler"]).train
+    assert tr.ckpt_format == "torch_dist" and tr.use_checkpoint_opt_param_scheduler
+    assert _run(["--override-opt_param-scheduler"]).train.override_opt_param_scheduler
     args = parse_args(BASE + ["--log-params-norm", "--log-num-zeros-in-grad", "--log-throughput"])
     tr = configs_from_args(args, 1).train
     assert tr.log_params_norm and tr.log_num_zeros_in_grad and tr.log_throughput

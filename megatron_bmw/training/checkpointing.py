@@ -130,9 +130,7 @@ def save_checkpoint(
             _write_tracker(save_dir, iteration, token)
         except OSError as exc:
             raise failed(exc) from None
-        for pattern in ("iter_*.tmp-*", "iter_*.old-*", "release.tmp-*", "release.old-*"):
-            for debris in glob.glob(os.path.join(save_dir, pattern)):  # left by crashed saves
-                shutil.rmtree(debris, ignore_errors=True)
+        clear_debris(save_dir)
 
     try:  # the agreements stand in for barriers: a full disk on any rank stops every rank with its line
         agree(write)
@@ -142,6 +140,13 @@ def save_checkpoint(
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return final_dir
+
+
+def clear_debris(save_dir: str) -> None:
+    """Remove what crashed saves left (rank 0, after publishing a checkpoint)."""
+    for pattern in ("iter_*.tmp-*", "iter_*.old-*", "release.tmp-*", "release.old-*"):
+        for debris in glob.glob(os.path.join(save_dir, pattern)):
+            shutil.rmtree(debris, ignore_errors=True)
 
 
 def _save_synced(obj, path: str) -> None:
@@ -296,6 +301,10 @@ def load_checkpoint(
         if iteration is None:
             return None
     iter_dir = _resolve_iteration_dir(load_dir, iteration)
+    if os.path.isfile(os.path.join(iter_dir, ".metadata")):  # training/dist_checkpoint.py's format
+        raise UsageError(f"--load {load_dir}: {iter_dir} is a torch_dist checkpoint; this reads the legacy torch "
+                         "format (convert it with pretrain_gpt.py --load DIR --ckpt-convert-format torch "
+                         "--ckpt-convert-save OUT)")
     mp_rank, mp_size, _ = _mp_coords(state)
     saved = _saved_layout(iter_dir)
     if saved is not None and saved != (mp_size, state.pp_size) and not _part_of(iter_dir, mp_size, state.pp_size):

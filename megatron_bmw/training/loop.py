@@ -35,6 +35,7 @@ from .profiler import measure_stage_times
 from ..models.bert import LOSS_NAMES, drain_reported
 from .batches import MicroBatches
 from .bert_batches import BertMicroBatches
+from . import dist_checkpoint
 from .checkpointing import TRACKER, load_checkpoint, read_tracker, save_checkpoint
 from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format_validation_log, num_zeros_in_grad,
                       params_norm, throughput_tflops, timestamp)
@@ -211,12 +212,17 @@ class Trainer:
             "args": self._args_dict(),
             "opt_param_scheduler": self.scheduler.state_dict(),
             "checkpoint_version": 3.0,
-            **self._model_state(),
         }
-        if tr.save_rng:
-            payload["rng_state"] = get_rng_state(self.state.rng)
+        rng = get_rng_state(self.state.rng) if tr.save_rng else None
         start = time.time()
-        save_checkpoint(tr.save, self.iteration, self.state, payload, self.optimizer, save_optim=tr.save_optim)
+        if tr.ckpt_format == dist_checkpoint.FORMAT:
+            dist_checkpoint.save(tr.save, self.iteration, self.state, payload, self.chunks, self.optimizer,
+                                 save_optim=tr.save_optim, rng_state=rng)
+        else:
+            if rng is not None:
+                payload["rng_state"] = rng
+            payload.update(self._model_state())
+            save_checkpoint(tr.save, self.iteration, self.state, payload, self.optimizer, save_optim=tr.save_optim)
         print_first(self.state, f"  successfully saved checkpoint at iteration {self.iteration:7d} to {tr.save} "
                                 f"[ t {time.time() - start:.2f}s ]")
 
@@ -260,10 +266,19 @@ class Trainer:
                                     "    will not load any checkpoints and will start from random")
             return
         load_optim = tr.load_optim and not tr.finetune
-        # a file one rank cannot read (e.g. a truncated stage) stops every rank here, with that rank's error
-        payload = agree(self._load_weights, load_optim)
+        if agree(dist_checkpoint.checkpoint_format, tr.load) == dist_checkpoint.FORMAT:  # any layout's
+            payload = dist_checkpoint.load(tr.load, self.state, self.chunks, self.optimizer, load_optim,
+                                           model_args=self._args_dict())
+        else:  # a file one rank cannot read (e.g. a truncated stage) stops every rank here, with its error
+            payload = agree(self._load_weights, load_optim)
         if not load_optim:
             self.optimizer.reload_model_params()
+        if "vocab_repadded" in payload:
+            was, now = payload["vocab_repadded"]
+            what = (f"padded rows beyond {was} start at zero" if now > was
+                    else f"its padded rows beyond {now} are dropped")
+            print_first(self.state, f" vocabulary padding: the checkpoint has {was} rows, this run {now} "
+                                    f"(Megatron pads to a multiple of --make-vocab-size-divisible-by x tp): {what}")
         if tr.finetune:
             print_first(self.state, f" loaded weights from {tr.load} for finetuning (iteration reset to 0)")
             return
@@ -275,10 +290,41 @@ class Trainer:
                                               args.get("consumed_train_samples", self.iteration * saved_batch)))
         self.consumed_valid = int(payload.get("consumed_valid_samples", args.get("consumed_valid_samples", 0)))
         if "opt_param_scheduler" in payload and load_optim:
-            self.scheduler.load_state_dict(payload["opt_param_scheduler"], samples_per_iteration=saved_batch)
+            agree(self.scheduler.load_state_dict, payload["opt_param_scheduler"], samples_per_iteration=saved_batch,
+                  override=tr.override_opt_param_scheduler, use_checkpoint=tr.use_checkpoint_opt_param_scheduler,
+                  where=f"--load {tr.load}")
         if tr.load_rng and "rng_state" in payload:
             set_rng_state(payload["rng_state"], self.state.rng)
+        elif tr.load_rng and payload.get("rng_layout_changed"):
+            self._reseed(payload.get("saved_layout"))
         print_first(self.state, f"  successfully loaded checkpoint from {tr.load} at iteration {self.iteration}")
+
+    def convert_checkpoint(self) -> str:
+        """Megatron's --ckpt-convert-format: save what was loaded in that format to --ckpt-convert-save/<format>."""
+        tr = self.run.train
+
+        def source() -> str:
+            fmt = dist_checkpoint.checkpoint_format(tr.load)
+            if fmt is None:
+                raise UsageError(f"--ckpt-convert-format: --load {tr.load} holds no checkpoint to convert")
+            return fmt
+
+        source = agree(source)
+        where = os.path.join(tr.ckpt_convert_save, tr.ckpt_convert_format)
+        self.run = replace(self.run, train=replace(tr, save=where, ckpt_format=tr.ckpt_convert_format))
+        self.save()
+        print_first(self.state, f"> converted checkpoint: {source} -> {tr.ckpt_convert_format}.")
+        return where
+
+    def _reseed(self, saved: dict | None) -> None:
+        """The checkpoint's RNG streams belong to another layout's ranks: seed them afresh from --seed and the
+        iteration (so the masks of the first iterations are not repeated), and say so in one line."""
+        seed = self.run.train.seed + self.iteration
+        set_seeds(seed, self.state.tp_rank, self.state.pp_rank, self.state.rng)
+        self.state.units.seed(self.state.rng, seed)
+        was = ", ".join(f"{k} {v}" for k, v in (saved or {}).items() if k in ("tp", "pp", "dp", "order"))
+        print_first(self.state, f" re-seeded RNG streams python, numpy, torch and {', '.join(self.state.rng.states)} "
+                                f"with --seed + iteration ({seed}): the checkpoint's layout ({was}) differs")
 
     # -- data ------------------------------------------------------------------------------------------------
     def build_data(self) -> None:

@@ -12,8 +12,17 @@ import math
 from typing import Protocol
 
 from ..config import LRConfig
+from ..errors import UsageError
 
 STEP_UNIT = "samples"  # what num_steps counts in checkpoints written since the count became samples
+# the settings a resumed run must agree on with its checkpoint (Megatron's _check_and_set), and their flags
+CHECKED = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "samples: --lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction",
+    "lr_decay_steps": "samples: --lr-decay-iters or --lr-decay-samples, by default --train-iters or --train-samples",
+    "lr_decay_style": "--lr-decay-style",
+}
 
 
 class _HasLR(Protocol):
@@ -70,19 +79,27 @@ class LRScheduler:
             "step_unit": STEP_UNIT,
         }
 
-    def load_state_dict(self, sd: dict, override: bool = False, samples_per_iteration: int = 1) -> None:
-        """Resume the count; the schedule comes from the checkpoint unless `override` keeps this run's settings.
+    def load_state_dict(self, sd: dict, override: bool = False, samples_per_iteration: int = 1,
+                        use_checkpoint: bool = True, where: str = "--load") -> None:
+        """Resume the count. As Megatron's scheduler: `override` (--override-opt_param-scheduler) keeps this run's
+        schedule, `use_checkpoint` (--use-checkpoint-opt_param-scheduler) takes the checkpoint's; with neither a
+        setting that differs from the checkpoint's is an error naming it and its flags.
 
         A state without "step_unit" counted iterations (megatron_bmw before the count became samples) unless it
         is Megatron-LM's own (it has "start_wd"); its counts are scaled by `samples_per_iteration`, the global
         batch it was saved with."""
         legacy = "step_unit" not in sd and "start_wd" not in sd
         scale = samples_per_iteration if legacy else 1
+        saved = {"max_lr": sd["max_lr"], "min_lr": sd["min_lr"], "lr_warmup_steps": sd["lr_warmup_steps"] * scale,
+                 "lr_decay_steps": sd["lr_decay_steps"] * scale, "lr_decay_style": sd["lr_decay_style"]}
         if not override:
-            self.max_lr = sd["max_lr"]
-            self.min_lr = sd["min_lr"]
-            self.lr_warmup_steps = sd["lr_warmup_steps"] * scale
-            self.lr_decay_steps = sd["lr_decay_steps"] * scale
-            self.lr_decay_style = sd["lr_decay_style"]
+            for key, flags in CHECKED.items():
+                if not use_checkpoint and saved[key] != getattr(self, key):
+                    raise UsageError(
+                        f"{where}: the checkpoint's learning-rate schedule has {key} = {saved[key]!r}, this run "
+                        f"{getattr(self, key)!r} ({flags}); give --use-checkpoint-opt_param-scheduler to keep the "
+                        "checkpoint's schedule or --override-opt_param-scheduler to use this run's")
+            for key, value in saved.items():
+                setattr(self, key, value)
         self.num_steps = 0
         self.step(int(sd["num_steps"]) * scale)

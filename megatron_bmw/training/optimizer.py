@@ -29,7 +29,7 @@ except Exception:  # noqa: BLE001 - apex missing or built for another torch: fal
     _ApexFusedAdam = None
 
 STATE_FORMAT = 1
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -182,12 +182,16 @@ class MixedPrecisionOptimizer:
         self._reload_pending = True
 
     @torch.no_grad()
-    def step(self) -> StepResult:
+    def _reload_masters(self) -> None:
         if self._reload_pending:
             for pc, m in zip(self._pieces, self._masters):
                 if m is not self.params[pc.index]:
                     m.copy_(self._param_slice(pc, self.params[pc.index].detach()))
             self._reload_pending = False
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        self._reload_masters()
         grads = [self._grad(pc) for pc in self._pieces]
         if grads and self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, self.scaler.inv_scale)
@@ -265,14 +269,8 @@ class MixedPrecisionOptimizer:
         Under ZeRO this is collective over the DP group and only DP rank 0 gets the tensors ("params" is None
         on the others).
         """
-        sd = {
-            "format": STATE_FORMAT,
-            "step": self._step_count,
-            "lr": self._lr,
-            "num_skipped_steps": self.num_skipped_steps,
-            "grad_scaler": self.scaler.state_dict(),
-            "param_names": list(self.names),
-        }
+        self._reload_masters()  # weights loaded without optimizer state: the masters are the loaded weights
+        sd = {**self.state_meta(), "param_names": list(self.names)}
         local = [self._piece_state(m) for m in self._masters]
         if not self.distributed:
             sd["params"] = [
@@ -315,30 +313,55 @@ class MixedPrecisionOptimizer:
             for key, t in e.items():
                 if t is not None and t.shape != p.shape:
                     raise ValueError(f"{key} of {name} has shape {tuple(t.shape)}, not {tuple(p.shape)}")
-        self._step_count = int(sd["step"])
-        self.num_skipped_steps = int(sd.get("num_skipped_steps", 0))
-        self.scaler.load_state_dict(sd["grad_scaler"])
-        self.set_lr(float(sd.get("lr", self._lr)), self._decoupled_lr)
+        pieces = [{k: None if entries[pc.index].get(k) is None
+                   else self._param_slice(pc, entries[pc.index][k].to(self.device)) for k in ("master", *_MOMENTS)}
+                  for pc in self._pieces]
+        self.load_piece_state(sd, pieces)
+
+    # ---- this rank's pieces (torch_dist checkpoints read and write them without gathering) ---------------------
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(parameter index, start, end) of the flattened range each of this rank's masters covers; under ZeRO the
+        masters are these flat ranges, otherwise whole parameters shaped as they are."""
+        return [(pc.index, pc.start, pc.end) for pc in self._pieces]
+
+    def piece_state(self) -> list[dict]:
+        """Per piece: {"master": its fp32 master (None where the parameter is its own), "exp_avg", "exp_avg_sq"
+        (None before the first step)}; tensors alias the live state."""
+        self._reload_masters()  # weights loaded without optimizer state: the masters are the loaded weights
+        return [{"master": None if m is self.params[pc.index] else m, **self._piece_state(m)}
+                for pc, m in zip(self._pieces, self._masters)]
+
+    def state_meta(self) -> dict:
+        """The state besides the tensors (not collective)."""
+        return {"format": STATE_FORMAT, "step": self._step_count, "lr": self._lr,
+                "num_skipped_steps": self.num_skipped_steps, "grad_scaler": self.scaler.state_dict()}
+
+    def load_piece_state(self, meta: dict, pieces: list[dict]) -> None:
+        """Load `state_meta()` and, per piece of `pieces()`, tensors shaped like the piece's master (a missing
+        master is re-read from the model's weights at the next step)."""
+        self._step_count = int(meta["step"])
+        self.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
+        self.scaler.load_state_dict(meta["grad_scaler"])
+        self.set_lr(float(meta.get("lr", self._lr)), self._decoupled_lr)
         with torch.no_grad():
-            for pc, m in zip(self._pieces, self._masters):
-                src = entries[pc.index]["master"]
+            for pc, m, e in zip(self._pieces, self._masters, pieces):
                 if m is self.params[pc.index]:
                     continue  # the model's own weights are the master; the caller loads them
-                if src is None:
+                if e.get("master") is None:
                     self._reload_pending = True
                 else:
-                    m.copy_(self._param_slice(pc, src.to(m.device)))
+                    m.copy_(e["master"].reshape(m.shape))
         if self._inner is None:
             return
         torch_sd = self._inner.state_dict()
         moments = {}
         index = 0
-        piece_of = {id(m): pc for pc, m in zip(self._pieces, self._masters)}
+        piece_of = {id(m): i for i, m in enumerate(self._masters)}
         for group in self._inner.param_groups:
             for m in group["params"]:
-                e = entries[piece_of[id(m)].index]
+                e = pieces[piece_of[id(m)]]
                 if self._step_count > 0 and e.get("exp_avg") is not None:
-                    st = {k: self._param_slice(piece_of[id(m)], e[k]).clone() for k in _MOMENTS}
+                    st = {k: e[k].reshape(m.shape).to(m.device).clone() for k in _MOMENTS}
                     if self.backend == "torch":
                         st["step"] = torch.tensor(float(self._step_count))
                     moments[index] = st

@@ -44,6 +44,7 @@ def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
     run = configs_from_args(args, world, vocab_size=tokenizer.vocab_size if tokenizer is not None else None,
                             plan=plan)
     check_output_dir("--save", run.train.save)
+    check_output_dir("--ckpt-convert-save", run.train.ckpt_convert_save)
     check_output_dir("--tensorboard-dir", run.train.tensorboard_dir)
     check_output_file("--pipeline-trace", run.train.pipeline_trace)
     init_distributed(run.train.distributed_backend, run.train.distributed_timeout_minutes)
@@ -60,6 +61,10 @@ def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
               f"{count_parameters(trainer)}", flush=True)
     _describe_pipeline(trainer, state)
     trainer.load()
+    if run.train.ckpt_convert_format is not None:  # Megatron's conversion: save in the other format and stop
+        trainer.convert_checkpoint()
+        trainer.finish()
+        return trainer
     print_first(state, "training ...")
     trainer.train()
     if trainer.test_data is not None and run.train.eval_iters > 0 and not trainer.exited_early:

@@ -1,8 +1,8 @@
 """Megatron-LM's Llama launch script through pretrain_gpt.py: examples/llama/train_llama3_8b_h100_fp8.sh
 (NVIDIA/Megatron-LM at d98e8a64dd), its MODEL_ARGS, TRAINING_ARGS, DTYPE_ARGS (fp8), MODEL_PARALLEL_ARGS,
 DDP_ARGS, the mock-data DATA_ARGS_LIST and EVAL_AND_LOGGING_ARGS in its order, with sizes shrunk (layers, hidden,
-heads, sequence, vocabulary, batch, samples) and the paths made temporary. Nothing else is changed but the flags in
-CHANGED, each said why."""
+heads, sequence, vocabulary, batch, samples) and the paths made temporary. Nothing else is changed (CHANGED would
+list a flag the script cannot pass as it is, and why)."""
 
 import os
 import shlex
@@ -93,9 +93,7 @@ SCRIPT = """
 --tensorboard-dir {tb}
 """
 # flag -> (its line here, why): what the script cannot pass unchanged
-CHANGED = {
-    "--ckpt-format": ("--ckpt-format torch", "Megatron's legacy per-rank layout is the one written here"),
-}
+CHANGED: dict[str, tuple[str, str]] = {}  # none since --ckpt-format torch_dist is written here
 # --calculate-per-token-loss is taken as is: every micro-batch holds micro-batch x seq-length loss tokens (no
 # --eod-mask-loss), so the mean over the batch's tokens is the mean of the micro-batch means computed here
 IGNORED = ["--use-mcore-models", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--manual-gc",

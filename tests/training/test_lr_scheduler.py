@@ -76,6 +76,32 @@ def test_decoupled_lr_follows_the_schedule(floor):
     assert opt.decoupled is None
 
 
+def test_a_changed_schedule_needs_one_of_megatrons_flags():
+    """Megatron's _check_and_set: a setting that differs from the checkpoint's stops the load (naming it and its
+    flags) unless the checkpoint's schedule is kept or this run's overrides it."""
+    from megatron_bmw.errors import UsageError
+
+    saved = LRScheduler(None, LRConfig(lr=1.0, lr_decay_style="cosine", lr_warmup_iters=2, train_iters=20))
+    saved.step(7)
+    longer = LRConfig(lr=1.0, lr_decay_style="cosine", lr_warmup_iters=2, train_iters=40)
+    with pytest.raises(UsageError) as info:
+        LRScheduler(None, longer).load_state_dict(saved.state_dict(), use_checkpoint=False, where="--load ck")
+    assert str(info.value) == (
+        "--load ck: the checkpoint's learning-rate schedule has lr_decay_steps = 20, this run 40 (samples: "
+        "--lr-decay-iters or --lr-decay-samples, by default --train-iters or --train-samples); give "
+        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule or --override-opt_param-scheduler "
+        "to use this run's")
+    kept = LRScheduler(None, longer)
+    kept.load_state_dict(saved.state_dict(), use_checkpoint=True)
+    assert kept.lr_decay_steps == 20 and kept.get_lr() == saved.get_lr()
+    overridden = LRScheduler(None, longer)
+    overridden.load_state_dict(saved.state_dict(), override=True, use_checkpoint=False)
+    assert overridden.lr_decay_steps == 40 and overridden.num_steps == 7
+    same = LRScheduler(None, LRConfig(lr=1.0, lr_decay_style="cosine", lr_warmup_iters=2, train_iters=20))
+    same.load_state_dict(saved.state_dict(), use_checkpoint=False)
+    assert same.get_lr() == saved.get_lr()
+
+
 @pytest.mark.parametrize(
     "kwargs, flag",
     [

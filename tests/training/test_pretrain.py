@@ -182,7 +182,8 @@ def test_load_without_checkpoint_warns_and_starts_from_scratch(tmp_path):
     not_dir.write_text("x")
     out = _cli(BASE + ["--train-iters", "3", "--load", str(not_dir)])
     assert out.returncode == 2 and "not a directory" in out.stderr and len(out.stderr.strip().splitlines()) == 1
-    resumed = _cli(BASE + ["--train-iters", "4", "--load", ckpt, "--save", ckpt])
+    resumed = _cli(BASE + ["--train-iters", "4", "--load", ckpt, "--save", ckpt,
+                           "--use-checkpoint-opt_param-scheduler"])
     assert resumed.returncode == 0 and "successfully loaded checkpoint" in resumed.stdout
     assert iteration_lines(resumed.stdout)[0].startswith(" iteration        4/")
 

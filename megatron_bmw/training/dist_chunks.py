@@ -1,0 +1,163 @@
+"""Where a rank's tensors sit in the global tensors of a torch_dist checkpoint, and DCP's planners for them.
+
+A `Slices` is a rank's part of one global tensor: chunks (global offset, local view). `slices_of` places a
+tensor-parallel shard (SwiGLU's stride-2 fc1 as two chunks) or an FSDP2 shard inside it; `piece_slices` places a
+ZeRO-1 flat range as boxes. DCP's planners read and write the chunks in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+class Slices:
+    """Chunks (global offset, local view) of a tensor of global shape `shape` that this rank holds. DCP's planners
+    call the three dunder methods (its `_Checkpointable` protocol, as DTensor implements it)."""
+
+    def __init__(self, shape: torch.Size, chunks: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
+        self.shape = torch.Size(shape)
+        self.chunks = chunks
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(off), t.size()),
+                                                      properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.shape))
+                for off, t in self.chunks]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(off), t.size()) for off, t in self.chunks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for off, t in self.chunks:
+            if torch.Size(off) == index.offset:
+                return t
+        raise ValueError(f"{index.fqn}: no chunk at offset {tuple(index.offset)} on this rank")
+
+
+def slices_of(param: torch.Tensor, local: torch.Tensor, tp_rank: int, tp_size: int) -> Slices:
+    """`local` (this rank's part of `param`, shaped like it) placed in the parameter's global tensor, as the
+    tensor-parallel attributes of `param` say (parallel/layers.py); an FSDP2-sharded parameter (a DTensor, or the
+    optimizer's local view of one: `fsdp_param`) adds its dp shard's offset inside the tp shard."""
+    dt = getattr(param, "fsdp_param", param)
+    inner = [0] * local.dim()
+    shape = list(local.shape)
+    if isinstance(dt, DTensor):
+        shape = list(dt.shape)  # the tp shard's shape; `local` is this rank's rows of it
+        _, inner = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+        inner = list(inner)
+    if local.numel() == 0:
+        return Slices(_tp_global(shape, param, tp_size), [])
+    dim = getattr(param, "partition_dim", None)
+    if dim is None or tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return Slices(torch.Size(shape), [(tuple(inner), local)])
+    stride = getattr(param, "partition_stride", 1)
+    block = shape[dim] // stride  # this rank's part of each of the `stride` blocks
+    chunks = []
+    if stride == 1:
+        off = list(inner)
+        off[dim] += tp_rank * block
+        chunks.append((tuple(off), local))
+    else:  # (not with FSDP: hybrid strategies refuse SwiGLU)
+        for j, part in enumerate(local.split(block, dim=dim)):
+            off = [0] * local.dim()
+            off[dim] = j * block * tp_size + tp_rank * block
+            chunks.append((tuple(off), part))
+    return Slices(_tp_global(shape, param, tp_size), chunks)
+
+
+def _flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple, tuple, int]]:
+    """(offsets, sizes, flat start - a) of the boxes that tile the flattened range [a, b) of a 1-D or 2-D shape:
+    a partial first row, whole rows, a partial last row."""
+    if len(shape) == 1:
+        return [((a,), (b - a,), 0)]
+    if len(shape) != 2:
+        raise ValueError(f"ZeRO pieces of {len(shape)}-D tensors are not supported")
+    cols, out, pos = shape[1], [], a
+    while pos < b:
+        row, col = divmod(pos, cols)
+        if col or b - pos < cols:
+            n = min(cols - col, b - pos)
+            out.append(((row, col), (1, n), pos - a))
+        else:
+            n = (b - pos) // cols * cols
+            out.append(((row, 0), (n // cols, cols), pos - a))
+        pos += n
+    return out
+
+
+def piece_slices(param: torch.Tensor, start: int, end: int, flat: torch.Tensor, tp_rank: int,
+                 tp_size: int) -> Slices:
+    """A ZeRO-1 piece: `flat` holds the range [start, end) of this rank's flattened tp shard of `param`; its boxes
+    placed in the global tensor (a box crossing a stride block boundary, SwiGLU's gate | up, is split there)."""
+    shape = tuple(param.shape)
+    dim = getattr(param, "partition_dim", None)
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        dim = None
+    stride = getattr(param, "partition_stride", 1)
+    chunks = []
+    for off, size, lo in _flat_boxes(shape, start, end):
+        box = flat[lo:lo + math.prod(size)].view(size)
+        if dim is None:
+            chunks.append((off, box))
+            continue
+        block, first, pos = shape[dim] // stride, off[dim], off[dim]
+        while pos < first + size[dim]:
+            j = pos // block
+            stop = min(first + size[dim], (j + 1) * block)
+            g = list(off)
+            g[dim] = j * block * tp_size + tp_rank * block + pos - j * block
+            chunks.append((tuple(g), box.narrow(dim, pos - first, stop - pos)))
+            pos = stop
+    return Slices(_tp_global(list(shape), param, tp_size), chunks)
+
+
+def _tp_global(shape: list[int], param: torch.Tensor, tp_size: int) -> torch.Size:
+    dim = getattr(param, "partition_dim", None)
+    out = list(shape)
+    if dim is not None and tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+        out[dim] *= tp_size
+    return torch.Size(out)
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter (a DTensor), else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default planner, finding a Slices' chunk by its offset (the state dict is flat already)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex):
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_object(index)
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, reading into a Slices' chunks in place."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        kept = dict(state_dict)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        state_dict.update(kept)  # DCP's meta-tensor pass replaces objects it does not know by None
+        self.state_dict = state_dict
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_tensor(index)
