@@ -206,9 +206,11 @@ def test_bert_flags_beside_a_plan_must_agree(tmp_path):
 
 
 def test_megatron_choices_are_checked_beside_a_plan(tmp_path):
-    args, plan = _args(tmp_path, "--ckpt-format", "torch_dist")
-    with pytest.raises(UsageError, match="--ckpt-format torch_dist: not supported"):
+    args, plan = _args(tmp_path, "--ckpt-format", "zarr")
+    with pytest.raises(UsageError, match="--ckpt-format zarr: not supported"):
         configs_from_args(args, 8, plan=plan)
+    args, plan = _args(tmp_path, "--ckpt-format", "torch_dist")  # a plan runs with the layout-free format
+    assert configs_from_args(args, 8, plan=plan).train is not None
 
 
 def test_a_plans_unit_strategies_are_checked_as_the_flags_are(tmp_path):

@@ -31,8 +31,8 @@ LAYOUTS = {
 }
 NAMES = list(LAYOUTS)
 LAYOUTS["tp2-dp2-zero1"] = (4, [TP, "2", ZERO1])  # only the Llama resume: ZeRO-1 pieces of SwiGLU's stride-2 fc1
-# each layout resumes from two sources and is the source of two resumes (18 ordered pairs)
-PAIRS = [(NAMES[i], NAMES[(i + k) % len(NAMES)]) for i in range(len(NAMES)) for k in (1, 3)]
+# every ordered pair of different layouts (72)
+PAIRS = [(a, b) for a in NAMES for b in NAMES if a != b]
 
 
 LLAMA = ["--position-embedding-type", "rope", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
@@ -92,8 +92,8 @@ def _same(hist, ref, what):
 
 @pytest.mark.slow
 def test_resume_on_any_layout(tmp_path):
-    """Every layout trains 8 iterations saving torch_dist at 4; every pair resumes B from A's iteration 4 and
-    continues exactly as A did."""
+    """Every layout trains 8 iterations saving torch_dist at 4; for every pair, B resumes from A's iteration 4 and
+    its next two iterations (the second one after an optimizer step on the loaded state) are A's."""
     refs, ckpts = {}, {}
     for name in NAMES:
         ckpts[name] = str(tmp_path / name)
@@ -103,8 +103,8 @@ def test_resume_on_any_layout(tmp_path):
         assert os.path.isfile(os.path.join(ckpts[name], "iter_0000004", ".metadata"))
     for src, dst in PAIRS:
         start = _checkpoint_at(ckpts[src], 4, str(tmp_path / f"{src}-to-{dst}"))
-        resumed = _run(dst, ["--train-iters", "8", "--load", start], reseeded=1)  # the layouts differ
-        _same(resumed, refs[src][4:], f"{src} -> {dst}")
+        resumed = _run(dst, ["--train-iters", "6", "--load", start], reseeded=1)  # the layouts differ
+        _same(resumed, refs[src][4:6], f"{src} -> {dst}")
 
 
 @pytest.mark.slow
