@@ -41,6 +41,7 @@ from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format
                       params_norm, throughput_tflops, timestamp)
 from .lr_scheduler import LRScheduler
 from .optimizer import StepResult, build_optimizer
+from .process_memory import ResidentPeak
 
 TRACE_ITERATIONS = 20  # --pipeline-trace records this many iterations
 
@@ -154,6 +155,8 @@ class Trainer:
             batches = self.train_data.iteration(0, pl.num_microbatches)
             return measure_stage_times(chunks, state, batches, self.shape, model.torch_dtype)
 
+        # the CPU plan check: what the process holds from here on (model, optimizer, activations, buffers)
+        self.resident = ResidentPeak() if track_memory and state.device.type != "cuda" else None
         self.chunks, self.schedule, self.partition = pipeline_setup(model, state, tr.seed, pl,
                                                                     stage_times=measured_stage_times)
         self.named_params = state.units.trainable([(n, p) for c in self.chunks for n, p in c.named_parameters()])

@@ -24,17 +24,24 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
 def plan_check_lines(trainer, plan) -> list[str]:
     """Lines for rank 0 (every rank must call this: it reduces over ranks). Iteration time: the median over
     the iterations after the first quarter (at least one, at most 5, skipped as warm-up), slowest rank.
-    Memory: each pipeline stage's largest rank (CUDA: peak allocated, against the predicted peak without the
-    allowance for context, workspaces and fragmentation; CPU, with no allocator to ask: model states plus the
-    activation store's peak, against the prediction of those two)."""
+    Memory: each pipeline stage's largest rank against the predicted peak without the allowance for context,
+    workspaces and fragmentation. CUDA: the peak allocated. CPU, with no allocator to ask: the rise of the
+    process's peak resident memory from before the model was built (what the process really held: the
+    allocator's cache, communication buffers and batches included), beside the tensors the run tracks (model
+    states plus the activation store's peak, against the prediction of those two)."""
     st = trainer.state
     times = trainer.step_times
     warm = min(5, max(1, len(times) // 4)) if len(times) > 1 else 0
     kept = times[warm:]
     measured = statistics.median(kept) if kept else float("nan")
-    memory = [0.0] * st.pp_size
-    memory[st.pp_rank] = trainer.memory_in_use()
-    measured, *memory = _max_over_ranks([measured] + memory, st.device)
+    cpu = st.device.type != "cuda"
+    resident = getattr(trainer, "resident", None)
+    grown = resident.growth() if cpu and resident is not None else None
+    memory, tracked = [0.0] * st.pp_size, [0.0] * st.pp_size
+    memory[st.pp_rank] = grown if grown is not None else trainer.memory_in_use()
+    tracked[st.pp_rank] = trainer.memory_in_use()
+    measured, *both = _max_over_ranks([measured] + memory + tracked, st.device)
+    memory, tracked = both[:st.pp_size], both[st.pp_size:]
     pred = plan.prediction
     lines = []
     predicted = pred.get("iteration_time_s")
@@ -45,8 +52,14 @@ def plan_check_lines(trainer, plan) -> list[str]:
         if s >= len(memory):
             break
         expected = stage["peak_bytes"] - stage.get("allowance_bytes", 0.0)
-        if st.device.type != "cuda":
-            expected = stage["static_bytes"] + stage["activation_bytes"]
-        lines.append(f" plan check | stage {s} | memory predicted {_size(expected)}, measured {_size(memory[s])} "
-                     f"({100 * (memory[s] / expected - 1):+.1f}%) | capacity {_size(stage['capacity_bytes'])}")
+        what = ""
+        if cpu and grown is not None:
+            what = " (peak resident growth)"
+        line = (f" plan check | stage {s} | memory predicted {_size(expected)}, measured {_size(memory[s])}{what} "
+                f"({100 * (memory[s] / expected - 1):+.1f}%)")
+        if cpu:
+            states = stage["static_bytes"] + stage["activation_bytes"]
+            line += (f" | tracked tensors {_size(tracked[s])} against model states + activations {_size(states)} "
+                     f"({100 * (tracked[s] / states - 1):+.1f}%)")
+        lines.append(line + f" | capacity {_size(stage['capacity_bytes'])}")
     return lines

@@ -365,6 +365,8 @@ def test_search_plans_run_with_plan_and_fit(tmp_path, world_size):
         results = run_distributed(world_size, _run_plan, path)
         lines = results[0][0]
         assert lines[0].startswith(" plan check | iteration time predicted"), lines
+        # on the CPU the process's own peak (resident growth) is measured, beside the tensors the run tracks
+        assert all("(peak resident growth)" in ln and "| tracked tensors" in ln for ln in lines[1:]), lines
         losses = results[-1][2]
         assert len(losses) == 4 and all(x == x for x in losses)
         for stage in plan.prediction["stages"]:
