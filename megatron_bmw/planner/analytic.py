@@ -9,6 +9,7 @@ from ..config import ModelConfig
 from ..errors import UsageError
 from .cluster import DeviceType
 from .flops import unit_forward_flops
+from .kernel_time import KernelDevice, unit_kernel_times
 from .memory_model import UNIT_KINDS, unit_activation_bytes
 from .profile_data import Profile, UnitTiming, model_signature
 
@@ -40,17 +41,24 @@ class ProfileSettings:
 
 def analytic_profile(model: ModelConfig, device: DeviceType, settings: ProfileSettings = ProfileSettings(),
                      achievable_fraction: float = 0.5) -> Profile:
-    """Unit times for a device that is not here: FLOPs / (peak x achievable fraction), backward = 2 x forward.
+    """Unit times for a device that is not here: by GEMM shape where the device type gives its SM count
+    (kernel_time.py), else FLOPs / (peak x achievable fraction) with backward = 2 x forward.
     Tensor-parallel collectives are left to the cost model (so only tp=1 entries are written)."""
     if not 0 < achievable_fraction <= 1:
         raise UsageError(f"--achievable-fraction must be in (0, 1], got {achievable_fraction}")
     dtype = model.params_dtype
     rate = device.peak(dtype) * achievable_fraction
+    kernels = KernelDevice(device.peak(dtype), achievable_fraction, device.sm_count, device.memory_bandwidth) \
+        if device.sm_count is not None else None
     units = []
     for b in settings.micro_batch_sizes:
         for kind in UNIT_KINDS:
-            fwd = unit_forward_flops(kind, model, b) / rate
-            units.append(UnitTiming(kind, 1, b, fwd, 2 * fwd, unit_activation_bytes(kind, model, b)))
+            if kernels is not None:  # by GEMM shape (kernel_time.py)
+                fwd, bwd = unit_kernel_times(kind, model, b, 1, kernels)
+            else:
+                fwd = unit_forward_flops(kind, model, b) / rate
+                bwd = 2 * fwd
+            units.append(UnitTiming(kind, 1, b, fwd, bwd, unit_activation_bytes(kind, model, b)))
     info = {"name": device.name, "kind": "analytic", "achievable_fraction": achievable_fraction,
             "memory_bytes": device.memory_bytes}
     return Profile(device=info, dtype=dtype, model=model_signature(model), units=units, mode="analytic")

@@ -51,6 +51,7 @@ class DeviceType:
     peak_flops: dict[str, float]  # per dtype name, FLOP/s
     memory_bandwidth: float | None = None  # bytes/s, optional
     achievable_fraction: float | None = None  # of peak FLOP/s that large matrix multiplications reach, optional
+    sm_count: int | None = None  # streaming multiprocessors: analytic unit times follow GEMM shapes (kernel_time.py)
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -268,7 +269,7 @@ def _positive(data: dict, key: str, where: str, default=None, allow_zero: bool =
 def _device_type(name: str, spec, where: str) -> DeviceType:
     if not isinstance(spec, dict):
         raise UsageError(f"{where}: expected a mapping with memory_gb and peak_tflops")
-    _only(spec, {"memory_gb", "peak_tflops", "memory_bandwidth_GBps", "achievable_fraction"}, where)
+    _only(spec, {"memory_gb", "peak_tflops", "memory_bandwidth_GBps", "achievable_fraction", "sm_count"}, where)
     memory = _positive(spec, "memory_gb", where) * 2**30
     peaks_raw = _need(spec, "peak_tflops", dict, where)
     peaks = {}
@@ -280,8 +281,11 @@ def _device_type(name: str, spec, where: str) -> DeviceType:
     fraction = spec.get("achievable_fraction")
     if fraction is not None and not (_is_number(fraction) and 0 < fraction <= 1):
         raise UsageError(f"{where}: 'achievable_fraction' must be a number in (0, 1], got {fraction!r}")
+    sms = spec.get("sm_count")
+    if sms is not None and not (isinstance(sms, int) and not isinstance(sms, bool) and sms >= 1):
+        raise UsageError(f"{where}: 'sm_count' must be a positive integer, got {sms!r}")
     return DeviceType(name, memory, peaks, _positive(spec, "memory_bandwidth_GBps", where) * GB if bw is not None else None,
-                      float(fraction) if fraction is not None else None)
+                      float(fraction) if fraction is not None else None, sms)
 
 
 def _link(spec, where: str) -> Link:

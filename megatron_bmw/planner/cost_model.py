@@ -31,6 +31,7 @@ from ..errors import UsageError
 from ..pipeline.schedule import Action, Kind
 from .cluster import Cluster, DeviceType, Link
 from .flops import core_attention_share, unit_forward_flops
+from .kernel_time import KernelDevice, unit_kernel_times
 from ..units import owns_output_weight, unit_kind, unit_names
 from .memory_model import chunk_unit_indices, chunk_units, unit_activation_bytes, unit_param_count
 from .profile_data import Profile, Profiles
@@ -216,13 +217,21 @@ class CostModel:
         return 0.0, 0.0
 
     def _analytic(self, kind: str, tp: int, device: DeviceType) -> tuple[float, float]:
+        """Matrix work by GEMM shape where the device type gives its SMs (kernel_time.py), else FLOPs at the
+        achievable rate with backward = 2 x forward; plus the elementwise work at memory bandwidth."""
         model, b = self.spec.model, self.spec.pipeline.micro_batch_size
-        rate = device.peak(self.dtype) * self.settings.fraction(device)
-        fwd = unit_forward_flops(kind, model, b, tp) / rate
+        fraction = self.settings.fraction(device)
+        if device.sm_count is not None:
+            kd = KernelDevice(device.peak(self.dtype), fraction, device.sm_count, device.memory_bandwidth)
+            fwd, bwd = unit_kernel_times(kind, model, b, tp, kd)
+        else:
+            fwd = unit_forward_flops(kind, model, b, tp) / (device.peak(self.dtype) * fraction)
+            bwd = 2 * fwd
         if device.memory_bandwidth is not None:  # elementwise work: read and write what the unit keeps
             kept = unit_activation_bytes(kind, model, b, tp, self.spec.sp, None, "cuda")
-            fwd += 2 * kept / (device.memory_bandwidth * self.settings.bandwidth_fraction)
-        return fwd, 2 * fwd
+            elementwise = 2 * kept / (device.memory_bandwidth * self.settings.bandwidth_fraction)
+            fwd, bwd = fwd + elementwise, bwd + 2 * elementwise
+        return fwd, bwd
 
     def _compute(self, kind: str, device: DeviceType, index: int | None) -> tuple[float, float, bool]:
         """(forward, backward, TP communication included): the profile at this tp, else its tp=1 times split

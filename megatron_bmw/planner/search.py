@@ -164,12 +164,13 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
     problems.sort(key=lambda x: x[0])
     progress = _Progress(settings.progress, len(problems))
     solutions: list[Solution] = []
-    best = _INF
+    best = kth_best = _INF
+    estimates: list[float] = []
     too_big: dict[tuple, int] = {}  # family -> the smallest micro-batch size that fits nowhere
     for bound, prob in problems:
         lay = prob.layout
         family = (lay.tp, lay.pp, lay.dp, lay.schedule, lay.virtual, prob.variant.sp, prob.variant.zero1, prob.uniform)
-        if bound > best * (1 + settings.estimate_margin) or lay.mbs >= too_big.get(family, _INF):
+        if bound > kth_best * (1 + settings.estimate_margin) or lay.mbs >= too_big.get(family, _INF):
             stats["pruned"] += 1
             progress.step(f"best {best:.4g} s")
             continue
@@ -190,6 +191,9 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
         for sol in found:
             solutions.append(sol)
             best = min(best, sol.estimate)
+            estimates.append(sol.estimate)
+        if len(estimates) >= settings.top_k:  # prune against the k-th best: --top-k plans when k layouts exist
+            kth_best = sorted(estimates)[settings.top_k - 1]
         progress.step(f"best {best:.4g} s")
     stats["estimate_s"] = time.time() - started
     if not solutions:

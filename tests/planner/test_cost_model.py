@@ -1,5 +1,6 @@
 """Cost model: collective formulas, analytic and profiled unit times, device scaling, gradient sync."""
 
+from dataclasses import replace
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from megatron_bmw.planner.flops import unit_forward_flops
 from megatron_bmw.planner.memory_model import unit_activation_bytes
 from megatron_bmw.planner.profile_data import Profile, UnitTiming, model_signature
 from megatron_bmw.planner.spec import RunSpec
+from megatron_bmw.planner.kernel_time import KernelDevice, unit_kernel_times
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32)
 
@@ -36,7 +38,8 @@ def test_collective_formulas():
 def test_analytic_unit_times():
     cluster = load_cluster("a100-80g-ib")
     cost = CostModel(_spec(), cluster, settings=CostSettings(achievable_fraction=0.5))
-    device = cluster.device(0)
+    shaped = cluster.device(0)
+    device = replace(shaped, sm_count=None)  # the flat rate: FLOPs at the achievable fraction of peak
     fwd, bwd = cost.unit_times("mlp", None, device, 0)
     flops = unit_forward_flops("mlp", MODEL, 2)
     kept = unit_activation_bytes("mlp", MODEL, 2)  # elementwise traffic over HBM
@@ -44,6 +47,10 @@ def test_analytic_unit_times():
     assert bwd == pytest.approx(2 * fwd)
     own = CostModel(_spec(), cluster).unit_times("mlp", None, device, 0)[0]  # the cluster file's fraction, 0.75
     assert own == pytest.approx(flops / (19.5e12 * 0.75) + 2 * kept / (2039e9 * 0.8))
+    # with the device's SM count, the matrix work follows the GEMM shapes (kernel_time.py)
+    kf, kb = unit_kernel_times("mlp", MODEL, 2, 1, KernelDevice(19.5e12, 0.5, 108, 2039e9))
+    elementwise = 2 * kept / (2039e9 * 0.8)
+    assert cost.unit_times("mlp", None, shaped, 0) == pytest.approx((kf + elementwise, kb + 2 * elementwise))
     full_f, full_b = cost.unit_times("mlp", "full", device, 0)
     assert full_b == pytest.approx(bwd + fwd)
     sel_f, sel_b = cost.unit_times("attention", "selective", device, 0)

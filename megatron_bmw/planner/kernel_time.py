@@ -1,0 +1,127 @@
+"""Shape-aware kernel times: what a unit's matrix multiplications and attention take on a device, from first
+principles instead of one flat share of peak. Torch-free.
+
+A GEMM C[m, n] = A[m, k] B[k, n] is cut into output tiles of tile_m x tile_n; the device runs one tile per
+streaming multiprocessor (SM) at a time, in waves of `sm_count` tiles. So
+  - tile quantization: a partial tile costs a whole one (m, n padded up to tile multiples);
+  - wave quantization: a last, partial wave costs a whole one (ceil(tiles / SMs) waves);
+  - each tile's main loop runs k steps plus a fixed prologue/epilogue worth `k_overhead` more (filling the
+    pipeline, writing C), so short contractions reach less of the rate: efficiency k / (k + k_overhead);
+  - the large-GEMM rate is the device's achievable fraction of peak (what big cuBLAS GEMMs reach);
+  - a GEMM never beats moving its operands: max(compute, bytes / memory bandwidth).
+Efficiency therefore rises with the GEMM's size and falls in steps where a tile or a wave splits: a micro-batch
+of 1 at tp 8 (few row tiles, a thin n) is slower per sample than a micro-batch of 4.
+
+One tile shape (128 x 128) stands for cuBLAS's choices; its smaller tiles and split-K for thin GEMMs (a few
+rows, as in decoding) are not modelled, so such GEMMs come out slower than they run. Training GEMMs have s x b
+rows.
+
+Attention (the fused flash kernel) tiles the same way: one tile is 128 query rows of one head, and its two
+products (QK^T, PV) contract over the head dimension d and the keys; a small d is a short contraction. The causal
+mask skips the blocks above the diagonal (half the work). Backward runs five products where forward runs two
+(recomputing the scores): 2.5 x.
+
+Units per tensor-parallel rank (T = s x b tokens): attention = QKV [T, qkv_rows/t, h], core, projection
+[T, h, h/t]; MLP = fc1 [T, fc1_rows/t, h], fc2 [T, h, f/t]; head = logits [T, v/t, h]. A backward GEMM runs the
+input gradient [m, k] (contracting n) and the weight gradient [k, n] (contracting m).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+
+FLASH_BLOCK = 128  # query rows per attention tile
+FLASH_BACKWARD = 2.5  # five products against forward's two
+
+
+@dataclass(frozen=True)
+class KernelDevice:
+    """What the kernel model needs of a device type (planner/cluster.py DeviceType.kernels)."""
+
+    peak_flops: float  # of the run's dtype
+    achievable_fraction: float  # the rate a large, well-shaped GEMM reaches
+    sm_count: int
+    memory_bandwidth: float | None = None  # bytes/s
+    tile_m: int = 128
+    tile_n: int = 128
+    k_overhead: int = 64  # a tile's prologue and epilogue, in main-loop steps of k
+
+
+def gemm_time(m: int, n: int, k: int, elem_bytes: int, dev: KernelDevice, batch: int = 1) -> float:
+    """Seconds of `batch` GEMMs [m, k] x [k, n]."""
+    if min(m, n, k, batch) <= 0:
+        return 0.0
+    tiles = batch * math.ceil(m / dev.tile_m) * math.ceil(n / dev.tile_n)
+    waves = math.ceil(tiles / dev.sm_count)
+    per_sm = dev.peak_flops * dev.achievable_fraction / dev.sm_count
+    compute = waves * 2.0 * dev.tile_m * dev.tile_n * (k + dev.k_overhead) / per_sm
+    if dev.memory_bandwidth is None:
+        return compute
+    moved = batch * (m * k + k * n + m * n) * elem_bytes
+    return max(compute, moved / dev.memory_bandwidth)
+
+
+def gemm_efficiency(m: int, n: int, k: int, elem_bytes: int, dev: KernelDevice) -> float:
+    """Achieved share of peak: 2mnk / (time x peak)."""
+    return 2.0 * m * n * k / (gemm_time(m, n, k, elem_bytes, dev) * dev.peak_flops)
+
+
+def flash_attention_time(batch_heads: int, s: int, d: int, elem_bytes: int, dev: KernelDevice,
+                         causal: bool = True) -> float:
+    """Forward seconds of the fused attention kernel over `batch_heads` (micro-batch x local heads) heads."""
+    row_blocks = math.ceil(s / FLASH_BLOCK)
+    keys = (s + FLASH_BLOCK) / 2 if causal else s  # a query block sees the keys up to it
+    tiles = batch_heads * row_blocks
+    waves = math.ceil(tiles / dev.sm_count)
+    per_sm = dev.peak_flops * dev.achievable_fraction / dev.sm_count
+    # QK^T: [128, keys] contracting d; PV: [128, d] contracting keys; each contraction with its own overhead
+    flops = 2.0 * FLASH_BLOCK * keys * (d + dev.k_overhead) + 2.0 * FLASH_BLOCK * d * (keys + dev.k_overhead)
+    compute = waves * flops / per_sm
+    if dev.memory_bandwidth is None:
+        return compute
+    moved = 4 * batch_heads * s * d * elem_bytes  # q, k, v in, the output out
+    return max(compute, moved / dev.memory_bandwidth)
+
+
+def _linear(m: int, n: int, k: int, e: int, dev: KernelDevice) -> tuple[float, float]:
+    """(forward, backward) of a linear layer: y[m, n] = x[m, k] W^T; backward = input and weight gradients."""
+    return gemm_time(m, n, k, e, dev), gemm_time(m, k, n, e, dev) + gemm_time(k, n, m, e, dev)
+
+
+def unit_kernel_times(kind: str, model: ModelConfig, micro_batch_size: int, tp: int,
+                      dev: KernelDevice) -> tuple[float, float]:
+    """(forward, backward) seconds of the matrix work of one unit on one tensor-parallel rank."""
+    s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+    e = model.dtype_bytes
+    tokens = s * b
+    parts: list[tuple[float, float]] = []
+    if kind == "attention":
+        heads = model.num_attention_heads // tp
+        d = model.head_dim
+        parts.append(_linear(tokens, model.qkv_rows // tp, h, e, dev))
+        if model.flash_attention:
+            f = flash_attention_time(b * heads, s, d, e, dev, causal=model.model_type != "bert")
+            parts.append((f, FLASH_BACKWARD * f))
+        else:  # scores [s, s] contracting d, context [s, d] contracting s
+            qk = gemm_time(s, s, d, e, dev, b * heads)
+            pv = gemm_time(s, d, s, e, dev, b * heads)
+            # backward: dV, dQ, dK [s, d] contracting s; dP [s, s] contracting d
+            parts.append((qk + pv, 3 * pv + qk))
+        parts.append(_linear(tokens, h, h // tp, e, dev))
+    elif kind == "mlp":
+        parts.append(_linear(tokens, model.fc1_rows // tp, h, e, dev))
+        parts.append(_linear(tokens, h, model.ffn_hidden_size // tp, e, dev))
+    elif kind == "head":
+        parts.append(_linear(tokens, model.vocab_size // tp, h, e, dev))
+        if model.model_type == "bert":
+            parts.append(_linear(tokens, h, h, e, dev))  # the LM head's dense layer
+    elif kind == "embedding":  # lookups and adds: memory traffic (the word rows, the position rows, the sum)
+        moved = 3.0 * tokens * h * e
+        rate = dev.memory_bandwidth or dev.peak_flops * dev.achievable_fraction  # no bandwidth given: a byte a FLOP
+        parts.append((moved / rate, 2 * moved / rate))
+    else:
+        raise ValueError(f"unknown unit kind {kind!r}")
+    return sum(f for f, _ in parts), sum(g for _, g in parts)

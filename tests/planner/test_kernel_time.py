@@ -1,0 +1,84 @@
+"""The shape-aware kernel model: efficiency rises with GEMM size and contraction, steps where tiles or waves split,
+memory-bound when small; per sample, bigger micro-batches and fewer, larger heads are faster."""
+
+import math
+
+import pytest
+
+from megatron_bmw.config import ModelConfig
+from megatron_bmw.planner.cluster import load_cluster
+from megatron_bmw.planner.kernel_time import (KernelDevice, flash_attention_time, gemm_efficiency, gemm_time,
+                                              unit_kernel_times)
+
+A100 = KernelDevice(peak_flops=312e12, achievable_fraction=0.75, sm_count=108, memory_bandwidth=2039e9)
+WAVE = A100.tile_m * A100.sm_count  # rows of one full wave of 128 x 128 tiles over one column of tiles
+
+
+def test_efficiency_grows_with_size_over_full_waves_and_saturates_below_the_large_gemm_rate():
+    effs = [gemm_efficiency(WAVE * j, 128, 4096, 2, A100) for j in (1, 2, 4, 8, 16)]
+    assert all(b >= a - 1e-12 for a, b in zip(effs, effs[1:]))
+    assert effs[-1] <= A100.achievable_fraction
+    # longer contractions amortise each tile's prologue and epilogue
+    by_k = [gemm_efficiency(WAVE, 128, k, 2, A100) for k in (64, 256, 1024, 4096, 16384)]
+    assert all(b > a for a, b in zip(by_k, by_k[1:]))
+    assert by_k[-1] == pytest.approx(A100.achievable_fraction * 16384 / (16384 + A100.k_overhead), rel=1e-6)
+
+
+def test_wave_and_tile_quantization_steps():
+    full = gemm_time(WAVE, 128, 4096, 2, A100)
+    assert gemm_time(WAVE + 1, 128, 4096, 2, A100) == pytest.approx(2 * full)  # one more tile: a second wave
+    assert gemm_time(WAVE - 127, 128, 4096, 2, A100) == pytest.approx(full)  # a partial tile costs a whole one
+    small = gemm_time(128, 128, 4096, 2, A100)
+    assert gemm_time(100 * 128, 128, 4096, 2, A100) == pytest.approx(small)  # one wave, whatever its fill
+    assert gemm_efficiency(128, 128, 4096, 2, A100) < gemm_efficiency(WAVE, 128, 4096, 2, A100) / 50
+
+
+def test_short_contractions_are_memory_bound():
+    m, n, k = 16384, 16384, 16  # little work per byte moved: the output's bytes dominate
+    assert gemm_time(m, n, k, 2, A100) == pytest.approx((m * k + k * n + m * n) * 2 / A100.memory_bandwidth)
+    assert gemm_time(m, n, 4096, 2, A100) > (m * 4096 + 4096 * n + m * n) * 2 / A100.memory_bandwidth
+
+
+GPT3_LAYER = dict(num_layers=1, hidden_size=12288, num_attention_heads=96, seq_length=2048, vocab_size=51200,
+                  params_dtype="bf16", attention_backend="flash")
+
+
+def _per_sample(kind, model, mbs, tp):
+    f, b = unit_kernel_times(kind, model, mbs, tp, A100)
+    return (f + b) / mbs
+
+
+def test_bigger_micro_batches_are_faster_per_sample_at_high_tp():
+    model = ModelConfig(**GPT3_LAYER)
+    for kind in ("attention", "mlp"):
+        one, four = _per_sample(kind, model, 1, 8), _per_sample(kind, model, 4, 8)
+        assert four < one, kind
+    small = ModelConfig(**{**GPT3_LAYER, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 512})
+    assert _per_sample("mlp", small, 4, 8) < 0.9 * _per_sample("mlp", small, 1, 8)
+
+
+def test_many_small_heads_cost_more_than_few_large_ones():
+    few = flash_attention_time(8 * 16, 2048, 128, 2, A100)
+    many = flash_attention_time(8 * 32, 2048, 64, 2, A100)  # same hidden size, same FLOPs
+    assert many > 1.1 * few
+    # the causal kernel does about half the non-causal work
+    assert flash_attention_time(64, 4096, 128, 2, A100) < 0.6 * flash_attention_time(64, 4096, 128, 2, A100,
+                                                                                      causal=False)
+
+
+def test_the_cost_model_uses_it_where_the_device_gives_its_sms():
+    from dataclasses import replace
+
+    from megatron_bmw.config import PipelineConfig
+    from megatron_bmw.planner.cost_model import CostModel
+    from megatron_bmw.planner.spec import RunSpec
+
+    cluster = load_cluster("a100-80g-ib")
+    device = cluster.groups[0].device
+    assert device.sm_count == 108
+    model = ModelConfig(**{**GPT3_LAYER, "num_layers": 2})
+    spec = RunSpec(model=model, tp=8, pp=1, dp=1, pipeline=PipelineConfig(micro_batch_size=1, num_microbatches=4))
+    shaped = CostModel(spec, cluster)._analytic("mlp", 8, device)
+    flat = CostModel(spec, cluster)._analytic("mlp", 8, replace(device, sm_count=None))
+    assert shaped[0] > flat[0]  # thin tp-8 shards at micro-batch 1 reach less than the large-GEMM rate
+    assert math.isfinite(shaped[1]) and shaped[1] > shaped[0]
