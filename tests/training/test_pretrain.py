@@ -362,18 +362,23 @@ def test_search_plans_run_with_plan_and_fit(tmp_path, world_size):
     assert paths
     for path in paths:
         plan = Plan.load(path)
-        results = run_distributed(world_size, _run_plan, path)
-        lines = results[0][0]
-        assert lines[0].startswith(" plan check | iteration time predicted"), lines
-        # on the CPU the process's own peak (resident growth) is measured, beside the tensors the run tracks
-        assert all("(peak resident growth)" in ln and "| tracked tensors" in ln for ln in lines[1:]), lines
-        losses = results[-1][2]
-        assert len(losses) == 4 and all(x == x for x in losses)
-        for stage in plan.prediction["stages"]:
-            measured = max(mem for r, (_, mem, _) in enumerate(results)
-                           if plan.spec.rank_layout().coords(r)[2] == stage["stage"])
-            assert measured <= stage["capacity_bytes"], (path, stage, measured)
-            assert measured == pytest.approx(stage["peak_bytes"] - stage["allowance_bytes"], rel=0.1), (path, stage)
+        _ran_and_fit(plan, path, run_distributed(world_size, _run_plan, path))
+
+
+def _ran_and_fit(plan, path, results) -> None:
+    """A --plan run's 4 finite losses, its plan check lines, and per stage the tracked memory (model states + the
+    activation store's peak) within the device and within 10% of the prediction."""
+    lines = results[0][0]
+    assert lines[0].startswith(" plan check | iteration time predicted"), lines
+    # on the CPU the process's own peak (resident growth) is measured, beside the tensors the run tracks
+    assert all("(peak resident growth)" in ln and "| tracked tensors" in ln for ln in lines[1:]), lines
+    losses = results[-1][2]
+    assert len(losses) == 4 and all(x == x for x in losses)
+    for stage in plan.prediction["stages"]:
+        measured = max(mem for r, (_, mem, _) in enumerate(results)
+                       if plan.spec.rank_layout().coords(r)[2] == stage["stage"])
+        assert measured <= stage["capacity_bytes"], (path, stage, measured)
+        assert measured == pytest.approx(stage["peak_bytes"] - stage["allowance_bytes"], rel=0.1), (path, stage)
 
 
 @pytest.mark.slow
@@ -387,15 +392,7 @@ def test_searched_llama_plans_run_with_plan_and_fit(tmp_path):
     for path in paths:
         plan = Plan.load(path)
         assert plan.spec.model.swiglu and plan.spec.model.num_query_groups == 2
-        results = run_distributed(4, _run_plan, path, PLAN_LLAMA_FLAGS)
-        assert results[0][0][0].startswith(" plan check | iteration time predicted")
-        losses = results[-1][2]
-        assert len(losses) == 4 and all(x == x for x in losses)
-        for stage in plan.prediction["stages"]:
-            measured = max(mem for r, (_, mem, _) in enumerate(results)
-                           if plan.spec.rank_layout().coords(r)[2] == stage["stage"])
-            assert measured <= stage["capacity_bytes"], (path, stage, measured)
-            assert measured == pytest.approx(stage["peak_bytes"] - stage["allowance_bytes"], rel=0.1), (path, stage)
+        _ran_and_fit(plan, path, run_distributed(4, _run_plan, path, PLAN_LLAMA_FLAGS))
 
 
 def _run_bert_plan(rank, world_size, path):

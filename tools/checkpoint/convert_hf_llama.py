@@ -11,7 +11,6 @@ writes (any tp x pp); files and layout as convert_hf_gpt2.py, the mapping in meg
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from typing import Any
@@ -21,19 +20,11 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
+from megatron_bmw.errors import UsageError, exit_on_usage_error
+from megatron_bmw.convert.hf_files import build_parser, read_hf_dir, run_direction  # noqa: E402
 from megatron_bmw.convert.checkpoint_files import load_full, save_release  # noqa: E402
 from megatron_bmw.convert.llama import hf_config_from_megatron, hf_to_megatron, megatron_to_hf  # noqa: E402
 from megatron_bmw.convert.vocab_padding import padded_rows, restore_from, write_rows  # noqa: E402
-
-
-def _gpt2_tool():
-    """The parser and HF file helpers of convert_hf_gpt2.py."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "convert_hf_gpt2.py")
-    spec = importlib.util.spec_from_file_location("convert_hf_gpt2", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_flags(args: dict[str, Any]) -> str:
@@ -60,7 +51,7 @@ def run_flags(args: dict[str, Any]) -> str:
 
 def hf_to_megatron_dir(hf_dir: str, save: str, tp: int, divisible_by: int, pp: int = 1) -> dict[str, Any]:
     """Convert `hf_dir` into a Megatron checkpoint at `save`; returns the checkpoint's args."""
-    config, hf_sd = _gpt2_tool().read_hf_dir(hf_dir)
+    config, hf_sd = read_hf_dir(hf_dir)
     kwargs, full = hf_to_megatron(hf_sd, config, make_vocab_size_divisible_by=divisible_by, tp=tp)
     note = restore_from(hf_dir, full, config["vocab_size"])
     if note:
@@ -107,23 +98,8 @@ def megatron_to_hf_dir(load: str, hf_dir: str) -> None:
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
     """Run the conversion named by --direction."""
-    tool = _gpt2_tool()
-    args = tool.build_parser().parse_args(argv)
-    if args.direction == "hf-to-megatron":
-        if not args.save:
-            raise UsageError("--save is required for --direction hf-to-megatron")
-        tool.check_sizes(args)
-        out = hf_to_megatron_dir(args.hf_dir, args.save, args.tensor_model_parallel_size,
-                                 args.make_vocab_size_divisible_by, args.pipeline_model_parallel_size)
-        print(f"wrote {args.save}: tp={out['tensor_model_parallel_size']}, pp={out['pipeline_model_parallel_size']}, "
-              f"layers={out['num_layers']}, vocab {out['orig_vocab_size']} padded to {out['padded_vocab_size']}")
-        print(f"run it with: pretrain_gpt.py {run_flags(out)} --load {args.save} --finetune")
-    else:
-        if not args.load:
-            raise UsageError("--load is required for --direction megatron-to-hf")
-        megatron_to_hf_dir(args.load, args.hf_dir)
-        print(f"wrote {args.hf_dir}")
-    return 0
+    return run_direction(build_parser(__doc__.splitlines()[0]).parse_args(argv), hf_to_megatron_dir,
+                         megatron_to_hf_dir, lambda out: f"pretrain_gpt.py {run_flags(out)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,110 @@
+"""What the Hugging Face checkpoint tools share (tools/checkpoint/convert_hf_*.py): their flags, reading a local
+Hugging Face directory (config.json and safetensors or .bin weights, sharded or not), and the run of a direction."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import OneLineParser, UsageError
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The flags every Hugging Face converter takes."""
+    p = OneLineParser(description=description)
+    p.add_argument("--direction", required=True, choices=("hf-to-megatron", "megatron-to-hf"))
+    p.add_argument("--hf-dir", required=True,
+                   help="Hugging Face model directory: read for hf-to-megatron, written for megatron-to-hf")
+    p.add_argument("--save", help="Megatron checkpoint directory to write (hf-to-megatron)")
+    p.add_argument("--load", help="Megatron checkpoint directory to read (megatron-to-hf)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tp ranks to shard into (default 1)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages to split into, Megatron's default partition (default 1)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times tp (default 128)")
+    return p
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+
+
+def read_hf_dir(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json dict, state dict) of a local Hugging Face model directory.
+
+    Weights come from model.safetensors or pytorch_model.bin (or their sharded index files).
+    """
+    if not os.path.isdir(hf_dir):
+        raise UsageError(f"--hf-dir {hf_dir} is not a directory")
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise UsageError(f"--hf-dir {hf_dir} has no config.json")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--hf-dir: cannot read {config_path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--hf-dir: {config_path} is not a JSON object")
+    files = _weight_files(hf_dir)
+    sd: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            if path.endswith(".safetensors"):
+                from safetensors.torch import load_file  # installed with transformers
+
+                sd.update(load_file(path))
+            else:
+                sd.update(torch.load(path, map_location="cpu", weights_only=True))
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is a user error
+            raise UsageError(f"--hf-dir: cannot read {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    return config, sd
+
+
+def _weight_files(hf_dir: str) -> list[str]:
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if os.path.isfile(os.path.join(hf_dir, single)):
+            return [os.path.join(hf_dir, single)]
+        index_path = os.path.join(hf_dir, index)
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path) as f:
+                    names = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise UsageError(f"--hf-dir: cannot read {index_path}: {exc}") from None
+            paths = [os.path.join(hf_dir, n) for n in names]
+            for path in paths:
+                if not os.path.isfile(path):
+                    raise UsageError(f"--hf-dir: {index_path} names missing file {path}")
+            return paths
+    raise UsageError(f"--hf-dir {hf_dir} has no model.safetensors or pytorch_model.bin")
+
+
+def run_direction(args: argparse.Namespace, to_megatron: Callable[..., dict[str, Any]],
+                  to_hf: Callable[[str, str], None], run_with: Callable[[dict[str, Any]], str] | None = None) -> int:
+    """The conversion --direction names; `run_with(args)` gives the line saying how to train the converted model."""
+    if args.direction == "hf-to-megatron":
+        if not args.save:
+            raise UsageError("--save is required for --direction hf-to-megatron")
+        check_sizes(args)
+        out = to_megatron(args.hf_dir, args.save, args.tensor_model_parallel_size,
+                          args.make_vocab_size_divisible_by, args.pipeline_model_parallel_size)
+        print(f"wrote {args.save}: tp={out['tensor_model_parallel_size']}, pp={out['pipeline_model_parallel_size']}, "
+              f"layers={out['num_layers']}, vocab {out['orig_vocab_size']} padded to {out['padded_vocab_size']}")
+        if run_with is not None:
+            print(f"run it with: {run_with(out)} --load {args.save} --finetune")
+    else:
+        if not args.load:
+            raise UsageError("--load is required for --direction megatron-to-hf")
+        to_hf(args.load, args.hf_dir)
+        print(f"wrote {args.hf_dir}")
+    return 0
