@@ -1,5 +1,6 @@
 """Profiler: unit timings are positive, saved bytes agree with the memory model, link fits, profile files."""
 
+import dataclasses
 import json
 
 import pytest
@@ -40,9 +41,11 @@ def test_fit_link_recovers_latency_and_bandwidth():
 
 
 def test_analytic_profile_round_trip(tmp_path):
-    device = load_cluster("aws-g4dn.12xlarge").device(0)
-    prof = analytic_profile(MODEL, device, achievable_fraction=0.5)
-    assert prof.achieved_flops() == pytest.approx(8.1e12 * 0.5)
+    shaped = load_cluster("aws-g4dn.12xlarge").device(0)
+    flat = analytic_profile(MODEL, dataclasses.replace(shaped, sm_count=None), achievable_fraction=0.5)
+    assert flat.achieved_flops() == pytest.approx(8.1e12 * 0.5)  # FLOPs at the achievable rate
+    prof = analytic_profile(MODEL, shaped, achievable_fraction=0.5)  # by GEMM shape: a tiny model's tiles
+    assert 0 < prof.achieved_flops() < 0.1 * flat.achieved_flops()
     path = tmp_path / "p.json"
     prof.save(str(path))
     again = Profile.load(str(path))
