@@ -51,15 +51,18 @@ def test_only_early_stages_evict(p):
 
 
 def _all_configs():
+    """Every pp <= 16 and v <= 4 with the micro-batch counts where the schedule's shape changes (up to 2p + 2: fewer
+    than, as many as and more than the warm-up holds) and a few large ones, up to 64."""
     for p in range(1, 17):
+        counts = sorted(set(range(1, 2 * p + 3)) | {32, 48, 64})
         for v in range(1, 5):
-            for m in range(1, 65):
+            for m in counts:
                 if v == 1 or (p > 1 and m % p == 0):
                     yield p, v, m
 
 
 def test_every_transfer_schedule_passes_the_checker():
-    """pp <= 16, m <= 64, v <= 4: the checker finds no backward without its activations, matched FIFO
+    """pp <= 16, m <= 64 (_all_configs), v <= 4: the checker finds no backward without its activations, matched FIFO
     transfers, no deadlock, and no rank (acceptors included) above mu_opt."""
     count = 0
     for p, v, m in _all_configs():
@@ -68,7 +71,7 @@ def test_every_transfer_schedule_passes_the_checker():
         check(s)
         assert max(resident_peaks(s)) <= mu_opt(p, v)
         count += 1
-    assert count > 1400
+    assert count > 400
 
 
 def test_interleaved_limit_and_sliced_input():
