@@ -7,7 +7,7 @@ V/16lh) FLOPs per iteration, recomputation included) beside the published one; t
 GPUs and global batch, its plan's predicted time against the published layout's. Analytic unit times (no
 A100 here to profile): FLOPs / (peak x achievable fraction) plus the elementwise traffic at memory bandwidth.
 
-    python benchmarks/megatron_sc21.py [--rows 1.7,145.6] [--time-budget 40] [--json out.json]
+    python benchmarks/megatron_sc21.py [--rows 1.7,145.6] [--json out.json]
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ def published_spec(model: ModelConfig, tp: int, pp: int, gpus: int, batch: int) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=None, help="billions of parameters of the rows to run, e.g. 1.7,145.6")
-    parser.add_argument("--time-budget", type=float, default=40.0, help="seconds of solving per search")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = TABLE if args.rows is None else [r for r in TABLE if str(r[0]) in args.rows.split(",")]
@@ -94,7 +93,7 @@ def main() -> int:
         tflops = megatron_flops(batch, layers, hidden) / t_pub / gpus / 1e12
         started = time.time()
         result = search(model, VOCAB, 128, batch, cluster, None, SearchSpace(), costs, MEMORY,
-                        SearchSettings(top_k=1, time_budget_s=args.time_budget))
+                        SearchSettings(top_k=1))
         elapsed = time.time() - started
         best = result.best
         row = {"billions": billions, "gpus": gpus, "published_tflops": published, "predicted_tflops": tflops,

@@ -1,4 +1,4 @@
-"""How long `autoconfig.py search` takes, against the issue's targets (wall seconds, this machine).
+"""How long `autoconfig.py search` takes, against the issue's targets (CPU seconds of this process, one core).
 
     AMP's GPT-2 case: 24 layers, hidden 1024, 16 T4 (aws-g4dn.12xlarge x 4), global batch 32     target 5 s
     GPT-3 175B: 96 layers, hidden 12288, 1024 A100-80GB (128 DGX nodes), global batch 1536      target 60 s
@@ -6,7 +6,10 @@
     Llama-7B size: 32 layers, hidden 4096, FFN 11008, sequence 2048, 8 A100-80GB, batch 64      target 3 s
 
 Analytic unit times, the default space and settings (as `autoconfig.py search` runs them). AMP's own search
-took about 540 s on the GPT-2 case. Each case runs `--repeats` times; the median is reported.
+took about 540 s on the GPT-2 case. Each case runs `--repeats` times; the median CPU time (time.process_time, so
+other load on the machine does not count) is reported, with the layouts solved, pruned by their bound and
+infeasible (they add up to the layouts; option combinations are counted apart, as candidates) and "same": whether
+every repeat gave the same plans and counts.
 
     python benchmarks/search_speed.py [--repeats 3] [--cases gpt2,bert,llama,gpt3]
 """
@@ -50,25 +53,31 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
     memory = MemorySettings(device="cuda", workspace_bytes=CUDA_WORKSPACE_GB * 2**30, fragmentation=CUDA_FRAGMENTATION)
-    print(f"{'case':<6} {'GPUs':>5} {'median s':>9} {'target s':>8} {'met':>4} {'layouts':>7} {'solved':>6} "
-          f"{'unsolved':>8} {'sims':>5}  best plan")
+    print(f"{'case':<6} {'GPUs':>5} {'CPU s':>7} {'target':>6} {'met':>4} {'layouts':>7} {'solved':>6} "
+          f"{'pruned':>6} {'infeas':>6} {'unsolved':>8} {'cands':>6} {'sims':>5} {'same':>4}  best plan")
     for name in args.cases.split(","):
         shape, vocab, cluster_name, nodes, batch, target = CASES[name]
         model = ModelConfig(vocab_size=vocab, **shape)
         cluster = load_cluster(cluster_name, num_nodes=nodes)
-        times = []
+        times, outcomes = [], []
         for _ in range(args.repeats):
-            started = time.time()
+            started = time.process_time()
             result = search(model, vocab, 128, batch, cluster, None, SearchSpace(), CostSettings(), memory,
                             SearchSettings())
-            times.append(time.time() - started)
+            times.append(time.process_time() - started)
+            outcomes.append(([(r.spec, r.time) for r in result.ranked],
+                             {k: v for k, v in result.stats.items() if not k.endswith("_s")}))
         median = statistics.median(times)
         st, best = result.stats, result.best.spec
+        unsolved = st["layouts"] - st["solved"] - st["pruned"] - st["infeasible"]
+        same = all(o == outcomes[0] for o in outcomes)
         plan = (f"tp {best.tp} pp {best.pp} dp {best.dp} mbs {best.pipeline.micro_batch_size} "
                 f"{best.pipeline.schedule}{'' if best.pipeline.virtual_stages == 1 else ' v' + str(best.pipeline.virtual_stages)} "
                 f"{result.best.time:.3f} s")
-        print(f"{name:<6} {cluster.num_gpus:>5} {median:9.2f} {target:8.0f} {'yes' if median <= target else 'NO':>4} "
-              f"{st['layouts']:>7} {st['solved']:>6} {st.get('unsolved', 0):>8} {st['simulated']:>5}  {plan}")
+        met = median <= target and unsolved == 0
+        print(f"{name:<6} {cluster.num_gpus:>5} {median:7.2f} {target:6.0f} {'yes' if met else 'NO':>4} "
+              f"{st['layouts']:>7} {st['solved']:>6} {st['pruned']:>6} {st['infeasible']:>6} {unsolved:>8} "
+              f"{st['candidates']:>6} {st['simulated']:>5} {'yes' if same else 'NO':>4}  {plan}")
     return 0
 
 

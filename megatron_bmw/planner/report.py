@@ -159,6 +159,21 @@ def search_json(result) -> dict:
             "stats": result.stats, "cluster": result.cluster.name}
 
 
+TABLE_FOOTER = ("columns: iter s = simulated iteration time; tokens/s; MFU = model FLOPs (no recomputation) / peak; "
+                "tp, pp, dp; mbs = micro-batch size; m = micro-batches per iteration; schedule (vN: virtual stages); "
+                "SP = sequence parallel; Z1 = ZeRO-1 (distributed optimizer); BP = BPipe; K = sliced micro-batches; "
+                "rc = recomputed units; mem/cap = the fullest stage's peak memory over its capacity")
+
+
+def summary_line(st: dict) -> str:
+    """The search's counts: layouts = solved + pruned + infeasible, and the same for candidates (a layout with
+    one choice of SP, ZeRO-1, recomputation mode and BPipe)."""
+    return (f"{st['layouts']} layouts: {st['solved']} solved, {st['pruned']} pruned by their bound, "
+            f"{st['infeasible']} infeasible (memory); {st['candidates']} candidates: {st['candidates_solved']} "
+            f"solved, {st['candidates_pruned']} pruned, {st['candidates_infeasible']} infeasible; "
+            f"{st['simulated']} simulations; {st.get('elapsed_s', 0):.1f} s")
+
+
 def search_table(result) -> str:
     """The ranked plans: time, throughput, MFU, the layout, the worst stage's memory against its device, notes."""
     head = (f"{'#':>2} {'iter s':>8} {'tokens/s':>10} {'MFU':>6} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>4} {'m':>5} "
@@ -183,10 +198,8 @@ def search_table(result) -> str:
                      f"{lay['pp']:>3} {lay['dp']:>4} {lay['micro_batch_size']:>4} {lay['num_microbatches']:>5} "
                      f"{sched:<13} {flag(lay['sequence_parallel']):>2} {flag(lay['zero1']):>2} {flag(lay['bpipe']):>2} "
                      f"{lay['slicing']:>2} {lay['recomputed_units']:>4} {100 * mem:7.1f}%  {'; '.join(notes)}")
-    st = result.stats
-    unsolved = f", {st['unsolved']} left unsolved at the time budget" if st.get("unsolved") else ""
-    lines.append(f"{st['layouts']} layouts: {st['solved']} solved, {st['pruned']} pruned by their bound or memory"
-                 f"{unsolved}, {st['simulated']} simulations; {st.get('elapsed_s', 0):.1f} s")
+    lines.append(summary_line(result.stats))
+    lines.append(TABLE_FOOTER)
     if result.ranked:
         best_r = result.ranked[0]
         lines.append(f"best: partition {','.join(map(str, best_r.spec.pipeline.partition))}")

@@ -8,7 +8,9 @@
    and without ZeRO-1 (its gather costs time, its sharded optimizer step saves some). Layouts are taken in the
    order of a lower bound on their estimate and skipped once that bound is beyond the best estimate by more
    than the estimate's error margin. BPipe is tried only where the layout without it does not fit without
-   recomputation: by the cost model its transfers only add time and buy memory.
+   recomputation: by the cost model its transfers only add time and buy memory. Every layout ends solved,
+   pruned by its bound, or infeasible (memory proven short); no clock decides anything, so the same inputs give
+   the same plan whatever the machine's load.
 3. Finalists (the best estimates) are simulated exactly on the schedule that would run (simulator + exact
    memory model); their partitions are refined by AutoPipe's heuristic and a local search on the simulator,
    and AutoPipe's slicer decides micro-batch slicing. Ranked by simulated iteration time.
@@ -52,8 +54,6 @@ class SearchSettings:
     refine_top: int = 4  # finalists whose partitions are refined: the fastest ones ...
     refine_margin: float = 0.05  # ... within this of the fastest
     progress: bool = False
-    time_budget_s: float = 35.0  # once a plan is found, layouts left unsolved after this are reported, not dropped
-    finalist_budget_s: float = 6.0  # for simulating the finalists, and as much again for refining them
 
 
 @dataclass
@@ -111,7 +111,8 @@ class _Progress:
         self.last = now
         width = 30
         filled = int(width * self.done / max(self.total, 1))
-        sys.stderr.write(f"\r[search] [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {text}"[:120])
+        sys.stderr.write(f"\r[search] [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} candidates "
+                         f"{text}"[:120])
         sys.stderr.flush()
         if self.done >= self.total:
             sys.stderr.write("\n")
@@ -138,11 +139,17 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
     shapes = ScheduleShapes()
     uniform_modes: list = [False] if space.per_unit_recompute else list(space.recompute)
     bpipe = space.bpipe == (True,)
-    stats = {"layouts": len(todo), "solved": 0, "pruned": 0, "infeasible": 0, "simulated": 0}
+    # layouts = solved + pruned + infeasible; candidates (a layout with its options: SP, ZeRO-1, recomputation
+    # mode, BPipe) likewise add up, their "solved" counting those the solver ran
+    stats = {"layouts": len(todo), "solved": 0, "pruned": 0, "infeasible": 0, "candidates": 0,
+             "candidates_solved": 0, "candidates_pruned": 0, "candidates_infeasible": 0, "simulated": 0}
 
     problems = []
     if "uniform" not in space.strategy:
         todo = []
+    outcome: dict[tuple, str] = {}  # layout -> "solved", "pruned" or "infeasible"
+    for lay in todo:
+        outcome[("uniform", lay)] = "infeasible"
     for lay in todo:
         for mode in uniform_modes:
             for sp in (s for s in space.sp if not s or lay.tp > 1):
@@ -150,52 +157,70 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
                     base = Variant(sp, zero1, bpipe and lay.pp >= 4)
                     prob = _problem(lay, base, model, orig_vocab, divisible_by, cluster, profiles, space, costs,
                                     memory, shapes, mode)
+                    stats["candidates"] += 1
                     if prob is not None:
                         problems.append((lower_bound(prob), prob))
+                    else:
+                        stats["candidates_infeasible"] += 1
     if "hybrid" in space.strategy:  # Galvatron-BMW: tp 1 at the top, every unit its own strategy per stage
         if model.model_type != "gpt" and "uniform" not in space.strategy:
             raise UsageError("--space strategy=hybrid: per-unit strategies run GPT models only")
         hybrid = hybrid_layouts(space, model, world, global_batch) if model.model_type == "gpt" else []
         if not hybrid and "uniform" not in space.strategy:
             raise UsageError("the search space holds no hybrid layout: check --space and --global-batch-size")
-        problems += _hybrid_problems(hybrid, model, orig_vocab, divisible_by, cluster, profiles, space, costs,
-                                     memory, shapes)
+        got = _hybrid_problems(hybrid, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
+                               shapes)
+        for lay in hybrid:
+            outcome[("hybrid", lay)] = "infeasible"
+        stats["candidates"] += len(hybrid)
+        stats["candidates_infeasible"] += len(hybrid) - len(got)
+        problems += got
         stats["layouts"] = len(todo) + len(hybrid)
-    problems.sort(key=lambda x: x[0])
-    progress = _Progress(settings.progress, len(problems))
+    problems.sort(key=lambda x: x[0])  # stable: ties keep the order they were made in
+    progress = _Progress(settings.progress, stats["candidates"])  # counts candidates, as the summary does
+    progress.done = stats["candidates_infeasible"]
     solutions: list[Solution] = []
     best = kth_best = _INF
     estimates: list[float] = []
     too_big: dict[tuple, int] = {}  # family -> the smallest micro-batch size that fits nowhere
     for bound, prob in problems:
         lay = prob.layout
+        key = ("hybrid" if isinstance(prob, HybridProblem) else "uniform", lay)
         family = (lay.tp, lay.pp, lay.dp, lay.schedule, lay.virtual, prob.variant.sp, prob.variant.zero1, prob.uniform)
-        if bound > kth_best * (1 + settings.estimate_margin) or lay.mbs >= too_big.get(family, _INF):
-            stats["pruned"] += 1
+        if lay.mbs >= too_big.get(family, _INF):  # more micro-batches per rank only need more memory
+            stats["candidates_infeasible"] += 1
             progress.step(f"best {best:.4g} s")
             continue
-        if solutions and time.time() - started > settings.time_budget_s:  # a soft limit: first find a plan
-            stats["unsolved"] = stats.get("unsolved", 0) + 1
-            progress.step(f"best {best:.4g} s (time budget spent)")
+        if bound > kth_best * (1 + settings.estimate_margin):  # against the k-th best: --top-k plans
+            stats["candidates_pruned"] += 1
+            if outcome[key] == "infeasible":
+                outcome[key] = "pruned"
+            progress.step(f"best {best:.4g} s")
             continue
         if isinstance(prob, HybridProblem):
             got = prob.solve()
-            stats["solved"] += 1
-            stats["infeasible"] += got is None
+            stats["candidates_solved"] += 1
             found = [got] if got is not None else []
         else:
+            made = stats["candidates"]
             found = _solve_with_savers(prob, space, model, orig_vocab, divisible_by, cluster, profiles, costs,
                                        memory, shapes, stats)
-        if not found:  # more micro-batches per rank only need more memory
+            progress.total += stats["candidates"] - made  # BPipe variants: made and solved here
+            progress.done += stats["candidates"] - made
+        if not found:
             too_big[family] = min(too_big.get(family, _INF), lay.mbs)
+        else:
+            outcome[key] = "solved"
         for sol in found:
             solutions.append(sol)
             best = min(best, sol.estimate)
             estimates.append(sol.estimate)
-        if len(estimates) >= settings.top_k:  # prune against the k-th best: --top-k plans when k layouts exist
+        if len(estimates) >= settings.top_k:
             kth_best = sorted(estimates)[settings.top_k - 1]
         progress.step(f"best {best:.4g} s")
-    stats["estimate_s"] = time.time() - started
+    for state in outcome.values():
+        stats[state] += 1
+    stats["estimate_s"] = time.time() - started  # reported only: no clock decides anything
     if not solutions:
         return SearchResult([], stats, model, global_batch, cluster, divisible_by)
 
@@ -206,20 +231,14 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
         finalists = solutions[:max(settings.top_k, len(finalists))]
     by_key = {(s.layout, s.variant): s for s in solutions if not isinstance(s, HybridSolution)}
     sims, starts = [], []
-    deadline = time.time() + settings.finalist_budget_s
-    for sol in finalists:  # one simulation each, the best estimates first, until the budget is spent
-        if len(sims) >= settings.top_k and time.time() > deadline:
-            stats["finalists_unsimulated"] = len(finalists) - len(sims)
-            break
+    for sol in finalists:  # one simulation each
         sims.append(_Simulator(sol.problem, cluster, profiles, costs, memory, stats))
         starts.append(sims[-1].time(tuple(sol.partition)))
-    finalists = finalists[:len(sims)]
     first = min(starts)
     order = sorted(range(len(finalists)), key=lambda i: starts[i])
     refine = set(order[:settings.refine_top]) if first < _INF else set()
     ranked = []
     for i, (sol, sim) in enumerate(zip(finalists, sims)):
-        sim.deadline = deadline + settings.finalist_budget_s
         refined = i in refine and starts[i] <= first * (1 + settings.refine_margin)
         got = _finalist(sol, sim, space, settings, by_key, refined)
         if got is not None:
@@ -266,7 +285,7 @@ def _solve_with_savers(prob: LayoutProblem, space, model, orig_vocab, divisible_
     """The layout's solution, and those with memory savers when it needs recomputation or does not fit."""
     out = []
     sol = prob.solve()
-    stats["solved"] += 1
+    stats["candidates_solved"] += 1
     if sol is not None:
         out.append(sol)
     if sol is not None and sol.recomputed == 0:
@@ -275,16 +294,16 @@ def _solve_with_savers(prob: LayoutProblem, space, model, orig_vocab, divisible_
     for variant in _variants(space, prob.variant, lay.pp):
         other = _problem(lay, variant, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
                          shapes, prob.uniform)
+        stats["candidates"] += 1
         if other is None:
+            stats["candidates_infeasible"] += 1
             continue
         got = other.solve()
-        stats["solved"] += 1
+        stats["candidates_solved"] += 1
         if got is not None:
             out.append(got)
             if got.recomputed == 0:
                 break
-    if not out:
-        stats["infeasible"] += 1
     return out
 
 
@@ -297,14 +316,11 @@ class _Simulator:
                                                                                        costs, memory, stats)
         self.cache: dict[tuple, tuple[Solution | None, Evaluation | None]] = {}
         self.compiled: dict[int, object] = {}
-        self.deadline = _INF  # new partitions are not simulated after this (refinement ends)
 
     def run(self, partition: tuple[int, ...], slicing: int = 0):
         key = (tuple(partition), slicing)
         if key in self.cache:
             return self.cache[key]
-        if time.time() > self.deadline:
-            return None, None
         sol = self.prob.evaluate(tuple(partition))
         ev = None
         if sol is not None:
