@@ -94,6 +94,12 @@ def test_megatron_core_loads_ours_and_we_load_its(tmp_path):
     _side("load", str(tmp_path / "ours"), str(tmp_path / "tokens.pt"), str(tmp_path / "theirs_logits.pt"))
     torch.testing.assert_close(torch.load(tmp_path / "theirs_logits.pt"), _logits(cfg, chunk, tokens),
                                rtol=1e-5, atol=1e-5)
+    # our torch_dist checkpoint -> the tool -> megatron-core (its common.pt, args and all, read by its loader)
+    _save_ours_dist(tmp_path / "ours_dist", cfg, chunk)
+    assert _tool().main(["--direction", "ours-to-megatron", "--ckpt-format", "torch_dist", "--load-dir",
+                         str(tmp_path / "ours_dist"), "--save-dir", str(tmp_path / "tool")]) == 0
+    _side("load", str(tmp_path / "tool" / "iter_0000005"), str(tmp_path / "tokens.pt"), str(tmp_path / "tool.pt"))
+    torch.testing.assert_close(torch.load(tmp_path / "tool.pt"), _logits(cfg, chunk, tokens), rtol=1e-5, atol=1e-5)
     # megatron-core -> ours
     _side("save", str(tmp_path / "mc"), str(tmp_path / "tokens.pt"), str(tmp_path / "mc_logits.pt"))
     cfg, chunk = _ours(seed=9)
@@ -102,3 +108,67 @@ def test_megatron_core_loads_ours_and_we_load_its(tmp_path):
     torch.testing.assert_close(_logits(cfg, chunk, tokens), torch.load(tmp_path / "mc_logits.pt"),
                                rtol=1e-5, atol=1e-5)
     shutil.rmtree(tmp_path / "mc")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tools/checkpoint/convert_megatron.py with torch_dist on either side
+
+TOOL = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tools", "checkpoint", "convert_megatron.py")
+
+
+def _tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_megatron_tool_dist", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _save_ours_dist(path, cfg, chunk, iteration=5):
+    """One of our torch_dist checkpoints, as a serial training run saves it."""
+    from megatron_bmw.training import dist_checkpoint
+
+    args = {k: v for k, v in cfg.to_json().items() if k != "params_dtype"}
+    args.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, padded_vocab_size=cfg.vocab_size,
+                orig_vocab_size=cfg.vocab_size, params_dtype="torch.float32")
+    dist_checkpoint.save(str(path), iteration, ParallelState.serial(),
+                         {"iteration": iteration, "args": args, "consumed_train_samples": 40}, [chunk])
+
+
+def test_tool_writes_megatron_cores_torch_dist_and_reads_it_back(tmp_path, capsys):
+    tool = _tool()
+    cfg, chunk = _ours()
+    _save_ours_dist(tmp_path / "ours", cfg, chunk)
+    assert tool.main(["--direction", "ours-to-megatron", "--ckpt-format", "torch_dist", "--load-dir",
+                      str(tmp_path / "ours"), "--save-dir", str(tmp_path / "mc")]) == 0
+    assert "--ckpt-format torch_dist --no-load-optim --no-load-rng" in capsys.readouterr().out
+    it_dir = tmp_path / "mc" / "iter_0000005"
+    assert (tmp_path / "mc" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert json.load(open(it_dir / "metadata.json"))["sharded_backend"] == "torch_dist"
+    common = torch.load(it_dir / "common.pt", weights_only=False)
+    assert common["iteration"] == 5 and common["args"].ckpt_format == "torch_dist"
+    assert common["args"].num_layers == C["num_layers"] and common["args"].consumed_train_samples == 40
+    assert {k: list(t.shape) for k, t in read_mcore(str(it_dir)).items()} == LAYOUT["keys"]
+    # and back: megatron-core's torch_dist -> ours (torch format), bit for bit
+    assert tool.main(["--direction", "megatron-to-ours", "--load-dir", str(tmp_path / "mc"), "--save-dir",
+                      str(tmp_path / "back")]) == 0
+    back = torch.load(tmp_path / "back" / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    full = _full(chunk)
+    assert set(back["model"]) == set(full) and all(torch.equal(back["model"][k], full[k]) for k in full)
+    assert back["iteration"] == 5 and back["consumed_train_samples"] == 40
+
+
+def test_tool_refuses_layouts_for_torch_dist(tmp_path, capsys):
+    tool = _tool()
+    cfg, chunk = _ours()
+    _save_ours_dist(tmp_path / "ours", cfg, chunk)
+    for extra, said in ((["--direction", "ours-to-megatron", "--target-tensor-parallel-size", "2"],
+                         "--target-tensor-parallel-size: a torch_dist checkpoint has no parallel layout"),
+                        (["--direction", "megatron-to-ours"], "--ckpt-format torch_dist names the Megatron-LM")):
+        with pytest.raises(SystemExit) as exc:
+            tool.main([*extra, "--ckpt-format", "torch_dist", "--load-dir", str(tmp_path / "ours"), "--save-dir",
+                       str(tmp_path / "out")])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
