@@ -1,13 +1,14 @@
 """Our torch_dist model weights in megatron-core's torch_dist layout (convert/mcore_dist.py).
 
 Always: the layout is megatron-core 0.16.1's (keys and global shapes its GPTModel's sharded_state_dict gives for
-the same model, recorded in data/mcore_0_16_1_gpt_layout.json by mcore_side.py), and the mapping round-trips bit for
-bit. With an interpreter that has megatron-core (MCORE_PYTHON, or this one if it imports megatron.core):
-megatron-core loads what we write and gives our logits, and we load what it lays out and give its logits."""
+the same GPT-2-style and Llama-style models, recorded in data/mcore_0_16_1_{gpt,llama}_layout.json by
+mcore_side.py), the mapping round-trips bit for bit, and tools/checkpoint/convert_megatron.py writes and reads it.
+With an interpreter that has megatron-core (MCORE_PYTHON, or this one if it imports megatron.core): megatron-core
+loads what we write (and what the tool writes) and gives our logits, and we load what it lays out and give its
+logits, for both models."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -22,10 +23,13 @@ from megatron_bmw.parallel.state import ParallelState
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUT = json.load(open(os.path.join(HERE, "data", "mcore_0_16_1_gpt_layout.json")))
+LLAMA_LAYOUT = json.load(open(os.path.join(HERE, "data", "mcore_0_16_1_llama_layout.json")))
 C = LAYOUT["config"]
 MODEL = dict(num_layers=C["num_layers"], hidden_size=C["hidden_size"], num_attention_heads=C["num_attention_heads"],
              ffn_hidden_size=C["ffn_hidden_size"], vocab_size=C["vocab"], seq_length=C["seq"], hidden_dropout=0.0,
              attention_dropout=0.0, attention_backend="unfused")
+LLAMA = dict(position_embedding_type="rope", swiglu=True, num_query_groups=2, normalization="RMSNorm",
+             add_bias_linear=False, untie_embeddings_and_output_weights=True)
 
 
 def _ours(seed=3, **kw):
@@ -51,6 +55,10 @@ def test_the_layout_is_megatron_cores():
     _, chunk = _ours()
     flat = ours_to_mcore(_full(chunk), tied=True)
     assert {k: list(t.shape) for k, t in flat.items()} == LAYOUT["keys"]
+    # Llama-style: rope (no position table), SwiGLU's fc1 [gate; up] as one key, 2 query groups, RMSNorm, untied
+    _, chunk = _ours(**LLAMA)
+    flat = ours_to_mcore(_full(chunk), tied=False)
+    assert {k: list(t.shape) for k, t in flat.items()} == LLAMA_LAYOUT["keys"]
 
 
 @pytest.mark.parametrize("untied", [False, True])
@@ -77,10 +85,10 @@ def _mcore_python():
     return sys.executable
 
 
-def _side(*args):
+def _side(*args, llama=False):
     exe = _mcore_python()
     out = subprocess.run([exe, os.path.join(HERE, "mcore_side.py"), *args], capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", MCORE_SIDE_LLAMA=str(int(llama))))
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -88,26 +96,24 @@ def _side(*args):
 def test_megatron_core_loads_ours_and_we_load_its(tmp_path):
     tokens = torch.randint(0, C["vocab"], (2, C["seq"]), generator=torch.Generator().manual_seed(0))
     torch.save(tokens, tmp_path / "tokens.pt")
-    # ours -> megatron-core
     cfg, chunk = _ours()
+    # ours -> megatron-core: written by write_mcore, and by the tool from our torch_dist checkpoint (its common.pt,
+    # args and all, read by megatron-core's loader)
     write_mcore(str(tmp_path / "ours"), ours_to_mcore(_full(chunk), tied=True))
-    _side("load", str(tmp_path / "ours"), str(tmp_path / "tokens.pt"), str(tmp_path / "theirs_logits.pt"))
-    torch.testing.assert_close(torch.load(tmp_path / "theirs_logits.pt"), _logits(cfg, chunk, tokens),
-                               rtol=1e-5, atol=1e-5)
-    # our torch_dist checkpoint -> the tool -> megatron-core (its common.pt, args and all, read by its loader)
     _save_ours_dist(tmp_path / "ours_dist", cfg, chunk)
     assert _tool().main(["--direction", "ours-to-megatron", "--ckpt-format", "torch_dist", "--load-dir",
                          str(tmp_path / "ours_dist"), "--save-dir", str(tmp_path / "tool")]) == 0
-    _side("load", str(tmp_path / "tool" / "iter_0000005"), str(tmp_path / "tokens.pt"), str(tmp_path / "tool.pt"))
-    torch.testing.assert_close(torch.load(tmp_path / "tool.pt"), _logits(cfg, chunk, tokens), rtol=1e-5, atol=1e-5)
+    t = str(tmp_path / "tokens.pt")
+    _side("load", str(tmp_path / "ours"), t, str(tmp_path / "theirs.pt"),
+          "load", str(tmp_path / "tool" / "iter_0000005"), t, str(tmp_path / "tool.pt"),
+          "save", str(tmp_path / "mc"), t, str(tmp_path / "mc.pt"))
+    for name in ("theirs.pt", "tool.pt"):
+        torch.testing.assert_close(torch.load(tmp_path / name), _logits(cfg, chunk, tokens), rtol=1e-5, atol=1e-5)
     # megatron-core -> ours
-    _side("save", str(tmp_path / "mc"), str(tmp_path / "tokens.pt"), str(tmp_path / "mc_logits.pt"))
     cfg, chunk = _ours(seed=9)
     missing = chunk.load_state_dict(mcore_to_ours(read_mcore(str(tmp_path / "mc")), tied=True), strict=False)
     assert not missing.unexpected_keys and not missing.missing_keys, missing
-    torch.testing.assert_close(_logits(cfg, chunk, tokens), torch.load(tmp_path / "mc_logits.pt"),
-                               rtol=1e-5, atol=1e-5)
-    shutil.rmtree(tmp_path / "mc")
+    torch.testing.assert_close(_logits(cfg, chunk, tokens), torch.load(tmp_path / "mc.pt"), rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,3 +178,22 @@ def test_tool_refuses_layouts_for_torch_dist(tmp_path, capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+
+@pytest.mark.slow
+def test_megatron_core_llama_both_ways(tmp_path):
+    tokens = torch.randint(0, C["vocab"], (2, C["seq"]), generator=torch.Generator().manual_seed(1))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    cfg, chunk = _ours(**LLAMA)
+    _save_ours_dist(tmp_path / "ours", cfg, chunk)
+    assert _tool().main(["--direction", "ours-to-megatron", "--ckpt-format", "torch_dist", "--load-dir",
+                         str(tmp_path / "ours"), "--save-dir", str(tmp_path / "tool")]) == 0
+    t = str(tmp_path / "tokens.pt")
+    _side("load", str(tmp_path / "tool" / "iter_0000005"), t, str(tmp_path / "t.pt"),
+          "save", str(tmp_path / "mc"), t, str(tmp_path / "mc.pt"), llama=True)
+    torch.testing.assert_close(torch.load(tmp_path / "t.pt"), _logits(cfg, chunk, tokens), rtol=1e-5, atol=1e-5)
+    cfg, chunk = _ours(seed=9, **LLAMA)
+    missing = chunk.load_state_dict(mcore_to_ours(read_mcore(str(tmp_path / "mc")), tied=False), strict=False)
+    assert not missing.unexpected_keys and not missing.missing_keys, missing
+    torch.testing.assert_close(_logits(cfg, chunk, tokens), torch.load(tmp_path / "mc.pt"), rtol=1e-5, atol=1e-5)
