@@ -87,13 +87,18 @@ def _read_dcp(path: str, prefix: str | tuple[str, ...] = "") -> dict[str, torch.
 
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise UsageError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata)")
-    meta = dcp.FileSystemReader(path).read_metadata()
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-             if k.startswith(prefix) and hasattr(m, "size") and hasattr(m, "properties")}
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata()
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+                 if k.startswith(prefix) and hasattr(m, "size") and hasattr(m, "properties")}
+        if state:
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign directory is a user error
+        reason = (str(exc).strip().splitlines() or [""])[-1][:200]
+        raise UsageError(f"{path}: cannot read this torch_dist checkpoint ({type(exc).__name__}: {reason})") from None
     if not state:
         names = " or ".join(f"{p}*" for p in ((prefix,) if isinstance(prefix, str) else prefix))
         raise UsageError(f"{path}: no tensors named {names}")
-    dcp.load(state, checkpoint_id=path, no_dist=True)
     return state
 
 

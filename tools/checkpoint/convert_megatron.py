@@ -191,7 +191,7 @@ def _dist_payload(it_dir: str) -> dict:
     common_path = os.path.join(it_dir, DIST_COMMON)
     if not os.path.isfile(common_path):
         raise UsageError(f"--load-dir: {it_dir} is a torch_dist checkpoint without {DIST_COMMON}")
-    common = _torch_load(common_path, "--load-dir")
+    common = _torch_load(common_path, f"--load-dir: torch_dist checkpoint {it_dir}")
     if not isinstance(common, dict):
         raise UsageError(f"--load-dir: {common_path} holds a {type(common).__name__}, not a dict")
     if os.path.isfile(os.path.join(it_dir, "metadata.json")):
