@@ -26,14 +26,16 @@ from .megatron import EXTRA_STATE, megatron_chunk_to_ours, ours_chunk_to_megatro
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}
 OURS_PREFIX = "model."  # training/dist_checkpoint.py's model keys
+MCORE_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")  # a GPTModel's; optimizer.*, rng_state are not
 _STACKED = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
-def ours_to_mcore(full: Mapping[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    """Our full state dict (`units.<unit>.<tensor>`) -> megatron-core's torch_dist tensors."""
+def stack_layers(megatron_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole model in megatron-core's per-layer names (`decoder.layers.<i>.<tensor>`) -> its torch_dist tensors:
+    each layer tensor stacked over the layers on a leading axis, `_extra_state` dropped."""
     per_layer: dict[str, dict[int, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
-    for name, t in ours_chunk_to_megatron(full, 0, "transformer_engine").items():
+    for name, t in megatron_sd.items():
         if name.endswith(EXTRA_STATE):
             continue
         m = _STACKED.fullmatch(name)
@@ -45,6 +47,27 @@ def ours_to_mcore(full: Mapping[str, torch.Tensor], tied: bool) -> dict[str, tor
         if sorted(layers) != list(range(len(layers))):
             raise UsageError(f"checkpoint: {key} misses layers (has {sorted(layers)})")
         out[key] = torch.stack([layers[i] for i in range(len(layers))])
+    return out
+
+
+def unstack_layers(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """megatron-core's torch_dist tensors -> its per-layer names (the inverse of `stack_layers`)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in flat.items():
+        if key.endswith(EXTRA_STATE) or not isinstance(t, torch.Tensor):
+            continue
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers."):]
+            for i in range(t.shape[0]):
+                out[f"decoder.layers.{i}.{rest}"] = t[i]
+        else:
+            out[key] = t
+    return out
+
+
+def ours_to_mcore(full: Mapping[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """Our full state dict (`units.<unit>.<tensor>`) -> megatron-core's torch_dist tensors."""
+    out = stack_layers(ours_chunk_to_megatron(full, 0, "transformer_engine"))
     if tied:  # megatron-core's tied output layer is the word embedding: no key of its own
         out.pop("output_layer.weight", None)
     return out
@@ -52,33 +75,30 @@ def ours_to_mcore(full: Mapping[str, torch.Tensor], tied: bool) -> dict[str, tor
 
 def mcore_to_ours(flat: Mapping[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
     """megatron-core's torch_dist tensors -> our full state dict (a tied output layer dropped)."""
-    unstacked: dict[str, torch.Tensor] = {}
-    for key, t in flat.items():
-        if key.endswith(EXTRA_STATE) or not isinstance(t, torch.Tensor):
-            continue
-        if key.startswith("decoder.layers."):
-            rest = key[len("decoder.layers."):]
-            for i in range(t.shape[0]):
-                unstacked[f"decoder.layers.{i}.{rest}"] = t[i]
-        elif key == "output_layer.weight" and tied:
-            continue
-        else:
-            unstacked[key] = t
+    unstacked = unstack_layers(flat)
+    if tied:
+        unstacked.pop("output_layer.weight", None)
     return megatron_chunk_to_ours(unstacked, 0, "megatron-core torch_dist checkpoint")
 
 
-def _read_dcp(path: str, prefix: str = "") -> dict[str, torch.Tensor]:
+def _read_dcp(path: str, prefix: str | tuple[str, ...] = "") -> dict[str, torch.Tensor]:
     """Every tensor of a DCP directory whose key starts with `prefix`, read in this one process."""
     import torch.distributed.checkpoint as dcp
 
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise UsageError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata)")
-    meta = dcp.FileSystemReader(path).read_metadata()
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-             if k.startswith(prefix) and hasattr(m, "size") and hasattr(m, "properties")}
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata()
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+                 if k.startswith(prefix) and hasattr(m, "size") and hasattr(m, "properties")}
+        if state:
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign directory is a user error
+        reason = (str(exc).strip().splitlines() or [""])[-1][:200]
+        raise UsageError(f"{path}: cannot read this torch_dist checkpoint ({type(exc).__name__}: {reason})") from None
     if not state:
-        raise UsageError(f"{path}: no tensors named {prefix}*")
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+        names = " or ".join(f"{p}*" for p in ((prefix,) if isinstance(prefix, str) else prefix))
+        raise UsageError(f"{path}: no tensors named {names}")
     return state
 
 
@@ -88,9 +108,10 @@ def read_ours(iter_dir: str) -> dict[str, torch.Tensor]:
 
 
 def read_mcore(path: str) -> dict[str, torch.Tensor]:
+    """The model tensors of a megatron-core torch_dist directory (optimizer state and RNG objects left out)."""
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise UsageError(f"{path}: not a megatron-core distributed checkpoint (no metadata.json)")
-    return _read_dcp(path)
+    return _read_dcp(path, MCORE_MODEL_PREFIXES)
 
 
 def write_mcore(path: str, flat: Mapping[str, torch.Tensor], common: dict | None = None) -> None:
@@ -104,3 +125,60 @@ def write_mcore(path: str, flat: Mapping[str, torch.Tensor], common: dict | None
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump(METADATA, f)
     torch.save(common or {}, os.path.join(path, "common.pt"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Whole checkpoints as convert/megatron.py's payloads (one rank, tp 1 pp 1: torch_dist has no layout)
+
+_SERIAL = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+
+
+def _mcore_order(name: str) -> tuple:
+    """Model order of megatron-core's per-layer names (convert/megatron.py reads the units in order)."""
+    m = _STACKED.fullmatch(name)
+    if m:
+        rest = m.group(2)
+        return 1, int(m.group(1)), int(rest.startswith(("mlp.", "pre_mlp_layernorm.")))
+    return (0,) if name.startswith("embedding.") else (2,)
+
+
+def _ours_order(name: str) -> tuple:
+    m = re.fullmatch(r"units\.(attn|mlp)_(\d+)\..+", name)
+    if m:
+        return 1, int(m.group(2)), int(m.group(1) == "mlp")
+    return (0,) if name.startswith("units.embedding.") else (2,)
+
+
+def payload_from_ours_dist(iter_dir: str, common: Mapping) -> dict:
+    """Our torch_dist iteration directory (with its common.pt payload) -> a read_ours payload."""
+    args = dict(common.get("args") or {}, **_SERIAL, virtual_pipeline_model_parallel_size=1)
+    args.pop("pipeline_partition", None)
+    keep = {k: v for k, v in common.items() if k in ("iteration", "consumed_train_samples", "consumed_valid_samples",
+                                                     "checkpoint_version")}
+    model = read_ours(iter_dir)
+    return dict(keep, args=args, model={k: model[k] for k in sorted(model, key=_ours_order)})
+
+
+def payload_from_mcore_dist(iter_dir: str, common: Mapping) -> dict:
+    """A megatron-core torch_dist iteration directory (with its common.pt) -> a read_megatron payload."""
+    from .megatron import args_dict
+
+    args = dict(args_dict(common.get("args")), **_SERIAL, virtual_pipeline_model_parallel_size=None)
+    keep = {k: v for k, v in common.items() if k in ("iteration", "checkpoint_version")}
+    model = unstack_layers(read_mcore(iter_dir))
+    return dict(keep, args=args, model={k: model[k] for k in sorted(model, key=_mcore_order)})
+
+
+def mcore_dist_from_payload(payload: Mapping) -> tuple[dict[str, torch.Tensor], dict]:
+    """A write_megatron payload of tp 1 pp 1 -> (megatron-core's torch_dist tensors, its common.pt dict)."""
+    import argparse
+
+    from .megatron import args_dict
+
+    common = {k: v for k, v in payload.items() if not k.startswith("model")}
+    args = args_dict(common["args"])
+    common["args"] = argparse.Namespace(**dict(args, ckpt_format="torch_dist"))
+    flat = stack_layers(payload["model"])
+    if not args.get("untie_embeddings_and_output_weights"):
+        flat.pop("output_layer.weight", None)
+    return flat, common

@@ -461,7 +461,7 @@ def test_unsupported_megatron_models_exit_2(tmp_path, capsys, override, message)
 
 
 @pytest.mark.slow
-def test_torch_dist_directory_exits_2(tmp_path):
+def test_broken_torch_dist_directory_exits_2(tmp_path):
     root = tmp_path / "dist"
     (root / "iter_0000010").mkdir(parents=True)
     for name in ("__0_0.distcp", ".metadata", "common.pt", "metadata.json"):
@@ -473,7 +473,7 @@ def test_torch_dist_directory_exits_2(tmp_path):
                            "--save-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "torch_dist" in lines[0], proc.stderr
+    assert len(lines) == 1 and "torch_dist checkpoint" in lines[0] and "cannot read" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -4,7 +4,7 @@
         --save-dir ours_ckpt/ [--target-tensor-parallel-size 2 --target-pipeline-model-parallel-size 2 \\
         --target-pipeline-partition 5,5]
     python tools/checkpoint/convert_megatron.py --direction ours-to-megatron --load-dir ours_ckpt/ \\
-        --save-dir megatron_ckpt/ [--megatron-layer-spec local]
+        --save-dir megatron_ckpt/ [--megatron-layer-spec local | --ckpt-format torch_dist]
 
 Models: megatron-core GPTs with GPT-2-style layers, and Llama-style ones (rope, --swiglu, --group-query-attention,
 RMSNorm, --disable-bias-linear, --qk-layernorm, --apply-layernorm-1p, untied output), in the names of either layer
@@ -13,12 +13,15 @@ spec (Transformer Engine's fused norms, or local).
 Weights only: optimizer state, RNG state and the LR schedule are not converted. The iteration and the consumed
 samples are kept, so training continues from the result with --no-load-optim --no-load-rng (or starts afresh with
 --finetune). The tensor/pipeline shards of the source are merged and split again for the target layout (default:
-the source's). Reads the checkpoint named by <load-dir>/latest_checkpointed_iteration.txt.
+the source's). Reads the checkpoint named by <load-dir>/latest_checkpointed_iteration.txt, in either format
+(a torch_dist source, ours or megatron-core's, is read whole; megatron-core's --ckpt-format torch_dist is written
+with --ckpt-format torch_dist, convert/mcore_dist.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pickle
 import re
@@ -39,10 +42,15 @@ from megatron_bmw.convert.megatron import (
     MEGATRON_SPECS, Layout, Model, Target, megatron_stage_layers, read_megatron, read_ours, retarget, write_megatron,
     write_ours,
 )
+from megatron_bmw.convert.mcore_dist import (
+    mcore_dist_from_payload, payload_from_mcore_dist, payload_from_ours_dist, write_mcore,
+)
 from megatron_bmw.pipeline.partition import default_partition
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
+DIST_COMMON = "common.pt"
+CKPT_FORMATS = ("torch", "torch_dist")
 DIRECTIONS = ("megatron-to-ours", "ours-to-megatron")
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 
@@ -63,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="units per (virtual) pipeline stage, as pretrain_gpt.py's --pipeline-partition (units are "
                         "[embedding, attn_0, mlp_0, ..., head]); Megatron stages must hold whole layers. Default: "
                         "the source's when the layout's stage count is kept, else the default split")
+    p.add_argument("--ckpt-format", default="torch", choices=CKPT_FORMATS,
+                   help="ours-to-megatron: the Megatron-LM format written (default torch; torch_dist: "
+                        "megatron-core's dist_checkpointing layout, model weights only). Sources of either format "
+                        "are recognised by themselves")
     p.add_argument("--megatron-layer-spec", default="transformer_engine", choices=MEGATRON_SPECS,
                    help="ours-to-megatron: the parameter names of Megatron's --transformer-impl (default "
                         "transformer_engine)")
@@ -160,9 +172,8 @@ def read_checkpoint_dir(load_dir: str) -> tuple[dict[tuple[int, int], dict], int
         piped = piped or m.group(2) is not None
         ranks[int(m.group(1)), int(m.group(2) or 0)] = os.path.join(it_dir, e, RANK_FILE)
     if not ranks:
-        if any(e.endswith(".distcp") or e in (".metadata", "metadata.json", "common.pt") for e in entries):
-            raise UsageError(f"--load-dir {load_dir}: {it_dir} is a torch_dist (distributed) checkpoint; only "
-                             "--ckpt-format torch is supported (Megatron converts with --ckpt-convert-format torch)")
+        if ".metadata" in entries:
+            return {(0, 0): _dist_payload(it_dir)}, iteration
         raise UsageError(f"--load-dir: {it_dir} has no mp_rank_* directories")
     files = {}
     for key, path in sorted(ranks.items()):
@@ -175,8 +186,44 @@ def read_checkpoint_dir(load_dir: str) -> tuple[dict[tuple[int, int], dict], int
     return files, iteration
 
 
+def _dist_payload(it_dir: str) -> dict:
+    """A torch_dist iteration directory, megatron-core's (metadata.json) or ours, as one rank's payload."""
+    common_path = os.path.join(it_dir, DIST_COMMON)
+    if not os.path.isfile(common_path):
+        raise UsageError(f"--load-dir: {it_dir} is a torch_dist checkpoint without {DIST_COMMON}")
+    common = _torch_load(common_path, f"--load-dir: torch_dist checkpoint {it_dir}")
+    if not isinstance(common, dict):
+        raise UsageError(f"--load-dir: {common_path} holds a {type(common).__name__}, not a dict")
+    if os.path.isfile(os.path.join(it_dir, "metadata.json")):
+        return payload_from_mcore_dist(it_dir, common)
+    if common.get("checkpoint_format") == "torch_dist":
+        return payload_from_ours_dist(it_dir, common)
+    raise UsageError(f"--load-dir: {it_dir} is neither a megatron-core torch_dist checkpoint (no metadata.json) "
+                     "nor one of ours")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Writing
+
+
+def write_dist_checkpoint_dir(save_dir: str, payload: dict, iteration: int | str) -> str:
+    """megatron-core's torch_dist directory for a tp 1 pp 1 Megatron payload, then the tracker."""
+    final = os.path.join(save_dir, iteration_dir_name(iteration))
+    if os.path.exists(final) or os.path.exists(os.path.join(save_dir, TRACKER)):
+        raise UsageError(f"--save-dir {save_dir} already holds a checkpoint; choose a new directory")
+    tmp = f"{final}.tmp-convert"
+    flat, common = mcore_dist_from_payload(payload)
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_mcore(tmp, flat, common)
+        os.rename(tmp, final)
+        with open(os.path.join(save_dir, TRACKER), "w") as f:
+            f.write(f"{iteration}\n")
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UsageError(f"--save-dir {save_dir}: cannot write: {exc}") from None
+    return final
 
 
 def write_checkpoint_dir(save_dir: str, files: dict[tuple[int, int], dict], iteration: int | str, pp: int) -> str:
@@ -206,23 +253,46 @@ def write_checkpoint_dir(save_dir: str, files: dict[tuple[int, int], dict], iter
 
 
 def convert(direction: str, load_dir: str, save_dir: str, target: Target, spec: str = "transformer_engine",
-            tokenizer_type: str | None = None) -> tuple[Model, Layout]:
+            tokenizer_type: str | None = None, ckpt_format: str = "torch") -> tuple[Model, Layout]:
     """Read `load_dir`, convert, write `save_dir`; returns the model written and its layout."""
     if direction not in DIRECTIONS:
         raise UsageError(f"--direction must be one of {', '.join(DIRECTIONS)}")
-    files, iteration = read_checkpoint_dir(load_dir)
     to_megatron = direction == "ours-to-megatron"
+    dist_out = ckpt_format == "torch_dist"
+    if dist_out:
+        if not to_megatron:
+            raise UsageError("--ckpt-format torch_dist names the Megatron-LM checkpoint written by --direction "
+                             "ours-to-megatron; megatron-to-ours reads either format by itself")
+        given = [f for f, v in (("--target-tensor-parallel-size", target.tp),
+                                ("--target-pipeline-model-parallel-size", target.pp),
+                                ("--target-virtual-pipeline-model-parallel-size", target.virtual),
+                                ("--target-pipeline-partition", target.partition)) if v is not None]
+        if given:
+            raise UsageError(f"{given[0]}: a torch_dist checkpoint has no parallel layout (Megatron-LM loads it "
+                             "at any)")
+        target = dataclasses.replace(target, tp=1, pp=1, virtual=1, partition=None)
+    files, iteration = read_checkpoint_dir(load_dir)
     read = read_ours if to_megatron else read_megatron
     model = read(files, iteration=iteration, where=f"--load-dir {load_dir}")
     del files
+    if dist_out and model.layout.tp != 1 and target.true_vocab_size is None \
+            and target.make_vocab_size_divisible_by is None:
+        model.layout = dataclasses.replace(model.layout, tp=1)  # keep the padded vocabulary as it is
     model, layout = retarget(model, target, to_megatron=to_megatron)
     out = write_megatron(model, layout, spec, tokenizer_type) if to_megatron else write_ours(model, layout)
-    write_checkpoint_dir(save_dir, out, iteration, layout.pp)
+    if dist_out:
+        write_dist_checkpoint_dir(save_dir, out[0, 0], iteration)
+    else:
+        write_checkpoint_dir(save_dir, out, iteration, layout.pp)
     return model, layout
 
 
-def _summary(direction: str, save_dir: str, model: Model, layout: Layout) -> list[str]:
+def _summary(direction: str, save_dir: str, model: Model, layout: Layout, ckpt_format: str = "torch") -> list[str]:
     cfg = model.config
+    if ckpt_format == "torch_dist":
+        return [f"wrote {save_dir}: Megatron-LM torch_dist checkpoint at iteration {model.iteration}, "
+                f"{cfg['num_layers']} layers, padded vocabulary {cfg['vocab_size']} (weights only)",
+                "load it in Megatron-LM with --ckpt-format torch_dist --no-load-optim --no-load-rng"]
     lines = [f"wrote {save_dir}: {'Megatron-LM' if direction == 'ours-to-megatron' else 'megatron_bmw'} checkpoint "
              f"at iteration {model.iteration}, {layout.describe()}, {cfg['num_layers']} layers, "
              f"padded vocabulary {cfg['vocab_size']} (weights only)"]
@@ -264,10 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     model, layout = convert(args.direction, args.load_dir, args.save_dir, target, args.megatron_layer_spec,
-                            args.tokenizer_type)
+                            args.tokenizer_type, args.ckpt_format)
     for note in model.notes:
         print(f"note: {note}", file=sys.stderr)
-    for line in _summary(args.direction, args.save_dir, model, layout):
+    for line in _summary(args.direction, args.save_dir, model, layout, args.ckpt_format):
         print(line)
     return 0
 
