@@ -69,16 +69,21 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(gather_along(x, 0, group) if group is not None else x, weight, bias)
+        ctx.group, ctx.has_bias, ctx.shape = group, bias is not None, x.shape
+        if group is not None:
+            ctx.save_for_backward(x, weight)
+            return F.linear(gather_along(x, 0, group), weight, bias)
+        flat = x.reshape(-1, x.size(-1))  # a copy when x is not viewable so, as F.linear's matmul saves it
+        ctx.save_for_backward(flat, weight)
+        return F.linear(flat, weight, bias).view(*x.shape[:-1], weight.size(0))
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        grad_x = g.matmul(weight)
         if ctx.group is not None:
-            grad_x = reduce_scatter_along(grad_x, 0, ctx.group)
+            grad_x = reduce_scatter_along(g.matmul(weight), 0, ctx.group)
+        else:
+            grad_x = g.matmul(weight).view(ctx.shape)
         grad_b = g.reshape(-1, g.size(-1)).sum(0) if ctx.has_bias else None
         if not ctx.needs_input_grad[1]:
             return grad_x, None, grad_b, None
