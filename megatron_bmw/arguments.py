@@ -140,7 +140,7 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--pipeline-partition", type=str, default=None,
                    help="units per (virtual) pipeline stage, e.g. 3,4,4,3; units are [embedding, attn_0, mlp_0, ..., head]")
-    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "zb-h1"], default="1f1b")
     g.add_argument("--pipeline-trace", type=str, default=None, help="write a Chrome trace of the pipeline actions")
     g.add_argument("--gpus-per-node", type=int, default=None,
                    help="node size for rank placement (default: the local world size)")
@@ -510,6 +510,8 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     batches = batch_schedule_from_args(args, args.micro_batch_size * dp)
     gbs = batches.global_batch_size
     pipeline = pipeline_config_from_args(args, dp, gbs, batches.sizes())
+    if pipeline.schedule == "zb-h1" and parallel.unit_strategies:
+        raise UsageError("--pipeline-schedule zb-h1 does not combine with --unit-strategies (not supported yet)")
     train_iters = _training_length(args, batches)
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
@@ -533,6 +535,10 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         openai_gelu=getattr(args, "openai_gelu", False), **llama_settings(args),
     )
     _check_layout(model, parallel)
+    if pipeline.schedule == "zb-h1" and any(pipeline.recompute or ()) and \
+            (model.hidden_dropout > 0 or model.attention_dropout > 0):
+        raise UsageError("--pipeline-schedule zb-h1 with recomputation needs --hidden-dropout 0 and "
+                         "--attention-dropout 0 (with dropout its gradients do not yet equal 1F1B's)")
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
                      **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
                                          args.use_distributed_optimizer, args.overlap_grad_reduce))
@@ -716,7 +722,7 @@ def plan_flags(plan) -> dict[str, object]:
         "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
         "micro_batch_size": pl.micro_batch_size, "global_batch_size": plan.global_batch_size,
-        "pipeline_schedule": "gpipe" if pl.schedule == "gpipe" else "1f1b",
+        "pipeline_schedule": pl.schedule if pl.schedule in ("gpipe", "zb-h1") else "1f1b",
         "virtual_pipeline_model_parallel_size": pl.virtual_stages,
         "pipeline_partition": ",".join(map(str, pl.partition)),
         "recompute_units": ",".join(x or "none" for x in pl.unit_recompute(m.num_units)),

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from .errors import UsageError
 from .units import DTYPE_BYTES, num_units, parse_recompute
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 MODEL_TYPES = ("gpt", "bert")
 POSITION_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -236,7 +236,7 @@ class PipelineConfig:
 
     micro_batch_size: int = 1
     num_microbatches: int = 1
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (zero-bubble, backward split into B and W)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
     partition: tuple[int, ...] | None = None  # units per virtual stage; None: the default split
     recompute: tuple[str | None, ...] | None = None  # per unit: None | selective | full; None: nothing
@@ -261,6 +261,9 @@ class PipelineConfig:
             self.recompute = tuple(self.recompute)
         if self.bpipe and self.schedule == "gpipe":
             raise UsageError("--bpipe works with the 1F1B schedules, not --pipeline-schedule gpipe")
+        if self.schedule == "zb-h1" and (self.bpipe or self.slicing):
+            raise UsageError(f"--pipeline-schedule zb-h1 does not combine with "
+                             f"{'--bpipe' if self.bpipe else '--microbatch-slicing'} (not supported yet)")
 
     def unit_recompute(self, n_units: int) -> tuple[str | None, ...]:
         """Recomputation of every unit (a full-length tuple)."""

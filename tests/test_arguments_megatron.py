@@ -97,6 +97,20 @@ def test_recompute_block_counts_layers_per_pipeline_stage():
     assert _run(pp2 + ["--recompute-num-layers", "1"], world=2).pipeline.recompute.count("full") == 4
 
 
+def test_zero_bubble_schedule_flag():
+    pp2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--pipeline-schedule", "zb-h1"]
+    assert _run(pp2, world=2).pipeline.schedule == "zb-h1"
+    _refused(pp2 + ["--num-layers-per-virtual-pipeline-stage", "1"], "--pipeline-schedule zb-h1 cannot interleave",
+             world=2)
+    _refused(pp2 + ["--bpipe"], "--pipeline-schedule zb-h1 does not combine with --bpipe", world=2)
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    _refused(pp2 + full, "zb-h1 with recomputation needs --hidden-dropout 0", world=2)
+    assert _run(pp2 + full + ["--hidden-dropout", "0", "--attention-dropout", "0"], world=2).pipeline.recompute
+    _refused([*pp2, "--micro-batch-size", "2", "--microbatch-slicing", "1"], "zb-h1 does not combine with --microbatch-slicing", world=2)
+    _refused(pp2 + ["--unit-strategies", ",".join(["dp2"] * 10)], "zb-h1 does not combine with --unit-strategies",
+             world=4)
+
+
 def test_interleaved_count_names_flags_that_exist():
     msg = _refused(["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
                     "--global-batch-size", "3"], "--global-batch-size 3 gives 3 micro-batches", world=2)

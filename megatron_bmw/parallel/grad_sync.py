@@ -1,7 +1,7 @@
 """Gradient accumulation in fp32 and gradient synchronisation after a pipeline schedule.
 
 Each parameter gets `main_grad`, an fp32 view into a flat bucket buffer; a post-accumulate hook adds `p.grad`
-into it and frees `p.grad`, so gradients accumulate in fp32 whatever the parameter dtype. After the last
+into it and frees `p.grad` (a hook with no `p.grad`, from a backward that deferred the weight gradient, is skipped), so gradients accumulate in fp32 whatever the parameter dtype. After the last
 micro-batch:
   - data parallel: each bucket is all-reduced over the DP group and averaged (launched as soon as the bucket's
     last gradient is accumulated when `overlap` is set, else all at the end);
@@ -67,6 +67,8 @@ class GradSync:
             b.pending = len(b.params)
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is None:  # a backward that deferred this weight's gradient (deferred_wgrad); its W brings it
+            return
         p.main_grad.add_(p.grad)
         p.grad = None
         if not self.overlap or id(p) not in self._remaining:

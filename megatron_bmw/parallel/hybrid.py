@@ -364,6 +364,8 @@ class HybridGradSync:
         self._hooks = weak_grad_hooks(self, [p for p in plain if p.requires_grad])
 
     def _on_grad(self, p) -> None:
+        if p.grad is None:  # its gradient was deferred (deferred_wgrad)
+            return
         p.main_grad.add_(p.grad)
         p.grad = None
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .init import shard
-from .mappings import (copy_to_tp, gather_along, gather_from_tp, reduce_from_tp, reduce_scatter_along,
-                       reduce_scatter_to_sp)
+from .deferred_wgrad import linear
+from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
 from .state import ParallelState
 
 
@@ -28,27 +28,6 @@ def _param(full: torch.Tensor, state: ParallelState, dim: int | None, dtype: tor
     return p
 
 
-class _GatheredLinear(torch.autograd.Function):
-    """Y = all-gather(X) A^T + b over the sequence, saving only this rank's sequence part of X: the backward
-    gathers it again for A's gradient and reduce-scatters X's gradient (Megatron's sequence-parallel linear)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(gather_along(x, 0, group), weight, bias)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        total = gather_along(x, 0, ctx.group)
-        grad_x = reduce_scatter_along(g.matmul(weight), 0, ctx.group)
-        g2 = g.reshape(-1, g.size(-1))
-        grad_w = g2.t().matmul(total.reshape(-1, total.size(-1)))
-        grad_b = g2.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
-
-
 def counted_once(param: torch.Tensor, tp_rank: int) -> bool:
     """Whether this rank's copy of `param` is the one counted in world-wide norms over tp: never the tied output
     copy of the embedding, always a tensor-parallel shard, a tp-replicated parameter on tp rank 0."""
@@ -59,10 +38,11 @@ def counted_once(param: torch.Tensor, tp_rank: int) -> bool:
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              state: ParallelState) -> torch.Tensor:
-    """F.linear on the tensor-parallel input: all-gathered over the sequence with SP, else copied to tp."""
+    """Linear on the tensor-parallel input: all-gathered over the sequence with SP (saving only this rank's part;
+    the backward gathers it again), else copied to tp. Its weight gradient may be deferred (deferred_wgrad)."""
     if state.sequence_parallel and state.tp_size > 1:
-        return _GatheredLinear.apply(x, weight, bias, state.tp_group)
-    return F.linear(copy_to_tp(x, state.tp_group), weight, bias)
+        return linear(x, weight, bias, state.tp_group)
+    return linear(copy_to_tp(x, state.tp_group), weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -95,7 +75,7 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = state.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None)
         group = self.state.tp_group
         y = reduce_scatter_to_sp(y, group) if self.state.sequence_parallel else reduce_from_tp(y, group)
         return y + self.bias if self.bias is not None else y

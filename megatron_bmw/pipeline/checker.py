@@ -1,5 +1,5 @@
-"""Validation of a pipeline schedule: coverage, ordering, communication matching, FIFO, deadlock, and BPipe
-transfers (matching, FIFO, no backward while its activations are away, the activation limit)."""
+"""Validation of a pipeline schedule: coverage, ordering (a split backward's W after its B on the same rank),
+communication matching, FIFO, deadlock, and BPipe transfers (matching, FIFO, no backward while its activations are away, the activation limit)."""
 
 from __future__ import annotations
 
@@ -75,8 +75,12 @@ def _check_shape(s: Schedule) -> None:
                 _fail(s, rank, a, f"has bad peer {a.peer!r}")
 
 
+_F, _B, _BI, _W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+
+
 def _check_compute(s: Schedule, rank: int) -> None:
-    """Exactly one FORWARD and one BACKWARD per owned (micro-batch, chunk[, half]); F before B."""
+    """Exactly one FORWARD per owned (micro-batch, chunk[, half]) and, after it, either one BACKWARD or one
+    BACKWARD_INPUT followed later by its BACKWARD_WEIGHT."""
     seen: set[tuple[Kind, int, int, int | None]] = set()
     for a in s.actions[rank]:
         if a.kind not in COMPUTE_KINDS:
@@ -85,12 +89,18 @@ def _check_compute(s: Schedule, rank: int) -> None:
         if key in seen:
             _fail(s, rank, a, "appears twice")
         seen.add(key)
-        if a.kind is Kind.BACKWARD and (Kind.FORWARD, a.microbatch, a.chunk, a.half) not in seen:
+        if a.kind is not _F and (_F, a.microbatch, a.chunk, a.half) not in seen:
             _fail(s, rank, a, "runs before (or without) its FORWARD")
-    for kind in (Kind.FORWARD, Kind.BACKWARD):
+        if a.kind is _W and (_BI, a.microbatch, a.chunk, a.half) not in seen:
+            _fail(s, rank, a, "runs before (or without) its input-gradient B")
+        if (a.kind is _B and (_BI, a.microbatch, a.chunk, a.half) in seen) or \
+                (a.kind is _BI and (_B, a.microbatch, a.chunk, a.half) in seen):
+            _fail(s, rank, a, "has both a whole BACKWARD and a split one")
+    for kind in (_F, _B):
         for mb in range(s.num_microbatches):
             for chunk in range(s.virtual_stages):
-                halves = {h for h in (None, 0, 1) if (kind, mb, chunk, h) in seen}
+                halves = {h for h in (None, 0, 1) if (kind, mb, chunk, h) in seen or
+                          (kind is _B and (_BI, mb, chunk, h) in seen)}
                 if halves not in ({None}, {0, 1}):
                     what = "no" if not halves else "an incomplete set of"
                     raise ScheduleError(
@@ -98,8 +108,10 @@ def _check_compute(s: Schedule, rank: int) -> None:
                         f"(need one whole or both halves, found halves {sorted(halves, key=str)})"
                     )
     for kind, mb, chunk, half in seen:
-        if kind is Kind.FORWARD and (Kind.BACKWARD, mb, chunk, half) not in seen:
+        if kind is _F and (_B, mb, chunk, half) not in seen and (_BI, mb, chunk, half) not in seen:
             _fail(s, rank, Action(kind, mb, chunk, half=half), "has no BACKWARD")
+        if kind is _BI and (_W, mb, chunk, half) not in seen:
+            _fail(s, rank, Action(kind, mb, chunk, half=half), "has no weight-gradient W")
 
 
 def _check_communication(s: Schedule) -> None:
@@ -183,10 +195,11 @@ def _check_transfers(s: Schedule) -> None:
             kind, key = a.kind, a.key
             if kind is Kind.FORWARD:
                 forwarded.add(key)
-            elif kind is Kind.BACKWARD:
+            elif kind is Kind.BACKWARD or kind is Kind.BACKWARD_INPUT or kind is Kind.BACKWARD_WEIGHT:
                 if key in away:
                     _fail(s, rank, a, f"runs while its activations are away on rank {away[key]}")
-                finished.add(key)
+                if kind is not Kind.BACKWARD_INPUT:
+                    finished.add(key)
             elif kind is Kind.EVICT:
                 if key not in forwarded or key in finished:
                     _fail(s, rank, a, "evicts activations that are not saved (outside FORWARD..BACKWARD)")

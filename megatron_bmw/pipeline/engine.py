@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..device import batch_p2p
+from ..parallel import deferred_wgrad
 from ..parallel.state import ParallelState
 from .activation_store import ActivationStore
 from .schedule import TRANSFER_KINDS, Action, Kind, Schedule
@@ -136,7 +137,8 @@ class PipelineEngine:
         losses: dict[int, torch.Tensor] = {}
         pending: list[tuple[Action, str]] = []
         if grad_sync is not None and not forward_only:
-            grad_sync.begin(sum(1 for a in actions if a.kind is Kind.BACKWARD and a.chunk == 0))
+            grad_sync.begin(sum(1 for a in actions if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT)
+                                and a.chunk == 0))
         runner = None if forward_only else self.transfers
         if self.store is not None and not forward_only:
             self.store.set_params([p for c in self.chunks for p in c.parameters()])
@@ -166,9 +168,13 @@ class PipelineEngine:
                     if runner is not None:
                         runner.after_forward(a)
                         settle = True
-                elif a.kind == Kind.BACKWARD:
+                elif a.kind == Kind.BACKWARD or a.kind == Kind.BACKWARD_INPUT:
                     self._backward(a, slots, recvs, loss_scale / m)
                     settle = runner is not None
+                elif a.kind == Kind.BACKWARD_WEIGHT:
+                    deferred_wgrad.run_deferred(self._deferred_key(a))
+                    if self.store is not None:
+                        self.store.release(_key(a))
                 elif a.kind in TRANSFER_KINDS:
                     if runner is None:
                         raise RuntimeError(f"{a.label()}: BPipe transfer without a transfer runner")
@@ -261,18 +267,24 @@ class PipelineEngine:
         else:
             slots[_key(a)] = _Slot(input=x, output=out, weight=weight)
 
+    def _deferred_key(self, a: Action) -> tuple:
+        return (id(self), *_key(a))
+
     def _backward(self, a: Action, slots, recvs, scale: float) -> None:
+        """A whole BACKWARD, or a BACKWARD_INPUT whose linear layers' weight gradients wait for its W."""
         vstage = self._vstage(a.chunk)
         slot = slots[_key(a)]
+        split = a.kind is Kind.BACKWARD_INPUT
         if vstage != self.num_vstages - 1:
             grad = self._wait(recvs, Kind.RECV_GRAD, a)
         if self.store is not None:
             self.store.ready(_key(a))
-        if vstage == self.num_vstages - 1:
-            torch.autograd.backward(slot.output * scale)
-        else:
-            backward_from(slot.output, grad)
-        if self.store is not None:
+        with deferred_wgrad.deferring(self._deferred_key(a)) if split else nullcontext():
+            if vstage == self.num_vstages - 1:
+                torch.autograd.backward(slot.output * scale)
+            else:
+                backward_from(slot.output, grad)
+        if self.store is not None and not split:
             self.store.release(_key(a))
         slot.output = None
         if vstage == 0:

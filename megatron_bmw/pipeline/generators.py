@@ -1,4 +1,4 @@
-"""Schedule generators: GPipe, 1F1B (PipeDream-Flush), Megatron's interleaved 1F1B.
+"""Schedule generators: GPipe, 1F1B (PipeDream-Flush), Megatron's interleaved 1F1B, zero-bubble ZB-H1.
 
 Each generator returns the compute order only; `add_communication` inserts the SEND/RECV
 actions and `generate` does both.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..errors import UsageError
 from .schedule import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule, gc_paused
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def _check_sizes(p: int, m: int, v: int = 1) -> None:
@@ -54,6 +54,35 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     """PipeDream-Flush: p-r-1 warm-up forwards, steady (F, B) pairs, cool-down backwards."""
     _check_sizes(p, m)
     return Schedule("1f1b", p, m, 1, _one_f_one_b_order(p, m))
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024): 1F1B with each backward split into its input gradient B and weight gradient W.
+
+    Same warm-up forwards as 1F1B (p-r-1 on rank r); each B's W follows it, delayed on rank r by r W's (the
+    later ranks idle longest in 1F1B's cool-down, and hold fewest micro-batches): the delayed W's fill the
+    cool-down bubbles. Rank r holds at most p micro-batches (1F1B's p-r plus r awaiting their W), so the peak
+    over ranks is 1F1B's."""
+    _check_sizes(p, m)
+    fwd = [_f(i) for i in range(m)]
+    bin_ = [Action(Kind.BACKWARD_INPUT, i) for i in range(m)]
+    wgt = [Action(Kind.BACKWARD_WEIGHT, i) for i in range(m)]
+    actions = []
+    for rank in range(p):
+        warmup = min(p - rank - 1, m)
+        delay = rank
+        acts = fwd[:warmup]
+        w_next = 0
+        for i in range(m):
+            if i < m - warmup:
+                acts.append(fwd[warmup + i])
+            acts.append(bin_[i])
+            if i - w_next >= delay or i >= m - warmup:  # steady state: W lags B by `delay`; cool-down: B, W
+                acts.append(wgt[w_next])
+                w_next += 1
+        acts += wgt[w_next:]
+        actions.append(acts)
+    return Schedule("zb-h1", p, m, 1, actions)
 
 
 def interleaved_warmup(p: int, m: int, v: int, rank: int) -> int:
@@ -110,8 +139,8 @@ def add_communication(schedule: Schedule) -> Schedule:
     Data that stays on the rank (p == 1) needs no communication.
     """
     new_actions = []
-    recv_kind = {Kind.FORWARD: Kind.RECV_ACT, Kind.BACKWARD: Kind.RECV_GRAD}
-    send_kind = {Kind.FORWARD: Kind.SEND_ACT, Kind.BACKWARD: Kind.SEND_GRAD}
+    recv_kind = {Kind.FORWARD: Kind.RECV_ACT, Kind.BACKWARD: Kind.RECV_GRAD, Kind.BACKWARD_INPUT: Kind.RECV_GRAD}
+    send_kind = {Kind.FORWARD: Kind.SEND_ACT, Kind.BACKWARD: Kind.SEND_GRAD, Kind.BACKWARD_INPUT: Kind.SEND_GRAD}
     with gc_paused():
         for rank, acts in enumerate(schedule.actions):
             base = [a for a in acts if a.kind not in COMM_KINDS]
@@ -143,9 +172,9 @@ def add_communication(schedule: Schedule) -> Schedule:
 
 
 def generate(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Build a schedule with communication. `name` in gpipe | 1f1b | interleaved."""
+    """Build a schedule with communication. `name` in gpipe | 1f1b | interleaved | zb-h1."""
     if name not in SCHEDULES:
-        raise UsageError(f"unknown pipeline schedule {name!r} (choose gpipe, 1f1b or interleaved)")
+        raise UsageError(f"unknown pipeline schedule {name!r} (choose {', '.join(SCHEDULES)})")
     _check_sizes(p, m, v)
     if v > 1 and name != "interleaved":
         raise UsageError(
@@ -155,6 +184,8 @@ def generate(name: str, p: int, m: int, v: int = 1) -> Schedule:
         compute = gpipe(p, m)
     elif name == "1f1b":
         compute = one_f_one_b(p, m)
+    elif name == "zb-h1":
+        compute = zb_h1(p, m)
     else:
         compute = interleaved_1f1b(p, m, v)
     return add_communication(compute)

@@ -1,7 +1,8 @@
 """Which saved activations a rank holds, and when: the one rule behind the checker's activation limit, BPipe's
 placement, the memory model's peaks and the simulator's memory over time.
 
-The activation store's accounting: a FORWARD's key counts from its start, a BACKWARD's until its end; an
+The activation store's accounting: a FORWARD's key counts from its start, a BACKWARD's until its end (a split
+backward's until the end of its weight-gradient W, which needs the layers' inputs; not its input-gradient B); an
 EVICTed or RETURNed key still counts during the next compute (its send overlaps it) and is gone at that
 compute's end (at the rank's last action when no compute follows); a LOADed or ACCEPTed key counts from the
 LOAD/ACCEPT on (its buffer exists from then). A half of a sliced micro-batch counts 0.5.
@@ -14,7 +15,7 @@ from typing import NamedTuple
 
 from .schedule import Action, Kind, Schedule
 
-_F, _B = Kind.FORWARD, Kind.BACKWARD
+_F, _B, _BI, _W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 
 
 class Hold(NamedTuple):
@@ -36,10 +37,10 @@ def holding_events(actions: list[Action], rank: int) -> list[Hold]:
     leaving: list[tuple[int, int, float]] = []  # (owner, chunk, share) sent away, gone after the next compute
     for i, a in enumerate(actions):
         kind = a.kind
-        if kind is _F or kind is _B:
+        if kind is _F or kind is _B or kind is _BI or kind is _W:
             if kind is _F:
                 out.append(Hold(i, False, rank, a.chunk, a.weight, True))
-            else:
+            elif kind is not _BI:
                 out.append(Hold(i, True, rank, a.chunk, -a.weight, True))
             for owner, chunk, share in leaving:
                 out.append(Hold(i, True, owner, chunk, -share, False))

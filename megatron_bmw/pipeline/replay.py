@@ -149,7 +149,7 @@ def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
                 out.append((_RETURN, a, tid, a.peer, -1))
                 pending.append((_RETURN_DONE, a, tid, a.peer, -1))
             continue
-        if op == _COMPUTE and kind is Kind.BACKWARD and a.key in loaded:
+        if op == _COMPUTE and (kind is Kind.BACKWARD or kind is Kind.BACKWARD_INPUT) and a.key in loaded:
             out.append((_LOAD_WAIT, a, loaded.pop(a.key), -1, -1))
         out.append(entry)
         if op == _COMPUTE:
@@ -169,6 +169,7 @@ def _compile_rank(schedule: Schedule, rank: int, acts: list[Action]) -> list[tup
     m, v = schedule.num_microbatches, schedule.virtual_stages
     tensor, tensor_id, rank_of = schedule.tensor, schedule.tensor_id, schedule.rank_of
     forward, backward = Kind.FORWARD, Kind.BACKWARD
+    backward_input, weight = Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
     send_act, send_grad, recv_act, recv_grad = Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD
     rank_ops: list[tuple[int, Action, int, int, int]] = []
     append = rank_ops.append
@@ -176,8 +177,10 @@ def _compile_rank(schedule: Schedule, rank: int, acts: list[Action]) -> list[tup
         kind, chunk, mb, half = a.kind, a.chunk, a.microbatch, a.half
         if not (0 <= chunk < v and 0 <= mb < m and half in (None, 0, 1)):
             raise ScheduleError(f"rank {rank}: {a.label(v > 1)} is out of range (m={m}, v={v}, half None/0/1)")
-        if kind is forward or kind is backward:
-            grad = kind is backward
+        if kind is weight:  # a deferred weight gradient: local, no tensor in or out
+            append((_COMPUTE, a, -1, -1, -1))
+        elif kind is forward or kind is backward or kind is backward_input:
+            grad = kind is not forward
             need = tensor(rank, chunk, mb, half, grad, False)
             out = tensor(rank, chunk, mb, half, grad, True)
             produced = tensor_id(out) if out is not None and rank_of(out[1] + (-1 if grad else 1)) == rank else -1
@@ -406,10 +409,14 @@ def _run(
 
 
 def unit_times(forward: float = 1.0, backward: float = 2.0) -> Callable[[int, Action], float]:
-    """compute_time giving every FORWARD `forward` and every BACKWARD `backward`."""
+    """compute_time giving every FORWARD `forward` and every BACKWARD `backward`; a split backward's input
+    gradient B and weight gradient W get half of `backward` each."""
 
     def compute_time(rank: int, action: Action) -> float:
-        return forward if action.kind is Kind.FORWARD else backward
+        kind = action.kind
+        if kind is Kind.FORWARD:
+            return forward
+        return backward if kind is Kind.BACKWARD else backward / 2
 
     return compute_time
 

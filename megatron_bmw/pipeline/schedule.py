@@ -42,6 +42,10 @@ class Kind(str, enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    # Zero-bubble split of a BACKWARD: the input gradient (shown as B; it consumes and produces what BACKWARD
+    # does) and the deferred weight gradient W (no communication), which runs later on the same rank.
+    BACKWARD_INPUT = "BI"
+    BACKWARD_WEIGHT = "W"
     SEND_ACT = "SEND_ACT"  # activations flow to the next virtual stage
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"  # gradients flow to the previous virtual stage
@@ -59,7 +63,8 @@ class Kind(str, enum.Enum):
         return self.value
 
 
-COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD})
+COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT})
+GRAD_KINDS = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT})  # computes consuming and producing gradients
 SEND_KINDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
 RECV_KINDS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
 COMM_KINDS = SEND_KINDS | RECV_KINDS
@@ -67,6 +72,10 @@ TRANSFER_KINDS = frozenset({Kind.EVICT, Kind.LOAD, Kind.ACCEPT, Kind.RETURN})
 OUTGOING_KINDS = SEND_KINDS | {Kind.EVICT, Kind.RETURN}
 
 _SHORT = {
+    Kind.FORWARD: "F",
+    Kind.BACKWARD: "B",
+    Kind.BACKWARD_INPUT: "B",
+    Kind.BACKWARD_WEIGHT: "W",
     Kind.SEND_ACT: "SA",
     Kind.RECV_ACT: "RA",
     Kind.SEND_GRAD: "SG",
@@ -121,11 +130,12 @@ class Action:
         return self.kind in COMM_KINDS
 
     def label(self, show_chunk: bool = True) -> str:
-        """Short text such as F3, B3.1 (chunk 1), F3a (half 0), SA3>2 (send activation to rank 2), EV3>5."""
+        """Short text such as F3, B3.1 (chunk 1), F3a (half 0), W3 (weight gradient), SA3>2 (send activation to
+        rank 2), EV3>5. An input-gradient BACKWARD_INPUT shows as B, like a whole BACKWARD."""
         chunk = f".{self.chunk}" if show_chunk else ""
         half = "" if self.half is None else "ab"[self.half]
         if self.kind in COMPUTE_KINDS:
-            return f"{self.kind.value}{self.microbatch}{chunk}{half}"
+            return f"{_SHORT[self.kind]}{self.microbatch}{chunk}{half}"
         text = f"{_SHORT[self.kind]}{self.microbatch}{chunk}{half}"
         if self.peer is not None:
             text += (">" if self.kind in OUTGOING_KINDS else "<") + str(self.peer)
@@ -139,7 +149,7 @@ class Action:
 class Schedule:
     """Per-rank action lists for one pipeline-parallel iteration."""
 
-    name: str  # "gpipe" | "1f1b" | "interleaved"
+    name: str  # "gpipe" | "1f1b" | "interleaved" | "zb-h1"
     num_stages: int  # p (pipeline ranks)
     num_microbatches: int  # m
     virtual_stages: int  # v (model chunks per rank)
@@ -178,16 +188,17 @@ class Schedule:
         return None if vs == 0 else (False, vs - 1, microbatch, half)
 
     def input_tensor(self, rank: int, a: Action) -> Tensor | None:
-        """What a FORWARD (activation) or BACKWARD (gradient) consumes from a neighbouring virtual stage."""
-        if a.kind is not Kind.FORWARD and a.kind is not Kind.BACKWARD:
+        """What a FORWARD (activation) or BACKWARD/BACKWARD_INPUT (gradient) consumes from a neighbouring virtual
+        stage."""
+        if a.kind is not Kind.FORWARD and a.kind not in GRAD_KINDS:
             return None
-        return self.tensor(rank, a.chunk, a.microbatch, a.half, a.kind is Kind.BACKWARD, False)
+        return self.tensor(rank, a.chunk, a.microbatch, a.half, a.kind in GRAD_KINDS, False)
 
     def output_tensor(self, rank: int, a: Action) -> Tensor | None:
-        """What a FORWARD or BACKWARD produces for a neighbouring virtual stage."""
-        if a.kind is not Kind.FORWARD and a.kind is not Kind.BACKWARD:
+        """What a FORWARD or BACKWARD/BACKWARD_INPUT produces for a neighbouring virtual stage."""
+        if a.kind is not Kind.FORWARD and a.kind not in GRAD_KINDS:
             return None
-        return self.tensor(rank, a.chunk, a.microbatch, a.half, a.kind is Kind.BACKWARD, True)
+        return self.tensor(rank, a.chunk, a.microbatch, a.half, a.kind in GRAD_KINDS, True)
 
     def wire_tensor(self, rank: int, a: Action) -> Tensor | None:
         """The tensor a SEND carries (its chunk's output) or a RECV takes (its chunk's input)."""

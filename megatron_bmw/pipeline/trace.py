@@ -16,7 +16,8 @@ class Tracer:
         self.events: list[dict] = []
 
     def record(self, a: Action, start: float, end: float) -> None:
-        cat = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward"}.get(a.kind, "transfer")
+        cat = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "backward",
+               Kind.BACKWARD_WEIGHT: "weight-gradient"}.get(a.kind, "transfer")
         self.events.append(self._event(a.label(show_chunk=a.chunk > 0), cat, start, end, a))
 
     def record_wait(self, kind: Kind, a: Action, start: float, end: float) -> None:

@@ -3,6 +3,7 @@
 
 import pytest
 
+from megatron_bmw.config import PipelineConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.pipeline.checker import check
 from megatron_bmw.pipeline.generators import (
@@ -13,7 +14,7 @@ from megatron_bmw.pipeline.generators import (
     interleaved_warmup,
     one_f_one_b,
 )
-from megatron_bmw.pipeline.holding import peak_inflight
+from megatron_bmw.pipeline.holding import peak_inflight, resident_peaks
 from megatron_bmw.pipeline.replay import (
     DeadlockError,
     ScheduleError,
@@ -299,3 +300,34 @@ def test_replay_of_a_large_schedule():
     s = generate("1f1b", 64, 512)
     result = replay(s, unit_times(1.0, 2.0))
     assert result.makespan == (512 + 63) * 3
+
+
+def test_zb_h1_hand_computed_and_labels():
+    s = generate("zb-h1", 4, 6)
+    assert s.to_text() == "\n".join([
+        "rank 0: F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5",
+        "rank 1: F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5",
+        "rank 2: F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5",
+        "rank 3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5",
+    ])
+    assert "SG0.0>2" in [a.label() for a in s.actions[3]]  # the input-gradient B sends the gradient
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 1), (2, 5), (3, 7), (4, 4), (4, 9), (8, 16)])
+def test_zb_h1_checked_at_1f1b_memory_and_shorter(p, m):
+    zb, base = generate("zb-h1", p, m), generate("1f1b", p, m)
+    check(zb)
+    # every rank holds at most min(p, m) micro-batches (W keeps its inputs): 1F1B's peak over ranks
+    assert resident_peaks(zb) == [float(min(p, m))] * p
+    assert max(resident_peaks(zb)) == max(resident_peaks(base))
+    f, b = 1.0, 2.0  # B and W half a backward each
+    got, before = replay(zb, unit_times(f, b)).makespan, replay(base, unit_times(f, b)).makespan
+    # Qi et al.: the bubble falls from (p-1)(F+B+W) to (p-1)(F+B-W), here from 3(p-1) to p-1
+    assert got == before - (p - 1) * b if m >= p else got <= before
+
+
+@pytest.mark.parametrize("kw,flag", [({"bpipe": True}, "--bpipe"), ({"slicing": 2}, "--microbatch-slicing"),
+                                     ({"slicing": "auto"}, "--microbatch-slicing")])
+def test_zb_h1_refuses_bpipe_and_slicing(kw, flag):
+    with pytest.raises(UsageError, match=f"--pipeline-schedule zb-h1 does not combine with {flag}"):
+        PipelineConfig(num_microbatches=4, schedule="zb-h1", **kw)

@@ -128,3 +128,18 @@ def test_out_of_range_and_wrong_rank_count():
     s.actions.pop()
     with pytest.raises(ScheduleError, match="1 rank lists for 2"):
         check(s)
+
+
+def test_weight_gradient_before_its_b_or_missing():
+    s = generate("zb-h1", 2, 3)
+    _move(s.actions[1], "W0", before="B0")
+    with pytest.raises(ScheduleError, match="W0 runs before .*its input-gradient B"):
+        check(s)
+    s = generate("zb-h1", 2, 3)
+    s.actions[0] = [a for a in s.actions[0] if a.label(False) != "W2"]
+    with pytest.raises(ScheduleError, match="B2 has no weight-gradient W"):
+        check(s)
+    s = generate("zb-h1", 2, 3)
+    s.actions[0].append(Action(Kind.BACKWARD, 1))
+    with pytest.raises(ScheduleError, match="B1 has both a whole BACKWARD and a split one"):
+        check(s)

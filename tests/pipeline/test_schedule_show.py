@@ -66,3 +66,14 @@ def test_error_names_a_flag_of_the_tool(capsys):
         show.main(["--pp", "2", "--microbatches", "4", "--pipeline-schedule", "gpipe", "--virtual-stages", "2"])
     assert info.value.code == 2
     assert capsys.readouterr().err.startswith("error: --pipeline-schedule gpipe cannot interleave")
+
+
+def test_zb_h1_shows_b_and_w(capsys):
+    show.main(["--pp", "4", "--microbatches", "8", "--schedule", "zb-h1"])
+    text = capsys.readouterr().out
+    assert "rank 3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4" in text
+    assert "makespan 27" in text  # 1F1B: 33 (B and W one time unit each)
+    with pytest.raises(SystemExit) as info:
+        show.main(["--pp", "2", "--microbatches", "4", "--schedule", "zb-h1", "--virtual-stages", "2"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --pipeline-schedule zb-h1 cannot interleave")
