@@ -24,6 +24,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UsageError
+from .hf_files import HFTensors
 from .tp_shards import merge_shards, partition_dim, refuse_llama, shard_state_dict  # noqa: F401 - part of this module's API
 
 # GPT2Config's defaults (GPT-2 small), for config.json files that leave keys out.
@@ -121,16 +122,8 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], hf_config_dict: Ma
         raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the {heads} attention heads")
 
     src = {k.removeprefix("transformer."): v for k, v in hf_state_dict.items() if not _HF_IGNORED.search(k)}
-    used: set[str] = set()
-
-    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in src:
-            raise UsageError(f"--hf-dir: checkpoint lacks {name!r}")
-        t = src[name]
-        if tuple(t.shape) != shape:
-            raise UsageError(f"--hf-dir: {name} has shape {tuple(t.shape)}, config implies {shape}")
-        used.add(name)
-        return t
+    tensors = HFTensors(src)
+    take = tensors.take
 
     sd: dict[str, torch.Tensor] = {}
     sd["units.embedding.word_embeddings.weight"] = _pad_rows(take("wte.weight", (orig_vocab, h)), vocab)
@@ -156,9 +149,7 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], hf_config_dict: Ma
         src.pop("lm_head.weight", None)  # the same tensor as wte when tied
     else:
         sd["units.head.output_weight"] = _pad_rows(take("lm_head.weight", (orig_vocab, h)), vocab)
-    extra = sorted(set(src) - used)
-    if extra:
-        raise UsageError(f"--hf-dir: checkpoint has unexpected tensors, e.g. {extra[:3]}")
+    tensors.check_all_taken()
 
     kwargs: dict[str, Any] = dict(
         num_layers=layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn, vocab_size=vocab,

@@ -108,3 +108,45 @@ def run_direction(args: argparse.Namespace, to_megatron: Callable[..., dict[str,
         to_hf(args.load, args.hf_dir)
         print(f"wrote {args.hf_dir}")
     return 0
+
+
+class HFTensors:
+    """A Hugging Face state dict read tensor by tensor: each by name with the shape the config implies, and at
+    the end every tensor nothing took is an error."""
+
+    def __init__(self, src: dict[str, torch.Tensor]) -> None:
+        self.src, self.used = src, set()
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.src:
+            raise UsageError(f"--hf-dir: checkpoint lacks {name!r}")
+        t = self.src[name]
+        if tuple(t.shape) != shape:
+            raise UsageError(f"--hf-dir: {name} has shape {tuple(t.shape)}, config implies {shape}")
+        self.used.add(name)
+        return t
+
+    def check_all_taken(self) -> None:
+        extra = sorted(set(self.src) - self.used)
+        if extra:
+            raise UsageError(f"--hf-dir: checkpoint has unexpected tensors, e.g. {extra[:3]}")
+
+
+def import_hf_dir(hf_dir: str, save: str, tp: int, divisible_by: int, pp: int,
+                  convert: Callable[..., tuple[dict[str, Any], dict[str, torch.Tensor]]],
+                  check: Callable[[dict[str, Any]], list[str]] | None = None) -> dict[str, Any]:
+    """Read `hf_dir`, map it with `convert(hf_sd, config, make_vocab_size_divisible_by=, tp=)` -> (ModelConfig
+    kwargs, full state dict), restore padded vocabulary rows an export left, and write a release checkpoint at
+    `save` over tp x pp; returns its args. `check(config)`: notes on the config to print first (or it raises)."""
+    from .checkpoint_files import save_release
+    from .vocab_padding import restore_from
+
+    config, hf_sd = read_hf_dir(hf_dir)
+    notes = check(config) if check is not None else []
+    kwargs, full = convert(hf_sd, config, make_vocab_size_divisible_by=divisible_by, tp=tp)
+    restored = restore_from(hf_dir, full, config["vocab_size"])
+    for note in notes + ([restored] if restored else []):
+        print(f"note: {note}")
+    args = dict(kwargs, padded_vocab_size=kwargs["vocab_size"], orig_vocab_size=config["vocab_size"],
+                make_vocab_size_divisible_by=divisible_by)
+    return save_release(save, full, args, tp, pp)

@@ -24,6 +24,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UsageError
+from .hf_files import HFTensors
 from .gpt2 import _pad_rows, padded_vocab_size
 from .tp_shards import merge_shards, shard_state_dict  # noqa: F401 - part of this module's API
 
@@ -155,16 +156,8 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], hf_config: Mapping
     bias = kwargs["add_bias_linear"]
 
     src = {k.removeprefix("model."): v for k, v in hf_state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
-    used: set[str] = set()
-
-    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in src:
-            raise UsageError(f"--hf-dir: checkpoint lacks {name!r}")
-        t = src[name]
-        if tuple(t.shape) != shape:
-            raise UsageError(f"--hf-dir: {name} has shape {tuple(t.shape)}, config implies {shape}")
-        used.add(name)
-        return t
+    tensors = HFTensors(src)
+    take = tensors.take
 
     sd: dict[str, torch.Tensor] = {WORD_EMBEDDING: _pad_rows(take("embed_tokens.weight", (orig_vocab, h)), vocab)}
     for i in range(layers):
@@ -192,9 +185,7 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], hf_config: Mapping
         sd[OUTPUT_WEIGHT] = _pad_rows(take("lm_head.weight", (orig_vocab, h)), vocab)
     else:
         src.pop("lm_head.weight", None)  # the embedding itself when tied
-    extra = sorted(set(src) - used)
-    if extra:
-        raise UsageError(f"--hf-dir: checkpoint has unexpected tensors, e.g. {extra[:3]}")
+    tensors.check_all_taken()
     return kwargs, {k: v.contiguous() for k, v in sd.items()}
 
 

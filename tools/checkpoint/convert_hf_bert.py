@@ -22,10 +22,10 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_bmw.errors import UsageError, exit_on_usage_error
-from megatron_bmw.convert.hf_files import build_parser, read_hf_dir, run_direction  # noqa: E402
+from megatron_bmw.convert.hf_files import build_parser, import_hf_dir, run_direction  # noqa: E402
 from megatron_bmw.convert.bert import check_hf_config, hf_to_ours, ours_to_hf  # noqa: E402
-from megatron_bmw.convert.checkpoint_files import load_full, save_release  # noqa: E402
-from megatron_bmw.convert.vocab_padding import padded_rows, restore_from, write_rows  # noqa: E402
+from megatron_bmw.convert.checkpoint_files import load_full
+from megatron_bmw.convert.vocab_padding import padded_rows, write_rows  # noqa: E402
 
 
 def _flags(kwargs: dict) -> str:
@@ -44,14 +44,7 @@ def _flags(kwargs: dict) -> str:
 
 
 def hf_to_megatron_dir(hf_dir: str, save: str, tp: int, divisible_by: int, pp: int = 1) -> dict:
-    config, hf_sd = read_hf_dir(hf_dir)
-    notes = check_hf_config(config)
-    kwargs, full = hf_to_ours(hf_sd, config, make_vocab_size_divisible_by=divisible_by, tp=tp)
-    for note in notes + [n for n in [restore_from(hf_dir, full, config["vocab_size"])] if n]:
-        print(f"note: {note}")
-    args = dict(kwargs, padded_vocab_size=kwargs["vocab_size"], orig_vocab_size=config["vocab_size"],
-                make_vocab_size_divisible_by=divisible_by)
-    return save_release(save, full, args, tp, pp)
+    return import_hf_dir(hf_dir, save, tp, divisible_by, pp, hf_to_ours, check_hf_config)
 
 
 def megatron_to_hf_dir(load: str, hf_dir: str) -> None:

@@ -24,10 +24,10 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_bmw.errors import UsageError, exit_on_usage_error
-from megatron_bmw.convert.hf_files import build_parser, read_hf_dir, run_direction  # noqa: F401 - part of this tool's API
-from megatron_bmw.convert.checkpoint_files import load_full, save_release
+from megatron_bmw.convert.hf_files import build_parser, import_hf_dir, run_direction
+from megatron_bmw.convert.checkpoint_files import load_full
 from megatron_bmw.convert.gpt2 import hf_config_from_megatron, hf_to_megatron, megatron_to_hf
-from megatron_bmw.convert.vocab_padding import padded_rows, restore_from, write_rows
+from megatron_bmw.convert.vocab_padding import padded_rows, write_rows
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -60,14 +60,7 @@ def write_hf_dir(hf_dir: str, hf_sd: dict[str, torch.Tensor], hf_config: dict[st
 
 def hf_to_megatron_dir(hf_dir: str, save: str, tp: int, divisible_by: int, pp: int = 1) -> dict[str, Any]:
     """Convert `hf_dir` into a Megatron checkpoint at `save`; returns the checkpoint's args."""
-    config, hf_sd = read_hf_dir(hf_dir)
-    kwargs, full = hf_to_megatron(hf_sd, config, make_vocab_size_divisible_by=divisible_by, tp=tp)
-    note = restore_from(hf_dir, full, config["vocab_size"])
-    if note:
-        print(f"note: {note}")
-    args = dict(kwargs, padded_vocab_size=kwargs["vocab_size"], orig_vocab_size=config["vocab_size"],
-                make_vocab_size_divisible_by=divisible_by)
-    return save_release(save, full, args, tp, pp)
+    return import_hf_dir(hf_dir, save, tp, divisible_by, pp, hf_to_megatron)
 
 
 def megatron_to_hf_dir(load: str, hf_dir: str) -> None:
