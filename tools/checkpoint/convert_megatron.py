@@ -206,17 +206,17 @@ def _dist_payload(it_dir: str) -> dict:
 # Writing
 
 
-def write_dist_checkpoint_dir(save_dir: str, payload: dict, iteration: int | str) -> str:
-    """megatron-core's torch_dist directory for a tp 1 pp 1 Megatron payload, then the tracker."""
+def _publish(save_dir: str, iteration: int | str, write_into) -> str:
+    """`write_into(tmp)` fills a temporary iteration directory, renamed into place before the tracker names it;
+    returns the iteration directory. A directory that already holds a checkpoint is refused."""
     final = os.path.join(save_dir, iteration_dir_name(iteration))
     if os.path.exists(final) or os.path.exists(os.path.join(save_dir, TRACKER)):
         raise UsageError(f"--save-dir {save_dir} already holds a checkpoint; choose a new directory")
     tmp = f"{final}.tmp-convert"
-    flat, common = mcore_dist_from_payload(payload)
     try:
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        write_mcore(tmp, flat, common)
+        write_into(tmp)
         os.rename(tmp, final)
         with open(os.path.join(save_dir, TRACKER), "w") as f:
             f.write(f"{iteration}\n")
@@ -224,28 +224,24 @@ def write_dist_checkpoint_dir(save_dir: str, payload: dict, iteration: int | str
         shutil.rmtree(tmp, ignore_errors=True)
         raise UsageError(f"--save-dir {save_dir}: cannot write: {exc}") from None
     return final
+
+
+def write_dist_checkpoint_dir(save_dir: str, payload: dict, iteration: int | str) -> str:
+    """megatron-core's torch_dist directory for a tp 1 pp 1 Megatron payload, then the tracker."""
+    flat, common = mcore_dist_from_payload(payload)
+    return _publish(save_dir, iteration, lambda tmp: write_mcore(tmp, flat, common))
 
 
 def write_checkpoint_dir(save_dir: str, files: dict[tuple[int, int], dict], iteration: int | str, pp: int) -> str:
     """Write one model_optim_rng.pt per (tp, pp) rank and then the tracker; returns the iteration directory."""
-    final = os.path.join(save_dir, iteration_dir_name(iteration))
-    if os.path.exists(final) or os.path.exists(os.path.join(save_dir, TRACKER)):
-        raise UsageError(f"--save-dir {save_dir} already holds a checkpoint; choose a new directory")
-    tmp = f"{final}.tmp-convert"
-    try:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def write_into(tmp: str) -> None:
         for (t, r), payload in sorted(files.items()):
             d = os.path.join(tmp, rank_dir_name(t, r, pp))
             os.makedirs(d, exist_ok=True)
             torch.save(payload, os.path.join(d, RANK_FILE))
-        os.rename(tmp, final)
-        with open(os.path.join(save_dir, TRACKER), "w") as f:
-            f.write(f"{iteration}\n")
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UsageError(f"--save-dir {save_dir}: cannot write: {exc}") from None
-    return final
+
+    return _publish(save_dir, iteration, write_into)
 
 
 # ----------------------------------------------------------------------------------------------------------------
