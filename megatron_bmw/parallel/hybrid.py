@@ -361,6 +361,11 @@ class HybridGradSync:
                 self.buckets.append(_Bucket(current, state.device))
                 self.groups.append(keep[key])
         self._sharded_buffer = _Bucket(self.sharded, state.device) if self.sharded else None
+        tp_sums: dict[int, tuple] = {}  # replicated parameters whose gradients are partial over a unit's tp group
+        for p in self.params:
+            if hasattr(p, "tp_sum_group"):
+                tp_sums.setdefault(id(p.tp_sum_group), (p.tp_sum_group, []))[1].append(p)
+        self._tp_sums = list(tp_sums.values())
         self._hooks = weak_grad_hooks(self, [p for p in plain if p.requires_grad])
 
     def _on_grad(self, p) -> None:
@@ -393,10 +398,8 @@ class HybridGradSync:
             if grad is not None:
                 p.main_grad.add_(grad.to_local().reshape(p.shape))
                 p.fsdp_param.grad = None
-        tp_groups = {id(p.tp_sum_group): p.tp_sum_group for p in self.params if hasattr(p, "tp_sum_group")}
-        for key, group in tp_groups.items():  # e.g. the query and key norms of a tp unit
-            _sum_over([p for p in self.params if id(getattr(p, "tp_sum_group", None)) == key], "sequence_parallel",
-                      group)
+        for group, params in self._tp_sums:  # e.g. the query and key norms of a tp unit
+            _sum_over(params, "sequence_parallel", group)
         _sum_over(self.params, "shared_embedding", self.state.embedding_group)
 
     def remove_hooks(self) -> None:
