@@ -194,13 +194,14 @@ def main() -> int:
             print(f"  rows that ran {s['n']}: median |error| {100 * s['median_abs_error']:.1f}%, Spearman (s/sample) "
                   f"{s['spearman']:+.2f}, predicted fastest (*) ran {100 * s['pick_vs_best']:.1f}% slower than the "
                   f"best (=)")
+    searches = sum(1 for s in result["groups"].values() if s["search"])
     print(f"\nall {sum(1 for r in result['rows'] if not r['oom'])} rows that ran: median |error| "
-          f"{100 * result['median_abs_error']:.1f}%; over the {sum(1 for s in result['groups'].values() if s['search'])} "
-          f"searches (groups of >= 3 rows that vary more than the batch): median Spearman {result['median_spearman']:+.2f}, median pick-vs-best "
+          f"{100 * result['median_abs_error']:.1f}%; over the {searches} searches (groups of >= 3 rows that vary "
+          f"more than the batch): median Spearman {result['median_spearman']:+.2f}, median pick-vs-best "
           f"{100 * result['median_pick_vs_best']:.1f}%; OOM rows predicted not to fit: {result['oom_caught']}/"
           f"{result['oom_total']}; rows that ran predicted not to fit: {result['false_oom']}")
-    print("pairs of rows of one group that differ in one factor only, ordered by the prediction as measured: " + "; ".join(
-        f"{factor} {right}/{n}" for factor, (right, n) in result["pairs"].items()))
+    pairs = "; ".join(f"{factor} {right}/{n}" for factor, (right, n) in result["pairs"].items())
+    print(f"pairs of rows of one group that differ in one factor only, ordered by the prediction as measured: {pairs}")
     print("hd: head dimension; mem pub.: GB the author saw on the first node (nvidia-smi), pred.: the planner's peak "
           "(GB, our runtime's memory, not DeepSpeed's)")
     if args.json:
