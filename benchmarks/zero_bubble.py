@@ -26,8 +26,8 @@ Ratios are per round against ours 1f1b; the median and quartiles over the kept r
 Bubble and simulator: our engine records every timed iteration with a Tracer (pipeline/trace.py). Per rank, an
 action's compute is its span minus the wait for its input inside it, the engine's overhead is the time between
 spans, and the measured bubble is 1 - compute / iteration. The simulator (pipeline/replay.py, the core
-planner/simulator.py runs) replays the same schedule with (a) the median compute per (rank, kind, chunk) over
-the kept iterations plus the rank's mean overhead per action, and (b) each iteration's own durations; transfers
+planner/simulator.py runs) replays the same schedule with (a) the mean (--statistic) compute per (rank, kind,
+chunk) over the kept iterations plus the rank's mean overhead per action, and (b) each iteration's own durations; transfers
 take the one-way time of a hidden-state tensor measured by ping-pong between neighbours. Its iteration time is
 the last action's end, its bubble 1 - compute / that. torch's bubble is measured the same way from its stages'
 forward_one_chunk / backward_one_chunk / backward_weight_one_chunk spans (its p2p waits lie outside them).
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import sys
 import time
@@ -302,7 +303,8 @@ def _overhead(acts: list[tuple]) -> float:
     return gaps
 
 
-def simulate_ours(name: str, p: int, m: int, res: list[dict], keep: list[int], p2p_s: float) -> dict:
+def simulate_ours(name: str, p: int, m: int, res: list[dict], keep: list[int], p2p_s: float,
+                  statistic=statistics.mean) -> dict:
     """Measured and simulated iteration time and per-rank bubble of our schedule `name` (see the docstring)."""
     sched = our_schedule(name, p, m)
     per_rank = [r["records"][name] for r in res]  # [rank][iteration]
@@ -321,8 +323,8 @@ def simulate_ours(name: str, p: int, m: int, res: list[dict], keep: list[int], p
             for a in acts:
                 durations.setdefault(key(q, a), []).append(_compute(a))
             per_action.append(_overhead(acts) / max(1, len(acts)))
-        overhead.append(median(per_action))
-    typical = {k: median(v) for k, v in durations.items()}
+        overhead.append(statistic(per_action))
+    typical = {k: statistic(v) for k, v in durations.items()}
 
     def transfer(src, dst, a) -> float:
         return p2p_s
@@ -387,6 +389,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="linear layers of torch's systems: F.linear, or our deferrable Function")
     ap.add_argument("--tolerance", type=float, default=1.3,
                     help="a round counts when its probe ran within this factor of the fastest probe")
+    ap.add_argument("--statistic", choices=["mean", "median"], default="mean",
+                    help="of an action kind's durations (and the overhead per action) for the simulator: the mean "
+                    "predicts a sum of durations, the median drops the slow tail other jobs cause")
     ap.add_argument("--p2p-reps", type=int, default=20, help="ping-pongs per neighbour pair")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args(argv)
@@ -448,7 +453,8 @@ def main(argv=None) -> int:
     p2p = median([x for r in res for x in r["p2p"]])
     print(f"p2p: {p2p * 1e6:.0f} us one way for a hidden-state tensor (median ping-pong over neighbour pairs)")
     ours = [n for n in systems if not n.startswith("torch-")]
-    sims = {name: simulate_ours(name, p, m, res, keep, p2p) for name in ours}
+    stat = statistics.mean if args.statistic == "mean" else statistics.median
+    sims = {name: simulate_ours(name, p, m, res, keep, p2p, stat) for name in ours}
     rows = []
     for name, s in sims.items():
         rows.append([name, s["measured_s"] * 1e3, s["simulated_s"] * 1e3, f"{100 * s['error']:+.1f}%",
@@ -460,8 +466,8 @@ def main(argv=None) -> int:
         if name.startswith("torch-"):
             rows.append([name, median([iters[name][i] for i in keep]) * 1e3, "", "", "",
                          " ".join(f"{100 * x:.0f}" for x in torch_bubble(name, p, res, keep)), "", ""])
-    print("simulator (pipeline/replay.py) with the median compute per (rank, kind, chunk) measured in these rounds, "
-          "and with each iteration's own durations; bubble = 1 - compute / iteration per rank (%):")
+    print(f"simulator (pipeline/replay.py) with the {args.statistic} compute per (rank, kind, chunk) measured in the "
+          "kept rounds, and with each iteration's own durations; bubble = 1 - compute / iteration per rank (%):")
     print(format_table(["system", "measured (ms)", "simulated (ms)", "error", "error, own durations",
                         "bubble measured", "bubble simulated", "overhead/action (ms)"], rows))
     worst = max(abs(s["error"]) for s in sims.values())
