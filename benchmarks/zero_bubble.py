@@ -28,8 +28,10 @@ action's compute is its span minus the wait for its input inside it, the engine'
 spans, and the measured bubble is 1 - compute / iteration. The simulator (pipeline/replay.py, the core
 planner/simulator.py runs) replays the same schedule with (a) the mean (--statistic) compute per (rank, kind,
 chunk) over the kept iterations plus the rank's mean overhead per action, and (b) each iteration's own durations; transfers
-take the one-way time of a hidden-state tensor measured by ping-pong between neighbours. Its iteration time is
-the last action's end, its bubble 1 - compute / that. torch's bubble is measured the same way from its stages'
+take the median latency seen in the run (a wait's end minus the end of the action that produced its input;
+--p2p ping-pong: half a ping-pong between neighbours, measured alone). Its iteration time is the last action's
+end (the engine's tail after it, final send waits and loss reads, is printed apart), its bubble 1 - compute /
+that. torch's bubble is measured the same way from its stages'
 forward_one_chunk / backward_one_chunk / backward_weight_one_chunk spans (its p2p waits lie outside them).
 
 Ranks share cores here (2 cores for 4 ranks, and other jobs): an action's duration depends on how many ranks
@@ -64,7 +66,7 @@ from megatron_bmw.pipeline import generators  # noqa: E402
 from megatron_bmw.pipeline.engine import PipelineEngine  # noqa: E402
 from megatron_bmw.pipeline.partition import default_partition, virtual_stage_units  # noqa: E402
 from megatron_bmw.pipeline.replay import replay  # noqa: E402
-from megatron_bmw.pipeline.schedule import Kind, Schedule  # noqa: E402
+from megatron_bmw.pipeline.schedule import Action, Kind, Schedule  # noqa: E402
 from megatron_bmw.pipeline.stages import hidden_shape  # noqa: E402
 from megatron_bmw.pipeline.trace import Tracer  # noqa: E402
 from megatron_bmw.units import unit_names  # noqa: E402
@@ -130,20 +132,22 @@ class _Spans:
 
 
 def _our_actions(events: list[dict], w0: float) -> list[tuple]:
-    """Per compute action of one traced iteration: (kind, microbatch, chunk, half, start, end, wait), seconds from
-    the iteration's start; `wait` is the wait for its input inside the span (recorded with the same action)."""
+    """Per compute action of one traced iteration: (kind, microbatch, chunk, half, start, end, wait, wait end),
+    seconds from the iteration's start; `wait` is the wait for its input inside the span (recorded with the same
+    action), `wait end` when that input was there (None without a wait)."""
     waits = {}
     for e in events:
         if e["cat"] == "wait":
             a = e["args"]
-            waits[(a["kind"], a["microbatch"], a["chunk"], a["half"])] = e["dur"] / 1e6
+            waits[(a["kind"], a["microbatch"], a["chunk"], a["half"])] = (e["dur"] / 1e6,
+                                                                          (e["ts"] + e["dur"]) / 1e6 - w0)
     out = []
     for e in events:
         if e["cat"] in COMPUTE_CATS:
             a = e["args"]
             key = (a["kind"], a["microbatch"], a["chunk"], a["half"])
             start = e["ts"] / 1e6 - w0
-            out.append((*key, start, start + e["dur"] / 1e6, waits.get(key, 0.0)))
+            out.append((*key, start, start + e["dur"] / 1e6, *waits.get(key, (0.0, None))))
     return out
 
 
@@ -270,12 +274,16 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
             elapsed = time.perf_counter() - t0
             rec = {"elapsed": elapsed}
             if engine is not None:
+                rec["w0"] = w0
                 rec["actions"] = _our_actions(engine.tracer.events, w0)
                 engine.tracer = None
             else:
                 rec["spans"] = [(kind, a - t0, b - t0) for kind, a, b in spans[name].spans]
             records[name].append(rec)
         probes.append(max(before, cpu_probe()))
+        if rank == 0:
+            print(f"  round {r + 1}/{args.warmup + args.iters}{' (warm-up)' if r < args.warmup else ''}: probe "
+                  f"{probes[-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     zero_grads(model.params)
     w = args.warmup
     return {"rank": rank, "checks": checks, "p2p": p2p, "probes": probes[w:],
@@ -303,11 +311,40 @@ def _overhead(acts: list[tuple]) -> float:
     return gaps
 
 
-def simulate_ours(name: str, p: int, m: int, res: list[dict], keep: list[int], p2p_s: float,
+def _action(a: tuple) -> Action:
+    return Action(Kind(a[0]), a[1], a[2], None, a[3])
+
+
+def in_run_latencies(sched: Schedule, per_rank: list[list[dict]], keep: list[int]) -> list[float]:
+    """Transfer latencies seen in the traced iterations: for every action that waited for its input from another
+    rank, the end of that wait minus the end of the producing action (one clock: the ranks share the machine)."""
+    out = []
+    for i in keep:
+        made = {}
+        for q in range(len(per_rank)):
+            rec = per_rank[q][i]
+            for a in rec["actions"]:
+                t = sched.output_tensor(q, _action(a))
+                if t is not None:
+                    made[t] = (q, rec["w0"] + a[5])
+        for q in range(len(per_rank)):
+            rec = per_rank[q][i]
+            for a in rec["actions"]:
+                t = sched.input_tensor(q, _action(a)) if a[7] is not None else None
+                if t is not None and t in made and made[t][0] != q:
+                    out.append(rec["w0"] + a[7] - made[t][1])
+    return out
+
+
+def simulate_ours(name: str, p: int, m: int, res: list[dict], keep: list[int], p2p_s: float | None,
                   statistic=statistics.mean) -> dict:
-    """Measured and simulated iteration time and per-rank bubble of our schedule `name` (see the docstring)."""
+    """Measured and simulated iteration time and per-rank bubble of our schedule `name` (see the docstring);
+    transfers take `p2p_s`, or with None the median latency seen in the run (in_run_latencies)."""
     sched = our_schedule(name, p, m)
     per_rank = [r["records"][name] for r in res]  # [rank][iteration]
+    if p2p_s is None:
+        seen = in_run_latencies(sched, per_rank, keep)
+        p2p_s = median(seen) if seen else 0.0
     iters = [max(per_rank[q][i]["elapsed"] for q in range(p)) for i in keep]
     measured = median(iters)
 
@@ -351,8 +388,10 @@ def simulate_ours(name: str, p: int, m: int, res: list[dict], keep: list[int], p
         own_rep = replay(sched, lambda rank, a: own[(rank, a.kind.value, a.microbatch, a.chunk, a.half)], transfer,
                          record=False)
         own_errors.append((own_rep.makespan - it) / it)
+    tail = median([it - max(max(a[5] for a in per_rank[q][i]["actions"]) for q in range(p))
+                   for i, it in zip(keep, iters)])
     return {"measured_s": measured, "simulated_s": rep.makespan, "error": (rep.makespan - measured) / measured,
-            "own_error": median(own_errors), "measured_bubble": meas_bubble, "simulated_bubble": sim_bubble,
+            "own_error": median(own_errors), "p2p_s": p2p_s, "tail_s": tail, "measured_bubble": meas_bubble, "simulated_bubble": sim_bubble,
             "overhead_s": overhead}
 
 
@@ -392,6 +431,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--statistic", choices=["mean", "median"], default="mean",
                     help="of an action kind's durations (and the overhead per action) for the simulator: the mean "
                     "predicts a sum of durations, the median drops the slow tail other jobs cause")
+    ap.add_argument("--p2p", choices=["in-run", "ping-pong"], default="in-run",
+                    help="the simulator's transfer time: the median latency seen in the traced iterations (a wait's "
+                    "end minus its producer's end), or a ping-pong's between neighbours, measured alone")
     ap.add_argument("--p2p-reps", type=int, default=20, help="ping-pongs per neighbour pair")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args(argv)
@@ -450,25 +492,28 @@ def main(argv=None) -> int:
     print(format_table(["system", "median iteration (ms)", f"ratio vs {ref} (median of rounds)", "quartiles"],
                        rows))
 
-    p2p = median([x for r in res for x in r["p2p"]])
-    print(f"p2p: {p2p * 1e6:.0f} us one way for a hidden-state tensor (median ping-pong over neighbour pairs)")
+    pong = median([x for r in res for x in r["p2p"]])
+    print(f"p2p: {pong * 1e6:.0f} us one way for a hidden-state tensor (median ping-pong between neighbours, "
+          f"alone); the simulator takes {'that' if args.p2p == 'ping-pong' else 'the latency seen in the run'}")
+    p2p = pong if args.p2p == "ping-pong" else None
     ours = [n for n in systems if not n.startswith("torch-")]
     stat = statistics.mean if args.statistic == "mean" else statistics.median
     sims = {name: simulate_ours(name, p, m, res, keep, p2p, stat) for name in ours}
     rows = []
     for name, s in sims.items():
         rows.append([name, s["measured_s"] * 1e3, s["simulated_s"] * 1e3, f"{100 * s['error']:+.1f}%",
-                     f"{100 * s['own_error']:+.1f}%",
+                     f"{100 * s['own_error']:+.1f}%", s["p2p_s"] * 1e3, s["tail_s"] * 1e3,
                      " ".join(f"{100 * x:.0f}" for x in s["measured_bubble"]),
                      " ".join(f"{100 * x:.0f}" for x in s["simulated_bubble"]),
                      " ".join(f"{x * 1e3:.2f}" for x in s["overhead_s"])])
     for name in systems:
         if name.startswith("torch-"):
-            rows.append([name, median([iters[name][i] for i in keep]) * 1e3, "", "", "",
+            rows.append([name, median([iters[name][i] for i in keep]) * 1e3, "", "", "", "", "",
                          " ".join(f"{100 * x:.0f}" for x in torch_bubble(name, p, res, keep)), "", ""])
     print(f"simulator (pipeline/replay.py) with the {args.statistic} compute per (rank, kind, chunk) measured in the "
           "kept rounds, and with each iteration's own durations; bubble = 1 - compute / iteration per rank (%):")
-    print(format_table(["system", "measured (ms)", "simulated (ms)", "error", "error, own durations",
+    print(format_table(["system", "measured (ms)", "simulated (ms)", "error", "error, own durations", "p2p (ms)",
+                        "tail (ms)",
                         "bubble measured", "bubble simulated", "overhead/action (ms)"], rows))
     worst = max(abs(s["error"]) for s in sims.values())
     print(f"target: simulated within 10% of measured for every schedule of ours: "
@@ -477,7 +522,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "checks": checks, "iterations_s": iters,
-                       "kept": keep, "probes_s": probes, "p2p_s": p2p, "simulated": sims}, f, indent=1)
+                       "kept": keep, "probes_s": probes, "ping_pong_s": pong, "simulated": sims}, f, indent=1)
     return 0 if ok else 1
 
 
