@@ -103,6 +103,14 @@ class _Model:
         self.units = build_units(cfg, state, SEED, list(range(n - 1)))
         self.units.update(build_units(cfg, state, SEED, [n - 1]))
         self.params = [p for u in self.units.values() for p in u.parameters() if p.requires_grad]
+        self._chunks: dict[tuple[int, int], ModelChunk] = {}
+
+    def chunk(self, vstage: int, stages: int) -> ModelChunk:
+        """Virtual stage `vstage` of the model split into `stages` (default_partition)."""
+        if (vstage, stages) not in self._chunks:
+            idx = virtual_stage_units(default_partition(self.cfg.num_layers, stages, 1))[vstage]
+            self._chunks[vstage, stages] = ModelChunk({self.names[i]: self.units[self.names[i]] for i in idx})
+        return self._chunks[vstage, stages]
 
     def summed_grads(self) -> torch.Tensor:
         """Every parameter's gradient, flat, summed over the ranks (each unit runs on one rank per system)."""
@@ -184,22 +192,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     micro = make_microbatches(cfg, mbs, m, SEED + 1)
     full = whole_batch(micro)
     shape = hidden_shape(cfg, state, mbs)
-    chunks: dict[tuple[int, int], ModelChunk] = {}
-
-    def chunk(vstage: int, stages: int) -> ModelChunk:
-        if (vstage, stages) not in chunks:
-            parts = default_partition(cfg.num_layers, stages, 1)
-            idx = virtual_stage_units(parts)[vstage]
-            chunks[vstage, stages] = ModelChunk({model.names[i]: model.units[model.names[i]] for i in idx})
-        return chunks[vstage, stages]
-
-    runs, tracers, spans = {}, {}, {}
+    chunk = model.chunk
+    runs, engines, spans = {}, {}, {}
     for name in args.ours:
         sched = our_schedule(name, p, m)
         v = sched.virtual_stages
         engine = PipelineEngine([chunk(sched.stage_of(state.pp_rank, c), p * v) for c in range(v)], state, sched,
                                 shape, cfg.torch_dtype)
-        tracers[name] = engine
+        engines[name] = engine
 
         def run(engine=engine) -> list[float]:
             return engine.run(lambda i: micro[i]).losses
@@ -263,7 +263,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         k = r % len(systems)
         for name in systems[k:] + systems[:k]:
             zero_grads(model.params)
-            engine = tracers.get(name)
+            engine = engines.get(name)
             if engine is not None:
                 engine.tracer = Tracer(state.rank, state.pp_rank)
             if name in spans:
