@@ -34,8 +34,11 @@ end (the engine's tail after it, final send waits and loss reads, is printed apa
 that. torch's bubble is measured the same way from its stages'
 forward_one_chunk / backward_one_chunk / backward_weight_one_chunk spans (its p2p waits lie outside them).
 
-Ranks share cores here (2 cores for 4 ranks, and other jobs): an action's duration depends on how many ranks
-compute beside it, which neither the medians nor the simulator model; the timings are noisy, compare quartiles.
+Where ranks share cores (here 2 cores for 4 ranks, and other jobs), an action's duration depends on how many
+ranks compute beside it, which the simulator does not model (its durations are this run's averages), and a rank's
+bubble is no idle core: the other ranks run on it. A zero-bubble schedule then cannot gain what it gains with a
+core (or an accelerator) per rank, and the ratios show its costs (W passes, more actions and messages) instead.
+The timings are noisy: compare the quartiles, not one run's median.
 
     python benchmarks/zero_bubble.py [--pp 4 --iters 10 --warmup 2 --layers 8 --hidden 256 --seq 128
                                      --micro-batch-size 4 --microbatches 8 --json out.json]
