@@ -4,9 +4,9 @@ A GPT (default 8 layers, hidden 256) split over 2 gloo ranks (one torch thread e
 Both systems run the *same* model chunk objects (same Parameters) on the same micro-batches:
 
   - ours:  PipelineEngine.run over the 1f1b schedule, gradients accumulated in p.grad (no GradSync, like torch);
-  - torch: PipelineStage wrapping a thin adapter around the same chunk + Schedule1F1B. Stage 0's adapter takes
-           the token tensor; the last stage's adapter takes (hidden, labels=, loss_mask=) and returns the chunk's
-           own scalar loss (the very code our engine runs), so loss_fn is the identity and scale_grads=True divides
+  - torch: PipelineStage wrapping the same chunk (benchmarks/pipelining_adapters.py) + Schedule1F1B. Stage 0
+           takes the token tensor; the last stage takes (hidden, labels=, loss_mask=) and returns the chunk's own
+           scalar loss (the very code our engine runs), so loss_fn is the identity and scale_grads=True divides
            the accumulated gradients by m, which equals our engine's loss/m before each backward.
 
 Once, before timing, both systems' per-micro-batch losses and every parameter gradient are compared.
