@@ -69,7 +69,7 @@ from megatron_bmw.pipeline import generators  # noqa: E402
 from megatron_bmw.pipeline.engine import PipelineEngine  # noqa: E402
 from megatron_bmw.pipeline.partition import default_partition, virtual_stage_units  # noqa: E402
 from megatron_bmw.pipeline.replay import replay  # noqa: E402
-from megatron_bmw.pipeline.schedule import Action, Kind, Schedule  # noqa: E402
+from megatron_bmw.pipeline.schedule import COMPUTE_KINDS, Action, Kind, Schedule  # noqa: E402
 from megatron_bmw.pipeline.stages import hidden_shape  # noqa: E402
 from megatron_bmw.pipeline.trace import Tracer  # noqa: E402
 from megatron_bmw.units import unit_names  # noqa: E402
@@ -373,8 +373,8 @@ def simulate_ours(name: str, p: int, m: int, res: list[dict], keep: list[int], p
         return typical[(rank, a.kind.value, a.chunk)] + overhead[rank]
 
     rep = replay(sched, typical_time, transfer, record=False)
-    busy = [sum(typical[(q, a.kind.value, a.chunk)] for a in sched.actions[q]
-                if (q, a.kind.value, a.chunk) in typical and a.kind in _COMPUTE_KINDS) for q in range(p)]
+    busy = [sum(typical[(q, a.kind.value, a.chunk)] for a in sched.actions[q] if a.kind in COMPUTE_KINDS)
+            for q in range(p)]
     sim_bubble = [1 - b / rep.makespan for b in busy]
     meas_bubble = [median([1 - sum(_compute(a) for a in per_rank[q][i]["actions"]) / it for i, it in zip(keep, iters)])
                    for q in range(p)]
@@ -396,9 +396,6 @@ def simulate_ours(name: str, p: int, m: int, res: list[dict], keep: list[int], p
     return {"measured_s": measured, "simulated_s": rep.makespan, "error": (rep.makespan - measured) / measured,
             "own_error": median(own_errors), "p2p_s": p2p_s, "tail_s": tail, "measured_bubble": meas_bubble, "simulated_bubble": sim_bubble,
             "overhead_s": overhead}
-
-
-_COMPUTE_KINDS = {Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT}
 
 
 def torch_bubble(name: str, p: int, res: list[dict], keep: list[int]) -> list[float]:
