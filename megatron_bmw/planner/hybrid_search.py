@@ -60,7 +60,8 @@ class HybridProblem:
     def __init__(self, layout: Layout, model: ModelConfig, cluster: Cluster, profiles: Profiles | None,
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
                  strategies: list[UnitStrategy] | None = None, resolution: int = 512) -> None:
-        self.layout, self.model, self.space, self.memory, self.cluster = layout, model, space, memory, cluster
+        self.layout, self.model, self.space, self.cluster = layout, model, space, cluster
+        self.memory = memory.for_layout(model, 1, layout.dp, layout.pp, layout.mbs, False)
         self.variant = Variant()
         self.resolution = resolution
         lay = layout

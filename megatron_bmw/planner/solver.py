@@ -141,7 +141,8 @@ class LayoutProblem:
     def __init__(self, layout: Layout, variant: Variant, model: ModelConfig, cluster: Cluster, profiles: Profiles,
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
                  uniform: str | None | bool = False) -> None:
-        self.layout, self.variant, self.model, self.space, self.memory = layout, variant, model, space, memory
+        self.layout, self.variant, self.model, self.space = layout, variant, model, space
+        self.memory = memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.mbs, variant.sp)
         self.uniform = uniform  # False: per-unit choices; else this one choice for every transformer unit
         lay = layout
         self.stages = lay.pp * lay.virtual
@@ -205,7 +206,7 @@ class LayoutProblem:
                               for c in allowed[k]] for k in allowed}
         self.saved: list[list[float]] = [kind_saved[k] for k in kinds]
         self.transient: list[list[float]] = [kind_transient[k] for k in kinds]
-        precision = PrecisionConfig(param_bytes=model.dtype_bytes, distributed_optimizer=variant.zero1)
+        precision = memory.precision(model, variant.zero1)
         per_param = precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(lay.dp)
         own_output = model.untie_embeddings_and_output_weights or lay.pp > 1
         self.params = [unit_param_count(k, model, lay.tp, output_weight=own_output) for k in kinds]
@@ -494,7 +495,7 @@ def could_fit(problem: LayoutProblem, zero1: bool) -> bool:
     """Whether any partition could fit, with ZeRO-1 if `zero1`: all ranks together hold the model states and at
     least the fewest micro-batches any rank holds of every unit's smallest saved bytes."""
     lay, ms = problem.layout, problem.memory
-    per_param = PrecisionConfig(problem.model.dtype_bytes, zero1)
+    per_param = problem.memory.precision(problem.model, zero1)
     static = sum(problem.params) * (per_param.param_bytes + per_param.grad_bytes + per_param.optimizer_bytes(lay.dp))
     least = min(max(min(mix) for mix in mixes) for mixes in problem.counts) * sum(min(s) for s in problem.saved)
     room = sum((c - ms.workspace_bytes) / (1 + ms.fragmentation) for c in problem.capacity)
