@@ -6,7 +6,8 @@ Readings of the caching allocator (memory_reserved, memory_allocated, their maxi
                                communicator: (total - free) - reserved, after the steps (kernels load lazily)
   allocator_fraction           max reserved / max allocated - 1 over the steps
   nccl_bytes_per_communicator  in a tensor-parallel worker, what it holds outside the allocator beyond the
-                               context, over its communicators (the default group and the tp group)
+                               context, over its communicators (the default group and the tp group); the
+                               least of the workers (worker 0 shares its GPU with the profiling process)
 Other processes on the same GPU would count as context: profile on an idle device.
 """
 
@@ -34,7 +35,7 @@ def measured_terms(before: dict, after: dict, tp_workers: list[dict] | None = No
            if after["max_allocated"] else 0.0,
            "samples": {"before": before, "after": after}}
     if tp_workers:
-        extra = max(outside_allocator(r) for r in tp_workers) - context
+        extra = min(outside_allocator(r) for r in tp_workers) - context  # rank 0 shares its GPU with this process
         out["nccl_bytes_per_communicator"] = max(0.0, extra / TP_WORKER_COMMUNICATORS)
         out["samples"]["tp_workers"] = tp_workers
     return out

@@ -11,7 +11,7 @@ from megatron_bmw.planner.cuda_allowance import (DerivedAllowance, MeasuredCudaM
                                                  nccl_bytes, nccl_communicators)
 from megatron_bmw.planner.engine import PrecisionConfig
 from megatron_bmw.planner.memory_model import MemorySettings
-from megatron_bmw.planner.profile_data import Profile, Profiles
+from megatron_bmw.planner.profile_data import MODEL_KEYS, Profile, Profiles
 from megatron_bmw.planner_args import memory_settings
 from megatron_bmw.training import cuda_memory
 
@@ -120,15 +120,13 @@ def test_profile_measures_the_terms_from_readings():
     after = cuda_memory.reading(FakeCuda(10 * GiB, 2 * GiB, 10.5 * GiB, 9 * GiB, total - 10 * GiB - 600 * MiB,
                                          total), 0)
     worker = cuda_memory.reading(FakeCuda(4 * GiB, GiB, 4 * GiB, 3 * GiB, total - 4 * GiB - 1000 * MiB, total), 0)
-    terms = cuda_memory.measured_terms(before, after, [worker])
+    busier = cuda_memory.reading(FakeCuda(4 * GiB, GiB, 4 * GiB, 3 * GiB, total - 4 * GiB - 3000 * MiB, total), 0)
+    terms = cuda_memory.measured_terms(before, after, [busier, worker])
     assert terms["context_bytes"] == 600 * MiB
     assert terms["allocator_fraction"] == pytest.approx(10.5 / 9 - 1)
     assert terms["nccl_bytes_per_communicator"] == 400 * MiB / 2
     assert terms["samples"]["after"]["max_reserved"] == 10.5 * GiB
-    prof = Profile(device={"name": "x"}, dtype="bf16", model={"hidden_size": 1}, cuda_memory=terms)
-    back = Profile.from_json({**prof.to_json(), "model": {k: 1 for k in
-                                                          ("hidden_size", "num_attention_heads", "ffn_hidden_size",
-                                                           "seq_length", "vocab_size", "attention_backend",
-                                                           "hidden_dropout", "attention_dropout")}})
+    prof = Profile(device={"name": "x"}, dtype="bf16", model={k: 1 for k in MODEL_KEYS}, cuda_memory=terms)
+    back = Profile.from_json(prof.to_json())
     assert Profiles([back]).measured_cuda_memory() == MeasuredCudaMemory(600 * MiB, 200 * MiB, 10.5 / 9 - 1)
     assert DerivedAllowance().settings(MemorySettings(), MODEL, 1, 1, 1, 1, False).derived is None

@@ -124,3 +124,31 @@ def test_estimate_flags(capsys):
     with pytest.raises(SystemExit) as exc:
         main(base + ["--grad-reduce-in-bf16"])
     assert exc.value.code == 2 and "megatron_bmw accumulates" in capsys.readouterr().err
+
+
+def test_the_search_counts_the_engines_states_and_the_layouts_allowance():
+    from megatron_bmw.planner.cluster import parse_cluster
+    from megatron_bmw.planner.cuda_allowance import DerivedAllowance, allowance_terms
+    from megatron_bmw.planner.memory_model import MemorySettings
+    from megatron_bmw.planner.search import search
+    from megatron_bmw.planner.space import SearchSpace
+
+    model = replace(MODEL, num_layers=4, params_dtype="fp16", vocab_size=256, hidden_dropout=0.0,
+                    attention_dropout=0.0)
+    cluster = parse_cluster({
+        "name": "tiny", "inter_node": {"bandwidth_GBps": 0.5, "latency_us": 50},
+        "device_types": {"d": {"memory_gb": 4, "peak_tflops": {"fp16": 0.05}, "memory_bandwidth_GBps": 20}},
+        "groups": [{"nodes": 1, "gpus_per_node": 2, "device": "d", "intra_node": {"bandwidth_GBps": 2}}]})
+    space = SearchSpace(tp=(1,), pp=(2,), mbs=(1,), schedule=("1f1b",), slicing=(False,), zero1=(False,))
+    got = {}
+    for engine in (EngineConfig(), EngineConfig("megatron-core")):
+        settings = MemorySettings(device="cuda", engine=engine, derived=DerivedAllowance((cluster.groups[0].device,)))
+        best = search(model, 256, 8, 4, cluster, space=space, memory=settings).best
+        got[engine.name] = m = best.evaluation.memory[0]
+        spec = best.spec
+        terms = allowance_terms(cluster.groups[0].device, spec.model, spec.tp, spec.dp, spec.pp, 1, False,
+                                engine.precision("fp16", False))
+        assert m.allowance_bytes == pytest.approx(terms.workspace + terms.fragmentation * (
+            m.static_bytes + m.activation_bytes + m.transient_bytes))
+    ours, core = got["megatron_bmw"], got["megatron-core"]
+    assert core.grads_bytes == ours.grads_bytes / 2 and core.optimizer_bytes == ours.optimizer_bytes * 16 / 12
