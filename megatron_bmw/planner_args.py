@@ -202,16 +202,13 @@ def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None) ->
         workspace = profiles.memory_workspace_bytes / 2**30
     if fragmentation is None and profiles.memory_fragmentation is not None:
         fragmentation = profiles.memory_fragmentation
-    engine = engine_from_args(args)
+    derived = None
     if device == "cuda" and (workspace is None or fragmentation is None):
         devices = tuple({id(g.device): g.device for g in cluster.groups}.values()) if cluster is not None else ()
         derived = DerivedAllowance(devices, profiles.measured_cuda_memory(),
                                    None if workspace is None else workspace * 2**30, fragmentation)
-        settings = MemorySettings(device=device, workspace_bytes=(workspace or 0.0) * 2**30,
-                                  fragmentation=fragmentation or 0.0, engine=engine)
-        return replace(settings, derived=derived)
     return MemorySettings(device=device, workspace_bytes=(workspace or 0.0) * 2**30, fragmentation=fragmentation or 0.0,
-                          engine=engine)
+                          engine=engine_from_args(args), derived=derived)
 
 
 def spec_from_args(args, cluster: Cluster, profiles: Profiles, costs: CostSettings = CostSettings()):
