@@ -50,7 +50,7 @@ DEFAULT_NCCL_CHANNELS = 8
 NCCL_BUFFSIZE = 4 * MiB
 NCCL_P2P_CHANNELS_PER_PEER = 2
 CUBLAS_STREAMS = 2  # the forward's thread and the autograd engine's device thread
-_SMALL, _SMALL_SEGMENT, _MID_SEGMENT, _LARGE, _LARGE_ROUND = MiB, 2 * MiB, 20 * MiB, 10 * MiB, 2 * MiB
+_SMALL, _MID_SEGMENT, _LARGE, _LARGE_ROUND = MiB, 20 * MiB, 10 * MiB, 2 * MiB  # CUDACachingAllocator.cpp
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def segment_tails(counts: dict[int, int]) -> int:
     return sum(r * n for r, n in free.items())
 
 
-def held_tensor_bytes(model: ModelConfig, tp: int, dp: int, pp: int, micro_batch_size: int, sp: bool,
+def held_tensor_bytes(model: ModelConfig, tp: int, pp: int, micro_batch_size: int, sp: bool,
                       precision: PrecisionConfig) -> list[tuple[int, int]]:
     """(bytes, count) of the allocations of the layers of a first pipeline rank at its peak (see term 4)."""
     layers = -(-model.num_layers // pp)
@@ -162,11 +162,10 @@ def held_tensor_bytes(model: ModelConfig, tp: int, dp: int, pp: int, micro_batch
         for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp, None, "cuda"):
             out.append((t.nbytes, pp * layers))
     h, f = model.hidden_size, model.ffn_hidden_size
-    shard = dp if precision.distributed_optimizer else 1
-    per_tensor_optimizer = (precision.optimizer_bytes(1) - (4 if precision.grad_bytes < 4 else 0)) / 4
+    fp32_tensors = round((precision.optimizer_bytes(1) - (4 if precision.grad_bytes < 4 else 0)) / 4)
     for numel in ((model.qkv_rows // tp) * h, h * (h // tp), (model.fc1_rows // tp) * h, h * (f // tp)):
         out.append((numel * precision.param_bytes, layers))
-        out.append((-(-numel // shard) * 4, layers * round(per_tensor_optimizer)))  # fp32 master, moments
+        out.append((numel * 4, layers * fp32_tensors))  # fp32 master copy and moments, a tensor each
     return out
 
 
@@ -199,7 +198,7 @@ def allowance_terms(device: DeviceType | None, model: ModelConfig, tp: int, dp: 
     comms = nccl_communicators(tp, dp, pp, not model.untie_embeddings_and_output_weights)
     fraction = measured.allocator_fraction
     if fraction is None:
-        fraction = allocator_fraction(held_tensor_bytes(model, tp, dp, pp, micro_batch_size, sp, precision))
+        fraction = allocator_fraction(held_tensor_bytes(model, tp, pp, micro_batch_size, sp, precision))
     return AllowanceTerms(context=float(context), cublas=CUBLAS_STREAMS * cublas_workspace_bytes(device),
                           nccl=nccl_bytes(comms, channels, measured.nccl_bytes_per_communicator),
                           fragmentation=fraction, communicators=len(comms))
