@@ -130,3 +130,23 @@ def test_profile_measures_the_terms_from_readings():
     back = Profile.from_json(prof.to_json())
     assert Profiles([back]).measured_cuda_memory() == MeasuredCudaMemory(600 * MiB, 200 * MiB, 10.5 / 9 - 1)
     assert DerivedAllowance().settings(MemorySettings(), MODEL, 1, 1, 1, 1, False).derived is None
+
+
+def test_the_cluster_file_states_the_device_inputs():
+    from megatron_bmw.errors import UsageError
+    from megatron_bmw.planner.cluster import parse_cluster
+
+    def cluster(**extra):
+        return parse_cluster({"name": "c", "inter_node": {"bandwidth_GBps": 1},
+                              "device_types": {"g": {"memory_gb": 40, "peak_tflops": {"bf16": 100}, **extra}},
+                              "groups": [{"nodes": 1, "gpus_per_node": 2, "device": "g",
+                                          "intra_node": {"bandwidth_GBps": 10}}]})
+
+    g = cluster(cuda_context_gb=1.25, compute_capability=9.0, nccl_channels=4).groups[0].device
+    t = allowance_terms(g, MODEL, 2, 1, 1, 1, False, PrecisionConfig(2))
+    # world, tp and model-parallel groups: three 2-rank rings of one peer over 4 channels
+    assert (t.context, t.cublas, t.nccl) == (1.25 * GiB, 2 * 64 * MiB, 3 * 1 * 4 * 4 * MiB)
+    with pytest.raises(UsageError, match="nccl_channels"):
+        cluster(nccl_channels=0)
+    with pytest.raises(UsageError, match="cuda_context_gb"):
+        cluster(cuda_context_gb=-1)
