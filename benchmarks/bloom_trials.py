@@ -20,7 +20,7 @@ slower, measured, the row predicted fastest ran than the fastest measured row (r
 planner's peak (of our runtime, not DeepSpeed's) against the published use and the OOM rows. Nothing here is
 fitted to the measured times.
 
-    python benchmarks/bloom_trials.py [--group "02-25 h14336 L72"] [--json out.json]
+    python benchmarks/bloom_trials.py [--group "02-25 h14336 L72"] [--flat-allowance] [--json out.json]
 """
 
 from __future__ import annotations
@@ -39,13 +39,16 @@ from megatron_bmw.errors import UsageError  # noqa: E402
 from megatron_bmw.planner.accuracy import error_summary  # noqa: E402
 from megatron_bmw.planner.cluster import Cluster, Link, load_cluster  # noqa: E402
 from megatron_bmw.planner.cost_model import CostSettings  # noqa: E402
+from megatron_bmw.planner.cuda_allowance import DerivedAllowance  # noqa: E402
 from megatron_bmw.planner.evaluate import simulate_run, stage_capacity  # noqa: E402
 from megatron_bmw.planner.memory_model import MemorySettings  # noqa: E402
 from megatron_bmw.planner.spec import RunSpec  # noqa: E402
 from megatron_bmw.units import recompute_from_flags  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "bloom_trials.json")
-MEMORY = MemorySettings(device="cuda", workspace_bytes=1.5 * 2**30, fragmentation=0.10)
+# the CUDA allowance derived for A100-80GB (planner/cuda_allowance.py); --flat-allowance: the 1.5 GiB + 10% it replaced
+MEMORY = MemorySettings(device="cuda", derived=DerivedAllowance((load_cluster("a100-80g-ib").groups[0].device,)))
+FLAT = MemorySettings(device="cuda", workspace_bytes=1.5 * 2**30, fragmentation=0.10)
 ROW_KEYS = ("group", "line", "hidden", "layers", "heads", "tp", "pp", "dp", "mbs", "gbs", "nodes", "partition_method",
             "dtype", "measured_s", "oom")
 
@@ -125,13 +128,13 @@ def differing_factor(a: dict, b: dict) -> str | None:
     return differ[0] if len(differ) == 1 else None
 
 
-def evaluate(data: dict, groups: list[str] | None = None) -> dict:
+def evaluate(data: dict, groups: list[str] | None = None, memory: MemorySettings = MEMORY) -> dict:
     setup, costs = data["setup"], CostSettings()
     rows = [dict(r) for r in data["rows"] if groups is None or r["group"] in groups]
     for row in rows:
         spec = run_spec(row, setup)
         cluster = cluster_of(setup, row["nodes"])
-        ev = simulate_run(spec, cluster, None, costs, MEMORY, memory_over_time=False)
+        ev = simulate_run(spec, cluster, None, costs, memory, memory_over_time=False)
         row["predicted_s"] = ev.simulation.iteration_time
         row["predicted_peak_gb"] = max(m.peak_bytes for m in ev.memory) / 1e9
         row["predicted_fits"] = all(m.peak_bytes <= stage_capacity(spec, cluster, s) for s, m in enumerate(ev.memory))
@@ -170,10 +173,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=DATA)
     parser.add_argument("--group", action="append", default=None, help="only this group (repeatable)")
+    parser.add_argument("--flat-allowance", action="store_true", help="1.5 GiB + 10%% instead of the derived allowance")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
-        result = evaluate(load_data(args.data), args.group)
+        result = evaluate(load_data(args.data), args.group, FLAT if args.flat_allowance else MEMORY)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
