@@ -668,6 +668,8 @@ def _unit_strategies(args: argparse.Namespace, world_size: int) -> tuple[str, ..
                      (args.sequence_parallel, "--sequence-parallel"),
                      (args.use_distributed_optimizer, "--use-distributed-optimizer (sharded strategies, sdpN, shard "
                                                       "the optimizer state instead)"),
+                     (args.overlap_param_gather, "--overlap-param-gather (it gathers the distributed optimizer's "
+                                                 "parameters; sharded strategies, sdpN, gather their own)"),
                      (getattr(args, "model_type", "gpt") != "gpt", "a BERT model (hybrid strategies run GPT only)")):
         if bad:
             raise UsageError(f"{flag} cannot be combined with {why}")

@@ -50,6 +50,8 @@ def test_overlap_param_gather_refused_without_the_distributed_optimizer_or_overl
         _flags(["--overlap-param-gather", "--overlap-grad-reduce"])
     with pytest.raises(UsageError, match="^--overlap-param-gather needs --overlap-grad-reduce"):
         _flags(["--overlap-param-gather", "--use-distributed-optimizer"])
+    with pytest.raises(UsageError, match="^--unit-strategies cannot be combined with --overlap-param-gather"):
+        _flags(["--unit-strategies", "dp2", "--overlap-param-gather", "--overlap-grad-reduce"])
     run = _flags(ZERO1 + ["--overlap-param-gather"])
     assert run.optimizer.overlap_param_gather and run.optimizer.use_distributed_optimizer
     data = _plan().to_json()
