@@ -126,10 +126,11 @@ def _overlap_case(rank, world_size, layouts, ckpt):
 
 @pytest.mark.slow
 def test_overlap_param_gather_equals_gathering_at_once_and_serial(tmp_path):
-    """tp2 x dp2 and pp2 x dp2 with ZeRO-1 in several buckets: with --overlap-param-gather the gathers are still
+    """dp4, tp2 x dp2 and pp2 x dp2 with ZeRO-1 in several buckets: with --overlap-param-gather the gathers are still
     running after each step and the next forward completes them; losses, grad norms, every parameter after each
     step and a checkpoint saved right after a step equal those of the run gathering at once, and the serial run."""
-    layouts = {"tp2-dp2": ["--tensor-model-parallel-size", "2"], "pp2-dp2": ["--pipeline-model-parallel-size", "2"]}
+    layouts = {"dp4": [], "tp2-dp2": ["--tensor-model-parallel-size", "2"],
+               "pp2-dp2": ["--pipeline-model-parallel-size", "2"]}
     serial = run_distributed(1, _layouts_case, [])[0]
     per_rank = run_distributed(4, _overlap_case, layouts, str(tmp_path))
     for name in layouts:
