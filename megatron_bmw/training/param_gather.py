@@ -3,9 +3,10 @@
 The trainable parameters are laid end to end in forward order and cut into buckets of whole parameters (each at
 least `bucket_size` elements but the last), each padded to a multiple of the DP size. DP rank r owns the r-th
 1/dp of every bucket; its shard is those ranges end to end. After a step each bucket is all-gathered from the
-shards: at once, or (`--overlap-param-gather`) launched asynchronously, each completed and copied into the model
-by a forward pre-hook of the first module that owns one of its parameters, or by `finish()`, so the gather of
-later buckets runs during the next iteration's forward. With one bucket (a model under `bucket_size`) rank r
+shards straight into the parameters, which are views of one buffer per bucket (as Megatron-core's parameter
+buffer): at once, or (`--overlap-param-gather`) launched asynchronously, each waited for by a forward pre-hook of
+the first module that owns one of its parameters, or by `finish()`, so the gather of later buckets runs during
+the next iteration's forward. (Parameters of mixed dtypes keep their own storage and are copied in instead.) With one bucket (a model under `bucket_size`) rank r
 owns the contiguous range [r*S, (r+1)*S) of all parameters.
 """
 
@@ -80,13 +81,31 @@ class ParamGather:
         self.overlap = overlap
         self._pending: dict[int, tuple] = {}  # bucket -> (work, gathered buffer, input kept alive)
         self._handles: list = []
+        self._buffers = self._bucket_buffers() if len({p.dtype for p in params}) == 1 else None
+
+    @torch.no_grad()
+    def _bucket_buffers(self) -> list[torch.Tensor]:
+        """One flat buffer per bucket; each parameter becomes a view of its own (its values kept)."""
+        buffers = []
+        for bucket in self.layout.buckets:
+            first = self.params[bucket.params[0]]
+            buf = torch.zeros(bucket.size, dtype=first.dtype, device=first.device)
+            for i in bucket.params:
+                p, a = self.params[i], self.layout.offsets[i] - bucket.start
+                view = buf[a: a + p.numel()].view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+            buffers.append(buf)
+        return buffers
 
     def publish(self, shard: torch.Tensor) -> None:
         """Gather every bucket of this step's shard (in forward order) into the parameters, or launch it."""
         self.finish()
         for b, bucket in enumerate(self.layout.buckets):
             part = shard[bucket.shard_offset: bucket.shard_offset + bucket.size // self.layout.dp]
-            out, work = _all_gather(part, self.group, async_op=self.overlap)
+            out = self._buffers[b] if self._buffers is not None else \
+                torch.empty(bucket.size, dtype=shard.dtype, device=shard.device)
+            work = _all_gather(part, out, self.group, async_op=self.overlap)
             if work is None:
                 self._copy_in(b, out)
             else:
@@ -110,6 +129,8 @@ class ParamGather:
 
     @torch.no_grad()
     def _copy_in(self, b: int, gathered: torch.Tensor) -> None:
+        if self._buffers is not None:  # gathered into the parameters themselves
+            return
         bucket = self.layout.buckets[b]
         for i in bucket.params:
             a = self.layout.offsets[i] - bucket.start
@@ -146,14 +167,14 @@ def _waiter(gather: ParamGather, buckets: tuple[int, ...]):
     return pre_hook
 
 
-def _all_gather(part: torch.Tensor, group, async_op: bool) -> tuple[torch.Tensor, object | None]:
-    """(the concatenation of every rank's `part`, the pending work or None when done)."""
+def _all_gather(part: torch.Tensor, out: torch.Tensor, group, async_op: bool):
+    """Every rank's `part` end to end into `out`; the pending work, or None when done."""
     n = group_size(group)
     if n == 1:
-        return part, None
-    out = torch.empty(n * part.numel(), dtype=part.dtype, device=part.device)
+        out.copy_(part)
+        return None
     if dist.get_backend(group) == "nccl":
         work = dist.all_gather_into_tensor(out, part, group=group, async_op=async_op)
     else:
         work = dist.all_gather(list(out.chunk(n)), part, group=group, async_op=async_op)
-    return out, work if async_op else None
+    return work if async_op else None

@@ -82,23 +82,36 @@ def _trainer(argv, world_size):
 
 
 def _steps(trainer, iterations):
-    """(loss, grad norm, the parameters the next forward used) per iteration: the parameters are taken when the
-    chunk's forward has run, so they are what its modules' pre-hooks completed."""
+    """(the parameters the next forward used, per iteration; whether gathers were running after each step; the
+    modules whose forward began with a gather of their parameters still running): the parameters are taken when
+    the chunk's forward has run, so they are what its modules' pre-hooks completed."""
     (chunk,) = trainer.chunks
-    taken = []
+    gather, index = trainer.optimizer._gather, {id(p): i for i, p in enumerate(trainer.optimizer.params)}
+    taken, early = [], []
 
     def after_forward(module, args, out):
         if len(taken) < len(trainer.history):
             taken.append([p.detach().clone() for _, p in trainer.named_params])
 
-    handle = chunk.register_forward_hook(after_forward)
+    def check(name, buckets):
+        def pre_hook(module, args):  # registered after the optimizer's own: sees what it left
+            if any(b in gather._pending for b in buckets):
+                early.append(name)
+        return pre_hook
+
+    handles = [chunk.register_forward_hook(after_forward)]
+    for name, m in chunk.named_modules():
+        mine = {gather.layout.bucket_of[index[id(p)]] for p in m.parameters(recurse=False)}
+        if mine:
+            handles.append(m.register_forward_pre_hook(check(name, mine)))
     pending = []
     for _ in range(iterations):
         it = trainer.train_step()
         trainer.history.append((trainer.iteration, it.loss, it.step.grad_norm))
-        pending.append(trainer.optimizer._gather.pending)
-    handle.remove()
-    return taken, pending
+        pending.append(gather.pending)
+    for h in handles:
+        h.remove()
+    return taken, pending, early
 
 
 def _overlap_case(rank, world_size, layouts, ckpt):
@@ -111,7 +124,8 @@ def _overlap_case(rank, world_size, layouts, ckpt):
                            "--vocab-size", "128", "--save", where] + ZERO1 + layout
             trainer = _trainer(argv + (["--overlap-param-gather"] if overlap else []), world_size)
             assert len(trainer.optimizer._layout.buckets) > 2
-            taken, pending = _steps(trainer, 3)
+            taken, pending, early = _steps(trainer, 3)
+            assert not early, (name, early[:3])
             trainer.save()  # right after the step: with overlap its gathers are still running
             taken.append([p.detach().clone() for _, p in trainer.named_params])
             results[overlap] = (trainer.history, taken, pending, where)
