@@ -20,7 +20,7 @@ from .units import num_units, parse_recompute, recompute_from_flags, unit_layer,
 IGNORED_KERNEL_FLAGS = {
     "--no-masked-softmax-fusion": 0, "--no-bias-gelu-fusion": 0, "--no-bias-dropout-fusion": 0,
     "--no-gradient-accumulation-fusion": 0, "--no-async-tensor-model-parallel-allreduce": 0,
-    "--use-mcore-models": 0, "--use-legacy-models": 0, "--overlap-param-gather": 0, "--no-persist-layer-norm": 0,
+    "--use-mcore-models": 0, "--use-legacy-models": 0, "--no-persist-layer-norm": 0,
     "--transformer-impl": 1, "--accumulate-allreduce-grads-in-fp32": 0, "--empty-unused-memory-level": 1,
     "--num-workers": 1, "--data-impl": 1, "--cross-entropy-loss-fusion": 0, "--manual-gc": 0,
     "--manual-gc-interval": 1, "--no-create-attention-mask-in-dataloader": 0, "--no-mmap-bin-files": 0,
@@ -136,6 +136,8 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1, help="1 only (no context parallelism)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: all-gather the updated parameters during the next forward")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--pipeline-partition", type=str, default=None,
@@ -541,7 +543,8 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
                          "--attention-dropout 0 (with dropout its gradients do not yet equal 1F1B's)")
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
                      **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
-                                         args.use_distributed_optimizer, args.overlap_grad_reduce))
+                                         args.use_distributed_optimizer, args.overlap_grad_reduce,
+                                         args.overlap_param_gather))
 
 
 def llama_settings(args) -> dict:
@@ -571,9 +574,11 @@ def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
 
 
 def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool, bf16: bool,
-                      distributed_optimizer: bool, overlap_grad_reduce: bool) -> dict:
+                      distributed_optimizer: bool, overlap_grad_reduce: bool, overlap_param_gather: bool) -> dict:
     """The parts of a run no plan decides: training, optimizer, LR schedule and data."""
     gbs = batches.global_batch_size
+    if overlap_param_gather and distributed_optimizer and not overlap_grad_reduce:
+        raise UsageError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
     train = TrainConfig(
         global_batch_size=gbs, train_iters=train_iters, seed=args.seed, pipeline_trace=args.pipeline_trace,
         overlap_grad_reduce=overlap_grad_reduce, eod_mask_loss=args.eod_mask_loss,
@@ -596,7 +601,7 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, fp16=fp16,
         bf16=bf16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        use_distributed_optimizer=distributed_optimizer,
+        use_distributed_optimizer=distributed_optimizer, overlap_param_gather=overlap_param_gather,
     )
     lr = LRConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
                   lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
@@ -640,7 +645,7 @@ def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> R
     batches = BatchSchedule(plan.global_batch_size)
     dtype = s.model.params_dtype
     rest = _training_configs(args, batches, _training_length(args, batches), dtype == "fp16", dtype == "bf16",
-                             s.distributed_optimizer, s.overlap_grad_reduce)
+                             s.distributed_optimizer, s.overlap_grad_reduce, s.overlap_param_gather)
     if rest["data"].vocab_size is None and vocab_size is None:  # --mock-data sized by the plan's vocabulary
         rest["data"] = replace(rest["data"], vocab_size=orig_vocab)
     return RunConfig(model=s.model, parallel=parallel, pipeline=s.pipeline, orig_vocab_size=orig_vocab, **rest)
@@ -663,6 +668,8 @@ def _unit_strategies(args: argparse.Namespace, world_size: int) -> tuple[str, ..
                      (args.sequence_parallel, "--sequence-parallel"),
                      (args.use_distributed_optimizer, "--use-distributed-optimizer (sharded strategies, sdpN, shard "
                                                       "the optimizer state instead)"),
+                     (args.overlap_param_gather, "--overlap-param-gather (it gathers the distributed optimizer's "
+                                                 "parameters; sharded strategies, sdpN, gather their own)"),
                      (getattr(args, "model_type", "gpt") != "gpt", "a BERT model (hybrid strategies run GPT only)")):
         if bad:
             raise UsageError(f"{flag} cannot be combined with {why}")
@@ -728,6 +735,7 @@ def plan_flags(plan) -> dict[str, object]:
         "recompute_units": ",".join(x or "none" for x in pl.unit_recompute(m.num_units)),
         "bpipe": pl.bpipe, "microbatch_slicing": str(pl.slicing),
         "use_distributed_optimizer": s.distributed_optimizer, "overlap_grad_reduce": s.overlap_grad_reduce,
+        "overlap_param_gather": s.overlap_param_gather,
         "unit_strategies": ",".join(s.unit_strategies) if s.unit_strategies else None,
     }
 

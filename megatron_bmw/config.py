@@ -438,10 +438,15 @@ class OptimizerConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     use_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False  # the ZeRO-1 parameter all-gather runs during the next forward
+    param_bucket_size: int = 40_000_000  # elements per ZeRO-1 gather bucket (no flag; as GradSync's buckets)
 
     def __post_init__(self) -> None:
         if self.fp16 and self.bf16:
             raise UsageError("--fp16 and --bf16 are mutually exclusive")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise UsageError("--overlap-param-gather is only supported with the distributed optimizer "
+                             "(give --use-distributed-optimizer)")
         _check_lr(self.lr, self.min_lr)
         if self.weight_decay < 0:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")

@@ -53,7 +53,8 @@ class Plan:
                          **({"unit_strategies": list(s.unit_strategies)} if s.unit_strategies else {})},
             "pipeline": s.pipeline.to_json(),
             "training": {"global_batch_size": self.global_batch_size, "distributed_optimizer": s.distributed_optimizer,
-                         "overlap_grad_reduce": s.overlap_grad_reduce, **self.engine.to_json()},
+                         "overlap_grad_reduce": s.overlap_grad_reduce, "overlap_param_gather": s.overlap_param_gather,
+                         **self.engine.to_json()},
             "devices": list(self.devices), "cluster": self.cluster, "profiles": self.profiles,
             "prediction": self.prediction, "search": self.search,
         }
@@ -81,6 +82,7 @@ class Plan:
                        rank_order=par.get("rank_order", "tp-dp-pp"),
                        distributed_optimizer=tr.get("distributed_optimizer", False),
                        overlap_grad_reduce=tr.get("overlap_grad_reduce", False),
+                       overlap_param_gather=tr.get("overlap_param_gather", False),
                        unit_strategies=par.get("unit_strategies"))
         gbs = tr["global_batch_size"]
         return cls(spec=spec, global_batch_size=gbs, orig_vocab_size=data.get("orig_vocab_size"),

@@ -95,8 +95,8 @@ _SECTIONS = {
          "training", "devices", "cluster", "profiles", "prediction", "search"),
     "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                  "sequence_parallel", "rank_order", "unit_strategies"),
-    "training": ("global_batch_size", "distributed_optimizer", "overlap_grad_reduce", "engine",
-                 "accumulate_allreduce_grads_in_fp32"),
+    "training": ("global_batch_size", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+                 "engine", "accumulate_allreduce_grads_in_fp32"),
 }
 
 
@@ -128,8 +128,10 @@ def check_plan_fields(data: dict, where: str) -> None:
     _check_vocab(f, data, model, tp)
     _check_pipeline(f, pipeline, model["num_layers"], pp)
     gbs = f.integer(training, "global_batch_size", "training.global_batch_size", 1)
-    f.boolean(training, "distributed_optimizer", "training.distributed_optimizer", False)
-    f.boolean(training, "overlap_grad_reduce", "training.overlap_grad_reduce", False)
+    zero1 = f.boolean(training, "distributed_optimizer", "training.distributed_optimizer", False)
+    overlapped = f.boolean(training, "overlap_grad_reduce", "training.overlap_grad_reduce", False)
+    if f.boolean(training, "overlap_param_gather", "training.overlap_param_gather", False) and not (zero1 and overlapped):
+        f.fail("training.overlap_param_gather", "needs training.distributed_optimizer and training.overlap_grad_reduce")
     _check_engine(f, training)
     if gbs != dp * pipeline["micro_batch_size"] * pipeline["num_microbatches"]:
         f.fail("training.global_batch_size", f"{gbs} is not parallel.data_parallel_size {dp} x "

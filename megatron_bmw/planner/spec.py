@@ -80,4 +80,5 @@ def spec_from_run_config(cfg: RunConfig, world_size: int) -> RunSpec:
                    dp=par.data_parallel_size(world_size), pipeline=cfg.pipeline,
                    sequence_parallel=par.sequence_parallel, rank_order=par.rank_order,
                    distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                   overlap_grad_reduce=cfg.train.overlap_grad_reduce, unit_strategies=par.unit_strategies)
+                   overlap_grad_reduce=cfg.train.overlap_grad_reduce,
+                   overlap_param_gather=cfg.optimizer.overlap_param_gather, unit_strategies=par.unit_strategies)
