@@ -12,13 +12,7 @@ from .schedule import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule, gc_paus
 from .zero_bubble import list_schedule, zb_h2_budgets, zbv_order
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
-# where each schedule puts the virtual stages (schedule.PLACEMENTS) and, where fixed, its chunks per rank
-PLACEMENT = {"zbv": "v"}
-CHUNKS = {"zbv": 2}
-
-
-def placement_of(name: str) -> str:
-    return PLACEMENT.get(name, "interleaved")
+CHUNKS = {"zbv": 2}  # model chunks per rank, where a schedule fixes them
 
 
 def _check_sizes(p: int, m: int, v: int = 1) -> None:

@@ -193,3 +193,37 @@ def test_zb_h1_defers_linear_weight_gradients_to_w():
     assert all(seen["W0.0"][n] > 0 for n in linear)
     for name, p in params.items():
         torch.testing.assert_close(p.main_grad, ref_grads[reference_name(name, cfg)], **TOL)
+
+
+def _run_cases(rank, world_size, cases):
+    """Several (case, reference) pairs in one call of the pool: the zero-bubble cases below."""
+    return [_run_case(rank, world_size, *case, False, ref_loss, ref_grads) for case, ref_loss, ref_grads in cases]
+
+
+# (tp, pp, v, schedule, partition, m, overrides): zb-h2 and zbv with sub-layer cuts and per-unit recomputation;
+# zbv's m need not be a multiple of pp, and its rank 0 holds the embedding and the head (one tied Parameter)
+ZB_CASES = {
+    2: [(1, 2, 1, "zb-h2", "4,6", 4, {"num_layers": 4, "_recompute": MIXED}),
+        (1, 2, 2, "zbv", "2,3,2,3", 3, {"num_layers": 4, "_recompute": MIXED})],
+    4: [(1, 4, 1, "zb-h2", "2,3,2,3", 6, {"num_layers": 4, "_recompute": MIXED}),
+        (1, 4, 2, "zbv", "2,1,1,1,1,1,1,2", 5, {"num_layers": 4, "_recompute": MIXED}),
+        (2, 2, 1, "zb-h2", "5,5", 3, {"num_layers": 4, "_sp": True, "_recompute": MIXED}),
+        (2, 2, 2, "zbv", "3,2,2,3", 3, {"num_layers": 4, "_sp": True, "_recompute": MIXED})],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ws", sorted(ZB_CASES))
+def test_zero_bubble_schedules_equal_serial(ws):
+    cases = []
+    for tp, pp, v, schedule, partition, m, overrides in ZB_CASES[ws]:
+        clean = {k: val for k, val in overrides.items() if not k.startswith("_")}
+        ref_loss, ref_grads, _ = serial_reference(small_config(**clean), _micro(small_config(**clean), m, ws // (tp * pp)))
+        cases.append(((tp, pp, v, schedule, partition, m, overrides), ref_loss, ref_grads))
+    names = run_distributed(ws, _run_cases, cases)
+    for i, (tp, pp, v, schedule, partition, m, overrides) in enumerate(ZB_CASES[ws]):
+        clean = {k: val for k, val in overrides.items() if not k.startswith("_")}
+        expected = _cfg_names(clean)
+        if schedule != "zbv" and not clean.get("untie_embeddings_and_output_weights"):
+            expected.add("units.head.output_weight")  # the last rank's copy of the tied embedding
+        assert {n for rank_names in names for n in rank_names[i]} == expected, (schedule, partition)
