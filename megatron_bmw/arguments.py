@@ -553,10 +553,6 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         openai_gelu=getattr(args, "openai_gelu", False), **llama_settings(args),
     )
     _check_layout(model, parallel)
-    if pipeline.schedule in ZERO_BUBBLE and any(pipeline.recompute or ()) and \
-            (model.hidden_dropout > 0 or model.attention_dropout > 0):
-        raise UsageError(f"--pipeline-schedule {pipeline.schedule} with recomputation needs --hidden-dropout 0 and "
-                         "--attention-dropout 0 (with dropout its gradients do not yet equal 1F1B's)")
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
                      **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
                                          args.use_distributed_optimizer, args.overlap_grad_reduce))
