@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 
 from .config import (NORMALIZATIONS, BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig,
-                     ParallelConfig, PipelineConfig, RunConfig, TrainConfig)
+                     ParallelConfig, PipelineConfig, RunConfig, TrainConfig, ZERO_BUBBLE)
 from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
 from .pipeline.partition import parse_partition, rank_chunks
@@ -142,7 +142,8 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--pipeline-partition", type=str, default=None,
                    help="units per (virtual) pipeline stage, e.g. 3,4,4,3; units are [embedding, attn_0, mlp_0, ..., head]")
-    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "zb-h1"], default="1f1b")
+    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "zb-h1", "zb-h2", "zbv"], default="1f1b",
+                   help="zero-bubble: zb-h1, zb-h2 (more warm-up forwards), zbv (two chunks per rank in a V)")
     g.add_argument("--pipeline-trace", type=str, default=None, help="write a Chrome trace of the pipeline actions")
     g.add_argument("--gpus-per-node", type=int, default=None,
                    help="node size for rank placement (default: the local world size)")
@@ -329,6 +330,8 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
 
 def _virtual_stages(args) -> int:
     pp = args.pipeline_model_parallel_size
+    if args.pipeline_schedule == "zbv":
+        return _zbv_chunks(args)
     if args.virtual_pipeline_model_parallel_size is not None:
         v = args.virtual_pipeline_model_parallel_size
         if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -357,6 +360,19 @@ def _virtual_stages(args) -> int:
         raise UsageError(f"--pipeline-schedule {args.pipeline_schedule} cannot interleave; drop "
                          "--num-layers-per-virtual-pipeline-stage or use 1f1b")
     return virtual
+
+
+def _zbv_chunks(args) -> int:
+    """zbv holds two model chunks per rank: the virtual-stage flags may only say the same."""
+    v, per = args.virtual_pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    if v is not None and v != 2:
+        raise UsageError(f"--virtual-pipeline-model-parallel-size {v}: --pipeline-schedule zbv holds 2 model chunks "
+                         "per rank")
+    if per is not None and per * 2 * args.pipeline_model_parallel_size != args.num_layers:
+        raise UsageError(f"--num-layers-per-virtual-pipeline-stage {per}: --pipeline-schedule zbv has 2 x "
+                         f"--pipeline-model-parallel-size virtual stages, so it must be --num-layers / "
+                         f"{2 * args.pipeline_model_parallel_size} or left out")
+    return 2
 
 
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
@@ -411,7 +427,7 @@ def _check_varying_batch(args, sizes: list[int], mb: int, dp: int, pp: int, virt
         if size % (mb * dp):
             raise UsageError(f"{flag}: global batch {size} is not divisible by --micro-batch-size {mb} x "
                              f"data-parallel size {dp}")
-        if virtual > 1 and (size // (mb * dp)) % pp:
+        if virtual > 1 and args.pipeline_schedule != "zbv" and (size // (mb * dp)) % pp:
             raise UsageError(f"{flag}: global batch {size} gives {size // (mb * dp)} micro-batches, not a multiple "
                              f"of --pipeline-model-parallel-size {pp} as the interleaved schedule needs")
     if len(sizes) > 1 and args.plan:
@@ -450,14 +466,15 @@ def pipeline_config_from_args(args: argparse.Namespace, dp: int, global_batch_si
             f"size {dp}"
         )
     m = global_batch_size // (mb * dp)
-    if virtual > 1 and m % pp:
+    if virtual > 1 and args.pipeline_schedule != "zbv" and m % pp:
         raise UsageError(f"--global-batch-size {global_batch_size} gives {m} micro-batches per iteration; the "
                          f"interleaved schedule needs a multiple of --pipeline-model-parallel-size {pp}")
     slicing = parse_slicing(args.microbatch_slicing)
     check_slicing(slicing, mb, m)
     _check_varying_batch(args, batch_sizes or [global_batch_size], mb, dp, pp, virtual, slicing)
     partition = parse_partition(args.pipeline_partition, args.num_layers, pp, virtual)
-    stage_units = [[i for c in rank_chunks(partition, pp, r) for i in c] for r in range(pp)]
+    placement = "v" if args.pipeline_schedule == "zbv" else "interleaved"
+    stage_units = [[i for c in rank_chunks(partition, pp, r, placement) for i in c] for r in range(pp)]
     _check_recompute_block(args, stage_units)
     granularity = "selective" if args.recompute_activations else args.recompute_granularity
     if args.recompute_units is not None:
@@ -512,8 +529,9 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     batches = batch_schedule_from_args(args, args.micro_batch_size * dp)
     gbs = batches.global_batch_size
     pipeline = pipeline_config_from_args(args, dp, gbs, batches.sizes())
-    if pipeline.schedule == "zb-h1" and parallel.unit_strategies:
-        raise UsageError("--pipeline-schedule zb-h1 does not combine with --unit-strategies (not supported yet)")
+    if pipeline.schedule in ZERO_BUBBLE and parallel.unit_strategies:
+        raise UsageError(f"--pipeline-schedule {pipeline.schedule} does not combine with --unit-strategies "
+                         "(not supported yet)")
     train_iters = _training_length(args, batches)
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
@@ -537,10 +555,6 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         openai_gelu=getattr(args, "openai_gelu", False), **llama_settings(args),
     )
     _check_layout(model, parallel)
-    if pipeline.schedule == "zb-h1" and any(pipeline.recompute or ()) and \
-            (model.hidden_dropout > 0 or model.attention_dropout > 0):
-        raise UsageError("--pipeline-schedule zb-h1 with recomputation needs --hidden-dropout 0 and "
-                         "--attention-dropout 0 (with dropout its gradients do not yet equal 1F1B's)")
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
                      **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
                                          args.use_distributed_optimizer, args.overlap_grad_reduce,
@@ -729,7 +743,7 @@ def plan_flags(plan) -> dict[str, object]:
         "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
         "micro_batch_size": pl.micro_batch_size, "global_batch_size": plan.global_batch_size,
-        "pipeline_schedule": pl.schedule if pl.schedule in ("gpipe", "zb-h1") else "1f1b",
+        "pipeline_schedule": pl.schedule if pl.schedule in ("gpipe", *ZERO_BUBBLE) else "1f1b",
         "virtual_pipeline_model_parallel_size": pl.virtual_stages,
         "pipeline_partition": ",".join(map(str, pl.partition)),
         "recompute_units": ",".join(x or "none" for x in pl.unit_recompute(m.num_units)),

@@ -413,13 +413,14 @@ class StageLayout:
     micro_batch_size: int
     partition: tuple[int, ...]  # units per virtual stage
     recompute: tuple[str | None, ...] | None = None  # per unit of the model (PipelineConfig.recompute)
+    placement: str = "interleaved"  # where the virtual stages sit (PipelineConfig.placement)
 
     def unit_recompute(self, index: int) -> str | None:
         return self.recompute[index] if self.recompute is not None else None
 
 
 def chunk_unit_indices(layout: StageLayout, rank: int) -> list[list[int]]:
-    return rank_chunks(list(layout.partition), layout.pp, rank)
+    return rank_chunks(list(layout.partition), layout.pp, rank, layout.placement)
 
 
 def chunk_units(layout: StageLayout, model: ModelConfig, rank: int) -> list[list[str]]:

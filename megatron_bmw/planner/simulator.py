@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..pipeline.holding import bytes_size, holding_events
 from ..pipeline.replay import CompiledSchedule, compile_schedule, replay
-from ..pipeline.schedule import Action, Kind, Schedule, gc_paused
+from ..pipeline.schedule import COMPUTE_KINDS, GRAD_KINDS, Action, Kind, Schedule, gc_paused
 from .overlap import RankSpans
 
 _EPS = 1e-12
@@ -91,7 +91,8 @@ def simulate(
 
 def _analyse(sched, rep, chunk_bytes, static_bytes, finish, record_transfers) -> Simulation:
     p = sched.num_stages
-    computes = [[x for x in line if x[0].kind is _F or x[0].kind is _B] for line in rep.timeline]
+    # every compute, a zero-bubble schedule's B and W included: replay's causes index them all
+    computes = [[x for x in line if x[0].kind in COMPUTE_KINDS] for line in rep.timeline]
     ends = [max([acts[-1][2] if acts else 0.0] + [x[2] for x in rep.moves[r]]) for r, acts in enumerate(computes)]
     pipeline_time = max(ends) if ends else 0.0
     fin = finish(ends, [_spans(line, sched.virtual_stages, end) for line, end in zip(rep.timeline, ends)]) \
@@ -158,7 +159,7 @@ def _critical_path(computes, causes) -> list[tuple[int, int]]:
 
 def _steady(acts: list[tuple[Action, float, float]]) -> set[int]:
     """Compute indices of the steady phase: from the forward before the first backward to the last forward."""
-    first_b = next((i for i, x in enumerate(acts) if x[0].kind is _B), None)
+    first_b = next((i for i, x in enumerate(acts) if x[0].kind in GRAD_KINDS), None)
     last_f = max((i for i, x in enumerate(acts) if x[0].kind is _F), default=None)
     if first_b is None or last_f is None or last_f < first_b:
         return set()

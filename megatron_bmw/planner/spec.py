@@ -60,7 +60,8 @@ class RunSpec:
 
     def stage_layout(self) -> StageLayout:
         pl = self.pipeline
-        return StageLayout(self.tp, self.dp, self.pp, self.sp, pl.micro_batch_size, pl.partition, pl.recompute)
+        return StageLayout(self.tp, self.dp, self.pp, self.sp, pl.micro_batch_size, pl.partition, pl.recompute,
+                           pl.placement)
 
     def rank_layout(self) -> RankLayout:
         return RankLayout(self.tp, self.dp, self.pp, self.rank_order)

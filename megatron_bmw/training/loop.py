@@ -373,10 +373,11 @@ class Trainer:
         st = self.state
         t = torch.zeros(2, dtype=torch.float32, device=st.device)
         reported = drain_reported(self.chunks)
-        if st.is_last_stage and reported is not None:
+        src = st.pp_ranks[self.engine.schedule.loss_rank]  # where the head runs
+        if st.rank == src and reported is not None:
             t += reported.float().to(st.device) / m
         if st.pp_group is not None:
-            dist.broadcast(t, src=st.pp_ranks[-1], group=st.pp_group)
+            dist.broadcast(t, src=src, group=st.pp_group)
         if st.dp_group is not None:
             dist.all_reduce(t, group=st.dp_group)
             t /= st.dp_size
