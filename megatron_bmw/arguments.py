@@ -510,8 +510,6 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     batches = batch_schedule_from_args(args, args.micro_batch_size * dp)
     gbs = batches.global_batch_size
     pipeline = pipeline_config_from_args(args, dp, gbs, batches.sizes())
-    if pipeline.schedule == "zb-h1" and parallel.unit_strategies:
-        raise UsageError("--pipeline-schedule zb-h1 does not combine with --unit-strategies (not supported yet)")
     train_iters = _training_length(args, batches)
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
@@ -535,10 +533,7 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         openai_gelu=getattr(args, "openai_gelu", False), **llama_settings(args),
     )
     _check_layout(model, parallel)
-    if pipeline.schedule == "zb-h1" and any(pipeline.recompute or ()) and \
-            (model.hidden_dropout > 0 or model.attention_dropout > 0):
-        raise UsageError("--pipeline-schedule zb-h1 with recomputation needs --hidden-dropout 0 and "
-                         "--attention-dropout 0 (with dropout its gradients do not yet equal 1F1B's)")
+    _check_split_backward(pipeline, parallel, model)
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
                      **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
                                          args.use_distributed_optimizer, args.overlap_grad_reduce))
@@ -609,6 +604,20 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
     return dict(train=train, optimizer=optimizer, lr=lr, data=data_config_from_args(args))
 
 
+def _check_split_backward(pipeline: PipelineConfig, parallel: ParallelConfig, model: ModelConfig) -> None:
+    """What a zero-bubble schedule (backwards split into B and W) does not combine with yet."""
+    from .planner.space import zero_bubble
+
+    name = pipeline.schedule
+    if not zero_bubble(name):
+        return
+    if parallel.unit_strategies:
+        raise UsageError(f"--pipeline-schedule {name} does not combine with --unit-strategies (not supported yet)")
+    if any(pipeline.recompute or ()) and (model.hidden_dropout > 0 or model.attention_dropout > 0):
+        raise UsageError(f"--pipeline-schedule {name} with recomputation needs --hidden-dropout 0 and "
+                         "--attention-dropout 0 (with dropout its gradients do not yet equal 1F1B's)")
+
+
 def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> RunConfig:
     """The run of a plan: its model, degrees and pipeline as they are; training flags around them."""
     s = plan.spec
@@ -632,6 +641,7 @@ def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> R
         raise UsageError(f"--plan {args.plan}: planned for a {s.model.model_type.upper()} model, this run trains a "
                          f"{getattr(args, 'model_type', 'gpt').upper()}")
     _check_layout(s.model, parallel)
+    _check_split_backward(s.pipeline, parallel, s.model)
     pl = s.pipeline
     check_slicing(pl.slicing, pl.micro_batch_size, pl.num_microbatches)
     if s.unit_strategies:
@@ -722,7 +732,7 @@ def plan_flags(plan) -> dict[str, object]:
         "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
         "micro_batch_size": pl.micro_batch_size, "global_batch_size": plan.global_batch_size,
-        "pipeline_schedule": pl.schedule if pl.schedule in ("gpipe", "zb-h1") else "1f1b",
+        "pipeline_schedule": "1f1b" if pl.schedule == "interleaved" else pl.schedule,
         "virtual_pipeline_model_parallel_size": pl.virtual_stages,
         "pipeline_partition": ",".join(map(str, pl.partition)),
         "recompute_units": ",".join(x or "none" for x in pl.unit_recompute(m.num_units)),
