@@ -13,6 +13,15 @@ costs: the chosen plan's worst stage against the same plan run with 1F1B. --drop
 runs use 0.1; zero-bubble with recomputation needs 0).
 
     python benchmarks/megatron_sc21.py [--rows 1.7,145.6] [--json out.json] [--zero-bubble [--dropout 0]]
+
+Memory: every published layout ran, so each must be predicted to fit. The table's "fits" and the search use the
+derived CUDA allowance (planner/cuda_allowance.py) and our runtime's model states; --memory prints each row's
+margin (free share of the fullest stage's 80 GB) under the flat allowance it replaced (1.5 GiB + 10%), under
+the derived one, and under the derived one with the model states of the engine that ran them (Megatron-LM,
+--fp16 without --accumulate-allreduce-grads-in-fp32: 16-bit gradients and their fp32 copy, 20 bytes per
+parameter before sharding).
+
+    python benchmarks/megatron_sc21.py [--rows 1.7,145.6] [--memory] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ except ImportError:
 from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.planner.cluster import load_cluster
 from megatron_bmw.planner.cost_model import CostSettings
-from megatron_bmw.planner.evaluate import simulate_run, stage_capacity
+from megatron_bmw.planner.cuda_allowance import DerivedAllowance
+from megatron_bmw.planner.engine import EngineConfig
+from megatron_bmw.planner.evaluate import estimate_memory, simulate_run, stage_capacity
 from megatron_bmw.planner.memory_model import MemorySettings
 from megatron_bmw.planner.search import SearchSettings, padded_model, search
 from megatron_bmw.planner.space import SearchSpace
@@ -53,7 +64,15 @@ TABLE = [
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
-MEMORY = MemorySettings(device="cuda", workspace_bytes=1.5 * 2**30, fragmentation=0.10)
+FLAT = MemorySettings(device="cuda", workspace_bytes=1.5 * 2**30, fragmentation=0.10)
+MEMORY = MemorySettings(device="cuda", derived=DerivedAllowance((load_cluster("a100-80g-ib").groups[0].device,)))
+MEGATRON = MemorySettings(device="cuda", engine=EngineConfig("megatron-core"), derived=MEMORY.derived)
+
+
+def margin(spec: RunSpec, cluster, settings: MemorySettings) -> float:
+    """Free share of the fullest stage's device (negative: predicted not to fit)."""
+    return min(1 - m.peak_bytes / stage_capacity(spec, cluster, s)
+               for s, m in enumerate(estimate_memory(spec, settings=settings)))
 
 
 def megatron_flops(batch: int, layers: int, hidden: int) -> float:
@@ -81,6 +100,7 @@ def published_spec(model: ModelConfig, tp: int, pp: int, gpus: int, batch: int) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=None, help="billions of parameters of the rows to run, e.g. 1.7,145.6")
+    parser.add_argument("--memory", action="store_true", help="only the memory margins of the published layouts")
     parser.add_argument("--json", default=None)
     parser.add_argument("--zero-bubble", action="store_true",
                         help="search with and without ZB-H1 in the space and compare (instead of the published rows)")
@@ -89,6 +109,8 @@ def main() -> int:
     rows = TABLE if args.rows is None else [r for r in TABLE if str(r[0]) in args.rows.split(",")]
     if args.zero_bubble:
         return zero_bubble_rows(rows, args.dropout, args.json)
+    if args.memory:
+        return memory_table(rows, args.json)
     costs = CostSettings()
     out = []
     print(f"{'params':>7} {'GPUs':>5} {'tp':>2} {'pp':>3} {'batch':>5} | {'published':>9} {'predicted':>9} {'error':>6} "
@@ -179,6 +201,25 @@ def zero_bubble_rows(rows, dropout: float, json_path: str | None) -> int:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def memory_table(rows, json_path: str | None) -> int:
+    out = []
+    print(f"{'params':>7} {'tp':>2} {'pp':>3} {'dp':>3} | margin: {'flat':>6} {'derived':>7} {'Megatron-LM states':>18}")
+    for billions, heads, hidden, layers, tp, pp, gpus, batch, _ in rows:
+        model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=VOCAB,
+                            seq_length=SEQ, params_dtype="fp16", hidden_dropout=0.1, attention_dropout=0.1)
+        cluster = load_cluster("a100-80g-ib", num_nodes=gpus // 8)
+        spec = published_spec(model, tp, pp, gpus, batch)
+        got = {name: margin(spec, cluster, settings) for name, settings in
+               (("flat", FLAT), ("derived", MEMORY), ("megatron", MEGATRON))}
+        out.append({"billions": billions, **{f"margin_{k}": v for k, v in got.items()}})
+        print(f"{billions:7.1f} {tp:>2} {pp:>3} {spec.dp:>3} |         {100 * got['flat']:5.1f}% "
+              f"{100 * got['derived']:6.1f}% {100 * got['megatron']:17.1f}%")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if all(min(r["margin_derived"], r["margin_megatron"]) >= 0 for r in out) else 1
 
 
 if __name__ == "__main__":

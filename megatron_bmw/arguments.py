@@ -759,6 +759,9 @@ def apply_plan(args: argparse.Namespace, argv: list[str], parser: argparse.Argum
     from .planner.plan import Plan
 
     plan = Plan.load(args.plan)
+    if not plan.engine.runs_here:
+        raise UsageError(f"--plan {args.plan}: planned for engine {plan.engine.describe()}, which this runtime is "
+                         "not (megatron_bmw, fp32 main gradients); plan again with --engine megatron_bmw")
     given = given_flags(argv, parser or build_parser())
     for dest in _RECOMPUTE_FLAGS:
         if dest in given:

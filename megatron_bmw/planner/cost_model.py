@@ -12,10 +12,11 @@ profile's backward overhead.
 
 Communication (AMP's formulas, B the slowest link of the group, plus per-step latency):
   ring all-reduce 2(n-1)/n x M / B; all-gather and reduce-scatter (n-1)/n x M / B; p2p v / b + latency.
-After the last backward each rank all-reduces its fp32 gradients over data parallel (overlapped with the
-last backward when --overlap-grad-reduce, both slowed by the overlap factor, Galvatron's 1.3), sums the
-sequence-parallel gradients over tensor parallel, and the first and last stage all-reduce the tied embedding;
-then the optimizer steps (memory-bound) and, with ZeRO-1, the parameters are all-gathered.
+Each rank all-reduces its fp32 gradients over data parallel in buckets (overlap.py: after the pipeline, or with
+--overlap-grad-reduce each as soon as its gradients are ready, overlapped compute and communication both slowed by
+the overlap factor, Galvatron's 1.3), sums the sequence-parallel gradients over tensor parallel, and the first and
+last stage all-reduce the tied embedding; then the optimizer steps (memory-bound) and, with ZeRO-1, the parameters
+are all-gathered (hidden behind the next first forwards with --overlap-param-gather).
 
 CPU ranks that share cores (a cluster group with cores_per_node, e.g. gloo ranks on this machine): a rank gets
 min(1, cores / ranks computing on its node) of a core. Each duration is split into CPU work (compute, the
@@ -29,6 +30,7 @@ GPU clusters (no cores_per_node) are unaffected.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UsageError
@@ -37,6 +39,7 @@ from .cluster import Cluster, DeviceType, Link
 from .flops import core_attention_share, unit_forward_flops, unit_weight_grad_flops
 from .kernel_time import KernelDevice, unit_kernel_times, unit_weight_grad_time
 from ..units import owns_output_weight, unit_kind, unit_names
+from .overlap import RankSpans, exposed_gather, reduce_end
 from .memory_model import chunk_unit_indices, chunk_units, unit_activation_bytes, unit_param_count
 from .profile_data import Profile, Profiles
 from .spec import RunSpec
@@ -444,23 +447,73 @@ class CostModel:
                                       self.spec.model.dtype_bytes, self.devices[rank],
                                       self.settings.bandwidth_fraction)
 
-    def finish_times(self, pipeline_end: list[float], last_backward: list[tuple[float, float]]) -> list[float]:
-        """Per rank, when its iteration ends, given when its pipeline work ends and its last backward."""
+    def grad_units(self, rank: int) -> list[list[tuple[float, float, float]]]:
+        """Per chunk of the rank, its units' (parameter elements, forward seconds, backward seconds) in forward
+        order: what the overlap model (overlap.py) needs to know when each bucket is ready or needed."""
+        if not hasattr(self, "_grad_units"):
+            self._grad_units: dict[int, list] = {}
+        if rank not in self._grad_units:
+            spec, names = self.spec, unit_names(self.spec.model.num_layers)
+            layout = spec.stage_layout()
+            chunks = chunk_unit_indices(layout, rank)
+            own = owns_output_weight(spec.model.untie_embeddings_and_output_weights, spec.pp,
+                                     [names[i] for c in chunks for i in c])
+            self._grad_units[rank] = [
+                [(float(unit_param_count(unit_kind(names[i]), spec.model, spec.tp, own)),
+                  *self.unit_times(unit_kind(names[i]), layout.unit_recompute(i), self.devices[rank], rank, i))
+                 for i in c] for c in chunks]
+        return self._grad_units[rank]
+
+    def dp_reduce_seconds(self, rank: int) -> Callable[[float], float]:
+        """Seconds to all-reduce a bucket of `elements` fp32 gradients over data parallel (see dp_sync_time)."""
+        link, k = self.dp_link(rank), self.static_factor[rank]
+
+        def seconds(elements: float) -> float:
+            bw, lat = allreduce_parts(4.0 * elements, self.spec.dp, link)
+            return bw * k + lat
+        return seconds
+
+    def gather_seconds(self, rank: int) -> Callable[[float], float]:
+        """Seconds to all-gather `elements` updated parameters over data parallel (ZeRO-1)."""
+        link, nbytes = self.dp_link(rank), self.spec.model.dtype_bytes
+        return lambda elements: allgather_time(elements * nbytes, self.spec.dp, link)
+
+    def finish_times(self, pipeline_end: list[float], spans: list[RankSpans]) -> list[float]:
+        """Per rank, when its iteration ends, given when its pipeline work ends and its chunks' spans (overlap.py):
+        the data-parallel reduction in buckets (hidden behind the backward with --overlap-grad-reduce), the
+        sequence-parallel and tied-embedding sums, the optimizer step and ZeRO-1's gather (hidden behind the next
+        iteration's first forwards with --overlap-param-gather)."""
         factor = self.settings.overlap_factor
+        spec = self.spec
         out = []
         for rank, end in enumerate(pipeline_end):
-            sync = self.dp_sync_time(rank)
-            start, dur = last_backward[rank]
-            if sync > 0 and self.spec.overlap_grad_reduce:
-                t = max(end, start + max(dur, sync) + (factor - 1) * min(dur, sync))
-            else:
-                t = end + sync
+            t = end
+            if spec.dp > 1:
+                if self._bucketed:
+                    chunks = [(s, e, [(n, b) for n, _, b in units])
+                              for (s, e), units in zip(spans[rank].last_grad, self.grad_units(rank))]
+                    t = reduce_end(chunks, end, self.dp_reduce_seconds(rank), spec.overlap_grad_reduce, factor)
+                else:
+                    t = end + self.dp_sync_time(rank)
             out.append(t + self.sp_sync_time(rank))
         emb = self.embedding_sync_time()
         if emb > 0:
             both = max(out[0], out[-1]) + emb
             out[0] = out[-1] = both
-        return [t + self.optimizer_step_time(r) + self.optimizer_gather_time(r) for r, t in enumerate(out)]
+        return [t + self.optimizer_step_time(r) + self.param_gather_time(r, spans[r]) for r, t in enumerate(out)]
+
+    _bucketed = True  # the hybrid model syncs per unit group, after the pipeline (HybridGradSync)
+
+    def param_gather_time(self, rank: int, spans: RankSpans) -> float:
+        """ZeRO-1's all-gather after the step, or with --overlap-param-gather what of it the next iteration's first
+        forwards on this rank do not hide."""
+        if not self.spec.distributed_optimizer or self.spec.dp == 1:
+            return 0.0
+        if not self.spec.overlap_param_gather:
+            return self.optimizer_gather_time(rank)
+        chunks = [(s, e, [(n, f) for n, f, _ in units])
+                  for (s, e), units in zip(spans.first_forward, self.grad_units(rank))]
+        return exposed_gather(chunks, self.gather_seconds(rank))
 
 
 # ---- CPU ranks sharing cores ------------------------------------------------------------------------------------

@@ -21,14 +21,20 @@ def estimate_memory(spec: RunSpec, schedule: Schedule | None = None,
                     activation_peaks: list[float] | None = None) -> list[RankMemory]:
     """Memory of every pipeline stage; in-flight micro-batches come from walking `schedule`."""
     schedule = schedule or build_schedule(spec.pipeline, spec.pp)
+    settings = layout_settings(spec, settings)
     if spec.unit_strategies is not None:  # Galvatron-BMW per-unit strategies
         from .hybrid_memory import rank_memory_hybrid
         return [rank_memory_hybrid(spec, schedule, r, settings,
                                    None if activation_peaks is None else activation_peaks[r]) for r in range(spec.pp)]
-    precision = precision_from(spec.model, spec.distributed_optimizer)
+    precision = precision_from(spec.model, spec.distributed_optimizer, settings.engine)
     layout = spec.stage_layout()
     return [rank_memory(layout, spec.model, schedule, r, precision, settings,
                         None if activation_peaks is None else activation_peaks[r]) for r in range(spec.pp)]
+
+
+def layout_settings(spec: RunSpec, settings: MemorySettings) -> MemorySettings:
+    """`settings` with the allowance of the spec's layout (a derived CUDA allowance depends on it)."""
+    return settings.for_layout(spec.model, spec.tp, spec.dp, spec.pp, spec.pipeline.micro_batch_size, spec.sp)
 
 
 @dataclass

@@ -56,7 +56,7 @@ dropout falls back to a math path (q, k, v copies and three s^2 tensors, in fp32
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..errors import UsageError
@@ -64,6 +64,7 @@ from ..pipeline.holding import bytes_size, holding_events, peak
 from ..pipeline.partition import rank_chunks
 from ..pipeline.schedule import Schedule
 from ..units import RECOMPUTE, UNIT_KINDS, owns_output_weight, unit_kind, unit_names
+from .engine import EngineConfig, PrecisionConfig  # noqa: F401 - PrecisionConfig is re-exported
 
 DEVICE_KINDS = ("cuda", "cpu")
 _INT64, _BOOL, _FP32 = 8, 1, 4
@@ -384,31 +385,15 @@ def total_parameters(model: ModelConfig) -> int:
 
 
 @dataclass(frozen=True)
-class PrecisionConfig:
-    """How parameters are stored and updated (see training/optimizer.py and parallel/grad_sync.py)."""
-
-    param_bytes: int = 4  # 2 for bf16/fp16
-    distributed_optimizer: bool = False  # ZeRO-1 over data parallel
-
-    @property
-    def grad_bytes(self) -> int:
-        return 4  # gradients always accumulate into an fp32 main_grad buffer
-
-    def optimizer_bytes(self, dp: int) -> float:
-        """Per parameter: fp32 master copy (none for fp32 without ZeRO: the parameter is the master) and two
-        fp32 Adam moments; ZeRO-1 shards all of it over the data-parallel group."""
-        master = 0 if self.param_bytes == 4 and not self.distributed_optimizer else 4
-        per = master + 8
-        return per / dp if self.distributed_optimizer else per
-
-
-@dataclass(frozen=True)
 class MemorySettings:
     """Knobs of the memory model that are not properties of the run."""
 
     device: str = "cuda"
     workspace_bytes: float = 0.0  # fixed per rank: framework context, kernels' workspace
     fragmentation: float = 0.0  # fraction added on top of everything else
+    engine: EngineConfig = EngineConfig()  # whose model states (gradient precision, main-gradient buffers)
+    # when set (cuda_allowance.DerivedAllowance), workspace and fragmentation come per layout from it
+    derived: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_KINDS:
@@ -418,6 +403,17 @@ class MemorySettings:
         if not 0 <= self.fragmentation < 1:
             raise UsageError(f"--memory-fragmentation must be in [0, 1) (a fraction added to the memory in use), "
                              f"got {self.fragmentation}")
+
+    def precision(self, model: ModelConfig, distributed_optimizer: bool) -> PrecisionConfig:
+        return self.engine.precision(model.params_dtype, distributed_optimizer)
+
+    def for_layout(self, model: ModelConfig, tp: int, dp: int, pp: int, micro_batch_size: int,
+                   sp: bool) -> MemorySettings:
+        """These settings with the allowance of one layout: the derived one (cuda_allowance.py) where there is
+        one, else unchanged."""
+        if self.derived is None:
+            return self
+        return self.derived.settings(self, model, tp, dp, pp, micro_batch_size, sp)
 
 
 @dataclass
@@ -565,5 +561,6 @@ def _backward_transient(layout: StageLayout, model: ModelConfig, rank: int, sett
                      for chunk in chunk_unit_indices(layout, rank) for i in chunk))
 
 
-def precision_from(model: ModelConfig, distributed_optimizer: bool) -> PrecisionConfig:
-    return PrecisionConfig(param_bytes=model.dtype_bytes, distributed_optimizer=distributed_optimizer)
+def precision_from(model: ModelConfig, distributed_optimizer: bool, engine: EngineConfig = EngineConfig()
+                   ) -> PrecisionConfig:
+    return engine.precision(model.params_dtype, distributed_optimizer)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from ..pipeline.holding import bytes_size, holding_events
 from ..pipeline.replay import CompiledSchedule, compile_schedule, replay
 from ..pipeline.schedule import Action, Kind, Schedule, gc_paused
+from .overlap import RankSpans
 
 _EPS = 1e-12
 _F, _B, _BI, _W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
@@ -60,7 +61,7 @@ def simulate(
     copy_time: Callable[[int, Action, float], float] | None = None,
     chunk_bytes: list[list[float]] | None = None,
     static_bytes: list[float] | None = None,
-    finish: Callable[[list[float], list[tuple[float, float]]], list[float]] | None = None,
+    finish: Callable[[list[float], list[RankSpans]], list[float]] | None = None,
     record_transfers: bool = False,
     memory_over_time: bool = True,
     wgrad_bytes: list[list[float]] | None = None,
@@ -96,11 +97,8 @@ def _analyse(sched, rep, chunk_bytes, static_bytes, finish, record_transfers, wg
     computes = [[x for x in line if x[0].kind in _COMPUTE] for line in rep.timeline]
     ends = [max([acts[-1][2] if acts else 0.0] + [x[2] for x in rep.moves[r]]) for r, acts in enumerate(computes)]
     pipeline_time = max(ends) if ends else 0.0
-    last_b = []
-    for r in range(p):
-        backs = [c for c in reversed(computes[r]) if c[0].kind is _B or c[0].kind is _W]  # the last gradients made
-        last_b.append((backs[0][1], backs[0][2] - backs[0][1]) if backs else (ends[r], 0.0))
-    fin = finish(ends, last_b) if finish is not None else list(ends)
+    fin = finish(ends, [_spans(line, sched.virtual_stages, end) for line, end in zip(rep.timeline, ends)]) \
+        if finish is not None else list(ends)
     path = _critical_path(computes, rep.causes)
     sim = Simulation(sched, max(fin) if fin else 0.0, pipeline_time, list(rep.busy), fin, computes, rep.moves,
                      rep.transfers if record_transfers else [], [(r, *computes[r][i]) for r, i in path],
@@ -108,6 +106,19 @@ def _analyse(sched, rep, chunk_bytes, static_bytes, finish, record_transfers, wg
     if chunk_bytes is not None:
         _memory(sim, rep.timeline, chunk_bytes, static_bytes, wgrad_bytes)
     return sim
+
+
+def _spans(line, chunks: int, end: float) -> RankSpans:
+    """Per chunk, the (start, end) of its last gradient action (BACKWARD or W) and of its first FORWARD."""
+    last: list[tuple[float, float] | None] = [None] * chunks
+    first: list[tuple[float, float] | None] = [None] * chunks
+    for a, s, e in line:
+        if a.kind is _F:
+            if first[a.chunk] is None:
+                first[a.chunk] = (s, e)
+        elif a.kind is _B or a.kind is _W:
+            last[a.chunk] = (s, e)
+    return RankSpans([x or (end, end) for x in last], [x or (0.0, 0.0) for x in first])
 
 
 def _memory(sim: Simulation, timeline, chunk_bytes, static_bytes, wgrad_bytes=None) -> None:

@@ -25,10 +25,11 @@ from ..pipeline.replay import compile_schedule, replay
 from ..pipeline.schedule import Action, Kind
 from ..units import unit_kind, unit_names
 from .cluster import Cluster
-from .cost_model import CostModel, CostSettings, allgather_time, allreduce_time, optimizer_step_seconds
+from .cost_model import CostModel, CostSettings, optimizer_step_seconds
 from .evaluate import stage_capacity
 from .memory_model import (MemorySettings, PrecisionConfig, unit_activation_bytes, unit_transient_bytes,
                            unit_param_count, unit_wgrad_bytes)
+from .overlap import exposed_gather, overlapped_end, reduce_end
 from .partitioners import amp_partition, choose_options, galvatron_walk, minmax_partition
 from .profile_data import Profiles
 from .space import Layout, SearchSpace, zero_bubble
@@ -183,7 +184,8 @@ class LayoutProblem:
     def __init__(self, layout: Layout, variant: Variant, model: ModelConfig, cluster: Cluster, profiles: Profiles,
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
                  uniform: str | None | bool = False) -> None:
-        self.layout, self.variant, self.model, self.space, self.memory = layout, variant, model, space, memory
+        self.layout, self.variant, self.model, self.space = layout, variant, model, space
+        self.memory = memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.mbs, variant.sp)
         self.uniform = uniform  # False: per-unit choices; else this one choice for every transformer unit
         lay = layout
         self.stages = lay.pp * lay.virtual
@@ -264,7 +266,7 @@ class LayoutProblem:
         self.wsaved: list[float] = [float(unit_wgrad_bytes(k, model, lay.mbs, lay.tp, sp)) for k in kinds] \
             if self.zero_bubble else [0.0] * n
         self.transient: list[list[float]] = [kind_transient[k] for k in kinds]
-        precision = PrecisionConfig(param_bytes=model.dtype_bytes, distributed_optimizer=variant.zero1)
+        precision = memory.precision(model, variant.zero1)
         per_param = precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(lay.dp)
         own_output = model.untie_embeddings_and_output_weights or lay.pp > 1
         self.params = [unit_param_count(k, model, lay.tp, output_weight=own_output) for k in kinds]
@@ -289,6 +291,7 @@ class LayoutProblem:
         """Per rank the fastest recomputation that fits, then the estimate; None when some rank cannot fit."""
         lay = self.layout
         recompute: list[str | None] = [None] * len(self.names)
+        picks_all = [0] * len(self.names)
         fwd = [0.0] * self.stages
         bwd = [0.0] * self.stages
         wgt = [0.0] * self.stages
@@ -304,7 +307,7 @@ class LayoutProblem:
             for c, units in enumerate(chunks):
                 k = c * lay.pp + r
                 for i in units:
-                    j = picks[i]
+                    j = picks_all[i] = picks[i]
                     recompute[i] = self.choices[i][j]
                     f, b = self.times[r][i][j]
                     fwd[k] += f
@@ -314,7 +317,9 @@ class LayoutProblem:
         over = [self.cost._overhead(self.cost.devices[k % lay.pp]) for k in range(self.stages)]
         fwd = [f + o[0] for f, o in zip(fwd, over)]
         bwd = [b + o[1] for b, o in zip(bwd, over)]
-        estimate = self._pipeline_time(fwd, bwd, wgt) + self._sync_time(per_rank, wgt if self.zero_bubble else bwd)
+        # zero-bubble: the last gradient actions, which the reduction overlaps, are the W's
+        estimate = self._pipeline_time(fwd, bwd, wgt) + self._sync_time(per_rank, picks_all, fwd,
+                                                                         wgt if self.zero_bubble else bwd)
         rc = tuple(recompute) if any(recompute) else None
         return Solution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity, self)
 
@@ -406,30 +411,49 @@ class LayoutProblem:
         per_rank = [sum(fb[k] for k in range(r, self.stages, lay.pp)) for r in range(lay.pp)]
         return lay.m * max(per_rank) + (lay.pp - 1) * max(fb) + 2 * (self.stages - 1) * self.p2p
 
-    def _sync_time(self, per_rank: list[list[list[int]]], bwd: list[float]) -> float:
-        """What the gradient synchronisation adds after the pipeline (CostModel.finish_times): the data-parallel
-        all-reduce overlapped with the rank's last backward only, ZeRO-1's gather, the tied embedding's sum."""
+    def _sync_time(self, per_rank: list[list[list[int]]], picks: list[int], fwd: list[float],
+                   bwd: list[float]) -> float:
+        """What the gradient synchronisation adds after the pipeline (CostModel.finish_times, overlap.py): per rank
+        the buckets of its chunks, each chunk's last backward taken back to back at the end (chunk 0's last), the
+        optimizer step and ZeRO-1's gather (behind the first forward, which starts when the stages before it
+        have run one); the tied embedding's sum."""
         lay = self.layout
         worst = 0.0
         for r in range(lay.pp):
-            params = sum(self.params[i] for units in per_rank[r] for i in units)
-            worst = max(worst, self.exposed_sync(params, bwd[r]))
+            units = [[(self.params[i], self._sync_times(r, i, picks[i])) for i in chunk] for chunk in per_rank[r]]
+            first = sum(fwd[:r]) + r * self.p2p
+            worst = max(worst, self.exposed_sync(units, [bwd[c * lay.pp + r] for c in range(len(units))],
+                                                 (first, first + fwd[r])))
         return worst + self.embedding_sync
 
-    def exposed_sync(self, params: float, last_backward: float) -> float:
-        """After the pipeline, for a rank with `params`: the part of its all-reduce its last backward does not
-        hide, the optimizer step, ZeRO-1's gather."""
+    def _sync_times(self, rank: int, unit: int, pick: int) -> tuple[float, float]:
+        """(forward, last gradient action) of a unit: its backward, or with split backwards its W."""
+        f, b = self.times[rank][unit][pick]
+        return (f, self.wtimes[rank][unit]) if self.zero_bubble else (f, b)
+
+    def exposed_sync(self, units: list[list[tuple[float, tuple[float, float]]]], chunk_backward: list[float],
+                     first_forward: tuple[float, float]) -> float:
+        """After the pipeline, for a rank with `units` per chunk [(params, (forward, backward))]: the part of its
+        gradient reduction its last backwards do not hide, the optimizer step, ZeRO-1's gather."""
         lay = self.layout
+        params = sum(n for chunk in units for n, _ in chunk)
         step = optimizer_step_seconds(params, lay.dp, self.variant.zero1, self.model.dtype_bytes,
                                       self.cost.devices[0], self.cost.settings.bandwidth_fraction)
         if lay.dp == 1:
             return step
-        link = self.cost.dp_link(0)
-        sync = allreduce_time(4.0 * params, lay.dp, link)
-        factor = self.cost.settings.overlap_factor
-        exposed = max(last_backward, sync) + (factor - 1) * min(last_backward, sync) - last_backward
+        spans, t = [], 0.0
+        for b in reversed(chunk_backward):  # chunk v-1's last backward first, chunk 0's ends the pipeline
+            spans.append((t - b, t))
+            t -= b
+        spans.reverse()
+        spans = [(s - t, e - t) for s, e in spans]  # from 0 to the sum
+        end = -t
+        chunks = [(s, e, [(n, b) for n, (_, b) in chunk]) for (s, e), chunk in zip(spans, units)]
+        exposed = reduce_end(chunks, end, self.cost.dp_reduce_seconds(0), True,
+                             self.cost.settings.overlap_factor) - end
         if self.variant.zero1:
-            exposed += allgather_time(params * self.model.dtype_bytes, lay.dp, link)
+            s, e = first_forward
+            exposed += exposed_gather([(s, e, [(n, f) for n, (f, _) in units[0]])], self.cost.gather_seconds(0))
         return exposed + step
 
     # ---- the partition search -----------------------------------------------------------------------------
@@ -544,16 +568,31 @@ def lower_bound(problem: LayoutProblem) -> float:
     total = sum(min(sum(t[i][0]) for t in tables) for i in range(len(problem.names)))
     backward = sum(min(t[i][0][1] for t in tables) for i in range(len(problem.names)))
     per_rank = total / lay.pp
-    sync = problem.exposed_sync(sum(problem.params) / lay.pp, backward / (lay.pp * lay.virtual))
     start_up = 0.0 if problem.zero_bubble else (lay.pp - 1) / lay.virtual  # W's may fill every bubble
-    return per_rank * (lay.m + start_up) + sync + problem.embedding_sync
+    return per_rank * (lay.m + start_up) + least_sync(problem, backward / lay.pp) + problem.embedding_sync
+
+
+def least_sync(problem: LayoutProblem, backward: float) -> float:
+    """No rank's synchronisation after the pipeline is less than this, for a rank with the mean parameters whose
+    backwards take `backward` in all: its gradients cannot be reduced before its last backwards start, and
+    overlap.overlapped_end with one bucket ready at their start ends no later than with several ready later
+    (for an overlap factor <= 2); ZeRO-1's gather may be hidden entirely."""
+    lay, cost = problem.layout, problem.cost
+    params = sum(problem.params) / lay.pp
+    step = optimizer_step_seconds(params, lay.dp, problem.variant.zero1, problem.model.dtype_bytes,
+                                  cost.devices[0], cost.settings.bandwidth_fraction)
+    if lay.dp == 1:
+        return step
+    sync = cost.dp_reduce_seconds(0)(params)
+    factor = min(cost.settings.overlap_factor, 2.0)
+    return overlapped_end([(0.0, sync)], backward, True, factor) - backward + step
 
 
 def could_fit(problem: LayoutProblem, zero1: bool) -> bool:
     """Whether any partition could fit, with ZeRO-1 if `zero1`: all ranks together hold the model states and at
     least the fewest micro-batches any rank holds of every unit's smallest saved bytes."""
     lay, ms = problem.layout, problem.memory
-    per_param = PrecisionConfig(problem.model.dtype_bytes, zero1)
+    per_param = problem.memory.precision(problem.model, zero1)
     static = sum(problem.params) * (per_param.param_bytes + per_param.grad_bytes + per_param.optimizer_bytes(lay.dp))
     least = min(max(min(mix) for mix in mixes) for mixes in problem.counts) * sum(min(s) for s in problem.saved)
     room = sum((c - ms.workspace_bytes) / (1 + ms.fragmentation) for c in problem.capacity)

@@ -24,6 +24,7 @@ class RunSpec:
     rank_order: str = "tp-dp-pp"
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False  # ZeRO-1's gather behind the next forwards (with distributed_optimizer)
     # Galvatron-BMW hybrid (tp 1, each unit its own strategy over the stage's dp ranks): one canonical strategy
     # string per unit (strategy.py), or None for the uniform Megatron layout
     unit_strategies: tuple[str, ...] | None = None

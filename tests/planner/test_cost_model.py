@@ -13,6 +13,7 @@ from megatron_bmw.planner.evaluate import simulate_run
 from megatron_bmw.planner.flops import unit_forward_flops
 from megatron_bmw.planner.memory_model import unit_activation_bytes
 from megatron_bmw.planner.profile_data import Profile, UnitTiming, model_signature
+from megatron_bmw.planner.overlap import RankSpans, grad_buckets
 from megatron_bmw.planner.spec import RunSpec
 from megatron_bmw.planner.kernel_time import KernelDevice, unit_kernel_times
 
@@ -123,23 +124,51 @@ def test_profiles_match_device_types_and_per_unit_times():
 
 
 def test_gradient_sync_and_overlap():
+    """Without --overlap-grad-reduce the reduction follows the pipeline; with it the buckets (overlap.py) start as
+    their gradients are ready. A model this small has one bucket per rank, ready when the last backward ends."""
     cluster = load_cluster("a100-80g-ib", num_nodes=2)
     plain = CostModel(_spec(dp=4), cluster)
     sync = plain.dp_sync_time(0)
     assert sync == pytest.approx(allreduce_time(4.0 * plain.params[0], 4, plain.dp_link(0)))
+    assert plain.dp_reduce_seconds(0)(plain.params[0]) == pytest.approx(sync)
     ends = [1.0, 1.0]
-    last = [(0.9, 0.1), (0.9, 0.1)]
+    spans = [RankSpans([(0.9, 1.0)], [(0.0, 0.1)])] * 2
     emb = plain.embedding_sync_time()
     assert emb > 0
-    out = plain.finish_times(ends, last)
+    out = plain.finish_times(ends, spans)
     step = [plain.optimizer_step_time(r) for r in range(2)]
     assert 0 < step[0] < 1.0  # memory-bound: params x (8 + 2 + 28) bytes at the A100's bandwidth
     assert step[0] == pytest.approx(plain.params[0] * (8 + 4 + 28) / (2039e9 * 0.8))
     assert out[0] == pytest.approx(max(1.0 + sync, 1.0 + plain.dp_sync_time(1)) + emb + step[0])
     over = CostModel(_spec(dp=4, overlap_grad_reduce=True), cluster, settings=CostSettings(overlap_factor=1.3))
-    o = over.finish_times(ends, last)
-    expect = 0.9 + max(0.1, sync) + 0.3 * min(0.1, sync)
-    assert o[1] >= expect - 1e-12 and o[0] < out[0]
+    assert over.finish_times(ends, spans) == pytest.approx(out)  # one bucket, ready at the end: nothing hidden
+
+
+def test_bucketed_overlap_hides_early_buckets_and_zero1_gather():
+    """GPT with 200M-element layers on dp 4: the later layers' buckets reduce during the last backward, the first
+    (with the embedding) stays exposed; ZeRO-1's gather hides behind the first forward with
+    --overlap-param-gather."""
+    big = ModelConfig(num_layers=4, hidden_size=4096, num_attention_heads=32, vocab_size=50304, seq_length=1024)
+    cluster = load_cluster("a100-80g-ib", num_nodes=2)
+    kw = dict(model=big, dp=4, pp=1, partition=(10,))
+    plain = CostModel(_spec(**kw), cluster)
+    over = CostModel(_spec(**kw, overlap_grad_reduce=True), cluster, settings=CostSettings(overlap_factor=1.0))
+    assert len(grad_buckets([(0.0, 1.0, [(n, b) for n, _, b in over.grad_units(0)[0]])])) > 2
+    backward = sum(b for _, _, b in over.grad_units(0)[0])
+    spans = [RankSpans([(1.0 - backward, 1.0)], [(0.0, 0.1)])]
+    serial = plain.finish_times([1.0], spans)[0]
+    hidden = over.finish_times([1.0], spans)[0]
+    step = over.optimizer_step_time(0)
+    assert 1.0 + step < hidden < serial
+    first = grad_buckets([(0.0, 1.0, [(n, b) for n, _, b in over.grad_units(0)[0]])])[-1][0]
+    assert hidden - 1.0 - step >= over.dp_reduce_seconds(0)(first) - 1e-12  # the last bucket is exposed
+    z = CostModel(_spec(**kw, distributed_optimizer=True), cluster)
+    zo = CostModel(_spec(**kw, distributed_optimizer=True, overlap_param_gather=True), cluster)
+    gather = z.optimizer_gather_time(0)
+    assert gather > 0 and z.param_gather_time(0, spans[0]) == pytest.approx(gather)
+    assert 0 < zo.param_gather_time(0, spans[0]) < gather  # the forward waits for the first bucket only
+    late = RankSpans(spans[0].last_grad, [(10.0, 10.1)])  # a later stage's first input arrives late: all hidden
+    assert zo.param_gather_time(0, late) == 0.0
 
 
 def test_layout_must_fit_cluster():
