@@ -529,9 +529,6 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     batches = batch_schedule_from_args(args, args.micro_batch_size * dp)
     gbs = batches.global_batch_size
     pipeline = pipeline_config_from_args(args, dp, gbs, batches.sizes())
-    if pipeline.schedule in ZERO_BUBBLE and parallel.unit_strategies:
-        raise UsageError(f"--pipeline-schedule {pipeline.schedule} does not combine with --unit-strategies "
-                         "(not supported yet)")
     train_iters = _training_length(args, batches)
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
@@ -555,6 +552,7 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         openai_gelu=getattr(args, "openai_gelu", False), **llama_settings(args),
     )
     _check_layout(model, parallel)
+    _check_split_backward(pipeline, parallel, model)
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
                      **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
                                          args.use_distributed_optimizer, args.overlap_grad_reduce,
@@ -628,6 +626,14 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
     return dict(train=train, optimizer=optimizer, lr=lr, data=data_config_from_args(args))
 
 
+def _check_split_backward(pipeline: PipelineConfig, parallel: ParallelConfig, model: ModelConfig) -> None:
+    """What a zero-bubble schedule (backwards split into B and W) does not combine with yet (BPipe and slicing:
+    PipelineConfig)."""
+    name = pipeline.schedule
+    if name in ZERO_BUBBLE and parallel.unit_strategies:
+        raise UsageError(f"--pipeline-schedule {name} does not combine with --unit-strategies (not supported yet)")
+
+
 def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> RunConfig:
     """The run of a plan: its model, degrees and pipeline as they are; training flags around them."""
     s = plan.spec
@@ -651,6 +657,7 @@ def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> R
         raise UsageError(f"--plan {args.plan}: planned for a {s.model.model_type.upper()} model, this run trains a "
                          f"{getattr(args, 'model_type', 'gpt').upper()}")
     _check_layout(s.model, parallel)
+    _check_split_backward(s.pipeline, parallel, s.model)
     pl = s.pipeline
     check_slicing(pl.slicing, pl.micro_batch_size, pl.num_microbatches)
     if s.unit_strategies:

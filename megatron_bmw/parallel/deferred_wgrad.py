@@ -40,6 +40,11 @@ def pending() -> list[Hashable]:
     return list(_stash)
 
 
+def stashed(key: Hashable) -> list[torch.Tensor]:
+    """The tensors kept for `key`'s weight gradients: every deferred layer's input and output gradient."""
+    return [t for x, g, _, _ in _stash.get(key, ()) for t in (x, g)]
+
+
 def run_deferred(key: Hashable) -> None:
     """Compute and accumulate the weight gradients stashed under `key` (in the order they were stashed)."""
     items = _stash.pop(key, None)

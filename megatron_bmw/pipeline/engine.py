@@ -299,8 +299,11 @@ class PipelineEngine:
                 torch.autograd.backward(slot.output * scale)
             else:
                 backward_from(slot.output, grad)
-        if self.store is not None and not split:
-            self.store.release(_key(a))
+        if self.store is not None:  # autograd has freed the rest of what the key saved; W keeps its stash
+            if split:
+                self.store.keep_only(_key(a), deferred_wgrad.stashed(self._deferred_key(a)))
+            else:
+                self.store.release(_key(a))
         slot.output = None
         if vstage == 0:
             slots.pop(_key(a))

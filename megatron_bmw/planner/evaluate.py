@@ -9,7 +9,8 @@ from ..pipeline.replay import CompiledSchedule
 from ..pipeline.schedule import Schedule
 from .cluster import Cluster
 from .cost_model import CostModel, CostSettings, simulate_sharing_cores
-from .memory_model import MemorySettings, RankMemory, chunk_saved_bytes, precision_from, rank_memory
+from .memory_model import (MemorySettings, RankMemory, chunk_saved_bytes, chunk_wgrad_bytes, precision_from,
+                           rank_memory)
 from .profile_data import Profile, Profiles
 from .simulator import Simulation, simulate
 from .spec import RunSpec
@@ -59,14 +60,17 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
         from .hybrid_memory import hybrid_chunk_saved_bytes
         cost = HybridCostModel(spec, cluster, profiles, cost_settings)
         saved = [hybrid_chunk_saved_bytes(spec, r, memory_settings) for r in range(spec.pp)]
+        wgrad = None
     else:
         cost = CostModel(spec, cluster, profiles, cost_settings)
         saved = [chunk_saved_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
+        wgrad = [chunk_wgrad_bytes(layout, spec.model, r) for r in range(spec.pp)]
     memory = estimate_memory(spec, schedule, memory_settings)
     static = [m.static_bytes for m in memory]
     sim = simulate_sharing_cores(cost, lambda: simulate(
         compiled or schedule, cost.compute_time, cost.transfer_time, cost.copy_time, saved, static,
-        cost.finish_times, record_transfers=record_transfers, memory_over_time=memory_over_time))
+        cost.finish_times, record_transfers=record_transfers, memory_over_time=memory_over_time,
+        wgrad_bytes=wgrad))
     return Evaluation(spec, schedule, memory, sim, cost)
 
 

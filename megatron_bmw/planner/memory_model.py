@@ -35,6 +35,12 @@ Selective recomputation keeps the attention unit minus its core (BERT: plus the 
 bool); full recomputation keeps the unit's input.
 The engine frees a stage's output once it is sent (Megatron's deallocate_output_tensor), so between units
 nothing is held beyond what the next unit saves.
+Zero-bubble schedules split a backward into B (input gradients) and W (the linear layers' weight gradients,
+parallel/deferred_wgrad.py). B frees what the unit saved except what W needs, which it keeps until W: per linear
+layer its input and its output gradient (attention: QKV input s'bh, QKV gradient 3sbh/t, context sbh/t,
+projection gradient sbh; MLP: fc1 input s'bh, fc1 gradient sbf/t (2 sbf/t SwiGLU), fc2 input sbf/t, fc2
+gradient sbh; head: logits input s'bh and gradient sbv/t; all in e; the row-parallel layers' output gradients
+cover the whole sequence). Recomputation changes none of it: B rebuilds the inputs and W keeps them.
 
 This is Korthikanti et al. 2022 (sbh(34 + 5as/h) bytes per layer in fp16, 34 sbh/t with SP): their 34 sbh is
 our 13 sbh (attention with its LayerNorm) + 21 sbh (MLP with its LayerNorm), their 5as^2b our unfused core
@@ -266,6 +272,36 @@ def _core_inputs(model: ModelConfig, local_h: int, tp: int, query_copied: bool) 
     return [SavedTensor("qkv output", qkv_local, e)]  # q, k and v are views of it
 
 
+def unit_wgrad_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1,
+                       sp: bool = False) -> list[SavedTensor]:
+    """What one unit keeps from a split backward's B until its W (parallel/deferred_wgrad.py): per linear layer
+    its saved input and its output gradient; the rest of what it saved is freed at B's end. The same whatever
+    the recomputation (B rebuilds the inputs and W keeps them) and device."""
+    if kind not in UNIT_KINDS:
+        raise ValueError(f"unknown unit kind {kind!r}")
+    sp = sp and tp > 1
+    s, b, h, e = model.seq_length, micro_batch_size, model.hidden_size, model.dtype_bytes
+    hidden_local = (s // tp if sp else s) * b * h  # a column-parallel input: this rank's sequence part with SP
+    if kind == "embedding":
+        return []
+    if kind == "head":  # the output layer (BERT's LM dense, pooler and sentence-order head are not deferred)
+        return [SavedTensor("logits input", hidden_local, e),
+                SavedTensor("logits gradient", s * b * (model.vocab_size // tp), e)]
+    if kind == "attention":
+        return [SavedTensor("qkv input", hidden_local, e),
+                SavedTensor("qkv output gradient", s * b * model.qkv_rows // tp, e),
+                SavedTensor("context (projection input)", s * b * h // tp, e),
+                SavedTensor("projection output gradient (before the reduction)", s * b * h, e)]
+    return [SavedTensor("fc1 input", hidden_local, e),
+            SavedTensor("fc1 output gradient", s * b * model.fc1_rows // tp, e),
+            SavedTensor("fc2 input", s * b * model.ffn_hidden_size // tp, e),
+            SavedTensor("fc2 output gradient (before the reduction)", s * b * h, e)]
+
+
+def unit_wgrad_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False) -> int:
+    return sum(t.nbytes for t in unit_wgrad_tensors(kind, model, micro_batch_size, tp, sp))
+
+
 _SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
                "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head",
                "position_embedding_type", "rotary_percent", "normalization", "swiglu", "num_query_groups",
@@ -439,11 +475,21 @@ def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
             for chunk in chunk_unit_indices(layout, rank)]
 
 
-def activation_walk(schedule: Schedule, rank: int, saved: Callable[[int], list[float]]) -> tuple[float, float]:
+def chunk_wgrad_bytes(layout: StageLayout, model: ModelConfig, rank: int) -> list[float]:
+    """Per model chunk of `rank`, what one micro-batch keeps from a split backward's B until its W."""
+    names = unit_names(model.num_layers)
+    sp = layout.sequence_parallel and layout.tp > 1
+    return [float(sum(unit_wgrad_bytes(unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp)
+                      for i in chunk)) for chunk in chunk_unit_indices(layout, rank)]
+
+
+def activation_walk(schedule: Schedule, rank: int, saved: Callable[[int], list[float]],
+                    wgrad: Callable[[int], list[float]] | None = None) -> tuple[float, float]:
     """(peak activation bytes, peak chunk-micro-batches) of the rank's action list, by pipeline/holding.py's
-    rule. `saved(r)` gives rank r's saved bytes per chunk (an acceptor holds its evictor's)."""
+    rule. `saved(r)` gives rank r's saved bytes per chunk (an acceptor holds its evictor's), `wgrad(r)` what a
+    chunk keeps between a split backward's B and W (zero-bubble schedules)."""
     holds = holding_events(schedule.actions[rank], rank)
-    return peak(holds, bytes_size(saved)), peak(holds)
+    return peak(holds, bytes_size(saved, wgrad)), peak(holds)
 
 
 def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, rank: int,
@@ -458,7 +504,8 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
     own_output = owns_output_weight(model.untie_embeddings_and_output_weights, layout.pp, names)
     params = sum(unit_param_count(unit_kind(n), model, layout.tp, output_weight=own_output) for n in names)
     chunk_bytes = chunk_saved_bytes(layout, model, rank, settings)
-    act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings))
+    act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings),
+                                    lambda r: chunk_wgrad_bytes(layout, model, r))
     if activation_peak is not None:
         act = activation_peak
     transient = _backward_transient(layout, model, rank, settings)

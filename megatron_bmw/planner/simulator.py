@@ -24,7 +24,8 @@ from ..pipeline.schedule import COMPUTE_KINDS, GRAD_KINDS, Action, Kind, Schedul
 from .overlap import RankSpans
 
 _EPS = 1e-12
-_F, _B, _W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT
+_F, _B, _BI, _W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+_COMPUTE = frozenset({_F, _B, _BI, _W})
 
 
 @dataclass
@@ -63,12 +64,14 @@ def simulate(
     finish: Callable[[list[float], list[RankSpans]], list[float]] | None = None,
     record_transfers: bool = False,
     memory_over_time: bool = True,
+    wgrad_bytes: list[list[float]] | None = None,
 ) -> Simulation:
     """Execute `schedule` (a Schedule or replay.compile_schedule's result, to reuse across calls).
 
     chunk_bytes[rank][chunk]: saved activations one micro-batch leaves on the rank (what BPipe moves);
     static_bytes[rank]: weights and optimizer states. copy_time(rank, action, bytes):
-    duration of an EVICT or RETURN posted on `rank`. `record_transfers` keeps every p2p transfer's span;
+    duration of an EVICT or RETURN posted on `rank`. wgrad_bytes[rank][chunk]: what one micro-batch keeps from a
+    split backward's B to its W (default: all of chunk_bytes). `record_transfers` keeps every p2p transfer's span;
     without `memory_over_time` the memory timeline is skipped (chunk_bytes then only sizes BPipe's moves)."""
     compiled = schedule if isinstance(schedule, CompiledSchedule) else compile_schedule(schedule)
     sched = compiled.schedule
@@ -86,10 +89,10 @@ def simulate(
         else replay(compiled, compute_time, record=True, **kwargs)
     with gc_paused():
         return _analyse(sched, rep, chunk_bytes if memory_over_time else None, static_bytes, finish,
-                        record_transfers)
+                        record_transfers, wgrad_bytes)
 
 
-def _analyse(sched, rep, chunk_bytes, static_bytes, finish, record_transfers) -> Simulation:
+def _analyse(sched, rep, chunk_bytes, static_bytes, finish, record_transfers, wgrad_bytes=None) -> Simulation:
     p = sched.num_stages
     # every compute, a zero-bubble schedule's B and W included: replay's causes index them all
     computes = [[x for x in line if x[0].kind in COMPUTE_KINDS] for line in rep.timeline]
@@ -102,7 +105,7 @@ def _analyse(sched, rep, chunk_bytes, static_bytes, finish, record_transfers) ->
                      rep.transfers if record_transfers else [], [(r, *computes[r][i]) for r, i in path],
                      _master_stage(computes, path))
     if chunk_bytes is not None:
-        _memory(sim, rep.timeline, chunk_bytes, static_bytes)
+        _memory(sim, rep.timeline, chunk_bytes, static_bytes, wgrad_bytes)
     return sim
 
 
@@ -119,12 +122,13 @@ def _spans(line, chunks: int, end: float) -> RankSpans:
     return RankSpans([x or (end, end) for x in last], [x or (0.0, 0.0) for x in first])
 
 
-def _memory(sim: Simulation, timeline, chunk_bytes, static_bytes) -> None:
+def _memory(sim: Simulation, timeline, chunk_bytes, static_bytes, wgrad_bytes=None) -> None:
     """Memory over time per rank: pipeline/holding.py's holds, at the start or end time of their action."""
     p = len(timeline)
     static = static_bytes or [0.0] * p
     for r, line in enumerate(timeline):
-        size = bytes_size(lambda owner: chunk_bytes[owner])
+        size = bytes_size(lambda owner: chunk_bytes[owner],
+                          None if wgrad_bytes is None else (lambda owner: wgrad_bytes[owner]))
         events = [(line[h.index][2] if h.at_end else line[h.index][1], size(h))
                   for h in holding_events([a for a, _, _ in line], r)]
         level = top = static[r]

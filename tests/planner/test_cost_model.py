@@ -21,7 +21,7 @@ MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_s
 
 
 def _spec(**kw) -> RunSpec:
-    pipe = dict(micro_batch_size=2, num_microbatches=4, partition=(5, 5))
+    pipe = dict(micro_batch_size=2, num_microbatches=4, partition=(5, 5), schedule="1f1b", recompute=None)
     pipe.update({k: kw.pop(k) for k in list(kw) if k in pipe})
     base = dict(model=MODEL, tp=1, pp=2, dp=1, pipeline=PipelineConfig(**pipe))
     base.update(kw)
@@ -186,3 +186,39 @@ def test_simulate_run_end_to_end():
     assert [m.peak_inflight_microbatches for m in ev.memory] == [4, 3, 2, 1]
     assert 0 < sim.bubble_fraction < 1
     assert sim.master_stage in range(4)
+
+
+def test_split_backward_times_and_zero_bubble_simulation():
+    """W takes the weight-gradient share of a unit's backward (FLOPs on the flat rate, GEMM shapes with SMs),
+    B the rest with recomputation; ZB-H1 simulated on the cost model is as busy as 1F1B, shorter, and its memory
+    over time peaks where the memory model's walk does."""
+    from megatron_bmw.planner.flops import unit_weight_grad_flops
+    from megatron_bmw.planner.kernel_time import unit_weight_grad_time
+
+    cluster = load_cluster("a100-80g-ib")
+    shaped = cluster.device(0)
+    flat = replace(shaped, sm_count=None)
+    cost = CostModel(_spec(schedule="zb-h1"), cluster)
+    assert cost.wgrad_share("mlp", flat) == pytest.approx(0.5)  # both GEMMs' weight gradients: half the backward
+    assert cost.wgrad_share("embedding", flat) == 0.0
+    attention = unit_weight_grad_flops("attention", MODEL, 2) / (2 * unit_forward_flops("attention", MODEL, 2))
+    assert cost.wgrad_share("attention", flat) == pytest.approx(attention) and attention < 0.5  # the core is B's
+    kd = KernelDevice(shaped.peak(MODEL.params_dtype), 0.75, shaped.sm_count, shaped.memory_bandwidth)
+    for kind in ("attention", "mlp", "head"):
+        w = unit_weight_grad_time(kind, MODEL, 2, 1, kd)
+        assert 0 < w < unit_kernel_times(kind, MODEL, 2, 1, kd)[1]
+        assert cost.wgrad_share(kind, shaped) == pytest.approx(w / unit_kernel_times(kind, MODEL, 2, 1, kd)[1])
+    full = CostModel(_spec(schedule="zb-h1", recompute=(None, "full") * 5), cluster)
+    for model in (cost, full):
+        for r in range(2):
+            whole = model.compute_time(r, Action(Kind.BACKWARD, 0))
+            b = model.compute_time(r, Action(Kind.BACKWARD_INPUT, 0))
+            w = model.compute_time(r, Action(Kind.BACKWARD_WEIGHT, 0))
+            assert b + w == pytest.approx(whole) and 0 < w < b
+    assert [w for ws in full.chunk_wgrad for w in ws] == pytest.approx([w for ws in cost.chunk_wgrad for w in ws])
+    zb = simulate_run(_spec(schedule="zb-h1"), cluster)
+    base = simulate_run(_spec(), cluster)
+    assert zb.simulation.busy == pytest.approx(base.simulation.busy)
+    assert zb.simulation.pipeline_time < base.simulation.pipeline_time
+    assert zb.simulation.peak_memory == pytest.approx([m.static_bytes + m.activation_bytes for m in zb.memory])
+    assert zb.memory[1].activation_bytes > base.memory[1].activation_bytes

@@ -14,7 +14,7 @@ from megatron_bmw.planner.memory_model import MemorySettings
 from megatron_bmw.planner.partitioners import choose_options
 from megatron_bmw.planner.profile_data import Profiles
 from megatron_bmw.planner.solver import (LayoutProblem, ScheduleShapes, Variant, choose_grouped, could_fit,
-                                         interleaved_peak_mixes)
+                                         interleaved_peak_mixes, split_peak_mixes)
 from megatron_bmw.planner.space import Layout, SearchSpace
 from megatron_bmw.config import PipelineConfig
 
@@ -55,7 +55,7 @@ def test_grouped_knapsack_equals_the_plain_one():
             assert grouped[1] == pytest.approx(plain[1]) and grouped[2] <= budget
 
 
-def _problem(memory_gb, tp=1, pp=2, dp=1, mbs=2, m=4):
+def _problem(memory_gb, tp=1, pp=2, dp=1, mbs=2, m=4, schedule="1f1b"):
     cluster = parse_cluster({
         "name": "t", "inter_node": {"bandwidth_GBps": 1e6, "latency_us": 0},
         "device_types": {"d": {"memory_gb": memory_gb, "peak_tflops": {"fp32": 0.05}}},
@@ -63,7 +63,7 @@ def _problem(memory_gb, tp=1, pp=2, dp=1, mbs=2, m=4):
                     "intra_node": {"bandwidth_GBps": 1e6, "latency_us": 0}}]})
     model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=64,
                         hidden_dropout=0.0, attention_dropout=0.0, attention_backend="unfused")
-    return LayoutProblem(Layout(tp, pp, dp, mbs, m, "1f1b"), Variant(), model, cluster, Profiles(), SearchSpace(),
+    return LayoutProblem(Layout(tp, pp, dp, mbs, m, schedule), Variant(), model, cluster, Profiles(), SearchSpace(),
                          CostSettings(), MemorySettings(), ScheduleShapes())
 
 
@@ -82,3 +82,58 @@ def test_estimate_is_amps_formula_and_memory_is_checked():
 def test_hopeless_layouts_are_skipped():
     assert could_fit(_problem(1.0), zero1=False)
     assert not could_fit(_problem(1e-5), zero1=False)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zero_bubble_mixes_give_the_walks_byte_peak(p):
+    """ZB-H1: whatever a micro-batch keeps whole and for its W, the heaviest moment is one of the [whole, for W]
+    mixes the solver takes from the schedule (also beyond the 3p micro-batches they are taken from)."""
+    import random
+
+    from megatron_bmw.pipeline.generators import generate
+    from megatron_bmw.pipeline.holding import bytes_size, peak
+
+    rng = random.Random(p)
+    for m in (1, p, 2 * p, 6 * p):
+        sched, mixes = generate("zb-h1", p, m), split_peak_mixes("zb-h1", p, min(m, 3 * p))
+        for r in range(p):
+            whole, wgrad = rng.uniform(1.0, 4.0), rng.uniform(0.5, 6.0)
+            exact = peak(holding_events(sched.actions[r], r), bytes_size(lambda o: [whole], lambda o: [wgrad]))
+            assert max(a * whole + b * wgrad for a, b in mixes[r]) == pytest.approx(exact)
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 6), (4, 4), (4, 12), (4, 2), (3, 2)])
+def test_zero_bubble_estimate_on_equal_stages(p, m):
+    """The zero-bubble variant of AMP's formula against the simulated ZB-H1 on equal stages, for splits of the
+    backward into B and W either way: exact for m >= p (Qi et al.'s bubble (p - 1)(F + B - W) where W <= F, B);
+    for m < p the estimate replays the short schedule."""
+    from megatron_bmw.pipeline.generators import generate
+    from megatron_bmw.pipeline.schedule import Kind
+    from megatron_bmw.planner.simulator import simulate
+
+    prob = _problem(1.0, pp=p, m=m, schedule="zb-h1")
+    if m >= p:
+        assert ScheduleShapes().zero_bubble_credit("zb-h1", p, m) == p - 1
+    for f, b, w in ((1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (0.8, 1.0, 1.2), (1.5, 0.5, 1.0), (0.5, 1.5, 0.3)):
+        times = {Kind.FORWARD: f, Kind.BACKWARD_INPUT: b, Kind.BACKWARD_WEIGHT: w}
+        sim = simulate(generate("zb-h1", p, m), lambda r, a: times[a.kind]).pipeline_time
+        got = prob._pipeline_time([f] * p, [b + w] * p, [w] * p) - 2 * (p - 1) * prob.p2p
+        if m >= p:
+            assert got == pytest.approx(sim)
+            if w <= min(f, b):
+                assert sim == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w))
+        else:
+            assert got == pytest.approx(sim, rel=1e-6)
+
+
+def test_zero_bubble_solution_memory_is_the_walks():
+    """The solver's memory for ZB-H1 (counts from the schedule, what W needs per unit) is the exact memory
+    model's, and more than 1F1B's on the last rank (it holds micro-batches awaiting their W)."""
+    from megatron_bmw.planner.evaluate import estimate_memory
+
+    zb, base = _problem(1.0, pp=2, m=4, schedule="zb-h1"), _problem(1.0, pp=2, m=4)
+    for part in ((5, 5), (3, 7), (7, 3)):
+        sol = zb.evaluate(part)
+        exact = estimate_memory(sol.spec(zb.model))
+        assert sol.memory == pytest.approx([x.peak_bytes for x in exact], rel=1e-12)
+        assert sol.memory[1] > base.evaluate(part).memory[1]
