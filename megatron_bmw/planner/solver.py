@@ -72,7 +72,7 @@ class Solution:
                               bpipe=var.bpipe, slicing=slicing)
         return RunSpec(model=model, tp=lay.tp, pp=lay.pp, dp=lay.dp, pipeline=pipe, sequence_parallel=var.sp,
                        rank_order="bpipe" if var.bpipe else "tp-dp-pp", distributed_optimizer=var.zero1,
-                       overlap_grad_reduce=lay.dp > 1)
+                       overlap_grad_reduce=lay.dp > 1, overlap_param_gather=var.zero1 and lay.dp > 1)
 
 
 def even_partition(n_units: int, stages: int) -> tuple[int, ...]:
