@@ -442,16 +442,19 @@ def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
             for chunk in chunk_unit_indices(layout, rank)]
 
 
-def activation_walk(schedule: Schedule, rank: int, saved: Callable[[int], list[float]]) -> tuple[float, float]:
+def activation_walk(schedule: Schedule, rank: int, saved: Callable[[int], list[float]],
+                    holds: list | None = None) -> tuple[float, float]:
     """(peak activation bytes, peak chunk-micro-batches) of the rank's action list, by pipeline/holding.py's
-    rule. `saved(r)` gives rank r's saved bytes per chunk (an acceptor holds its evictor's)."""
-    holds = holding_events(schedule.actions[rank], rank)
+    rule. `saved(r)` gives rank r's saved bytes per chunk (an acceptor holds its evictor's); `holds`: the
+    rank's holding events when the caller already has them."""
+    if holds is None:
+        holds = holding_events(schedule.actions[rank], rank)
     return peak(holds, bytes_size(saved)), peak(holds)
 
 
 def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, rank: int,
                 precision: PrecisionConfig, settings: MemorySettings = MemorySettings(),
-                activation_peak: float | None = None) -> RankMemory:
+                activation_peak: float | None = None, holds: list | None = None) -> RankMemory:
     """Memory of pipeline rank `rank` (any tensor-/data-parallel rank of it: they are alike).
 
     The activation peak comes from walking the rank's actions (activations accepted from a BPipe evictor
@@ -461,7 +464,7 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
     own_output = owns_output_weight(model.untie_embeddings_and_output_weights, layout.pp, names)
     params = sum(unit_param_count(unit_kind(n), model, layout.tp, output_weight=own_output) for n in names)
     chunk_bytes = chunk_saved_bytes(layout, model, rank, settings)
-    act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings))
+    act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings), holds)
     if activation_peak is not None:
         act = activation_peak
     transient = _backward_transient(layout, model, rank, settings)
