@@ -12,10 +12,14 @@ the planner's search on the same profile and cluster. Nothing here is fitted to 
 The trials ran Megatron-LM v1.1.5's GPT-2 on DeepSpeed's pipeline engine (AMP's repository): fp16 with gradients
 all-reduced in fp32 (`fp32_allreduce` in its ds_config), no activation recomputation, the rank order tp-dp-pp,
 and a pipeline model whose last layer casts the logits to fp32. Our cost model assumes the same, so nothing is
-changed for time. Memory is our runtime's model on CUDA plus what the engine holds beyond it: the last stage's
-previous fp32 logits (deepspeed_held_bytes); `--engine ours` leaves that out.
+changed for time. Memory is the memory model on CUDA with DeepSpeed's model states (planner/engine.py: fp16
+gradients, fp32 master weights, gradient copy and moments), the CUDA allowance derived for the T4 nodes
+(planner/cuda_allowance.py), plus what the engine holds beyond our runtime: the last stage's previous fp32
+logits (deepspeed_held_bytes). `--engine ours` counts our runtime's states and leaves the logits out;
+`--flat-allowance` uses the fixed 1.5 GiB + 10% the derived allowance replaced.
 
-    python benchmarks/amp_trials.py [--batch-scaling linear|fixed] [--engine deepspeed|ours] [--json out.json]
+    python benchmarks/amp_trials.py [--batch-scaling linear|fixed] [--engine deepspeed|ours] [--flat-allowance]
+                                    [--json out.json]
 
 Batch scaling: the profile has batch 1 only. `linear` scales the whole time with the batch, as AMP does.
 `fixed` (default) splits each profiled time at tp > 1 into a part that grows with the batch - the tp=1 time
@@ -41,6 +45,8 @@ from megatron_bmw.planner.cluster import load_cluster
 from megatron_bmw.planner.cost_model import CostSettings, allreduce_time
 from megatron_bmw.planner.evaluate import simulate_run, stage_capacity
 from megatron_bmw.planner.flops import unit_forward_flops
+from megatron_bmw.planner.cuda_allowance import DerivedAllowance
+from megatron_bmw.planner.engine import EngineConfig
 from megatron_bmw.planner.memory_model import MemorySettings
 from megatron_bmw.planner.profile_data import Profile, Profiles, UnitTiming, model_signature
 from megatron_bmw.planner.search import SearchSettings, search
@@ -151,11 +157,16 @@ def main() -> int:
     parser.add_argument("--batch-scaling", choices=["fixed", "linear"], default="fixed")
     parser.add_argument("--engine", choices=["deepspeed", "ours"], default="deepspeed",
                         help="memory of the engine that ran the trials (deepspeed) or of our runtime alone")
+    parser.add_argument("--flat-allowance", action="store_true", help="1.5 GiB + 10%% instead of the derived one")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     with open(DATA) as f:
         data = json.load(f)
-    memory = MemorySettings(device="cuda", workspace_bytes=1.5 * 2**30, fragmentation=0.10)
+    engine = EngineConfig("deepspeed") if args.engine == "deepspeed" else EngineConfig()
+    memory = MemorySettings(device="cuda", engine=engine, derived=DerivedAllowance(
+        (load_cluster("aws-g4dn.12xlarge").groups[0].device,)))
+    if args.flat_allowance:
+        memory = MemorySettings(device="cuda", workspace_bytes=1.5 * 2**30, fragmentation=0.10, engine=engine)
     out = {}
     for scaling in (["linear", "fixed"] if args.batch_scaling == "fixed" else ["linear"]):
         out[scaling] = evaluate(data, scaling, memory, args.engine)

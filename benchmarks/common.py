@@ -57,6 +57,22 @@ def run_gloo(fn, world_size: int, *args, threads: int = 1) -> list:
     return [out[r] for r in range(world_size)]
 
 
+def cpu_probe(repeats: int = 3) -> float:
+    """A fixed matrix product timed on every rank at once: how much CPU the ranks get now (other jobs share the
+    machine). Every rank returns the slowest rank's time."""
+    a, w = torch.ones(256, 512), torch.ones(512, 512)
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            a @ w
+        samples.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def median(xs) -> float:
     return statistics.median(xs)
 

@@ -4,9 +4,9 @@ A GPT (default 8 layers, hidden 256) split over 2 gloo ranks (one torch thread e
 Both systems run the *same* model chunk objects (same Parameters) on the same micro-batches:
 
   - ours:  PipelineEngine.run over the 1f1b schedule, gradients accumulated in p.grad (no GradSync, like torch);
-  - torch: PipelineStage wrapping a thin adapter around the same chunk + Schedule1F1B. Stage 0's adapter takes
-           the token tensor; the last stage's adapter takes (hidden, labels=, loss_mask=) and returns the chunk's
-           own scalar loss (the very code our engine runs), so loss_fn is the identity and scale_grads=True divides
+  - torch: PipelineStage wrapping the same chunk (benchmarks/pipelining_adapters.py) + Schedule1F1B. Stage 0
+           takes the token tensor; the last stage takes (hidden, labels=, loss_mask=) and returns the chunk's own
+           scalar loss (the very code our engine runs), so loss_fn is the identity and scale_grads=True divides
            the accumulated gradients by m, which equals our engine's loss/m before each backward.
 
 Once, before timing, both systems' per-micro-batch losses and every parameter gradient are compared.
@@ -33,11 +33,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import format_table, median, run_gloo  # noqa: E402
+from benchmarks.pipelining_adapters import (identity_loss, make_microbatches, torch_stage,  # noqa: E402
+                                            torch_step, whole_batch, zero_grads as _zero)
 from megatron_bmw.config import ModelConfig, ParallelConfig, PipelineConfig  # noqa: E402
 from megatron_bmw.parallel.state import ParallelState  # noqa: E402
 from megatron_bmw.pipeline.engine import PipelineEngine  # noqa: E402
@@ -45,47 +46,6 @@ from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup  # noqa: E
 
 P = 2  # pipeline ranks
 SEED = 1234
-
-
-class FirstStageAdapter(nn.Module):
-    """torch.pipelining view of a first-stage chunk: tokens [b, s] -> hidden [s, b, h]."""
-
-    def __init__(self, chunk: nn.Module) -> None:
-        super().__init__()
-        self.chunk = chunk
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.chunk(None, {"tokens": tokens})
-
-
-class LastStageAdapter(nn.Module):
-    """torch.pipelining view of a last-stage chunk: hidden [s, b, h] (+ labels, loss_mask) -> scalar loss."""
-
-    def __init__(self, chunk: nn.Module) -> None:
-        super().__init__()
-        self.chunk = chunk
-
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        return self.chunk(hidden, {"labels": labels, "loss_mask": loss_mask})
-
-
-def identity_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return output  # the last stage already returns the micro-batch's loss
-
-
-def make_microbatches(cfg: ModelConfig, mbs: int, m: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(SEED + 1)
-    out = []
-    for _ in range(m):
-        tokens = torch.randint(0, cfg.vocab_size, (mbs, cfg.seq_length + 1), generator=g)
-        mask = (torch.rand(mbs, cfg.seq_length, generator=g) > 0.1).float()
-        out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": mask})
-    return out
-
-
-def _zero(params) -> None:
-    for p in params:
-        p.grad = None
 
 
 class _Recorder:
@@ -180,7 +140,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     chunks, sched, parts = pipeline_setup(cfg, state, SEED, PipelineConfig(mbs, m))
     chunk = chunks[0]
     params = [p for p in chunk.parameters() if p.requires_grad]
-    micro = make_microbatches(cfg, mbs, m)
+    micro = make_microbatches(cfg, mbs, m, SEED + 1)
     shape = hidden_shape(cfg, state, mbs)
     first, last = state.is_first_stage, state.is_last_stage
 
@@ -191,29 +151,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         return engine.run(lambda i: micro[i]).losses
 
     # -- torch.distributed.pipelining on the same chunk --
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import Schedule1F1B
 
-    # static stage metadata; requires_grad marks which activations carry gradients back
-    example_hidden = torch.empty(shape, dtype=cfg.torch_dtype, requires_grad=True)
-    if first:
-        adapter = FirstStageAdapter(chunk)
-        stage = PipelineStage(adapter, state.pp_rank, P, state.device,
-                              input_args=(micro[0]["tokens"],), output_args=(example_hidden,))
-    else:
-        adapter = LastStageAdapter(chunk)
-        stage = PipelineStage(adapter, state.pp_rank, P, state.device,
-                              input_args=(example_hidden,), output_args=(torch.empty((), requires_grad=True),))
+    stage = torch_stage(chunk, state.pp_rank, P, state.device, shape, cfg.torch_dtype, micro[0]["tokens"])
     tsched = Schedule1F1B(stage, m, loss_fn=identity_loss, scale_grads=True)
-    full = {k: torch.cat([mb[k] for mb in micro]) for k in micro[0]}
+    full = whole_batch(micro)
 
     def run_torch() -> list[float]:
-        if first:
-            tsched.step(full["tokens"], return_outputs=False)
-            return []
-        losses: list[torch.Tensor] = []
-        tsched.step(target=full["labels"], losses=losses, return_outputs=False,
-                    labels=full["labels"], loss_mask=full["loss_mask"])
-        return [x.item() for x in losses]
+        return torch_step(tsched, full)
 
     # -- verification: same losses and same gradients --
     _zero(params)

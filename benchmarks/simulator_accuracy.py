@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import cpu_probe  # noqa: E402
 from benchmarks.stats import spearman  # noqa: E402
 from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.device import free_port
@@ -92,24 +93,6 @@ def _batches(model: ModelConfig, b: int, m: int) -> list[dict]:
     return out
 
 
-def _probe(repeats: int = 3) -> float:
-    """A fixed matrix product timed on both ranks at once: how much CPU this pair of processes gets now
-    (other jobs share the machine). Both ranks return the slower rank's time."""
-    import torch.distributed as dist
-
-    a, w = torch.ones(256, 512), torch.ones(512, 512)
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(2):
-            a @ w
-        samples.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 class _Runner:
     """One configuration built on this rank, run an iteration at a time."""
 
@@ -139,7 +122,7 @@ class _Runner:
     def iterate(self, record: bool) -> None:
         import torch.distributed as dist
 
-        before = _probe() if record else 0.0
+        before = cpu_probe() if record else 0.0
         dist.barrier()
         w0, t0 = time.time(), time.perf_counter()
         self.engine.run(lambda i: self.batches[i], grad_sync=self.sync)
@@ -148,7 +131,7 @@ class _Runner:
         if record:
             self.walls.append(t1 - t0)
             self.windows.append((w0, w1))
-            self.probes.append(max(before, _probe()))
+            self.probes.append(max(before, cpu_probe()))
 
     def result(self, trace_dir: str | None) -> dict:
         if trace_dir:  # the same Chrome trace --pipeline-trace writes
@@ -175,7 +158,7 @@ def _profile_round(model: ModelConfig, tp2_state, settings: ProfileSettings) -> 
     args = (settings.micro_batch_sizes, settings.warmup, settings.repeats)
     serial = ParallelState.serial()
     tp1 = overhead = None
-    before = _probe()
+    before = cpu_probe()
     # One rank at a time, as the profiler times tp=1 in a single process: timed side by side (in lockstep or
     # not) the units came out 30-80% slower than the same units inside the two-stage pipeline on this machine.
     for turn in range(dist.get_world_size()):
@@ -183,9 +166,9 @@ def _profile_round(model: ModelConfig, tp2_state, settings: ProfileSettings) -> 
             tp1 = time_units(model, serial, *args, statistic=settings.statistic)
             overhead = time_engine_overhead(serial, repeats=settings.repeats, statistic=settings.statistic)
         dist.barrier()
-    middle = _probe()
+    middle = cpu_probe()
     tp2 = time_units(model, tp2_state, *args, barrier=dist.barrier, statistic=settings.statistic)
-    after = _probe()
+    after = cpu_probe()
     links = time_links(settings.comm_sizes, settings.repeats, statistic=settings.statistic)
     return {"tp1": tp1, "tp2": tp2, "overhead": overhead, "links": links, "tp1_probe": max(before, middle),
             "tp2_probe": max(middle, after)}

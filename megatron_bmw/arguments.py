@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 
 from .config import (NORMALIZATIONS, BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig,
-                     ParallelConfig, PipelineConfig, RunConfig, TrainConfig)
+                     ParallelConfig, PipelineConfig, RunConfig, TrainConfig, ZERO_BUBBLE)
 from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
 from .pipeline.partition import parse_partition, rank_chunks
@@ -20,7 +20,7 @@ from .units import num_units, parse_recompute, recompute_from_flags, unit_layer,
 IGNORED_KERNEL_FLAGS = {
     "--no-masked-softmax-fusion": 0, "--no-bias-gelu-fusion": 0, "--no-bias-dropout-fusion": 0,
     "--no-gradient-accumulation-fusion": 0, "--no-async-tensor-model-parallel-allreduce": 0,
-    "--use-mcore-models": 0, "--use-legacy-models": 0, "--overlap-param-gather": 0, "--no-persist-layer-norm": 0,
+    "--use-mcore-models": 0, "--use-legacy-models": 0, "--no-persist-layer-norm": 0,
     "--transformer-impl": 1, "--accumulate-allreduce-grads-in-fp32": 0, "--empty-unused-memory-level": 1,
     "--num-workers": 1, "--data-impl": 1, "--cross-entropy-loss-fusion": 0, "--manual-gc": 0,
     "--manual-gc-interval": 1, "--no-create-attention-mask-in-dataloader": 0, "--no-mmap-bin-files": 0,
@@ -136,11 +136,14 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1, help="1 only (no context parallelism)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: all-gather the updated parameters during the next forward")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--pipeline-partition", type=str, default=None,
                    help="units per (virtual) pipeline stage, e.g. 3,4,4,3; units are [embedding, attn_0, mlp_0, ..., head]")
-    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "zb-h1"], default="1f1b")
+    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "zb-h1", "zb-h2", "zbv"], default="1f1b",
+                   help="zero-bubble: zb-h1, zb-h2 (more warm-up forwards), zbv (two chunks per rank in a V)")
     g.add_argument("--pipeline-trace", type=str, default=None, help="write a Chrome trace of the pipeline actions")
     g.add_argument("--gpus-per-node", type=int, default=None,
                    help="node size for rank placement (default: the local world size)")
@@ -327,6 +330,8 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
 
 def _virtual_stages(args) -> int:
     pp = args.pipeline_model_parallel_size
+    if args.pipeline_schedule == "zbv":
+        return _zbv_chunks(args)
     if args.virtual_pipeline_model_parallel_size is not None:
         v = args.virtual_pipeline_model_parallel_size
         if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -355,6 +360,19 @@ def _virtual_stages(args) -> int:
         raise UsageError(f"--pipeline-schedule {args.pipeline_schedule} cannot interleave; drop "
                          "--num-layers-per-virtual-pipeline-stage or use 1f1b")
     return virtual
+
+
+def _zbv_chunks(args) -> int:
+    """zbv holds two model chunks per rank: the virtual-stage flags may only say the same."""
+    v, per = args.virtual_pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    if v is not None and v != 2:
+        raise UsageError(f"--virtual-pipeline-model-parallel-size {v}: --pipeline-schedule zbv holds 2 model chunks "
+                         "per rank")
+    if per is not None and per * 2 * args.pipeline_model_parallel_size != args.num_layers:
+        raise UsageError(f"--num-layers-per-virtual-pipeline-stage {per}: --pipeline-schedule zbv has 2 x "
+                         f"--pipeline-model-parallel-size virtual stages, so it must be --num-layers / "
+                         f"{2 * args.pipeline_model_parallel_size} or left out")
+    return 2
 
 
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
@@ -409,7 +427,7 @@ def _check_varying_batch(args, sizes: list[int], mb: int, dp: int, pp: int, virt
         if size % (mb * dp):
             raise UsageError(f"{flag}: global batch {size} is not divisible by --micro-batch-size {mb} x "
                              f"data-parallel size {dp}")
-        if virtual > 1 and (size // (mb * dp)) % pp:
+        if virtual > 1 and args.pipeline_schedule != "zbv" and (size // (mb * dp)) % pp:
             raise UsageError(f"{flag}: global batch {size} gives {size // (mb * dp)} micro-batches, not a multiple "
                              f"of --pipeline-model-parallel-size {pp} as the interleaved schedule needs")
     if len(sizes) > 1 and args.plan:
@@ -448,14 +466,15 @@ def pipeline_config_from_args(args: argparse.Namespace, dp: int, global_batch_si
             f"size {dp}"
         )
     m = global_batch_size // (mb * dp)
-    if virtual > 1 and m % pp:
+    if virtual > 1 and args.pipeline_schedule != "zbv" and m % pp:
         raise UsageError(f"--global-batch-size {global_batch_size} gives {m} micro-batches per iteration; the "
                          f"interleaved schedule needs a multiple of --pipeline-model-parallel-size {pp}")
     slicing = parse_slicing(args.microbatch_slicing)
     check_slicing(slicing, mb, m)
     _check_varying_batch(args, batch_sizes or [global_batch_size], mb, dp, pp, virtual, slicing)
     partition = parse_partition(args.pipeline_partition, args.num_layers, pp, virtual)
-    stage_units = [[i for c in rank_chunks(partition, pp, r) for i in c] for r in range(pp)]
+    placement = "v" if args.pipeline_schedule == "zbv" else "interleaved"
+    stage_units = [[i for c in rank_chunks(partition, pp, r, placement) for i in c] for r in range(pp)]
     _check_recompute_block(args, stage_units)
     granularity = "selective" if args.recompute_activations else args.recompute_granularity
     if args.recompute_units is not None:
@@ -510,8 +529,6 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     batches = batch_schedule_from_args(args, args.micro_batch_size * dp)
     gbs = batches.global_batch_size
     pipeline = pipeline_config_from_args(args, dp, gbs, batches.sizes())
-    if pipeline.schedule == "zb-h1" and parallel.unit_strategies:
-        raise UsageError("--pipeline-schedule zb-h1 does not combine with --unit-strategies (not supported yet)")
     train_iters = _training_length(args, batches)
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
@@ -535,13 +552,11 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         openai_gelu=getattr(args, "openai_gelu", False), **llama_settings(args),
     )
     _check_layout(model, parallel)
-    if pipeline.schedule == "zb-h1" and any(pipeline.recompute or ()) and \
-            (model.hidden_dropout > 0 or model.attention_dropout > 0):
-        raise UsageError("--pipeline-schedule zb-h1 with recomputation needs --hidden-dropout 0 and "
-                         "--attention-dropout 0 (with dropout its gradients do not yet equal 1F1B's)")
+    _check_split_backward(pipeline, parallel, model)
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
                      **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
-                                         args.use_distributed_optimizer, args.overlap_grad_reduce))
+                                         args.use_distributed_optimizer, args.overlap_grad_reduce,
+                                         args.overlap_param_gather))
 
 
 def llama_settings(args) -> dict:
@@ -571,9 +586,11 @@ def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
 
 
 def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool, bf16: bool,
-                      distributed_optimizer: bool, overlap_grad_reduce: bool) -> dict:
+                      distributed_optimizer: bool, overlap_grad_reduce: bool, overlap_param_gather: bool) -> dict:
     """The parts of a run no plan decides: training, optimizer, LR schedule and data."""
     gbs = batches.global_batch_size
+    if overlap_param_gather and distributed_optimizer and not overlap_grad_reduce:
+        raise UsageError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
     train = TrainConfig(
         global_batch_size=gbs, train_iters=train_iters, seed=args.seed, pipeline_trace=args.pipeline_trace,
         overlap_grad_reduce=overlap_grad_reduce, eod_mask_loss=args.eod_mask_loss,
@@ -596,7 +613,7 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, fp16=fp16,
         bf16=bf16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        use_distributed_optimizer=distributed_optimizer,
+        use_distributed_optimizer=distributed_optimizer, overlap_param_gather=overlap_param_gather,
     )
     lr = LRConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
                   lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
@@ -607,6 +624,14 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
     if not args.mock_data and not args.data_path:
         raise UsageError("give --data-path (preprocessed .bin/.idx prefixes) or --mock-data")
     return dict(train=train, optimizer=optimizer, lr=lr, data=data_config_from_args(args))
+
+
+def _check_split_backward(pipeline: PipelineConfig, parallel: ParallelConfig, model: ModelConfig) -> None:
+    """What a zero-bubble schedule (backwards split into B and W) does not combine with yet (BPipe and slicing:
+    PipelineConfig)."""
+    name = pipeline.schedule
+    if name in ZERO_BUBBLE and parallel.unit_strategies:
+        raise UsageError(f"--pipeline-schedule {name} does not combine with --unit-strategies (not supported yet)")
 
 
 def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> RunConfig:
@@ -632,6 +657,7 @@ def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> R
         raise UsageError(f"--plan {args.plan}: planned for a {s.model.model_type.upper()} model, this run trains a "
                          f"{getattr(args, 'model_type', 'gpt').upper()}")
     _check_layout(s.model, parallel)
+    _check_split_backward(s.pipeline, parallel, s.model)
     pl = s.pipeline
     check_slicing(pl.slicing, pl.micro_batch_size, pl.num_microbatches)
     if s.unit_strategies:
@@ -640,7 +666,7 @@ def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> R
     batches = BatchSchedule(plan.global_batch_size)
     dtype = s.model.params_dtype
     rest = _training_configs(args, batches, _training_length(args, batches), dtype == "fp16", dtype == "bf16",
-                             s.distributed_optimizer, s.overlap_grad_reduce)
+                             s.distributed_optimizer, s.overlap_grad_reduce, s.overlap_param_gather)
     if rest["data"].vocab_size is None and vocab_size is None:  # --mock-data sized by the plan's vocabulary
         rest["data"] = replace(rest["data"], vocab_size=orig_vocab)
     return RunConfig(model=s.model, parallel=parallel, pipeline=s.pipeline, orig_vocab_size=orig_vocab, **rest)
@@ -663,6 +689,8 @@ def _unit_strategies(args: argparse.Namespace, world_size: int) -> tuple[str, ..
                      (args.sequence_parallel, "--sequence-parallel"),
                      (args.use_distributed_optimizer, "--use-distributed-optimizer (sharded strategies, sdpN, shard "
                                                       "the optimizer state instead)"),
+                     (args.overlap_param_gather, "--overlap-param-gather (it gathers the distributed optimizer's "
+                                                 "parameters; sharded strategies, sdpN, gather their own)"),
                      (getattr(args, "model_type", "gpt") != "gpt", "a BERT model (hybrid strategies run GPT only)")):
         if bad:
             raise UsageError(f"{flag} cannot be combined with {why}")
@@ -722,12 +750,13 @@ def plan_flags(plan) -> dict[str, object]:
         "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
         "micro_batch_size": pl.micro_batch_size, "global_batch_size": plan.global_batch_size,
-        "pipeline_schedule": pl.schedule if pl.schedule in ("gpipe", "zb-h1") else "1f1b",
+        "pipeline_schedule": pl.schedule if pl.schedule in ("gpipe", *ZERO_BUBBLE) else "1f1b",
         "virtual_pipeline_model_parallel_size": pl.virtual_stages,
         "pipeline_partition": ",".join(map(str, pl.partition)),
         "recompute_units": ",".join(x or "none" for x in pl.unit_recompute(m.num_units)),
         "bpipe": pl.bpipe, "microbatch_slicing": str(pl.slicing),
         "use_distributed_optimizer": s.distributed_optimizer, "overlap_grad_reduce": s.overlap_grad_reduce,
+        "overlap_param_gather": s.overlap_param_gather,
         "unit_strategies": ",".join(s.unit_strategies) if s.unit_strategies else None,
     }
 
@@ -749,6 +778,9 @@ def apply_plan(args: argparse.Namespace, argv: list[str], parser: argparse.Argum
     from .planner.plan import Plan
 
     plan = Plan.load(args.plan)
+    if not plan.engine.runs_here:
+        raise UsageError(f"--plan {args.plan}: planned for engine {plan.engine.describe()}, which this runtime is "
+                         "not (megatron_bmw, fp32 main gradients); plan again with --engine megatron_bmw")
     given = given_flags(argv, parser or build_parser())
     for dest in _RECOMPUTE_FLAGS:
         if dest in given:

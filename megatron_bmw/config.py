@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 from .errors import UsageError
 from .units import DTYPE_BYTES, num_units, parse_recompute
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv")  # backward split into B and W
 MODEL_TYPES = ("gpt", "bert")
 POSITION_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -236,8 +237,8 @@ class PipelineConfig:
 
     micro_batch_size: int = 1
     num_microbatches: int = 1
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (zero-bubble, backward split into B and W)
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero-bubble zb-h1 | zb-h2 | zbv (B/W split)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B; zbv: 2)
     partition: tuple[int, ...] | None = None  # units per virtual stage; None: the default split
     recompute: tuple[str | None, ...] | None = None  # per unit: None | selective | full; None: nothing
     bpipe: bool = False
@@ -253,7 +254,11 @@ class PipelineConfig:
             self.schedule = "interleaved"
         if self.schedule not in SCHEDULES:
             raise UsageError(f"unknown pipeline schedule {self.schedule!r} (choose {', '.join(SCHEDULES)})")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.schedule == "zbv":
+            if self.virtual_stages not in (1, 2):
+                raise UsageError(f"--pipeline-schedule zbv holds 2 model chunks per rank, not {self.virtual_stages}")
+            self.virtual_stages = 2
+        elif self.virtual_stages > 1 and self.schedule != "interleaved":
             raise UsageError(f"--pipeline-schedule {self.schedule} cannot interleave model chunks")
         if self.partition is not None:
             self.partition = tuple(self.partition)
@@ -261,9 +266,14 @@ class PipelineConfig:
             self.recompute = tuple(self.recompute)
         if self.bpipe and self.schedule == "gpipe":
             raise UsageError("--bpipe works with the 1F1B schedules, not --pipeline-schedule gpipe")
-        if self.schedule == "zb-h1" and (self.bpipe or self.slicing):
-            raise UsageError(f"--pipeline-schedule zb-h1 does not combine with "
+        if self.schedule in ZERO_BUBBLE and (self.bpipe or self.slicing):
+            raise UsageError(f"--pipeline-schedule {self.schedule} does not combine with "
                              f"{'--bpipe' if self.bpipe else '--microbatch-slicing'} (not supported yet)")
+
+    @property
+    def placement(self) -> str:
+        """Where the virtual stages sit on the ranks (pipeline/schedule.py): "v" for zbv, else "interleaved"."""
+        return "v" if self.schedule == "zbv" else "interleaved"
 
     def unit_recompute(self, n_units: int) -> tuple[str | None, ...]:
         """Recomputation of every unit (a full-length tuple)."""
@@ -438,10 +448,15 @@ class OptimizerConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     use_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False  # the ZeRO-1 parameter all-gather runs during the next forward
+    param_bucket_size: int = 40_000_000  # elements per ZeRO-1 gather bucket (no flag; as GradSync's buckets)
 
     def __post_init__(self) -> None:
         if self.fp16 and self.bf16:
             raise UsageError("--fp16 and --bf16 are mutually exclusive")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise UsageError("--overlap-param-gather is only supported with the distributed optimizer "
+                             "(give --use-distributed-optimizer)")
         _check_lr(self.lr, self.min_lr)
         if self.weight_decay < 0:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")

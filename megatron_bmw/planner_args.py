@@ -13,6 +13,8 @@ from .paths import check_output_dir
 from .pipeline.slicing import choose_slices, stage_times_from_cost
 from .planner.cluster import BUILTIN, Cluster, load_cluster, local_cluster
 from .planner.cost_model import CostModel, CostSettings
+from .planner.cuda_allowance import DerivedAllowance
+from .planner.engine import ENGINES, OURS, EngineConfig, engine_from_flags
 from .planner.memory_model import MemorySettings
 from .planner.profile_data import Profile, Profiles
 from .planner.spec import spec_from_run_config
@@ -66,11 +68,19 @@ def add_planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
     g.add_argument("--memory-device", choices=["cuda", "cpu"], default=None,
                    help="kernel behaviour the activation count follows (default: cpu only for a local CPU profile)")
     g.add_argument("--memory-workspace-gb", type=float, default=None,
-                   help=f"fixed allowance per GPU (default: the profile's memory_allowance, else {CUDA_WORKSPACE_GB} "
-                        "on cuda, 0 on cpu)")
+                   help="fixed allowance per GPU (default: the profile's memory_allowance, else on cuda derived per "
+                        "device type and layout: CUDA context, cuBLAS workspaces, NCCL buffers; 0 on cpu)")
     g.add_argument("--memory-fragmentation", type=float, default=None,
-                   help=f"fractional allowance on top (default: the profile's memory_allowance, else "
-                        f"{CUDA_FRAGMENTATION} on cuda, 0 on cpu)")
+                   help="fractional allowance on top (default: the profile's memory_allowance, else on cuda the "
+                        "caching allocator's rounding of the layout's tensors; 0 on cpu)")
+    g = p.add_argument_group("engine (whose model states the memory counts; Megatron-LM's flag names)")
+    g.add_argument("--engine", choices=ENGINES, default=OURS,
+                   help="megatron_bmw (this runtime: fp32 main gradients), megatron-core (Megatron-LM) or deepspeed "
+                        "(ZeRO stage 0/1, fp16; --use-distributed-optimizer for stage 1)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="megatron-core: the gradient buffer in fp32 (default: on for bf16, off for fp16)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="megatron-core: 16-bit gradient buffer with bf16 (off by default)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     if timed:
         g.add_argument("--achievable-fraction", type=float, default=None,
@@ -146,10 +156,9 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
     return parser
 
 
-CUDA_WORKSPACE_GB = 1.5  # CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces
-
-
-CUDA_FRAGMENTATION = 0.10  # the caching allocator's reserve above the peak it hands out
+# The flat CUDA allowance used before it was derived (cuda_allowance.py); benchmarks report against it.
+CUDA_WORKSPACE_GB = 1.5
+CUDA_FRAGMENTATION = 0.10
 
 
 def load_profiles(args) -> Profiles:
@@ -178,7 +187,15 @@ def cluster_from_args(args, profiles: Profiles, placeholder_ok: bool = False) ->
     return load_cluster(args.cluster, args.num_nodes)
 
 
-def memory_settings(args, profiles: Profiles) -> MemorySettings:
+def engine_from_args(args) -> EngineConfig:
+    return engine_from_flags(getattr(args, "engine", None), getattr(args, "accumulate_allreduce_grads_in_fp32", False),
+                             getattr(args, "grad_reduce_in_bf16", False))
+
+
+def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None) -> MemorySettings:
+    """The flags' memory settings. On cuda the allowance is derived per layout on the cluster's device types
+    (cuda_allowance.py; no cluster: the default device), the profiles' measured CUDA memory replacing its terms;
+    an explicit workspace or fragmentation (flags, else a calibrated profile) replaces the derived one."""
     device = args.memory_device
     if device is None:
         cpu = any(p.device.get("kind") == "cpu" for ps in profiles.by_type.values() for p in ps)
@@ -189,11 +206,13 @@ def memory_settings(args, profiles: Profiles) -> MemorySettings:
         workspace = profiles.memory_workspace_bytes / 2**30
     if fragmentation is None and profiles.memory_fragmentation is not None:
         fragmentation = profiles.memory_fragmentation
-    if workspace is None:
-        workspace = CUDA_WORKSPACE_GB if device == "cuda" else 0.0
-    if fragmentation is None:
-        fragmentation = CUDA_FRAGMENTATION if device == "cuda" else 0.0
-    return MemorySettings(device=device, workspace_bytes=workspace * 2**30, fragmentation=fragmentation)
+    derived = None
+    if device == "cuda" and (workspace is None or fragmentation is None):
+        devices = tuple({id(g.device): g.device for g in cluster.groups}.values()) if cluster is not None else ()
+        derived = DerivedAllowance(devices, profiles.measured_cuda_memory(),
+                                   None if workspace is None else workspace * 2**30, fragmentation)
+    return MemorySettings(device=device, workspace_bytes=(workspace or 0.0) * 2**30, fragmentation=fragmentation or 0.0,
+                          engine=engine_from_args(args), derived=derived)
 
 
 def spec_from_args(args, cluster: Cluster, profiles: Profiles, costs: CostSettings = CostSettings()):
@@ -235,7 +254,7 @@ def run_search(args, progress: bool | None = None):
     profiles = load_profiles(args)
     cluster = cluster_from_args(args, profiles)
     space = SearchSpace.parse(args.space)
-    settings = memory_settings(args, profiles)
+    settings = memory_settings(args, profiles, cluster)
     world = args.world_size or cluster.num_gpus
     one = configs_from_args(argparse.Namespace(**{**vars(args), **SERIAL_FLAGS}), 1)
     if progress is None:
@@ -249,7 +268,8 @@ def run_search(args, progress: bool | None = None):
     return result, profiles, one
 
 
-def write_plans(result, profiles: Profiles, orig_vocab_size: int, out_dir: str, top_k: int) -> list[str]:
+def write_plans(result, profiles: Profiles, orig_vocab_size: int, out_dir: str, top_k: int,
+                engine: EngineConfig = EngineConfig()) -> list[str]:
     """The top-k plans of `result` as out_dir/plan_1.json ... (best first, each with its search rank), numbered
     with as many digits as k needs; plan_N.json files beyond them (an earlier, longer search) are removed.
     Returns the paths written."""
@@ -263,7 +283,7 @@ def write_plans(result, profiles: Profiles, orig_vocab_size: int, out_dir: str, 
     width = len(str(len(ranked)))
     paths = []
     for i, r in enumerate(ranked, 1):
-        plan = plan_from(r, result, profiles, orig_vocab_size)
+        plan = plan_from(r, result, profiles, orig_vocab_size, engine)
         plan.search["rank"] = i
         path = os.path.join(out_dir, f"plan_{i:0{width}d}.json")
         plan.save(path)

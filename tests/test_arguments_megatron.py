@@ -104,11 +104,30 @@ def test_zero_bubble_schedule_flag():
              world=2)
     _refused(pp2 + ["--bpipe"], "--pipeline-schedule zb-h1 does not combine with --bpipe", world=2)
     full = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
-    _refused(pp2 + full, "zb-h1 with recomputation needs --hidden-dropout 0", world=2)
-    assert _run(pp2 + full + ["--hidden-dropout", "0", "--attention-dropout", "0"], world=2).pipeline.recompute
+    assert _run(pp2 + full + ["--hidden-dropout", "0.1"], world=2).pipeline.recompute  # with dropout too
     _refused([*pp2, "--micro-batch-size", "2", "--microbatch-slicing", "1"], "zb-h1 does not combine with --microbatch-slicing", world=2)
     _refused(pp2 + ["--unit-strategies", ",".join(["dp2"] * 10)], "zb-h1 does not combine with --unit-strategies",
              world=4)
+
+
+def test_zb_h2_and_zbv_flags():
+    pp2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "3"]
+    assert _run(pp2 + ["--pipeline-schedule", "zb-h2"], world=2).pipeline.schedule == "zb-h2"
+    zbv = pp2 + ["--pipeline-schedule", "zbv"]
+    pl = _run(zbv, world=2).pipeline  # two chunks per rank, any number of micro-batches
+    assert (pl.virtual_stages, pl.placement, pl.num_microbatches, len(pl.partition)) == (2, "v", 3, 4)
+    assert _run(zbv + ["--num-layers-per-virtual-pipeline-stage", "1"], world=2).pipeline.virtual_stages == 2
+    assert _run(zbv + ["--virtual-pipeline-model-parallel-size", "2"], world=2).pipeline.virtual_stages == 2
+    _refused(zbv + ["--num-layers-per-virtual-pipeline-stage", "2"],
+             "--num-layers-per-virtual-pipeline-stage 2: --pipeline-schedule zbv has 2 x", world=2)
+    _refused(zbv + ["--virtual-pipeline-model-parallel-size", "3"], "zbv holds 2 model chunks per rank", world=2)
+    for name in ("zb-h2", "zbv"):
+        flags = pp2[:2] + ["--global-batch-size", "4", "--pipeline-schedule", name]
+        _refused(flags + ["--bpipe"], f"--pipeline-schedule {name} does not combine with --bpipe", world=2)
+        _refused([*flags, "--micro-batch-size", "2", "--microbatch-slicing", "1"],
+                 f"{name} does not combine with --microbatch-slicing", world=2)
+        _refused(flags + ["--unit-strategies", ",".join(["dp2"] * 10)],
+                 f"{name} does not combine with --unit-strategies", world=4)
 
 
 def test_interleaved_count_names_flags_that_exist():

@@ -24,7 +24,8 @@ from ..planner.evaluate import estimate_memory, simulate_run
 from ..planner.report import estimate_json, memory_table, simulate_json
 from ..planner.files import write_json
 from ..planner_args import (build_autoconfig_parser, cluster_from_args, configs_from_args, cost_settings,
-                            load_profiles, memory_settings, run_search, spec_from_args, write_plans)
+                            engine_from_args, load_profiles, memory_settings, run_search, spec_from_args,
+                            write_plans)
 from ..trials.results import load_results
 from ..trials.specs import TrialModel
 
@@ -33,7 +34,7 @@ def _estimate(args) -> int:
     profiles = load_profiles(args)
     cluster = cluster_from_args(args, profiles)
     spec = spec_from_args(args, cluster, profiles)
-    settings = memory_settings(args, profiles)
+    settings = memory_settings(args, profiles, cluster)
     memory = estimate_memory(spec, settings=settings)
     data = estimate_json(spec, memory, cluster, settings)
     print(json.dumps(data) if args.json else memory_table(data))
@@ -46,7 +47,7 @@ def _simulate(args) -> int:
     cluster = cluster_from_args(args, profiles)
     costs = cost_settings(args, profiles)
     spec = spec_from_args(args, cluster, profiles, costs)
-    settings = memory_settings(args, profiles)
+    settings = memory_settings(args, profiles, cluster)
     ev = simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline))
     data = simulate_json(ev, cluster, settings)
     if args.timeline:
@@ -69,10 +70,11 @@ def _search(args) -> int:
     check_output_file("--timeline", args.timeline)
     check_output_dir("--output-dir", args.output_dir)
     result, profiles, one = run_search(args)
-    plan = plan_from(result.best, result, profiles, one.orig_vocab_size)
+    engine = engine_from_args(args)
+    plan = plan_from(result.best, result, profiles, one.orig_vocab_size, engine)
     if args.output:
         plan.save(args.output)
-    written = write_plans(result, profiles, one.orig_vocab_size, args.output_dir, args.top_k) \
+    written = write_plans(result, profiles, one.orig_vocab_size, args.output_dir, args.top_k, engine) \
         if args.output_dir else []
     if args.timeline:
         from ..planner.timeline import render_timeline
@@ -82,7 +84,10 @@ def _search(args) -> int:
         print(json.dumps(search_json(result)))
     else:
         print(search_table(result))
-        if args.output:
+        if args.output and not engine.runs_here:
+            print(f"plan written to {args.output}, for engine {engine.describe()} (this runtime's pretrain_"
+                  f"{args.model_type}.py refuses it)")
+        elif args.output:
             print(f"plan written to {args.output}: run it with pretrain_{args.model_type}.py --plan {args.output}")
         if written:
             print(f"{len(written)} plans written to {args.output_dir} (plan_1.json is the best): run them with "

@@ -33,8 +33,8 @@ def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list
         state = state_of(i) if state_of is not None else base
         if name == "embedding":
             unit = embedding_unit(cfg, state, init)
-            if not cfg.untie_embeddings_and_output_weights and state.pp_size > 1:
-                unit.word_embeddings.weight.shared_embedding = True
+            if not cfg.untie_embeddings_and_output_weights and len(names) - 1 not in indices:
+                unit.word_embeddings.weight.shared_embedding = True  # the head's copy is on another rank
         elif name == "head":
             emb = units.get("embedding")
             unit = head_unit(cfg, state, init, emb.word_embeddings.weight if emb is not None else None)

@@ -40,6 +40,11 @@ def pending() -> list[Hashable]:
     return list(_stash)
 
 
+def stashed(key: Hashable) -> list[torch.Tensor]:
+    """The tensors kept for `key`'s weight gradients: every deferred layer's input and output gradient."""
+    return [t for x, g, _, _ in _stash.get(key, ()) for t in (x, g)]
+
+
 def run_deferred(key: Hashable) -> None:
     """Compute and accumulate the weight gradients stashed under `key` (in the order they were stashed)."""
     items = _stash.pop(key, None)
@@ -70,6 +75,9 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group):
         ctx.group, ctx.has_bias, ctx.shape = group, bias is not None, x.shape
+        # The Parameter itself, for a deferred gradient: under activation recomputation saved_tensors gives back
+        # a recomputed alias, through which the gradient need not reach the Parameter (it did not, with dropout).
+        ctx.param = weight
         if group is not None:
             ctx.save_for_backward(x, weight)
             return F.linear(gather_along(x, 0, group), weight, bias)
@@ -88,7 +96,7 @@ class _Linear(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return grad_x, None, grad_b, None
         if _active is not None:
-            _active.append((x, g, weight, ctx.group))
+            _active.append((x, g, ctx.param, ctx.group))
             return grad_x, None, grad_b, None
         total = gather_along(x, 0, ctx.group) if ctx.group is not None else x
         return grad_x, _weight_grad(g, total), grad_b, None

@@ -11,8 +11,8 @@ A key's tensors are moved as one flat byte buffer: every storage the saved tenso
 span they cover (16-byte aligned), and the tensors come back as views of the received buffer with their
 original dtype, offset, size and stride, so views that shared memory still share it.
 
-Accounting (the same as replay.resident_peaks): a key counts from the start of its forward to the end of its
-backward; an evicted or returned key still counts until `settle()` (called after the compute its send
+Accounting (the same as pipeline/holding.py's): a key counts from the start of its forward to the end of its
+backward (a split backward's B leaves it only what its W needs, `keep_only`, until W's end); an evicted or returned key still counts until `settle()` (called after the compute its send
 overlaps); a loaded or accepted key counts from the moment its receive buffer exists. Counts are in
 chunk-micro-batches (a half counts 0.5); bytes are the spans above.
 """
@@ -165,6 +165,14 @@ class ActivationStore:
         """Forget `key` after its backward."""
         entry = self._entries.pop(key)
         self._add(-entry.weight, -entry.nbytes)
+
+    def keep_only(self, key: Key, tensors: list[torch.Tensor]) -> None:
+        """After a split backward's B: `key` now holds only `tensors` (what its W needs), until `release`."""
+        entry = self._entries[key]
+        self._add(0.0, -entry.nbytes)
+        entry.tensors = [t for t in tensors if self._is_activation(t)]
+        self._index(entry)
+        self._add(0.0, entry.nbytes)
 
     def __contains__(self, key: Key) -> bool:
         return key in self._entries

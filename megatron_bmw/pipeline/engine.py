@@ -38,8 +38,9 @@ class _Slot:
 
 @dataclass
 class RunResult:
-    losses: list[float] = field(default_factory=list)  # per micro-batch, on the last pipeline stage only
+    losses: list[float] = field(default_factory=list)  # per micro-batch, on the loss rank only
     loss_sum: torch.Tensor | None = None
+    loss_rank: int = -1  # the pipeline rank holding the last virtual stage (-1: the last rank)
 
 
 def _key(a: Action) -> tuple:
@@ -189,7 +190,7 @@ class PipelineEngine:
                 runner.finish()
         if grad_sync is not None and not forward_only:
             grad_sync.finish()
-        result = RunResult()
+        result = RunResult(loss_rank=self.schedule.loss_rank)
         if losses:
             per_mb = [losses[i] for i in sorted(losses)]
             result.loss_sum = torch.stack(per_mb).sum()
@@ -248,10 +249,15 @@ class PipelineEngine:
     def _forward(self, a: Action, get_batch, slots, recvs, losses, forward_only: bool) -> None:
         vstage = self._vstage(a.chunk)
         batch, weight = self._batch(get_batch, a)
+        local = self._local_peer(a)
         if vstage == 0:
             x = None
         else:
-            x = self._wait(recvs, Kind.RECV_ACT, a)
+            if local is None:
+                x = self._wait(recvs, Kind.RECV_ACT, a)
+            else:  # the previous virtual stage is this rank's (the V placement's turn): its output, detached
+                producer = slots[local] if not forward_only else slots.pop(local)
+                x = producer.output.detach()
             if not forward_only:
                 x.requires_grad_()
         capture = nullcontext() if forward_only or self.store is None else \
@@ -267,6 +273,14 @@ class PipelineEngine:
         else:
             slots[_key(a)] = _Slot(input=x, output=out, weight=weight)
 
+    def _local_peer(self, a: Action) -> tuple | None:
+        """Slot key of the chunk on this rank that produces `a`'s input (the V placement's turn), else None."""
+        need = self.schedule.input_tensor(self.rank, a)
+        if need is None:
+            return None
+        rank, chunk = self.schedule.location(need[1])
+        return (a.microbatch, chunk, a.half) if rank == self.rank else None
+
     def _deferred_key(self, a: Action) -> tuple:
         return (id(self), *_key(a))
 
@@ -276,7 +290,8 @@ class PipelineEngine:
         slot = slots[_key(a)]
         split = a.kind is Kind.BACKWARD_INPUT
         if vstage != self.num_vstages - 1:
-            grad = self._wait(recvs, Kind.RECV_GRAD, a)
+            local = self._local_peer(a)
+            grad = self._wait(recvs, Kind.RECV_GRAD, a) if local is None else slots.pop(local).input.grad
         if self.store is not None:
             self.store.ready(_key(a))
         with deferred_wgrad.deferring(self._deferred_key(a)) if split else nullcontext():
@@ -284,8 +299,11 @@ class PipelineEngine:
                 torch.autograd.backward(slot.output * scale)
             else:
                 backward_from(slot.output, grad)
-        if self.store is not None and not split:
-            self.store.release(_key(a))
+        if self.store is not None:  # autograd has freed the rest of what the key saved; W keeps its stash
+            if split:
+                self.store.keep_only(_key(a), deferred_wgrad.stashed(self._deferred_key(a)))
+            else:
+                self.store.release(_key(a))
         slot.output = None
         if vstage == 0:
             slots.pop(_key(a))
@@ -308,10 +326,11 @@ class PipelineEngine:
 def reduce_loss(result: RunResult, state: ParallelState, num_microbatches: int) -> float:
     """Mean loss over micro-batches and data-parallel ranks, known on every rank."""
     t = torch.zeros(1, dtype=torch.float32, device=state.device)
-    if state.is_last_stage and result.loss_sum is not None:
+    src = state.pp_ranks[result.loss_rank]
+    if state.rank == src and result.loss_sum is not None:
         t += result.loss_sum.float() / num_microbatches
     if state.pp_group is not None:
-        dist.broadcast(t, src=state.pp_ranks[-1], group=state.pp_group)
+        dist.broadcast(t, src=src, group=state.pp_group)
     if state.dp_group is not None:
         dist.all_reduce(t, group=state.dp_group)
         t /= state.units.loss_divisor(state)

@@ -1,4 +1,5 @@
-"""Schedule generators: GPipe, 1F1B (PipeDream-Flush), Megatron's interleaved 1F1B, zero-bubble ZB-H1.
+"""Schedule generators: GPipe, 1F1B (PipeDream-Flush), Megatron's interleaved 1F1B, zero-bubble ZB-H1, and
+ZB-H2 and ZB-V (list-scheduled, pipeline/zero_bubble.py).
 
 Each generator returns the compute order only; `add_communication` inserts the SEND/RECV
 actions and `generate` does both.
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from .schedule import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule, gc_paused
+from .zero_bubble import list_schedule, zb_h2_budgets, zbv_order
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
+CHUNKS = {"zbv": 2}  # model chunks per rank, where a schedule fixes them
 
 
 def _check_sizes(p: int, m: int, v: int = 1) -> None:
@@ -85,6 +88,19 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule("zb-h1", p, m, 1, actions)
 
 
+def zb_h2(p: int, m: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2024): B/W split, up to 2p - 1 micro-batches held per rank (zero_bubble.py)."""
+    _check_sizes(p, m)
+    return list_schedule("zb-h2", p, m, 1, "interleaved", zb_h2_budgets(p))
+
+
+def zbv(p: int, m: int) -> Schedule:
+    """ZB-V (Qi et al. 2024): two chunks per rank placed in a V, B/W split, at most 2p chunk-micro-batches
+    held per rank (zero_bubble.py)."""
+    _check_sizes(p, m)
+    return zbv_order(p, m)
+
+
 def interleaved_warmup(p: int, m: int, v: int, rank: int) -> int:
     """Number of warm-up forwards (virtual micro-batches) on `rank` in Megatron's interleaved order."""
     if v == 1:
@@ -135,35 +151,55 @@ def add_communication(schedule: Schedule) -> Schedule:
     After each compute action whose output goes to another rank: its SEND, right away.
     Each RECV sits one compute action ahead of its consumer: immediately before the
     consumer's preceding compute action, or at the very start for the rank's first compute
-    action. RECVs therefore follow consumer order and SENDs producer order on every rank.
-    Data that stays on the rank (p == 1) needs no communication.
+    action; earlier where its channel needs it: a (src, dst) channel delivers in posting order
+    (NCCL), so a RECV is posted no later than the RECV of any message sent after it on that
+    channel. Data that stays on the rank (p == 1) needs no communication.
     """
-    new_actions = []
     recv_kind = {Kind.FORWARD: Kind.RECV_ACT, Kind.BACKWARD: Kind.RECV_GRAD, Kind.BACKWARD_INPUT: Kind.RECV_GRAD}
     send_kind = {Kind.FORWARD: Kind.SEND_ACT, Kind.BACKWARD: Kind.SEND_GRAD, Kind.BACKWARD_INPUT: Kind.SEND_GRAD}
     with gc_paused():
-        for rank, acts in enumerate(schedule.actions):
-            base = [a for a in acts if a.kind not in COMM_KINDS]
-            recv_for: list[Action | None] = []  # the RECV the i-th compute action needs
+        bases = [[a for a in acts if a.kind not in COMM_KINDS] for acts in schedule.actions]
+        sent_at: dict = {}  # tensor -> its position in its channel's send order
+        count: dict[tuple[int, int], int] = {}
+        for rank, base in enumerate(bases):
+            for a in base:
+                made = schedule.output_tensor(rank, a) if a.kind in COMPUTE_KINDS else None
+                if made is not None and schedule.consumer_rank(made) != rank:
+                    channel = (rank, schedule.consumer_rank(made))
+                    sent_at[made] = count.get(channel, 0)
+                    count[channel] = sent_at[made] + 1
+        new_actions = []
+        for rank, base in enumerate(bases):
+            recvs = []  # [slot, src, send position, RECV]: before compute `slot`, -1 the very start
+            j = 0
             for a in base:
                 if a.kind not in COMPUTE_KINDS:
                     continue
                 need = schedule.input_tensor(rank, a)
                 src = None if need is None else schedule.rank_of(need[1])
-                recv_for.append(None if src is None or src == rank else
-                                Action(recv_kind[a.kind], a.microbatch, a.chunk, src, a.half))
-            out: list[Action] = []
-            if recv_for and recv_for[0] is not None:
-                out.append(recv_for[0])
-            i = 0
+                if src is not None and src != rank:
+                    recvs.append([j - 1, src, sent_at.get(need, len(sent_at)),
+                                  Action(recv_kind[a.kind], a.microbatch, a.chunk, src, a.half)])
+                j += 1
+            by_src: dict[int, list] = {}
+            for rec in recvs:
+                by_src.setdefault(rec[1], []).append(rec)
+            for channel in by_src.values():
+                channel.sort(key=lambda rec: rec[2])
+                for k in range(len(channel) - 2, -1, -1):
+                    channel[k][0] = min(channel[k][0], channel[k + 1][0])
+            at: dict[int, list[Action]] = {}
+            for rec in sorted(recvs, key=lambda rec: (rec[0], rec[1], rec[2])):
+                at.setdefault(rec[0], []).append(rec[3])
+            out: list[Action] = list(at.get(-1, ()))
+            j = 0
             for a in base:
                 if a.kind not in COMPUTE_KINDS:
                     out.append(a)
                     continue
-                i += 1
-                if i < len(recv_for) and recv_for[i] is not None:
-                    out.append(recv_for[i])
+                out.extend(at.get(j, ()))
                 out.append(a)
+                j += 1
                 made = schedule.output_tensor(rank, a)
                 if made is not None and schedule.consumer_rank(made) != rank:
                     out.append(Action(send_kind[a.kind], a.microbatch, a.chunk, schedule.consumer_rank(made), a.half))
@@ -172,11 +208,14 @@ def add_communication(schedule: Schedule) -> Schedule:
 
 
 def generate(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Build a schedule with communication. `name` in gpipe | 1f1b | interleaved | zb-h1."""
+    """Build a schedule with communication. `name` in SCHEDULES; zbv has v = 2 (CHUNKS)."""
     if name not in SCHEDULES:
         raise UsageError(f"unknown pipeline schedule {name!r} (choose {', '.join(SCHEDULES)})")
     _check_sizes(p, m, v)
-    if v > 1 and name != "interleaved":
+    if name in CHUNKS:
+        if v != CHUNKS[name]:
+            raise UsageError(f"--pipeline-schedule {name} holds {CHUNKS[name]} model chunks per rank, not {v}")
+    elif v > 1 and name != "interleaved":
         raise UsageError(
             f"--virtual-pipeline-model-parallel-size {v} needs the interleaved schedule, not {name!r}"
         )
@@ -186,6 +225,10 @@ def generate(name: str, p: int, m: int, v: int = 1) -> Schedule:
         compute = one_f_one_b(p, m)
     elif name == "zb-h1":
         compute = zb_h1(p, m)
+    elif name == "zb-h2":
+        compute = zb_h2(p, m)
+    elif name == "zbv":
+        compute = zbv(p, m)
     else:
         compute = interleaved_1f1b(p, m, v)
     return add_communication(compute)

@@ -1,8 +1,10 @@
 """Which saved activations a rank holds, and when: the one rule behind the checker's activation limit, BPipe's
 placement, the memory model's peaks and the simulator's memory over time.
 
-The activation store's accounting: a FORWARD's key counts from its start, a BACKWARD's until its end (a split
-backward's until the end of its weight-gradient W, which needs the layers' inputs; not its input-gradient B); an
+The activation store's accounting: a FORWARD's key counts from its start, a BACKWARD's until its end; a split
+backward's input-gradient B frees it at its end except what its weight-gradient W needs (the deferred linear
+layers' inputs and output gradients, parallel/deferred_wgrad.py), which counts from B's end to W's end (holds
+marked `wgrad`, sized by the second table of `bytes_size`; in chunk-micro-batches it is the same one); an
 EVICTed or RETURNed key still counts during the next compute (its send overlaps it) and is gone at that
 compute's end (at the rank's last action when no compute follows); a LOADed or ACCEPTed key counts from the
 LOAD/ACCEPT on (its buffer exists from then). A half of a sliced micro-batch counts 0.5.
@@ -21,7 +23,8 @@ _F, _B, _BI, _W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWAR
 class Hold(NamedTuple):
     """A change of what a rank holds: at the start (or `at_end`) of its `index`-th action, `share`
     chunk-micro-batches (negative: released) of `owner`'s chunk `chunk`. `compute`: from the rank's own
-    FORWARD/BACKWARD, which also hold the chunk's output (never moved by BPipe)."""
+    FORWARD/BACKWARD, which also hold the chunk's output (never moved by BPipe). `wgrad`: only what the chunk's
+    deferred weight gradients keep (between a B and its W)."""
 
     index: int
     at_end: bool
@@ -29,6 +32,7 @@ class Hold(NamedTuple):
     chunk: int
     share: float
     compute: bool
+    wgrad: bool = False
 
 
 def holding_events(actions: list[Action], rank: int) -> list[Hold]:
@@ -40,8 +44,13 @@ def holding_events(actions: list[Action], rank: int) -> list[Hold]:
         if kind is _F or kind is _B or kind is _BI or kind is _W:
             if kind is _F:
                 out.append(Hold(i, False, rank, a.chunk, a.weight, True))
-            elif kind is not _BI:
+            elif kind is _B:
                 out.append(Hold(i, True, rank, a.chunk, -a.weight, True))
+            elif kind is _BI:  # all but what W needs is freed at B's end
+                out.append(Hold(i, True, rank, a.chunk, -a.weight, True))
+                out.append(Hold(i, True, rank, a.chunk, a.weight, True, True))
+            else:
+                out.append(Hold(i, True, rank, a.chunk, -a.weight, True, True))
             for owner, chunk, share in leaving:
                 out.append(Hold(i, True, owner, chunk, -share, False))
             leaving.clear()
@@ -88,14 +97,17 @@ def held_during(actions: list[Action], rank: int) -> list[float]:
     return out
 
 
-def bytes_size(saved: Callable[[int], list[float]]) -> Callable[[Hold], float]:
-    """size() for `peak` in bytes: `saved(owner)[chunk]` per chunk-micro-batch."""
-    cache: dict[int, list[float]] = {}
+def bytes_size(saved: Callable[[int], list[float]],
+               wgrad: Callable[[int], list[float]] | None = None) -> Callable[[Hold], float]:
+    """size() for `peak` in bytes: `saved(owner)[chunk]` per chunk-micro-batch, and for a `wgrad` hold
+    `wgrad(owner)[chunk]` (what a chunk keeps from its B to its W; default: all it saved, as if B freed nothing)."""
+    cache: dict[tuple[int, bool], list[float]] = {}
 
     def size(h: Hold) -> float:
-        own = cache.get(h.owner)
+        w = h.wgrad and wgrad is not None
+        own = cache.get((h.owner, w))
         if own is None:
-            own = cache[h.owner] = saved(h.owner)
+            own = cache[(h.owner, w)] = (wgrad if w else saved)(h.owner)
         return h.share * own[h.chunk]
 
     return size

@@ -1,13 +1,15 @@
 """Pipeline partitions at unit granularity.
 
 A partition is the number of units per virtual stage, in the order of the model's unit list
-[embedding, attn_0, mlp_0, ..., head]. Virtual stage k lives on pipeline rank k % p as its chunk k // p.
+[embedding, attn_0, mlp_0, ..., head]. Where virtual stage k lives is the schedule's placement
+(pipeline/schedule.py): "interleaved", rank k % p as its chunk k // p; "v", zig-zagging over the ranks.
 """
 
 from __future__ import annotations
 
 from ..errors import UsageError
 from ..units import num_units
+from .schedule import stage_index
 
 
 def default_partition(num_layers: int, pp: int, virtual: int = 1) -> list[int]:
@@ -61,7 +63,7 @@ def virtual_stage_units(partition: list[int]) -> list[list[int]]:
     return out
 
 
-def rank_chunks(partition: list[int], pp: int, rank: int) -> list[list[int]]:
-    """Unit indices of each model chunk held by pipeline rank `rank`."""
+def rank_chunks(partition: list[int], pp: int, rank: int, placement: str = "interleaved") -> list[list[int]]:
+    """Unit indices of each model chunk held by pipeline rank `rank`, chunk 0 first."""
     stages = virtual_stage_units(partition)
-    return [stages[k] for k in range(rank, len(stages), pp)]
+    return [stages[stage_index(rank, c, pp, placement)] for c in range(len(stages) // pp)]

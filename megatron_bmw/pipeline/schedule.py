@@ -3,9 +3,11 @@
 Generators build a `Schedule`, transforms rewrite it, and both the runtime engine and the
 replay simulator execute the same object. Pure Python, no torch.
 
-Virtual stages: rank r holds model chunks 0..v-1; chunk c of rank r is virtual stage
-c * p + r (Megatron's placement). Activations flow from virtual stage k to k + 1, gradients
-from k + 1 to k. Virtual stage 0 reads the data, virtual stage p * v - 1 computes the loss.
+Virtual stages: rank r holds model chunks 0..v-1. The schedule's `placement` says where each of the p * v
+virtual stages sits: "interleaved" (Megatron's): chunk c of rank r is virtual stage c * p + r; "v" (zero-bubble
+V schedules): the stages zig-zag over the ranks, chunk c of rank r is c * p + r for even c and c * p + p-1-r for
+odd c, so with two chunks rank 0 holds the first and the last stage. Activations flow from virtual stage k to
+k + 1, gradients from k + 1 to k. Virtual stage 0 reads the data, virtual stage p * v - 1 computes the loss.
 """
 
 from __future__ import annotations
@@ -86,6 +88,22 @@ _SHORT = {
     Kind.RETURN: "RT",
 }
 
+PLACEMENTS = ("interleaved", "v")
+
+
+def stage_index(rank: int, chunk: int, p: int, placement: str = "interleaved") -> int:
+    """Virtual stage of model chunk `chunk` on pipeline rank `rank` of `p`."""
+    if placement == "v" and chunk % 2:
+        return chunk * p + p - 1 - rank
+    return chunk * p + rank
+
+
+def stage_location(vstage: int, p: int, placement: str = "interleaved") -> tuple[int, int]:
+    """(rank, chunk) holding virtual stage `vstage` on `p` pipeline ranks."""
+    chunk, pos = divmod(vstage, p)
+    return (p - 1 - pos if placement == "v" and chunk % 2 else pos), chunk
+
+
 Key = tuple[int, int, int | None]  # (microbatch, chunk, half)
 # A tensor crossing between virtual stages: (is_grad, producer virtual stage, microbatch, half).
 Tensor = tuple[bool, int, int, int | None]
@@ -149,7 +167,7 @@ class Action:
 class Schedule:
     """Per-rank action lists for one pipeline-parallel iteration."""
 
-    name: str  # "gpipe" | "1f1b" | "interleaved" | "zb-h1"
+    name: str  # "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-h2" | "zbv"
     num_stages: int  # p (pipeline ranks)
     num_microbatches: int  # m
     virtual_stages: int  # v (model chunks per rank)
@@ -157,6 +175,11 @@ class Schedule:
     # Set by the BPipe transform: no rank may hold more chunk-micro-batches of saved activations (own
     # resident ones plus accepted ones; a half counts 0.5). The checker enforces it.
     activation_limit: float | None = None
+    placement: str = "interleaved"  # where the virtual stages sit (PLACEMENTS; see the module docstring)
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ScheduleError(f"unknown stage placement {self.placement!r} (choose {', '.join(PLACEMENTS)})")
 
     @property
     def num_virtual_stages(self) -> int:
@@ -164,22 +187,26 @@ class Schedule:
 
     # ---- tensor identity: the one place that says which virtual stage runs where and what flows -------------
     def stage_of(self, rank: int, chunk: int) -> int:
-        """Virtual stage of model chunk `chunk` on pipeline rank `rank` (Megatron's placement)."""
-        return chunk * self.num_stages + rank
+        """Virtual stage of model chunk `chunk` on pipeline rank `rank`."""
+        return stage_index(rank, chunk, self.num_stages, self.placement)
 
     def location(self, vstage: int) -> tuple[int, int]:
         """(rank, chunk) holding virtual stage `vstage`."""
-        chunk, rank = divmod(vstage, self.num_stages)
-        return rank, chunk
+        return stage_location(vstage, self.num_stages, self.placement)
 
     def rank_of(self, vstage: int) -> int:
-        return vstage % self.num_stages
+        return stage_location(vstage, self.num_stages, self.placement)[0]
+
+    @property
+    def loss_rank(self) -> int:
+        """The pipeline rank holding the last virtual stage (the loss)."""
+        return self.rank_of(self.num_virtual_stages - 1)
 
     def tensor(self, rank: int, chunk: int, microbatch: int, half: int | None, grad: bool,
                output: bool) -> Tensor | None:
         """The activation (or, with `grad`, gradient) that chunk `chunk` of `rank` consumes from a neighbouring
         virtual stage, or with `output` produces for one; None at the ends of the pipeline (data, loss)."""
-        vs = chunk * self.num_stages + rank
+        vs = stage_index(rank, chunk, self.num_stages, self.placement)
         if output:
             return None if vs == (0 if grad else self.num_stages * self.virtual_stages - 1) else \
                 (grad, vs, microbatch, half)
@@ -256,7 +283,7 @@ class Schedule:
         """Same schedule with new (or copied) action lists; actions are immutable and shared."""
         new = [list(a) for a in (self.actions if actions is None else actions)]
         return Schedule(self.name, self.num_stages, self.num_microbatches, self.virtual_stages, new,
-                        self.activation_limit)
+                        self.activation_limit, self.placement)
 
     def to_text(self, comm: bool = False) -> str:
         """One line per rank, e.g. 'rank 0: F0 F1 B0 F2 B1 B2'; `comm` adds SEND/RECV and BPipe transfers."""

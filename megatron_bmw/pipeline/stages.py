@@ -17,10 +17,11 @@ StageTimes = tuple[list[float], list[float], float]  # forward, backward per sta
 
 
 def build_model_chunks(cfg: ModelConfig, state: ParallelState, seed: int, partition: list[int],
-                       recompute: tuple | None = None) -> list[ModelChunk]:
-    """This rank's model chunks, placed as `state.units` says. All units of the rank are built together so that,
-    at pp=1, the head shares the embedding's word-embedding Parameter."""
-    chunks = rank_chunks(partition, state.pp_size, state.pp_rank)
+                       recompute: tuple | None = None, placement: str = "interleaved") -> list[ModelChunk]:
+    """This rank's model chunks (virtual stages placed as `placement` says, units as `state.units` says). All
+    units of the rank are built together so that, where one rank holds both (pp=1, or the V placement), the
+    head shares the embedding's word-embedding Parameter."""
+    chunks = rank_chunks(partition, state.pp_size, state.pp_rank, placement)
     placement = state.units
     placement.check(cfg)
     units = build_units(cfg, state, seed, [i for c in chunks for i in c], recompute,
@@ -40,7 +41,7 @@ def pipeline_setup(cfg: ModelConfig, state: ParallelState, seed: int, pipeline: 
     if pipeline.bpipe and state.layout.order != "bpipe":
         raise UsageError("--bpipe needs the pair-adjacent rank order (ParallelConfig(rank_order='bpipe'))")
     check_slicing(pipeline.slicing, pipeline.micro_batch_size, pipeline.num_microbatches)
-    chunks = build_model_chunks(cfg, state, seed, parts, pipeline.recompute)
+    chunks = build_model_chunks(cfg, state, seed, parts, pipeline.recompute, pipeline.placement)
     slicing = None
     if pipeline.slicing == "auto":
         if stage_times is None:

@@ -146,9 +146,18 @@ class Fit:
             names.append("overhead")
         if self.local and any(pt.spec.world_size > 1 for pt in self.points):
             names += ["bandwidth", "latency"]  # only a local profile carries links; elsewhere the cluster file does
-        if any(pt.spec.overlap_grad_reduce and pt.spec.dp > 1 for pt in self.points):
+        if self._overlap_visible(start):
             names.append("overlap")
         return names
+
+    def _overlap_visible(self, start: Params) -> bool:
+        """Whether the overlap factor changes any prediction: only when some trial's gradient buckets are reduced
+        while compute still runs (a small model has one bucket per rank, reduced after its last backward)."""
+        if not any(pt.spec.overlap_grad_reduce and pt.spec.dp > 1 for pt in self.points):
+            return False
+        if not hasattr(self, "_visible"):
+            self._visible = self.predict(replace(start, overlap=1.0)) != self.predict(replace(start, overlap=2.0))
+        return self._visible
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

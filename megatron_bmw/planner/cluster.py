@@ -9,11 +9,15 @@ YAML (bandwidths in GB/s = 1e9 bytes/s, latencies in microseconds, memory in GiB
 
     name: my-cluster
     device_types:
-      v100: {memory_gb: 16, peak_tflops: {fp32: 15.7, fp16: 125}}
+      v100: {memory_gb: 16, peak_tflops: {fp32: 15.7, fp16: 125}, compute_capability: 7.0, nccl_channels: 8}
     groups:
       - {nodes: 3, gpus_per_node: 4, device: v100, intra_node: {bandwidth_GBps: 150, latency_us: 5}}
     inter_node: {bandwidth_GBps: 1.25, latency_us: 30}
     bandwidth_matrix_GBps: [[...], ...]   # optional, one row per GPU
+
+A device type may state what the CUDA allowance (cuda_allowance.py) needs: `cuda_context_gb` (the CUDA context),
+`compute_capability` (cuBLAS workspace sizes follow the architecture) and `nccl_channels` (NCCL's collective
+channels on these nodes); without them it takes its defaults.
 
 CPU ranks share the cores of their node: a group's optional `cores_per_node` says how many (the built-in `local`
 cluster and the local cluster built from a CPU profile default to this machine's os.cpu_count()). When more ranks of
@@ -52,6 +56,11 @@ class DeviceType:
     memory_bandwidth: float | None = None  # bytes/s, optional
     achievable_fraction: float | None = None  # of peak FLOP/s that large matrix multiplications reach, optional
     sm_count: int | None = None  # streaming multiprocessors: analytic unit times follow GEMM shapes (kernel_time.py)
+    # the CUDA allowance's inputs (cuda_allowance.py): context bytes, architecture (cuBLAS workspace sizes),
+    # NCCL's collective channels on these nodes
+    cuda_context_bytes: float | None = None
+    compute_capability: float | None = None
+    nccl_channels: int | None = None
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -269,7 +278,8 @@ def _positive(data: dict, key: str, where: str, default=None, allow_zero: bool =
 def _device_type(name: str, spec, where: str) -> DeviceType:
     if not isinstance(spec, dict):
         raise UsageError(f"{where}: expected a mapping with memory_gb and peak_tflops")
-    _only(spec, {"memory_gb", "peak_tflops", "memory_bandwidth_GBps", "achievable_fraction", "sm_count"}, where)
+    _only(spec, {"memory_gb", "peak_tflops", "memory_bandwidth_GBps", "achievable_fraction", "sm_count",
+                 "cuda_context_gb", "compute_capability", "nccl_channels"}, where)
     memory = _positive(spec, "memory_gb", where) * 2**30
     peaks_raw = _need(spec, "peak_tflops", dict, where)
     peaks = {}
@@ -284,8 +294,15 @@ def _device_type(name: str, spec, where: str) -> DeviceType:
     sms = spec.get("sm_count")
     if sms is not None and not (isinstance(sms, int) and not isinstance(sms, bool) and sms >= 1):
         raise UsageError(f"{where}: 'sm_count' must be a positive integer, got {sms!r}")
+    channels = spec.get("nccl_channels")
+    if channels is not None and not (isinstance(channels, int) and not isinstance(channels, bool) and channels >= 1):
+        raise UsageError(f"{where}: 'nccl_channels' must be a positive integer, got {channels!r}")
+    context = spec.get("cuda_context_gb")
+    cc = spec.get("compute_capability")
     return DeviceType(name, memory, peaks, _positive(spec, "memory_bandwidth_GBps", where) * GB if bw is not None else None,
-                      float(fraction) if fraction is not None else None, sms)
+                      float(fraction) if fraction is not None else None, sms,
+                      _positive(spec, "cuda_context_gb", where, allow_zero=True) * 2**30 if context is not None else None,
+                      _positive(spec, "compute_capability", where) if cc is not None else None, channels)
 
 
 def _link(spec, where: str) -> Link:

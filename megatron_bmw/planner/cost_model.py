@@ -5,13 +5,18 @@ the micro-batch size, rescaled by FLOPs for another model; a device type without
 profiles are given), or analytically as FLOPs / (peak x achievable fraction) with backward = 2 x forward. Tensor-parallel collectives run inside
 units: measured when the profile has that tp degree, else added from the cluster's links. Recomputation
 adds the recomputed forward (the whole unit for full, the attention core for selective) to the backward.
+A zero-bubble schedule's split backward: W (the deferred weight gradients) takes `wgrad_share` of the unit's own
+backward, the share its weight-gradient GEMMs have of the backward's matrix work (by GEMM shape where the
+device type gives its SMs, else by FLOPs); B takes the rest with the recomputation, the collectives and the
+profile's backward overhead.
 
 Communication (AMP's formulas, B the slowest link of the group, plus per-step latency):
   ring all-reduce 2(n-1)/n x M / B; all-gather and reduce-scatter (n-1)/n x M / B; p2p v / b + latency.
-After the last backward each rank all-reduces its fp32 gradients over data parallel (overlapped with the
-last backward when --overlap-grad-reduce, both slowed by the overlap factor, Galvatron's 1.3), sums the
-sequence-parallel gradients over tensor parallel, and the first and last stage all-reduce the tied embedding;
-then the optimizer steps (memory-bound) and, with ZeRO-1, the parameters are all-gathered.
+Each rank all-reduces its fp32 gradients over data parallel in buckets (overlap.py: after the pipeline, or with
+--overlap-grad-reduce each as soon as its gradients are ready, overlapped compute and communication both slowed by
+the overlap factor, Galvatron's 1.3), sums the sequence-parallel gradients over tensor parallel, and the first and
+last stage all-reduce the tied embedding; then the optimizer steps (memory-bound) and, with ZeRO-1, the parameters
+are all-gathered (hidden behind the next first forwards with --overlap-param-gather).
 
 CPU ranks that share cores (a cluster group with cores_per_node, e.g. gloo ranks on this machine): a rank gets
 min(1, cores / ranks computing on its node) of a core. Each duration is split into CPU work (compute, the
@@ -25,14 +30,16 @@ GPU clusters (no cores_per_node) are unaffected.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..pipeline.schedule import Action, Kind
 from .cluster import Cluster, DeviceType, Link
-from .flops import core_attention_share, unit_forward_flops
-from .kernel_time import KernelDevice, unit_kernel_times
+from .flops import core_attention_share, unit_forward_flops, unit_weight_grad_flops
+from .kernel_time import KernelDevice, unit_kernel_times, unit_weight_grad_time
 from ..units import owns_output_weight, unit_kind, unit_names
+from .overlap import RankSpans, exposed_gather, reduce_end
 from .memory_model import chunk_unit_indices, chunk_units, unit_activation_bytes, unit_param_count
 from .profile_data import Profile, Profiles
 from .spec import RunSpec
@@ -114,6 +121,7 @@ class CostModel:
         self._p2p: dict[tuple, Link] = placement.setdefault("links", {})  # stage pairs, each stage's tp/dp group
         self._transfers: dict[tuple, float] = {}  # (src, dst, half) -> p2p seconds of the hidden state
         self._tables: tuple[list[list[float]], list[list[float]], list[int]] | None = None
+        self._wshare: dict[tuple, float] = {}
         # CPU ranks sharing cores: per stage {node: its ranks there}, cores per node, the static factor per stage
         self.shares_cores = cluster.shares_cores
         self.action_factors: dict[tuple[int, Action], float] | None = None  # set by simulate_sharing_cores
@@ -145,6 +153,13 @@ class CostModel:
         return self._chunk_tables()[1]
 
     @property
+    def chunk_wgrad(self) -> list[list[float]]:
+        """Per rank, per model chunk: the W (deferred weight gradients) of one micro-batch, part of its backward
+        (zero where a subclass's tables do not split it)."""
+        self._chunk_tables()
+        return getattr(self, "_wtable", None) or [[0.0] * len(b) for b in self.chunk_backward]
+
+    @property
     def params(self) -> list[int]:
         """Parameters per rank (one tensor-parallel shard)."""
         return self._chunk_tables()[2]
@@ -159,24 +174,31 @@ class CostModel:
         names = unit_names(spec.model.num_layers)
         layout = spec.stage_layout()
         self._split = []  # per rank, per chunk: (forward work, forward wait, backward work, backward wait)
+        self._wsplit = []  # per rank, per chunk: (W work, W wait), part of the backward
+        self._wtable = []
         for rank in range(spec.pp):
             chunks = chunk_unit_indices(layout, rank)
-            fwd, bwd, split = [], [], []
+            fwd, bwd, split, wsplit, wtab = [], [], [], [], []
             for c in chunks:
-                fw = fl = bw = bl = 0.0
+                fw = fl = bw = bl = ww = wl = 0.0
                 for i in c:
-                    (a, b), (x, y) = self.unit_parts(unit_kind(names[i]), layout.unit_recompute(i),
-                                                     self.devices[rank], rank, i)
-                    fw, fl, bw, bl = fw + a, fl + b, bw + x, bl + y
+                    kind = unit_kind(names[i])
+                    (a, b), (x, y) = self.unit_parts(kind, layout.unit_recompute(i), self.devices[rank], rank, i)
+                    u, v = self.wgrad_parts(kind, self.devices[rank], i)
+                    fw, fl, bw, bl, ww, wl = fw + a, fl + b, bw + x, bl + y, ww + u, wl + v
                 over = self._overhead(self.devices[rank])
                 fw, bw = fw + over[0], bw + over[1]
                 k = self.static_factor[rank]
                 fwd.append(fw * k + fl)
                 bwd.append(bw * k + bl)
                 split.append((fw, fl, bw, bl))
+                wsplit.append((ww, wl))
+                wtab.append(ww * k + wl)
             chunk_forward.append(fwd)
             chunk_backward.append(bwd)
             self._split.append(split)
+            self._wsplit.append(wsplit)
+            self._wtable.append(wtab)
             params.append(self._rank_params([names[i] for c in chunks for i in c]))
         self._tables = (chunk_forward, chunk_backward, params)
         return self._tables
@@ -262,6 +284,30 @@ class CostModel:
         fwd, bwd = self._analytic(kind, tp, device)
         return (fwd, 0.0), (bwd, 0.0), False
 
+    def wgrad_share(self, kind: str, device: DeviceType) -> float:
+        """Share of a unit's own backward matrix work that is its deferred weight gradients (a split backward's W):
+        weight-gradient GEMM time over backward kernel time by GEMM shape where the device type gives its SMs,
+        else weight-gradient FLOPs over backward FLOPs (2 x forward)."""
+        key = (kind, device.name, device.sm_count)
+        got = self._wshare.get(key)
+        if got is None:
+            model, b, tp = self.spec.model, self.spec.pipeline.micro_batch_size, self.spec.tp
+            if device.sm_count is not None:
+                kd = KernelDevice(device.peak(self.dtype), self.settings.fraction(device), device.sm_count,
+                                  device.memory_bandwidth)
+                w, total = unit_weight_grad_time(kind, model, b, tp, kd), unit_kernel_times(kind, model, b, tp, kd)[1]
+            else:
+                w, total = unit_weight_grad_flops(kind, model, b, tp), 2 * unit_forward_flops(kind, model, b, tp)
+            got = self._wshare[key] = w / total if total > 0 else 0.0
+        return got
+
+    def wgrad_parts(self, kind: str, device: DeviceType, index: int | None = None) -> tuple[float, float]:
+        """(work, wait) of a unit's W: `wgrad_share` of its own backward (profiled or analytic) on a core of its
+        own; recomputation and the collectives added outside a profile stay in B."""
+        (_, _), (bw, bl), _ = self._compute_parts(kind, device, index)
+        share = self.wgrad_share(kind, device)
+        return bw * share, bl * share
+
     def tp_comm(self, kind: str, stage: int) -> tuple[float, float]:
         """Tensor-parallel collectives of one unit: (forward, backward) seconds."""
         (fw, fl), (bw, bl) = self.tp_comm_parts(kind, stage)
@@ -315,11 +361,27 @@ class CostModel:
     # ---- per action --------------------------------------------------------------------------------------------
     def compute_time(self, rank: int, action: Action) -> float:
         if self.action_factors is not None:
-            fw, fl, bw, bl = self._split_of(rank, action.chunk)
-            work, wait = (fw, fl) if action.kind is Kind.FORWARD else (bw, bl)
+            work, wait = self._action_parts(rank, action)
             return (work * self.action_factors.get((rank, action), self.static_factor[rank]) + wait) * action.weight
-        table = self.chunk_forward if action.kind is Kind.FORWARD else self.chunk_backward
-        return table[rank][action.chunk] * action.weight
+        kind = action.kind
+        if kind is Kind.FORWARD:
+            return self.chunk_forward[rank][action.chunk] * action.weight
+        if kind is Kind.BACKWARD:
+            return self.chunk_backward[rank][action.chunk] * action.weight
+        w = self.chunk_wgrad[rank][action.chunk]
+        return (w if kind is Kind.BACKWARD_WEIGHT else self.chunk_backward[rank][action.chunk] - w) * action.weight
+
+    def _action_parts(self, rank: int, action: Action) -> tuple[float, float]:
+        """(work, wait) of a compute action on a core of its own: forward, backward, or a split backward's B or W."""
+        fw, fl, bw, bl = self._split_of(rank, action.chunk)
+        kind = action.kind
+        if kind is Kind.FORWARD:
+            return fw, fl
+        if kind is Kind.BACKWARD:
+            return bw, bl
+        wsplit = getattr(self, "_wsplit", None)
+        ww, wl = wsplit[rank][action.chunk] if wsplit else (0.0, 0.0)
+        return (ww, wl) if kind is Kind.BACKWARD_WEIGHT else (bw - ww, bl - wl)
 
     def _split_of(self, rank: int, chunk: int) -> tuple[float, float, float, float]:
         return self.work_split()[rank][chunk]
@@ -332,8 +394,7 @@ class CostModel:
 
     def busy_share(self, rank: int, action: Action, factor: float) -> float:
         """Share of a compute action's span its ranks spend on the CPU (the rest waits), at `factor`."""
-        fw, fl, bw, bl = self._split_of(rank, action.chunk)
-        work, wait = (fw, fl) if action.kind is Kind.FORWARD else (bw, bl)
+        work, wait = self._action_parts(rank, action)
         total = work * factor + wait
         return 1.0 if total <= 0 else work * factor / total
 
@@ -391,23 +452,73 @@ class CostModel:
                                       self.spec.model.dtype_bytes, self.devices[rank],
                                       self.settings.bandwidth_fraction)
 
-    def finish_times(self, pipeline_end: list[float], last_backward: list[tuple[float, float]]) -> list[float]:
-        """Per rank, when its iteration ends, given when its pipeline work ends and its last backward."""
+    def grad_units(self, rank: int) -> list[list[tuple[float, float, float]]]:
+        """Per chunk of the rank, its units' (parameter elements, forward seconds, backward seconds) in forward
+        order: what the overlap model (overlap.py) needs to know when each bucket is ready or needed."""
+        if not hasattr(self, "_grad_units"):
+            self._grad_units: dict[int, list] = {}
+        if rank not in self._grad_units:
+            spec, names = self.spec, unit_names(self.spec.model.num_layers)
+            layout = spec.stage_layout()
+            chunks = chunk_unit_indices(layout, rank)
+            own = owns_output_weight(spec.model.untie_embeddings_and_output_weights, spec.pp,
+                                     [names[i] for c in chunks for i in c])
+            self._grad_units[rank] = [
+                [(float(unit_param_count(unit_kind(names[i]), spec.model, spec.tp, own)),
+                  *self.unit_times(unit_kind(names[i]), layout.unit_recompute(i), self.devices[rank], rank, i))
+                 for i in c] for c in chunks]
+        return self._grad_units[rank]
+
+    def dp_reduce_seconds(self, rank: int) -> Callable[[float], float]:
+        """Seconds to all-reduce a bucket of `elements` fp32 gradients over data parallel (see dp_sync_time)."""
+        link, k = self.dp_link(rank), self.static_factor[rank]
+
+        def seconds(elements: float) -> float:
+            bw, lat = allreduce_parts(4.0 * elements, self.spec.dp, link)
+            return bw * k + lat
+        return seconds
+
+    def gather_seconds(self, rank: int) -> Callable[[float], float]:
+        """Seconds to all-gather `elements` updated parameters over data parallel (ZeRO-1)."""
+        link, nbytes = self.dp_link(rank), self.spec.model.dtype_bytes
+        return lambda elements: allgather_time(elements * nbytes, self.spec.dp, link)
+
+    def finish_times(self, pipeline_end: list[float], spans: list[RankSpans]) -> list[float]:
+        """Per rank, when its iteration ends, given when its pipeline work ends and its chunks' spans (overlap.py):
+        the data-parallel reduction in buckets (hidden behind the backward with --overlap-grad-reduce), the
+        sequence-parallel and tied-embedding sums, the optimizer step and ZeRO-1's gather (hidden behind the next
+        iteration's first forwards with --overlap-param-gather)."""
         factor = self.settings.overlap_factor
+        spec = self.spec
         out = []
         for rank, end in enumerate(pipeline_end):
-            sync = self.dp_sync_time(rank)
-            start, dur = last_backward[rank]
-            if sync > 0 and self.spec.overlap_grad_reduce:
-                t = max(end, start + max(dur, sync) + (factor - 1) * min(dur, sync))
-            else:
-                t = end + sync
+            t = end
+            if spec.dp > 1:
+                if self._bucketed:
+                    chunks = [(s, e, [(n, b) for n, _, b in units])
+                              for (s, e), units in zip(spans[rank].last_grad, self.grad_units(rank))]
+                    t = reduce_end(chunks, end, self.dp_reduce_seconds(rank), spec.overlap_grad_reduce, factor)
+                else:
+                    t = end + self.dp_sync_time(rank)
             out.append(t + self.sp_sync_time(rank))
         emb = self.embedding_sync_time()
         if emb > 0:
             both = max(out[0], out[-1]) + emb
             out[0] = out[-1] = both
-        return [t + self.optimizer_step_time(r) + self.optimizer_gather_time(r) for r, t in enumerate(out)]
+        return [t + self.optimizer_step_time(r) + self.param_gather_time(r, spans[r]) for r, t in enumerate(out)]
+
+    _bucketed = True  # the hybrid model syncs per unit group, after the pipeline (HybridGradSync)
+
+    def param_gather_time(self, rank: int, spans: RankSpans) -> float:
+        """ZeRO-1's all-gather after the step, or with --overlap-param-gather what of it the next iteration's first
+        forwards on this rank do not hide."""
+        if not self.spec.distributed_optimizer or self.spec.dp == 1:
+            return 0.0
+        if not self.spec.overlap_param_gather:
+            return self.optimizer_gather_time(rank)
+        chunks = [(s, e, [(n, f) for n, f, _ in units])
+                  for (s, e), units in zip(spans.first_forward, self.grad_units(rank))]
+        return exposed_gather(chunks, self.gather_seconds(rank))
 
 
 # ---- CPU ranks sharing cores ------------------------------------------------------------------------------------

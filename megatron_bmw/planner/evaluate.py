@@ -10,7 +10,8 @@ from ..pipeline.replay import CompiledSchedule
 from ..pipeline.schedule import Schedule
 from .cluster import Cluster
 from .cost_model import CostModel, CostSettings, simulate_sharing_cores
-from .memory_model import MemorySettings, RankMemory, chunk_saved_bytes, precision_from, rank_memory
+from .memory_model import (MemorySettings, RankMemory, chunk_saved_bytes, chunk_wgrad_bytes, precision_from,
+                           rank_memory)
 from .profile_data import Profile, Profiles
 from .simulator import Simulation, simulate
 from .spec import RunSpec
@@ -23,15 +24,21 @@ def estimate_memory(spec: RunSpec, schedule: Schedule | None = None,
     """Memory of every pipeline stage; in-flight micro-batches come from walking `schedule` (or its holding
     events per rank, `holds`, when the caller keeps them)."""
     schedule = schedule or build_schedule(spec.pipeline, spec.pp)
+    settings = layout_settings(spec, settings)
     if spec.unit_strategies is not None:  # Galvatron-BMW per-unit strategies
         from .hybrid_memory import rank_memory_hybrid
         return [rank_memory_hybrid(spec, schedule, r, settings,
                                    None if activation_peaks is None else activation_peaks[r]) for r in range(spec.pp)]
-    precision = precision_from(spec.model, spec.distributed_optimizer)
+    precision = precision_from(spec.model, spec.distributed_optimizer, settings.engine)
     layout = spec.stage_layout()
     return [rank_memory(layout, spec.model, schedule, r, precision, settings,
                         None if activation_peaks is None else activation_peaks[r],
                         None if holds is None else holds[r]) for r in range(spec.pp)]
+
+
+def layout_settings(spec: RunSpec, settings: MemorySettings) -> MemorySettings:
+    """`settings` with the allowance of the spec's layout (a derived CUDA allowance depends on it)."""
+    return settings.for_layout(spec.model, spec.tp, spec.dp, spec.pp, spec.pipeline.micro_batch_size, spec.sp)
 
 
 @dataclass
@@ -57,9 +64,11 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
         from .hybrid_memory import hybrid_chunk_saved_bytes
         cost = HybridCostModel(spec, cluster, profiles, cost_settings)
         saved = [hybrid_chunk_saved_bytes(spec, r, memory_settings) for r in range(spec.pp)]
+        wgrad = None
     else:
         cost = CostModel(spec, cluster, profiles, cost_settings)
         saved = [chunk_saved_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
+        wgrad = [chunk_wgrad_bytes(layout, spec.model, r) for r in range(spec.pp)]
     holds = None
     if compiled is not None and spec.unit_strategies is None:  # replayed again and again: walk it once
         if "holds" not in compiled.derived:
@@ -69,7 +78,8 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
     static = [m.static_bytes for m in memory]
     sim = simulate_sharing_cores(cost, lambda: simulate(
         compiled or schedule, cost.compute_time, cost.transfer_time, cost.copy_time, saved, static,
-        cost.finish_times, record_transfers=record_transfers, memory_over_time=memory_over_time))
+        cost.finish_times, record_transfers=record_transfers, memory_over_time=memory_over_time,
+        wgrad_bytes=wgrad))
     return Evaluation(spec, schedule, memory, sim, cost)
 
 

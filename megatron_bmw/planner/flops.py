@@ -23,6 +23,22 @@ def unit_forward_flops(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     raise ValueError(f"unknown unit kind {kind!r}")
 
 
+def unit_weight_grad_flops(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1) -> float:
+    """FLOPs of the unit's deferred weight gradients (parallel/deferred_wgrad.py: a split backward's W), one GEMM
+    per linear layer as large as its forward: QKV and projection, fc1 and fc2, the logits (not BERT's LM dense)."""
+    s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+    tokens = s * b
+    if kind == "attention":
+        return 2.0 * tokens * h * (model.qkv_rows + h) / tp
+    if kind == "mlp":
+        return 2.0 * tokens * h * (model.fc1_rows + model.ffn_hidden_size) / tp
+    if kind == "head":
+        return 2.0 * tokens * h * model.vocab_size / tp
+    if kind == "embedding":
+        return 0.0
+    raise ValueError(f"unknown unit kind {kind!r}")
+
+
 def core_attention_share(model: ModelConfig) -> float:
     """Fraction of an attention unit's forward FLOPs spent in the softmax(QK^T)V core (what selective
     recomputation repeats)."""

@@ -182,6 +182,8 @@ class HybridCostModel(CostModel):
                             for r in range(spec.pp)]
         self._sync: list[float] | None = None
 
+    _bucketed = False  # HybridGradSync reduces per unit group after the pipeline
+
     def _chunk_tables(self):
         if self._tables is not None:
             return self._tables

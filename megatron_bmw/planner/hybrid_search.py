@@ -2,8 +2,8 @@
 every unit's strategy (strategy.py) and recomputation, and the unit partition.
 
 Per stage the per-layer DP (hybrid_dp.stage_dp) picks (strategy, recomputation) per unit minimising
-m x (forward + backward) + (overlap factor - 1) x the plain-dp gradient all-reduce (it overlaps the last
-backward) + m x re-layouts, under the stage's memory (model
+m x (forward + backward) + the unit's gradient synchronisation (HybridGradSync runs it after the pipeline, not
+overlapped) + m x re-layouts, under the stage's memory (model
 states + the micro-batches 1F1B holds at its peak x saved activations + the worst backward). Stages are solved
 in order, each entering from the previous stage's last strategy. Partitions are walked as for uniform layouts
 (solver.py): from the memory-balanced start toward time balance (Galvatron-BMW's bi-objective walk). The
@@ -43,8 +43,7 @@ class HybridSolution(Solution):
         lay = self.layout
         pipe = PipelineConfig(micro_batch_size=lay.mbs, num_microbatches=lay.m, schedule=lay.schedule,
                               partition=self.partition, recompute=self.recompute)
-        return RunSpec(model=model, tp=1, pp=lay.pp, dp=lay.dp, pipeline=pipe, overlap_grad_reduce=lay.dp > 1,
-                       unit_strategies=self.strategies)
+        return RunSpec(model=model, tp=1, pp=lay.pp, dp=lay.dp, pipeline=pipe, unit_strategies=self.strategies)
 
 
 def hybrid_strategies(model: ModelConfig, width: int, max_tp: int | None = None) -> list[UnitStrategy]:
@@ -61,7 +60,8 @@ class HybridProblem:
     def __init__(self, layout: Layout, model: ModelConfig, cluster: Cluster, profiles: Profiles | None,
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
                  strategies: list[UnitStrategy] | None = None, resolution: int = 512) -> None:
-        self.layout, self.model, self.space, self.memory, self.cluster = layout, model, space, memory, cluster
+        self.layout, self.model, self.space, self.cluster = layout, model, space, cluster
+        self.memory = memory.for_layout(model, 1, layout.dp, layout.pp, layout.mbs, False)
         self.variant = Variant()
         self.resolution = resolution
         lay = layout
@@ -112,7 +112,6 @@ class HybridProblem:
             return self._rows[key]
         sc, lay, cnt = self.stage_costs[rank], self.layout, self.counts[rank]
         choices = self.recompute if kind in ("attention", "mlp") else (None,)
-        overlap = sc.settings.overlap_factor - 1  # the all-reduce overlaps the last backward (mostly hidden)
         out = []
         for k, s in enumerate(self.strategies):
             mine = []
@@ -122,7 +121,7 @@ class HybridProblem:
                 f, b = sc.unit_times(kind, s, c, i if self.per_unit else None, own_output)
                 sync = sc.sync_time(kind, s, own_output)
                 um = unit_memory(kind, self.model, s, lay.mbs, c, self.memory.device, own_output)
-                mine.append((k, lay.m * (f + b) + overlap * sync, um.state_bytes + cnt * um.saved_bytes, um.transient_bytes,
+                mine.append((k, lay.m * (f + b) + sync, um.state_bytes + cnt * um.saved_bytes, um.transient_bytes,
                              f, b, sync, um.params, c))
             keep = [o for o in mine if not any(x is not o and x[1] <= o[1] and x[2] <= o[2] and x[3] <= o[3]
                                                and (x[1], x[2], x[3]) != (o[1], o[2], o[3]) for x in mine)]
@@ -224,18 +223,17 @@ class HybridProblem:
             start += size
         fb = [f + b for f, b in zip(fwd, bwd)]
         estimate = sum(fb) + (lay.m - 1) * max(fb) + 2 * (lay.pp - 1) * self.p2p
-        estimate += max(self._exposed(r, syncs[r], bwd[r], params[r]) for r in range(lay.pp))
+        estimate += max(self._exposed(r, syncs[r], params[r]) for r in range(lay.pp))
         rc = tuple(recompute) if any(recompute) else None
         return HybridSolution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity,
                               self, tuple(strategies))
 
-    def _exposed(self, rank: int, sync: float, last_backward: float, params: float) -> float:
+    def _exposed(self, rank: int, sync: float, params: float) -> float:
+        """After the pipeline: the unit groups' reductions (HybridGradSync runs them after the last backward, not
+        overlapped) and the optimizer step."""
         sc = self.stage_costs[rank]
-        step = optimizer_step_seconds(params, 1, False, self.model.dtype_bytes, sc.device,
-                                      sc.settings.bandwidth_fraction)
-        factor = sc.settings.overlap_factor
-        exposed = max(last_backward, sync) + (factor - 1) * min(last_backward, sync) - last_backward
-        return exposed + step
+        return sync + optimizer_step_seconds(params, 1, False, self.model.dtype_bytes, sc.device,
+                                             sc.settings.bandwidth_fraction)
 
     def lower_bound(self) -> float:
         """Perfect balance with every unit at its fastest option, no re-layouts, no synchronisation."""

@@ -23,7 +23,8 @@ mask skips the blocks above the diagonal (half the work). Backward runs five pro
 
 Units per tensor-parallel rank (T = s x b tokens): attention = QKV [T, qkv_rows/t, h], core, projection
 [T, h, h/t]; MLP = fc1 [T, fc1_rows/t, h], fc2 [T, h, f/t]; head = logits [T, v/t, h]. A backward GEMM runs the
-input gradient [m, k] (contracting n) and the weight gradient [k, n] (contracting m).
+input gradient [m, k] (contracting n) and the weight gradient [k, n] (contracting m); zero-bubble's W runs the
+weight gradients of the deferred layers (all but BERT's LM dense), its B the rest.
 """
 
 from __future__ import annotations
@@ -86,30 +87,32 @@ def flash_attention_time(batch_heads: int, s: int, d: int, elem_bytes: int, dev:
     return max(compute, moved / dev.memory_bandwidth)
 
 
-def _linear(m: int, n: int, k: int, e: int, dev: KernelDevice) -> tuple[float, float]:
-    """(forward, backward) of a linear layer: y[m, n] = x[m, k] W^T; backward = input and weight gradients."""
-    return gemm_time(m, n, k, e, dev), gemm_time(m, k, n, e, dev) + gemm_time(k, n, m, e, dev)
+def _linear(m: int, n: int, k: int, e: int, dev: KernelDevice, deferred: bool = True) -> tuple[float, float, float]:
+    """(forward, backward, weight gradient) of a linear layer: y[m, n] = x[m, k] W^T; backward = input and weight
+    gradients; the weight gradient is what a split backward's W runs (0 for a layer whose gradient is not deferred)."""
+    wgrad = gemm_time(k, n, m, e, dev)
+    return gemm_time(m, n, k, e, dev), gemm_time(m, k, n, e, dev) + wgrad, wgrad if deferred else 0.0
 
 
-def unit_kernel_times(kind: str, model: ModelConfig, micro_batch_size: int, tp: int,
-                      dev: KernelDevice) -> tuple[float, float]:
-    """(forward, backward) seconds of the matrix work of one unit on one tensor-parallel rank."""
+def _unit_parts(kind: str, model: ModelConfig, micro_batch_size: int, tp: int,
+                dev: KernelDevice) -> list[tuple[float, float, float]]:
+    """(forward, backward, deferred weight gradient) of each kernel of one unit on one tensor-parallel rank."""
     s, b, h = model.seq_length, micro_batch_size, model.hidden_size
     e = model.dtype_bytes
     tokens = s * b
-    parts: list[tuple[float, float]] = []
+    parts: list[tuple[float, float, float]] = []
     if kind == "attention":
         heads = model.num_attention_heads // tp
         d = model.head_dim
         parts.append(_linear(tokens, model.qkv_rows // tp, h, e, dev))
         if model.flash_attention:
             f = flash_attention_time(b * heads, s, d, e, dev, causal=model.model_type != "bert")
-            parts.append((f, FLASH_BACKWARD * f))
+            parts.append((f, FLASH_BACKWARD * f, 0.0))
         else:  # scores [s, s] contracting d, context [s, d] contracting s
             qk = gemm_time(s, s, d, e, dev, b * heads)
             pv = gemm_time(s, d, s, e, dev, b * heads)
             # backward: dV, dQ, dK [s, d] contracting s; dP [s, s] contracting d
-            parts.append((qk + pv, 3 * pv + qk))
+            parts.append((qk + pv, 3 * pv + qk, 0.0))
         parts.append(_linear(tokens, h, h // tp, e, dev))
     elif kind == "mlp":
         parts.append(_linear(tokens, model.fc1_rows // tp, h, e, dev))
@@ -117,11 +120,24 @@ def unit_kernel_times(kind: str, model: ModelConfig, micro_batch_size: int, tp: 
     elif kind == "head":
         parts.append(_linear(tokens, model.vocab_size // tp, h, e, dev))
         if model.model_type == "bert":
-            parts.append(_linear(tokens, h, h, e, dev))  # the LM head's dense layer
+            parts.append(_linear(tokens, h, h, e, dev, deferred=False))  # the LM head's dense layer (F.linear)
     elif kind == "embedding":  # lookups and adds: memory traffic (the word rows, the position rows, the sum)
         moved = 3.0 * tokens * h * e
         rate = dev.memory_bandwidth or dev.peak_flops * dev.achievable_fraction  # no bandwidth given: a byte a FLOP
-        parts.append((moved / rate, 2 * moved / rate))
+        parts.append((moved / rate, 2 * moved / rate, 0.0))
     else:
         raise ValueError(f"unknown unit kind {kind!r}")
-    return sum(f for f, _ in parts), sum(g for _, g in parts)
+    return parts
+
+
+def unit_kernel_times(kind: str, model: ModelConfig, micro_batch_size: int, tp: int,
+                      dev: KernelDevice) -> tuple[float, float]:
+    """(forward, backward) seconds of the matrix work of one unit on one tensor-parallel rank."""
+    parts = _unit_parts(kind, model, micro_batch_size, tp, dev)
+    return sum(f for f, _, _ in parts), sum(g for _, g, _ in parts)
+
+
+def unit_weight_grad_time(kind: str, model: ModelConfig, micro_batch_size: int, tp: int, dev: KernelDevice) -> float:
+    """Seconds of the unit's deferred weight-gradient GEMMs (a split backward's W; part of unit_kernel_times'
+    backward)."""
+    return sum(w for _, _, w in _unit_parts(kind, model, micro_batch_size, tp, dev))

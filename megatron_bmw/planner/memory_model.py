@@ -35,6 +35,12 @@ Selective recomputation keeps the attention unit minus its core (BERT: plus the 
 bool); full recomputation keeps the unit's input.
 The engine frees a stage's output once it is sent (Megatron's deallocate_output_tensor), so between units
 nothing is held beyond what the next unit saves.
+Zero-bubble schedules split a backward into B (input gradients) and W (the linear layers' weight gradients,
+parallel/deferred_wgrad.py). B frees what the unit saved except what W needs, which it keeps until W: per linear
+layer its input and its output gradient (attention: QKV input s'bh, QKV gradient 3sbh/t, context sbh/t,
+projection gradient sbh; MLP: fc1 input s'bh, fc1 gradient sbf/t (2 sbf/t SwiGLU), fc2 input sbf/t, fc2
+gradient sbh; head: logits input s'bh and gradient sbv/t; all in e; the row-parallel layers' output gradients
+cover the whole sequence). Recomputation changes none of it: B rebuilds the inputs and W keeps them.
 
 This is Korthikanti et al. 2022 (sbh(34 + 5as/h) bytes per layer in fp16, 34 sbh/t with SP): their 34 sbh is
 our 13 sbh (attention with its LayerNorm) + 21 sbh (MLP with its LayerNorm), their 5as^2b our unfused core
@@ -50,7 +56,7 @@ dropout falls back to a math path (q, k, v copies and three s^2 tensors, in fp32
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..errors import UsageError
@@ -58,6 +64,7 @@ from ..pipeline.holding import bytes_size, holding_events, peak
 from ..pipeline.partition import rank_chunks
 from ..pipeline.schedule import Schedule
 from ..units import RECOMPUTE, UNIT_KINDS, owns_output_weight, unit_kind, unit_names
+from .engine import EngineConfig, PrecisionConfig  # noqa: F401 - PrecisionConfig is re-exported
 
 DEVICE_KINDS = ("cuda", "cpu")
 _INT64, _BOOL, _FP32 = 8, 1, 4
@@ -265,6 +272,36 @@ def _core_inputs(model: ModelConfig, local_h: int, tp: int, query_copied: bool) 
     return [SavedTensor("qkv output", qkv_local, e)]  # q, k and v are views of it
 
 
+def unit_wgrad_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1,
+                       sp: bool = False) -> list[SavedTensor]:
+    """What one unit keeps from a split backward's B until its W (parallel/deferred_wgrad.py): per linear layer
+    its saved input and its output gradient; the rest of what it saved is freed at B's end. The same whatever
+    the recomputation (B rebuilds the inputs and W keeps them) and device."""
+    if kind not in UNIT_KINDS:
+        raise ValueError(f"unknown unit kind {kind!r}")
+    sp = sp and tp > 1
+    s, b, h, e = model.seq_length, micro_batch_size, model.hidden_size, model.dtype_bytes
+    hidden_local = (s // tp if sp else s) * b * h  # a column-parallel input: this rank's sequence part with SP
+    if kind == "embedding":
+        return []
+    if kind == "head":  # the output layer (BERT's LM dense, pooler and sentence-order head are not deferred)
+        return [SavedTensor("logits input", hidden_local, e),
+                SavedTensor("logits gradient", s * b * (model.vocab_size // tp), e)]
+    if kind == "attention":
+        return [SavedTensor("qkv input", hidden_local, e),
+                SavedTensor("qkv output gradient", s * b * model.qkv_rows // tp, e),
+                SavedTensor("context (projection input)", s * b * h // tp, e),
+                SavedTensor("projection output gradient (before the reduction)", s * b * h, e)]
+    return [SavedTensor("fc1 input", hidden_local, e),
+            SavedTensor("fc1 output gradient", s * b * model.fc1_rows // tp, e),
+            SavedTensor("fc2 input", s * b * model.ffn_hidden_size // tp, e),
+            SavedTensor("fc2 output gradient (before the reduction)", s * b * h, e)]
+
+
+def unit_wgrad_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False) -> int:
+    return sum(t.nbytes for t in unit_wgrad_tensors(kind, model, micro_batch_size, tp, sp))
+
+
 _SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
                "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head",
                "position_embedding_type", "rotary_percent", "normalization", "swiglu", "num_query_groups",
@@ -348,31 +385,15 @@ def total_parameters(model: ModelConfig) -> int:
 
 
 @dataclass(frozen=True)
-class PrecisionConfig:
-    """How parameters are stored and updated (see training/optimizer.py and parallel/grad_sync.py)."""
-
-    param_bytes: int = 4  # 2 for bf16/fp16
-    distributed_optimizer: bool = False  # ZeRO-1 over data parallel
-
-    @property
-    def grad_bytes(self) -> int:
-        return 4  # gradients always accumulate into an fp32 main_grad buffer
-
-    def optimizer_bytes(self, dp: int) -> float:
-        """Per parameter: fp32 master copy (none for fp32 without ZeRO: the parameter is the master) and two
-        fp32 Adam moments; ZeRO-1 shards all of it over the data-parallel group."""
-        master = 0 if self.param_bytes == 4 and not self.distributed_optimizer else 4
-        per = master + 8
-        return per / dp if self.distributed_optimizer else per
-
-
-@dataclass(frozen=True)
 class MemorySettings:
     """Knobs of the memory model that are not properties of the run."""
 
     device: str = "cuda"
     workspace_bytes: float = 0.0  # fixed per rank: framework context, kernels' workspace
     fragmentation: float = 0.0  # fraction added on top of everything else
+    engine: EngineConfig = EngineConfig()  # whose model states (gradient precision, main-gradient buffers)
+    # when set (cuda_allowance.DerivedAllowance), workspace and fragmentation come per layout from it
+    derived: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_KINDS:
@@ -382,6 +403,17 @@ class MemorySettings:
         if not 0 <= self.fragmentation < 1:
             raise UsageError(f"--memory-fragmentation must be in [0, 1) (a fraction added to the memory in use), "
                              f"got {self.fragmentation}")
+
+    def precision(self, model: ModelConfig, distributed_optimizer: bool) -> PrecisionConfig:
+        return self.engine.precision(model.params_dtype, distributed_optimizer)
+
+    def for_layout(self, model: ModelConfig, tp: int, dp: int, pp: int, micro_batch_size: int,
+                   sp: bool) -> MemorySettings:
+        """These settings with the allowance of one layout: the derived one (cuda_allowance.py) where there is
+        one, else unchanged."""
+        if self.derived is None:
+            return self
+        return self.derived.settings(self, model, tp, dp, pp, micro_batch_size, sp)
 
 
 @dataclass
@@ -417,13 +449,14 @@ class StageLayout:
     micro_batch_size: int
     partition: tuple[int, ...]  # units per virtual stage
     recompute: tuple[str | None, ...] | None = None  # per unit of the model (PipelineConfig.recompute)
+    placement: str = "interleaved"  # where the virtual stages sit (PipelineConfig.placement)
 
     def unit_recompute(self, index: int) -> str | None:
         return self.recompute[index] if self.recompute is not None else None
 
 
 def chunk_unit_indices(layout: StageLayout, rank: int) -> list[list[int]]:
-    return rank_chunks(list(layout.partition), layout.pp, rank)
+    return rank_chunks(list(layout.partition), layout.pp, rank, layout.placement)
 
 
 def chunk_units(layout: StageLayout, model: ModelConfig, rank: int) -> list[list[str]]:
@@ -442,14 +475,24 @@ def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
             for chunk in chunk_unit_indices(layout, rank)]
 
 
+def chunk_wgrad_bytes(layout: StageLayout, model: ModelConfig, rank: int) -> list[float]:
+    """Per model chunk of `rank`, what one micro-batch keeps from a split backward's B until its W."""
+    names = unit_names(model.num_layers)
+    sp = layout.sequence_parallel and layout.tp > 1
+    return [float(sum(unit_wgrad_bytes(unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp)
+                      for i in chunk)) for chunk in chunk_unit_indices(layout, rank)]
+
+
 def activation_walk(schedule: Schedule, rank: int, saved: Callable[[int], list[float]],
+                    wgrad: Callable[[int], list[float]] | None = None,
                     holds: list | None = None) -> tuple[float, float]:
     """(peak activation bytes, peak chunk-micro-batches) of the rank's action list, by pipeline/holding.py's
-    rule. `saved(r)` gives rank r's saved bytes per chunk (an acceptor holds its evictor's); `holds`: the
-    rank's holding events when the caller already has them."""
+    rule. `saved(r)` gives rank r's saved bytes per chunk (an acceptor holds its evictor's), `wgrad(r)` what a
+    chunk keeps between a split backward's B and W (zero-bubble schedules); `holds`: the rank's holding events
+    when the caller already has them."""
     if holds is None:
         holds = holding_events(schedule.actions[rank], rank)
-    return peak(holds, bytes_size(saved)), peak(holds)
+    return peak(holds, bytes_size(saved, wgrad)), peak(holds)
 
 
 def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, rank: int,
@@ -464,7 +507,8 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
     own_output = owns_output_weight(model.untie_embeddings_and_output_weights, layout.pp, names)
     params = sum(unit_param_count(unit_kind(n), model, layout.tp, output_weight=own_output) for n in names)
     chunk_bytes = chunk_saved_bytes(layout, model, rank, settings)
-    act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings), holds)
+    act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings),
+                                    lambda r: chunk_wgrad_bytes(layout, model, r), holds)
     if activation_peak is not None:
         act = activation_peak
     transient = _backward_transient(layout, model, rank, settings)
@@ -521,5 +565,6 @@ def _backward_transient(layout: StageLayout, model: ModelConfig, rank: int, sett
                      for chunk in chunk_unit_indices(layout, rank) for i in chunk))
 
 
-def precision_from(model: ModelConfig, distributed_optimizer: bool) -> PrecisionConfig:
-    return PrecisionConfig(param_bytes=model.dtype_bytes, distributed_optimizer=distributed_optimizer)
+def precision_from(model: ModelConfig, distributed_optimizer: bool, engine: EngineConfig = EngineConfig()
+                   ) -> PrecisionConfig:
+    return engine.precision(model.params_dtype, distributed_optimizer)

@@ -5,7 +5,9 @@ Format "megatron_bmw-plan", version 1 (see README, "The plan file"):
   parallel       tp, pp, dp, sequence parallelism, rank order, gpus per node
   pipeline       PipelineConfig: micro-batch size and count, schedule, virtual stages, unit partition per virtual
                  stage, recomputation per unit (none | selective | full), BPipe, slicing K
-  training       global batch size, ZeRO-1 (distributed optimizer), overlapped gradient reduction
+  training       global batch size, ZeRO-1 (distributed optimizer), overlapped gradient reduction, and the engine
+                 the memory was planned for (engine, accumulate_allreduce_grads_in_fp32; absent: megatron_bmw,
+                 which pretrain_gpt.py runs; a plan for another engine is refused there)
   devices        the device type of every rank (global rank order)
   cluster        name, source and size of the cluster it was planned for; profiles: the profiles used
   prediction     iteration time, tokens/s, TFLOP/s per GPU, MFU, and per stage: peak bytes, capacity, busy time
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field, fields
 
 from ..config import ModelConfig, PipelineConfig
 from ..errors import UsageError
+from .engine import OURS, EngineConfig
 from .files import read_json, write_json
 from .plan_fields import check_plan_fields
 from .spec import RunSpec
@@ -37,6 +40,7 @@ class Plan:
     profiles: list[dict] = field(default_factory=list)
     prediction: dict = field(default_factory=dict)
     search: dict = field(default_factory=dict)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def to_json(self) -> dict:
         s = self.spec
@@ -49,7 +53,8 @@ class Plan:
                          **({"unit_strategies": list(s.unit_strategies)} if s.unit_strategies else {})},
             "pipeline": s.pipeline.to_json(),
             "training": {"global_batch_size": self.global_batch_size, "distributed_optimizer": s.distributed_optimizer,
-                         "overlap_grad_reduce": s.overlap_grad_reduce},
+                         "overlap_grad_reduce": s.overlap_grad_reduce, "overlap_param_gather": s.overlap_param_gather,
+                         **self.engine.to_json()},
             "devices": list(self.devices), "cluster": self.cluster, "profiles": self.profiles,
             "prediction": self.prediction, "search": self.search,
         }
@@ -77,12 +82,14 @@ class Plan:
                        rank_order=par.get("rank_order", "tp-dp-pp"),
                        distributed_optimizer=tr.get("distributed_optimizer", False),
                        overlap_grad_reduce=tr.get("overlap_grad_reduce", False),
+                       overlap_param_gather=tr.get("overlap_param_gather", False),
                        unit_strategies=par.get("unit_strategies"))
         gbs = tr["global_batch_size"]
         return cls(spec=spec, global_batch_size=gbs, orig_vocab_size=data.get("orig_vocab_size"),
                    make_vocab_size_divisible_by=data.get("make_vocab_size_divisible_by", 128),
                    devices=data.get("devices", []), cluster=data.get("cluster", {}), profiles=data.get("profiles", []),
-                   prediction=data.get("prediction", {}), search=data.get("search", {}))
+                   prediction=data.get("prediction", {}), search=data.get("search", {}),
+                   engine=EngineConfig(tr.get("engine", OURS), tr.get("accumulate_allreduce_grads_in_fp32")))
 
 
 def _known(section, cls, where: str, name: str) -> dict:

@@ -12,6 +12,7 @@ from ..errors import UsageError
 from ..parallel.layout import ORDERS
 from ..strategy import parse_unit_strategies
 from ..units import DTYPE_BYTES, num_units, parse_recompute
+from .engine import ENGINES, OURS
 
 
 class _Fields:
@@ -94,8 +95,23 @@ _SECTIONS = {
          "training", "devices", "cluster", "profiles", "prediction", "search"),
     "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                  "sequence_parallel", "rank_order", "unit_strategies"),
-    "training": ("global_batch_size", "distributed_optimizer", "overlap_grad_reduce"),
+    "training": ("global_batch_size", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+                 "engine", "accumulate_allreduce_grads_in_fp32"),
 }
+
+
+def _check_engine(f: _Fields, training: dict) -> None:
+    engine = f.choice(training, "engine", "training.engine", ENGINES, OURS)
+    fp32 = training.get("accumulate_allreduce_grads_in_fp32")
+    if fp32 is None:
+        return
+    f.boolean(training, "accumulate_allreduce_grads_in_fp32", "training.accumulate_allreduce_grads_in_fp32")
+    if engine == OURS and not fp32:
+        f.fail("training.accumulate_allreduce_grads_in_fp32", "is false, but engine megatron_bmw accumulates and "
+               "reduces gradients in fp32 (parallel/grad_sync.py)")
+    if engine == "deepspeed":
+        f.fail("training.accumulate_allreduce_grads_in_fp32", "is Megatron-LM's flag; engine deepspeed is planned "
+               "with fp16 gradients")
 
 
 def check_plan_fields(data: dict, where: str) -> None:
@@ -112,8 +128,11 @@ def check_plan_fields(data: dict, where: str) -> None:
     _check_vocab(f, data, model, tp)
     _check_pipeline(f, pipeline, model["num_layers"], pp)
     gbs = f.integer(training, "global_batch_size", "training.global_batch_size", 1)
-    f.boolean(training, "distributed_optimizer", "training.distributed_optimizer", False)
-    f.boolean(training, "overlap_grad_reduce", "training.overlap_grad_reduce", False)
+    zero1 = f.boolean(training, "distributed_optimizer", "training.distributed_optimizer", False)
+    overlapped = f.boolean(training, "overlap_grad_reduce", "training.overlap_grad_reduce", False)
+    if f.boolean(training, "overlap_param_gather", "training.overlap_param_gather", False) and not (zero1 and overlapped):
+        f.fail("training.overlap_param_gather", "needs training.distributed_optimizer and training.overlap_grad_reduce")
+    _check_engine(f, training)
     if gbs != dp * pipeline["micro_batch_size"] * pipeline["num_microbatches"]:
         f.fail("training.global_batch_size", f"{gbs} is not parallel.data_parallel_size {dp} x "
                f"pipeline.micro_batch_size {pipeline['micro_batch_size']} x pipeline.num_microbatches "

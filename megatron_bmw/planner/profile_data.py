@@ -9,12 +9,15 @@ JSON layout (format 1):
    "overhead": {"forward_s", "backward_s"},     # per compute action of the engine, beside the units
    "overlap_factor": 1.3,                       # optional: slowdown of overlapped gradient reduction
    "memory_allowance": {"workspace_bytes", "fragmentation"},   # optional: per GPU, and the share on top
+   "cuda_memory": {"context_bytes", "nccl_bytes_per_communicator", "allocator_fraction", "samples"},  # optional
    "calibration": {...}}                        # optional: what `autoconfig.py calibrate` fitted it on
 "overlap_factor" and "memory_allowance" (written by `autoconfig.py calibrate`) are what search, estimate and
 simulate use unless --overlap-factor, --memory-workspace-gb or --memory-fragmentation say otherwise; a profile
-without them leaves the defaults (1.3; 1.5 GiB and 10% on CUDA, none on the CPU). Profiles calibrated before
+without them leaves the defaults (1.3; on CUDA the derived allowance, none on the CPU). Profiles calibrated before
 these fields existed carry them only in "calibration" (overlap_factor, memory_workspace_bytes,
 memory_fragmentation), which is read the same way. "device.cores": the CPU cores of the profiling machine.
+"cuda_memory" (written by `autoconfig.py profile` on a GPU) holds the measured terms of the derived CUDA allowance
+(cuda_allowance.py), which replace the modelled ones; "samples" keeps the raw allocator readings.
 "device.type" names the cluster device type the profile is for (default: device.name); a unit entry with
 "unit" (its index in [embedding, attn_0, mlp_0, ..., head]) times that unit alone (per-layer profiles), one
 without times every unit of its kind.
@@ -30,10 +33,12 @@ from ..config import ModelConfig
 from ..errors import UsageError
 from ..units import UNIT_KINDS
 from .cluster import DeviceType, Link
+from .cuda_allowance import MeasuredCudaMemory
 from .files import read_json, write_json
 from .flops import unit_forward_flops
 
 FORMAT = 1
+MEASURED_CUDA_KEYS = ("context_bytes", "nccl_bytes_per_communicator", "allocator_fraction")
 MODEL_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
               "attention_backend", "hidden_dropout", "attention_dropout")
 # the layer kind (Llama-family settings); a profile written before they existed timed GPT-2 layers
@@ -70,6 +75,7 @@ class Profile:
     memory_workspace_bytes: float | None = None  # fitted by calibrate; None: the default (cli.memory_settings)
     memory_fragmentation: float | None = None
     calibration: dict = field(default_factory=dict)  # calibrate's record of the fit (provenance only)
+    cuda_memory: dict = field(default_factory=dict)  # measured CUDA allowance terms (profile on a GPU)
 
     # ---- lookup ------------------------------------------------------------------------------------------------
     def tps(self, kind: str) -> set[int]:
@@ -138,6 +144,8 @@ class Profile:
                                         "fragmentation": self.memory_fragmentation}
         if self.calibration:
             data["calibration"] = self.calibration
+        if self.cuda_memory:
+            data["cuda_memory"] = self.cuda_memory
         return data
 
     def save(self, path: str) -> None:
@@ -174,10 +182,13 @@ class Profile:
                     _optional(link.get(key), f"links.{name}.{key}", where, least)
             for key in ("forward_s", "backward_s"):
                 _optional(overhead.get(key), f"overhead.{key}", where, 0.0)
+            cuda_memory = data.get("cuda_memory") or {}
+            for key in MEASURED_CUDA_KEYS:
+                _optional(cuda_memory.get(key), f"cuda_memory.{key}", where, 0.0)
             return cls(device=data["device"], dtype=data["dtype"], model=model, units=units,
                        links=links, overhead=overhead, mode=data.get("mode", "measured"),
                        overlap_factor=overlap, memory_workspace_bytes=workspace, memory_fragmentation=fragmentation,
-                       calibration=dict(calibration))
+                       calibration=dict(calibration), cuda_memory=dict(cuda_memory))
         except (KeyError, TypeError, AttributeError) as exc:
             raise UsageError(f"--profile {where}: missing or malformed field {exc}") from None
 
@@ -250,6 +261,15 @@ class Profiles:
     @property
     def memory_fragmentation(self) -> float | None:
         return self._fitted("memory_fragmentation")
+
+    def measured_cuda_memory(self) -> MeasuredCudaMemory:
+        """The profiles' measured CUDA allowance terms, the largest of each where several measured it."""
+        got = {}
+        for key in MEASURED_CUDA_KEYS:
+            values = [p.cuda_memory[key] for ps in self.by_type.values() for p in ps
+                      if p.cuda_memory.get(key) is not None]
+            got[key] = float(max(values)) if values else None
+        return MeasuredCudaMemory(**got)
 
     def identity(self) -> list[dict]:
         """What a plan records of the profiles it was made with."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .cluster import Cluster
+from .engine import EngineConfig
 from .evaluate import Evaluation, stage_capacity
 from .memory_model import MemorySettings, RankMemory, layer_activation_bytes, total_parameters
 from .spec import RunSpec
@@ -49,6 +50,20 @@ def estimate_json(spec: RunSpec, memory: list[RankMemory], cluster: Cluster | No
     if cluster is not None:
         out["cluster"] = cluster.name
         out["fits"] = all(s["fits"] for s in stages)
+    precision = settings.precision(spec.model, spec.distributed_optimizer)
+    out["engine"] = {**settings.engine.to_json(), "state_bytes_per_parameter": precision.state_bytes(spec.dp)}
+    out["allowance"] = _allowance_json(spec, settings)
+    return out
+
+
+def _allowance_json(spec: RunSpec, settings: MemorySettings) -> dict:
+    """Where the allowance came from: its derived terms (cuda_allowance.py) or the fixed settings."""
+    resolved = settings.for_layout(spec.model, spec.tp, spec.dp, spec.pp, spec.pipeline.micro_batch_size, spec.sp)
+    out = {"workspace_bytes": resolved.workspace_bytes, "fragmentation": resolved.fragmentation}
+    if settings.derived is not None:
+        terms = settings.derived.terms(settings, spec.model, spec.tp, spec.dp, spec.pp,
+                                       spec.pipeline.micro_batch_size, spec.sp)
+        out["derived"] = [t.to_json() for t in terms]
     return out
 
 
@@ -137,7 +152,7 @@ def _layout(spec: RunSpec) -> dict:
             "unit_strategies": list(spec.unit_strategies) if spec.unit_strategies else None}
 
 
-def plan_from(ranked, result, profiles, orig_vocab: int | None):
+def plan_from(ranked, result, profiles, orig_vocab: int | None, engine: EngineConfig = EngineConfig()):
     from .plan import Plan
 
     spec, cluster = ranked.spec, result.cluster
@@ -150,7 +165,7 @@ def plan_from(ranked, result, profiles, orig_vocab: int | None):
                 cluster={"name": cluster.name, "source": cluster.source, "num_gpus": cluster.num_gpus},
                 profiles=profiles.identity(), prediction=prediction(ranked, cluster),
                 search={"rank": 1, "notes": ranked.notes, "gains_s": ranked.gains,
-                        "stats": {k: v for k, v in result.stats.items()}})
+                        "stats": {k: v for k, v in result.stats.items()}}, engine=engine)
 
 
 def search_json(result) -> dict:

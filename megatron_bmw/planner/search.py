@@ -14,6 +14,9 @@
 3. Finalists (the best estimates) are simulated exactly on the schedule that would run (simulator + exact
    memory model); their partitions are refined by AutoPipe's heuristic and a local search on the simulator,
    and AutoPipe's slicer decides micro-batch slicing. Ranked by simulated iteration time.
+Zero-bubble schedules (space.zero_bubble) are layouts like any other: solved with their own estimate and
+holding, simulated exactly among the finalists, so one is kept only where it wins under the memory limit; they
+get no BPipe, slicing or per-unit strategies (what the runtime refuses).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from .memory_model import MemorySettings
 from .partitioners import autopipe_refine, hill_climb
 from .profile_data import Profiles
 from .solver import LayoutProblem, ScheduleShapes, Solution, Variant, could_fit, lower_bound
-from .space import Layout, SearchSpace, layouts, tp_degrees
+from .space import Layout, SearchSpace, layouts, tp_degrees, zero_bubble
 from .spec import RunSpec
 from ..units import unit_kind, unit_names
 
@@ -162,6 +165,9 @@ def _search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch
     for lay in todo:
         outcome[("uniform", lay)] = "infeasible"
     for lay in todo:
+        split = zero_bubble(lay.schedule)  # refused with BPipe
+        if split and bpipe and lay.pp >= 4:
+            continue
         for mode in uniform_modes:
             for sp in (s for s in space.sp if not s or lay.tp > 1):
                 for zero1 in (z for z in space.zero1 if not z or lay.dp > 1):
@@ -286,9 +292,10 @@ def _problem(lay: Layout, variant: Variant, model, orig_vocab, divisible_by, clu
     return prob
 
 
-def _variants(space: SearchSpace, base: Variant, pp: int) -> list[Variant]:
-    """BPipe where it applies (it moves something from 4 stages on)."""
-    return [Variant(base.sp, base.zero1, True)] if True in space.bpipe and pp >= 4 and not base.bpipe else []
+def _variants(space: SearchSpace, base: Variant, pp: int, split: bool = False) -> list[Variant]:
+    """BPipe where it applies (it moves something from 4 stages on; not with split backwards)."""
+    return [Variant(base.sp, base.zero1, True)] if True in space.bpipe and pp >= 4 and not base.bpipe \
+        and not split else []
 
 
 def _solve_with_savers(prob: LayoutProblem, space, model, orig_vocab, divisible_by, cluster, profiles, costs, memory,
@@ -302,7 +309,7 @@ def _solve_with_savers(prob: LayoutProblem, space, model, orig_vocab, divisible_
     if sol is not None and sol.recomputed == 0:
         return out
     lay = prob.layout
-    for variant in _variants(space, prob.variant, lay.pp):
+    for variant in _variants(space, prob.variant, lay.pp, zero_bubble(lay.schedule)):
         other = _problem(lay, variant, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
                          shapes, prob.uniform)
         stats["candidates"] += 1
@@ -407,7 +414,8 @@ def _finalist(sol: Solution, sim: _Simulator, space: SearchSpace, settings: Sear
     lay = sol.layout
     if isinstance(best_sol, HybridSolution):
         notes.append(summarize(best_sol.strategies))
-    elif True in space.slicing and lay.pp > 1 and lay.mbs % 2 == 0 and lay.schedule != "gpipe":
+    elif True in space.slicing and lay.pp > 1 and lay.mbs % 2 == 0 and lay.schedule != "gpipe" \
+            and not zero_bubble(lay.schedule):
         fwd = [sum(x) for x in ev.cost.chunk_forward]
         bwd = [sum(x) for x in ev.cost.chunk_backward]
         k = choose_slices(fwd, bwd, prob.p2p, lay.m)

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 
 from ..pipeline.holding import bytes_size, holding_events
 from ..pipeline.replay import CompiledSchedule, compile_schedule, replay
-from ..pipeline.schedule import Action, Kind, Schedule, gc_paused
+from ..pipeline.schedule import COMPUTE_KINDS, GRAD_KINDS, Action, Kind, Schedule, gc_paused
+from .overlap import RankSpans
 
 _EPS = 1e-12
-_F, _B = Kind.FORWARD, Kind.BACKWARD
+_F, _B, _BI, _W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+_COMPUTE = frozenset({_F, _B, _BI, _W})
 
 
 @dataclass
@@ -59,15 +61,17 @@ def simulate(
     copy_time: Callable[[int, Action, float], float] | None = None,
     chunk_bytes: list[list[float]] | None = None,
     static_bytes: list[float] | None = None,
-    finish: Callable[[list[float], list[tuple[float, float]]], list[float]] | None = None,
+    finish: Callable[[list[float], list[RankSpans]], list[float]] | None = None,
     record_transfers: bool = False,
     memory_over_time: bool = True,
+    wgrad_bytes: list[list[float]] | None = None,
 ) -> Simulation:
     """Execute `schedule` (a Schedule or replay.compile_schedule's result, to reuse across calls).
 
     chunk_bytes[rank][chunk]: saved activations one micro-batch leaves on the rank (what BPipe moves);
     static_bytes[rank]: weights and optimizer states. copy_time(rank, action, bytes):
-    duration of an EVICT or RETURN posted on `rank`. `record_transfers` keeps every p2p transfer's span;
+    duration of an EVICT or RETURN posted on `rank`. wgrad_bytes[rank][chunk]: what one micro-batch keeps from a
+    split backward's B to its W (default: all of chunk_bytes). `record_transfers` keeps every p2p transfer's span;
     without `memory_over_time` the memory timeline is skipped (chunk_bytes then only sizes BPipe's moves)."""
     compiled = schedule if isinstance(schedule, CompiledSchedule) else compile_schedule(schedule)
     sched = compiled.schedule
@@ -85,34 +89,46 @@ def simulate(
         else replay(compiled, compute_time, record=True, **kwargs)
     with gc_paused():
         return _analyse(sched, rep, chunk_bytes if memory_over_time else None, static_bytes, finish,
-                        record_transfers)
+                        record_transfers, wgrad_bytes)
 
 
-def _analyse(sched, rep, chunk_bytes, static_bytes, finish, record_transfers) -> Simulation:
+def _analyse(sched, rep, chunk_bytes, static_bytes, finish, record_transfers, wgrad_bytes=None) -> Simulation:
     p = sched.num_stages
-    computes = [[x for x in line if x[0].kind is _F or x[0].kind is _B] for line in rep.timeline]
+    # every compute, a zero-bubble schedule's B and W included: replay's causes index them all
+    computes = [[x for x in line if x[0].kind in COMPUTE_KINDS] for line in rep.timeline]
     ends = [max([acts[-1][2] if acts else 0.0] + [x[2] for x in rep.moves[r]]) for r, acts in enumerate(computes)]
     pipeline_time = max(ends) if ends else 0.0
-    last_b = []
-    for r in range(p):
-        backs = [c for c in reversed(computes[r]) if c[0].kind is _B]
-        last_b.append((backs[0][1], backs[0][2] - backs[0][1]) if backs else (ends[r], 0.0))
-    fin = finish(ends, last_b) if finish is not None else list(ends)
+    fin = finish(ends, [_spans(line, sched.virtual_stages, end) for line, end in zip(rep.timeline, ends)]) \
+        if finish is not None else list(ends)
     path = _critical_path(computes, rep.causes)
     sim = Simulation(sched, max(fin) if fin else 0.0, pipeline_time, list(rep.busy), fin, computes, rep.moves,
                      rep.transfers if record_transfers else [], [(r, *computes[r][i]) for r, i in path],
                      _master_stage(computes, path))
     if chunk_bytes is not None:
-        _memory(sim, rep.timeline, chunk_bytes, static_bytes)
+        _memory(sim, rep.timeline, chunk_bytes, static_bytes, wgrad_bytes)
     return sim
 
 
-def _memory(sim: Simulation, timeline, chunk_bytes, static_bytes) -> None:
+def _spans(line, chunks: int, end: float) -> RankSpans:
+    """Per chunk, the (start, end) of its last gradient action (BACKWARD or W) and of its first FORWARD."""
+    last: list[tuple[float, float] | None] = [None] * chunks
+    first: list[tuple[float, float] | None] = [None] * chunks
+    for a, s, e in line:
+        if a.kind is _F:
+            if first[a.chunk] is None:
+                first[a.chunk] = (s, e)
+        elif a.kind is _B or a.kind is _W:
+            last[a.chunk] = (s, e)
+    return RankSpans([x or (end, end) for x in last], [x or (0.0, 0.0) for x in first])
+
+
+def _memory(sim: Simulation, timeline, chunk_bytes, static_bytes, wgrad_bytes=None) -> None:
     """Memory over time per rank: pipeline/holding.py's holds, at the start or end time of their action."""
     p = len(timeline)
     static = static_bytes or [0.0] * p
     for r, line in enumerate(timeline):
-        size = bytes_size(lambda owner: chunk_bytes[owner])
+        size = bytes_size(lambda owner: chunk_bytes[owner],
+                          None if wgrad_bytes is None else (lambda owner: wgrad_bytes[owner]))
         events = [(line[h.index][2] if h.at_end else line[h.index][1], size(h))
                   for h in holding_events([a for a, _, _ in line], r)]
         level = top = static[r]
@@ -147,7 +163,7 @@ def _critical_path(computes, causes) -> list[tuple[int, int]]:
 
 def _steady(acts: list[tuple[Action, float, float]]) -> set[int]:
     """Compute indices of the steady phase: from the forward before the first backward to the last forward."""
-    first_b = next((i for i, x in enumerate(acts) if x[0].kind is _B), None)
+    first_b = next((i for i, x in enumerate(acts) if x[0].kind in GRAD_KINDS), None)
     last_f = max((i for i, x in enumerate(acts) if x[0].kind is _F), default=None)
     if first_b is None or last_f is None or last_f < first_b:
         return set()

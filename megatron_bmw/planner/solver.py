@@ -7,7 +7,9 @@ memory model), and the model-state bytes. The schedule says how many micro-batch
 (pipeline/holding.py). Then, Galvatron-BMW style: per rank, a knapsack over its units' choices minimises time
 under the rank's memory (choose_options), and partitions are walked from the memory-balanced one toward the
 time-balanced one (galvatron_walk), with AutoPipe's min-max and AMP's layer-assignment DP as starts. The
-estimate is AMP's pipeline formula; the search simulates the finalists exactly.
+estimate is AMP's pipeline formula (zero-bubble: its variant with the backward split, `_pipeline_time`); the search
+simulates the finalists exactly. A zero-bubble schedule's ranks hold micro-batches whole (until B) and as what W
+needs (until W): both counts come from the schedule (ScheduleShapes.counts).
 """
 
 from __future__ import annotations
@@ -17,18 +19,20 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig, PipelineConfig
 from ..pipeline.bpipe import mu_opt
-from ..pipeline.generators import interleaved_1f1b
+from ..pipeline.generators import generate, interleaved_1f1b
 from ..pipeline.holding import holding_events
+from ..pipeline.replay import compile_schedule, replay
 from ..pipeline.schedule import Action, Kind
 from ..units import unit_kind, unit_names
 from .cluster import Cluster
-from .cost_model import CostModel, CostSettings, allgather_time, allreduce_time, optimizer_step_seconds
+from .cost_model import CostModel, CostSettings, optimizer_step_seconds
 from .evaluate import stage_capacity
 from .memory_model import (MemorySettings, PrecisionConfig, unit_activation_bytes, unit_transient_bytes,
-                           unit_param_count)
+                           unit_param_count, unit_wgrad_bytes)
+from .overlap import exposed_gather, overlapped_end, reduce_end
 from .partitioners import amp_partition, choose_options, galvatron_walk, minmax_partition
 from .profile_data import Profiles
-from .space import Layout, SearchSpace
+from .space import Layout, SearchSpace, zero_bubble
 from .spec import RunSpec
 
 _INF = math.inf
@@ -82,6 +86,7 @@ class ScheduleShapes:
 
     def __init__(self) -> None:
         self._cache: dict[tuple, list[list[list[float]]]] = {}
+        self._credit: dict[tuple, float] = {}
         self.unit_times: dict[tuple, tuple[float, float]] = {}
         self.saved_bytes: dict[tuple, float] = {}
         self.placements: dict[tuple, dict] = {}  # (tp, pp, dp, rank order) -> devices, links, capacity
@@ -91,6 +96,11 @@ class ScheduleShapes:
         for interleaving every mix it holds that no other mix holds chunk by chunk, since with unequal chunks
         the heaviest moment may hold fewer micro-batches of a heavier mix."""
         pp, m, v = layout.pp, layout.m, layout.virtual
+        if zero_bubble(layout.schedule):  # per rank [held whole, held for W] at each of its peaks
+            key = (layout.schedule, pp, min(m, 3 * pp))
+            if key not in self._cache:
+                self._cache[key] = split_peak_mixes(layout.schedule, pp, key[2])
+            return self._cache[key]
         if v == 1:  # the schedules' own peaks: GPipe holds all, 1F1B p - r
             plain = [[[float(m if layout.schedule == "gpipe" else min(pp - r, m))]] for r in range(pp)]
         else:
@@ -109,6 +119,40 @@ class ScheduleShapes:
             total = sum(plain[evictor][0])
             out.append(plain[r] if total <= limit else [[c * limit / total for c in mix] for mix in plain[evictor]])
         return out
+
+
+    def zero_bubble_credit(self, schedule: str, pp: int, m: int) -> float:
+        """n in the zero-bubble estimate (LayoutProblem._pipeline_time): how many bubbles of min(f, b, w) the
+        schedule's W's fill, from one replay with equal stages and f = b = w = 1; ZB-H1's is min(m, p) - 1. Beyond
+        3p micro-batches the schedule repeats."""
+        key = (schedule, pp, min(m, 3 * pp))
+        if key not in self._credit:
+            sched = generate(schedule, pp, key[1])
+            span = replay(sched, lambda r, a: 2.0 if a.kind is Kind.BACKWARD else 1.0, record=False).makespan
+            self._credit[key] = 2 * pp + 3 * (key[1] - 1) + 1 - span
+        return self._credit[key]
+
+
+def split_peak_mixes(schedule: str, p: int, m: int) -> list[list[list[float]]]:
+    """Per rank of a schedule with split backwards (one chunk per rank), the [held whole, held for W] counts after
+    each change (pipeline/holding.py's rule), without those another holds slot by slot."""
+    sched = generate(schedule, p, m)
+    out = []
+    for rank in range(p):
+        whole = wgrad = 0.0
+        mixes = set()
+        for h in holding_events(sched.actions[rank], rank):
+            if h.wgrad:
+                wgrad += h.share
+            else:
+                whole += h.share
+            mixes.add((whole, wgrad))
+        kept: list[tuple] = []
+        for mix in sorted(mixes, key=lambda x: (-sum(x), x)):
+            if not any(all(a >= b for a, b in zip(other, mix)) for other in kept):
+                kept.append(mix)
+        out.append([list(mix) for mix in kept])
+    return out
 
 
 def interleaved_peak_mixes(p: int, m: int, v: int) -> list[list[list[float]]]:
@@ -140,7 +184,8 @@ class LayoutProblem:
     def __init__(self, layout: Layout, variant: Variant, model: ModelConfig, cluster: Cluster, profiles: Profiles,
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
                  uniform: str | None | bool = False) -> None:
-        self.layout, self.variant, self.model, self.space, self.memory = layout, variant, model, space, memory
+        self.layout, self.variant, self.model, self.space = layout, variant, model, space
+        self.memory = memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.mbs, variant.sp)
         self.uniform = uniform  # False: per-unit choices; else this one choice for every transformer unit
         lay = layout
         self.stages = lay.pp * lay.virtual
@@ -154,6 +199,9 @@ class LayoutProblem:
             placement["capacity"] = [stage_capacity(base, cluster, r) for r in range(lay.pp)]
         self.capacity = placement["capacity"]
         self.counts = shapes.counts(lay, variant.bpipe)
+        self.zero_bubble = zero_bubble(lay.schedule)
+        self.zb_credit = shapes.zero_bubble_credit(lay.schedule, lay.pp, lay.m) if self.zero_bubble else 0.0
+        self._short = None  # a zero-bubble schedule of m < p, compiled once for the estimate
         sp = variant.sp and lay.tp > 1
         # per unit kind (units of a kind share their rows): allowed choices, and per choice (forward, backward)
         # per rank, saved bytes and transient bytes
@@ -170,6 +218,7 @@ class LayoutProblem:
         self.choices: list[tuple[str | None, ...]] = [allowed[k] for k in kinds]
         per_unit = any(u.unit is not None for ps in profiles.by_type.values() for p in ps for u in p.units)
         self.times: list[list[list[tuple[float, float]]]] = []  # [rank][unit][choice]
+        self.wtimes: list[list[float]] = []  # [rank][unit]: W, part of the backward (zero-bubble only)
         by_device: dict[tuple, list] = {}
         memo = shapes.unit_times
         for r in range(lay.pp):
@@ -191,6 +240,16 @@ class LayoutProblem:
                         rows[key] = row
                 by_device[place] = [rows[(k, i if per_unit else None)] for i, k in enumerate(kinds)]
             self.times.append(by_device[place])
+            if self.zero_bubble:
+                factor = self.cost.static_factor[r]
+                row = []
+                for i, kind in enumerate(kinds):
+                    wkey = place + ("wgrad", kind, i if per_unit else None)
+                    if wkey not in memo:
+                        work, wait = self.cost.wgrad_parts(kind, dev, i)
+                        memo[wkey] = work * factor + wait
+                    row.append(memo[wkey])
+                self.wtimes.append(row)
 
         def saved(kind, c):
             key = (kind, c, lay.mbs, lay.tp, sp, memory.device, model.vocab_size)
@@ -203,8 +262,10 @@ class LayoutProblem:
         kind_transient = {k: [float(unit_transient_bytes(k, model, lay.mbs, lay.tp, sp, c, memory.device))
                               for c in allowed[k]] for k in allowed}
         self.saved: list[list[float]] = [kind_saved[k] for k in kinds]
+        self.wsaved: list[float] = [float(unit_wgrad_bytes(k, model, lay.mbs, lay.tp, sp)) for k in kinds] \
+            if self.zero_bubble else [0.0] * n
         self.transient: list[list[float]] = [kind_transient[k] for k in kinds]
-        precision = PrecisionConfig(param_bytes=model.dtype_bytes, distributed_optimizer=variant.zero1)
+        precision = memory.precision(model, variant.zero1)
         per_param = precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(lay.dp)
         own_output = model.untie_embeddings_and_output_weights or lay.pp > 1
         self.params = [unit_param_count(k, model, lay.tp, output_weight=own_output) for k in kinds]
@@ -231,8 +292,10 @@ class LayoutProblem:
         """Per rank the fastest recomputation that fits, then the estimate; None when some rank cannot fit."""
         lay = self.layout
         recompute: list[str | None] = [None] * len(self.names)
+        picks_all = [0] * len(self.names)
         fwd = [0.0] * self.stages
         bwd = [0.0] * self.stages
+        wgt = [0.0] * self.stages
         memory = []
         per_rank = self._rank_units(partition)
         for r in range(lay.pp):
@@ -241,21 +304,27 @@ class LayoutProblem:
                 return None
             mem, chunk_plans = got
             memory.append(mem)
-            for c, (start, picked, f, b) in enumerate(chunk_plans):
+            for c, (start, picked, idx, f, b, w) in enumerate(chunk_plans):
                 k = c * lay.pp + r
-                recompute[start:start + len(picked)] = picked
+                n = len(picked)
+                recompute[start:start + n] = picked
+                picks_all[start:start + n] = idx
                 fwd[k] = f
                 bwd[k] = b
+                wgt[k] = w
         over = self._overheads()
         fwd = [f + o[0] for f, o in zip(fwd, over)]
         bwd = [b + o[1] for b, o in zip(bwd, over)]
-        estimate = self._pipeline_time(fwd, bwd) + self._sync_time(per_rank, bwd)
+        # zero-bubble: the last gradient actions, which the reduction overlaps, are the W's
+        estimate = self._pipeline_time(fwd, bwd, wgt) + self._sync_time(per_rank, picks_all, fwd,
+                                                                         wgt if self.zero_bubble else bwd)
         rc = tuple(recompute) if any(recompute) else None
         return Solution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity, self)
 
     def _rank_plan(self, rank: int, chunks: list[list[int]]):
         """Memoised per rank and unit ranges (the walk moves one boundary, so most ranks repeat): the rank's peak
-        bytes and per chunk (first unit, its units' choices, forward and backward seconds), or None."""
+        bytes and per chunk (first unit, its units' choices and their indices, forward, backward and (zero-bubble)
+        weight-gradient seconds), or None."""
         key = (rank, tuple((units[0], len(units)) for units in chunks))
         plans = self._plans
         if key in plans:
@@ -267,15 +336,18 @@ class LayoutProblem:
         picks, mem = got
         out = []
         for units in chunks:
-            f = b = 0.0
-            picked = []
+            f = b = w = 0.0
+            picked, idx = [], []
             for i in units:
                 j = picks[i]
+                idx.append(j)
                 picked.append(self.choices[i][j])
                 uf, ub = self.times[rank][i][j]
                 f += uf
                 b += ub
-            out.append((units[0], picked, f, b))
+                if self.zero_bubble:
+                    w += self.wtimes[rank][i]
+            out.append((units[0], picked, idx, f, b, w))
         plans[key] = (mem, out)
         return plans[key]
 
@@ -297,15 +369,21 @@ class LayoutProblem:
             self._ranks[key] = self._mixed_choice(rank, chunks, mixes)
         return self._ranks[key]
 
+    def _slot_bytes(self, chunks: list[list[int]], picks) -> list[float]:
+        """Per slot of a mix (each chunk; with split backwards then each chunk's part held for W): one
+        micro-batch's bytes under `picks` (None: no recomputation)."""
+        whole = [sum(self.saved[i][0 if picks is None else picks[i]] for i in units) for units in chunks]
+        return whole + [sum(self.wsaved[i] for i in units) for units in chunks] if self.zero_bubble else whole
+
     def _mixed_choice(self, rank: int, chunks: list[list[int]], mixes: list[list[float]]):
-        plain_chunk = [sum(self.saved[i][0] for i in units) for units in chunks]
+        plain_chunk = self._slot_bytes(chunks, None)
         counts = max(mixes, key=lambda mix: sum(n * b for n, b in zip(mix, plain_chunk)))
         for _ in range(len(chunks) + 1):
             got = self._choice_for(rank, chunks, counts)
             if got is None:
                 return None
             picks = got[0]
-            chunk_bytes = [sum(self.saved[i][picks[i]] for i in units) for units in chunks]
+            chunk_bytes = self._slot_bytes(chunks, picks)
             heaviest = max(mixes, key=lambda mix: sum(n * b for n, b in zip(mix, chunk_bytes)))
             if sum(n * b for n, b in zip(heaviest, chunk_bytes)) <= sum(n * b for n, b in zip(counts, chunk_bytes)):
                 return got
@@ -316,12 +394,13 @@ class LayoutProblem:
         ms = self.memory
         static = sum(self.static[i] for units in chunks for i in units)
         room = (self.capacity[rank] - ms.workspace_bytes) / (1 + ms.fragmentation) - static
-        items = [(i, counts[c]) for c, units in enumerate(chunks) for i in units]
-        options = [[(sum(self.times[rank][i][j]), cnt * self.saved[i][j], self.transient[i][j])
-                    for j in range(len(self.choices[i]))] for i, cnt in items]
+        held_w = counts[len(chunks):] if self.zero_bubble else [0.0] * len(chunks)  # slots held for W
+        items = [(i, counts[c], held_w[c]) for c, units in enumerate(chunks) for i in units]
+        options = [[(sum(self.times[rank][i][j]), cnt * self.saved[i][j] + cw * self.wsaved[i], self.transient[i][j])
+                    for j in range(len(self.choices[i]))] for i, cnt, cw in items]
         plain = sum(o[0][1] for o in options) + max(o[0][2] for o in options)
         if plain <= room:  # the first (least recomputing) choice everywhere fits
-            return {i: 0 for i, _ in items}, self._peak(static + plain)
+            return {i: 0 for i, _, _ in items}, self._peak(static + plain)
         if room <= 0:
             return None
         order = sorted(range(len(options)), key=lambda n: options[n])  # the same units in any order: one entry
@@ -337,40 +416,77 @@ class LayoutProblem:
     def _peak(self, nbytes: float) -> float:
         return self.memory.workspace_bytes + nbytes * (1 + self.memory.fragmentation)
 
-    def _pipeline_time(self, fwd: list[float], bwd: list[float]) -> float:
+    def _pipeline_time(self, fwd: list[float], bwd: list[float], wgt: list[float] | None = None) -> float:
         """AMP's pipeline formula: one micro-batch through every stage, then m-1 more at the slowest rank's pace;
-        interleaving divides the start-up bubble by the chunks per rank."""
+        interleaving divides the start-up bubble by the chunks per rank. Zero-bubble (`wgt`: each stage's W, part
+        of its backward): the micro-batch goes through on forwards and input gradients B only, the last W follows,
+        and the schedule's W's fill n bubbles of min(F, B, W) (stage means; n = zb_credit, from the schedule). On
+        equal stages that is ZB-H1 exactly for m >= p: m(F + B + W) + (p - 1) max(F + B - W, F, B), Qi et al.'s
+        (p - 1)(F + B - W) where W <= F, B. With fewer micro-batches than stages (a short schedule) the schedule
+        itself is replayed on the stage times."""
         lay = self.layout
         fb = [f + b for f, b in zip(fwd, bwd)]
+        if self.zero_bubble and lay.m < lay.pp:
+            if self._short is None:
+                self._short = compile_schedule(generate(lay.schedule, lay.pp, lay.m))
+            kinds = {Kind.FORWARD: fwd, Kind.BACKWARD_WEIGHT: wgt}
+            inputs = [b - w for b, w in zip(bwd, wgt)]
+            return replay(self._short, lambda r, a: kinds.get(a.kind, inputs)[r], lambda s, d, a: self.p2p,
+                          record=False).makespan
+        if self.zero_bubble:
+            n = len(fb)
+            f_mean, w_mean = sum(fwd) / n, sum(wgt) / n
+            b_mean = sum(bwd) / n - w_mean
+            return sum(fb) - sum(wgt) + (lay.m - 1) * max(fb) + w_mean \
+                - self.zb_credit * min(f_mean, b_mean, w_mean) + 2 * (lay.pp - 1) * self.p2p
         if lay.virtual == 1:
             return sum(fb) + (lay.m - 1) * max(fb) + 2 * (lay.pp - 1) * self.p2p
         per_rank = [sum(fb[k] for k in range(r, self.stages, lay.pp)) for r in range(lay.pp)]
         return lay.m * max(per_rank) + (lay.pp - 1) * max(fb) + 2 * (self.stages - 1) * self.p2p
 
-    def _sync_time(self, per_rank: list[list[list[int]]], bwd: list[float]) -> float:
-        """What the gradient synchronisation adds after the pipeline (CostModel.finish_times): the data-parallel
-        all-reduce overlapped with the rank's last backward only, ZeRO-1's gather, the tied embedding's sum."""
+    def _sync_time(self, per_rank: list[list[list[int]]], picks: list[int], fwd: list[float],
+                   bwd: list[float]) -> float:
+        """What the gradient synchronisation adds after the pipeline (CostModel.finish_times, overlap.py): per rank
+        the buckets of its chunks, each chunk's last backward taken back to back at the end (chunk 0's last), the
+        optimizer step and ZeRO-1's gather (behind the first forward, which starts when the stages before it
+        have run one); the tied embedding's sum."""
         lay = self.layout
         worst = 0.0
         for r in range(lay.pp):
-            params = sum(self.params[i] for units in per_rank[r] for i in units)
-            worst = max(worst, self.exposed_sync(params, bwd[r]))
+            units = [[(self.params[i], self._sync_times(r, i, picks[i])) for i in chunk] for chunk in per_rank[r]]
+            first = sum(fwd[:r]) + r * self.p2p
+            worst = max(worst, self.exposed_sync(units, [bwd[c * lay.pp + r] for c in range(len(units))],
+                                                 (first, first + fwd[r])))
         return worst + self.embedding_sync
 
-    def exposed_sync(self, params: float, last_backward: float) -> float:
-        """After the pipeline, for a rank with `params`: the part of its all-reduce its last backward does not
-        hide, the optimizer step, ZeRO-1's gather."""
+    def _sync_times(self, rank: int, unit: int, pick: int) -> tuple[float, float]:
+        """(forward, last gradient action) of a unit: its backward, or with split backwards its W."""
+        f, b = self.times[rank][unit][pick]
+        return (f, self.wtimes[rank][unit]) if self.zero_bubble else (f, b)
+
+    def exposed_sync(self, units: list[list[tuple[float, tuple[float, float]]]], chunk_backward: list[float],
+                     first_forward: tuple[float, float]) -> float:
+        """After the pipeline, for a rank with `units` per chunk [(params, (forward, backward))]: the part of its
+        gradient reduction its last backwards do not hide, the optimizer step, ZeRO-1's gather."""
         lay = self.layout
+        params = sum(n for chunk in units for n, _ in chunk)
         step = optimizer_step_seconds(params, lay.dp, self.variant.zero1, self.model.dtype_bytes,
                                       self.cost.devices[0], self.cost.settings.bandwidth_fraction)
         if lay.dp == 1:
             return step
-        link = self.cost.dp_link(0)
-        sync = allreduce_time(4.0 * params, lay.dp, link)
-        factor = self.cost.settings.overlap_factor
-        exposed = max(last_backward, sync) + (factor - 1) * min(last_backward, sync) - last_backward
+        spans, t = [], 0.0
+        for b in reversed(chunk_backward):  # chunk v-1's last backward first, chunk 0's ends the pipeline
+            spans.append((t - b, t))
+            t -= b
+        spans.reverse()
+        spans = [(s - t, e - t) for s, e in spans]  # from 0 to the sum
+        end = -t
+        chunks = [(s, e, [(n, b) for n, (_, b) in chunk]) for (s, e), chunk in zip(spans, units)]
+        exposed = reduce_end(chunks, end, self.cost.dp_reduce_seconds(0), True,
+                             self.cost.settings.overlap_factor) - end
         if self.variant.zero1:
-            exposed += allgather_time(params * self.model.dtype_bytes, lay.dp, link)
+            s, e = first_forward
+            exposed += exposed_gather([(s, e, [(n, f) for n, (f, _) in units[0]])], self.cost.gather_seconds(0))
         return exposed + step
 
     # ---- the partition search -----------------------------------------------------------------------------
@@ -388,6 +504,8 @@ class LayoutProblem:
         plain_time = next(iter(by_table.values())) if len(by_table) == 1 else \
             [by_table[id(self.times[k % lay.pp])] for k in range(self.stages)]  # per stage only if devices differ
         cnt = [self.counts[k % lay.pp][0][k // lay.pp] for k in range(self.stages)]
+        if self.zero_bubble:  # every micro-batch a rank holds, whole or for W
+            cnt = [max(sum(mix) for mix in self.counts[k % lay.pp]) for k in range(self.stages)]
         static = [sum(self.static[i] for i in blk) for blk in blocks]
         most = [sum(self.saved[i][0] for i in blk) for blk in blocks]
         least = [sum(self.saved[i][-1] for i in blk) for blk in blocks]
@@ -483,15 +601,31 @@ def lower_bound(problem: LayoutProblem) -> float:
     total = sum(min(sum(t[i][0]) for t in tables) for i in range(len(problem.names)))
     backward = sum(min(t[i][0][1] for t in tables) for i in range(len(problem.names)))
     per_rank = total / lay.pp
-    sync = problem.exposed_sync(sum(problem.params) / lay.pp, backward / (lay.pp * lay.virtual))
-    return per_rank * (lay.m + (lay.pp - 1) / lay.virtual) + sync + problem.embedding_sync
+    start_up = 0.0 if problem.zero_bubble else (lay.pp - 1) / lay.virtual  # W's may fill every bubble
+    return per_rank * (lay.m + start_up) + least_sync(problem, backward / lay.pp) + problem.embedding_sync
+
+
+def least_sync(problem: LayoutProblem, backward: float) -> float:
+    """No rank's synchronisation after the pipeline is less than this, for a rank with the mean parameters whose
+    backwards take `backward` in all: its gradients cannot be reduced before its last backwards start, and
+    overlap.overlapped_end with one bucket ready at their start ends no later than with several ready later
+    (for an overlap factor <= 2); ZeRO-1's gather may be hidden entirely."""
+    lay, cost = problem.layout, problem.cost
+    params = sum(problem.params) / lay.pp
+    step = optimizer_step_seconds(params, lay.dp, problem.variant.zero1, problem.model.dtype_bytes,
+                                  cost.devices[0], cost.settings.bandwidth_fraction)
+    if lay.dp == 1:
+        return step
+    sync = cost.dp_reduce_seconds(0)(params)
+    factor = min(cost.settings.overlap_factor, 2.0)
+    return overlapped_end([(0.0, sync)], backward, True, factor) - backward + step
 
 
 def could_fit(problem: LayoutProblem, zero1: bool) -> bool:
     """Whether any partition could fit, with ZeRO-1 if `zero1`: all ranks together hold the model states and at
     least the fewest micro-batches any rank holds of every unit's smallest saved bytes."""
     lay, ms = problem.layout, problem.memory
-    per_param = PrecisionConfig(problem.model.dtype_bytes, zero1)
+    per_param = problem.memory.precision(problem.model, zero1)
     static = sum(problem.params) * (per_param.param_bytes + per_param.grad_bytes + per_param.optimizer_bytes(lay.dp))
     least = min(max(min(mix) for mix in mixes) for mixes in problem.counts) * sum(min(s) for s in problem.saved)
     room = sum((c - ms.workspace_bytes) / (1 + ms.fragmentation) for c in problem.capacity)

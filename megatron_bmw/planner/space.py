@@ -4,12 +4,16 @@ it contains. `--space DIM=VALUES` restricts a dimension, e.g. `--space tp=1,2 --
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 
 from ..config import ModelConfig
 from ..errors import UsageError
+from ..pipeline.generators import SCHEDULES, generate
+from ..pipeline.schedule import Kind
 
 _BOOL = {"on": (True,), "off": (False,), "both": (False, True), "true": (True,), "false": (False,)}
-_HELP = ("tp, pp, dp, mbs (lists of integers); schedule (1f1b, gpipe, interleaved); virtual (chunks per rank); "
+_HELP = (f"tp, pp, dp, mbs (lists of integers); schedule ({', '.join(SCHEDULES)}: zero-bubble ones only where the "
+         "simulator says they win under the memory limit); virtual (chunks per rank); "
          "sp, zero1, bpipe, slicing (on, off, both); recompute (none, selective, full: the choices allowed per "
          "unit); recompute-granularity (unit or uniform); partition (unit or layer: where stages may end); strategy "
          "(uniform, hybrid, both: Megatron's one layout for all units, Galvatron-BMW's per-unit strategies, or both)")
@@ -21,7 +25,7 @@ class SearchSpace:
     pp: tuple[int, ...] | None = None
     dp: tuple[int, ...] | None = None
     mbs: tuple[int, ...] | None = None  # None: every divisor of the per-replica batch
-    schedule: tuple[str, ...] = ("1f1b", "interleaved")  # GPipe: same time as 1F1B, more memory (asked for only)
+    schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")  # GPipe: 1F1B's time, more memory (asked for only)
     virtual: tuple[int, ...] = (2, 3, 4)
     sp: tuple[bool, ...] = (False, True)
     zero1: tuple[bool, ...] = (False, True)
@@ -62,9 +66,9 @@ def _parse_dim(key: str, values: list[str], item: str) -> dict:
             raise UsageError(f"--space {item!r}: {key} values must be >= 1")
         return {key: ints}
     if key == "schedule":
-        bad = [v for v in values if v not in ("1f1b", "gpipe", "interleaved")]
+        bad = [v for v in values if v not in SCHEDULES]
         if bad:
-            raise UsageError(f"--space {item!r}: unknown schedule {bad[0]!r} (1f1b, gpipe, interleaved)")
+            raise UsageError(f"--space {item!r}: unknown schedule {bad[0]!r} ({', '.join(SCHEDULES)})")
         return {key: tuple(values)}
     if key in ("sp", "zero1", "bpipe", "slicing"):
         if len(values) != 1 or values[0] not in _BOOL:
@@ -104,6 +108,18 @@ class Layout:
     virtual: int = 1
 
 
+@lru_cache(maxsize=None)
+def zero_bubble(schedule: str) -> bool:
+    """Whether `schedule` splits backwards into B and W (its generator emits BACKWARD_WEIGHT) with one model chunk
+    per rank, as the search lays stages out; such a schedule runs without BPipe, slicing or per-unit strategies
+    (config.py and arguments.py refuse those). ZB-V (two chunks in a V) is run and simulated but not searched."""
+    try:
+        sched = generate(schedule, 2, 4)
+    except UsageError:
+        return False
+    return sched.virtual_stages == 1 and any(a.kind is Kind.BACKWARD_WEIGHT for acts in sched.actions for a in acts)
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -122,7 +138,9 @@ def tp_degrees(model: ModelConfig, gpus_per_node: int, world: int) -> list[int]:
 
 
 def layouts(space: SearchSpace, model: ModelConfig, world: int, global_batch: int, tps: list[int]) -> list[Layout]:
-    """Every (tp, pp, dp, mbs, schedule, virtual) of the space; pipeline stages need one unit each at least."""
+    """Every (tp, pp, dp, mbs, schedule, virtual) of the space; pipeline stages need one unit each at least. A
+    schedule that splits backwards but lays out several chunks per rank (not the search's round-robin) is left
+    out."""
     out = []
     most = model.num_units if space.sublayer else model.num_layers  # stages the partition can make
     for tp in tps:
@@ -144,8 +162,8 @@ def layouts(space: SearchSpace, model: ModelConfig, world: int, global_batch: in
                             continue
                         out += [Layout(tp, pp, dp, mbs, m, schedule, v) for v in space.virtual
                                 if v > 1 and pp * v <= most]
-                    elif schedule == "gpipe" and pp == 1:
-                        continue  # one stage: GPipe is 1F1B
-                    else:
+                    elif (schedule == "gpipe" or zero_bubble(schedule)) and pp == 1:
+                        continue  # one stage: GPipe and zero-bubble are 1F1B
+                    elif schedule in ("1f1b", "gpipe") or zero_bubble(schedule):
                         out.append(Layout(tp, pp, dp, mbs, m, schedule))
     return out

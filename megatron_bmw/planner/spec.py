@@ -24,6 +24,7 @@ class RunSpec:
     rank_order: str = "tp-dp-pp"
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False  # ZeRO-1's gather behind the next forwards (with distributed_optimizer)
     # Galvatron-BMW hybrid (tp 1, each unit its own strategy over the stage's dp ranks): one canonical strategy
     # string per unit (strategy.py), or None for the uniform Megatron layout
     unit_strategies: tuple[str, ...] | None = None
@@ -59,7 +60,8 @@ class RunSpec:
 
     def stage_layout(self) -> StageLayout:
         pl = self.pipeline
-        return StageLayout(self.tp, self.dp, self.pp, self.sp, pl.micro_batch_size, pl.partition, pl.recompute)
+        return StageLayout(self.tp, self.dp, self.pp, self.sp, pl.micro_batch_size, pl.partition, pl.recompute,
+                           pl.placement)
 
     def rank_layout(self) -> RankLayout:
         return RankLayout(self.tp, self.dp, self.pp, self.rank_order)
@@ -79,4 +81,5 @@ def spec_from_run_config(cfg: RunConfig, world_size: int) -> RunSpec:
                    dp=par.data_parallel_size(world_size), pipeline=cfg.pipeline,
                    sequence_parallel=par.sequence_parallel, rank_order=par.rank_order,
                    distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                   overlap_grad_reduce=cfg.train.overlap_grad_reduce, unit_strategies=par.unit_strategies)
+                   overlap_grad_reduce=cfg.train.overlap_grad_reduce,
+                   overlap_param_gather=cfg.optimizer.overlap_param_gather, unit_strategies=par.unit_strategies)

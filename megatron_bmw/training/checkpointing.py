@@ -89,6 +89,8 @@ def save_checkpoint(
     save_optim: bool = True,
 ) -> str:
     """Save `payload` (+ the optimizer's state) as `iteration`. Every rank must call it. Returns the iteration dir."""
+    if optimizer is not None:
+        optimizer.finish_param_sync()  # the model's tensors in `payload` hold the last step's weights
     optim_sd = optimizer.state_dict() if optimizer is not None and save_optim else None  # collective under ZeRO
     token = _shared_token(state)
     name = iteration_dir_name(iteration)

@@ -116,6 +116,8 @@ def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chu
     """Save as torch_dist (every rank calls it). `payload`: the common part (no model); `rng_state`: this
     rank's RNG streams (gathered into common.pt). Returns the iteration directory."""
     with_optim = optimizer is not None and save_optim
+    if optimizer is not None:
+        optimizer.finish_param_sync()  # the model's tensors hold the last step's weights
     rngs = _gather_objects(rng_state)
     token = _shared_token(state)
     name = iteration_dir_name(iteration)

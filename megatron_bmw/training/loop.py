@@ -161,7 +161,7 @@ class Trainer:
                                                                     stage_times=measured_stage_times)
         self.named_params = state.units.trainable([(n, p) for c in self.chunks for n, p in c.named_parameters()])
         self.grad_sync = state.units.grad_sync([p for _, p in self.named_params], state, overlap=tr.overlap_grad_reduce)
-        self.optimizer = build_optimizer(self.named_params, run.optimizer, state)
+        self.optimizer = build_optimizer(self.named_params, run.optimizer, state, modules=self.chunks)
         self.scheduler = LRScheduler(self.optimizer, run.lr)
         self.tracer = Tracer(state.rank, state.pp_rank) if tr.pipeline_trace else None
         self.track_activations = tr.log_activation_memory or track_memory
@@ -208,6 +208,7 @@ class Trainer:
 
     def save(self) -> None:
         tr = self.run.train
+        self.optimizer.finish_param_sync()
         payload = {
             "iteration": self.iteration,
             "consumed_train_samples": self.consumed_train,
@@ -262,6 +263,7 @@ class Trainer:
         tr = self.run.train
         if tr.load is None:
             return
+        self.optimizer.finish_param_sync()  # a gather still running would overwrite the loaded weights
         if read_tracker(tr.load) is None:
             if os.path.exists(tr.load) and not os.path.isdir(tr.load):
                 raise UsageError(f"--load {tr.load}: not a directory (give the checkpoint directory)")
@@ -371,10 +373,11 @@ class Trainer:
         st = self.state
         t = torch.zeros(2, dtype=torch.float32, device=st.device)
         reported = drain_reported(self.chunks)
-        if st.is_last_stage and reported is not None:
+        src = st.pp_ranks[self.engine.schedule.loss_rank]  # where the head runs
+        if st.rank == src and reported is not None:
             t += reported.float().to(st.device) / m
         if st.pp_group is not None:
-            dist.broadcast(t, src=st.pp_ranks[-1], group=st.pp_group)
+            dist.broadcast(t, src=src, group=st.pp_group)
         if st.dp_group is not None:
             dist.all_reduce(t, group=st.dp_group)
             t /= st.dp_size
@@ -434,6 +437,7 @@ class Trainer:
         try:
             with _Signal() as sig:
                 self._train(sig)
+            self.optimizer.finish_param_sync()  # --overlap-param-gather: the model holds the last step's weights
         except BaseException:
             self.tb.close()  # what was logged reaches the disk even when the run stops on an error
             raise
@@ -482,6 +486,8 @@ class Trainer:
         seconds = interval.seconds_per_iteration()
         zeros = num_zeros_in_grad(self.named_params, self.state) \
             if tr.log_num_zeros_in_grad and it.step.successful else None
+        if tr.log_params_norm:
+            self.optimizer.finish_param_sync()
         norm = params_norm(self.named_params, self.state) if tr.log_params_norm else None
         tflops = throughput_tflops(model, it.batch_size, seconds, _world()) if tr.log_throughput else None
         lr = self.optimizer.get_lr()
@@ -521,6 +527,7 @@ class Trainer:
         return float(params + self.grad_sync.buffer_bytes() + self.optimizer.state_bytes() + store)
 
     def finish(self) -> None:
+        self.optimizer.finish_param_sync()
         if self.run.train.log_activation_memory and self.state.tp_rank == 0 and self.state.dp_rank == 0:
             for line in self.engine.activation_report():
                 print(line, flush=True)

@@ -1,10 +1,13 @@
 """Adam with fp32 master weights, loss scaling, global grad-norm clipping and optional ZeRO-1 sharding.
 
 Gradients come in as `p.main_grad` (fp32, summed over micro-batches, averaged over data parallel).
-With `use_distributed_optimizer` the parameters are laid end to end in one flat index space, padded to a
-multiple of the DP size; DP rank r owns the contiguous range [r*S, (r+1)*S) and keeps fp32 master copies
-and Adam moments only for the pieces of parameters inside it. After its update, the ranks all-gather the
-new values so every DP rank holds the full model again.
+With `use_distributed_optimizer` the parameters are laid end to end in one flat index space cut into buckets
+(training/param_gather.py: Megatron-core's layout; one bucket for a model under 40M parameters); DP rank r owns
+the r-th 1/dp of every bucket and keeps fp32 master copies and Adam moments only for the pieces of parameters
+inside it. After its update, the ranks all-gather the new values bucket by bucket so every DP rank holds the full
+model again; with `overlap_param_gather` the gathers run during the next forward (each completed by a forward
+pre-hook of the modules using the bucket) and `finish_param_sync()` completes them for anything else that reads
+the parameters (checkpoints, logging, the end of training).
 
 `state_dict()` has one layout for both modes (full per-parameter tensors), so a checkpoint saved with or
 without ZeRO, or on another DP size, loads into either.
@@ -22,6 +25,7 @@ from ..parallel.layers import counted_once
 from ..parallel.state import ParallelState, group_rank, group_size
 from ..config import OptimizerConfig
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
+from .param_gather import ParamGather, ShardLayout
 
 try:
     from apex.optimizers import FusedAdam as _ApexFusedAdam
@@ -66,7 +70,8 @@ def counts_in_grad_norm(param: torch.Tensor, tp_rank: int) -> bool:
 class MixedPrecisionOptimizer:
     """See the module doc. Build it with `build_optimizer`."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], cfg: OptimizerConfig, state: ParallelState):
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], cfg: OptimizerConfig, state: ParallelState,
+                 modules: list[nn.Module] | None = None):
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
             raise ValueError("build_optimizer: no trainable parameters")
@@ -92,12 +97,16 @@ class MixedPrecisionOptimizer:
         else:
             self.scaler = ConstantLossScaler(1.0)
 
-        self._offsets = [0]
-        for p in self.params:
-            self._offsets.append(self._offsets[-1] + p.numel())
         dp = group_size(state.dp_group) if self.distributed else 1
-        self._shard_size = -(-self._offsets[-1] // dp)
+        self._layout = ShardLayout([p.numel() for p in self.params], dp, cfg.param_bucket_size)
         self._pieces = self._make_pieces(group_rank(state.dp_group) if self.distributed else 0)
+        self._gather = None
+        if self.distributed:
+            self._gather = ParamGather(self.params, self._layout, state.dp_group, overlap=cfg.overlap_param_gather)
+            if cfg.overlap_param_gather:
+                if modules is None:
+                    raise ValueError("overlap_param_gather needs the modules that use the parameters")
+                self._gather.hook_modules(modules)
         self._masters = [self._new_master(pc) for pc in self._pieces]
         self._counted = torch.tensor(
             [counts_in_grad_norm(self.params[pc.index], state.tp_rank) for pc in self._pieces],
@@ -118,12 +127,12 @@ class MixedPrecisionOptimizer:
     def _make_pieces(self, dp_rank: int) -> list[_Piece]:
         if not self.distributed:
             return [_Piece(i, 0, p.numel(), 0) for i, p in enumerate(self.params)]
-        lo, hi = dp_rank * self._shard_size, (dp_rank + 1) * self._shard_size
-        pieces = []
-        for i in range(len(self.params)):
-            a, b = max(self._offsets[i], lo), min(self._offsets[i + 1], hi)
-            if a < b:
-                pieces.append(_Piece(i, a - self._offsets[i], b - self._offsets[i], a - lo))
+        offsets, pieces = self._layout.offsets, []
+        for bucket, (lo, hi, shard_offset) in zip(self._layout.buckets, self._layout.rank_ranges(dp_rank)):
+            for i in bucket.params:
+                a, b = max(offsets[i], lo), min(offsets[i] + self.params[i].numel(), hi)
+                if a < b:
+                    pieces.append(_Piece(i, a - offsets[i], b - offsets[i], shard_offset + a - lo))
         return pieces
 
     def _param_slice(self, pc: _Piece, tensor: torch.Tensor) -> torch.Tensor:
@@ -179,7 +188,14 @@ class MixedPrecisionOptimizer:
 
     def reload_model_params(self) -> None:
         """Refresh the master weights from the model parameters at the next step (after loading weights only)."""
+        self.finish_param_sync()
         self._reload_pending = True
+
+    def finish_param_sync(self) -> None:
+        """Complete the parameter all-gathers still running (--overlap-param-gather): afterwards every parameter
+        holds the last step's value. Call it before anything reads or writes parameters outside a forward."""
+        if self._gather is not None:
+            self._gather.finish()
 
     @torch.no_grad()
     def _reload_masters(self) -> None:
@@ -211,13 +227,14 @@ class MixedPrecisionOptimizer:
             for m in self._masters:
                 m.grad = None
         self._step_count += 1
-        self._publish()
-        return StepResult(True, grad_norm, self.scaler.scale, self._weights_finite())
+        shard = self._publish()
+        return StepResult(True, grad_norm, self.scaler.scale, self._weights_finite(shard))
 
-    def _weights_finite(self) -> bool:
+    def _weights_finite(self, shard: torch.Tensor | None = None) -> bool:
         """Are this model's updated weights all finite, on every rank? (A step can overflow the 16-bit copies of
-        finite masters; a model like that must never be saved.)"""
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
+        finite masters; a model like that must never be saved.) Under ZeRO each rank checks the shard it
+        published (the parameters are the shards end to end), so a pending gather is not waited for."""
+        local = [shard] if shard is not None else [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
         bad = torch.zeros(1, device=self.device)
         if local:
             peaks = torch._foreach_norm([p.detach() for p in local], ord=float("inf"))  # max |w|: inf/nan stay
@@ -246,21 +263,22 @@ class MixedPrecisionOptimizer:
         sq, inf = buf.tolist()
         return inf > 0, sq**0.5
 
-    def _publish(self) -> None:
-        """Copy the updated master weights into the model parameters (all-gathering them under ZeRO)."""
+    def _publish(self) -> torch.Tensor | None:
+        """Copy the updated master weights into the model parameters; under ZeRO all-gather them (or launch the
+        gathers) from this rank's shard in the parameters' dtype, which is returned."""
         if not self.distributed:
             for pc, m in zip(self._pieces, self._masters):
                 if m is not self.params[pc.index]:
                     self.params[pc.index].detach().copy_(m)
-            return
+            return None
         dtypes = {p.dtype for p in self.params}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        shard = torch.zeros(self._shard_size, dtype=dtype, device=self.device)
+        shard = torch.zeros(self._layout.shard_size, dtype=dtype, device=self.device)
         for pc, m in zip(self._pieces, self._masters):
-            shard[pc.shard_offset : pc.shard_offset + m.numel()].copy_(m)
-        full = _all_gather_flat(shard, self.state.dp_group)
-        for i, p in enumerate(self.params):
-            p.detach().copy_(full[self._offsets[i] : self._offsets[i + 1]].view(p.shape))
+            own = self.params[pc.index].dtype
+            shard[pc.shard_offset : pc.shard_offset + m.numel()].copy_(m if own == dtype else m.to(own))
+        self._gather.publish(shard)
+        return shard
 
     # ---- checkpoint state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -280,18 +298,20 @@ class MixedPrecisionOptimizer:
             return sd
         flat = {}
         for key in ("master", *_MOMENTS):
-            buf = torch.zeros(self._shard_size, dtype=torch.float32, device=self.device)
+            buf = torch.zeros(self._layout.shard_size, dtype=torch.float32, device=self.device)
             for pc, m, st in zip(self._pieces, self._masters, local):
                 src = m if key == "master" else st[key]
                 if src is not None:
                     buf[pc.shard_offset : pc.shard_offset + m.numel()].copy_(src.reshape(-1))
-            flat[key] = _gather_flat(buf, self.state.dp_group)
+            shards = _gather_shards(buf, self.state.dp_group)
+            flat[key] = None if shards is None else self._layout.unshard(shards)
         if flat["master"] is None:
             sd["params"] = None
             return sd
         sd["params"] = []
         for i, p in enumerate(self.params):
-            a, b = self._offsets[i], self._offsets[i + 1]
+            a = self._layout.offsets[i]
+            b = a + p.numel()
             entry = {k: flat[k][a:b].view(p.shape).cpu() for k in flat}
             if self._step_count == 0:
                 entry.update(exp_avg=None, exp_avg_sq=None)
@@ -339,6 +359,7 @@ class MixedPrecisionOptimizer:
     def load_piece_state(self, meta: dict, pieces: list[dict]) -> None:
         """Load `state_meta()` and, per piece of `pieces()`, tensors shaped like the piece's master (a missing
         master is re-read from the model's weights at the next step)."""
+        self.finish_param_sync()  # a gather still running would overwrite what the caller loads next
         self._step_count = int(meta["step"])
         self.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
         self.scaler.load_state_dict(meta["grad_scaler"])
@@ -383,33 +404,23 @@ def _make_adam(groups: list[dict], cfg: OptimizerConfig, device: torch.device):
     return torch.optim.AdamW(groups, foreach=True, **kwargs), "torch"
 
 
-def _all_gather_flat(shard: torch.Tensor, group) -> torch.Tensor:
+def _gather_shards(shard: torch.Tensor, group) -> list[torch.Tensor] | None:
+    """Every DP rank's shard, in rank order, on DP rank 0; None elsewhere."""
     n = group_size(group)
     if n == 1:
-        return shard
-    out = torch.empty(n * shard.numel(), dtype=shard.dtype, device=shard.device)
-    if dist.get_backend(group) == "nccl":
-        dist.all_gather_into_tensor(out, shard, group=group)
-    else:
-        dist.all_gather(list(out.chunk(n)), shard, group=group)
-    return out
-
-
-def _gather_flat(shard: torch.Tensor, group) -> torch.Tensor | None:
-    """Concatenation of every DP rank's shard on DP rank 0; None elsewhere."""
-    n = group_size(group)
-    if n == 1:
-        return shard
+        return [shard]
     if dist.get_rank(group) == 0:
         parts = [torch.empty_like(shard) for _ in range(n)]
         dist.gather(shard, gather_list=parts, dst=dist.get_global_rank(group, 0), group=group)
-        return torch.cat(parts)
+        return parts
     dist.gather(shard, gather_list=None, dst=dist.get_global_rank(group, 0), group=group)
     return None
 
 
 def build_optimizer(
-    named_params: list[tuple[str, nn.Parameter]], cfg: OptimizerConfig, state: ParallelState
+    named_params: list[tuple[str, nn.Parameter]], cfg: OptimizerConfig, state: ParallelState,
+    modules: list[nn.Module] | None = None,
 ) -> MixedPrecisionOptimizer:
-    """Adam(W) over the trainable parameters, with the precision and sharding `cfg` asks for."""
-    return MixedPrecisionOptimizer(named_params, cfg, state)
+    """Adam(W) over the trainable parameters, with the precision and sharding `cfg` asks for. `modules`: the
+    model chunks whose forwards use the parameters (needed with `cfg.overlap_param_gather`)."""
+    return MixedPrecisionOptimizer(named_params, cfg, state, modules)

@@ -107,7 +107,7 @@ def _banner(run, state: ParallelState, args) -> None:
         f"{'yes' if HAVE_TE else 'no'}",
         f"> micro-batch size {pl.micro_batch_size}, global batch size {t.global_batch_size}, "
         f"micro-batches per iteration {pl.num_microbatches}, schedule "
-        + (f"1f1b interleaved x{pl.virtual_stages}" if pl.virtual_stages > 1 else pl.schedule),
+        + (f"1f1b interleaved x{pl.virtual_stages}" if pl.schedule == "interleaved" else pl.schedule),
         f"> padded vocab (size: {run.orig_vocab_size}) with {run.model.vocab_size - run.orig_vocab_size} dummy "
         f"tokens (new size: {run.model.vocab_size})",
     ]

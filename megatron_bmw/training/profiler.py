@@ -6,7 +6,8 @@ engine does (the unit called on the hidden state, one autograd.backward per micr
 accumulated into fp32 main_grad by GradSync's hooks), over micro-batch sizes and tensor-parallel degrees; a
 tensor-parallel degree t runs on t local processes (gloo on CPU, NCCL on GPUs). It also times the engine's
 own per-action overhead (a one-stage pipeline against the sum of its units) and fits latency + bytes /
-bandwidth to point-to-point and all-reduce timings between local ranks.
+bandwidth to point-to-point and all-reduce timings between local ranks. On a GPU it records the allocator's and
+the device's memory around the timed steps (cuda_memory.py): the measured terms of the CUDA allowance.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..device import choose_backend, ping_pong, set_device, synchronize, timed
 from ..planner.analytic import ProfileSettings
 from ..planner.memory_model import UNIT_KINDS
 from ..planner.profile_data import Profile, UnitTiming, model_signature
+from . import cuda_memory
 from .saved_bytes import measure_saved
 
 if TYPE_CHECKING:
@@ -211,6 +213,8 @@ def _worker(rank: int, world: int, init_file: str, model: ModelConfig, settings:
             units = time_units(model, state, settings.micro_batch_sizes, settings.warmup, settings.repeats,
                                barrier=dist.barrier, statistic=settings.statistic, rounds=settings.rounds)
             result["units"] = units
+            if backend == "nccl":  # after the tp collectives: the communicators' buffers are allocated
+                result["cuda_memory"] = cuda_memory.reading(torch.cuda, torch.device("cuda", rank))
             state.destroy()
         else:
             device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -282,20 +286,29 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         units: list[UnitTiming] = []
         overhead: dict = {}
+        measured: dict = {}
+        tp_readings: list[dict] = []
         for k, tp in enumerate(settings.tp_sizes):
             model.check_tensor_parallel(tp)
             progress(k, f"timing the units at tp {tp}, micro-batch sizes "
                         f"{','.join(map(str, settings.micro_batch_sizes))}")
             if tp == 1:
                 state = ParallelState.serial(device)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                    before = cuda_memory.reading(torch.cuda, device)
                 timed = time_units(model, state, settings.micro_batch_sizes, settings.warmup, settings.repeats,
                                    statistic=settings.statistic, rounds=settings.rounds)
+                if cuda:
+                    measured = {"before": before, "after": cuda_memory.reading(torch.cuda, device)}
                 units += timed
                 if settings.overhead:
                     overhead = time_engine_overhead(state, repeats=max(5, settings.repeats * settings.rounds),
                                                     statistic=settings.statistic)
             else:
-                units += _merge_ranks(_spawn(tp, model, settings, tp, sequence_parallel))
+                ranks = _spawn(tp, model, settings, tp, sequence_parallel)
+                tp_readings += [r["cuda_memory"] for r in ranks if "cuda_memory" in r]
+                units += _merge_ranks(ranks)
         if settings.links:
             progress(len(settings.tp_sizes), "timing point-to-point and all-reduce links on 2 processes")
         links = _spawn(2, model, settings, 0, False)[0]["links"] if settings.links else {}
@@ -309,8 +322,9 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
             "memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else _host_memory()}
     if sequence_parallel:
         info["sequence_parallel"] = True
+    terms = cuda_memory.measured_terms(measured["before"], measured["after"], tp_readings) if measured else {}
     return Profile(device=info, dtype=model.params_dtype, model=model_signature(model), units=units,
-                   links=links, overhead=overhead, mode="measured")
+                   links=links, overhead=overhead, mode="measured", cuda_memory=terms)
 
 
 def _host_memory() -> int:

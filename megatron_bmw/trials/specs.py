@@ -67,7 +67,7 @@ class TrialModel:
         return cluster
 
     def memory_settings(self) -> MemorySettings:
-        return self.memory or cli.memory_settings(self._ns(1), self.profiles)
+        return self.memory or cli.memory_settings(self._ns(1), self.profiles, self.cluster_for(1))
 
     def spec(self, record: dict) -> RunSpec:
         """The RunSpec of a trial record (its plan, or its flags on its world size)."""

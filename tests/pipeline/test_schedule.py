@@ -22,6 +22,7 @@ from megatron_bmw.pipeline.replay import (
     replay,
     unit_times,
 )
+from megatron_bmw.pipeline.partition import rank_chunks
 from megatron_bmw.pipeline.schedule import COMM_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind, Schedule
 
 
@@ -331,3 +332,94 @@ def test_zb_h1_checked_at_1f1b_memory_and_shorter(p, m):
 def test_zb_h1_refuses_bpipe_and_slicing(kw, flag):
     with pytest.raises(UsageError, match=f"--pipeline-schedule zb-h1 does not combine with {flag}"):
         PipelineConfig(num_microbatches=4, schedule="zb-h1", **kw)
+
+
+# ---------------------------------------------------------------- ZB-H2 and ZB-V
+
+
+def _excess(s: Schedule, f: float, b: float, w: float) -> float:
+    """Makespan beyond one rank's work, with F, input-gradient B and W times per whole stage."""
+    v = s.virtual_stages
+    times = {Kind.FORWARD: f / v, Kind.BACKWARD_INPUT: b / v, Kind.BACKWARD_WEIGHT: w / v, Kind.BACKWARD: (b + w) / v}
+    return replay(s, lambda r, a: times[a.kind]).makespan - s.num_microbatches * (f + b + w)
+
+
+def test_v_placement():
+    s = Schedule("zbv", 4, 8, 2, [[] for _ in range(4)], placement="v")
+    assert [s.stage_of(r, c) for c in (0, 1) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    for k in range(8):
+        assert s.stage_of(*s.location(k)) == k
+    assert s.loss_rank == 0 and Schedule("1f1b", 4, 8, 1, [[] for _ in range(4)]).loss_rank == 3
+    # the turn: rank 3's chunk 0 feeds its own chunk 1, and chunk 1 of rank 1 feeds chunk 1 of rank 0
+    assert s.consumer_rank(s.output_tensor(3, Action(Kind.FORWARD, 0, 0))) == 3
+    assert s.consumer_rank(s.output_tensor(1, Action(Kind.FORWARD, 0, 1))) == 0
+    assert s.consumer_rank(s.output_tensor(0, Action(Kind.BACKWARD_INPUT, 0, 1))) == 1
+    assert s.output_tensor(0, Action(Kind.FORWARD, 0, 1)) is None  # the loss
+    assert rank_chunks([1, 2, 3, 4, 5, 6, 7, 8], 4, 0, "v") == [[0], list(range(28, 36))]  # embedding, head
+    assert rank_chunks([1, 1, 1, 1], 2, 1, "v") == [[1], [2]] and rank_chunks([1, 1, 1, 1], 2, 1) == [[1], [3]]
+    with pytest.raises(ScheduleError, match="unknown stage placement 'w'"):
+        Schedule("x", 2, 2, 2, [[], []], placement="w")
+
+
+def test_zb_h2_and_zbv_hand_computed():
+    assert generate("zb-h2", 2, 4).to_text() == "\n".join([
+        "rank 0: F0 F1 F2 B0 W0 B1 F3 B2 W1 W2 B3 W3",
+        "rank 1: F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3",
+    ])
+    assert generate("zbv", 2, 4, 2).to_text() == "\n".join([
+        "rank 0: F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 F3.0 B0.0 W0.0 F2.1 B2.1 W2.1 B1.0 W1.0 F3.1 B3.1 "
+        "W3.1 B2.0 W2.0 B3.0 W3.0",
+        "rank 1: F0.0 F0.1 F1.0 F1.1 B0.1 W0.1 F2.0 B0.0 W0.0 F2.1 B1.1 W1.1 F3.0 B1.0 W1.0 F3.1 B2.1 W2.1 B2.0 "
+        "B3.1 B3.0 W2.0 W3.0 W3.1",
+    ])
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6, 8])
+def test_zb_h2_and_zbv_checked_within_their_memory(p):
+    """Every micro-batch count from 1 to 3p + 2: checked (dependencies, FIFO channels, no deadlock); ZB-H2 holds
+    at most 2p - 1 micro-batches per rank, ZB-V at most 2p chunks (1F1B's p micro-batches of a whole stage)."""
+    for m in range(1, 3 * p + 3):
+        h2, v = generate("zb-h2", p, m), generate("zbv", p, m, 2)
+        check(h2)
+        check(v)
+        assert max(resident_peaks(h2)) == min(2 * p - 1, m)
+        assert max(resident_peaks(v)) <= min(2 * p, 2 * m)
+        sends, recvs = _channel_sequences(v)
+        assert sends == recvs
+        assert add_communication(v).actions == v.actions
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zero_bubble_makespans(p):
+    m = 4 * p
+    h1, h2, v, base = (generate("zb-h1", p, m), generate("zb-h2", p, m), generate("zbv", p, m, 2),
+                       generate("1f1b", p, m))
+    # equal F, B, W: ZB-H1 and ZB-H2 leave the (p-1) start-up skew only (1F1B: 3(p-1)); ZB-V less than that
+    assert _excess(base, 1, 1, 1) == 3 * (p - 1)
+    assert _excess(h1, 1, 1, 1) == _excess(h2, 1, 1, 1) == p - 1
+    assert _excess(v, 1, 1, 1) < p - 1
+    # a cheaper W: ZB-H2's extra warm-up forwards pay (Qi et al.: (p-1)(F+B-W) for ZB-H1, less for ZB-H2)
+    assert _excess(h2, 1, 1, 0.5) < _excess(h1, 1, 1, 0.5)
+    # the orders stay good away from equal times: the excess does not grow with the micro-batches
+    for f, b, w in ((1, 1.5, 0.5), (1, 0.5, 1), (1, 2, 1)):
+        for s in (h2, v):
+            longer = generate(s.name, p, 2 * m, s.virtual_stages)
+            assert _excess(longer, f, b, w) == pytest.approx(_excess(s, f, b, w))
+        assert _excess(v, f, b, w) < _excess(h1, f, b, w)
+
+
+def test_zbv_needs_two_chunks_and_no_multiple_of_p():
+    assert PipelineConfig(num_microbatches=3, schedule="zbv").virtual_stages == 2
+    assert PipelineConfig(num_microbatches=3, schedule="zbv").placement == "v"
+    assert PipelineConfig(num_microbatches=3, schedule="zb-h2").placement == "interleaved"
+    with pytest.raises(UsageError, match="zbv holds 2 model chunks per rank, not 3"):
+        PipelineConfig(num_microbatches=3, schedule="zbv", virtual_stages=3)
+    with pytest.raises(UsageError, match="zbv holds 2 model chunks per rank, not 1"):
+        generate("zbv", 2, 4)
+    with pytest.raises(UsageError, match="--pipeline-schedule zb-h2 cannot interleave"):
+        PipelineConfig(num_microbatches=4, schedule="zb-h2", virtual_stages=2)
+    for name in ("zb-h2", "zbv"):
+        with pytest.raises(UsageError, match=f"--pipeline-schedule {name} does not combine with --bpipe"):
+            PipelineConfig(num_microbatches=4, schedule=name, bpipe=True)
+        with pytest.raises(UsageError, match=f"--pipeline-schedule {name} does not combine with --microbatch-slic"):
+            PipelineConfig(num_microbatches=4, schedule=name, micro_batch_size=2, slicing=1)

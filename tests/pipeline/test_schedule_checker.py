@@ -143,3 +143,23 @@ def test_weight_gradient_before_its_b_or_missing():
     s.actions[0].append(Action(Kind.BACKWARD, 1))
     with pytest.raises(ScheduleError, match="B1 has both a whole BACKWARD and a split one"):
         check(s)
+
+
+def test_v_placement_errors():
+    """ZB-V: a turn taken too early deadlocks; a RECV posted out of its channel's send order is not FIFO; a
+    chunk-1 forward with no RECV of its input fails."""
+    s = generate("zbv", 2, 2, 2)
+    compute = s.copy([[a for a in acts if a.is_compute] for acts in s.actions])
+    _move(compute.actions[0], "F0.1", before="F0.0")  # rank 0's chunk 1 waits on rank 1, which waits on F0.0
+    with pytest.raises(DeadlockError):
+        check(add_communication(compute))
+    s = generate("zbv", 2, 4, 2)
+    recvs = [i for i, a in enumerate(s.actions[1]) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
+    first, second = recvs[2], recvs[3]  # RA2.0 and RG0.1, adjacent, sent by rank 0 in this order
+    s.actions[1][first], s.actions[1][second] = s.actions[1][second], s.actions[1][first]
+    with pytest.raises(ScheduleError, match="channel rank 0 -> rank 1 is not FIFO"):
+        check(s)
+    s = generate("zbv", 2, 2, 2)
+    s.actions[0] = [a for a in s.actions[0] if not (a.kind is Kind.RECV_ACT and a.chunk == 1 and a.microbatch == 1)]
+    with pytest.raises(ScheduleError, match="F1.1 has no RECV of its input from rank 1"):
+        check(s)

@@ -77,3 +77,18 @@ def test_zb_h1_shows_b_and_w(capsys):
         show.main(["--pp", "2", "--microbatches", "4", "--schedule", "zb-h1", "--virtual-stages", "2"])
     assert info.value.code == 2
     assert capsys.readouterr().err.startswith("error: --pipeline-schedule zb-h1 cannot interleave")
+
+
+def test_zb_h2_and_zbv_show(capsys):
+    show.main(["--pp", "2", "--microbatches", "4", "--schedule", "zbv"])
+    text = capsys.readouterr().out
+    assert text.startswith("schedule zbv: p=2 m=4 v=2")
+    assert "rank 0: F0.0 F1.0 F2.0 F0.1 B0.1 W0.1" in text
+    # one time unit per chunk's F, B and W (a chunk is half a stage here): each rank computes 24, one idle unit
+    assert "makespan 25, busiest rank computes 24" in text
+    show.main(["--pp", "2", "--microbatches", "4", "--schedule", "zb-h2"])
+    assert "rank 0: F0 F1 F2 B0 W0 B1 F3" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        show.main(["--pp", "2", "--microbatches", "4", "--schedule", "zbv", "--virtual-stages", "3"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --pipeline-schedule zbv holds 2 model chunks per rank, not 3")

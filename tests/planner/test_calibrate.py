@@ -64,7 +64,8 @@ def test_recovers_known_parameters_from_synthetic_trials():
         assert p.scale * p.time[kind] == pytest.approx(truth.time[kind], rel=0.05), (kind, p)
     assert p.overhead == pytest.approx(truth.overhead, rel=0.1)
     assert p.latency == pytest.approx(truth.latency, rel=0.1)  # small messages: latency, not bandwidth, shows
-    assert p.overlap == pytest.approx(truth.overlap, rel=0.1)
+    # these models have one gradient bucket per rank, reduced after the last backward: no overlap to see
+    assert p.overlap == CostSettings().overlap_factor
     workspace, fragmentation, samples = out["allowance"]
     assert samples == sum(1 for r in records for _ in r["stage_memory"])
     assert workspace == pytest.approx(1.25 * GiB, rel=1e-6) and fragmentation == pytest.approx(0.08, rel=1e-6)

@@ -13,6 +13,7 @@ from megatron_bmw.planner.evaluate import simulate_run
 from megatron_bmw.planner.flops import unit_forward_flops
 from megatron_bmw.planner.memory_model import unit_activation_bytes
 from megatron_bmw.planner.profile_data import Profile, UnitTiming, model_signature
+from megatron_bmw.planner.overlap import RankSpans, grad_buckets
 from megatron_bmw.planner.spec import RunSpec
 from megatron_bmw.planner.kernel_time import KernelDevice, unit_kernel_times
 
@@ -20,7 +21,7 @@ MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_s
 
 
 def _spec(**kw) -> RunSpec:
-    pipe = dict(micro_batch_size=2, num_microbatches=4, partition=(5, 5))
+    pipe = dict(micro_batch_size=2, num_microbatches=4, partition=(5, 5), schedule="1f1b", recompute=None)
     pipe.update({k: kw.pop(k) for k in list(kw) if k in pipe})
     base = dict(model=MODEL, tp=1, pp=2, dp=1, pipeline=PipelineConfig(**pipe))
     base.update(kw)
@@ -123,23 +124,51 @@ def test_profiles_match_device_types_and_per_unit_times():
 
 
 def test_gradient_sync_and_overlap():
+    """Without --overlap-grad-reduce the reduction follows the pipeline; with it the buckets (overlap.py) start as
+    their gradients are ready. A model this small has one bucket per rank, ready when the last backward ends."""
     cluster = load_cluster("a100-80g-ib", num_nodes=2)
     plain = CostModel(_spec(dp=4), cluster)
     sync = plain.dp_sync_time(0)
     assert sync == pytest.approx(allreduce_time(4.0 * plain.params[0], 4, plain.dp_link(0)))
+    assert plain.dp_reduce_seconds(0)(plain.params[0]) == pytest.approx(sync)
     ends = [1.0, 1.0]
-    last = [(0.9, 0.1), (0.9, 0.1)]
+    spans = [RankSpans([(0.9, 1.0)], [(0.0, 0.1)])] * 2
     emb = plain.embedding_sync_time()
     assert emb > 0
-    out = plain.finish_times(ends, last)
+    out = plain.finish_times(ends, spans)
     step = [plain.optimizer_step_time(r) for r in range(2)]
     assert 0 < step[0] < 1.0  # memory-bound: params x (8 + 2 + 28) bytes at the A100's bandwidth
     assert step[0] == pytest.approx(plain.params[0] * (8 + 4 + 28) / (2039e9 * 0.8))
     assert out[0] == pytest.approx(max(1.0 + sync, 1.0 + plain.dp_sync_time(1)) + emb + step[0])
     over = CostModel(_spec(dp=4, overlap_grad_reduce=True), cluster, settings=CostSettings(overlap_factor=1.3))
-    o = over.finish_times(ends, last)
-    expect = 0.9 + max(0.1, sync) + 0.3 * min(0.1, sync)
-    assert o[1] >= expect - 1e-12 and o[0] < out[0]
+    assert over.finish_times(ends, spans) == pytest.approx(out)  # one bucket, ready at the end: nothing hidden
+
+
+def test_bucketed_overlap_hides_early_buckets_and_zero1_gather():
+    """GPT with 200M-element layers on dp 4: the later layers' buckets reduce during the last backward, the first
+    (with the embedding) stays exposed; ZeRO-1's gather hides behind the first forward with
+    --overlap-param-gather."""
+    big = ModelConfig(num_layers=4, hidden_size=4096, num_attention_heads=32, vocab_size=50304, seq_length=1024)
+    cluster = load_cluster("a100-80g-ib", num_nodes=2)
+    kw = dict(model=big, dp=4, pp=1, partition=(10,))
+    plain = CostModel(_spec(**kw), cluster)
+    over = CostModel(_spec(**kw, overlap_grad_reduce=True), cluster, settings=CostSettings(overlap_factor=1.0))
+    assert len(grad_buckets([(0.0, 1.0, [(n, b) for n, _, b in over.grad_units(0)[0]])])) > 2
+    backward = sum(b for _, _, b in over.grad_units(0)[0])
+    spans = [RankSpans([(1.0 - backward, 1.0)], [(0.0, 0.1)])]
+    serial = plain.finish_times([1.0], spans)[0]
+    hidden = over.finish_times([1.0], spans)[0]
+    step = over.optimizer_step_time(0)
+    assert 1.0 + step < hidden < serial
+    first = grad_buckets([(0.0, 1.0, [(n, b) for n, _, b in over.grad_units(0)[0]])])[-1][0]
+    assert hidden - 1.0 - step >= over.dp_reduce_seconds(0)(first) - 1e-12  # the last bucket is exposed
+    z = CostModel(_spec(**kw, distributed_optimizer=True), cluster)
+    zo = CostModel(_spec(**kw, distributed_optimizer=True, overlap_param_gather=True), cluster)
+    gather = z.optimizer_gather_time(0)
+    assert gather > 0 and z.param_gather_time(0, spans[0]) == pytest.approx(gather)
+    assert 0 < zo.param_gather_time(0, spans[0]) < gather  # the forward waits for the first bucket only
+    late = RankSpans(spans[0].last_grad, [(10.0, 10.1)])  # a later stage's first input arrives late: all hidden
+    assert zo.param_gather_time(0, late) == 0.0
 
 
 def test_layout_must_fit_cluster():
@@ -157,3 +186,39 @@ def test_simulate_run_end_to_end():
     assert [m.peak_inflight_microbatches for m in ev.memory] == [4, 3, 2, 1]
     assert 0 < sim.bubble_fraction < 1
     assert sim.master_stage in range(4)
+
+
+def test_split_backward_times_and_zero_bubble_simulation():
+    """W takes the weight-gradient share of a unit's backward (FLOPs on the flat rate, GEMM shapes with SMs),
+    B the rest with recomputation; ZB-H1 simulated on the cost model is as busy as 1F1B, shorter, and its memory
+    over time peaks where the memory model's walk does."""
+    from megatron_bmw.planner.flops import unit_weight_grad_flops
+    from megatron_bmw.planner.kernel_time import unit_weight_grad_time
+
+    cluster = load_cluster("a100-80g-ib")
+    shaped = cluster.device(0)
+    flat = replace(shaped, sm_count=None)
+    cost = CostModel(_spec(schedule="zb-h1"), cluster)
+    assert cost.wgrad_share("mlp", flat) == pytest.approx(0.5)  # both GEMMs' weight gradients: half the backward
+    assert cost.wgrad_share("embedding", flat) == 0.0
+    attention = unit_weight_grad_flops("attention", MODEL, 2) / (2 * unit_forward_flops("attention", MODEL, 2))
+    assert cost.wgrad_share("attention", flat) == pytest.approx(attention) and attention < 0.5  # the core is B's
+    kd = KernelDevice(shaped.peak(MODEL.params_dtype), 0.75, shaped.sm_count, shaped.memory_bandwidth)
+    for kind in ("attention", "mlp", "head"):
+        w = unit_weight_grad_time(kind, MODEL, 2, 1, kd)
+        assert 0 < w < unit_kernel_times(kind, MODEL, 2, 1, kd)[1]
+        assert cost.wgrad_share(kind, shaped) == pytest.approx(w / unit_kernel_times(kind, MODEL, 2, 1, kd)[1])
+    full = CostModel(_spec(schedule="zb-h1", recompute=(None, "full") * 5), cluster)
+    for model in (cost, full):
+        for r in range(2):
+            whole = model.compute_time(r, Action(Kind.BACKWARD, 0))
+            b = model.compute_time(r, Action(Kind.BACKWARD_INPUT, 0))
+            w = model.compute_time(r, Action(Kind.BACKWARD_WEIGHT, 0))
+            assert b + w == pytest.approx(whole) and 0 < w < b
+    assert [w for ws in full.chunk_wgrad for w in ws] == pytest.approx([w for ws in cost.chunk_wgrad for w in ws])
+    zb = simulate_run(_spec(schedule="zb-h1"), cluster)
+    base = simulate_run(_spec(), cluster)
+    assert zb.simulation.busy == pytest.approx(base.simulation.busy)
+    assert zb.simulation.pipeline_time < base.simulation.pipeline_time
+    assert zb.simulation.peak_memory == pytest.approx([m.static_bytes + m.activation_bytes for m in zb.memory])
+    assert zb.memory[1].activation_bytes > base.memory[1].activation_bytes

@@ -88,7 +88,7 @@ def _mismatches(state: ParallelState, tp: int, sp: bool) -> list[str]:
 
 def _tp_body(rank, world_size, sp):
     state = ParallelState.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp))
-    return _mismatches(state, 2, sp)
+    return _mismatches(state, 2, sp) + _wgrad_mismatches(state, 2, sp)
 
 
 def test_saved_bytes_tp1_exact():
@@ -209,3 +209,94 @@ def test_bpipe_walk_matches_activation_store_accounting():
         for r in range(p):
             peak, count = activation_walk(sched, r, lambda rank: [5.0])
             assert count == expected[r] and peak == 5.0 * expected[r]
+
+
+# (dtype, backend, recomputation, hidden dropout, Llama-family settings): item sizes, the context copy, inputs that
+# recomputation rebuilds in B, gradients taken before dropout, SwiGLU's and grouped queries' shapes
+WGRAD_VARIANTS = [(torch.float32, "unfused", None, 0.1, {}), (torch.bfloat16, "flash", None, 0.0, {}),
+                  (torch.bfloat16, "unfused", "full", 0.1, {}), (torch.float32, "flash", "selective", 0.1, {}),
+                  (torch.float32, "flash", "full", 0.0, LLAMA_VARIANTS[0]),
+                  (torch.float32, "flash", None, 0.0, LLAMA_VARIANTS[1]),
+                  (torch.bfloat16, "flash", None, 0.0, LLAMA_VARIANTS[6])]
+
+
+def _wgrad_mismatches(state: ParallelState, tp: int, sp: bool) -> list[str]:
+    """What a split backward's B leaves for its W (the deferred layers' stash: inputs and output gradients, each
+    storage once) against the memory model, unit by unit; returns the differences."""
+    from megatron_bmw.parallel import deferred_wgrad
+    from megatron_bmw.planner.memory_model import unit_wgrad_bytes
+
+    bad = []
+    g = torch.Generator().manual_seed(1)
+    seq = SEQ // tp if sp else SEQ
+    for dtype, backend, rc, hd, extra in WGRAD_VARIANTS:
+        if extra.get("num_query_groups", tp) % tp:
+            continue
+        cfg = _cfg(attention_backend=backend, params_dtype=dtype, hidden_dropout=hd, **extra)
+        recompute = recompute_from_flags(rc, None, None, cfg.num_layers, [list(range(cfg.num_units))])
+        units = build_units(cfg, state, 1, recompute=recompute)
+        for name, unit in units.items():
+            hidden = None if name == "embedding" else torch.randn(seq, MBS, 24, dtype=dtype, requires_grad=True)
+            out = unit(hidden, _batch(MBS))
+            with deferred_wgrad.deferring(name):
+                out.backward(None if out.numel() == 1 else torch.randn(out.shape, generator=g).to(dtype))
+            kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in deferred_wgrad.stashed(name)}
+            if name in deferred_wgrad.pending():
+                deferred_wgrad.run_deferred(name)
+            predicted = unit_wgrad_bytes(unit_kind(name), cfg, MBS, tp, sp)
+            if predicted != sum(kept.values()):
+                bad.append(f"tp={tp} sp={sp} {dtype} {backend} {rc} hd={hd} {extra} {name}: predicted {predicted}, "
+                           f"kept {sum(kept.values())}")
+    return bad
+
+
+def test_wgrad_bytes_tp1_exact():
+    assert _wgrad_mismatches(ParallelState.serial(), 1, False) == []
+
+
+@pytest.mark.parametrize("rc", [None, "full"])
+def test_split_backward_store_matches_holding_walk(rc):
+    """One process runs F0 B0 F1 B1 F2 B2 W0 W1 W2 (split backwards) with the activation store: after every action
+    its live bytes are the memory model's walk (saved bytes until B, what W needs from B to W), byte for byte."""
+    from megatron_bmw.parallel.grad_sync import GradSync
+    from megatron_bmw.pipeline.engine import PipelineEngine
+    from megatron_bmw.pipeline.holding import bytes_size, holding_events
+    from megatron_bmw.pipeline.schedule import Action, Kind, Schedule
+    from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup
+    from megatron_bmw.planner.memory_model import chunk_saved_bytes, chunk_wgrad_bytes
+    from tests.reference import SEED, make_batch, pipeline_of, small_config, split_batch
+
+    cfg = small_config()
+    overrides = {"_recompute": (None, "full", "full", None, None, None)} if rc else {}
+    micro = split_batch(make_batch(cfg, 6, seed=3), 3)
+    st = ParallelState.serial()
+    pipe = pipeline_of(cfg, overrides, 2, 3, 1, 1, "zb-h1")
+    chunks, _, _ = pipeline_setup(cfg, st, SEED, pipe)
+    order = [Action(k, i) for i in range(3) for k in (Kind.FORWARD, Kind.BACKWARD_INPUT)]
+    sched = Schedule("zb-h1", 1, 3, 1, [order + [Action(Kind.BACKWARD_WEIGHT, i) for i in range(3)]])
+    live = []
+
+    class Probe:
+        def record(self, a, start, end):
+            live.append(engine.store.live_bytes)
+
+        def record_wait(self, *args):
+            pass
+
+    engine = PipelineEngine(chunks, st, sched, hidden_shape(cfg, st, 2), cfg.torch_dtype, tracer=Probe(),
+                            track_activations=True)
+    sync = GradSync([p for c in chunks for p in c.parameters()], st)
+    engine.run(lambda i: micro[i], grad_sync=sync)
+    sync.remove_hooks()
+    layout = StageLayout(tp=1, dp=1, pp=1, sequence_parallel=False, micro_batch_size=2,
+                         partition=(cfg.num_units,), recompute=pipe.recompute)
+    saved = chunk_saved_bytes(layout, cfg, 0, MemorySettings(device="cpu"))
+    wgrad = chunk_wgrad_bytes(layout, cfg, 0)
+    size = bytes_size(lambda r: saved, lambda r: wgrad)
+    level, walk = 0.0, []
+    holds = holding_events(sched.actions[0], 0)
+    for i in range(len(sched.actions[0])):
+        level += sum(size(h) for h in holds if h.index == i)
+        walk.append(level)
+    assert live == walk
+    assert engine.store.peak_bytes == max(walk) and wgrad[0] != saved[0]

@@ -223,3 +223,27 @@ def test_a_plans_unit_strategies_are_checked_as_the_flags_are(tmp_path):
     args = parse_args(argv)
     with pytest.raises(UsageError, match="a tied word embedding needs the same, unsharded strategy"):
         configs_from_args(args, 4, plan=apply_plan(args, argv))
+
+
+def test_a_zero_bubble_plan_runs_as_planned_and_is_refused_where_the_flags_are(tmp_path):
+    """A plan carries its schedule: zb-h1 round-trips and runs, with recomputation and dropout too."""
+    from dataclasses import replace
+
+    from megatron_bmw.arguments import plan_flags
+
+    base = _plan()
+    path = tmp_path / "zb.json"
+    for model, recompute, needle in ((replace(MODEL, hidden_dropout=0.0, attention_dropout=0.0), RECOMPUTE, None),
+                                     (MODEL, None, None), (MODEL, RECOMPUTE, None)):
+        pipe = replace(base.spec.pipeline, schedule="zb-h1", slicing=0, recompute=recompute)
+        plan = replace(base, spec=replace(base.spec, model=model, pipeline=pipe))
+        plan.save(str(path))
+        assert Plan.load(str(path)).spec.pipeline.schedule == "zb-h1"
+        assert plan_flags(plan)["pipeline_schedule"] == "zb-h1"
+        argv = ["--plan", str(path), "--mock-data", "--train-iters", "3"]
+        args = parse_args(argv)
+        if needle is None:
+            assert configs_from_args(args, 8, plan=apply_plan(args, argv)).pipeline.schedule == "zb-h1"
+        else:
+            with pytest.raises(UsageError, match=needle):
+                configs_from_args(args, 8, plan=apply_plan(args, argv))

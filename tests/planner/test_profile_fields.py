@@ -68,9 +68,12 @@ def test_commands_use_the_profile_fields_unless_flags_say_otherwise(tmp_path, ca
                                                                              "fragmentation": 0.5}), "fitted.json")
     layout = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--micro-batch-size", "2",
               "--overlap-grad-reduce"]
+    # hidden 2048 (the profile rescaled by FLOPs): more than one 40M-element gradient bucket, so some reduce
+    # during the backward, where the overlap factor shows
+    flags = [("2048" if f == "64" else f) for f in FLAGS]
 
     def run(command, prof, *extra):
-        assert main([command, "--cluster", str(cluster), "--profile", prof, *FLAGS, *layout, "--json", *extra]) == 0
+        assert main([command, "--cluster", str(cluster), "--profile", prof, *flags, *layout, "--json", *extra]) == 0
         return json.loads(capsys.readouterr().out)
 
     base, cal = run("simulate", plain), run("simulate", fitted)
@@ -84,13 +87,13 @@ def test_commands_use_the_profile_fields_unless_flags_say_otherwise(tmp_path, ca
     flagged = run("estimate", fitted, "--memory-workspace-gb", "0", "--memory-fragmentation", "0")["stages"][0]
     assert flagged["allowance_bytes"] == 0
     # search: the plan's prediction carries the profile's overlap factor
-    assert main(["search", "--cluster", str(cluster), "--profile", fitted, *FLAGS, "--space", "tp=1",
+    assert main(["search", "--cluster", str(cluster), "--profile", fitted, *flags, "--space", "tp=1",
                  "--space", "pp=1", "--no-progress", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)["plans"]
-    assert main(["search", "--cluster", str(cluster), "--profile", fitted, *FLAGS, "--space", "tp=1",
+    assert main(["search", "--cluster", str(cluster), "--profile", fitted, *flags, "--space", "tp=1",
                  "--space", "pp=1", "--no-progress", "--json", "--overlap-factor", "1.0"]) == 0
     plain_plans = json.loads(capsys.readouterr().out)["plans"]
-    assert plans[0]["prediction"]["iteration_time_s"] > 1.2 * plain_plans[0]["prediction"]["iteration_time_s"]
+    assert plans[0]["prediction"]["iteration_time_s"] > 1.1 * plain_plans[0]["prediction"]["iteration_time_s"]
 
 
 def _unit_edit(i, **change):

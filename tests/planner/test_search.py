@@ -112,10 +112,10 @@ def test_memory_savers_only_where_memory_is_short():
 
 
 def test_space_parsing():
-    space = SearchSpace.parse(["tp=1,2", "bpipe=off", "recompute=none,full", "schedule=1f1b,gpipe",
+    space = SearchSpace.parse(["tp=1,2", "bpipe=off", "recompute=none,full", "schedule=1f1b,gpipe,zb-h1",
                                "recompute-granularity=uniform", "partition=layer", "sp=on"])
     assert space.tp == (1, 2) and space.bpipe == (False,) and space.recompute == (None, "full")
-    assert space.schedule == ("1f1b", "gpipe") and not space.per_unit_recompute and not space.sublayer
+    assert space.schedule == ("1f1b", "gpipe", "zb-h1") and not space.per_unit_recompute and not space.sublayer
     assert space.sp == (True,)
     for bad, needle in (("tp", "expected DIM=VALUES"), ("tp=a", "takes integers"), ("bpipe=maybe", "on, off or both"),
                         ("color=red", "unknown dimension 'color'"), ("schedule=zigzag", "unknown schedule"),
@@ -184,3 +184,38 @@ def test_heterogeneous_cluster_gives_slow_devices_less():
                   space=SearchSpace(pp=(4,), tp=(4,), slicing=(False,))).best
     part = best.spec.pipeline.partition
     assert part[-1] < min(part[:-1]), part
+
+
+def test_zero_bubble_kept_only_where_it_wins_under_the_memory_limit():
+    """ZB-H1 in the space: chosen where memory allows (it is faster), 1F1B where ZB-H1's last rank, holding
+    micro-batches for their W, would not fit; both as exhaustive enumeration finds."""
+    model = _model(2)
+    space = SearchSpace(schedule=("1f1b", "zb-h1"), tp=(1,), pp=(2,), mbs=(2,), bpipe=(False,), slicing=(False,),
+                        recompute=(None,), sp=(False,), zero1=(False,))
+    for memory_gb, schedule in ((0.004, "zb-h1"), (2.8e6 / 2**30, "1f1b")):
+        cluster = _cluster(memory_gb)
+        expected, spec = _exhaustive(model, 8, cluster, space)
+        got = search(model, 256, 8, 8, cluster, space=space, costs=COSTS, memory=MEM).best
+        assert got.spec.pipeline.schedule == spec.pipeline.schedule == schedule
+        assert got.time == pytest.approx(expected, rel=1e-12)
+
+
+def test_zero_bubble_plans_are_ones_the_runtime_accepts():
+    """With dropout, BPipe and slicing in the space and memory short: no zero-bubble plan uses BPipe or slices
+    (config.py refuses those); recomputation under dropout is allowed (deferred_wgrad keeps W's Parameter)."""
+    from megatron_bmw.planner.search import SearchSettings
+
+    model = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=64,
+                        hidden_dropout=0.1, attention_dropout=0.1, attention_backend="unfused")
+    space = SearchSpace(schedule=("1f1b", "zb-h1"), tp=(1,), pp=(4,), mbs=(2,), sp=(False,), zero1=(False,))
+    assert "zb-h1" in SearchSpace().schedule
+    seen = set()
+    for memory_gb in (1.0, 0.006, 0.004):
+        result = search(model, 256, 8, 16, _cluster(memory_gb, nodes=2), space=space, costs=COSTS, memory=MEM,
+                        settings=SearchSettings(top_k=4))
+        for plan in result.ranked:
+            pipe = plan.spec.pipeline
+            seen.add((pipe.schedule, pipe.recompute is not None, pipe.bpipe, bool(pipe.slicing)))
+            if pipe.schedule == "zb-h1":
+                assert not pipe.bpipe and not pipe.slicing
+    assert ("zb-h1", False, False, False) in seen and any(s == "1f1b" and (r or b) for s, r, b, _ in seen), seen

@@ -43,7 +43,8 @@ def test_peak_inflight_of_1f1b_is_min_p_minus_s_m(p, m):
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("gpipe", 3, 5, 1), ("interleaved", 4, 8, 2),
-                                        ("interleaved", 2, 4, 3), ("1f1b", 5, 3, 1), ("1f1b", 1, 4, 1)])
+                                        ("interleaved", 2, 4, 3), ("1f1b", 5, 3, 1), ("1f1b", 1, 4, 1),
+                                        ("zb-h1", 4, 8, 1), ("zb-h2", 3, 7, 1), ("zbv", 3, 5, 2)])
 def test_matches_replay_with_random_durations(name, p, m, v):
     rnd = random.Random(p * 100 + m)
     base = {(r, c): rnd.uniform(0.5, 2.0) for r in range(p) for c in range(v)}

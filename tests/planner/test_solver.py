@@ -14,7 +14,7 @@ from megatron_bmw.planner.memory_model import MemorySettings
 from megatron_bmw.planner.partitioners import choose_options
 from megatron_bmw.planner.profile_data import Profiles
 from megatron_bmw.planner.solver import (LayoutProblem, ScheduleShapes, Variant, choose_grouped, could_fit,
-                                         interleaved_peak_mixes)
+                                         interleaved_peak_mixes, split_peak_mixes)
 from megatron_bmw.planner.space import Layout, SearchSpace
 from megatron_bmw.config import PipelineConfig
 
@@ -90,7 +90,7 @@ def _fields(sol):
 
 
 @pytest.mark.parametrize("schedule,v,memory_gb", [("1f1b", 1, 0.0036), ("1f1b", 1, 0.005),
-                                                  ("interleaved", 2, 0.0033)])
+                                                  ("interleaved", 2, 0.0033), ("zb-h1", 1, 0.006)])
 def test_memoised_evaluate_equals_a_fresh_problem(schedule, v, memory_gb):
     """evaluate() reuses each rank's plan across partitions (the walk moves one boundary at a time): every
     partition, scored after many others on one problem, equals scoring it alone on a fresh problem."""
@@ -108,3 +108,58 @@ def test_memoised_evaluate_equals_a_fresh_problem(schedule, v, memory_gb):
     assert any(g is None for g in got) or any(g[1] is None for g in got), "and fit somewhere else"
     for part, mine in zip(parts, got):
         assert mine == _fields(fresh().evaluate(part)), part
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zero_bubble_mixes_give_the_walks_byte_peak(p):
+    """ZB-H1: whatever a micro-batch keeps whole and for its W, the heaviest moment is one of the [whole, for W]
+    mixes the solver takes from the schedule (also beyond the 3p micro-batches they are taken from)."""
+    import random
+
+    from megatron_bmw.pipeline.generators import generate
+    from megatron_bmw.pipeline.holding import bytes_size, peak
+
+    rng = random.Random(p)
+    for m in (1, p, 2 * p, 6 * p):
+        sched, mixes = generate("zb-h1", p, m), split_peak_mixes("zb-h1", p, min(m, 3 * p))
+        for r in range(p):
+            whole, wgrad = rng.uniform(1.0, 4.0), rng.uniform(0.5, 6.0)
+            exact = peak(holding_events(sched.actions[r], r), bytes_size(lambda o: [whole], lambda o: [wgrad]))
+            assert max(a * whole + b * wgrad for a, b in mixes[r]) == pytest.approx(exact)
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 6), (4, 4), (4, 12), (4, 2), (3, 2)])
+def test_zero_bubble_estimate_on_equal_stages(p, m):
+    """The zero-bubble variant of AMP's formula against the simulated ZB-H1 on equal stages, for splits of the
+    backward into B and W either way: exact for m >= p (Qi et al.'s bubble (p - 1)(F + B - W) where W <= F, B);
+    for m < p the estimate replays the short schedule."""
+    from megatron_bmw.pipeline.generators import generate
+    from megatron_bmw.pipeline.schedule import Kind
+    from megatron_bmw.planner.simulator import simulate
+
+    prob = _problem(1.0, pp=p, m=m, schedule="zb-h1")
+    if m >= p:
+        assert ScheduleShapes().zero_bubble_credit("zb-h1", p, m) == p - 1
+    for f, b, w in ((1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (0.8, 1.0, 1.2), (1.5, 0.5, 1.0), (0.5, 1.5, 0.3)):
+        times = {Kind.FORWARD: f, Kind.BACKWARD_INPUT: b, Kind.BACKWARD_WEIGHT: w}
+        sim = simulate(generate("zb-h1", p, m), lambda r, a: times[a.kind]).pipeline_time
+        got = prob._pipeline_time([f] * p, [b + w] * p, [w] * p) - 2 * (p - 1) * prob.p2p
+        if m >= p:
+            assert got == pytest.approx(sim)
+            if w <= min(f, b):
+                assert sim == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w))
+        else:
+            assert got == pytest.approx(sim, rel=1e-6)
+
+
+def test_zero_bubble_solution_memory_is_the_walks():
+    """The solver's memory for ZB-H1 (counts from the schedule, what W needs per unit) is the exact memory
+    model's, and more than 1F1B's on the last rank (it holds micro-batches awaiting their W)."""
+    from megatron_bmw.planner.evaluate import estimate_memory
+
+    zb, base = _problem(1.0, pp=2, m=4, schedule="zb-h1"), _problem(1.0, pp=2, m=4)
+    for part in ((5, 5), (3, 7), (7, 3)):
+        sol = zb.evaluate(part)
+        exact = estimate_memory(sol.spec(zb.model))
+        assert sol.memory == pytest.approx([x.peak_bytes for x in exact], rel=1e-12)
+        assert sol.memory[1] > base.evaluate(part).memory[1]

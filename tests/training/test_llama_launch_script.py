@@ -97,7 +97,7 @@ CHANGED: dict[str, tuple[str, str]] = {}  # none since --ckpt-format torch_dist 
 # --calculate-per-token-loss is taken as is: every micro-batch holds micro-batch x seq-length loss tokens (no
 # --eod-mask-loss), so the mean over the batch's tokens is the mean of the micro-batch means computed here
 IGNORED = ["--use-mcore-models", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--manual-gc",
-           "--empty-unused-memory-level", "--overlap-param-gather", "--fp8-format", "--fp8-amax-history-len",
+           "--empty-unused-memory-level", "--fp8-format", "--fp8-amax-history-len",
            "--fp8-amax-compute-algo", "--fp8-param-gather", "--tiktoken-pattern",
            "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers"]
 PROFILER = ["--profile", "--profile-step-start", "--profile-step-end"]
@@ -125,7 +125,8 @@ def test_script_flags_parse(tmp_path):
         ("rope", 1000000, True, 2, "RMSNorm")
     assert m.apply_layernorm_1p and not m.add_bias_linear and m.untie_embeddings_and_output_weights
     assert (m.attention_backend, m.params_dtype, m.head_dim) == ("flash", "bf16", 16)
-    assert run.optimizer.use_distributed_optimizer and run.lr.lr_decay_style == "cosine"
+    assert run.optimizer.use_distributed_optimizer and run.optimizer.overlap_param_gather
+    assert run.lr.lr_decay_style == "cosine"
     assert (run.lr.decoupled_lr, run.lr.decoupled_floor) == (5.0e-4, 4.5e-5)
     for flag in CHANGED:
         with pytest.raises(UsageError, match=flag):

@@ -1,0 +1,218 @@
+"""The planner against BigScience's BLOOM-176B trials: 92 timed runs (and 6 out-of-memory ones) of 176-206B GPTs on
+48 nodes of 8 A100-80GB, where the micro-batch size, the number of attention heads and the layout (tp, pp, dp) vary.
+
+Source: bigscience-workshop/bigscience, train/tr11-176B-ml/chronicles-prequel.md (commit ddfe9cc, 2022-03-02;
+unchanged since), the tables of sections "48 node contenders" to "Rebalancing layers" (20-28 Feb 2022). Every row
+is a published table row (seconds per iteration, the 2nd iteration of one run); `line` in the data is its line
+in that file. Data: benchmarks/data/bloom_trials.json (the rows, the setup, the sources).
+
+The runs: Megatron-DeepSpeed (DeepSpeed's pipeline engine, 1F1B), ZeRO-1, full activation checkpointing, sequence
+2048, vocabulary 250,880, unfused attention (baddbmm and a fused softmax kernel; no flash attention then), tied
+embeddings, gradients reduced after the pipeline. The cluster is the built-in a100-80g-ib's A100-80GB and NVLink
+with the inter-node link replaced by BigScience's own all-reduce measurement on that machine (5.06 GB/s bus
+bandwidth per GPU: 4 Omni-Path links per node of 8 GPUs), since Jean Zay's network is not DGX-style.
+
+A group is one day's comparison of one model (same hidden size and depth): the author's own search (one group varies
+only the global batch: it checks the pipeline bubble and is left out of the summary's searches). Reported per
+row: measured and predicted seconds per iteration and the error; per group: Spearman's rank correlation of
+predicted and measured seconds per sample (the global batch varies in two groups) and the pick-vs-best: how much
+slower, measured, the row predicted fastest ran than the fastest measured row (rows that ran only). Memory: the
+planner's peak (of our runtime, not DeepSpeed's) against the published use and the OOM rows. Nothing here is
+fitted to the measured times.
+
+    python benchmarks/bloom_trials.py [--group "02-25 h14336 L72"] [--flat-allowance] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_bmw.config import ModelConfig, PipelineConfig  # noqa: E402
+from megatron_bmw.errors import UsageError  # noqa: E402
+from megatron_bmw.planner.accuracy import error_summary  # noqa: E402
+from megatron_bmw.planner.cluster import Cluster, Link, load_cluster  # noqa: E402
+from megatron_bmw.planner.cost_model import CostSettings  # noqa: E402
+from megatron_bmw.planner.cuda_allowance import DerivedAllowance  # noqa: E402
+from megatron_bmw.planner.evaluate import simulate_run, stage_capacity  # noqa: E402
+from megatron_bmw.planner.memory_model import MemorySettings  # noqa: E402
+from megatron_bmw.planner.spec import RunSpec  # noqa: E402
+from megatron_bmw.units import recompute_from_flags  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "bloom_trials.json")
+# the CUDA allowance derived for A100-80GB (planner/cuda_allowance.py); --flat-allowance: the 1.5 GiB + 10% it replaced
+MEMORY = MemorySettings(device="cuda", derived=DerivedAllowance((load_cluster("a100-80g-ib").groups[0].device,)))
+FLAT = MemorySettings(device="cuda", workspace_bytes=1.5 * 2**30, fragmentation=0.10)
+ROW_KEYS = ("group", "line", "hidden", "layers", "heads", "tp", "pp", "dp", "mbs", "gbs", "nodes", "partition_method",
+            "dtype", "measured_s", "oom")
+
+
+def load_data(path: str = DATA) -> dict:
+    """The published rows and setup; every row checked for what the benchmark needs."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: cannot read the BLOOM trials ({exc})") from None
+    for i, row in enumerate(data.get("rows", [])):
+        missing = [k for k in ROW_KEYS if k not in row]
+        if missing:
+            raise UsageError(f"{path}: row {i} lacks {', '.join(missing)}")
+        if row["tp"] * row["pp"] * row["dp"] != 8 * row["nodes"]:
+            raise UsageError(f"{path}: row {i} (line {row['line']}): tp x pp x dp is not 8 x nodes")
+        if row["gbs"] % (row["dp"] * row["mbs"]):
+            raise UsageError(f"{path}: row {i} (line {row['line']}): global batch not a multiple of dp x mbs")
+        if (row["measured_s"] is None) != row["oom"]:
+            raise UsageError(f"{path}: row {i} (line {row['line']}): a time exactly when it did not run out of memory")
+    if not data.get("rows"):
+        raise UsageError(f"{path}: no rows")
+    return data
+
+
+def stage_layers(method: str, layers: int, pp: int) -> list[int]:
+    """Transformer layers per pipeline stage under DeepSpeed's partition method, as the trials ran it.
+    type:transformer: ceil(layers / pp) per stage, the last stage the rest (78 over 12 ran as 11 x 7 + 1, section
+    Re-do). type:transformer|embedding: the two embedding ends count as layers, (layers + 2) / pp per stage."""
+    if method == "type:transformer":
+        per = -(-layers // pp)
+        out = [min(per, layers - per * k) for k in range(pp)]
+    elif method == "type:transformer|embedding":
+        if (layers + 2) % pp or pp < 2:
+            raise UsageError(f"{layers} layers + 2 embedding ends do not split over {pp} stages")
+        per = (layers + 2) // pp
+        out = [per - 1] + [per] * (pp - 2) + [per - 1]
+    else:
+        raise UsageError(f"unknown partition method {method!r}")
+    if min(out) < 1 or sum(out) != layers:
+        raise UsageError(f"{method}: {layers} layers do not split over {pp} stages")
+    return out
+
+
+def run_spec(row: dict, setup: dict) -> RunSpec:
+    model = ModelConfig(num_layers=row["layers"], hidden_size=row["hidden"], num_attention_heads=row["heads"],
+                        vocab_size=setup["vocab_size"], seq_length=setup["seq_length"], params_dtype=row["dtype"],
+                        attention_backend="unfused", hidden_dropout=0.1, attention_dropout=0.1)
+    units = [2 * n for n in stage_layers(row["partition_method"], row["layers"], row["pp"])]
+    units[0] += 1  # the embedding
+    units[-1] += 1  # the final norm and the tied output layer
+    ranks, start = [], 0
+    for size in units:
+        ranks.append(list(range(start, start + size)))
+        start += size
+    recompute = recompute_from_flags("full", "uniform", None, row["layers"], ranks)
+    pipe = PipelineConfig(micro_batch_size=row["mbs"], num_microbatches=row["gbs"] // (row["dp"] * row["mbs"]),
+                          partition=tuple(units), recompute=recompute)
+    return RunSpec(model, row["tp"], row["pp"], row["dp"], pipe, distributed_optimizer=True, overlap_grad_reduce=False)
+
+
+def cluster_of(setup: dict, nodes: int) -> Cluster:
+    link = setup["inter_node"]
+    base = load_cluster(setup["base_cluster"], num_nodes=nodes)
+    return replace(base, name="jean-zay-a100", inter_node=Link(link["bandwidth_GBps"] * 1e9, link["latency_us"] * 1e-6))
+
+
+FACTORS = {"micro-batch size": ("mbs",), "attention heads": ("heads",), "layout (tp, pp, dp)": ("tp", "pp", "dp")}
+
+
+def differing_factor(a: dict, b: dict) -> str | None:
+    """The one factor two rows of a group differ in (same global batch), else None."""
+    if a["group"] != b["group"] or a["gbs"] != b["gbs"]:
+        return None
+    differ = [name for name, keys in FACTORS.items() if any(a[k] != b[k] for k in keys)]
+    return differ[0] if len(differ) == 1 else None
+
+
+def evaluate(data: dict, groups: list[str] | None = None, memory: MemorySettings = MEMORY) -> dict:
+    setup, costs = data["setup"], CostSettings()
+    rows = [dict(r) for r in data["rows"] if groups is None or r["group"] in groups]
+    for row in rows:
+        spec = run_spec(row, setup)
+        cluster = cluster_of(setup, row["nodes"])
+        ev = simulate_run(spec, cluster, None, costs, memory, memory_over_time=False)
+        row["predicted_s"] = ev.simulation.iteration_time
+        row["predicted_peak_gb"] = max(m.peak_bytes for m in ev.memory) / 1e9
+        row["predicted_fits"] = all(m.peak_bytes <= stage_capacity(spec, cluster, s) for s, m in enumerate(ev.memory))
+        if row["measured_s"] is not None:
+            row["error"] = row["predicted_s"] / row["measured_s"] - 1
+    summaries = {}
+    for name in dict.fromkeys(r["group"] for r in rows):
+        ran = [r for r in rows if r["group"] == name and r["measured_s"] is not None]
+        s = error_summary([r["predicted_s"] / r["gbs"] for r in ran], [r["measured_s"] / r["gbs"] for r in ran])
+        # a search varies the micro-batch size, the heads or the layout (not only the global batch)
+        s["search"] = len(ran) >= 3 and any(len({tuple(r[k] for k in keys) for r in ran}) > 1
+                                             for keys in FACTORS.values())
+        if ran:
+            s["pick_line"] = ran[s["pick_index"]]["line"]
+            s["best_line"] = min(ran, key=lambda r: r["measured_s"] / r["gbs"])["line"]
+        summaries[name] = s
+    ran = [r for r in rows if r["measured_s"] is not None]
+    pairs = {factor: [0, 0] for factor in FACTORS}  # [ordered as measured, pairs]
+    for i, a in enumerate(ran):
+        for b in ran[i + 1:]:
+            factor = differing_factor(a, b)
+            if factor is not None and a["measured_s"] != b["measured_s"]:
+                pairs[factor][1] += 1
+                pairs[factor][0] += (a["predicted_s"] < b["predicted_s"]) == (a["measured_s"] < b["measured_s"])
+    searches = [s for s in summaries.values() if s["search"]]
+    return {"rows": rows, "groups": summaries, "pairs": pairs,
+            "median_abs_error": statistics.median(abs(r["error"]) for r in ran),
+            "median_spearman": statistics.median(s["spearman"] for s in searches) if searches else float("nan"),
+            "median_pick_vs_best": statistics.median(s["pick_vs_best"] for s in searches) if searches else float("nan"),
+            "oom_caught": sum(1 for r in rows if r["oom"] and not r["predicted_fits"]),
+            "oom_total": sum(1 for r in rows if r["oom"]),
+            "false_oom": sum(1 for r in ran if not r["predicted_fits"])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=DATA)
+    parser.add_argument("--group", action="append", default=None, help="only this group (repeatable)")
+    parser.add_argument("--flat-allowance", action="store_true", help="1.5 GiB + 10%% instead of the derived allowance")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    try:
+        result = evaluate(load_data(args.data), args.group, FLAT if args.flat_allowance else MEMORY)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    head = (f"{'line':>4} {'tp':>2} {'pp':>2} {'dp':>2} {'mbs':>3} {'heads':>5} {'hd':>3} {'gbs':>4} | {'measured':>8} "
+            f"{'predicted':>9} {'error':>6} | {'mem pub.':>8} {'pred.':>5} {'fits':>4}")
+    for name, s in result["groups"].items():
+        print(f"\n{name}")
+        print(head)
+        for r in (r for r in result["rows"] if r["group"] == name):
+            measured = "OOM" if r["oom"] else f"{r['measured_s']:8.2f}"
+            err = f"{100 * r['error']:+5.1f}%" if "error" in r else ""
+            mem = "OOM" if r["oom"] else ("" if r.get("published_mem_gb") is None else f"{r['published_mem_gb']:.0f}")
+            marks = ("*" if r["line"] == s.get("pick_line") else "") + ("=" if r["line"] == s.get("best_line") else "")
+            print(f"{r['line']:>4} {r['tp']:>2} {r['pp']:>2} {r['dp']:>2} {r['mbs']:>3} {r['heads']:>5} "
+                  f"{r['hidden'] // r['heads']:>3} {r['gbs']:>4} | {measured:>8} {r['predicted_s']:9.2f} {err:>6} | "
+                  f"{mem:>8} {r['predicted_peak_gb']:5.0f} {'yes' if r['predicted_fits'] else 'NO':>4} {marks}")
+        if s["n"] >= 2:
+            print(f"  rows that ran {s['n']}: median |error| {100 * s['median_abs_error']:.1f}%, Spearman (s/sample) "
+                  f"{s['spearman']:+.2f}, predicted fastest (*) ran {100 * s['pick_vs_best']:.1f}% slower than the "
+                  f"best (=)")
+    searches = sum(1 for s in result["groups"].values() if s["search"])
+    print(f"\nall {sum(1 for r in result['rows'] if not r['oom'])} rows that ran: median |error| "
+          f"{100 * result['median_abs_error']:.1f}%; over the {searches} searches (groups of >= 3 rows that vary "
+          f"more than the batch): median Spearman {result['median_spearman']:+.2f}, median pick-vs-best "
+          f"{100 * result['median_pick_vs_best']:.1f}%; OOM rows predicted not to fit: {result['oom_caught']}/"
+          f"{result['oom_total']}; rows that ran predicted not to fit: {result['false_oom']}")
+    pairs = "; ".join(f"{factor} {right}/{n}" for factor, (right, n) in result["pairs"].items())
+    print(f"pairs of rows of one group that differ in one factor only, ordered by the prediction as measured: {pairs}")
+    print("hd: head dimension; mem pub.: GB the author saw on the first node (nvidia-smi), pred.: the planner's peak "
+          "(GB, our runtime's memory, not DeepSpeed's)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Whose runtime holds the model states, and in which precision: the model-state bytes per parameter.
+
+The engine and its flags follow Megatron-LM's names. Per parameter, with d the data-parallel size and the
+distributed optimizer (ZeRO-1) sharding everything the optimizer owns over d:
+
+  megatron_bmw (ours)  gradients accumulate and are reduced in an fp32 main_grad buffer (parallel/grad_sync.py);
+                       fp32 master copy for 16-bit parameters, and for fp32 ones under ZeRO-1 too (the shards
+                       are copies, training/optimizer.py); two fp32 Adam moments.
+                       bf16: 2 + 4 + 12 (6 + 12/d), fp32: 4 + 4 + 8 (8 + 12/d).
+  megatron-core        the DDP grad buffer is fp32 with --accumulate-allreduce-grads-in-fp32 (DDPConfig
+                       grad_reduce_in_fp32), else in the parameter dtype; Megatron-LM turns the flag on for bf16
+                       unless --grad-reduce-in-bf16, and leaves it off for fp16. With 16-bit gradients the
+                       optimizer steps on an fp32 copy of them (main grads). fp32 parameters are their own main
+                       parameters (not copied, only the Adam moments are sharded). These are the bytes Megatron
+                       Core's distributed-optimizer guide tabulates: fp16/fp16 20 (4 + 16/d), bf16/fp32 18
+                       (6 + 12/d), fp32/fp32 16 (8 + 8/d).
+  deepspeed            ZeRO stage 0 (FP16_Optimizer) or 1 (--use-distributed-optimizer) with fp16 parameters, as in
+                       AMP's trials: fp16 gradients, and fp32 master weights, fp32 gradients and Adam moments for
+                       the step (the ZeRO paper's 2 + 2 + 12, plus the fp32 gradient copy the optimizer steps on,
+                       of its partition under ZeRO-1): 20 (4 + 16/d). Other dtypes are not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+ENGINES = ("megatron_bmw", "megatron-core", "deepspeed")
+OURS = "megatron_bmw"
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """How parameters are stored and updated, in bytes per parameter (see the module doc)."""
+
+    param_bytes: int = 4  # 2 for bf16/fp16
+    distributed_optimizer: bool = False  # ZeRO-1 over data parallel
+    grad_bytes: int = 4  # the buffer gradients accumulate and are reduced in: 4 fp32 main grads, 2 16-bit
+    fp32_master_copy: bool = True  # fp32 parameters get separate master shards under ZeRO-1 (ours)
+
+    def optimizer_bytes(self, dp: int) -> float:
+        """Per parameter: the fp32 master copy (none for fp32 parameters that are their own master), the fp32
+        gradient the step reads where the gradient buffer is 16-bit, two fp32 Adam moments; ZeRO-1 shards all
+        of it over the data-parallel group."""
+        if self.param_bytes < _FP32:
+            master = _FP32
+        else:
+            master = _FP32 if self.distributed_optimizer and self.fp32_master_copy else 0
+        grad_copy = _FP32 if self.grad_bytes < _FP32 else 0
+        per = master + grad_copy + 2 * _FP32
+        return per / dp if self.distributed_optimizer else per
+
+    def state_bytes(self, dp: int) -> float:
+        """Parameters, gradients and optimizer states per parameter."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes(dp)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The runtime a plan is for, with Megatron-LM's gradient-precision flag (None: the engine's default)."""
+
+    name: str = OURS
+    accumulate_allreduce_grads_in_fp32: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in ENGINES:
+            raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, not {self.name!r}")
+        if self.name == OURS and self.accumulate_allreduce_grads_in_fp32 is False:
+            raise UsageError("--grad-reduce-in-bf16: megatron_bmw accumulates and reduces gradients in fp32 "
+                             "(parallel/grad_sync.py); plan another engine with --engine megatron-core")
+        if self.name == "deepspeed" and self.accumulate_allreduce_grads_in_fp32 is not None:
+            raise UsageError("--accumulate-allreduce-grads-in-fp32/--grad-reduce-in-bf16 are Megatron-LM's; the "
+                             "deepspeed engine is modelled with fp16 gradients (ZeRO stage 0/1)")
+
+    def grads_in_fp32(self, params_dtype: str) -> bool:
+        if params_dtype == "fp32" or self.name == OURS:
+            return True
+        if self.accumulate_allreduce_grads_in_fp32 is not None:
+            return self.accumulate_allreduce_grads_in_fp32
+        return params_dtype == "bf16" and self.name == "megatron-core"
+
+    def precision(self, params_dtype: str, distributed_optimizer: bool) -> PrecisionConfig:
+        if self.name == "deepspeed" and params_dtype != "fp16":
+            raise UsageError(f"--engine deepspeed: memory is modelled for --fp16 (ZeRO stage 0/1), not {params_dtype}")
+        param_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[params_dtype]
+        return PrecisionConfig(param_bytes=param_bytes, distributed_optimizer=distributed_optimizer,
+                               grad_bytes=_FP32 if self.grads_in_fp32(params_dtype) else param_bytes,
+                               fp32_master_copy=self.name == OURS)
+
+    @property
+    def runs_here(self) -> bool:
+        """Whether our runtime (pretrain_gpt.py) runs a plan for this engine."""
+        return self.name == OURS
+
+    def to_json(self) -> dict:
+        out: dict = {"engine": self.name}
+        if self.accumulate_allreduce_grads_in_fp32 is not None:
+            out["accumulate_allreduce_grads_in_fp32"] = self.accumulate_allreduce_grads_in_fp32
+        return out
+
+    def describe(self) -> str:
+        flag = self.accumulate_allreduce_grads_in_fp32
+        return self.name + ("" if flag is None else " with --accumulate-allreduce-grads-in-fp32" if flag
+                            else " with --grad-reduce-in-bf16")
+
+
+def engine_from_flags(engine: str | None, accumulate_fp32: bool, reduce_bf16: bool) -> EngineConfig:
+    """The engine of `--engine`, `--accumulate-allreduce-grads-in-fp32` and `--grad-reduce-in-bf16`."""
+    if accumulate_fp32 and reduce_bf16:
+        raise UsageError("--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 contradict each other")
+    flag = True if accumulate_fp32 else False if reduce_bf16 else None
+    return EngineConfig(engine or OURS, flag)

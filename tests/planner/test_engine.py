@@ -1,0 +1,154 @@
+"""Model-state bytes per parameter for every engine setting (hand-computed), and plans for other engines."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from megatron_bmw.arguments import apply_plan, parse_args
+from megatron_bmw.config import ModelConfig, PipelineConfig
+from megatron_bmw.errors import UsageError
+from megatron_bmw.pipeline.build import build_schedule
+from megatron_bmw.planner.engine import EngineConfig, engine_from_flags
+from megatron_bmw.planner.memory_model import StageLayout, rank_memory, total_parameters
+from megatron_bmw.planner.plan import Plan
+from megatron_bmw.planner.spec import RunSpec
+
+# (engine, --accumulate-allreduce-grads-in-fp32 (None: the engine's default), dtype, ZeRO-1) ->
+# (param, grad, optimizer) bytes per parameter at dp 4
+CASES = [
+    # ours: fp32 main grads always; fp32 master (for fp32 under ZeRO-1 too) + two fp32 moments
+    ("megatron_bmw", None, "bf16", False, (2, 4, 12)),
+    ("megatron_bmw", None, "bf16", True, (2, 4, 12 / 4)),
+    ("megatron_bmw", None, "fp32", False, (4, 4, 8)),
+    ("megatron_bmw", None, "fp32", True, (4, 4, 12 / 4)),
+    ("megatron_bmw", True, "fp16", False, (2, 4, 12)),
+    # Megatron Core's distributed-optimizer table: fp16/fp16 20 (4 + 16/d), bf16/fp32 18 (6 + 12/d), fp32 16 (8 + 8/d)
+    ("megatron-core", None, "fp16", False, (2, 2, 16)),
+    ("megatron-core", None, "fp16", True, (2, 2, 16 / 4)),
+    ("megatron-core", True, "fp16", False, (2, 4, 12)),
+    ("megatron-core", None, "bf16", False, (2, 4, 12)),
+    ("megatron-core", None, "bf16", True, (2, 4, 12 / 4)),
+    ("megatron-core", False, "bf16", False, (2, 2, 16)),
+    ("megatron-core", None, "fp32", False, (4, 4, 8)),
+    ("megatron-core", None, "fp32", True, (4, 4, 8 / 4)),
+    # DeepSpeed ZeRO-0/1, fp16: fp16 grads; fp32 master, fp32 grad copy and moments (a partition of them at stage 1)
+    ("deepspeed", None, "fp16", False, (2, 2, 16)),
+    ("deepspeed", None, "fp16", True, (2, 2, 16 / 4)),
+]
+
+
+@pytest.mark.parametrize("engine,fp32,dtype,zero1,expected", CASES)
+def test_state_bytes_per_parameter(engine, fp32, dtype, zero1, expected):
+    p = EngineConfig(engine, fp32).precision(dtype, zero1)
+    assert (p.param_bytes, p.grad_bytes, p.optimizer_bytes(4)) == pytest.approx(expected)
+    assert p.state_bytes(4) == pytest.approx(sum(expected))
+
+
+def test_rank_memory_follows_the_engine():
+    model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8,
+                        params_dtype="fp16")
+    layout = StageLayout(tp=1, dp=2, pp=1, sequence_parallel=False, micro_batch_size=1, partition=(6,))
+    sched = build_schedule(PipelineConfig(micro_batch_size=1, num_microbatches=2), 1)
+    n = total_parameters(model)
+    ours = rank_memory(layout, model, sched, 0, EngineConfig().precision("fp16", False))
+    core = rank_memory(layout, model, sched, 0, EngineConfig("megatron-core").precision("fp16", True))
+    assert (ours.params_bytes, ours.grads_bytes, ours.optimizer_bytes) == (2 * n, 4 * n, 12 * n)
+    assert (core.params_bytes, core.grads_bytes, core.optimizer_bytes) == (2 * n, 2 * n, 16 * n / 2)
+    assert core.activation_bytes == ours.activation_bytes
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (("megatron_bmw", False, True), "megatron_bmw accumulates and reduces gradients in fp32"),
+    (("megatron-core", True, True), "contradict"),
+    (("deepspeed", True, False), "Megatron-LM's"),
+])
+def test_engine_flags_that_cannot_hold(flags, needle):
+    with pytest.raises(UsageError, match=needle):
+        engine_from_flags(*flags)
+    with pytest.raises(UsageError, match="modelled for --fp16"):
+        EngineConfig("deepspeed").precision("bf16", False)
+
+
+MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
+                    params_dtype="bf16")
+
+
+def _plan(engine: EngineConfig) -> Plan:
+    spec = RunSpec(MODEL, tp=1, pp=1, dp=1, pipeline=PipelineConfig(micro_batch_size=1, num_microbatches=2))
+    return Plan(spec, global_batch_size=2, orig_vocab_size=100, make_vocab_size_divisible_by=128, engine=engine)
+
+
+def test_plans_carry_the_engine_and_our_runtime_refuses_others(tmp_path):
+    path = tmp_path / "plan.json"
+    core = EngineConfig("megatron-core", False)
+    _plan(core).save(str(path))
+    data = json.loads(path.read_text())
+    assert data["training"]["engine"] == "megatron-core"
+    assert data["training"]["accumulate_allreduce_grads_in_fp32"] is False
+    assert Plan.load(str(path)).engine == core
+    argv = ["--plan", str(path), "--mock-data"]
+    with pytest.raises(UsageError, match="planned for engine megatron-core with --grad-reduce-in-bf16"):
+        apply_plan(parse_args(argv), argv)
+    _plan(EngineConfig()).save(str(path))  # ours: the default, written as before
+    assert "accumulate_allreduce_grads_in_fp32" not in json.loads(path.read_text())["training"]
+    assert apply_plan(parse_args(argv), argv).engine == EngineConfig()
+
+
+@pytest.mark.parametrize("training,needle", [
+    ({"accumulate_allreduce_grads_in_fp32": False}, "engine megatron_bmw accumulates and reduces gradients in fp32"),
+    ({"engine": "megatron"}, "training.engine must be one of"),
+    ({"engine": "deepspeed", "accumulate_allreduce_grads_in_fp32": True}, "Megatron-LM's flag"),
+    ({"engine": "megatron-core", "accumulate_allreduce_grads_in_fp32": "yes"}, "must be true or false"),
+])
+def test_a_plan_file_with_an_engine_setting_that_cannot_hold(tmp_path, training, needle):
+    data = _plan(EngineConfig()).to_json()
+    data["training"].update(training)
+    with pytest.raises(UsageError) as err:
+        Plan.from_json(data, "--plan p.json")
+    assert needle in str(err.value) and "\n" not in str(err.value) and str(err.value).startswith("--plan p.json")
+
+
+def test_estimate_flags(capsys):
+    from megatron_bmw.cli.autoconfig import main
+
+    base = ["estimate", "--cluster", "a100-80g-ib", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "200", "--micro-batch-size", "2",
+            "--global-batch-size", "16", "--fp16", "--use-distributed-optimizer", "--json"]
+    got = {}
+    for extra in ((), ("--engine", "megatron-core"), ("--engine", "megatron-core",
+                                                      "--accumulate-allreduce-grads-in-fp32")):
+        assert main(base + list(extra)) == 0
+        got[extra] = json.loads(capsys.readouterr().out)["engine"]["state_bytes_per_parameter"]
+    assert list(got.values()) == pytest.approx([2 + 4 + 12 / 8, 2 + 2 + 16 / 8, 2 + 4 + 12 / 8])
+    with pytest.raises(SystemExit) as exc:
+        main(base + ["--grad-reduce-in-bf16"])
+    assert exc.value.code == 2 and "megatron_bmw accumulates" in capsys.readouterr().err
+
+
+def test_the_search_counts_the_engines_states_and_the_layouts_allowance():
+    from megatron_bmw.planner.cluster import parse_cluster
+    from megatron_bmw.planner.cuda_allowance import DerivedAllowance, allowance_terms
+    from megatron_bmw.planner.memory_model import MemorySettings
+    from megatron_bmw.planner.search import search
+    from megatron_bmw.planner.space import SearchSpace
+
+    model = replace(MODEL, num_layers=4, params_dtype="fp16", vocab_size=256, hidden_dropout=0.0,
+                    attention_dropout=0.0)
+    cluster = parse_cluster({
+        "name": "tiny", "inter_node": {"bandwidth_GBps": 0.5, "latency_us": 50},
+        "device_types": {"d": {"memory_gb": 4, "peak_tflops": {"fp16": 0.05}, "memory_bandwidth_GBps": 20}},
+        "groups": [{"nodes": 1, "gpus_per_node": 2, "device": "d", "intra_node": {"bandwidth_GBps": 2}}]})
+    space = SearchSpace(tp=(1,), pp=(2,), mbs=(1,), schedule=("1f1b",), slicing=(False,), zero1=(False,))
+    got = {}
+    for engine in (EngineConfig(), EngineConfig("megatron-core")):
+        settings = MemorySettings(device="cuda", engine=engine, derived=DerivedAllowance((cluster.groups[0].device,)))
+        best = search(model, 256, 8, 4, cluster, space=space, memory=settings).best
+        got[engine.name] = m = best.evaluation.memory[0]
+        spec = best.spec
+        terms = allowance_terms(cluster.groups[0].device, spec.model, spec.tp, spec.dp, spec.pp, 1, False,
+                                engine.precision("fp16", False))
+        assert m.allowance_bytes == pytest.approx(terms.workspace + terms.fragmentation * (
+            m.static_bytes + m.activation_bytes + m.transient_bytes))
+    ours, core = got["megatron_bmw"], got["megatron-core"]
+    assert core.grads_bytes == ours.grads_bytes / 2 and core.optimizer_bytes == ours.optimizer_bytes * 16 / 12
