@@ -103,7 +103,11 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
         add_megatron_args(p)
         add_planner_args(p, timed)
         p.set_defaults(mock_data=True, vocab_size=50257)
-    p = sub.add_parser("search", help="the fastest plan that fits, and the runner-ups", allow_abbrev=False)
+    p = sub.add_parser("search", help="the fastest plan that fits, and the runner-ups", allow_abbrev=False,
+                       epilog="Output: the ranked plans (their columns are named in the table's footer), then one "
+                              "line of counts: layouts = solved + pruned by their bound + infeasible, and the same "
+                              "for candidates (a layout with one choice of SP, ZeRO-1, recomputation mode and BPipe),"
+                              " which the progress bar counts.")
     add_megatron_args(p)
     add_planner_args(p, True)
     p.set_defaults(mock_data=True, vocab_size=50257)

@@ -86,6 +86,7 @@ class CompiledSchedule:
     ops: list[list[tuple[int, Action, int, int, int]]]
     num_tensors: int
     num_transfers: int = 0
+    derived: dict = field(default_factory=dict)  # what callers derive from the schedule once (e.g. its holds)
 
 
 def compile_schedule(schedule: Schedule) -> CompiledSchedule:

@@ -119,6 +119,7 @@ class CostModel:
         for device in {d.name: d for d in self.devices}.values():
             self.profiles.for_device(device.name)  # a device type without a profile is an error now, not later
         self._p2p: dict[tuple, Link] = placement.setdefault("links", {})  # stage pairs, each stage's tp/dp group
+        self._transfers: dict[tuple, float] = {}  # (src, dst, half) -> p2p seconds of the hidden state
         self._tables: tuple[list[list[float]], list[list[float]], list[int]] | None = None
         self._wshare: dict[tuple, float] = {}
         # CPU ranks sharing cores: per stage {node: its ranks there}, cores per node, the static factor per stage
@@ -398,7 +399,11 @@ class CostModel:
         return 1.0 if total <= 0 else work * factor / total
 
     def transfer_time(self, src: int, dst: int, action: Action) -> float:
-        return self.p2p_link(src, dst).time(self.spec.hidden_bytes(action.half is not None))
+        key = (src, dst, action.half is not None)
+        got = self._transfers.get(key)
+        if got is None:
+            got = self._transfers[key] = self.p2p_link(src, dst).time(self.spec.hidden_bytes(key[2]))
+        return got
 
     def copy_time(self, rank: int, action: Action, nbytes: float) -> float:
         """An EVICT or LOAD of `nbytes` between `rank` and its peer (or host memory when it has none)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..pipeline.build import build_schedule
+from ..pipeline.holding import holding_events
 from ..pipeline.replay import CompiledSchedule
 from ..pipeline.schedule import Schedule
 from .cluster import Cluster
@@ -18,8 +19,10 @@ from .spec import RunSpec
 
 def estimate_memory(spec: RunSpec, schedule: Schedule | None = None,
                     settings: MemorySettings = MemorySettings(),
-                    activation_peaks: list[float] | None = None) -> list[RankMemory]:
-    """Memory of every pipeline stage; in-flight micro-batches come from walking `schedule`."""
+                    activation_peaks: list[float] | None = None,
+                    holds: list[list] | None = None) -> list[RankMemory]:
+    """Memory of every pipeline stage; in-flight micro-batches come from walking `schedule` (or its holding
+    events per rank, `holds`, when the caller keeps them)."""
     schedule = schedule or build_schedule(spec.pipeline, spec.pp)
     settings = layout_settings(spec, settings)
     if spec.unit_strategies is not None:  # Galvatron-BMW per-unit strategies
@@ -29,7 +32,8 @@ def estimate_memory(spec: RunSpec, schedule: Schedule | None = None,
     precision = precision_from(spec.model, spec.distributed_optimizer, settings.engine)
     layout = spec.stage_layout()
     return [rank_memory(layout, spec.model, schedule, r, precision, settings,
-                        None if activation_peaks is None else activation_peaks[r]) for r in range(spec.pp)]
+                        None if activation_peaks is None else activation_peaks[r],
+                        None if holds is None else holds[r]) for r in range(spec.pp)]
 
 
 def layout_settings(spec: RunSpec, settings: MemorySettings) -> MemorySettings:
@@ -65,7 +69,12 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
         cost = CostModel(spec, cluster, profiles, cost_settings)
         saved = [chunk_saved_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
         wgrad = [chunk_wgrad_bytes(layout, spec.model, r) for r in range(spec.pp)]
-    memory = estimate_memory(spec, schedule, memory_settings)
+    holds = None
+    if compiled is not None and spec.unit_strategies is None:  # replayed again and again: walk it once
+        if "holds" not in compiled.derived:
+            compiled.derived["holds"] = [holding_events(acts, r) for r, acts in enumerate(schedule.actions)]
+        holds = compiled.derived["holds"]
+    memory = estimate_memory(spec, schedule, memory_settings, holds=holds)
     static = [m.static_bytes for m in memory]
     sim = simulate_sharing_cores(cost, lambda: simulate(
         compiled or schedule, cost.compute_time, cost.transfer_time, cost.copy_time, saved, static,

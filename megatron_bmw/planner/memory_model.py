@@ -484,17 +484,20 @@ def chunk_wgrad_bytes(layout: StageLayout, model: ModelConfig, rank: int) -> lis
 
 
 def activation_walk(schedule: Schedule, rank: int, saved: Callable[[int], list[float]],
-                    wgrad: Callable[[int], list[float]] | None = None) -> tuple[float, float]:
+                    wgrad: Callable[[int], list[float]] | None = None,
+                    holds: list | None = None) -> tuple[float, float]:
     """(peak activation bytes, peak chunk-micro-batches) of the rank's action list, by pipeline/holding.py's
     rule. `saved(r)` gives rank r's saved bytes per chunk (an acceptor holds its evictor's), `wgrad(r)` what a
-    chunk keeps between a split backward's B and W (zero-bubble schedules)."""
-    holds = holding_events(schedule.actions[rank], rank)
+    chunk keeps between a split backward's B and W (zero-bubble schedules); `holds`: the rank's holding events
+    when the caller already has them."""
+    if holds is None:
+        holds = holding_events(schedule.actions[rank], rank)
     return peak(holds, bytes_size(saved, wgrad)), peak(holds)
 
 
 def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, rank: int,
                 precision: PrecisionConfig, settings: MemorySettings = MemorySettings(),
-                activation_peak: float | None = None) -> RankMemory:
+                activation_peak: float | None = None, holds: list | None = None) -> RankMemory:
     """Memory of pipeline rank `rank` (any tensor-/data-parallel rank of it: they are alike).
 
     The activation peak comes from walking the rank's actions (activations accepted from a BPipe evictor
@@ -505,7 +508,7 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
     params = sum(unit_param_count(unit_kind(n), model, layout.tp, output_weight=own_output) for n in names)
     chunk_bytes = chunk_saved_bytes(layout, model, rank, settings)
     act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings),
-                                    lambda r: chunk_wgrad_bytes(layout, model, r))
+                                    lambda r: chunk_wgrad_bytes(layout, model, r), holds)
     if activation_peak is not None:
         act = activation_peak
     transient = _backward_transient(layout, model, rank, settings)

@@ -15,6 +15,8 @@ from heapq import heappop, heappush
 from itertools import accumulate, repeat
 from operator import index, sub
 
+import numpy as np
+
 from megatron_bmw.errors import UsageError
 
 __all__ = ["minmax_partition", "amp_partition", "autopipe_refine", "hill_climb", "choose_options",
@@ -538,7 +540,7 @@ def choose_options(options, budget: float, resolution: int = 512):
         if table[room] < best_value:
             res = result(_backtrack(allowed, table, hist, room))
             if res[2] <= budget:
-                best, best_value = res, table[room]
+                best, best_value = res, float(table[room])
     return best
 
 
@@ -553,19 +555,23 @@ def _undominated(ok):
 
 def _knapsack(allowed, size):
     """Multiple-choice knapsack: table[c] = least time for all units with total weight <= c, c = 0..size;
-    also the table before each unit, for the backtrack."""
+    also the table before each unit, for the backtrack. Each unit's options are one vectorised minimum over
+    the shifted tables (the same float sums as a loop over c)."""
     width = size + 1
     pad = max(w for ok in allowed for _, _, w in ok)
-    dp = [0.0] * width
+    cols = np.arange(width)
+    dp = np.zeros(width)
     hist = []
     for ok in allowed:
         hist.append(dp)
-        shifted = [_INF] * pad + dp  # shifted[pad - w + c] = dp[c - w], inf for c < w
-        _, t, w = ok[0]
-        cur = [v + t for v in shifted[pad - w:pad - w + width]]
-        for _, t, w in ok[1:]:
-            cur = [x if x <= (y := v + t) else y for x, v in zip(cur, shifted[pad - w:pad - w + width])]
-        dp = cur
+        shifted = np.concatenate((np.full(pad, _INF), dp))  # shifted[pad - w + c] = dp[c - w], inf for c < w
+        if len(ok) == 1:
+            _, t, w = ok[0]
+            dp = shifted[pad - w:pad - w + width] + t
+            continue
+        ts = np.array([t for _, t, _ in ok])
+        starts = np.array([pad - w for _, _, w in ok])
+        dp = (shifted[starts[:, None] + cols] + ts[:, None]).min(axis=0)
     return dp, hist
 
 

@@ -174,10 +174,11 @@ def search_json(result) -> dict:
             "stats": result.stats, "cluster": result.cluster.name}
 
 
-TABLE_FOOTER = ("columns: iter s = simulated iteration time; tokens/s; MFU = model FLOPs (no recomputation) / peak; "
+TABLE_FOOTER = ("columns: # = rank; iter s = simulated iteration time; tokens/s; MFU = model FLOPs (no recomputation) / peak; "
                 "tp, pp, dp; mbs = micro-batch size; m = micro-batches per iteration; schedule (vN: virtual stages); "
                 "SP = sequence parallel; Z1 = ZeRO-1 (distributed optimizer); BP = BPipe; K = sliced micro-batches; "
-                "rc = recomputed units; mem/cap = the fullest stage's peak memory over its capacity")
+                "rc = recomputed units; mem/cap = the fullest stage's peak memory over its capacity; notes = how much "
+                "slower than #1, what slicing / partition refinement / BPipe saved, what is recomputed")
 
 
 def summary_line(st: dict) -> str:

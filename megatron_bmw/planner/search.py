@@ -30,6 +30,7 @@ from ..config import ModelConfig
 from ..errors import UsageError
 from ..pipeline.build import build_schedule
 from ..pipeline.replay import compile_schedule
+from ..pipeline.schedule import gc_paused
 from ..pipeline.slicing import choose_slices
 from .cluster import Cluster
 from .cost_model import CostSettings
@@ -125,7 +126,17 @@ def search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch:
            profiles: Profiles | None = None, space: SearchSpace = SearchSpace(),
            costs: CostSettings = CostSettings(), memory: MemorySettings = MemorySettings(),
            settings: SearchSettings = SearchSettings()) -> SearchResult:
-    """Search `space` for the fastest plan of `model` (vocabulary `orig_vocab`, padded per tp) that fits."""
+    """Search `space` for the fastest plan of `model` (vocabulary `orig_vocab`, padded per tp) that fits.
+    The cyclic garbage collector pauses meanwhile: the search makes millions of small acyclic objects, and the
+    collections they trigger walk its memo tables again and again."""
+    with gc_paused():
+        return _search(model, orig_vocab, divisible_by, global_batch, cluster, profiles, space, costs, memory,
+                       settings)
+
+
+def _search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch: int, cluster: Cluster,
+            profiles: Profiles | None, space: SearchSpace, costs: CostSettings, memory: MemorySettings,
+            settings: SearchSettings) -> SearchResult:
     started = time.time()
     profiles = profiles or Profiles()
     world = settings.world_size or cluster.num_gpus

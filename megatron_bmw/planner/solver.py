@@ -274,6 +274,8 @@ class LayoutProblem:
         self.embedding_sync = self.cost.embedding_sync_time()
         self._knap: dict[tuple, tuple | None] = {}
         self._ranks: dict[tuple, tuple | None] = {}  # interleaved ranks' choices by their chunks
+        self._plans: dict[tuple, tuple | None] = {}  # every rank's plan by its chunks (evaluate)
+        self._over: list[tuple[float, float]] | None = None
 
     # ---- one partition --------------------------------------------------------------------------------------
     def _rank_units(self, partition: tuple[int, ...]) -> list[list[list[int]]]:
@@ -297,23 +299,20 @@ class LayoutProblem:
         memory = []
         per_rank = self._rank_units(partition)
         for r in range(lay.pp):
-            chunks = per_rank[r]
-            got = self._rank_choice(r, chunks)
+            got = self._rank_plan(r, per_rank[r])
             if got is None:
                 return None
-            picks, mem = got
+            mem, chunk_plans = got
             memory.append(mem)
-            for c, units in enumerate(chunks):
+            for c, (start, picked, idx, f, b, w) in enumerate(chunk_plans):
                 k = c * lay.pp + r
-                for i in units:
-                    j = picks_all[i] = picks[i]
-                    recompute[i] = self.choices[i][j]
-                    f, b = self.times[r][i][j]
-                    fwd[k] += f
-                    bwd[k] += b
-                    if self.zero_bubble:
-                        wgt[k] += self.wtimes[r][i]
-        over = [self.cost._overhead(self.cost.devices[k % lay.pp]) for k in range(self.stages)]
+                n = len(picked)
+                recompute[start:start + n] = picked
+                picks_all[start:start + n] = idx
+                fwd[k] = f
+                bwd[k] = b
+                wgt[k] = w
+        over = self._overheads()
         fwd = [f + o[0] for f, o in zip(fwd, over)]
         bwd = [b + o[1] for b, o in zip(bwd, over)]
         # zero-bubble: the last gradient actions, which the reduction overlaps, are the W's
@@ -321,6 +320,41 @@ class LayoutProblem:
                                                                          wgt if self.zero_bubble else bwd)
         rc = tuple(recompute) if any(recompute) else None
         return Solution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity, self)
+
+    def _rank_plan(self, rank: int, chunks: list[list[int]]):
+        """Memoised per rank and unit ranges (the walk moves one boundary, so most ranks repeat): the rank's peak
+        bytes and per chunk (first unit, its units' choices and their indices, forward, backward and (zero-bubble)
+        weight-gradient seconds), or None."""
+        key = (rank, tuple((units[0], len(units)) for units in chunks))
+        plans = self._plans
+        if key in plans:
+            return plans[key]
+        got = self._rank_choice(rank, chunks)
+        if got is None:
+            plans[key] = None
+            return None
+        picks, mem = got
+        out = []
+        for units in chunks:
+            f = b = w = 0.0
+            picked, idx = [], []
+            for i in units:
+                j = picks[i]
+                idx.append(j)
+                picked.append(self.choices[i][j])
+                uf, ub = self.times[rank][i][j]
+                f += uf
+                b += ub
+                if self.zero_bubble:
+                    w += self.wtimes[rank][i]
+            out.append((units[0], picked, idx, f, b, w))
+        plans[key] = (mem, out)
+        return plans[key]
+
+    def _overheads(self) -> list[tuple[float, float]]:
+        if self._over is None:
+            self._over = [self.cost._overhead(self.cost.devices[k % self.layout.pp]) for k in range(self.stages)]
+        return self._over
 
     def _rank_choice(self, rank: int, chunks: list[list[int]]) -> tuple[dict[int, int], float] | None:
         """{unit: choice index} with the least time under the rank's memory, and the estimated peak bytes.

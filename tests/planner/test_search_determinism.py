@@ -83,5 +83,5 @@ def test_table_footer_names_the_columns():
     table = search_table(_run())
     assert TABLE_FOOTER in table
     head = table.splitlines()[0].split()
-    for col in ("SP", "Z1", "BP", "K", "rc", "mem/cap", "mbs", "m"):
+    for col in ("#", "SP", "Z1", "BP", "K", "rc", "mem/cap", "mbs", "m", "notes"):
         assert col in head and f"{col} " in TABLE_FOOTER

@@ -55,7 +55,7 @@ def test_grouped_knapsack_equals_the_plain_one():
             assert grouped[1] == pytest.approx(plain[1]) and grouped[2] <= budget
 
 
-def _problem(memory_gb, tp=1, pp=2, dp=1, mbs=2, m=4, schedule="1f1b"):
+def _problem(memory_gb, tp=1, pp=2, dp=1, mbs=2, m=4, schedule="1f1b", v=1):
     cluster = parse_cluster({
         "name": "t", "inter_node": {"bandwidth_GBps": 1e6, "latency_us": 0},
         "device_types": {"d": {"memory_gb": memory_gb, "peak_tflops": {"fp32": 0.05}}},
@@ -63,7 +63,7 @@ def _problem(memory_gb, tp=1, pp=2, dp=1, mbs=2, m=4, schedule="1f1b"):
                     "intra_node": {"bandwidth_GBps": 1e6, "latency_us": 0}}]})
     model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=64,
                         hidden_dropout=0.0, attention_dropout=0.0, attention_backend="unfused")
-    return LayoutProblem(Layout(tp, pp, dp, mbs, m, schedule), Variant(), model, cluster, Profiles(), SearchSpace(),
+    return LayoutProblem(Layout(tp, pp, dp, mbs, m, schedule, v), Variant(), model, cluster, Profiles(), SearchSpace(),
                          CostSettings(), MemorySettings(), ScheduleShapes())
 
 
@@ -82,6 +82,32 @@ def test_estimate_is_amps_formula_and_memory_is_checked():
 def test_hopeless_layouts_are_skipped():
     assert could_fit(_problem(1.0), zero1=False)
     assert not could_fit(_problem(1e-5), zero1=False)
+
+
+def _fields(sol):
+    return None if sol is None else (sol.partition, sol.recompute, sol.estimate, sol.stage_forward,
+                                     sol.stage_backward, sol.memory)
+
+
+@pytest.mark.parametrize("schedule,v,memory_gb", [("1f1b", 1, 0.0036), ("1f1b", 1, 0.005),
+                                                  ("interleaved", 2, 0.0033), ("zb-h1", 1, 0.006)])
+def test_memoised_evaluate_equals_a_fresh_problem(schedule, v, memory_gb):
+    """evaluate() reuses each rank's plan across partitions (the walk moves one boundary at a time): every
+    partition, scored after many others on one problem, equals scoring it alone on a fresh problem."""
+    from itertools import combinations
+
+    def fresh():
+        return _problem(memory_gb, schedule=schedule, v=v)
+
+    shared = fresh()
+    n, stages = len(shared.names), shared.stages
+    parts = [tuple(b - a for a, b in zip((0,) + cuts, cuts + (n,)))
+             for cuts in combinations(range(1, n), stages - 1)]
+    got = [_fields(shared.evaluate(p)) for p in parts]
+    assert any(g is not None and g[1] is not None for g in got), "the case must need recomputation somewhere"
+    assert any(g is None for g in got) or any(g[1] is None for g in got), "and fit somewhere else"
+    for part, mine in zip(parts, got):
+        assert mine == _fields(fresh().evaluate(part)), part
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])
