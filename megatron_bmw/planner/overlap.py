@@ -101,6 +101,32 @@ def exposed_gather(chunks: Sequence[tuple[float, float, Sequence[tuple[float, fl
     return delay
 
 
+def gather_lead(units: Sequence[tuple[float, float]], seconds: Callable[[float], float],
+                bucket_elems: float = BUCKET_ELEMS) -> float:
+    """For one chunk's units [(parameter elements, forward seconds)] gathered from time 0: the delay of a first
+    forward that would start at s is max(0, lead - s) (exposed_gather's walk in closed form: the forward ends at
+    max(s + sum f, max over units k of landed_k + the forwards from k on))."""
+    landed = size = 0.0
+    pending: list[float] = []
+    lead = total = sum(f for _, f in units)
+    suffix = total
+    marks: list[tuple[float, float]] = []  # (suffix from the unit on, index of its bucket)
+    for elems, forward in units:
+        pending.append(suffix)
+        suffix -= forward
+        size += elems
+        if size >= bucket_elems:
+            landed += seconds(size)
+            marks += [(x, landed) for x in pending]
+            size, pending = 0.0, []
+    if pending:
+        landed += seconds(size) if size > 0 else 0.0
+        marks += [(x, landed) for x in pending]
+    for suffix_k, landed_k in marks:
+        lead = max(lead, landed_k + suffix_k)
+    return lead - total
+
+
 class RankSpans(NamedTuple):
     """What the overlap model needs of a rank's simulated timeline: per chunk the (start, end) of its last
     gradient action (BACKWARD, or a zero-bubble schedule's W) and of its first FORWARD."""

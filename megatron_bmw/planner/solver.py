@@ -29,7 +29,7 @@ from .cost_model import CostModel, CostSettings, optimizer_step_seconds
 from .evaluate import stage_capacity
 from .memory_model import (MemorySettings, PrecisionConfig, unit_activation_bytes, unit_transient_bytes,
                            unit_param_count, unit_wgrad_bytes)
-from .overlap import exposed_gather, overlapped_end, reduce_end
+from .overlap import gather_lead, overlapped_end, reduce_end
 from .partitioners import amp_partition, choose_options, galvatron_walk, minmax_partition
 from .profile_data import Profiles
 from .space import Layout, SearchSpace, zero_bubble
@@ -275,6 +275,7 @@ class LayoutProblem:
         self._knap: dict[tuple, tuple | None] = {}
         self._ranks: dict[tuple, tuple | None] = {}  # interleaved ranks' choices by their chunks
         self._plans: dict[tuple, tuple | None] = {}  # every rank's plan by its chunks (evaluate)
+        self._syncs: dict[tuple, tuple[float, float]] = {}  # and its synchronisation (_sync_time)
         self._over: list[tuple[float, float]] | None = None
 
     # ---- one partition --------------------------------------------------------------------------------------
@@ -449,14 +450,19 @@ class LayoutProblem:
         """What the gradient synchronisation adds after the pipeline (CostModel.finish_times, overlap.py): per rank
         the buckets of its chunks, each chunk's last backward taken back to back at the end (chunk 0's last), the
         optimizer step and ZeRO-1's gather (behind the first forward, which starts when the stages before it
-        have run one); the tied embedding's sum."""
+        have run one); the tied embedding's sum. Memoised per rank plan, as _rank_plan."""
         lay = self.layout
         worst = 0.0
         for r in range(lay.pp):
-            units = [[(self.params[i], self._sync_times(r, i, picks[i])) for i in chunk] for chunk in per_rank[r]]
+            key = (r, tuple((units[0], len(units)) for units in per_rank[r]))
+            got = self._syncs.get(key)
+            if got is None:
+                units = [[(self.params[i], self._sync_times(r, i, picks[i])) for i in chunk] for chunk in per_rank[r]]
+                got = self._syncs[key] = self.exposed_sync(units, [bwd[c * lay.pp + r] for c in range(len(units))],
+                                                           fwd[r])
+            after, lead = got
             first = sum(fwd[:r]) + r * self.p2p
-            worst = max(worst, self.exposed_sync(units, [bwd[c * lay.pp + r] for c in range(len(units))],
-                                                 (first, first + fwd[r])))
+            worst = max(worst, after + max(0.0, lead - first))
         return worst + self.embedding_sync
 
     def _sync_times(self, rank: int, unit: int, pick: int) -> tuple[float, float]:
@@ -465,15 +471,16 @@ class LayoutProblem:
         return (f, self.wtimes[rank][unit]) if self.zero_bubble else (f, b)
 
     def exposed_sync(self, units: list[list[tuple[float, tuple[float, float]]]], chunk_backward: list[float],
-                     first_forward: tuple[float, float]) -> float:
-        """After the pipeline, for a rank with `units` per chunk [(params, (forward, backward))]: the part of its
-        gradient reduction its last backwards do not hide, the optimizer step, ZeRO-1's gather."""
+                     first_forward: float) -> tuple[float, float]:
+        """For a rank with `units` per chunk [(params, (forward, last gradient action))] whose first forward takes
+        `first_forward`: (what follows the pipeline: the part of its gradient reduction its last backwards do not
+        hide, the optimizer step; ZeRO-1's gather lead: a first forward starting at s waits max(0, lead - s))."""
         lay = self.layout
         params = sum(n for chunk in units for n, _ in chunk)
         step = optimizer_step_seconds(params, lay.dp, self.variant.zero1, self.model.dtype_bytes,
                                       self.cost.devices[0], self.cost.settings.bandwidth_fraction)
         if lay.dp == 1:
-            return step
+            return step, 0.0
         spans, t = [], 0.0
         for b in reversed(chunk_backward):  # chunk v-1's last backward first, chunk 0's ends the pipeline
             spans.append((t - b, t))
@@ -484,10 +491,12 @@ class LayoutProblem:
         chunks = [(s, e, [(n, b) for n, (_, b) in chunk]) for (s, e), chunk in zip(spans, units)]
         exposed = reduce_end(chunks, end, self.cost.dp_reduce_seconds(0), True,
                              self.cost.settings.overlap_factor) - end
+        lead = 0.0
         if self.variant.zero1:
-            s, e = first_forward
-            exposed += exposed_gather([(s, e, [(n, f) for n, (f, _) in units[0]])], self.cost.gather_seconds(0))
-        return exposed + step
+            total = sum(f for _, (f, _) in units[0])
+            scale = first_forward / total if total > 0 else 0.0
+            lead = gather_lead([(n, f * scale) for n, (f, _) in units[0]], self.cost.gather_seconds(0))
+        return exposed + step, lead
 
     # ---- the partition search -----------------------------------------------------------------------------
     def blocks(self) -> list[list[int]]:

@@ -3,7 +3,7 @@ parameter gathers behind the first forwards."""
 
 import pytest
 
-from megatron_bmw.planner.overlap import exposed_gather, grad_buckets, overlapped_end, reduce_end
+from megatron_bmw.planner.overlap import exposed_gather, gather_lead, grad_buckets, overlapped_end, reduce_end
 
 
 def test_buckets_fill_in_backward_order_and_are_ready_when_their_units_are():
@@ -33,3 +33,12 @@ def test_gathers_hide_behind_the_first_forward_except_the_first_bucket():
     assert exposed_gather([(3.0, 5.0, units)], lambda n: 0.5, bucket_elems=50) == 0.0
     # gathers slower than the forwards: the second unit waits too
     assert exposed_gather([(0.0, 2.0, units)], lambda n: 2.0, bucket_elems=50) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("gather", [0.1, 0.5, 2.0])
+def test_gather_lead_is_the_walk_in_closed_form(gather):
+    units = [(30, 0.5), (30, 1.0), (60, 0.2), (10, 0.3)]
+    lead = gather_lead(units, lambda n: gather * n / 50, bucket_elems=50)
+    for start in (0.0, 0.3, 1.0, 4.0):
+        walk = exposed_gather([(start, start + 2.0, units)], lambda n: gather * n / 50, bucket_elems=50)
+        assert max(0.0, lead - start) == pytest.approx(walk)
