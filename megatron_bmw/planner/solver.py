@@ -126,11 +126,18 @@ class ScheduleShapes:
         schedule's W's fill, from one replay with equal stages and f = b = w = 1; ZB-H1's is min(m, p) - 1. Beyond
         3p micro-batches the schedule repeats."""
         key = (schedule, pp, min(m, 3 * pp))
+        if schedule == "zb-h1":  # closed form (tests check it against the replay)
+            return float(min(m, pp) - 1)
         if key not in self._credit:
-            sched = generate(schedule, pp, key[1])
-            span = replay(sched, lambda r, a: 2.0 if a.kind is Kind.BACKWARD else 1.0, record=False).makespan
-            self._credit[key] = 2 * pp + 3 * (key[1] - 1) + 1 - span
+            self._credit[key] = replayed_credit(schedule, pp, key[2])
         return self._credit[key]
+
+
+def replayed_credit(schedule: str, pp: int, m: int) -> float:
+    """ScheduleShapes.zero_bubble_credit by replaying the schedule."""
+    span = replay(generate(schedule, pp, m), lambda r, a: 2.0 if a.kind is Kind.BACKWARD else 1.0,
+                  record=False).makespan
+    return 2 * pp + 3 * (m - 1) + 1 - span
 
 
 def split_peak_mixes(schedule: str, p: int, m: int) -> list[list[list[float]]]:
@@ -299,8 +306,9 @@ class LayoutProblem:
         wgt = [0.0] * self.stages
         memory = []
         per_rank = self._rank_units(partition)
+        keys = [(r, tuple((units[0], len(units)) for units in per_rank[r])) for r in range(lay.pp)]
         for r in range(lay.pp):
-            got = self._rank_plan(r, per_rank[r])
+            got = self._rank_plan(r, per_rank[r], keys[r])
             if got is None:
                 return None
             mem, chunk_plans = got
@@ -317,16 +325,15 @@ class LayoutProblem:
         fwd = [f + o[0] for f, o in zip(fwd, over)]
         bwd = [b + o[1] for b, o in zip(bwd, over)]
         # zero-bubble: the last gradient actions, which the reduction overlaps, are the W's
-        estimate = self._pipeline_time(fwd, bwd, wgt) + self._sync_time(per_rank, picks_all, fwd,
+        estimate = self._pipeline_time(fwd, bwd, wgt) + self._sync_time(per_rank, keys, picks_all, fwd,
                                                                          wgt if self.zero_bubble else bwd)
         rc = tuple(recompute) if any(recompute) else None
         return Solution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity, self)
 
-    def _rank_plan(self, rank: int, chunks: list[list[int]]):
+    def _rank_plan(self, rank: int, chunks: list[list[int]], key: tuple):
         """Memoised per rank and unit ranges (the walk moves one boundary, so most ranks repeat): the rank's peak
         bytes and per chunk (first unit, its units' choices and their indices, forward, backward and (zero-bubble)
         weight-gradient seconds), or None."""
-        key = (rank, tuple((units[0], len(units)) for units in chunks))
         plans = self._plans
         if key in plans:
             return plans[key]
@@ -445,24 +452,26 @@ class LayoutProblem:
         per_rank = [sum(fb[k] for k in range(r, self.stages, lay.pp)) for r in range(lay.pp)]
         return lay.m * max(per_rank) + (lay.pp - 1) * max(fb) + 2 * (self.stages - 1) * self.p2p
 
-    def _sync_time(self, per_rank: list[list[list[int]]], picks: list[int], fwd: list[float],
+    def _sync_time(self, per_rank: list[list[list[int]]], keys: list[tuple], picks: list[int], fwd: list[float],
                    bwd: list[float]) -> float:
         """What the gradient synchronisation adds after the pipeline (CostModel.finish_times, overlap.py): per rank
         the buckets of its chunks, each chunk's last backward taken back to back at the end (chunk 0's last), the
         optimizer step and ZeRO-1's gather (behind the first forward, which starts when the stages before it
         have run one); the tied embedding's sum. Memoised per rank plan, as _rank_plan."""
         lay = self.layout
-        worst = 0.0
+        worst = first = 0.0
         for r in range(lay.pp):
-            key = (r, tuple((units[0], len(units)) for units in per_rank[r]))
+            key = keys[r]
             got = self._syncs.get(key)
             if got is None:
                 units = [[(self.params[i], self._sync_times(r, i, picks[i])) for i in chunk] for chunk in per_rank[r]]
                 got = self._syncs[key] = self.exposed_sync(units, [bwd[c * lay.pp + r] for c in range(len(units))],
                                                            fwd[r])
             after, lead = got
-            first = sum(fwd[:r]) + r * self.p2p
-            worst = max(worst, after + max(0.0, lead - first))
+            total = after + lead - first if lead > first else after
+            if total > worst:
+                worst = total
+            first += fwd[r] + self.p2p
         return worst + self.embedding_sync
 
     def _sync_times(self, rank: int, unit: int, pick: int) -> tuple[float, float]:
