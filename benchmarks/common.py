@@ -100,3 +100,15 @@ def run_command(cmd: list[str], what: str, root: str) -> str:
         sys.exit(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     print(f"  {what}: {time.time() - t0:.0f} s", flush=True)
     return proc.stdout
+
+
+def add_pipeline_model_args(ap) -> None:
+    """The GPT and micro-batching flags the pipeline benchmarks share."""
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "unfused"])

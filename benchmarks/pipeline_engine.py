@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import format_table, median, run_gloo  # noqa: E402
+from benchmarks.common import add_pipeline_model_args, format_table, median, run_gloo  # noqa: E402
 from benchmarks.pipelining_adapters import (identity_loss, make_microbatches, torch_stage,  # noqa: E402
                                             torch_step, whole_batch, zero_grads as _zero)
 from megatron_bmw.config import ModelConfig, ParallelConfig, PipelineConfig  # noqa: E402
@@ -219,14 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro-batch-size", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "unfused"])
+    add_pipeline_model_args(ap)
     ap.add_argument("--stage-reps", type=int, default=1, help="per-stage f/b probes per timing round")
     ap.add_argument("--breakdown", type=int, default=2,
                     help="instrumented iterations per system after timing (compute vs p2p wait per rank)")

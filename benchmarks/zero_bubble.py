@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import cpu_probe, format_table, median, run_gloo  # noqa: E402
+from benchmarks.common import add_pipeline_model_args, cpu_probe, format_table, median, run_gloo  # noqa: E402
 from benchmarks.pipelining_adapters import (identity_loss, make_microbatches, native_linear,  # noqa: E402
                                             torch_stage, torch_step, whole_batch, zero_grads)
 from megatron_bmw.config import ModelConfig, ParallelConfig  # noqa: E402
@@ -410,14 +410,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--pp", type=int, default=4, help="pipeline ranks (gloo processes)")
     ap.add_argument("--iters", type=int, default=10, help="timed rounds")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro-batch-size", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "unfused"])
+    add_pipeline_model_args(ap)
     ap.add_argument("--ours", default=None,
                     help=f"comma-separated schedules of ours (default: those of {','.join(OURS)} registered); "
                     "the first is the reference")
