@@ -121,6 +121,7 @@ class CostModel:
         self._p2p: dict[tuple, Link] = placement.setdefault("links", {})  # stage pairs, each stage's tp/dp group
         self._transfers: dict[tuple, float] = {}  # (src, dst, half) -> p2p seconds of the hidden state
         self._tables: tuple[list[list[float]], list[list[float]], list[int]] | None = None
+        self._grad_units: dict[int, list] = {}  # grad_units, per rank
         self._wshare: dict[tuple, float] = {}
         # CPU ranks sharing cores: per stage {node: its ranks there}, cores per node, the static factor per stage
         self.shares_cores = cluster.shares_cores
@@ -455,8 +456,6 @@ class CostModel:
     def grad_units(self, rank: int) -> list[list[tuple[float, float, float]]]:
         """Per chunk of the rank, its units' (parameter elements, forward seconds, backward seconds) in forward
         order: what the overlap model (overlap.py) needs to know when each bucket is ready or needed."""
-        if not hasattr(self, "_grad_units"):
-            self._grad_units: dict[int, list] = {}
         if rank not in self._grad_units:
             spec, names = self.spec, unit_names(self.spec.model.num_layers)
             layout = spec.stage_layout()

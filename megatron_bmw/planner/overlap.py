@@ -70,26 +70,32 @@ def reduce_end(chunks, compute_end: float, seconds: Callable[[float], float], ov
     return overlapped_end(items, compute_end, overlap, factor)
 
 
+def _landings(elems: Sequence[float], seconds: Callable[[float], float], bucket_elems: float) -> list[float]:
+    """Per unit (its parameter elements, in parameter order), when the bucket holding it has been gathered: the
+    buckets gathered one after another from time 0."""
+    out: list[float] = []
+    landed = size = 0.0
+    pending = 0
+    for n in elems:
+        size += n
+        pending += 1
+        if size >= bucket_elems:
+            landed += seconds(size)
+            out += [landed] * pending
+            size, pending = 0.0, 0
+    if pending:
+        landed += seconds(size) if size > 0 else 0.0
+        out += [landed] * pending
+    return out
+
+
 def exposed_gather(chunks: Sequence[tuple[float, float, Sequence[tuple[float, float]]]],
                    seconds: Callable[[float], float], bucket_elems: float = BUCKET_ELEMS) -> float:
     """How long --overlap-param-gather's gathers delay a rank: `chunks` per model chunk (start, end) of its first
     forward, counted from the end of the previous step, and its units [(parameter elements, forward seconds)].
     The buckets (units in parameter order) are gathered one after another from time 0; a unit's forward starts
     no earlier than its bucket has landed. The largest delay of a chunk's first forward end."""
-    flat = [u for _, _, units in chunks for u in units]
-    landed_at: list[float] = []
-    landed = size = 0.0
-    pending = 0
-    for elems, _ in flat:
-        size += elems
-        pending += 1
-        if size >= bucket_elems:
-            landed += seconds(size)
-            landed_at += [landed] * pending
-            size, pending = 0.0, 0
-    if pending:
-        landed += seconds(size) if size > 0 else 0.0
-        landed_at += [landed] * pending
+    landed_at = _landings([n for _, _, units in chunks for n, _ in units], seconds, bucket_elems)
     delay, k = 0.0, 0
     for start, end, units in chunks:
         total = sum(f for _, f in units)
@@ -106,24 +112,11 @@ def gather_lead(units: Sequence[tuple[float, float]], seconds: Callable[[float],
     """For one chunk's units [(parameter elements, forward seconds)] gathered from time 0: the delay of a first
     forward that would start at s is max(0, lead - s) (exposed_gather's walk in closed form: the forward ends at
     max(s + sum f, max over units k of landed_k + the forwards from k on))."""
-    landed = size = 0.0
-    pending: list[float] = []
-    lead = total = sum(f for _, f in units)
-    suffix = total
-    marks: list[tuple[float, float]] = []  # (suffix from the unit on, index of its bucket)
-    for elems, forward in units:
-        pending.append(suffix)
+    total = suffix = sum(f for _, f in units)
+    lead = total
+    for (_, forward), landed in zip(units, _landings([n for n, _ in units], seconds, bucket_elems)):
+        lead = max(lead, landed + suffix)
         suffix -= forward
-        size += elems
-        if size >= bucket_elems:
-            landed += seconds(size)
-            marks += [(x, landed) for x in pending]
-            size, pending = 0.0, []
-    if pending:
-        landed += seconds(size) if size > 0 else 0.0
-        marks += [(x, landed) for x in pending]
-    for suffix_k, landed_k in marks:
-        lead = max(lead, landed_k + suffix_k)
     return lead - total
 
 
