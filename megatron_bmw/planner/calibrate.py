@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import UsageError
 from ..pipeline.build import build_schedule
+from ..pipeline.replay import compile_schedule
 from ..units import UNIT_KINDS
 from .accuracy import error_summary
 from .cluster import Cluster
@@ -85,7 +86,7 @@ class Point:
 
     id: str
     spec: object  # RunSpec
-    schedule: object
+    schedule: object  # CompiledSchedule
     measured_s: float
     memory: dict  # stage -> measured memory entry
 
@@ -253,7 +254,7 @@ def fit_allowance(points: list[Point]) -> tuple[float, float, int] | None:
     for pt in points:
         if not pt.memory:
             continue
-        memory = estimate_memory(pt.spec, pt.schedule, bare)
+        memory = estimate_memory(pt.spec, pt.schedule.schedule, bare)
         for stage, entry in pt.memory.items():
             total = _measured_total(entry)
             if total is not None and 0 <= int(stage) < len(memory):
@@ -278,7 +279,7 @@ def _points(records: list[dict], model) -> tuple[list[Point], list[str]]:
             continue
         try:
             spec = model.spec(r)
-            schedule = build_schedule(spec.pipeline, spec.pp)
+            schedule = compile_schedule(build_schedule(spec.pipeline, spec.pp))  # replayed at every step
             points.append(Point(r["id"], spec, schedule, float(r["median_iteration_s"]),
                                 {k: v for k, v in (r.get("stage_memory") or {}).items() if int(k) >= 0}))
         except UsageError as exc:

@@ -1,8 +1,9 @@
 """Durations of every schedule action, and of the gradient synchronisation after the pipeline.
 
 Compute: each unit's forward and backward time from the profile of the stage's device type (interpolated in
-the micro-batch size, rescaled by FLOPs for another model; a device type without a profile is an error when
-profiles are given), or analytically as FLOPs / (peak x achievable fraction) with backward = 2 x forward. Tensor-parallel collectives run inside
+the micro-batch size; for another model, or a tp=1 timing split over tp ranks, rescaled by the kernel model's
+times of the two shapes where the SM count is known, else by FLOPs; a device type without a profile is an error
+when profiles are given), or analytically as FLOPs / (peak x achievable fraction) with backward = 2 x forward. Tensor-parallel collectives run inside
 units: measured when the profile has that tp degree, else added from the cluster's links. Recomputation
 adds the recomputed forward (the whole unit for full, the attention core for selective) to the backward.
 A zero-bubble schedule's split backward: W (the deferred weight gradients) takes `wgrad_share` of the unit's own
@@ -37,7 +38,7 @@ from ..errors import UsageError
 from ..pipeline.schedule import Action, Kind
 from .cluster import Cluster, DeviceType, Link
 from .flops import core_attention_share, unit_forward_flops, unit_weight_grad_flops
-from .kernel_time import KernelDevice, unit_kernel_times, unit_weight_grad_time
+from .kernel_time import KernelDevice, shape_ratio, unit_kernel_times, unit_weight_grad_time
 from ..units import owns_output_weight, unit_kind, unit_names
 from .overlap import RankSpans, exposed_gather, reduce_end
 from .memory_model import chunk_unit_indices, chunk_units, unit_activation_bytes, unit_param_count
@@ -244,18 +245,24 @@ class CostModel:
         """Matrix work by GEMM shape where the device type gives its SMs (kernel_time.py), else FLOPs at the
         achievable rate with backward = 2 x forward; plus the elementwise work at memory bandwidth."""
         model, b = self.spec.model, self.spec.pipeline.micro_batch_size
-        fraction = self.settings.fraction(device)
-        if device.sm_count is not None:
-            kd = KernelDevice(device.peak(self.dtype), fraction, device.sm_count, device.memory_bandwidth)
+        kd = self.kernel_device(device)
+        if kd is not None:
             fwd, bwd = unit_kernel_times(kind, model, b, tp, kd)
         else:
-            fwd = unit_forward_flops(kind, model, b, tp) / (device.peak(self.dtype) * fraction)
+            fwd = unit_forward_flops(kind, model, b, tp) / (device.peak(self.dtype) * self.settings.fraction(device))
             bwd = 2 * fwd
         if device.memory_bandwidth is not None:  # elementwise work: read and write what the unit keeps
             kept = unit_activation_bytes(kind, model, b, tp, self.spec.sp, None, "cuda")
             elementwise = 2 * kept / (device.memory_bandwidth * self.settings.bandwidth_fraction)
             fwd, bwd = fwd + elementwise, bwd + 2 * elementwise
         return fwd, bwd
+
+    def kernel_device(self, device: DeviceType) -> KernelDevice | None:
+        """The kernel model's view of `device` (None where the cluster file gives no SM count)."""
+        if device.sm_count is None:
+            return None
+        return KernelDevice(device.peak(self.dtype), self.settings.fraction(device), device.sm_count,
+                            device.memory_bandwidth)
 
     def _compute(self, kind: str, device: DeviceType, index: int | None) -> tuple[float, float, bool]:
         """(forward, backward, TP communication included): the profile at this tp, else its tp=1 times split
@@ -270,9 +277,13 @@ class CostModel:
         profiles = self.profiles.for_device(device.name)
         for degree in (tp, 1):
             for prof in profiles:
-                timed = prof.unit_time(kind, degree, b, self.spec.model, index)
+                kd = prof.kernel_device(self.kernel_device(device))
+                timed = prof.unit_time(kind, degree, b, self.spec.model, index, kd)
                 if timed is not None:
-                    f, g = timed[0] * degree / tp, timed[1] * degree / tp
+                    shard = (degree / tp,) * 2
+                    if degree != tp and kd is not None:  # a tp=1 timing split by the kernel model's shard shapes
+                        shard = shape_ratio(kind, self.spec.model, b, tp, self.spec.model, degree, kd) or shard
+                    f, g = timed[0] * shard[0], timed[1] * shard[1]
                     if self.shares_cores and degree > 1 and prof.device.get("kind") == "cpu":
                         one = prof.unit_time(kind, 1, b, self.spec.model, index)
                         if one is not None:
@@ -293,9 +304,8 @@ class CostModel:
         got = self._wshare.get(key)
         if got is None:
             model, b, tp = self.spec.model, self.spec.pipeline.micro_batch_size, self.spec.tp
-            if device.sm_count is not None:
-                kd = KernelDevice(device.peak(self.dtype), self.settings.fraction(device), device.sm_count,
-                                  device.memory_bandwidth)
+            kd = self.kernel_device(device)
+            if kd is not None:
                 w, total = unit_weight_grad_time(kind, model, b, tp, kd), unit_kernel_times(kind, model, b, tp, kd)[1]
             else:
                 w, total = unit_weight_grad_flops(kind, model, b, tp), 2 * unit_forward_flops(kind, model, b, tp)

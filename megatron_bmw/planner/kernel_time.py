@@ -141,3 +141,15 @@ def unit_weight_grad_time(kind: str, model: ModelConfig, micro_batch_size: int, 
     """Seconds of the unit's deferred weight-gradient GEMMs (a split backward's W; part of unit_kernel_times'
     backward)."""
     return sum(w for _, _, w in _unit_parts(kind, model, micro_batch_size, tp, dev))
+
+
+def shape_ratio(kind: str, model: ModelConfig, micro_batch_size: int, tp: int, ref_model: ModelConfig, ref_tp: int,
+                dev: KernelDevice) -> tuple[float, float] | None:
+    """(forward, backward) kernel time of `model`'s unit at `tp` over the reference's at `ref_tp`, both at the same
+    micro-batch size: how a unit timed at one shape rescales to another on the same device (None where the
+    reference has no matrix work)."""
+    ours = unit_kernel_times(kind, model, micro_batch_size, tp, dev)
+    ref = unit_kernel_times(kind, ref_model, micro_batch_size, ref_tp, dev)
+    if min(ref) <= 0:
+        return None
+    return ours[0] / ref[0], ours[1] / ref[1]

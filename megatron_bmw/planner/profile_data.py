@@ -1,7 +1,8 @@
 """The profile file: measured (or analytic) unit times, saved bytes and link speeds, reused by later runs.
 
 JSON layout (format 1):
-  {"format": 1, "mode": "measured" | "analytic", "device": {"name", "type", "kind", "threads"}, "dtype": "fp32",
+  {"format": 1, "mode": "measured" | "analytic", "device": {"name", "type", "kind", "threads", "sm_count"},
+   "dtype": "fp32",
    "model": {hidden_size, num_attention_heads, ffn_hidden_size, seq_length, vocab_size, attention_backend,
              hidden_dropout, attention_dropout},
    "units": [{"kind", "tp", "micro_batch_size", "forward_s", "backward_s", "saved_bytes", "unit"}, ...],
@@ -36,6 +37,7 @@ from .cluster import DeviceType, Link
 from .cuda_allowance import MeasuredCudaMemory
 from .files import read_json, write_json
 from .flops import unit_forward_flops
+from .kernel_time import KernelDevice, shape_ratio
 
 FORMAT = 1
 MEASURED_CUDA_KEYS = ("context_bytes", "nccl_bytes_per_communicator", "allocator_fraction")
@@ -90,12 +92,13 @@ class Profile:
         return str(self.device.get("type") or self.device.get("name") or "local")
 
     def unit_time(self, kind: str, tp: int, micro_batch_size: int, model: ModelConfig,
-                  index: int | None = None) -> tuple[float, float] | None:
+                  index: int | None = None, kernels: KernelDevice | None = None) -> tuple[float, float] | None:
         """(forward, backward) seconds for `model`'s unit (unit `index` when the profile times units one by one),
         or None when this tp was not profiled.
 
-        Linear in the micro-batch size between (and beyond) the profiled sizes; scaled by FLOPs when `model`
-        differs from the profiled model."""
+        Linear in the micro-batch size between (and beyond) the profiled sizes. When `model` differs from the
+        profiled model: rescaled by the kernel model's times of the two shapes where the device's SM count is
+        known (`kernels`, or the profile's own device.sm_count), else by FLOPs."""
         points = sorted((u.micro_batch_size, u.forward_s, u.backward_s) for u in self.units
                         if u.kind == kind and u.tp == tp and u.unit == index)
         if not points and index is not None:
@@ -105,10 +108,22 @@ class Profile:
             return None
         fwd, bwd = _interpolate(points, micro_batch_size)
         if model_signature(model) != self.model:
-            ours = unit_forward_flops(kind, model, micro_batch_size, tp)
-            theirs = unit_forward_flops(kind, self._model_config(), micro_batch_size, tp)
-            fwd, bwd = fwd * ours / theirs, bwd * ours / theirs
+            kernels = self.kernel_device(kernels)
+            ratio = shape_ratio(kind, model, micro_batch_size, tp, self._model_config(), tp, kernels) \
+                if kernels is not None else None
+            if ratio is None:
+                ours = unit_forward_flops(kind, model, micro_batch_size, tp)
+                ratio = (ours / unit_forward_flops(kind, self._model_config(), micro_batch_size, tp),) * 2
+            fwd, bwd = fwd * ratio[0], bwd * ratio[1]
         return fwd, bwd
+
+    def kernel_device(self, fallback: KernelDevice | None = None) -> KernelDevice | None:
+        """The kernel model's device for rescaling this profile's times to other shapes: its own SM count where
+        it recorded one (a GPU profile), else `fallback`. Only ratios are taken, so the rate is nominal."""
+        sms = self.device.get("sm_count")
+        if sms:
+            return KernelDevice(1.0, 1.0, int(sms))
+        return fallback
 
     def _model_config(self) -> ModelConfig:
         return ModelConfig(num_layers=1, **self.model)

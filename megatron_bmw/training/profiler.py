@@ -320,6 +320,8 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
             "cores": os.cpu_count() or 1,  # the tp > 1 entries ran tp processes on these (cost_model.py)
             "statistic": settings.statistic,
             "memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else _host_memory()}
+    if cuda:  # the kernel model rescales this profile's times to other shapes by it (kernel_time.py)
+        info["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
     if sequence_parallel:
         info["sequence_parallel"] = True
     terms = cuda_memory.measured_terms(measured["before"], measured["after"], tp_readings) if measured else {}

@@ -7,6 +7,7 @@ import pytest
 
 from megatron_bmw.config import ModelConfig
 from megatron_bmw.planner.cluster import load_cluster
+from megatron_bmw.planner.spec import RunSpec
 from megatron_bmw.planner.kernel_time import (KernelDevice, flash_attention_time, gemm_efficiency, gemm_time,
                                               unit_kernel_times)
 
@@ -82,3 +83,49 @@ def test_the_cost_model_uses_it_where_the_device_gives_its_sms():
     flat = CostModel(spec, cluster)._analytic("mlp", 8, replace(device, sm_count=None))
     assert shaped[0] > flat[0]  # thin tp-8 shards at micro-batch 1 reach less than the large-GEMM rate
     assert math.isfinite(shaped[1]) and shaped[1] > shaped[0]
+
+
+def _profile(units, device):
+    from megatron_bmw.planner.profile_data import Profile, UnitTiming, model_signature
+
+    small = ModelConfig(**{**GPT3_LAYER, "hidden_size": 1024, "num_attention_heads": 8})
+    return small, Profile(device=device, dtype="bf16", model=model_signature(small),
+                          units=[UnitTiming(k, 1, b, f, 2 * f) for k, b, f in units])
+
+
+def test_a_gpu_profile_rescales_to_another_shape_by_the_kernel_model_and_a_cpu_profile_by_flops():
+    from megatron_bmw.planner.flops import unit_forward_flops
+    from megatron_bmw.planner.kernel_time import shape_ratio
+
+    big = ModelConfig(**GPT3_LAYER)
+    small, gpu = _profile([("mlp", 1, 1e-3)], {"name": "g", "kind": "cuda", "sm_count": 108})
+    _, cpu = _profile([("mlp", 1, 1e-3)], {"name": "c", "kind": "cpu"})
+    flops = unit_forward_flops("mlp", big, 1) / unit_forward_flops("mlp", small, 1)
+    assert cpu.unit_time("mlp", 1, 1, big)[0] == pytest.approx(1e-3 * flops)
+    by_shape = gpu.unit_time("mlp", 1, 1, big)
+    ratio = shape_ratio("mlp", big, 1, 1, small, 1, KernelDevice(1.0, 1.0, 108))
+    assert by_shape == pytest.approx((1e-3 * ratio[0], 2e-3 * ratio[1]))
+    # the small profiled GEMMs fill fewer waves: per FLOP, the big model's run faster than a FLOP rescale says
+    assert by_shape[0] < 0.9 * 1e-3 * flops
+    # a CPU profile used for a device type with SMs takes the cluster's kernel device
+    assert cpu.unit_time("mlp", 1, 1, big, kernels=A100)[0] == pytest.approx(
+        1e-3 * shape_ratio("mlp", big, 1, 1, small, 1, A100)[0])
+
+
+def test_a_tp1_profile_entry_is_split_over_tp_ranks_by_the_shard_shapes():
+    from megatron_bmw.config import PipelineConfig
+    from megatron_bmw.planner.cost_model import CostModel
+    from megatron_bmw.planner.kernel_time import shape_ratio
+    from megatron_bmw.planner.profile_data import Profile, UnitTiming, model_signature
+
+    cluster = load_cluster("a100-80g-ib")
+    device = cluster.groups[0].device
+    model = ModelConfig(**{**GPT3_LAYER, "num_layers": 2})
+    prof = Profile(device={"name": device.name, "kind": "cuda", "sm_count": 108}, dtype="bf16",
+                   model=model_signature(model), units=[UnitTiming(k, 1, 1, 1e-2, 2e-2)
+                                                       for k in ("embedding", "attention", "mlp", "head")])
+    spec = RunSpec(model=model, tp=8, pp=1, dp=1, pipeline=PipelineConfig(micro_batch_size=1, num_microbatches=4))
+    (fw, _), (bw, _), comm_in = CostModel(spec, cluster, prof)._compute_parts("mlp", device, None)
+    ratio = shape_ratio("mlp", model, 1, 8, model, 1, KernelDevice(1.0, 1.0, 108))
+    assert not comm_in and (fw, bw) == pytest.approx((1e-2 * ratio[0], 2e-2 * ratio[1]))
+    assert fw > 1e-2 / 8  # thin shards: slower than an eighth of the whole
