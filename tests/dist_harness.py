@@ -19,6 +19,8 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from tests.tiers import FAST
+
 _POOLS: dict[int, "_Pool"] = {}
 DEFAULT_TIMEOUT = float(os.environ.get("MBMW_TEST_TIMEOUT", "300"))
 AFTER_FAILURE_S = 20.0  # how long the other ranks may take to report once one rank has failed
@@ -133,7 +135,7 @@ class _Pool:
 
 
 def run_distributed(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT) -> list:
-    if os.environ.get("MBMW_TEST_TIER") == "fast":
+    if FAST:
         raise RuntimeError(f"{fn.__name__} starts {world_size} processes: mark its test @pytest.mark.slow")
     pool = _POOLS.get(world_size)
     if pool is None or pool.broken:

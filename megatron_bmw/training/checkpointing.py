@@ -26,6 +26,8 @@ from ..parallel.state import ParallelState
 from .optimizer import MixedPrecisionOptimizer
 
 TRACKER = "latest_checkpointed_iteration.txt"
+DIST_FORMAT = "torch_dist"
+DIST_METADATA_FILE = ".metadata"
 MODEL_FILE = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 RELEASE = "release"
@@ -63,6 +65,20 @@ def read_tracker(ckpt_dir: str) -> int | str | None:
         return int(text)
     except ValueError:
         raise UsageError(f"--load {ckpt_dir}: {TRACKER} holds {text!r}, not an iteration number or 'release'") from None
+
+
+def is_dist_checkpoint(iter_dir: str) -> bool:
+    """DCP directories (training/dist_checkpoint.py's torch_dist format) hold a .metadata file: how --load tells the
+    formats apart without importing torch.distributed.checkpoint."""
+    return os.path.isfile(os.path.join(iter_dir, DIST_METADATA_FILE))
+
+
+def checkpoint_format(load_dir: str) -> str | None:
+    """'torch_dist' or 'torch' for the checkpoint the tracker names; None without a tracker."""
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        return None
+    return DIST_FORMAT if is_dist_checkpoint(_resolve_iteration_dir(load_dir, iteration)) else "torch"
 
 
 def _world() -> tuple[int, int]:
@@ -303,7 +319,7 @@ def load_checkpoint(
         if iteration is None:
             return None
     iter_dir = _resolve_iteration_dir(load_dir, iteration)
-    if os.path.isfile(os.path.join(iter_dir, ".metadata")):  # training/dist_checkpoint.py's format
+    if is_dist_checkpoint(iter_dir):
         raise UsageError(f"--load {load_dir}: {iter_dir} is a torch_dist checkpoint; this reads the legacy torch "
                          "format (convert it with pretrain_gpt.py --load DIR --ckpt-convert-format torch "
                          "--ckpt-convert-save OUT)")

@@ -35,14 +35,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..errors import Reported, RunError, UsageError
 from ..parallel.agree import agree
 from ..parallel.state import ParallelState
-from .checkpointing import (RELEASE, _fsync_dir, _move_into_place, _resolve_iteration_dir, _shared_token,
-                            _world, _write_tracker, clear_debris, iteration_dir_name, read_tracker)
+from .checkpointing import (DIST_FORMAT as FORMAT, DIST_METADATA_FILE as METADATA_FILE, RELEASE,  # noqa: F401
+                            _fsync_dir, _move_into_place, _resolve_iteration_dir, _shared_token, _world, _write_tracker,
+                            checkpoint_format, clear_debris, is_dist_checkpoint, iteration_dir_name, read_tracker)
 from .dist_chunks import LoadPlanner, SavePlanner, Slices, local_of, piece_slices, slices_of
 from .optimizer import MOMENTS, MixedPrecisionOptimizer
 
-FORMAT = "torch_dist"
 COMMON_FILE = "common.pt"
-METADATA_FILE = ".metadata"
 MODEL = "model."
 OPTIM = "optimizer.state."
 MASTER = "fp32_param"
@@ -51,19 +50,6 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 ARCHITECTURE = ("model_type", "num_layers", "num_attention_heads", "swiglu", "normalization",
                 "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
                 "bert_binary_head", "apply_residual_connection_post_layernorm", "orig_vocab_size")
-
-
-def is_dist_checkpoint(iter_dir: str) -> bool:
-    """DCP directories hold a .metadata file (how --load tells the formats apart)."""
-    return os.path.isfile(os.path.join(iter_dir, METADATA_FILE))
-
-
-def checkpoint_format(load_dir: str) -> str | None:
-    """'torch_dist' or 'torch' for the checkpoint the tracker names; None without a tracker."""
-    iteration = read_tracker(load_dir)
-    if iteration is None:
-        return None
-    return FORMAT if is_dist_checkpoint(_resolve_iteration_dir(load_dir, iteration)) else "torch"
 
 
 def _optim_slices(optimizer: MixedPrecisionOptimizer, param: torch.Tensor, start: int, end: int,

@@ -35,8 +35,7 @@ from .profiler import measure_stage_times
 from ..models.bert import LOSS_NAMES, drain_reported
 from .batches import MicroBatches
 from .bert_batches import BertMicroBatches
-from . import dist_checkpoint
-from .checkpointing import TRACKER, load_checkpoint, read_tracker, save_checkpoint
+from .checkpointing import DIST_FORMAT, TRACKER, checkpoint_format, load_checkpoint, read_tracker, save_checkpoint
 from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format_validation_log, num_zeros_in_grad,
                       params_norm, throughput_tflops, timestamp)
 from .lr_scheduler import LRScheduler
@@ -219,7 +218,9 @@ class Trainer:
         }
         rng = get_rng_state(self.state.rng) if tr.save_rng else None
         start = time.time()
-        if tr.ckpt_format == dist_checkpoint.FORMAT:
+        if tr.ckpt_format == DIST_FORMAT:
+            from . import dist_checkpoint  # torch.distributed.checkpoint takes a second to import: only when used
+
             dist_checkpoint.save(tr.save, self.iteration, self.state, payload, self.chunks, self.optimizer,
                                  save_optim=tr.save_optim, rng_state=rng)
         else:
@@ -271,7 +272,9 @@ class Trainer:
                                     "    will not load any checkpoints and will start from random")
             return
         load_optim = tr.load_optim and not tr.finetune
-        if agree(dist_checkpoint.checkpoint_format, tr.load) == dist_checkpoint.FORMAT:  # any layout's
+        if agree(checkpoint_format, tr.load) == DIST_FORMAT:  # any layout's
+            from . import dist_checkpoint
+
             payload = dist_checkpoint.load(tr.load, self.state, self.chunks, self.optimizer, load_optim,
                                            model_args=self._args_dict())
         else:  # a file one rank cannot read (e.g. a truncated stage) stops every rank here, with its error
@@ -309,7 +312,7 @@ class Trainer:
         tr = self.run.train
 
         def source() -> str:
-            fmt = dist_checkpoint.checkpoint_format(tr.load)
+            fmt = checkpoint_format(tr.load)
             if fmt is None:
                 raise UsageError(f"--ckpt-convert-format: --load {tr.load} holds no checkpoint to convert")
             return fmt

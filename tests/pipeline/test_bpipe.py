@@ -12,6 +12,7 @@ from megatron_bmw.pipeline.holding import peak_inflight, resident_peaks
 from megatron_bmw.pipeline.replay import replay, unit_times
 from megatron_bmw.pipeline.schedule import COMPUTE_KINDS, TRANSFER_KINDS, Action, Kind, ScheduleError
 from tests.reference import LLAMA
+from tests.tiers import sample
 from tests.pipeline.bpipe_cases import run_transformed
 
 
@@ -64,14 +65,13 @@ def _all_configs():
 def test_every_transfer_schedule_passes_the_checker():
     """pp <= 16, m <= 64 (_all_configs), v <= 4: the checker finds no backward without its activations, matched FIFO
     transfers, no deadlock, and no rank (acceptors included) above mu_opt."""
-    count = 0
-    for p, v, m in _all_configs():
+    configs = list(_all_configs())
+    assert len(configs) > 400
+    for p, v, m in sample(configs, 4):  # the fast tier checks a quarter of them
         base = generate("1f1b" if v == 1 else "interleaved", p, m, v)
         s = insert_bpipe(base)
         check(s)
         assert max(resident_peaks(s)) <= mu_opt(p, v)
-        count += 1
-    assert count > 400
 
 
 def test_interleaved_limit_and_sliced_input():

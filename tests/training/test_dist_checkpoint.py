@@ -31,8 +31,10 @@ LAYOUTS = {
 }
 NAMES = list(LAYOUTS)
 LAYOUTS["tp2-dp2-zero1"] = (4, [TP, "2", ZERO1])  # only the Llama resume: ZeRO-1 pieces of SwiGLU's stride-2 fc1
-# every ordered pair of different layouts (72)
-PAIRS = [(a, b) for a in NAMES for b in NAMES if a != b]
+# 27 of the 72 ordered pairs: each layout resumes from three others and is resumed by three others (cyclic shifts
+# 1, 3 and 5 over NAMES); MBMW_ALL_LAYOUT_PAIRS=1 runs all 72
+_SHIFTS = range(1, len(NAMES)) if os.environ.get("MBMW_ALL_LAYOUT_PAIRS") == "1" else (1, 3, 5)
+PAIRS = [(a, NAMES[(i + k) % len(NAMES)]) for i, a in enumerate(NAMES) for k in _SHIFTS]
 
 
 LLAMA = ["--position-embedding-type", "rope", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
@@ -92,8 +94,8 @@ def _same(hist, ref, what):
 
 @pytest.mark.slow
 def test_resume_on_any_layout(tmp_path):
-    """Every layout trains 8 iterations saving torch_dist at 4; for every pair, B resumes from A's iteration 4 and
-    its next two iterations (the second one after an optimizer step on the loaded state) are A's."""
+    """Every layout trains 8 iterations saving torch_dist at 4; for each pair (PAIRS), B resumes from A's iteration 4
+    and its next two iterations (the second one after an optimizer step on the loaded state) are A's."""
     refs, ckpts = {}, {}
     for name in NAMES:
         ckpts[name] = str(tmp_path / name)

@@ -53,6 +53,7 @@ def test_nan_loss_stops_every_rank_at_once_and_is_not_saved(tmp_path, world_size
     assert not os.path.exists(os.path.join(ckpt, f"iter_{iteration:07d}"))
 
 
+@pytest.mark.slow
 def test_cli_exits_non_zero_with_the_message(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     out = _cli(BASE + ["--train-iters", "6", "--lr", "1e20", "--save", ckpt])
@@ -66,6 +67,7 @@ def test_cli_exits_non_zero_with_the_message(tmp_path):
     assert " lm loss: " not in lines[-1] and "number of nan iterations:   1 |" in lines[-1]
 
 
+@pytest.mark.slow
 def test_fp16_overflows_are_skipped_and_the_loss_omitted():
     out = _cli(BASE + ["--train-iters", "8", "--fp16", "--initial-loss-scale", "16777216", "--hysteresis", "1",
                        "--log-interval", "1"])
@@ -76,6 +78,7 @@ def test_fp16_overflows_are_skipped_and_the_loss_omitted():
     assert " lm loss: " in lines[-1] and "number of skipped iterations:   0 |" in lines[-1]
 
 
+@pytest.mark.slow
 def test_fp16_persistent_nan_stops_at_the_minimum_scale():
     out = _cli(BASE + ["--train-iters", "20", "--fp16", "--init-method-std", "1e20", "--initial-loss-scale", "8",
                        "--hysteresis", "1", "--log-interval", "1"])

@@ -54,7 +54,7 @@ def _errors(tmp_path, rank: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"], []], ids=["pp2", "dp2"])
 def test_a_hung_rank_fails_the_job_within_the_timeout(tmp_path, layout):
-    timeout_min = 0.25
+    timeout_min = 0.15
     procs = _launch(2, TINY + layout + ["--train-iters", "1000000", "--distributed-timeout-minutes",
                                         str(timeout_min)], tmp_path)
     try:

@@ -68,6 +68,7 @@ def test_step_batch_size_schedule_runs():
     assert pp2[0] == pytest.approx(losses, rel=1e-5) and pp2[1:] == (20, 6)
 
 
+@pytest.mark.slow
 def test_rampup_log_lines_and_consumed_samples():
     out = _cli(RAMP + ["--log-interval", "1", "--log-throughput"])
     assert out.returncode == 0, out.stderr
@@ -105,6 +106,7 @@ def _validation_lines(stdout):
             and "test set" not in ln]
 
 
+@pytest.mark.slow
 def test_validation_after_resume_equals_the_uninterrupted_run(tmp_path):
     """consumed_valid_samples is in the checkpoint: validation continues where it was, as in Megatron."""
     ckpt = str(tmp_path / "ckpt")
@@ -150,6 +152,7 @@ def test_params_norm_and_num_zeros_count_each_parameter_once(untie):
             assert abs(z - zeros) <= 4 * 32, (layout, z, zeros)
 
 
+@pytest.mark.slow
 def test_log_line_fields_in_megatrons_order():
     out = _cli(MODEL + ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2",
                         "--log-interval", "1", "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad"])

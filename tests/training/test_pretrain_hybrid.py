@@ -137,6 +137,7 @@ def test_bad_hybrid_input_refused():
         assert needle in str(info.value) and "\n" not in str(info.value), (args, str(info.value))
 
 
+@pytest.mark.slow
 def test_bad_hybrid_input_one_line_exit_2():
     out = _cli(ARGS + ["--unit-strategies", "tp4,dp4,dp4,dp4,dp4,dp4"], {"WORLD_SIZE": "4"})
     assert out.returncode == 2, out.stderr

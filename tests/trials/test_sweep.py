@@ -141,14 +141,14 @@ def test_crash_hang_and_oom_do_not_stop_the_sweep(tmp_path, fake_bin):
     pids.mkdir()
     results = tmp_path / "faults.jsonl"
     args = ["--launcher", "srun", "--nproc-per-node", "2", "--script", os.path.join(HERE, "fake", "fake_trainer.py"),
-            *TINY, "--seed", "2,3,4,1", "--trial-iters", "4", "--warmup-iters", "1", "--trial-timeout", "15",
+            *TINY, "--seed", "2,3,4,1", "--trial-iters", "4", "--warmup-iters", "1", "--trial-timeout", "6",
             "--kill-grace", "1", "--results", str(results)]
     env = _env(fake_bin, slurm=True, FAKE_PID_DIR=str(pids))
     out = _sweep(args, tmp_path, env).stdout
     status = {r["argv"][r["argv"].index("--seed") + 1]: r for r in _latest(results).values()}
     assert {s: r["status"] for s, r in status.items()} == {"2": "crash", "3": "hang", "4": "oom", "1": "ok"}, out
     assert status["2"]["reason"] == "error: --data-path missing_text_document: no such file"
-    assert status["3"]["reason"].startswith("still running after 15 s (last iteration logged: 1)")
+    assert status["3"]["reason"].startswith("still running after 6 s (last iteration logged: 1)")
     assert "CUDA out of memory" in status["4"]["reason"]
     assert status["1"]["median_iteration_s"] == pytest.approx(0.013)  # iterations 2..4 log 12, 13, 14 ms
     assert status["1"]["peak_memory_bytes"] == 1001
@@ -167,7 +167,7 @@ def test_torchrun_hang_kills_every_worker(tmp_path):
     pids.mkdir()
     results = tmp_path / "hang.jsonl"
     args = ["--nproc-per-node", "2", "--script", os.path.join(HERE, "fake", "fake_trainer.py"), *TINY,
-            "--seed", "3", "--trial-iters", "4", "--warmup-iters", "1", "--trial-timeout", "25", "--kill-grace", "1",
+            "--seed", "3", "--trial-iters", "4", "--warmup-iters", "1", "--trial-timeout", "12", "--kill-grace", "1",
             "--results", str(results)]
     _sweep(args, tmp_path, _env(FAKE_PID_DIR=str(pids)))
     (record,) = _latest(results).values()
