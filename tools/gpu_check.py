@@ -457,6 +457,9 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
 ]
 
 
+DETAILED = ("store", "param_gather", "planner", "allowance")  # steps whose details the report prints
+
+
 # ---- the report ---------------------------------------------------------------------------------------------------
 def _numbers_text(numbers: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in numbers.items() if v is not None)
@@ -480,7 +483,7 @@ def write_report(ctx: Context, results: list[dict], started: str, finished: bool
         if r.get("notes"):
             lines.append(f"- **{r['name']}**: {r['notes']}")
     for r in results:
-        if r.get("details") and isinstance(r["details"], dict) and r["name"] in ("store", "param_gather", "planner", "allowance"):
+        if r.get("details") and isinstance(r["details"], dict) and r["name"] in DETAILED:
             lines += ["", f"## {r['name']}", "", "```", json.dumps(r["details"], indent=1, default=str), "```"]
     lines += ["", "Logs of every command, the plans and the profile: logs.tar.gz."]
     with open(os.path.join(ctx.out_dir, "report.md"), "w") as f:

@@ -435,11 +435,12 @@ def param_gather_check(small: bool) -> dict:
     if cuda and failed and not checks[next(k for k in checks if k.startswith("at_once_again"))]:
         notes += " (the same run twice differs: the device is not deterministic here, the comparison says nothing)"
     elif cuda and failed == [k for k in checks if k.startswith("control")]:
-        notes += " (a missing wait went unseen: the held-back gathers did not land late, so the equal runs prove little)"
+        notes += (" (a missing wait went unseen: the held-back gathers did not land late, so the equal runs prove"
+                  " little)")
     if not cuda:
         notes = notes or "CPU: a one-rank gloo group (its gathers run on gloo's threads); no streams to hold back"
     return {"status": "failed" if failed else "ok", "device": "cuda" if cuda else "cpu",
-            "backend": dist.Backend.NCCL if cuda else dist.Backend.GLOO, "checks": checks,
+            "backend": "nccl" if cuda else "gloo", "checks": checks,
             "max_param_diff": diffs, "buckets": ref["buckets"],
             "losses": {k: v["losses"] for k, v in runs.items()}, "notes": notes}
 
