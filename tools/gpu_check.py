@@ -86,6 +86,7 @@ DRY = Sizes(small=_gpt(2, 64, 4, 64, 512), small_batch=_batch(2, 4), iters=8,
             big=[("GPT tiny", _gpt(2, 64, 4, 64, 512), _batch(2, 4))], big_iters=6, profiled=_gpt(2, 64, 4, 64, 512),
             profile_mbs="1,2", planned=[(1, "none"), (2, "full")], planned_gbs=4, planned_iters=4,
             steps_flag=["--small"])
+PLAN_CLUSTER, PLAN_DEVICE = "h100-80g-ib", "h100-80g"  # what the planning steps plan for (one GPU of it)
 FP16_ITERS = 40  # from Megatron's initial loss scale 2^32 the first ~17 iterations overflow and are skipped
 
 
@@ -252,10 +253,18 @@ def step_store(ctx: Context) -> dict:
             "details": out, "notes": out["notes"]}
 
 
+def step_param_gather(ctx: Context) -> dict:
+    out = ctx.steps_script("param_gather")
+    if out["status"] != "ok":
+        raise StepFailed(f"param_gather: {out['notes']}")
+    return {"numbers": {"checks_passed": len(out["checks"]), "buckets": out["buckets"], "backend": out["backend"]},
+            "details": out, "notes": out["notes"]}
+
+
 def search_args(model: list[str], batch: list[str], space: list[str], path: str, profile: str | None) -> list[str]:
     """autoconfig.py's arguments for a one-GPU plan (an H100's memory; analytic times without `profile`)."""
     spaces = [x for s in ["tp=1", "pp=1", *space] for x in ("--space", s)]
-    return ["search", "--cluster", "h100-80g-ib", "--num-nodes", "1", "--world-size", "1",
+    return ["search", "--cluster", PLAN_CLUSTER, "--num-nodes", "1", "--world-size", "1",
             *(["--profile", profile] if profile else []), *MODEL_FLAGS, *model, *batch, "--bf16",
             "--attention-backend", "flash", *spaces, "--no-progress", "--top-k", "1", "--output", path]
 
@@ -324,14 +333,19 @@ def step_big(ctx: Context) -> dict:
     raise StepFailed("; ".join(failures))
 
 
+def _profile(ctx: Context, path: str) -> None:
+    s = ctx.sizes
+    ctx.autoconfig(["profile", "--output", path, *MODEL_FLAGS, *s.profiled, "--bf16", "--attention-backend", "flash",
+                    "--profile-micro-batch-sizes", s.profile_mbs, "--no-links", "--device-type", PLAN_DEVICE],
+                   "autoconfig.py profile")
+
+
 def step_planner(ctx: Context) -> dict:
     """autoconfig.py profile on this device, then predicted against measured step time (and memory) for a few
     single-GPU configurations planned with that profile."""
     s = ctx.sizes
     profile = os.path.join(ctx.work, "profile.json")
-    ctx.autoconfig(["profile", "--output", profile, *MODEL_FLAGS, *s.profiled, "--bf16", "--attention-backend", "flash",
-                    "--profile-micro-batch-sizes", s.profile_mbs, "--no-links", "--device-type", "h100-80g"],
-                   "autoconfig.py profile")
+    _profile(ctx, profile)
     rows, failures = {}, []
     for mbs, recompute in s.planned:
         name = f"mbs{mbs}-{recompute}"
@@ -360,6 +374,64 @@ def step_planner(ctx: Context) -> dict:
     return {"numbers": numbers, "details": rows}
 
 
+def allowance_numbers(profile: dict, model: list[str], mbs: int, cluster: str, device_type: str) -> dict:
+    """The CUDA allowance's terms a profile measured (its "cuda_memory", training/cuda_memory.py) beside those
+    planner/cuda_allowance.py derives without it, for the profiled model on one GPU of `device_type` (tp, dp, pp 1)
+    at micro-batch `mbs`. StepFailed when a measured term is missing on CUDA or out of range."""
+    from megatron_bmw.arguments import build_parser, configs_from_args, parse_args
+    from megatron_bmw.planner.cluster import load_cluster
+    from megatron_bmw.planner.cuda_allowance import allowance_terms
+    from megatron_bmw.planner.memory_model import precision_from
+
+    flags = ["--mock-data", *MODEL_FLAGS, *model, "--bf16", *_batch(mbs, mbs)]
+    cfg = configs_from_args(parse_args(flags, build_parser()), 1).model
+    device = next(g.device for g in load_cluster(cluster).groups if g.device.name == device_type)
+    derived = allowance_terms(device, cfg, 1, 1, 1, mbs, False, precision_from(cfg, False))
+    numbers = {"context_gib_derived": round(derived.context / 2**30, 3),
+               "allocator_fraction_derived": round(derived.fragmentation, 4),
+               "cublas_mib_derived": round(derived.cublas / 2**20, 1), "nccl_communicators": derived.communicators}
+    measured = profile.get("cuda_memory") or {}
+    if profile.get("device", {}).get("kind") != "cuda":
+        if measured:
+            raise StepFailed(f"a {profile.get('device', {}).get('kind')} profile holds CUDA readings: {measured}")
+        return numbers
+    after = measured.get("samples", {}).get("after", {})
+    context, fraction = measured.get("context_bytes"), measured.get("allocator_fraction")
+    if context is None or fraction is None or not after:
+        raise StepFailed(f"the GPU profile has no measured CUDA terms (cuda_memory: {sorted(measured)})")
+    if not 0 < context < after.get("total", 0) or not 0 <= fraction < 10 or not after.get("max_allocated"):
+        raise StepFailed(f"measured terms out of range: context {context} B, allocator fraction {fraction}, "
+                         f"readings {after}")
+    numbers.update(context_gib_measured=round(context / 2**30, 3), allocator_fraction_measured=round(fraction, 4),
+                   max_allocated_gib=round(after["max_allocated"] / 2**30, 3),
+                   max_reserved_gib=round(after["max_reserved"] / 2**30, 3))
+    if measured.get("nccl_bytes_per_communicator") is not None:
+        numbers["nccl_mib_per_communicator_measured"] = round(measured["nccl_bytes_per_communicator"] / 2**20, 1)
+    return numbers
+
+
+def step_allowance(ctx: Context) -> dict:
+    """The CUDA allowance's measured terms: the planner step's profile when it ran, else `autoconfig.py profile`
+    on this device; against the derived terms."""
+    s = ctx.sizes
+    profile = os.path.join(ctx.work, "profile.json")
+    source = "the planner step's profile"
+    if not os.path.exists(profile):
+        profile = os.path.join(ctx.work, "allowance_profile.json")
+        source = "autoconfig.py profile"
+        _profile(ctx, profile)
+    with open(profile) as f:
+        data = json.load(f)
+    mbs = max(int(x) for x in s.profile_mbs.split(","))
+    numbers = allowance_numbers(data, s.profiled, mbs, PLAN_CLUSTER, PLAN_DEVICE)
+    notes = [f"measured: {source} ({os.path.basename(profile)}, micro-batch sizes {s.profile_mbs}); derived: "
+             f"{PLAN_DEVICE} of {PLAN_CLUSTER}, micro-batch {mbs}; cuBLAS workspaces are allocated "
+             "tensors to the allocator, so no reading isolates them; NCCL bytes need --profile-tp 2 on two GPUs"]
+    if not ctx.cuda:
+        notes.append("CPU: no CUDA readings, derived terms only")
+    return {"numbers": numbers, "details": data.get("cuda_memory") or {}, "notes": "; ".join(notes)}
+
+
 @dataclass(frozen=True)
 class Step:
     name: str
@@ -374,12 +446,18 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
     Step("bf16", "bf16 GPT training, flash (SDPA) attention: loss falls", step_bf16, 120),
     Step("store", "BPipe activation store: side-stream copies, events, pinned host copies", step_store, 90),
     Step("optimizer", "our Adam (fused on CUDA) vs torch foreach AdamW", step_optimizer, 60),
+    Step("param_gather", "ZeRO-1 --overlap-param-gather on a one-rank NCCL group: bit for bit with gathering at once",
+         step_param_gather, 90),
     Step("big", "single-GPU GPT (1.3B, else 350M) seq 2048: tokens/s, MFU, memory model", step_big, 220),
     Step("planner", "autoconfig.py profile + predicted vs measured step time, 4 configs", step_planner, 200),
+    Step("allowance", "CUDA allowance: measured (profile's cuda_memory) vs derived terms", step_allowance, 120),
     Step("fp16", "fp16 with dynamic loss scaling from 2^32: skips, then loss falls", step_fp16, 120),
     Step("attention", "flash (SDPA) vs unfused attention: same loss on one batch", step_attention, 120),
     Step("llama", "rope + SwiGLU + RMSNorm + GQA, bf16: loss falls", step_llama, 120),
 ]
+
+
+DETAILED = ("store", "param_gather", "planner", "allowance")  # steps whose details the report prints
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------
@@ -405,7 +483,7 @@ def write_report(ctx: Context, results: list[dict], started: str, finished: bool
         if r.get("notes"):
             lines.append(f"- **{r['name']}**: {r['notes']}")
     for r in results:
-        if isinstance(r.get("details"), dict) and r["name"] in ("store", "planner"):
+        if r.get("details") and isinstance(r["details"], dict) and r["name"] in DETAILED:
             lines += ["", f"## {r['name']}", "", "```", json.dumps(r["details"], indent=1, default=str), "```"]
     lines += ["", "Logs of every command, the plans and the profile: logs.tar.gz."]
     with open(os.path.join(ctx.out_dir, "report.md"), "w") as f:

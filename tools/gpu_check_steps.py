@@ -6,8 +6,15 @@
   store      BPipe's activation store (pipeline/activation_store.py) with the side-stream copier of
              pipeline/transfers.CudaChannel: evict to pinned host memory and load back on side streams, gradients
              bit for bit, the streams waiting on each other, and pinned host copy rates both ways
+  param_gather
+             ZeRO-1 with --overlap-grad-reduce --overlap-param-gather through the Trainer on a one-rank NCCL group
+             (the data-parallel group of a one-GPU run is None, which gathers by a copy): losses, grad norms and
+             parameters bit for bit against gathering at once; the communicator held back behind a sleeping side
+             stream after each step, with the forward pre-hooks' waits (equal) and without them (a control that
+             must differ: the check can see a missing wait)
 
-On a machine without CUDA each runs its CPU part (store: the plain copier, no streams) and says what it left out.
+On a machine without CUDA each runs its CPU part (store: the plain copier, no streams; param_gather: a one-rank gloo
+group, no held-back communicator) and says what it left out.
 """
 
 from __future__ import annotations
@@ -302,7 +309,143 @@ def store_check(small: bool) -> dict:
     return out
 
 
-STEPS = {"env": env, "optimizer": optimizer_check, "store": store_check}
+# ---- ZeRO-1's overlapped parameter all-gather ------------------------------------------------------------------
+ZERO1_ITERS = 3
+HOLD_CYCLES = 200_000_000  # the side stream's sleep before each step's gathers: about 0.1 s at GPU clocks
+
+
+def zero1_flags(small: bool, cuda: bool, overlap: bool) -> list[str]:
+    """pretrain_gpt.py's flags of the param_gather runs (unfused attention: SDPA's backward may use atomics)."""
+    layers, hidden, heads, seq, vocab = (2, 64, 4, 64, 512) if small else (4, 512, 8, 512, 8192)
+    return ["--mock-data", "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads",
+            str(heads), "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--vocab-size", str(vocab),
+            "--make-vocab-size-divisible-by", "128", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--attention-backend", "unfused", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", str(ZERO1_ITERS), "--lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "1234",
+            "--eval-iters", "0", "--eval-interval", "1000000", "--clip-grad", "1.0", "--weight-decay", "0.01",
+            "--use-distributed-optimizer", "--overlap-grad-reduce", *(["--bf16"] if cuda else []),
+            *(["--overlap-param-gather"] if overlap else [])]
+
+
+class HeldBack:
+    """Before each publish, a collective on the gathers' communicator queued behind a sleeping side stream: the
+    gathers land long after the compute stream has moved on, so only the pre-hooks' stream waits keep the next
+    forward from reading the previous step's parameters."""
+
+    def __init__(self, gather, group, device: torch.device, cycles: int) -> None:
+        import torch.distributed as dist
+
+        self.side = torch.cuda.Stream(device)
+        self.works: list = []
+        publish = gather.publish
+
+        def held(shard: torch.Tensor) -> None:
+            self.side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self.side):
+                torch.cuda._sleep(cycles)
+                flag = torch.zeros(1, device=device)
+                self.works.append((dist.all_reduce(flag, group=group, async_op=True), flag))
+            publish(shard)
+
+        gather.publish = held
+
+    def drain(self) -> None:
+        for work, _ in self.works:
+            work.wait()
+        self.works.clear()
+
+
+def _zero1_run(flags: list[str], group, bucket: int, hold: int = 0, hooks: bool = True) -> dict:
+    from dataclasses import replace
+
+    from megatron_bmw.arguments import build_parser, configs_from_args, parse_args
+    from megatron_bmw.parallel.state import ParallelState
+    from megatron_bmw.training.loop import Trainer
+
+    run = configs_from_args(parse_args(flags, build_parser()), 1)
+    run = replace(run, optimizer=replace(run.optimizer, param_bucket_size=bucket))
+    state = ParallelState.build(run.parallel, num_units=run.model.num_units)
+    state.dp_group = group  # a one-rank group: the gathers and the gradient reduction run their collectives
+    trainer = Trainer(run, state)
+    trainer.load()
+    gather = trainer.optimizer._gather
+    held = HeldBack(gather, group, state.device, hold) if hold else None
+    if not hooks:
+        gather.remove_hooks()
+    out: dict = {"losses": [], "grad_norms": [], "pending": [], "buckets": len(gather.layout.buckets)}
+    for _ in range(ZERO1_ITERS):
+        it = trainer.train_step()
+        out["losses"].append(it.loss)
+        out["grad_norms"].append(it.step.grad_norm)
+        out["pending"].append(gather.pending)
+    trainer.finish()  # completes the last gathers (finish_param_sync)
+    if held is not None:
+        held.drain()
+    out["params"] = [p.detach().float().cpu().clone() for _, p in trainer.named_params]
+    state.destroy()
+    return out
+
+
+def _same(a: dict, b: dict) -> tuple[bool, float]:
+    """(losses, grad norms and parameters bit for bit; the largest parameter difference)."""
+    diff = max(float((x - y).abs().max()) for x, y in zip(a["params"], b["params"]))
+    same = a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"] and \
+        all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    return same, diff
+
+
+def param_gather_check(small: bool) -> dict:
+    import torch.distributed as dist
+
+    from megatron_bmw.parallel.state import init_distributed
+
+    cuda = torch.cuda.is_available()
+    if cuda:  # both runs use the same kernels; deterministic ones leave only the gathers' ordering to compare
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    init_distributed("nccl" if cuda else "gloo")
+    group = dist.new_group([0])
+    hidden = 64 if small else 512
+    bucket = 4 * hidden * hidden  # elements: the model falls into several buckets
+    runs = {"at_once": _zero1_run(zero1_flags(small, cuda, False), group, bucket),
+            "at_once_again": _zero1_run(zero1_flags(small, cuda, False), group, bucket),
+            "overlap": _zero1_run(zero1_flags(small, cuda, True), group, bucket)}
+    if cuda:
+        runs["overlap_held"] = _zero1_run(zero1_flags(small, cuda, True), group, bucket, hold=HOLD_CYCLES)
+        runs["control_no_waits"] = _zero1_run(zero1_flags(small, cuda, True), group, bucket, hold=HOLD_CYCLES,
+                                              hooks=False)
+    ref = runs["at_once"]
+    checks = {f"ZeRO-1 in several buckets ({ref['buckets']})": ref["buckets"] > 2,
+              "gathering at once leaves nothing pending": not any(ref["pending"]),
+              "the overlapped gathers are left pending after every step (for the pre-hooks)":
+                  all(runs["overlap"]["pending"])}
+    diffs = {}
+    for name in ("at_once_again", "overlap", "overlap_held"):
+        if name in runs:
+            same, diffs[name] = _same(ref, runs[name])
+            checks[f"{name}: losses, grad norms and parameters bit for bit with gathering at once"] = same
+    if cuda:
+        control = runs["control_no_waits"]
+        checks["control: without the pre-hooks' waits the held-back gathers land late and the losses differ"] = \
+            control["losses"] != ref["losses"]
+    dist.destroy_process_group(group)
+    dist.destroy_process_group()
+    failed = [name for name, ok in checks.items() if not ok]
+    notes = "failed: " + "; ".join(failed) if failed else ""
+    if cuda and failed and not checks[next(k for k in checks if k.startswith("at_once_again"))]:
+        notes += " (the same run twice differs: the device is not deterministic here, the comparison says nothing)"
+    elif cuda and failed == [k for k in checks if k.startswith("control")]:
+        notes += (" (a missing wait went unseen: the held-back gathers did not land late, so the equal runs prove"
+                  " little)")
+    if not cuda:
+        notes = notes or "CPU: a one-rank gloo group (its gathers run on gloo's threads); no streams to hold back"
+    return {"status": "failed" if failed else "ok", "device": "cuda" if cuda else "cpu",
+            "backend": "nccl" if cuda else "gloo", "checks": checks,
+            "max_param_diff": diffs, "buckets": ref["buckets"],
+            "losses": {k: v["losses"] for k, v in runs.items()}, "notes": notes}
+
+
+STEPS = {"env": env, "optimizer": optimizer_check, "store": store_check, "param_gather": param_gather_check}
 
 
 def main(argv: list[str] | None = None) -> int:

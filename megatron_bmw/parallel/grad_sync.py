@@ -36,7 +36,7 @@ class GradSync:
     def __init__(self, params: list[nn.Parameter], state: ParallelState, bucket_size: int = 40_000_000,
                  overlap: bool = False) -> None:
         self.state = state
-        self.overlap = overlap and group_size(state.dp_group) > 1
+        self.overlap = overlap and state.dp_group is not None  # a one-rank group reduces too (a GPU check)
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
@@ -82,8 +82,8 @@ class GradSync:
 
     def finish(self) -> None:
         """Complete every reduction; afterwards each `main_grad` holds the final gradient."""
-        dp = group_size(self.state.dp_group)
-        if dp > 1:
+        if self.state.dp_group is not None:
+            dp = group_size(self.state.dp_group)
             for b in self.buckets:
                 if b.handle is None:
                     b.handle = dist.all_reduce(b.buffer, group=self.state.dp_group, async_op=True)

@@ -168,11 +168,13 @@ def _waiter(gather: ParamGather, buckets: tuple[int, ...]):
 
 
 def _all_gather(part: torch.Tensor, out: torch.Tensor, group, async_op: bool):
-    """Every rank's `part` end to end into `out`; the pending work, or None when done."""
-    n = group_size(group)
-    if n == 1:
+    """Every rank's `part` end to end into `out`; the pending work, or None when done. Without a group (data
+    parallel size 1) it is a copy; a group of one rank runs its collective, so one GPU can run the asynchronous
+    path (tools/gpu_check_steps.py)."""
+    if group is None:
         out.copy_(part)
         return None
+    n = group_size(group)
     if dist.get_backend(group) == "nccl":
         work = dist.all_gather_into_tensor(out, part, group=group, async_op=async_op)
     else:

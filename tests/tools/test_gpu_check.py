@@ -20,7 +20,8 @@ _spec.loader.exec_module(gpu_check)
 def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     out = tmp_path / "report"
     argv = [sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), str(out), "--dry-run",
-            "--steps", "env,bf16,store,optimizer,fp16", "--inject", "optimizer=hang", "--inject", "fp16=fail",
+            "--steps", "env,bf16,store,optimizer,param_gather,allowance,fp16", "--inject", "optimizer=hang",
+            "--inject", "fp16=fail",
             "--step-timeout-s", "12"]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -28,7 +29,8 @@ def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     data = json.loads((out / "report.json").read_text())
     assert data["finished"] is True and data["mode"] == "dry-run"
     steps = {s["name"]: s for s in data["steps"]}
-    assert list(steps) == ["env", "bf16", "store", "optimizer", "fp16"]  # the table's order, after the failures too
+    assert list(steps) == ["env", "bf16", "store", "optimizer", "param_gather", "allowance", "fp16"]  # the table's
+    # order, after the failures too
     assert all({"name", "what", "status", "seconds"} <= set(s) for s in data["steps"])
     assert steps["env"]["status"] == "ok" and steps["env"]["numbers"]["torch"]
     bf16 = steps["bf16"]
@@ -36,6 +38,14 @@ def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     assert bf16["numbers"]["last_loss"] < bf16["numbers"]["first_loss"]
     assert steps["store"]["status"] == "ok" and all(steps["store"]["details"]["checks"].values())
     assert steps["optimizer"]["status"] == "timeout" and steps["optimizer"]["seconds"] < 60
+    gather = steps["param_gather"]  # its CPU form: a one-rank gloo group, the gathers pending after each step
+    assert gather["status"] == "ok", gather
+    checks = gather["details"]["checks"]
+    assert all(checks.values()) and len(checks) == 5 and "CPU" in gather["notes"]
+    allowance = steps["allowance"]  # no planner step ran: its own profile, derived terms only on the CPU
+    assert allowance["status"] == "ok", allowance
+    assert allowance["numbers"]["context_gib_derived"] == 0.5 and "context_gib_measured" not in allowance["numbers"]
+    assert "autoconfig.py profile (allowance_profile.json" in allowance["notes"]
     assert steps["fp16"]["status"] == "FAILED" and "injected failure" in steps["fp16"]["notes"]
     table = (out / "report.md").read_text()
     assert "| step | status | key numbers | seconds |" in table
@@ -80,3 +90,36 @@ def test_the_gpu_sizes_plan_on_one_h100(tmp_path, capsys):
         assert pipeline.micro_batch_size == mbs
         assert set(pipeline.recompute or ()) - {None} == ({"full"} if recompute == "full" else set()), pipeline
     capsys.readouterr()
+
+
+
+def test_allowance_numbers_put_a_gpu_profiles_measured_terms_beside_the_derived():
+    from megatron_bmw.arguments import build_parser, configs_from_args, parse_args
+    from megatron_bmw.planner.cluster import load_cluster
+    from megatron_bmw.planner.cuda_allowance import allowance_terms
+    from megatron_bmw.planner.memory_model import precision_from
+    from megatron_bmw.training.cuda_memory import measured_terms
+
+    GiB = 2**30
+    before = {"reserved": 0, "allocated": 0, "max_reserved": 0, "max_allocated": 0, "free": 79 * GiB, "total": 80 * GiB}
+    after = {"reserved": 6 * GiB, "allocated": GiB, "max_reserved": 6 * GiB, "max_allocated": 5 * GiB,
+             "free": 73 * GiB + GiB // 2, "total": 80 * GiB}
+    profile = {"device": {"kind": "cuda"}, "cuda_memory": measured_terms(before, after)}
+    model, where = gpu_check.GPU.profiled, (gpu_check.PLAN_CLUSTER, gpu_check.PLAN_DEVICE)
+    numbers = gpu_check.allowance_numbers(profile, model, 4, *where)
+    assert numbers["context_gib_measured"] == 0.5 and numbers["allocator_fraction_measured"] == 0.2
+    assert numbers["max_reserved_gib"] == 6.0 and "nccl_mib_per_communicator_measured" not in numbers
+    cfg = configs_from_args(parse_args(["--mock-data", *gpu_check.MODEL_FLAGS, *model, "--bf16",
+                                        *gpu_check._batch(4, 4)], build_parser()), 1).model
+    derived = allowance_terms(load_cluster(where[0]).groups[0].device, cfg, 1, 1, 1, 4, False,
+                              precision_from(cfg, False))
+    assert numbers["allocator_fraction_derived"] == round(derived.fragmentation, 4) > 0
+    assert numbers["context_gib_derived"] == 0.5 and numbers["cublas_mib_derived"] == 128.0  # H100: 2 x (32 + 32)
+    assert numbers["nccl_communicators"] == 0
+    with pytest.raises(gpu_check.StepFailed, match="no measured CUDA terms"):
+        gpu_check.allowance_numbers({"device": {"kind": "cuda"}}, model, 4, *where)
+    broken = dict(profile, cuda_memory=measured_terms(before, dict(after, free=0, reserved=0)))  # context = total
+    with pytest.raises(gpu_check.StepFailed, match="out of range"):
+        gpu_check.allowance_numbers(broken, model, 4, *where)
+    with pytest.raises(gpu_check.StepFailed, match="a cpu profile holds CUDA readings"):
+        gpu_check.allowance_numbers(dict(profile, device={"kind": "cpu"}), model, 4, *where)

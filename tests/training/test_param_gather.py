@@ -160,3 +160,48 @@ def test_overlap_param_gather_equals_gathering_at_once_and_serial(tmp_path):
             a, b = (torch.load(os.path.join(d, "iter_0000003", sub, "distrib_optim.pt"), weights_only=False)
                     for d in (plain_dir, overlap_dir))
             assert all(torch.equal(x[k], y[k]) for x, y in zip(a["params"], b["params"]) for k in x), (name, sub)
+
+
+def _one_rank_group_case(rank, world_size):
+    """A group of one rank (not None) runs its collectives: the gathers are pending after the step until a forward
+    pre-hook completes them, and the gradient buckets are reduced asynchronously from the backward's hooks."""
+    import torch.distributed as dist
+
+    from megatron_bmw.parallel.grad_sync import GradSync
+    from megatron_bmw.training.param_gather import ParamGather
+
+    group = dist.new_group([0])
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    params = list(model.parameters())
+    layout = ShardLayout([p.numel() for p in params], dp=1, bucket_size=10)
+    gather = ParamGather(params, layout, group, overlap=True)
+    gather.hook_modules([model])
+    shard = torch.arange(layout.shard_size, dtype=torch.float32)
+    gather.publish(shard)
+    pending = gather.pending
+    x = torch.ones(3, 4)
+    model(x).sum().backward()  # the pre-hooks complete the gathers before each layer reads its weights
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    state = ParallelState.serial()
+    state.dp_group = group
+    model.zero_grad(set_to_none=True)
+    sync = GradSync(params, state, bucket_size=10, overlap=True)
+    sync.zero()
+    sync.begin(1)
+    model(x).sum().backward()
+    launched = [b.handle is not None for b in sync.buckets]
+    sync.finish()
+    grads = [p.main_grad.clone() for p in params]
+    sync.remove_hooks()
+    model(x).sum().backward()
+    same = all(torch.equal(g, p.grad) for g, p in zip(grads, params))
+    gather.remove_hooks()
+    dist.destroy_process_group(group)
+    return pending, flat.tolist() == shard.tolist(), launched, same
+
+
+@pytest.mark.slow
+def test_a_one_rank_group_runs_the_asynchronous_gather_and_reduction():
+    pending, gathered, launched, same = run_distributed(1, _one_rank_group_case)[0]
+    assert pending and gathered
+    assert len(launched) > 1 and all(launched) and same
