@@ -13,6 +13,10 @@ costs: the chosen plan's worst stage against the same plan run with 1F1B. --drop
 runs use 0.1; zero-bubble with recomputation needs 0).
 
     python benchmarks/megatron_sc21.py [--rows 1.7,145.6] [--json out.json] [--zero-bubble [--dropout 0]]
+                                       [--engine megatron-core]
+
+--engine megatron-core times the data-parallel reduction as Megatron-LM ran it for these --fp16 rows (16-bit
+gradients, all-reduced: no distributed optimizer then) instead of our runtime's fp32 all-reduce.
 
 Memory: every published layout ran, so each must be predicted to fit. The table's "fits" and the search use the
 derived CUDA allowance (planner/cuda_allowance.py) and our runtime's model states; --memory prints each row's
@@ -105,13 +109,16 @@ def main() -> int:
     parser.add_argument("--zero-bubble", action="store_true",
                         help="search with and without ZB-H1 in the space and compare (instead of the published rows)")
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout (default 0.1)")
+    parser.add_argument("--engine", choices=("megatron_bmw", "megatron-core"), default="megatron_bmw",
+                        help="whose gradient reduction the time model assumes: ours (fp32 all-reduce, the default) or "
+                             "Megatron's, as the published runs ran it (--fp16: 16-bit gradients all-reduced)")
     args = parser.parse_args()
     rows = TABLE if args.rows is None else [r for r in TABLE if str(r[0]) in args.rows.split(",")]
     if args.zero_bubble:
         return zero_bubble_rows(rows, args.dropout, args.json)
     if args.memory:
         return memory_table(rows, args.json)
-    costs = CostSettings()
+    costs = CostSettings(engine=EngineConfig(args.engine))
     out = []
     print(f"{'params':>7} {'GPUs':>5} {'tp':>2} {'pp':>3} {'batch':>5} | {'published':>9} {'predicted':>9} {'error':>6} "
           f"{'fits':>4} | {'search':>8} {'vs pub.':>7} {'layout (tp pp dp mbs schedule rc)':<36} {'s':>5}")

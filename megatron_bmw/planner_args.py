@@ -239,7 +239,7 @@ def cost_settings(args, profiles: Profiles | None = None) -> CostSettings:
     if overlap is None:
         overlap = (profiles.overlap_factor if profiles is not None else None) or CostSettings().overlap_factor
     return CostSettings(achievable_fraction=args.achievable_fraction, bandwidth_fraction=args.bandwidth_fraction,
-                        overlap_factor=overlap)
+                        overlap_factor=overlap, engine=engine_from_args(args))
 
 
 def run_search(args, progress: bool | None = None):

@@ -13,9 +13,10 @@ profile's backward overhead.
 
 Communication (AMP's formulas, B the slowest link of the group, plus per-step latency):
   ring all-reduce 2(n-1)/n x M / B; all-gather and reduce-scatter (n-1)/n x M / B; p2p v / b + latency.
-Each rank all-reduces its fp32 gradients over data parallel in buckets (overlap.py: after the pipeline, or with
---overlap-grad-reduce each as soon as its gradients are ready, overlapped compute and communication both slowed by
-the overlap factor, Galvatron's 1.3), sums the sequence-parallel gradients over tensor parallel, and the first and
+Each rank reduces its gradients over data parallel in buckets (our runtime all-reduces fp32 ones; another engine
+its own gradient bytes, reduce-scattered under its distributed optimizer: grad_reduction), after the pipeline or, with
+--overlap-grad-reduce, each as soon as its gradients are ready (overlap.py; overlapped compute and communication both
+slowed by the overlap factor, Galvatron's 1.3); it sums the sequence-parallel gradients over tensor parallel, and the first and
 last stage all-reduce the tied embedding; then the optimizer steps (memory-bound) and, with ZeRO-1, the parameters
 are all-gathered (hidden behind the next first forwards with --overlap-param-gather).
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from ..errors import UsageError
 from ..pipeline.schedule import Action, Kind
 from .cluster import Cluster, DeviceType, Link
+from .engine import OURS, EngineConfig
 from .flops import core_attention_share, unit_forward_flops, unit_weight_grad_flops
 from .kernel_time import KernelDevice, shape_ratio, unit_kernel_times, unit_weight_grad_time
 from ..units import owns_output_weight, unit_kind, unit_names
@@ -51,6 +53,7 @@ class CostSettings:
     achievable_fraction: float | None = None  # of peak FLOP/s for analytic times; None: the device type's (or 0.5)
     bandwidth_fraction: float = 0.8  # of the memory bandwidth, for memory-bound work (elementwise, optimizer)
     overlap_factor: float = 1.3  # slowdown of compute and communication that overlap
+    engine: EngineConfig = EngineConfig()  # whose runtime: the bytes and the collective of the gradient reduction
 
     def __post_init__(self) -> None:
         if self.achievable_fraction is not None and not 0 < self.achievable_fraction <= 1:
@@ -80,9 +83,14 @@ def allreduce_parts(nbytes: float, n: int, link: Link) -> tuple[float, float]:
 
 def allgather_time(nbytes: float, n: int, link: Link) -> float:
     """All-gather (or reduce-scatter) of a tensor of `nbytes` in total."""
+    return sum(allgather_parts(nbytes, n, link))
+
+
+def allgather_parts(nbytes: float, n: int, link: Link) -> tuple[float, float]:
+    """(bandwidth term, latency term) of a ring all-gather or reduce-scatter."""
     if n <= 1:
-        return 0.0
-    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+        return 0.0, 0.0
+    return (n - 1) / n * nbytes / link.bandwidth, (n - 1) * link.latency
 
 
 def optimizer_step_seconds(params: float, dp: int, zero1: bool, dtype_bytes: int, device: DeviceType,
@@ -429,10 +437,20 @@ class CostModel:
         return sum(unit_param_count(unit_kind(n), model, self.spec.tp, own_output) for n in names)
 
     def dp_sync_time(self, rank: int) -> float:
-        """The gradient all-reduce; on shared cores its bandwidth term (gloo reduces on the CPU) is stretched by
-        the stage's static factor (every rank of the node reduces at about the same time)."""
-        bw, lat = allreduce_parts(4.0 * self.params[rank], self.spec.dp, self.dp_link(rank))
-        return bw * self.static_factor[rank] + lat
+        """The gradient reduction over data parallel; on shared cores its bandwidth term (gloo reduces on the CPU)
+        is stretched by the stage's static factor (every rank of the node reduces at about the same time)."""
+        return self.dp_reduce_seconds(rank)(self.params[rank])
+
+    def grad_reduction(self) -> tuple[float, bool]:
+        """(bytes per gradient element reduced, whether it is a reduce-scatter): the engine's gradient buffer
+        (engine.py: fp32 main grads, or 16-bit under Megatron's fp16 and --grad-reduce-in-bf16). Ours all-reduces
+        even under ZeRO-1 (parallel/grad_sync.py); Megatron-core's and DeepSpeed's distributed optimizers
+        reduce-scatter, each rank keeping the gradients of its shard."""
+        engine = self.settings.engine
+        if engine.name == OURS:
+            return 4.0, False
+        grad_bytes = engine.precision(self.dtype, self.spec.distributed_optimizer).grad_bytes
+        return float(grad_bytes), self.spec.distributed_optimizer
 
     def sp_sync_time(self, rank: int) -> float:
         """Sequence-parallel replicated gradients (LayerNorms, row-parallel biases) summed over tp."""
@@ -479,11 +497,13 @@ class CostModel:
         return self._grad_units[rank]
 
     def dp_reduce_seconds(self, rank: int) -> Callable[[float], float]:
-        """Seconds to all-reduce a bucket of `elements` fp32 gradients over data parallel (see dp_sync_time)."""
+        """Seconds to reduce a bucket of `elements` gradients over data parallel (grad_reduction; dp_sync_time)."""
         link, k = self.dp_link(rank), self.static_factor[rank]
+        nbytes, scatter = self.grad_reduction()
+        parts = allgather_parts if scatter else allreduce_parts
 
         def seconds(elements: float) -> float:
-            bw, lat = allreduce_parts(4.0 * elements, self.spec.dp, link)
+            bw, lat = parts(nbytes * elements, self.spec.dp, link)
             return bw * k + lat
         return seconds
 

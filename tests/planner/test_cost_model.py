@@ -222,3 +222,28 @@ def test_split_backward_times_and_zero_bubble_simulation():
     assert zb.simulation.pipeline_time < base.simulation.pipeline_time
     assert zb.simulation.peak_memory == pytest.approx([m.static_bytes + m.activation_bytes for m in zb.memory])
     assert zb.memory[1].activation_bytes > base.memory[1].activation_bytes
+
+
+def test_the_gradient_reduction_follows_the_engine():
+    """Ours all-reduces fp32 gradients even under ZeRO-1; Megatron-core reduces its gradient buffer's bytes (16-bit
+    under fp16 without --accumulate-allreduce-grads-in-fp32) and reduce-scatters under its distributed optimizer."""
+    from megatron_bmw.planner.engine import EngineConfig
+
+    cluster = load_cluster("a100-80g-ib", 2)
+    model = replace(MODEL, params_dtype="fp16")
+    elements = 1e8
+
+    def reduce(engine, zero1):
+        spec = _spec(model=model, pp=1, dp=8, partition=(10,), distributed_optimizer=zero1)
+        cost = CostModel(spec, cluster, settings=CostSettings(engine=engine))
+        return cost.grad_reduction(), cost.dp_reduce_seconds(0)(elements)
+
+    link = CostModel(_spec(model=model, pp=1, dp=8, partition=(10,)), cluster).dp_link(0)
+
+    ours = EngineConfig()
+    assert reduce(ours, False) == reduce(ours, True) == ((4.0, False), pytest.approx(allreduce_time(4e8, 8, link)))
+    mcore = EngineConfig("megatron-core")
+    assert reduce(mcore, False) == ((2.0, False), pytest.approx(allreduce_time(2e8, 8, link)))
+    assert reduce(mcore, True) == ((2.0, True), pytest.approx(allgather_time(2e8, 8, link)))
+    fp32 = EngineConfig("megatron-core", accumulate_allreduce_grads_in_fp32=True)
+    assert reduce(fp32, True) == ((4.0, True), pytest.approx(allgather_time(4e8, 8, link)))
