@@ -1,12 +1,15 @@
 import os
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 torch.set_num_threads(1)
+
+from tests.tiers import FAST  # noqa: E402
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -18,3 +21,20 @@ def pytest_terminal_summary(terminalreporter):
         gloo = {k: v for k, v in names.items() if "gloo" in k}
         terminalreporter.write_line(f"dist workers, world size {ws}: {sum(names.values())} threads on rank 0 "
                                     f"(gloo: {gloo})")
+
+
+@pytest.fixture(autouse=True)
+def _no_subprocess_in_the_fast_tier(request, monkeypatch):
+    """In the fast tier a test that starts a process (an entry point, torchrun, a tool) fails with the reason: mark
+    it slow. run_distributed refuses the same way (dist_harness.py)."""
+    if not FAST or request.node.get_closest_marker("slow") is not None:
+        return
+    import subprocess
+
+    real = subprocess.Popen
+
+    class Refused(real):
+        def __init__(self, args, *a, **k):
+            raise RuntimeError(f"{request.node.nodeid} starts a process ({args!r:.80}): mark it @pytest.mark.slow")
+
+    monkeypatch.setattr(subprocess, "Popen", Refused)

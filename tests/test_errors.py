@@ -41,6 +41,7 @@ def test_usage_error_before_init_other_rank_elsewhere_is_silent(monkeypatch, cap
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_quietly():
     """`grid_search.py --dry-run | head -1` printed a BrokenPipeError traceback."""
     code = ("from megatron_bmw.errors import exit_on_usage_error\n"

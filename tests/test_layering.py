@@ -101,6 +101,7 @@ def test_the_check_sees_a_forbidden_import(tmp_path):
     assert len(bad) == 1 and "imports megatron_bmw.training.loop" in bad[0]
 
 
+@pytest.mark.slow
 def test_the_planner_does_not_load_torch():
     planner = sorted(m for m in _modules() if _top(m) == "planner")
     code = ("import importlib, sys\n"

@@ -42,6 +42,7 @@ def _records(path):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_converges_to_the_measured_best_and_writes_its_plan(slurm, capsys):
     assert _tune("--output-dir", "out") == 0
     out = capsys.readouterr().out
@@ -57,6 +58,7 @@ def test_converges_to_the_measured_best_and_writes_its_plan(slurm, capsys):
     assert f"pick: {best['id']}" in out
 
 
+@pytest.mark.slow
 def test_an_interrupted_tune_resumes_without_measuring_again(slurm, capsys):
     _tune("--output-dir", "out", "--max-trials", "1")
     first = _records("out/trials.jsonl")
@@ -68,6 +70,7 @@ def test_an_interrupted_tune_resumes_without_measuring_again(slurm, capsys):
     assert again[:len(first)] == first
 
 
+@pytest.mark.slow
 def test_a_trial_that_runs_out_of_memory_does_not_stop_the_loop(slurm, capsys, monkeypatch):
     monkeypatch.setenv("FAKE_OOM_MBS", "4")
     assert _tune("--output-dir", "out") == 0
