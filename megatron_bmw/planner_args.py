@@ -81,6 +81,9 @@ def add_planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
                    help="megatron-core: the gradient buffer in fp32 (default: on for bf16, off for fp16)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="megatron-core: 16-bit gradient buffer with bf16 (off by default)")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="megatron-core with Transformer Engine: the sequence-parallel all-gathers and reduce-scatters "
+                        "overlap the GEMMs next to them (timed only where the cluster gives the SM count)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     if timed:
         g.add_argument("--achievable-fraction", type=float, default=None,
@@ -189,7 +192,7 @@ def cluster_from_args(args, profiles: Profiles, placeholder_ok: bool = False) ->
 
 def engine_from_args(args) -> EngineConfig:
     return engine_from_flags(getattr(args, "engine", None), getattr(args, "accumulate_allreduce_grads_in_fp32", False),
-                             getattr(args, "grad_reduce_in_bf16", False))
+                             getattr(args, "grad_reduce_in_bf16", False), getattr(args, "tp_comm_overlap", False))
 
 
 def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None) -> MemorySettings:

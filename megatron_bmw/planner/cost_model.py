@@ -3,8 +3,10 @@
 Compute: each unit's forward and backward time from the profile of the stage's device type (interpolated in
 the micro-batch size; for another model, or a tp=1 timing split over tp ranks, rescaled by the kernel model's
 times of the two shapes where the SM count is known, else by FLOPs; a device type without a profile is an error
-when profiles are given), or analytically as FLOPs / (peak x achievable fraction) with backward = 2 x forward. Tensor-parallel collectives run inside
-units: measured when the profile has that tp degree, else added from the cluster's links. Recomputation
+when profiles are given), or analytically (by GEMM shape, kernel_time.py, where the device type gives its SMs, else
+FLOPs / (peak x achievable fraction) with backward = 2 x forward). Tensor-parallel collectives run inside units:
+measured when the profile has that tp degree, else added from the cluster's links (with Megatron-core's
+--tp-comm-overlap, the sequence-parallel ones beside their GEMMs: _overlapped_sp). Recomputation
 adds the recomputed forward (the whole unit for full, the attention core for selective) to the backward.
 A zero-bubble schedule's split backward: W (the deferred weight gradients) takes `wgrad_share` of the unit's own
 backward, the share its weight-gradient GEMMs have of the backward's matrix work (by GEMM shape where the
@@ -40,7 +42,7 @@ from ..pipeline.schedule import Action, Kind
 from .cluster import Cluster, DeviceType, Link
 from .engine import OURS, EngineConfig
 from .flops import core_attention_share, unit_forward_flops, unit_weight_grad_flops
-from .kernel_time import KernelDevice, shape_ratio, unit_kernel_times, unit_weight_grad_time
+from .kernel_time import KernelDevice, shape_ratio, unit_edge_gemms, unit_kernel_times, unit_weight_grad_time
 from ..units import owns_output_weight, unit_kind, unit_names
 from .overlap import RankSpans, exposed_gather, reduce_end
 from .memory_model import chunk_unit_indices, chunk_units, unit_activation_bytes, unit_param_count
@@ -349,11 +351,32 @@ class CostModel:
 
         sp = self.spec.sp
         if kind in ("attention", "mlp"):
+            if sp and self.settings.engine.tp_comm_overlap:
+                return self._overlapped_sp(kind, stage, ag)
             return (add(ag, ag), add(ag, ag)) if sp else (ar, ar)
         if kind == "embedding":
             return ar, (ag if sp else zero)
         small = allreduce_parts(self.spec.model.seq_length * self.spec.pipeline.micro_batch_size * 4, tp, link)
         return add(ag if sp else zero, small, small, small), (ag if sp else ar)
+
+    def _overlapped_sp(self, kind: str, stage: int, one: tuple[float, float]):
+        """--tp-comm-overlap (Megatron-core with Transformer Engine): each of a unit's two sequence-parallel
+        collectives per pass (`one`: (bandwidth term, latency)) runs beside the GEMM at its end of the unit (the
+        all-gather before QKV or fc1, the reduce-scatter after the projection or fc2; in backward their mirrors),
+        both slowed by the overlap factor while they overlap: a pair (c, g) takes max(c, g) + (factor - 1) x
+        min(c, g), of which what exceeds g is the collective's exposed time. Without the device's SM count there are
+        no GEMM times to pair with, and nothing is hidden."""
+        c = one[0] + one[1]
+        kd = self.kernel_device(self.devices[stage])
+        if kd is None or c <= 0:
+            return (2 * one[0], 2 * one[1]), (2 * one[0], 2 * one[1])
+        factor = self.settings.overlap_factor
+        edges = unit_edge_gemms(kind, self.spec.model, self.spec.pipeline.micro_batch_size, self.spec.tp, kd)
+
+        def exposed(pair: tuple[float, float]) -> tuple[float, float]:
+            e = sum(max(c, g) + (factor - 1) * min(c, g) - g for g in pair)
+            return one[0] * e / c, one[1] * e / c
+        return exposed(edges[0]), exposed(edges[1])
 
     def unit_times(self, kind: str, recompute: str | None, device: DeviceType, stage: int,
                    index: int | None = None) -> tuple[float, float]:

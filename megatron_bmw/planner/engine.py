@@ -63,10 +63,15 @@ class EngineConfig:
 
     name: str = OURS
     accumulate_allreduce_grads_in_fp32: bool | None = None
+    tp_comm_overlap: bool = False  # Megatron-core with Transformer Engine: SP collectives overlap their GEMMs
 
     def __post_init__(self) -> None:
         if self.name not in ENGINES:
             raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, not {self.name!r}")
+        if self.tp_comm_overlap and self.name != "megatron-core":
+            raise UsageError(f"--tp-comm-overlap is Megatron-core's (Transformer Engine's userbuffers); engine "
+                             f"{self.name} does not overlap tensor-parallel communication (plan with --engine "
+                             "megatron-core)")
         if self.name == OURS and self.accumulate_allreduce_grads_in_fp32 is False:
             raise UsageError("--grad-reduce-in-bf16: megatron_bmw accumulates and reduces gradients in fp32 "
                              "(parallel/grad_sync.py); plan another engine with --engine megatron-core")
@@ -98,17 +103,21 @@ class EngineConfig:
         out: dict = {"engine": self.name}
         if self.accumulate_allreduce_grads_in_fp32 is not None:
             out["accumulate_allreduce_grads_in_fp32"] = self.accumulate_allreduce_grads_in_fp32
+        if self.tp_comm_overlap:
+            out["tp_comm_overlap"] = True
         return out
 
     def describe(self) -> str:
         flag = self.accumulate_allreduce_grads_in_fp32
         return self.name + ("" if flag is None else " with --accumulate-allreduce-grads-in-fp32" if flag
-                            else " with --grad-reduce-in-bf16")
+                            else " with --grad-reduce-in-bf16") + (" --tp-comm-overlap" if self.tp_comm_overlap else "")
 
 
-def engine_from_flags(engine: str | None, accumulate_fp32: bool, reduce_bf16: bool) -> EngineConfig:
-    """The engine of `--engine`, `--accumulate-allreduce-grads-in-fp32` and `--grad-reduce-in-bf16`."""
+def engine_from_flags(engine: str | None, accumulate_fp32: bool, reduce_bf16: bool,
+                      tp_comm_overlap: bool = False) -> EngineConfig:
+    """The engine of `--engine`, `--accumulate-allreduce-grads-in-fp32`, `--grad-reduce-in-bf16` and
+    `--tp-comm-overlap`."""
     if accumulate_fp32 and reduce_bf16:
         raise UsageError("--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 contradict each other")
     flag = True if accumulate_fp32 else False if reduce_bf16 else None
-    return EngineConfig(engine or OURS, flag)
+    return EngineConfig(engine or OURS, flag, tp_comm_overlap)

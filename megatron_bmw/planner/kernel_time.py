@@ -153,3 +153,13 @@ def shape_ratio(kind: str, model: ModelConfig, micro_batch_size: int, tp: int, r
     if min(ref) <= 0:
         return None
     return ours[0] / ref[0], ours[1] / ref[1]
+
+
+def unit_edge_gemms(kind: str, model: ModelConfig, micro_batch_size: int, tp: int,
+                    dev: KernelDevice) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((first, last) forward, (first, last) backward) seconds of the GEMMs at the ends of an attention or MLP unit
+    (QKV and projection; fc1 and fc2): the GEMMs a sequence-parallel all-gather feeds and a reduce-scatter drains,
+    which Transformer Engine's communication overlap hides them behind."""
+    parts = _unit_parts(kind, model, micro_batch_size, tp, dev)
+    first, last = parts[0], parts[-1]
+    return (first[0], last[0]), (first[1], last[1])

@@ -89,7 +89,8 @@ class Plan:
                    make_vocab_size_divisible_by=data.get("make_vocab_size_divisible_by", 128),
                    devices=data.get("devices", []), cluster=data.get("cluster", {}), profiles=data.get("profiles", []),
                    prediction=data.get("prediction", {}), search=data.get("search", {}),
-                   engine=EngineConfig(tr.get("engine", OURS), tr.get("accumulate_allreduce_grads_in_fp32")))
+                   engine=EngineConfig(tr.get("engine", OURS), tr.get("accumulate_allreduce_grads_in_fp32"),
+                                       bool(tr.get("tp_comm_overlap", False))))
 
 
 def _known(section, cls, where: str, name: str) -> dict:

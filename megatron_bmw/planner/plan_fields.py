@@ -96,12 +96,17 @@ _SECTIONS = {
     "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                  "sequence_parallel", "rank_order", "unit_strategies"),
     "training": ("global_batch_size", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-                 "engine", "accumulate_allreduce_grads_in_fp32"),
+                 "engine", "accumulate_allreduce_grads_in_fp32", "tp_comm_overlap"),
 }
 
 
 def _check_engine(f: _Fields, training: dict) -> None:
     engine = f.choice(training, "engine", "training.engine", ENGINES, OURS)
+    if "tp_comm_overlap" in training:
+        f.boolean(training, "tp_comm_overlap", "training.tp_comm_overlap")
+        if training["tp_comm_overlap"] and engine != "megatron-core":
+            f.fail("training.tp_comm_overlap", f"is true, but engine {engine} does not overlap tensor-parallel "
+                   "communication (Megatron-core's --tp-comm-overlap)")
     fp32 = training.get("accumulate_allreduce_grads_in_fp32")
     if fp32 is None:
         return

@@ -247,3 +247,31 @@ def test_the_gradient_reduction_follows_the_engine():
     assert reduce(mcore, True) == ((2.0, True), pytest.approx(allgather_time(2e8, 8, link)))
     fp32 = EngineConfig("megatron-core", accumulate_allreduce_grads_in_fp32=True)
     assert reduce(fp32, True) == ((4.0, True), pytest.approx(allgather_time(4e8, 8, link)))
+
+
+def test_tp_comm_overlap_hides_the_sequence_parallel_collectives_behind_their_gemms():
+    """Megatron-core's --tp-comm-overlap: each SP collective beside the GEMM at its end of the unit costs only what
+    exceeds that GEMM (both slowed by the overlap factor while they overlap); refused for other engines."""
+    from megatron_bmw.planner.engine import EngineConfig
+    from megatron_bmw.planner.kernel_time import unit_edge_gemms
+
+    cluster = load_cluster("a100-80g-ib")
+    model = ModelConfig(num_layers=2, hidden_size=4096, num_attention_heads=32, vocab_size=51200, seq_length=2048,
+                        params_dtype="bf16")
+    spec = _spec(model=model, tp=8, pp=1, dp=1, partition=(6,), sequence_parallel=True)
+    plain = CostModel(spec, cluster, settings=CostSettings(engine=EngineConfig("megatron-core")))
+    overlap = CostSettings(engine=EngineConfig("megatron-core", tp_comm_overlap=True))
+    hidden = CostModel(spec, cluster, settings=overlap)
+    factor = CostSettings().overlap_factor
+    for kind in ("attention", "mlp"):
+        pf, pb = plain.tp_comm(kind, 0)
+        fwd, bwd = hidden.tp_comm(kind, 0)
+        one = pf / 2  # one all-gather or reduce-scatter
+        (f0, f1), (b0, b1) = unit_edge_gemms(kind, model, 2, 8, hidden.kernel_device(hidden.devices[0]))
+        expect = sum(max(one, g) + (factor - 1) * min(one, g) - g for g in (f0, f1))
+        assert fwd == pytest.approx(expect) and 0 < fwd < pf, kind
+        assert 0 < bwd < pb
+    # the embedding's and the head's collectives are not overlapped
+    assert hidden.tp_comm("head", 0) == plain.tp_comm("head", 0)
+    with pytest.raises(UsageError, match="--tp-comm-overlap"):
+        EngineConfig("megatron_bmw", tp_comm_overlap=True)

@@ -90,6 +90,10 @@ def test_plans_carry_the_engine_and_our_runtime_refuses_others(tmp_path):
     argv = ["--plan", str(path), "--mock-data"]
     with pytest.raises(UsageError, match="planned for engine megatron-core with --grad-reduce-in-bf16"):
         apply_plan(parse_args(argv), argv)
+    overlapped = EngineConfig("megatron-core", tp_comm_overlap=True)
+    _plan(overlapped).save(str(path))
+    assert json.loads(path.read_text())["training"]["tp_comm_overlap"] is True
+    assert Plan.load(str(path)).engine == overlapped
     _plan(EngineConfig()).save(str(path))  # ours: the default, written as before
     assert "accumulate_allreduce_grads_in_fp32" not in json.loads(path.read_text())["training"]
     assert apply_plan(parse_args(argv), argv).engine == EngineConfig()
@@ -100,6 +104,8 @@ def test_plans_carry_the_engine_and_our_runtime_refuses_others(tmp_path):
     ({"engine": "megatron"}, "training.engine must be one of"),
     ({"engine": "deepspeed", "accumulate_allreduce_grads_in_fp32": True}, "Megatron-LM's flag"),
     ({"engine": "megatron-core", "accumulate_allreduce_grads_in_fp32": "yes"}, "must be true or false"),
+    ({"tp_comm_overlap": True}, "engine megatron_bmw does not overlap tensor-parallel communication"),
+    ({"engine": "megatron-core", "tp_comm_overlap": 1}, "must be true or false"),
 ])
 def test_a_plan_file_with_an_engine_setting_that_cannot_hold(tmp_path, training, needle):
     data = _plan(EngineConfig()).to_json()
