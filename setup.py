@@ -16,7 +16,7 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest", "transformers", "tokenizers", "megatron-core==0.16.1"],
+        "test": ["pytest", "pytest-xdist>=3", "transformers", "tokenizers", "megatron-core==0.16.1"],
         "plot": ["matplotlib"],
     },
 )
