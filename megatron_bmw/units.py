@@ -9,6 +9,8 @@ ModelConfig.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .errors import UsageError
 
 UNIT_KINDS = ("embedding", "attention", "mlp", "head")
@@ -17,10 +19,15 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def unit_names(num_layers: int) -> list[str]:
+    return list(_unit_names(num_layers))
+
+
+@lru_cache(maxsize=64)
+def _unit_names(num_layers: int) -> tuple[str, ...]:
     names = ["embedding"]
     for i in range(num_layers):
         names += [f"attn_{i}", f"mlp_{i}"]
-    return names + ["head"]
+    return tuple(names + ["head"])
 
 
 def num_units(num_layers: int) -> int:

@@ -209,6 +209,11 @@ def add_communication(schedule: Schedule) -> Schedule:
 
 def generate(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """Build a schedule with communication. `name` in SCHEDULES; zbv has v = 2 (CHUNKS)."""
+    return add_communication(compute_schedule(name, p, m, v))
+
+
+def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """generate's compute actions only (what pipeline/holding.py counts), without SEND/RECV."""
     if name not in SCHEDULES:
         raise UsageError(f"unknown pipeline schedule {name!r} (choose {', '.join(SCHEDULES)})")
     _check_sizes(p, m, v)
@@ -231,4 +236,4 @@ def generate(name: str, p: int, m: int, v: int = 1) -> Schedule:
         compute = zbv(p, m)
     else:
         compute = interleaved_1f1b(p, m, v)
-    return add_communication(compute)
+    return compute

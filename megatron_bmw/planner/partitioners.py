@@ -62,15 +62,22 @@ def _prepare(costs, stages, edge):
         if len(edge) != n + 1:
             raise UsageError(f"edge needs one cost per cut position (n_units + 1 = {n + 1}), got {len(edge)}")
         E = _numbers(edge, "edge costs")
-    prefixes, lastinf = [], []
+    prefixes, lastinf, done = [], [], {}
     for row in rows:
-        vals = _numbers(row, "unit costs")
-        prefixes.append([0.0, *accumulate(0.0 if v == _INF else v for v in vals)])
-        last, li = -1, [-1]
-        for u, v in enumerate(vals):
-            if v == _INF:
-                last = u
-            li.append(last)
+        if id(row) not in done:  # one list given for several stages is prepared once
+            vals = _numbers(row, "unit costs")
+            prefix = [0.0, *accumulate(0.0 if v == _INF else v for v in vals)]
+            last, li = -1, [-1]
+            if _INF in vals:
+                for u, v in enumerate(vals):
+                    if v == _INF:
+                        last = u
+                    li.append(last)
+            else:
+                li *= n + 1
+            done[id(row)] = (prefix, li)
+        prefix, li = done[id(row)]
+        prefixes.append(prefix)
         lastinf.append(li)
     if not per_stage:
         prefixes *= stages
@@ -106,40 +113,36 @@ def _cuts_to_sizes(cuts: list[int]) -> list[int]:
 
 
 def _minmax_table(n, p, P, L, E) -> list[list[float]]:
-    """T[k][b]: the smallest possible max load of units [0, b) on stages 0..k, stage k ending at cut b.
-
-    Entries above the max load of a quick heuristic split (an upper bound on the optimum) are left at inf;
-    only cuts whose stage load stays within that bound are scanned.
-    """
-    ub = _upper_bound(n, p, P, L, E)
+    """T[k][b]: the smallest possible max load of units [0, b) on stages 0..k, stage k ending at cut b (inf when
+    every such split has a unit that costs inf). One vectorised minimum per stage over the (a, b) pairs, the
+    same float operations as the scalar recurrence min_a max(T[k-1][a], P_k[b] + E[b] - P_k[a])."""
     P0, L0 = P[0], L[0]
     row = [_INF] * (n + 1)
     for b in range(1, n - p + 2):
         if L0[b] < 0:
             row[b] = (P0[b] + E[b]) - P0[0]
     T = [row]
+    cut = np.arange(n + 1)[:, None]
+    edge = np.array(E, dtype=float)
+    block = max(1, _TABLE_BLOCK // (n + 1))  # cuts b per vectorised block
     for k in range(1, p):
-        Pk, Lk, prev = P[k], L[k], T[k - 1]
+        Pk = np.array(P[k], dtype=float)
+        last_inf = np.array(L[k], dtype=np.int64)
+        prev = np.array(T[k - 1])[:, None]
+        all_ends = np.arange(k + 1, n - p + k + 2) if k < p - 1 else np.array([n])
         row = [_INF] * (n + 1)
-        for b in range(k + 1, n - p + k + 2) if k < p - 1 else (n,):
-            c = Pk[b] + E[b]
-            lo = _first_fit(Pk, c, ub, max(k, Lk[b] + 1), b, False)
-            if lo < b:
-                row[b] = min(map(max, prev[lo:b], map(sub, repeat(c), Pk[lo:b])))
+        for s in range(0, len(all_ends), block):
+            ends = all_ends[s:s + block]
+            first = np.maximum(last_inf[ends] + 1, k)  # stage k holds units [a, b) with a >= first
+            worst = np.maximum(prev, (Pk[ends] + edge[ends])[None, :] - Pk[:, None])
+            worst[(cut < first[None, :]) | (cut >= ends[None, :])] = _INF
+            for b, v in zip(ends.tolist(), worst.min(axis=0).tolist()):
+                row[b] = v
         T.append(row)
     return T
 
 
-def _upper_bound(n, p, P, L, E) -> float:
-    """Max stage load of the better of two quick splits: equal unit counts, and equal shares of mean cost."""
-    mean = [sum(Pk[b] for Pk in P) / p for b in range(n + 1)]
-    cuts = [0]
-    for k in range(1, p):
-        b = bisect_left(mean, mean[n] * k / p, cuts[-1] + 1, n - p + k + 1)
-        cuts.append(max(cuts[-1] + 1, min(b, n - p + k)))
-    cuts.append(n)
-    even = [n // p + (k < n % p) for k in range(p)]
-    return min(max(_loads(even, P, L, E)), max(_loads(_cuts_to_sizes(cuts), P, L, E)))
+_TABLE_BLOCK = 1 << 20  # (a, b) pairs per vectorised block of _minmax_table
 
 
 def _minmax_backtrack(n, p, P, L, E, T, bound) -> list[int]:
@@ -188,12 +191,11 @@ def _greedy_from_back(n, stages, P, L, bound) -> list[int] | None:
     whenever any partition is; with per-stage costs it is not an exact check."""
     sizes, b = [], n
     for k in range(stages - 1, -1, -1):
-        lo = k  # leave one unit for each earlier stage
-        a = b - 1
-        if a < lo or L[k][b] >= a or P[k][b] - P[k][a] > bound:
+        Pk, last_inf = P[k], L[k][b]
+        a = b - 1  # leave one unit for each earlier stage (a >= k)
+        if a < k or last_inf >= a or Pk[b] - Pk[a] > bound:
             return None
-        while a > lo and L[k][b] < a - 1 and P[k][b] - P[k][a - 1] <= bound:
-            a -= 1
+        a = _first_fit(Pk, Pk[b], bound, max(k, last_inf + 1), a, False)
         sizes.append(b - a)
         b = a
     if b != 0:
@@ -204,8 +206,10 @@ def _greedy_from_back(n, stages, P, L, bound) -> list[int] | None:
 def _minmax_bisect(n, stages, P, L) -> list[int]:
     """Min-max for large problems with one cost per unit: bisection on the bound (to a relative 1e-12) with the
     greedy check."""
-    lo = max(min(P[k][u + 1] - P[k][u] for k in range(stages)) for u in range(n))
-    hi = max(P[k][n] for k in range(stages))
+    rows = list({id(Pk): Pk for Pk in P}.values())
+    diffs = np.diff(np.array(rows, dtype=float), axis=1)
+    lo = float(diffs.min(axis=0).max())
+    hi = max(Pk[n] for Pk in rows)
     best = _greedy_from_back(n, stages, P, L, hi)
     if best is None:
         return [1] * (stages - 1) + [n - stages + 1]  # every partition has a stage that cannot fit

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import accumulate
 
 from ..config import ModelConfig, PipelineConfig
 from ..pipeline.bpipe import mu_opt
-from ..pipeline.generators import generate, interleaved_1f1b
+from ..pipeline.generators import compute_schedule, generate, interleaved_1f1b
 from ..pipeline.holding import holding_events
 from ..pipeline.replay import compile_schedule, replay
 from ..pipeline.schedule import Action, Kind
@@ -90,6 +92,24 @@ class ScheduleShapes:
         self.unit_times: dict[tuple, tuple[float, float]] = {}
         self.saved_bytes: dict[tuple, float] = {}
         self.placements: dict[tuple, dict] = {}  # (tp, pp, dp, rank order) -> devices, links, capacity
+        self._minmax: dict[tuple, list[int]] = {}
+        self.knapsacks: dict[tuple, tuple | None] = {}  # LayoutProblem._choice_for
+
+    def minmax(self, costs, stages: int) -> list[int]:
+        """minmax_partition (exact), memoised: layouts of one placement share their unit times."""
+        key = (stages, tuple(map(tuple, costs)) if isinstance(costs, tuple) else tuple(costs))
+        if key not in self._minmax:
+            self._minmax[key] = minmax_partition(costs, stages)
+        return list(self._minmax[key])
+
+    def minmax_memory(self, static: list[float], saved: list[float], counts: list[float]) -> list[int]:
+        """The near-balanced memory split (minmax_partition, exact=False) of blocks holding `static` bytes and
+        `saved` bytes per micro-batch, stage k holding counts[k] micro-batches; memoised."""
+        key = (tuple(static), tuple(saved), tuple(counts))
+        if key not in self._minmax:
+            rows = {c: [s + c * a for s, a in zip(static, saved)] for c in set(counts)}  # one list per count
+            self._minmax[key] = minmax_partition([rows[c] for c in counts], len(counts), exact=False)
+        return list(self._minmax[key])
 
     def counts(self, layout: Layout, bpipe: bool) -> list[list[list[float]]]:
         """Per rank, the per-chunk micro-batch counts it may hold at its peak: one vector for 1F1B and GPipe;
@@ -143,7 +163,7 @@ def replayed_credit(schedule: str, pp: int, m: int) -> float:
 def split_peak_mixes(schedule: str, p: int, m: int) -> list[list[list[float]]]:
     """Per rank of a schedule with split backwards (one chunk per rank), the [held whole, held for W] counts after
     each change (pipeline/holding.py's rule), without those another holds slot by slot."""
-    sched = generate(schedule, p, m)
+    sched = compute_schedule(schedule, p, m)
     out = []
     for rank in range(p):
         whole = wgrad = 0.0
@@ -191,7 +211,7 @@ class LayoutProblem:
     def __init__(self, layout: Layout, variant: Variant, model: ModelConfig, cluster: Cluster, profiles: Profiles,
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
                  uniform: str | None | bool = False) -> None:
-        self.layout, self.variant, self.model, self.space = layout, variant, model, space
+        self.layout, self.variant, self.model, self.space, self.shapes = layout, variant, model, space, shapes
         self.memory = memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.mbs, variant.sp)
         self.uniform = uniform  # False: per-unit choices; else this one choice for every transformer unit
         lay = layout
@@ -249,14 +269,16 @@ class LayoutProblem:
             self.times.append(by_device[place])
             if self.zero_bubble:
                 factor = self.cost.static_factor[r]
-                row = []
-                for i, kind in enumerate(kinds):
-                    wkey = place + ("wgrad", kind, i if per_unit else None)
-                    if wkey not in memo:
-                        work, wait = self.cost.wgrad_parts(kind, dev, i)
-                        memo[wkey] = work * factor + wait
-                    row.append(memo[wkey])
-                self.wtimes.append(row)
+                if (place, factor) not in by_device:
+                    row = []
+                    for i, kind in enumerate(kinds):
+                        wkey = place + ("wgrad", kind, i if per_unit else None)
+                        if wkey not in memo:
+                            memo[wkey] = self.cost.wgrad_parts(kind, dev, i)
+                        work, wait = memo[wkey]
+                        row.append(work * factor + wait)
+                    by_device[(place, factor)] = row
+                self.wtimes.append(by_device[(place, factor)])
 
         def saved(kind, c):
             key = (kind, c, lay.mbs, lay.tp, sp, memory.device, model.vocab_size)
@@ -279,70 +301,76 @@ class LayoutProblem:
         self.static = [p * per_param for p in self.params]
         self.p2p = self.cost.transfer_time(0, 1, _SEND) if lay.pp > 1 else 0.0
         self.embedding_sync = self.cost.embedding_sync_time()
-        self._knap: dict[tuple, tuple | None] = {}
+        self._knap = shapes.knapsacks  # shared: the same units and room give the same choice in any layout
         self._ranks: dict[tuple, tuple | None] = {}  # interleaved ranks' choices by their chunks
         self._plans: dict[tuple, tuple | None] = {}  # every rank's plan by its chunks (evaluate)
         self._syncs: dict[tuple, tuple[float, float]] = {}  # and its synchronisation (_sync_time)
         self._over: list[tuple[float, float]] | None = None
 
     # ---- one partition --------------------------------------------------------------------------------------
-    def _rank_units(self, partition: tuple[int, ...]) -> list[list[list[int]]]:
-        """Per rank, the unit indices of each of its chunks."""
+    def _rank_keys(self, partition: tuple[int, ...]) -> list[tuple]:
+        """Per rank, its chunks as (first unit, units): what its plan depends on."""
         pp = self.layout.pp
-        out: list[list[list[int]]] = [[] for _ in range(pp)]
-        start = 0
-        for k, size in enumerate(partition):
-            out[k % pp].append(list(range(start, start + size)))
-            start += size
-        return out
+        starts = [0, *accumulate(partition)]
+        if self.stages == pp:
+            return [((starts[r], partition[r]),) for r in range(pp)]
+        return [tuple((starts[k], partition[k]) for k in range(r, self.stages, pp)) for r in range(pp)]
 
     def evaluate(self, partition: tuple[int, ...]) -> Solution | None:
         """Per rank the fastest recomputation that fits, then the estimate; None when some rank cannot fit."""
         lay = self.layout
-        recompute: list[str | None] = [None] * len(self.names)
-        picks_all = [0] * len(self.names)
-        fwd = [0.0] * self.stages
-        bwd = [0.0] * self.stages
-        wgt = [0.0] * self.stages
+        pp = lay.pp
+        stages = self.stages
+        fwd = [0.0] * stages
+        bwd = [0.0] * stages
+        wgt = [0.0] * stages
         memory = []
-        per_rank = self._rank_units(partition)
-        keys = [(r, tuple((units[0], len(units)) for units in per_rank[r])) for r in range(lay.pp)]
-        for r in range(lay.pp):
-            got = self._rank_plan(r, per_rank[r], keys[r])
+        keys = self._rank_keys(partition)
+        plans = []
+        recomputes = False
+        cache = self._plans
+        for r, key in enumerate(keys):
+            got = cache.get((r, key), False)
+            if got is False:
+                got = self._rank_plan(r, key)
             if got is None:
                 return None
-            mem, chunk_plans = got
+            mem, chunk_plans, recomputed = got
             memory.append(mem)
-            for c, (start, picked, idx, f, b, w) in enumerate(chunk_plans):
-                k = c * lay.pp + r
-                n = len(picked)
-                recompute[start:start + n] = picked
-                picks_all[start:start + n] = idx
+            plans.append(chunk_plans)
+            if recomputed:
+                recomputes = True
+            k = r
+            for _, _, f, b, w in chunk_plans:
                 fwd[k] = f
                 bwd[k] = b
                 wgt[k] = w
-        over = self._overheads()
-        fwd = [f + o[0] for f, o in zip(fwd, over)]
-        bwd = [b + o[1] for b, o in zip(bwd, over)]
+                k += pp
         # zero-bubble: the last gradient actions, which the reduction overlaps, are the W's
-        estimate = self._pipeline_time(fwd, bwd, wgt) + self._sync_time(per_rank, keys, picks_all, fwd,
+        estimate = self._pipeline_time(fwd, bwd, wgt) + self._sync_time(keys, plans, fwd,
                                                                          wgt if self.zero_bubble else bwd)
-        rc = tuple(recompute) if any(recompute) else None
+        rc = None
+        if recomputes:  # stage k is chunk k // pp of rank k % pp, and stages follow the units
+            rc = tuple(x for k in range(stages) for x in plans[k % pp][k // pp][0])
         return Solution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity, self)
 
-    def _rank_plan(self, rank: int, chunks: list[list[int]], key: tuple):
+    def _rank_plan(self, rank: int, key: tuple):
         """Memoised per rank and unit ranges (the walk moves one boundary, so most ranks repeat): the rank's peak
-        bytes and per chunk (first unit, its units' choices and their indices, forward, backward and (zero-bubble)
-        weight-gradient seconds), or None."""
+        bytes, per chunk (its units' choices and their indices, forward and backward seconds with the stage's
+        fixed overheads, and (zero-bubble) weight-gradient seconds), and whether any unit recomputes; or None."""
         plans = self._plans
-        if key in plans:
-            return plans[key]
+        full = (rank, key)
+        if full in plans:
+            return plans[full]
+        chunks = [list(range(start, start + size)) for start, size in key]
         got = self._rank_choice(rank, chunks)
         if got is None:
-            plans[key] = None
+            plans[full] = None
             return None
         picks, mem = got
         out = []
+        times = self.times[rank]
+        over_f, over_b = self._overheads()[rank]
         for units in chunks:
             f = b = w = 0.0
             picked, idx = [], []
@@ -350,14 +378,14 @@ class LayoutProblem:
                 j = picks[i]
                 idx.append(j)
                 picked.append(self.choices[i][j])
-                uf, ub = self.times[rank][i][j]
+                uf, ub = times[i][j]
                 f += uf
                 b += ub
                 if self.zero_bubble:
                     w += self.wtimes[rank][i]
-            out.append((units[0], picked, idx, f, b, w))
-        plans[key] = (mem, out)
-        return plans[key]
+            out.append((picked, idx, f + over_f, b + over_b, w))
+        plans[full] = (mem, out, any(x for chunk in out for x in chunk[0]))
+        return plans[full]
 
     def _overheads(self) -> list[tuple[float, float]]:
         if self._over is None:
@@ -452,8 +480,7 @@ class LayoutProblem:
         per_rank = [sum(fb[k] for k in range(r, self.stages, lay.pp)) for r in range(lay.pp)]
         return lay.m * max(per_rank) + (lay.pp - 1) * max(fb) + 2 * (self.stages - 1) * self.p2p
 
-    def _sync_time(self, per_rank: list[list[list[int]]], keys: list[tuple], picks: list[int], fwd: list[float],
-                   bwd: list[float]) -> float:
+    def _sync_time(self, keys: list[tuple], plans: list, fwd: list[float], bwd: list[float]) -> float:
         """What the gradient synchronisation adds after the pipeline (CostModel.finish_times, overlap.py): per rank
         the buckets of its chunks, each chunk's last backward taken back to back at the end (chunk 0's last), the
         optimizer step and ZeRO-1's gather (behind the first forward, which starts when the stages before it
@@ -461,10 +488,12 @@ class LayoutProblem:
         lay = self.layout
         worst = first = 0.0
         for r in range(lay.pp):
-            key = keys[r]
+            key = (r, keys[r])
             got = self._syncs.get(key)
             if got is None:
-                units = [[(self.params[i], self._sync_times(r, i, picks[i])) for i in chunk] for chunk in per_rank[r]]
+                units = [[(self.params[i], self._sync_times(r, i, j)) for i, j in zip(range(start, start + size),
+                                                                                      plan[1])]
+                         for (start, size), plan in zip(keys[r], plans[r])]
                 got = self._syncs[key] = self.exposed_sync(units, [bwd[c * lay.pp + r] for c in range(len(units))],
                                                            fwd[r])
             after, lead = got
@@ -520,26 +549,24 @@ class LayoutProblem:
         tables = {id(t): t for t in self.times}
         by_table = {key: [sum(sum(t[i][0]) for i in blk) for blk in blocks] for key, t in tables.items()}
         plain_time = next(iter(by_table.values())) if len(by_table) == 1 else \
-            [by_table[id(self.times[k % lay.pp])] for k in range(self.stages)]  # per stage only if devices differ
+            tuple(by_table[id(self.times[k % lay.pp])] for k in range(self.stages))  # per stage if devices differ
         cnt = [self.counts[k % lay.pp][0][k // lay.pp] for k in range(self.stages)]
         if self.zero_bubble:  # every micro-batch a rank holds, whole or for W
             cnt = [max(sum(mix) for mix in self.counts[k % lay.pp]) for k in range(self.stages)]
         static = [sum(self.static[i] for i in blk) for blk in blocks]
         most = [sum(self.saved[i][0] for i in blk) for blk in blocks]
         least = [sum(self.saved[i][-1] for i in blk) for blk in blocks]
-        plain_mem = [[s + c * a for s, a in zip(static, most)] for c in cnt]
-        tight_mem = [[s + c * a for s, a in zip(static, least)] for c in cnt]
         seen: dict[tuple[int, ...], Solution | None] = {}
-
+        unit_blocks = len(blocks) == len(self.names)
 
         def score(block_part) -> Solution | None:
             key = tuple(block_part)
             if key not in seen:
-                seen[key] = self.evaluate(block_units(blocks, key))
+                seen[key] = self.evaluate(key if unit_blocks else block_units(blocks, key))
             return seen[key]
 
-        starts = [minmax_partition(plain_time, self.stages), minmax_partition(plain_mem, self.stages, exact=False),
-                  minmax_partition(tight_mem, self.stages, exact=False)]
+        starts = [self.shapes.minmax(plain_time, self.stages),
+                  self.shapes.minmax_memory(static, most, cnt), self.shapes.minmax_memory(static, least, cnt)]
         if lay.virtual == 1 and len(by_table) > 1:  # on one device type AMP's objective is min-max plus a constant
             starts.append(amp_partition(plain_time, self.stages, lay.m))
         for s in starts:
@@ -577,18 +604,9 @@ def choose_grouped(options: list[list[tuple[float, float, float]]], room: float)
         return choose_options(options, room)
     items, mixes = [], []
     for opts, units in groups.items():
-        combos = []
-        for counts in _compositions(len(units), len(opts)):
-            used = [opts[j] for j, n in enumerate(counts) if n]
-            combos.append((sum(n * o[0] for n, o in zip(counts, opts)), sum(n * o[1] for n, o in zip(counts, opts)),
-                           max(o[2] for o in used), counts))
-        front, best_time = [], _INF
-        for c in sorted(combos, key=lambda x: (x[1], x[2], x[0])):  # least memory first
-            if c[0] < best_time:
-                front.append(c)
-                best_time = c[0]
-        items.append([(t, m, tr) for t, m, tr, _ in front])
-        mixes.append((units, [c[3] for c in front]))
+        item, counts = _group_front(opts, len(units))
+        items.append(item)
+        mixes.append((units, counts))
     got = choose_options(items, room)
     if got is None:
         return None
@@ -600,6 +618,23 @@ def choose_grouped(options: list[list[tuple[float, float, float]]], room: float)
             for _ in range(n):
                 choice[next(it)] = j
     return choice, total, peak
+
+
+@lru_cache(maxsize=1 << 16)
+def _group_front(opts: tuple[tuple[float, float, float], ...], n: int) -> tuple[list, list]:
+    """n identical units with options `opts` as one item: per undominated mix, its (time, memory, transient)
+    and how many units take each option."""
+    combos = []
+    for counts in _compositions(n, len(opts)):
+        used = [opts[j] for j, c in enumerate(counts) if c]
+        combos.append((sum(c * o[0] for c, o in zip(counts, opts)), sum(c * o[1] for c, o in zip(counts, opts)),
+                       max(o[2] for o in used), counts))
+    front, best_time = [], _INF
+    for c in sorted(combos, key=lambda x: (x[1], x[2], x[0])):  # least memory first
+        if c[0] < best_time:
+            front.append(c)
+            best_time = c[0]
+    return [(t, m, tr) for t, m, tr, _ in front], [c[3] for c in front]
 
 
 def _compositions(n: int, k: int):
