@@ -402,3 +402,24 @@ def test_large_flat_minmax_bisects_to_the_dp_optimum(monkeypatch):
         n_, prefix, inf, edge = parts._prepare(costs, stages, None)
         assert max(parts._loads(fast, prefix, inf, edge)) == pytest.approx(max(parts._loads(exact, prefix, inf, edge)),
                                                                             rel=1e-9)
+
+
+def test_minmax_table_in_blocks_gives_the_same_partitions(monkeypatch):
+    """The vectorised DP cut into blocks of a few cuts (big problems) finds what one block finds, with units that
+    cost inf among them."""
+    import megatron_bmw.planner.partitioners as parts
+
+    rng = random.Random(12)
+    for _ in range(200):
+        n, p, costs, edge = _random_instance(rng, max_n=12, max_p=5)
+        if rng.random() < 0.3:
+            flat = costs if not isinstance(costs[0], list) else costs[0]
+            flat[rng.randrange(n)] = math.inf
+        gas = rng.randint(1, 8)
+        whole = (minmax_partition(costs, p, edge), amp_partition(costs, p, gas, edge))
+        monkeypatch.setattr(parts, "_TABLE_BLOCK", 1)
+        blocks = (minmax_partition(costs, p, edge), amp_partition(costs, p, gas, edge))
+        monkeypatch.setattr(parts, "_TABLE_BLOCK", 1 << 20)
+        assert blocks == whole, (costs, p, edge)
+        best = min(max(_loads(c, costs, edge)) for c in _compositions(n, p))
+        assert _close(max(_loads(whole[0], costs, edge)), best)

@@ -55,7 +55,7 @@ def test_grouped_knapsack_equals_the_plain_one():
             assert grouped[1] == pytest.approx(plain[1]) and grouped[2] <= budget
 
 
-def _problem(memory_gb, tp=1, pp=2, dp=1, mbs=2, m=4, schedule="1f1b", v=1):
+def _problem(memory_gb, tp=1, pp=2, dp=1, mbs=2, m=4, schedule="1f1b", v=1, shapes=None, variant=Variant()):
     cluster = parse_cluster({
         "name": "t", "inter_node": {"bandwidth_GBps": 1e6, "latency_us": 0},
         "device_types": {"d": {"memory_gb": memory_gb, "peak_tflops": {"fp32": 0.05}}},
@@ -63,8 +63,8 @@ def _problem(memory_gb, tp=1, pp=2, dp=1, mbs=2, m=4, schedule="1f1b", v=1):
                     "intra_node": {"bandwidth_GBps": 1e6, "latency_us": 0}}]})
     model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=64,
                         hidden_dropout=0.0, attention_dropout=0.0, attention_backend="unfused")
-    return LayoutProblem(Layout(tp, pp, dp, mbs, m, schedule, v), Variant(), model, cluster, Profiles(), SearchSpace(),
-                         CostSettings(), MemorySettings(), ScheduleShapes())
+    return LayoutProblem(Layout(tp, pp, dp, mbs, m, schedule, v), variant, model, cluster, Profiles(), SearchSpace(),
+                         CostSettings(), MemorySettings(), shapes or ScheduleShapes())
 
 
 def test_estimate_is_amps_formula_and_memory_is_checked():
@@ -164,3 +164,17 @@ def test_zero_bubble_solution_memory_is_the_walks():
         exact = estimate_memory(sol.spec(zb.model))
         assert sol.memory == pytest.approx([x.peak_bytes for x in exact], rel=1e-12)
         assert sol.memory[1] > base.evaluate(part).memory[1]
+
+
+def test_layouts_sharing_their_memo_tables_solve_as_alone():
+    """ScheduleShapes shares min-max starts and knapsacks between the layouts of a search: solving many layouts
+    on one gives every layout the solution it gets on its own."""
+    shapes = {g: ScheduleShapes() for g in (0.0033, 0.0036, 0.005)}  # one per cluster, as in a search
+    cases = [dict(memory_gb=g, pp=pp, dp=dp, m=m, mbs=mbs, schedule=sch, v=v, variant=Variant(zero1=z))
+             for g in shapes for pp, dp, m, mbs in ((2, 1, 4, 2), (2, 1, 8, 1), (4, 1, 4, 2), (2, 2, 4, 2))
+             for sch, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)) if not (v == 2 and pp == 4)
+             for z in {False, dp > 1}]  # ZeRO-1 leaves the units' options alone and changes the room
+    together = [_fields(_problem(shapes=shapes[c["memory_gb"]], **c).solve()) for c in cases]
+    assert sum(x is not None for x in together) >= 3 and any(x is None for x in together)
+    assert any(x is not None and x[1] is not None for x in together), "some must recompute"
+    assert together == [_fields(_problem(**c).solve()) for c in cases]
