@@ -12,12 +12,23 @@ torch.set_num_threads(1)
 from tests.tiers import FAST  # noqa: E402
 
 
+_THREADS: dict[int, dict[str, int]] = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Note the worker pools' threads, then stop the pools: here, not only at exit, since a pytest-xdist worker has
+    10 s after reporting its end before execnet calls os._exit, which skips atexit handlers and would orphan
+    them."""
+    harness = sys.modules.get("tests.dist_harness")
+    if harness is not None:
+        _THREADS.update(harness.worker_threads())
+        harness.shutdown_pools()
+
+
 def pytest_terminal_summary(terminalreporter):
     """Threads per long-lived test worker at the end of the session: gloo groups that outlive their task show
     here as pt_gloo_runloop / gloo_tcp_loop threads."""
-    from tests.dist_harness import worker_threads
-
-    for ws, names in worker_threads().items():
+    for ws, names in sorted(_THREADS.items()):
         gloo = {k: v for k, v in names.items() if "gloo" in k}
         terminalreporter.write_line(f"dist workers, world size {ws}: {sum(names.values())} threads on rank 0 "
                                     f"(gloo: {gloo})")

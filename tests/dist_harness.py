@@ -15,6 +15,7 @@ import os
 import queue
 import shutil
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -24,6 +25,8 @@ from tests.tiers import FAST
 _POOLS: dict[int, "_Pool"] = {}
 DEFAULT_TIMEOUT = float(os.environ.get("MBMW_TEST_TIMEOUT", "300"))
 AFTER_FAILURE_S = 20.0  # how long the other ranks may take to report once one rank has failed
+CLOSE_S = 5.0  # how long a pool's workers may take to leave once told to
+PARENT_POLL_S = 5.0  # an idle worker checks this often whether the test session still exists
 
 
 def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
@@ -36,8 +39,14 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=PARENT_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test session is gone without stopping us
+                os._exit(0)
+            continue
         if task is None:
             break
         fn, args = task
@@ -125,8 +134,9 @@ class _Pool:
         if not self.broken:
             for q in self.tasks:
                 q.put(None)
+            deadline = time.monotonic() + CLOSE_S
             for p in self.procs:
-                p.join(timeout=10)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.kill()
@@ -151,6 +161,7 @@ def worker_threads() -> dict[int, dict[str, int]]:
 
 
 @atexit.register
-def _shutdown() -> None:
-    for pool in _POOLS.values():
-        pool.close()
+def shutdown_pools() -> None:
+    """Stop every pool's workers (a later run_distributed spawns afresh)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()

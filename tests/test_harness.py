@@ -75,3 +75,36 @@ def test_worker_threads_do_not_grow_across_tasks():
     for _ in range(3):
         run_distributed(2, _build_and_train_once)
     assert sum(worker_threads()[2].values()) <= first
+
+
+@pytest.mark.slow
+def test_workers_leave_when_the_session_dies_without_stopping_them(tmp_path):
+    """A session that leaves by os._exit (as a pytest-xdist worker does, skipping atexit) orphans no workers: each
+    notices its parent is gone and exits."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = ("import os, sys; sys.path.insert(0, sys.argv[1]); from tests.dist_harness import run_distributed; "
+             "from tests.test_harness import _pid; print(*run_distributed(2, _pid), flush=True); os._exit(0)")
+    log = tmp_path / "child.log"  # a file, not a pipe: orphans holding a pipe would keep run() waiting
+    with open(log, "w") as f:
+        subprocess.run([sys.executable, "-c", child, root], stdout=f, stderr=subprocess.STDOUT, timeout=120,
+                       env=dict(os.environ, MBMW_TEST_TIER="full"))
+    lines = log.read_text().splitlines()
+    pids = [int(x) for x in lines[-1].split()] if lines else []
+    assert len(pids) == 2, log.read_text()
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split()[2] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(alive(p) for p in pids)
