@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import accumulate
 
+import numpy as np
+
 from ..config import ModelConfig, PipelineConfig
 from ..pipeline.bpipe import mu_opt
 from ..pipeline.generators import compute_schedule, generate, interleaved_1f1b
@@ -303,6 +305,7 @@ class LayoutProblem:
         self.embedding_sync = self.cost.embedding_sync_time()
         self._knap = shapes.knapsacks  # shared: the same units and room give the same choice in any layout
         self._ranks: dict[tuple, tuple | None] = {}  # interleaved ranks' choices by their chunks
+        self._mix_tables: dict[int, np.ndarray] = {}  # per rank, its mixes as one array (_heaviest)
         self._plans: dict[tuple, tuple | None] = {}  # every rank's plan by its chunks (evaluate)
         self._syncs: dict[tuple, tuple[float, float]] = {}  # and its synchronisation (_sync_time)
         self._over: list[tuple[float, float]] | None = None
@@ -411,16 +414,22 @@ class LayoutProblem:
         whole = [sum(self.saved[i][0 if picks is None else picks[i]] for i in units) for units in chunks]
         return whole + [sum(self.wsaved[i] for i in units) for units in chunks] if self.zero_bubble else whole
 
+    def _heaviest(self, rank: int, mixes: list[list[float]], slot_bytes: list[float]) -> list[float]:
+        """The first mix holding the most bytes (max over mixes of sum(n x b), the same sums vectorised)."""
+        table = self._mix_tables.get(rank)
+        if table is None:
+            table = self._mix_tables[rank] = np.array(mixes, dtype=float)
+        return mixes[int(np.argmax((table * np.array(slot_bytes)).sum(axis=1)))]
+
     def _mixed_choice(self, rank: int, chunks: list[list[int]], mixes: list[list[float]]):
-        plain_chunk = self._slot_bytes(chunks, None)
-        counts = max(mixes, key=lambda mix: sum(n * b for n, b in zip(mix, plain_chunk)))
+        counts = self._heaviest(rank, mixes, self._slot_bytes(chunks, None))
         for _ in range(len(chunks) + 1):
             got = self._choice_for(rank, chunks, counts)
             if got is None:
                 return None
             picks = got[0]
             chunk_bytes = self._slot_bytes(chunks, picks)
-            heaviest = max(mixes, key=lambda mix: sum(n * b for n, b in zip(mix, chunk_bytes)))
+            heaviest = self._heaviest(rank, mixes, chunk_bytes)
             if sum(n * b for n, b in zip(heaviest, chunk_bytes)) <= sum(n * b for n, b in zip(counts, chunk_bytes)):
                 return got
             counts = [max(a, b) for a, b in zip(counts, heaviest)]
