@@ -12,7 +12,7 @@ import math
 from bisect import bisect_left
 from collections import deque
 from heapq import heappop, heappush
-from itertools import accumulate, repeat
+from itertools import accumulate
 from operator import index, sub
 
 import numpy as np
@@ -136,8 +136,7 @@ def _minmax_table(n, p, P, L, E) -> list[list[float]]:
             first = np.maximum(last_inf[ends] + 1, k)  # stage k holds units [a, b) with a >= first
             worst = np.maximum(prev, (Pk[ends] + edge[ends])[None, :] - Pk[:, None])
             worst[(cut < first[None, :]) | (cut >= ends[None, :])] = _INF
-            for b, v in zip(ends.tolist(), worst.min(axis=0).tolist()):
-                row[b] = v
+            row[ends[0]:ends[-1] + 1] = worst.min(axis=0).tolist()  # ends are consecutive cuts
         T.append(row)
     return T
 

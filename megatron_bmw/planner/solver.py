@@ -630,7 +630,7 @@ def choose_grouped(options: list[list[tuple[float, float, float]]], room: float)
 
 
 @lru_cache(maxsize=1 << 16)
-def _group_front(opts: tuple[tuple[float, float, float], ...], n: int) -> tuple[list, list]:
+def _group_front(opts: tuple[tuple[float, float, float], ...], n: int) -> tuple[tuple, tuple]:
     """n identical units with options `opts` as one item: per undominated mix, its (time, memory, transient)
     and how many units take each option."""
     combos = []
@@ -643,7 +643,7 @@ def _group_front(opts: tuple[tuple[float, float, float], ...], n: int) -> tuple[
         if c[0] < best_time:
             front.append(c)
             best_time = c[0]
-    return [(t, m, tr) for t, m, tr, _ in front], [c[3] for c in front]
+    return tuple((t, m, tr) for t, m, tr, _ in front), tuple(c[3] for c in front)  # cached: immutable
 
 
 def _compositions(n: int, k: int):
