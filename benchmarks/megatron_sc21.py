@@ -5,7 +5,8 @@ For every row: the published layout simulated on the a100-80g-ib cluster (DGX A1
 port per GPU) and its predicted TFLOP/s per GPU in Megatron's own accounting (96 B s l h^2 (1 + s/6h +
 V/16lh) FLOPs per iteration, recomputation included) beside the published one; then the search on the same
 GPUs and global batch, its plan's predicted time against the published layout's. Analytic unit times (no
-A100 here to profile): FLOPs / (peak x achievable fraction) plus the elementwise traffic at memory bandwidth.
+A100 here to profile): the GEMMs and attention by shape (planner/kernel_time.py) plus the bytes of the elementwise
+kernels at memory bandwidth (planner/elementwise.py).
 
 With --zero-bubble, per row the search runs twice on the same GPUs and batch, without zero-bubble schedules in its
 space (1F1B, interleaved) and with ZB-H1 added, and reports whether it is chosen, what it gains, and the memory it
@@ -13,10 +14,13 @@ costs: the chosen plan's worst stage against the same plan run with 1F1B. --drop
 runs use 0.1; zero-bubble with recomputation needs 0).
 
     python benchmarks/megatron_sc21.py [--rows 1.7,145.6] [--json out.json] [--zero-bubble [--dropout 0]]
-                                       [--engine megatron-core]
+                                       [--engine megatron_bmw]
 
---engine megatron-core times the data-parallel reduction as Megatron-LM ran it for these --fp16 rows (16-bit
-gradients, all-reduced: no distributed optimizer then) instead of our runtime's fp32 all-reduce.
+The rows are modelled as they ran (Megatron-LM of 2021): unfused attention (baddbmm, the fused scale-mask-softmax
+kernel, dropout over the scores; flash attention came later) and, for time, Megatron's data-parallel reduction
+of these --fp16 runs (`--engine megatron-core`, the default: 16-bit gradients all-reduced, no distributed
+optimizer then). `--engine megatron_bmw` times our runtime's fp32 all-reduce instead; the search plans for the
+engine given.
 
 Memory: every published layout ran, so each must be predicted to fit. The table's "fits" and the search use the
 derived CUDA allowance (planner/cuda_allowance.py) and our runtime's model states; --memory prints each row's
@@ -109,9 +113,9 @@ def main() -> int:
     parser.add_argument("--zero-bubble", action="store_true",
                         help="search with and without ZB-H1 in the space and compare (instead of the published rows)")
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout (default 0.1)")
-    parser.add_argument("--engine", choices=("megatron_bmw", "megatron-core"), default="megatron_bmw",
-                        help="whose gradient reduction the time model assumes: ours (fp32 all-reduce, the default) or "
-                             "Megatron's, as the published runs ran it (--fp16: 16-bit gradients all-reduced)")
+    parser.add_argument("--engine", choices=("megatron_bmw", "megatron-core"), default="megatron-core",
+                        help="whose gradient reduction the time model assumes: Megatron's, as the published runs ran "
+                             "it (--fp16: 16-bit gradients all-reduced; the default), or ours (fp32 all-reduce)")
     args = parser.parse_args()
     rows = TABLE if args.rows is None else [r for r in TABLE if str(r[0]) in args.rows.split(",")]
     if args.zero_bubble:
@@ -124,7 +128,8 @@ def main() -> int:
           f"{'fits':>4} | {'search':>8} {'vs pub.':>7} {'layout (tp pp dp mbs schedule rc)':<36} {'s':>5}")
     for billions, heads, hidden, layers, tp, pp, gpus, batch, published in rows:
         model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=VOCAB,
-                            seq_length=SEQ, params_dtype="fp16", hidden_dropout=0.1, attention_dropout=0.1)
+                            seq_length=SEQ, params_dtype="fp16", hidden_dropout=0.1, attention_dropout=0.1,
+                            attention_backend="unfused")
         cluster = load_cluster("a100-80g-ib", num_nodes=gpus // 8)
         spec = published_spec(model, tp, pp, gpus, batch)
         ev = simulate_run(spec, cluster, None, costs, MEMORY, memory_over_time=False)
@@ -215,7 +220,8 @@ def memory_table(rows, json_path: str | None) -> int:
     print(f"{'params':>7} {'tp':>2} {'pp':>3} {'dp':>3} | margin: {'flat':>6} {'derived':>7} {'Megatron-LM states':>18}")
     for billions, heads, hidden, layers, tp, pp, gpus, batch, _ in rows:
         model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=VOCAB,
-                            seq_length=SEQ, params_dtype="fp16", hidden_dropout=0.1, attention_dropout=0.1)
+                            seq_length=SEQ, params_dtype="fp16", hidden_dropout=0.1, attention_dropout=0.1,
+                            attention_backend="unfused")
         cluster = load_cluster("a100-80g-ib", num_nodes=gpus // 8)
         spec = published_spec(model, tp, pp, gpus, batch)
         got = {name: margin(spec, cluster, settings) for name, settings in

@@ -41,11 +41,12 @@ from ..errors import UsageError
 from ..pipeline.schedule import Action, Kind
 from .cluster import Cluster, DeviceType, Link
 from .engine import OURS, EngineConfig
+from .elementwise import unit_elementwise_bytes
 from .flops import core_attention_share, unit_forward_flops, unit_weight_grad_flops
 from .kernel_time import KernelDevice, shape_ratio, unit_edge_gemms, unit_kernel_times, unit_weight_grad_time
 from ..units import owns_output_weight, unit_kind, unit_names
 from .overlap import RankSpans, exposed_gather, reduce_end
-from .memory_model import chunk_unit_indices, chunk_units, unit_activation_bytes, unit_param_count
+from .memory_model import chunk_unit_indices, chunk_units, unit_param_count
 from .profile_data import Profile, Profiles
 from .spec import RunSpec
 
@@ -253,7 +254,8 @@ class CostModel:
 
     def _analytic(self, kind: str, tp: int, device: DeviceType) -> tuple[float, float]:
         """Matrix work by GEMM shape where the device type gives its SMs (kernel_time.py), else FLOPs at the
-        achievable rate with backward = 2 x forward; plus the elementwise work at memory bandwidth."""
+        achievable rate with backward = 2 x forward; plus the elementwise kernels' bytes at memory bandwidth
+        (elementwise.py)."""
         model, b = self.spec.model, self.spec.pipeline.micro_batch_size
         kd = self.kernel_device(device)
         if kd is not None:
@@ -261,10 +263,11 @@ class CostModel:
         else:
             fwd = unit_forward_flops(kind, model, b, tp) / (device.peak(self.dtype) * self.settings.fraction(device))
             bwd = 2 * fwd
-        if device.memory_bandwidth is not None:  # elementwise work: read and write what the unit keeps
-            kept = unit_activation_bytes(kind, model, b, tp, self.spec.sp, None, "cuda")
-            elementwise = 2 * kept / (device.memory_bandwidth * self.settings.bandwidth_fraction)
-            fwd, bwd = fwd + elementwise, bwd + 2 * elementwise
+        if device.memory_bandwidth is not None:
+            grad_bytes = 4 if self.settings.engine.grads_in_fp32(model.params_dtype) else model.dtype_bytes
+            moved = unit_elementwise_bytes(kind, model, b, tp, self.spec.sp, grad_bytes)
+            rate = device.memory_bandwidth * self.settings.bandwidth_fraction
+            fwd, bwd = fwd + moved[0] / rate, bwd + moved[1] / rate
         return fwd, bwd
 
     def kernel_device(self, device: DeviceType) -> KernelDevice | None:

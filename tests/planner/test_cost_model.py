@@ -11,7 +11,7 @@ from megatron_bmw.planner.cluster import Link, load_cluster, parse_cluster
 from megatron_bmw.planner.cost_model import CostModel, CostSettings, allgather_time, allreduce_time
 from megatron_bmw.planner.evaluate import simulate_run
 from megatron_bmw.planner.flops import unit_forward_flops
-from megatron_bmw.planner.memory_model import unit_activation_bytes
+from megatron_bmw.planner.elementwise import unit_elementwise_bytes
 from megatron_bmw.planner.profile_data import Profile, UnitTiming, model_signature
 from megatron_bmw.planner.overlap import RankSpans, grad_buckets
 from megatron_bmw.planner.spec import RunSpec
@@ -43,15 +43,15 @@ def test_analytic_unit_times():
     device = replace(shaped, sm_count=None)  # the flat rate: FLOPs at the achievable fraction of peak
     fwd, bwd = cost.unit_times("mlp", None, device, 0)
     flops = unit_forward_flops("mlp", MODEL, 2)
-    kept = unit_activation_bytes("mlp", MODEL, 2)  # elementwise traffic over HBM
-    assert fwd == pytest.approx(flops / (19.5e12 * 0.5) + 2 * kept / (2039e9 * 0.8))  # bandwidth fraction 0.8
-    assert bwd == pytest.approx(2 * fwd)
+    moved_f, moved_b = unit_elementwise_bytes("mlp", MODEL, 2)  # elementwise kernels over HBM
+    rate = 2039e9 * 0.8  # bandwidth fraction 0.8
+    assert fwd == pytest.approx(flops / (19.5e12 * 0.5) + moved_f / rate)
+    assert bwd == pytest.approx(2 * flops / (19.5e12 * 0.5) + moved_b / rate)
     own = CostModel(_spec(), cluster).unit_times("mlp", None, device, 0)[0]  # the cluster file's fraction, 0.75
-    assert own == pytest.approx(flops / (19.5e12 * 0.75) + 2 * kept / (2039e9 * 0.8))
+    assert own == pytest.approx(flops / (19.5e12 * 0.75) + moved_f / rate)
     # with the device's SM count, the matrix work follows the GEMM shapes (kernel_time.py)
     kf, kb = unit_kernel_times("mlp", MODEL, 2, 1, KernelDevice(19.5e12, 0.5, 108, 2039e9))
-    elementwise = 2 * kept / (2039e9 * 0.8)
-    assert cost.unit_times("mlp", None, shaped, 0) == pytest.approx((kf + elementwise, kb + 2 * elementwise))
+    assert cost.unit_times("mlp", None, shaped, 0) == pytest.approx((kf + moved_f / rate, kb + moved_b / rate))
     full_f, full_b = cost.unit_times("mlp", "full", device, 0)
     assert full_b == pytest.approx(bwd + fwd)
     sel_f, sel_b = cost.unit_times("attention", "selective", device, 0)

@@ -1,0 +1,135 @@
+"""Memory-bound work per unit: the bytes each elementwise kernel of a unit reads and writes, forward and backward,
+on one tensor-parallel rank. Torch-free. The cost model divides them by the device's memory bandwidth; the
+matrix products (their operands included) are kernel_time.py's.
+
+Kernels are counted as Megatron fuses them: LayerNorm/RMSNorm one pass, the bias folded into the GEMM, the
+scale-mask-softmax one kernel, bias-GeLU (or SwiGLU) one kernel, bias-dropout-add one kernel. Notation as in
+memory_model.py: s sequence, b micro-batch, h hidden, a heads, g query groups, d head dimension, f FFN size,
+v padded vocabulary, t tensor-parallel size, e bytes per element; H = s'bh elements of the hidden state on a rank
+(s' = s/t with sequence parallelism, else s: LayerNorm and dropout-add run on every tp rank).
+
+  norm           forward reads x, writes y (2He); backward reads x and dy, writes dx (3He).
+  residual join  backward: the branch's gradient and the skip gradient summed (read 2He, write He).
+  dropout-add    forward reads the branch and the residual, writes the sum (3He) and, with dropout, a one-byte
+                 mask (H); backward reads dy and the mask and writes the branch's gradient (2He + H); a bias's
+                 gradient reads dy once more (He).
+  unfused core   S = b a s^2 / t scores: softmax reads and writes them (2Se), attention dropout reads and writes
+                 them and writes a mask (2Se + S); backward: dropout 2Se + S, softmax reads probabilities and
+                 gradient and writes one (3Se); the context [b a s d] is copied into [s b h] (2sbh/t e each way).
+                 The fused flash kernel does all of this on chip: nothing here.
+  rope, qk norm  over q and k (s b (a + g) d / t elements): rope reads and writes them each way; the norm as
+                 above.
+  grouped query  k and v repeated over each group's heads (read 2sbgd/t, write 2sbad/t) and summed back.
+  MLP            bias-GeLU reads and writes fc1's output F = sb f/t (2Fe; backward reads input and gradient,
+                 writes one: 3Fe, plus Fe for fc1's bias gradient); SwiGLU reads 2F, writes F (backward reads
+                 2F and F, writes 2F).
+  head           the final norm (BERT's LM head adds its GeLU and LayerNorm on [s'b, h]) and the vocab-parallel
+                 cross entropy over L = sb v/t logits as parallel/cross_entropy.py computes it: forward casts
+                 to fp32 (Le + 4L), max (4L), subtract (8L), exp (8L), sum (4L), normalise (8L); backward clones
+                 (8L), scales (8L) and casts back (4L + Le).
+  embedding      the dropout (as above) and, in backward, the word table's dense gradient [v/t, h]: written
+                 zero-filled, read into the gradient buffer (grad_bytes per element, read and written); the
+                 learned positions likewise over their rows. The lookups themselves are kernel_time.py's.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+
+MASK = 1  # bytes per element of a dropout mask (bool)
+FP32 = 4
+
+
+def _dropout_add(hidden: float, e: int, dropout: bool, bias: bool) -> tuple[float, float]:
+    fwd = 3 * hidden * e + (hidden * MASK if dropout else 0)
+    bwd = (2 * hidden * e + hidden * MASK if dropout else 0) + (hidden * e if bias else 0)
+    return fwd, bwd
+
+
+def _norm(hidden: float, e: int) -> tuple[float, float]:
+    return 2 * hidden * e, 3 * hidden * e + 3 * hidden * e  # backward: the norm, then the residual join
+
+
+def _attention(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[float, float]:
+    s, h, d = model.seq_length, model.hidden_size, model.head_dim
+    heads, groups = model.num_attention_heads / tp, model.query_groups / tp
+    hidden = rows * b * h
+    fwd, bwd = _norm(hidden, e)
+    qk = s * b * (heads + groups) * d
+    if model.qk_layernorm:
+        fwd, bwd = fwd + 2 * qk * e, bwd + 3 * qk * e
+    if model.position_embedding_type == "rope":
+        fwd, bwd = fwd + 2 * qk * e, bwd + 2 * qk * e
+    if groups < heads:
+        kv = 2 * s * b * d * (heads + groups) * e
+        fwd, bwd = fwd + kv, bwd + kv
+    if not model.flash_attention:
+        scores = b * heads * s * s
+        fwd += 2 * scores * e
+        bwd += 3 * scores * e
+        if model.attention_dropout > 0:
+            fwd += 2 * scores * e + scores * MASK
+            bwd += 2 * scores * e + scores * MASK
+        context = 2 * s * b * h / tp * e
+        fwd, bwd = fwd + context, bwd + context
+    if model.add_bias_linear or model.add_qkv_bias:
+        bwd += s * b * model.qkv_rows / tp * e
+    f2, b2 = _dropout_add(hidden, e, model.hidden_dropout > 0, model.add_bias_linear)
+    return fwd + f2, bwd + b2
+
+
+def _mlp(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[float, float]:
+    hidden = rows * b * model.hidden_size
+    fwd, bwd = _norm(hidden, e)
+    f = model.seq_length * b * model.ffn_hidden_size / tp
+    if model.swiglu:
+        fwd, bwd = fwd + 3 * f * e, bwd + 5 * f * e
+        fc1 = 2 * f
+    else:
+        fwd, bwd = fwd + 2 * f * e, bwd + 3 * f * e
+        fc1 = f
+    if model.add_bias_linear:
+        bwd += fc1 * e
+    f2, b2 = _dropout_add(hidden, e, model.hidden_dropout > 0, model.add_bias_linear)
+    return fwd + f2, bwd + b2
+
+
+def _head(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[float, float]:
+    hidden = rows * b * model.hidden_size
+    fwd, bwd = 2 * hidden * e, 3 * hidden * e
+    if model.model_type == "bert":  # the LM head's GeLU and LayerNorm
+        fwd, bwd = fwd + 4 * hidden * e, bwd + 6 * hidden * e
+    logits = model.seq_length * b * model.vocab_size / tp
+    fwd += logits * (e + 9 * FP32)
+    bwd += logits * (5 * FP32 + e)
+    return fwd, bwd
+
+
+def _embedding(model: ModelConfig, b: int, tp: int, rows: float, e: int, grad_bytes: int) -> tuple[float, float]:
+    hidden = rows * b * model.hidden_size
+    fwd = bwd = 0.0
+    if model.hidden_dropout > 0:
+        fwd, bwd = 2 * hidden * e + hidden * MASK, 2 * hidden * e + hidden * MASK
+    table_rows = model.vocab_size / tp
+    if model.position_embedding_type == "learned_absolute":
+        table_rows += model.max_position_embeddings
+    bwd += table_rows * model.hidden_size * (2 * e + 2 * grad_bytes)
+    return fwd, bwd
+
+
+def unit_elementwise_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
+                           grad_bytes: int = FP32) -> tuple[float, float]:
+    """(forward, backward) bytes the unit's memory-bound kernels move on one tensor-parallel rank (module doc);
+    `grad_bytes` per element of the gradient buffer the embedding's table gradient is added into."""
+    e = model.dtype_bytes
+    rows = model.seq_length / tp if sp else model.seq_length
+    b = micro_batch_size
+    if kind == "attention":
+        return _attention(model, b, tp, rows, e)
+    if kind == "mlp":
+        return _mlp(model, b, tp, rows, e)
+    if kind == "head":
+        return _head(model, b, tp, rows, e)
+    if kind == "embedding":
+        return _embedding(model, b, tp, rows, e, grad_bytes)
+    raise ValueError(f"unknown unit kind {kind!r}")
