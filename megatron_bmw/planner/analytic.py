@@ -48,8 +48,9 @@ def analytic_profile(model: ModelConfig, device: DeviceType, settings: ProfileSe
         raise UsageError(f"--achievable-fraction must be in (0, 1], got {achievable_fraction}")
     dtype = model.params_dtype
     rate = device.peak(dtype) * achievable_fraction
-    kernels = KernelDevice(device.peak(dtype), achievable_fraction, device.sm_count, device.memory_bandwidth) \
-        if device.sm_count is not None else None
+    unaligned = device.peak_flops.get("fp32") if dtype in ("bf16", "fp16") else None
+    kernels = KernelDevice(device.peak(dtype), achievable_fraction, device.sm_count, device.memory_bandwidth,
+                           unaligned_flops=unaligned) if device.sm_count is not None else None
     units = []
     for b in settings.micro_batch_sizes:
         for kind in UNIT_KINDS:

@@ -274,8 +274,9 @@ class CostModel:
         """The kernel model's view of `device` (None where the cluster file gives no SM count)."""
         if device.sm_count is None:
             return None
+        unaligned = device.peak_flops.get("fp32") if self.dtype in ("bf16", "fp16") else None
         return KernelDevice(device.peak(self.dtype), self.settings.fraction(device), device.sm_count,
-                            device.memory_bandwidth)
+                            device.memory_bandwidth, unaligned_flops=unaligned)
 
     def _compute(self, kind: str, device: DeviceType, index: int | None) -> tuple[float, float, bool]:
         """(forward, backward, TP communication included): the profile at this tp, else its tp=1 times split

@@ -8,7 +8,10 @@ streaming multiprocessor (SM) at a time, in waves of `sm_count` tiles. So
   - each tile's main loop runs k steps plus a fixed prologue/epilogue worth `k_overhead` more (filling the
     pipeline, writing C), so short contractions reach less of the rate: efficiency k / (k + k_overhead);
   - the large-GEMM rate is the device's achievable fraction of peak (what big cuBLAS GEMMs reach);
-  - a GEMM never beats moving its operands: max(compute, bytes / memory bandwidth).
+  - a GEMM never beats moving its operands: max(compute, bytes / memory bandwidth);
+  - tensor cores load 16-byte aligned rows: a 16-bit GEMM whose contraction or output width is not a multiple of
+    8 elements (16 bytes; e.g. a head dimension of 108, whose heads start at misaligned addresses in the QKV
+    output) runs on the CUDA cores with fp32 FMA, at the device's fp32 peak (`unaligned_flops`).
 Efficiency therefore rises with the GEMM's size and falls in steps where a tile or a wave splits: a micro-batch
 of 1 at tp 8 (few row tiles, a thin n) is slower per sample than a micro-batch of 4.
 
@@ -49,6 +52,10 @@ class KernelDevice:
     tile_m: int = 128
     tile_n: int = 128
     k_overhead: int = 64  # a tile's prologue and epilogue, in main-loop steps of k
+    unaligned_flops: float | None = None  # peak of GEMMs tensor cores cannot take (fp32 FMA); None: no such penalty
+
+
+ALIGN_BYTES = 16  # tensor cores' operand alignment
 
 
 def gemm_time(m: int, n: int, k: int, elem_bytes: int, dev: KernelDevice, batch: int = 1) -> float:
@@ -57,7 +64,10 @@ def gemm_time(m: int, n: int, k: int, elem_bytes: int, dev: KernelDevice, batch:
         return 0.0
     tiles = batch * math.ceil(m / dev.tile_m) * math.ceil(n / dev.tile_n)
     waves = math.ceil(tiles / dev.sm_count)
-    per_sm = dev.peak_flops * dev.achievable_fraction / dev.sm_count
+    peak = dev.peak_flops
+    if dev.unaligned_flops is not None and ((k * elem_bytes) % ALIGN_BYTES or (n * elem_bytes) % ALIGN_BYTES):
+        peak = min(peak, dev.unaligned_flops)
+    per_sm = peak * dev.achievable_fraction / dev.sm_count
     compute = waves * 2.0 * dev.tile_m * dev.tile_n * (k + dev.k_overhead) / per_sm
     if dev.memory_bandwidth is None:
         return compute

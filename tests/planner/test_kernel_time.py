@@ -129,3 +129,27 @@ def test_a_tp1_profile_entry_is_split_over_tp_ranks_by_the_shard_shapes():
     ratio = shape_ratio("mlp", model, 1, 8, model, 1, KernelDevice(1.0, 1.0, 108))
     assert not comm_in and (fw, bw) == pytest.approx((1e-2 * ratio[0], 2e-2 * ratio[1]))
     assert fw > 1e-2 / 8  # thin shards: slower than an eighth of the whole
+
+
+def test_misaligned_16_bit_gemms_fall_back_to_the_fp32_rate():
+    dev = KernelDevice(peak_flops=312e12, achievable_fraction=0.75, sm_count=108, memory_bandwidth=2039e9,
+                       unaligned_flops=19.5e12)
+    aligned = gemm_time(WAVE, 128, 4096, 2, dev)
+    assert aligned == gemm_time(WAVE, 128, 4096, 2, A100)
+    # a contraction of 4100 bf16 elements (8200 bytes) is not 16-byte aligned; in fp32 (16400 bytes) it is
+    assert gemm_time(WAVE, 128, 4100, 2, dev) == pytest.approx(gemm_time(WAVE, 128, 4100, 2, A100) * 312 / 19.5)
+    assert gemm_time(WAVE, 128, 4100, 4, dev) == gemm_time(WAVE, 128, 4100, 4, A100)
+    assert gemm_time(WAVE, 132, 4096, 2, dev) > 10 * gemm_time(WAVE, 132, 4096, 2, A100)  # the output width too
+
+
+def test_a_head_dimension_off_the_alignment_slows_only_the_unfused_core():
+    dev = KernelDevice(peak_flops=312e12, achievable_fraction=0.75, sm_count=108, memory_bandwidth=2039e9,
+                       unaligned_flops=19.5e12)
+    # 13824 = 128 heads of 108 (216 bytes: misaligned) or 96 heads of 144 (288 bytes)
+    kw = dict(num_layers=1, hidden_size=13824, vocab_size=1024, seq_length=2048, params_dtype="bf16",
+              attention_backend="unfused")
+    odd, even = ModelConfig(num_attention_heads=128, **kw), ModelConfig(num_attention_heads=96, **kw)
+    assert unit_kernel_times("attention", odd, 2, 4, dev)[0] > 2 * unit_kernel_times("attention", even, 2, 4, dev)[0]
+    assert unit_kernel_times("attention", odd, 2, 4, A100)[0] < 1.1 * unit_kernel_times("attention", even, 2, 4,
+                                                                                         A100)[0]
+    assert unit_kernel_times("mlp", odd, 2, 4, dev) == unit_kernel_times("mlp", odd, 2, 4, A100)
