@@ -255,7 +255,8 @@ class CostModel:
     def _analytic(self, kind: str, tp: int, device: DeviceType) -> tuple[float, float]:
         """Matrix work by GEMM shape where the device type gives its SMs (kernel_time.py), else FLOPs at the
         achievable rate with backward = 2 x forward; plus the elementwise kernels' bytes at memory bandwidth
-        (elementwise.py)."""
+        (elementwise.py) and, in backward, the engine's accumulation of each weight gradient (a measured profile
+        includes both)."""
         model, b = self.spec.model, self.spec.pipeline.micro_batch_size
         kd = self.kernel_device(device)
         if kd is not None:
@@ -266,6 +267,10 @@ class CostModel:
         if device.memory_bandwidth is not None:
             grad_bytes = 4 if self.settings.engine.grads_in_fp32(model.params_dtype) else model.dtype_bytes
             moved = unit_elementwise_bytes(kind, model, b, tp, self.spec.sp, grad_bytes)
+            if kind != "embedding":  # (the table's gradient is the embedding's elementwise work)
+                own = model.untie_embeddings_and_output_weights or self.spec.pp > 1
+                accumulate = self.settings.engine.accumulation_bytes(model.params_dtype)
+                moved = moved[0], moved[1] + unit_param_count(kind, model, tp, own) * accumulate
             rate = device.memory_bandwidth * self.settings.bandwidth_fraction
             fwd, bwd = fwd + moved[0] / rate, bwd + moved[1] / rate
         return fwd, bwd

@@ -94,6 +94,18 @@ class EngineConfig:
                                grad_bytes=_FP32 if self.grads_in_fp32(params_dtype) else param_bytes,
                                fp32_master_copy=self.name == OURS)
 
+    def accumulation_bytes(self, params_dtype: str) -> int:
+        """Bytes moved per parameter and micro-batch to accumulate a weight gradient outside the GEMM that made it:
+        ours adds p.grad into the fp32 main_grad (read e, read and write 4: parallel/grad_sync.py); DeepSpeed's
+        autograd adds each micro-batch's gradient into the 16-bit .grad (read 2e, write e); Megatron-core
+        accumulates inside the weight-gradient GEMM (--gradient-accumulation-fusion, its default): none."""
+        e = {"fp32": 4, "bf16": 2, "fp16": 2}[params_dtype]
+        if self.name == OURS:
+            return e + 2 * _FP32
+        if self.name == "deepspeed":
+            return 3 * e
+        return 0
+
     @property
     def runs_here(self) -> bool:
         """Whether our runtime (pretrain_gpt.py) runs a plan for this engine."""

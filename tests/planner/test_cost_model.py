@@ -12,6 +12,8 @@ from megatron_bmw.planner.cost_model import CostModel, CostSettings, allgather_t
 from megatron_bmw.planner.evaluate import simulate_run
 from megatron_bmw.planner.flops import unit_forward_flops
 from megatron_bmw.planner.elementwise import unit_elementwise_bytes
+from megatron_bmw.planner.engine import EngineConfig
+from megatron_bmw.planner.memory_model import unit_param_count
 from megatron_bmw.planner.profile_data import Profile, UnitTiming, model_signature
 from megatron_bmw.planner.overlap import RankSpans, grad_buckets
 from megatron_bmw.planner.spec import RunSpec
@@ -26,6 +28,30 @@ def _spec(**kw) -> RunSpec:
     base = dict(model=MODEL, tp=1, pp=2, dp=1, pipeline=PipelineConfig(**pipe))
     base.update(kw)
     return RunSpec(**base)
+
+
+def test_weight_gradient_accumulation_follows_the_engine():
+    """Per micro-batch, ours adds each 16-bit weight gradient into fp32 main_grad (read 2, read and write 4 bytes a
+    parameter), DeepSpeed's autograd into the fp16 .grad (read 4, write 2), Megatron-core inside the GEMM."""
+    half = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32,
+                       params_dtype="fp16")
+    cluster = load_cluster("a100-80g-ib")
+    device, rate = cluster.device(0), 2039e9 * 0.8
+
+    def backward(engine: str, kind: str = "mlp") -> float:
+        cost = CostModel(_spec(model=half), cluster, settings=CostSettings(engine=EngineConfig(engine)))
+        return cost.unit_times(kind, None, device, 0)[1]
+
+    params = unit_param_count("mlp", half)
+    assert backward("megatron_bmw") - backward("megatron-core") == pytest.approx(params * 10 / rate)
+    assert backward("deepspeed") - backward("megatron-core") == pytest.approx(params * 6 / rate)
+    # the head's own output matrix on a last stage accumulates like any weight; the table's dense gradient is the
+    # embedding's elementwise work, not counted again
+    head = unit_param_count("head", half, 1, True)
+    assert backward("megatron_bmw", "head") - backward("megatron-core", "head") == pytest.approx(head * 10 / rate)
+    emb = unit_elementwise_bytes("embedding", half, 2, grad_bytes=4)[1] - unit_elementwise_bytes(
+        "embedding", half, 2, grad_bytes=2)[1]
+    assert backward("megatron_bmw", "embedding") - backward("megatron-core", "embedding") == pytest.approx(emb / rate)
 
 
 def test_collective_formulas():
@@ -44,6 +70,7 @@ def test_analytic_unit_times():
     fwd, bwd = cost.unit_times("mlp", None, device, 0)
     flops = unit_forward_flops("mlp", MODEL, 2)
     moved_f, moved_b = unit_elementwise_bytes("mlp", MODEL, 2)  # elementwise kernels over HBM
+    moved_b += unit_param_count("mlp", MODEL) * 12  # fp32 weight gradients added into fp32 main_grad
     rate = 2039e9 * 0.8  # bandwidth fraction 0.8
     assert fwd == pytest.approx(flops / (19.5e12 * 0.5) + moved_f / rate)
     assert bwd == pytest.approx(2 * flops / (19.5e12 * 0.5) + moved_b / rate)
