@@ -4,7 +4,8 @@
 For every row: the published layout simulated on the a100-80g-ib cluster (DGX A100 nodes, one 200 Gb/s HDR
 port per GPU) and its predicted TFLOP/s per GPU in Megatron's own accounting (96 B s l h^2 (1 + s/6h +
 V/16lh) FLOPs per iteration, recomputation included) beside the published one; then the search on the same
-GPUs and global batch, its plan's predicted time against the published layout's. Analytic unit times (no
+GPUs and global batch (in the space the engine runs: SearchSpace.for_engine), its plan's predicted time against
+the published layout's. Analytic unit times (no
 A100 here to profile): the GEMMs and attention by shape (planner/kernel_time.py) plus the bytes of the elementwise
 kernels at memory bandwidth (planner/elementwise.py).
 
@@ -137,7 +138,7 @@ def main() -> int:
         fits = all(m.peak_bytes <= stage_capacity(spec, cluster, s) for s, m in enumerate(ev.memory))
         tflops = megatron_flops(batch, layers, hidden) / t_pub / gpus / 1e12
         started = time.time()
-        result = search(model, VOCAB, 128, batch, cluster, None, SearchSpace(), costs, MEMORY,
+        result = search(model, VOCAB, 128, batch, cluster, None, SearchSpace().for_engine(args.engine), costs, MEMORY,
                         SearchSettings(top_k=1))
         elapsed = time.time() - started
         best = result.best

@@ -256,7 +256,7 @@ def run_search(args, progress: bool | None = None):
         raise UsageError("search needs --global-batch-size")
     profiles = load_profiles(args)
     cluster = cluster_from_args(args, profiles)
-    space = SearchSpace.parse(args.space)
+    space = SearchSpace.parse(args.space).for_engine(engine_from_args(args).name)
     settings = memory_settings(args, profiles, cluster)
     world = args.world_size or cluster.num_gpus
     one = configs_from_args(argparse.Namespace(**{**vars(args), **SERIAL_FLAGS}), 1)

@@ -8,9 +8,11 @@ from functools import lru_cache
 
 from ..config import ModelConfig
 from ..errors import UsageError
+from .engine import OURS
 from ..pipeline.generators import SCHEDULES, generate
 from ..pipeline.schedule import Kind
 
+ENGINE_SCHEDULES = {"megatron-core": ("1f1b", "interleaved"), "deepspeed": ("1f1b",)}
 _BOOL = {"on": (True,), "off": (False,), "both": (False, True), "true": (True,), "false": (False,)}
 _HELP = (f"tp, pp, dp, mbs (lists of integers); schedule ({', '.join(SCHEDULES)}: zero-bubble ones only where the "
          "simulator says they win under the memory limit); virtual (chunks per rank); "
@@ -54,6 +56,28 @@ class SearchSpace:
 
     def describe(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def for_engine(self, engine: str) -> SearchSpace:
+        """This space cut to what `engine` runs (planner/engine.py ENGINES). Ours runs all of it. Megatron-LM runs
+        1F1B and interleaved schedules, stages that end at layer boundaries and one recomputation for all layers
+        (--recompute-granularity), without BPipe, slicing or per-unit hybrid strategies; DeepSpeed's pipeline
+        engine (Megatron-DeepSpeed) runs 1F1B only and no sequence parallelism."""
+        if engine == OURS:
+            return self
+        runs = ENGINE_SCHEDULES[engine]
+        schedule = tuple(s for s in self.schedule if s in runs)
+        if not schedule:
+            raise UsageError(f"--space schedule={','.join(self.schedule)}: engine {engine} runs only "
+                             f"{', '.join(runs)}")
+        if "uniform" not in self.strategy:
+            raise UsageError(f"--space strategy=hybrid: engine {engine} runs one layout for all units (uniform)")
+        sp = self.sp
+        if engine == "deepspeed":
+            if False not in sp:
+                raise UsageError(f"--space sp=on: engine {engine} has no sequence parallelism")
+            sp = (False,)
+        return replace(self, schedule=schedule, bpipe=(False,), slicing=(False,), per_unit_recompute=False,
+                       sublayer=False, strategy=("uniform",), sp=sp)
 
 
 def _parse_dim(key: str, values: list[str], item: str) -> dict:

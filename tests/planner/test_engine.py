@@ -158,3 +158,24 @@ def test_the_search_counts_the_engines_states_and_the_layouts_allowance():
             m.static_bytes + m.activation_bytes + m.transient_bytes))
     ours, core = got["megatron_bmw"], got["megatron-core"]
     assert core.grads_bytes == ours.grads_bytes / 2 and core.optimizer_bytes == ours.optimizer_bytes * 16 / 12
+
+
+def test_a_search_for_another_engine_plans_only_what_it_runs(tmp_path, capsys):
+    from megatron_bmw.cli.autoconfig import main
+
+    out = tmp_path / "plan.json"
+    base = ["search", "--cluster", "a100-80g-ib", "--num-layers", "4", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "200", "--global-batch-size", "16",
+            "--fp16", "--world-size", "8", "--no-progress", "--space", "tp=1,2", "--space", "pp=2,4"]
+    assert main(base + ["--engine", "megatron-core", "--output", str(out)]) == 0
+    assert "pretrain_gpt.py refuses it" in capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    pipe = plan["pipeline"]
+    assert pipe["schedule"] in ("1f1b", "interleaved") and not pipe.get("bpipe") and not pipe.get("slicing")
+    bounds = [sum(pipe["partition"][:k + 1]) for k in range(len(pipe["partition"]) - 1)]
+    assert all(b % 2 == 1 for b in bounds)  # stages end at layer boundaries (after an MLP unit)
+    rc = pipe.get("recompute") or [None] * 10
+    assert len(set(rc[1:-1:2])) == 1 and len(set(rc[2:-1:2])) == 1  # one recomputation for all layers
+    with pytest.raises(SystemExit) as exc:
+        main(base + ["--engine", "megatron-core", "--space", "schedule=zb-h1"])
+    assert exc.value.code == 2 and "runs only 1f1b, interleaved" in capsys.readouterr().err

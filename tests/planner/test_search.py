@@ -124,6 +124,23 @@ def test_space_parsing():
             SearchSpace.parse([bad])
 
 
+def test_space_for_other_engines_holds_only_what_they_run():
+    full = SearchSpace()
+    assert full.for_engine("megatron_bmw") is full
+    mcore = full.for_engine("megatron-core")
+    assert mcore.schedule == ("1f1b", "interleaved") and mcore.bpipe == (False,) and mcore.slicing == (False,)
+    assert not mcore.per_unit_recompute and not mcore.sublayer and mcore.strategy == ("uniform",)
+    assert mcore.sp == (False, True)
+    ds = full.for_engine("deepspeed")
+    assert ds.schedule == ("1f1b",) and ds.sp == (False,) and ds.zero1 == (False, True)
+    for items, engine, needle in ((["schedule=zb-h1"], "megatron-core", "runs only 1f1b, interleaved"),
+                                  (["schedule=interleaved"], "deepspeed", "runs only 1f1b"),
+                                  (["sp=on"], "deepspeed", "no sequence parallelism"),
+                                  (["strategy=hybrid"], "megatron-core", "one layout for all units")):
+        with pytest.raises(UsageError, match=needle):
+            SearchSpace.parse(items).for_engine(engine)
+
+
 def test_uniform_recomputation_and_layer_partitions_are_a_restriction():
     model, cluster = _model(4), _cluster(0.003)
     space = SearchSpace(schedule=("1f1b",), bpipe=(False,), slicing=(False,), per_unit_recompute=False,
