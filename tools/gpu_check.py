@@ -261,6 +261,12 @@ def step_param_gather(ctx: Context) -> dict:
             "details": out, "notes": out["notes"]}
 
 
+def step_grad_accum(ctx: Context) -> dict:
+    out = ctx.steps_script("grad_accum")
+    keys = ("parameters", "backward_ms", "accumulation_ms", "predicted_ms", "measured_over_predicted", "add_GBps")
+    return {"numbers": {k: out[k] for k in keys}, "details": out, "notes": out["notes"]}
+
+
 def search_args(model: list[str], batch: list[str], space: list[str], path: str, profile: str | None) -> list[str]:
     """autoconfig.py's arguments for a one-GPU plan (an H100's memory; analytic times without `profile`)."""
     spaces = [x for s in ["tp=1", "pp=1", *space] for x in ("--space", s)]
@@ -451,6 +457,8 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
     Step("big", "single-GPU GPT (1.3B, else 350M) seq 2048: tokens/s, MFU, memory model", step_big, 220),
     Step("planner", "autoconfig.py profile + predicted vs measured step time, 4 configs", step_planner, 200),
     Step("allowance", "CUDA allowance: measured (profile's cuda_memory) vs derived terms", step_allowance, 120),
+    Step("grad_accum", "fp32 main_grad accumulation per micro-batch: measured vs the planner's bytes", step_grad_accum,
+         60),
     Step("fp16", "fp16 with dynamic loss scaling from 2^32: skips, then loss falls", step_fp16, 120),
     Step("attention", "flash (SDPA) vs unfused attention: same loss on one batch", step_attention, 120),
     Step("llama", "rope + SwiGLU + RMSNorm + GQA, bf16: loss falls", step_llama, 120),

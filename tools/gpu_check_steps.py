@@ -6,6 +6,8 @@
   store      BPipe's activation store (pipeline/activation_store.py) with the side-stream copier of
              pipeline/transfers.CudaChannel: evict to pinned host memory and load back on side streams, gradients
              bit for bit, the streams waiting on each other, and pinned host copy rates both ways
+  grad_accum a GPT MLP unit's backward with and without GradSync's fp32 main_grad hooks: the accumulation's cost
+             per micro-batch against the planner's count (planner/engine.py accumulation_bytes)
   param_gather
              ZeRO-1 with --overlap-grad-reduce --overlap-param-gather through the Trainer on a one-rank NCCL group
              (the data-parallel group of a one-GPU run is None, which gathers by a copy): losses, grad norms and
@@ -445,7 +447,67 @@ def param_gather_check(small: bool) -> dict:
             "losses": {k: v["losses"] for k, v in runs.items()}, "notes": notes}
 
 
-STEPS = {"env": env, "optimizer": optimizer_check, "store": store_check, "param_gather": param_gather_check}
+def _median_seconds(fn, cuda: bool, warmup: int = 3, repeats: int = 7) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def grad_accum_check(small: bool) -> dict:
+    """A GPT MLP unit's backward with and without GradSync's hooks (each weight gradient added into fp32 main_grad
+    and freed): the difference is what a micro-batch spends accumulating, against the planner's count
+    (EngineConfig.accumulation_bytes per parameter) at this device's measured rate of the same add."""
+    from megatron_bmw.config import ModelConfig
+    from megatron_bmw.models.chunk import build_units
+    from megatron_bmw.parallel.grad_sync import GradSync
+    from megatron_bmw.parallel.state import ParallelState
+    from megatron_bmw.planner.engine import EngineConfig
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = "bf16" if cuda else "fp32"
+    cfg = ModelConfig(num_layers=1, hidden_size=64 if small else 2048, num_attention_heads=4 if small else 16,
+                      vocab_size=256, seq_length=32 if small else 2048, hidden_dropout=0.0, attention_dropout=0.0,
+                      params_dtype=dtype)
+    mlp = build_units(cfg, ParallelState.serial(device), 1234)["mlp_0"]
+    params = list(mlp.parameters())
+    x = torch.randn(cfg.seq_length, 2, cfg.hidden_size, dtype=cfg.torch_dtype, device=device, requires_grad=True)
+
+    def backward():
+        y = mlp(x, None)
+        torch.autograd.backward(y, torch.ones_like(y))
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    plain = _median_seconds(backward, cuda)
+    sync = GradSync(params, ParallelState.serial(device))
+    hooked = _median_seconds(backward, cuda)
+    sync.remove_hooks()
+    n = sum(p.numel() for p in params)
+    grad, main = torch.ones(n, dtype=cfg.torch_dtype, device=device), torch.zeros(n, dtype=torch.float32, device=device)
+    per_byte = _median_seconds(lambda: main.add_(grad), cuda) / (n * (grad.element_size() + 8))
+    predicted = n * EngineConfig().accumulation_bytes(dtype) * per_byte
+    measured = hooked - plain
+    return {"status": "ok", "device": device.type, "dtype": dtype, "parameters": n,
+            "backward_ms": round(plain * 1e3, 3), "with_hooks_ms": round(hooked * 1e3, 3),
+            "accumulation_ms": round(measured * 1e3, 3), "predicted_ms": round(predicted * 1e3, 3),
+            "measured_over_predicted": round(measured / predicted, 2) if predicted > 0 else None,
+            "add_GBps": round(1e-9 / per_byte, 1),
+            "notes": "what our runtime spends per micro-batch on fp32 gradient accumulation (Megatron-core fuses it "
+                     "into the weight-gradient GEMM); the CPU's figure is noisy" + ("" if cuda else " (CPU run)")}
+
+
+STEPS = {"env": env, "optimizer": optimizer_check, "store": store_check, "param_gather": param_gather_check,
+         "grad_accum": grad_accum_check}
 
 
 def main(argv: list[str] | None = None) -> int:

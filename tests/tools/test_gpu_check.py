@@ -20,7 +20,7 @@ _spec.loader.exec_module(gpu_check)
 def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     out = tmp_path / "report"
     argv = [sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), str(out), "--dry-run",
-            "--steps", "env,bf16,store,optimizer,param_gather,allowance,fp16", "--inject", "optimizer=hang",
+            "--steps", "env,bf16,store,optimizer,param_gather,allowance,grad_accum,fp16", "--inject", "optimizer=hang",
             "--inject", "fp16=fail",
             "--step-timeout-s", "40"]  # a cap for a hang; the injected one is cut after 4 s
     run = subprocess.run(argv, capture_output=True, text=True, timeout=300,
@@ -29,7 +29,8 @@ def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     data = json.loads((out / "report.json").read_text())
     assert data["finished"] is True and data["mode"] == "dry-run"
     steps = {s["name"]: s for s in data["steps"]}
-    assert list(steps) == ["env", "bf16", "store", "optimizer", "param_gather", "allowance", "fp16"]  # the table's
+    assert list(steps) == ["env", "bf16", "store", "optimizer", "param_gather", "allowance", "grad_accum",
+                           "fp16"]  # the table's
     # order, after the failures too
     assert all({"name", "what", "status", "seconds"} <= set(s) for s in data["steps"])
     assert steps["env"]["status"] == "ok" and steps["env"]["numbers"]["torch"]
@@ -123,3 +124,16 @@ def test_allowance_numbers_put_a_gpu_profiles_measured_terms_beside_the_derived(
         gpu_check.allowance_numbers(broken, model, 4, *where)
     with pytest.raises(gpu_check.StepFailed, match="a cpu profile holds CUDA readings"):
         gpu_check.allowance_numbers(dict(profile, device={"kind": "cpu"}), model, 4, *where)
+
+
+def test_grad_accum_step_measures_the_hooks_beside_the_planners_count(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_check_steps", os.path.join(ROOT, "tools", "gpu_check_steps.py"))
+    steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(steps)
+    path = tmp_path / "grad_accum.json"
+    assert steps.main(["grad_accum", "--small", "--json", str(path)]) == 0
+    out = json.loads(path.read_text())
+    assert out["status"] == "ok" and out["device"] == "cpu" and out["dtype"] == "fp32"
+    assert out["parameters"] == 64 * 256 * 2 + 256 + 64 + 2 * 64  # fc1, fc2 and their biases, the LayerNorm
+    assert out["predicted_ms"] > 0 and out["with_hooks_ms"] > 0 and out["add_GBps"] > 0
+    assert "grad_accum" in [s.name for s in gpu_check.STEPS]
