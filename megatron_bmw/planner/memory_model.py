@@ -32,7 +32,9 @@ heads (sbh/t e each) and q copied out of the grouped rows (a view, keeping the w
 one group and the core takes q as it is). SwiGLU keeps fc1's output (gate and up, 2 sbf/t e), silu(gate) and
 the product (sbf/t e each) where GeLU keeps its input and output. Biases change no saved tensor.
 Selective recomputation keeps the attention unit minus its core (BERT: plus the core's input padding mask, b s
-bool); full recomputation keeps the unit's input.
+bool); full recomputation keeps the unit's input. Engines that checkpoint whole layers (Megatron-LM, DeepSpeed:
+`layer_checkpoints`) keep one input per fully recomputed layer, the attention unit's, and the MLP's backward then
+holds the rebuilt layer (`layer_transient_extra`).
 The engine frees a stage's output once it is sent (Megatron's deallocate_output_tensor), so between units
 nothing is held beyond what the next unit saves.
 Zero-bubble schedules split a backward into B (input gradients) and W (the linear layers' weight gradients,
@@ -64,7 +66,7 @@ from ..pipeline.holding import bytes_size, holding_events, peak
 from ..pipeline.partition import rank_chunks
 from ..pipeline.schedule import Schedule
 from ..units import RECOMPUTE, UNIT_KINDS, owns_output_weight, unit_kind, unit_names
-from .engine import EngineConfig, PrecisionConfig  # noqa: F401 - PrecisionConfig is re-exported
+from .engine import OURS, EngineConfig, PrecisionConfig  # noqa: F401 - PrecisionConfig is re-exported
 
 DEVICE_KINDS = ("cuda", "cpu")
 _INT64, _BOOL, _FP32 = 8, 1, 4
@@ -464,14 +466,38 @@ def chunk_units(layout: StageLayout, model: ModelConfig, rank: int) -> list[list
     return [[names[i] for i in chunk] for chunk in chunk_unit_indices(layout, rank)]
 
 
+def layer_checkpoints(engine: EngineConfig) -> bool:
+    """Whether full recomputation checkpoints whole layers, keeping one input per layer: Megatron-LM's and
+    DeepSpeed's (`--recompute-granularity full`, each layer one checkpoint). Ours checkpoints each unit."""
+    return engine.name != OURS
+
+
+def _layer_paired(layout: StageLayout, names: list[str], chunk: list[int], i: int) -> bool:
+    """Whether unit i is an MLP unit inside its layer's whole-layer checkpoint: its attention unit in the same chunk
+    and both fully recomputed."""
+    return (unit_kind(names[i]) == "mlp" and i - 1 in chunk and layout.unit_recompute(i) == "full"
+            and layout.unit_recompute(i - 1) == "full")
+
+
+def layer_transient_extra(model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, device: str) -> int:
+    """What a whole-layer checkpoint's backward holds beyond its MLP unit's own transient: the MLP's input
+    (rebuilt, not kept) and the attention unit's rebuilt activations, alive while the MLP's backward runs."""
+    def saved(kind: str, recompute: str | None) -> int:
+        return unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device)
+    return saved("mlp", "full") + saved("attention", None) - saved("attention", "full")
+
+
 def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
                       settings: MemorySettings = MemorySettings()) -> list[float]:
     """Per model chunk of `rank`, what its units save for backward for one micro-batch (what the activation
-    store records and BPipe moves)."""
+    store records and BPipe moves). Under an engine that checkpoints whole layers, a fully recomputed layer keeps
+    only its attention unit's input."""
     names = unit_names(model.num_layers)
     sp = layout.sequence_parallel and layout.tp > 1
+    layered = layer_checkpoints(settings.engine)
     return [float(sum(unit_activation_bytes(unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp,
-                                            layout.unit_recompute(i), settings.device) for i in chunk))
+                                            layout.unit_recompute(i), settings.device)
+                      for i in chunk if not (layered and _layer_paired(layout, names, chunk, i))))
             for chunk in chunk_unit_indices(layout, rank)]
 
 
@@ -557,11 +583,16 @@ def unit_transient_bytes(kind: str, model: ModelConfig, micro_batch_size: int, t
 
 
 def _backward_transient(layout: StageLayout, model: ModelConfig, rank: int, settings: MemorySettings) -> float:
-    """The rank's worst unit backward: rebuilt activations plus gradient buffers (one unit at a time)."""
+    """The rank's worst unit backward: rebuilt activations plus gradient buffers (one unit at a time; a whole-layer
+    checkpoint's MLP backward also holds the layer's rebuilt attention and its own input)."""
     names = unit_names(model.num_layers)
     sp = layout.sequence_parallel and layout.tp > 1
-    return float(max(unit_transient_bytes(unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp,
-                                          layout.unit_recompute(i), settings.device)
+    b, tp = layout.micro_batch_size, layout.tp
+    layered = layer_checkpoints(settings.engine)
+    extra = layer_transient_extra(model, b, tp, sp, settings.device) if layered else 0
+    return float(max(unit_transient_bytes(unit_kind(names[i]), model, b, tp, sp, layout.unit_recompute(i),
+                                          settings.device)
+                     + (extra if layered and _layer_paired(layout, names, chunk, i) else 0)
                      for chunk in chunk_unit_indices(layout, rank) for i in chunk))
 
 

@@ -31,8 +31,8 @@ from ..units import unit_kind, unit_names
 from .cluster import Cluster
 from .cost_model import CostModel, CostSettings, optimizer_step_seconds
 from .evaluate import stage_capacity
-from .memory_model import (MemorySettings, PrecisionConfig, unit_activation_bytes, unit_transient_bytes,
-                           unit_param_count, unit_wgrad_bytes)
+from .memory_model import (MemorySettings, PrecisionConfig, layer_checkpoints, layer_transient_extra,
+                           unit_activation_bytes, unit_param_count, unit_transient_bytes, unit_wgrad_bytes)
 from .overlap import gather_lead, overlapped_end, reduce_end
 from .partitioners import amp_partition, choose_options, galvatron_walk, minmax_partition
 from .profile_data import Profiles
@@ -289,8 +289,12 @@ class LayoutProblem:
                                                                       memory.device))
             return shapes.saved_bytes[key]
 
-        kind_saved = {k: [saved(k, c) for c in allowed[k]] for k in allowed}
-        kind_transient = {k: [float(unit_transient_bytes(k, model, lay.mbs, lay.tp, sp, c, memory.device))
+        # an engine that checkpoints whole layers keeps one input per fully recomputed layer (memory_model.py)
+        layered = uniform == "full" and not space.sublayer and layer_checkpoints(memory.engine)
+        kind_saved = {k: [0.0 if layered and k == "mlp" else saved(k, c) for c in allowed[k]] for k in allowed}
+        kind_transient = {k: [float(unit_transient_bytes(k, model, lay.mbs, lay.tp, sp, c, memory.device)
+                                    + (layer_transient_extra(model, lay.mbs, lay.tp, sp, memory.device)
+                                       if layered and k == "mlp" else 0))
                               for c in allowed[k]] for k in allowed}
         self.saved: list[list[float]] = [kind_saved[k] for k in kinds]
         self.wsaved: list[float] = [float(unit_wgrad_bytes(k, model, lay.mbs, lay.tp, sp)) for k in kinds] \

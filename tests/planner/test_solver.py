@@ -178,3 +178,38 @@ def test_layouts_sharing_their_memo_tables_solve_as_alone():
     assert sum(x is not None for x in together) >= 3 and any(x is None for x in together)
     assert any(x is not None and x[1] is not None for x in together), "some must recompute"
     assert together == [_fields(_problem(**c).solve()) for c in cases]
+
+
+@pytest.mark.parametrize("schedule,v,part,layers", [("1f1b", 1, (5, 5), [[2], [2]]), ("1f1b", 1, (3, 7), [[1], [3]]),
+                                                     ("interleaved", 2, (3, 2, 2, 3), [[1, 1], [1, 1]])])
+def test_whole_layer_checkpoints_of_other_engines_match_the_memory_model(schedule, v, part, layers):
+    """Under Megatron-core, full recomputation keeps one input per layer (the attention unit's) and the MLP's
+    backward holds the rebuilt layer: the solver's memory of a uniform full, layer-bounded problem is the memory
+    model's, and below ours."""
+    from megatron_bmw.planner.engine import EngineConfig
+    from megatron_bmw.planner.evaluate import estimate_memory
+
+    cluster = parse_cluster({
+        "name": "t", "inter_node": {"bandwidth_GBps": 1e6, "latency_us": 0},
+        "device_types": {"d": {"memory_gb": 1.0, "peak_tflops": {"fp32": 0.05}}},
+        "groups": [{"nodes": 1, "gpus_per_node": 4, "device": "d",
+                    "intra_node": {"bandwidth_GBps": 1e6, "latency_us": 0}}]})
+    model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=64,
+                        hidden_dropout=0.0, attention_dropout=0.0, attention_backend="unfused")
+    space = SearchSpace().for_engine("megatron-core")
+    got = {}
+    for engine in ("megatron_bmw", "megatron-core"):
+        memory = MemorySettings(engine=EngineConfig(engine))
+        prob = LayoutProblem(Layout(1, 2, 1, 2, 4, schedule, v), Variant(), model, cluster, Profiles(), space,
+                             CostSettings(), memory, ScheduleShapes(), uniform="full")
+        sol = prob.evaluate(part)
+        exact = estimate_memory(sol.spec(model), settings=memory)
+        assert sol.memory == pytest.approx([x.peak_bytes for x in exact], rel=1e-12)
+        got[engine] = exact
+    hidden = 64 * 2 * 64 * 4  # one layer's input: s x b x h in fp32
+    for ours, core, n in zip(got["megatron_bmw"], got["megatron-core"], layers):
+        assert core.activation_bytes < ours.activation_bytes
+        # one MLP input fewer per layer of the chunk
+        assert [x - y for x, y in zip(ours.chunk_activation_bytes, core.chunk_activation_bytes)] == [
+            hidden * k for k in n]
+        assert core.transient_bytes > ours.transient_bytes  # the MLP's backward holds the whole rebuilt layer
