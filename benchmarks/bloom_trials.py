@@ -17,10 +17,15 @@ only the global batch: it checks the pipeline bubble and is left out of the summ
 row: measured and predicted seconds per iteration and the error; per group: Spearman's rank correlation of
 predicted and measured seconds per sample (the global batch varies in two groups) and the pick-vs-best: how much
 slower, measured, the row predicted fastest ran than the fastest measured row (rows that ran only). Memory: the
-planner's peak (of our runtime, not DeepSpeed's) against the published use and the OOM rows. Nothing here is
-fitted to the measured times.
+planner's peak against the published use and the OOM rows. Nothing here is fitted to the measured times.
 
-    python benchmarks/bloom_trials.py [--group "02-25 h14336 L72"] [--flat-allowance] [--json out.json]
+--engine (planner/engine.py) says whose gradients and model states are modelled: `deepspeed` (the default, the
+engine that ran: fp16 rows with fp16 gradients accumulated by autograd and reduce-scattered under ZeRO-1, bf16 rows
+with BF16_Optimizer's fp32 accumulator all-reduced; whole-layer checkpoints) or `megatron_bmw` (our runtime: fp32
+main gradients all-reduced, a checkpoint per sub-layer unit).
+
+    python benchmarks/bloom_trials.py [--group "02-25 h14336 L72"] [--engine megatron_bmw] [--flat-allowance]
+                                      [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from megatron_bmw.planner.accuracy import error_summary  # noqa: E402
 from megatron_bmw.planner.cluster import Cluster, Link, load_cluster  # noqa: E402
 from megatron_bmw.planner.cost_model import CostSettings  # noqa: E402
 from megatron_bmw.planner.cuda_allowance import DerivedAllowance  # noqa: E402
+from megatron_bmw.planner.engine import EngineConfig  # noqa: E402
 from megatron_bmw.planner.evaluate import simulate_run, stage_capacity  # noqa: E402
 from megatron_bmw.planner.memory_model import MemorySettings  # noqa: E402
 from megatron_bmw.planner.spec import RunSpec  # noqa: E402
@@ -128,8 +134,10 @@ def differing_factor(a: dict, b: dict) -> str | None:
     return differ[0] if len(differ) == 1 else None
 
 
-def evaluate(data: dict, groups: list[str] | None = None, memory: MemorySettings = MEMORY) -> dict:
-    setup, costs = data["setup"], CostSettings()
+def evaluate(data: dict, groups: list[str] | None = None, memory: MemorySettings = MEMORY,
+             engine: str = "deepspeed") -> dict:
+    setup, costs = data["setup"], CostSettings(engine=EngineConfig(engine))
+    memory = replace(memory, engine=EngineConfig(engine))
     rows = [dict(r) for r in data["rows"] if groups is None or r["group"] in groups]
     for row in rows:
         spec = run_spec(row, setup)
@@ -174,10 +182,13 @@ def main() -> int:
     parser.add_argument("--data", default=DATA)
     parser.add_argument("--group", action="append", default=None, help="only this group (repeatable)")
     parser.add_argument("--flat-allowance", action="store_true", help="1.5 GiB + 10%% instead of the derived allowance")
+    parser.add_argument("--engine", choices=("deepspeed", "megatron_bmw"), default="deepspeed",
+                        help="whose gradient handling and model states: DeepSpeed's, which ran the trials (default), "
+                             "or our runtime's")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
-        result = evaluate(load_data(args.data), args.group, FLAT if args.flat_allowance else MEMORY)
+        result = evaluate(load_data(args.data), args.group, FLAT if args.flat_allowance else MEMORY, args.engine)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -207,7 +218,7 @@ def main() -> int:
     pairs = "; ".join(f"{factor} {right}/{n}" for factor, (right, n) in result["pairs"].items())
     print(f"pairs of rows of one group that differ in one factor only, ordered by the prediction as measured: {pairs}")
     print("hd: head dimension; mem pub.: GB the author saw on the first node (nvidia-smi), pred.: the planner's peak "
-          "(GB, our runtime's memory, not DeepSpeed's)")
+          f"(GB, engine {args.engine})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -476,10 +476,11 @@ class CostModel:
     def grad_reduction(self) -> tuple[float, bool]:
         """(bytes per gradient element reduced, whether it is a reduce-scatter): the engine's gradient buffer
         (engine.py: fp32 main grads, or 16-bit under Megatron's fp16 and --grad-reduce-in-bf16). Ours all-reduces
-        even under ZeRO-1 (parallel/grad_sync.py); Megatron-core's and DeepSpeed's distributed optimizers
-        reduce-scatter, each rank keeping the gradients of its shard."""
+        even under ZeRO-1 (parallel/grad_sync.py), as DeepSpeed's BF16_Optimizer does its fp32 accumulator;
+        Megatron-core's and DeepSpeed's fp16 distributed optimizers reduce-scatter, each rank keeping the
+        gradients of its shard."""
         engine = self.settings.engine
-        if engine.name == OURS:
+        if engine.name == OURS or (engine.name == "deepspeed" and self.dtype == "bf16"):  # (BF16_Optimizer: fp32)
             return 4.0, False
         grad_bytes = engine.precision(self.dtype, self.spec.distributed_optimizer).grad_bytes
         return float(grad_bytes), self.spec.distributed_optimizer

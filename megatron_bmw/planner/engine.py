@@ -17,7 +17,10 @@ distributed optimizer (ZeRO-1) sharding everything the optimizer owns over d:
   deepspeed            ZeRO stage 0 (FP16_Optimizer) or 1 (--use-distributed-optimizer) with fp16 parameters, as in
                        AMP's trials: fp16 gradients, and fp32 master weights, fp32 gradients and Adam moments for
                        the step (the ZeRO paper's 2 + 2 + 12, plus the fp32 gradient copy the optimizer steps on,
-                       of its partition under ZeRO-1): 20 (4 + 16/d). Other dtypes are not modelled.
+                       of its partition under ZeRO-1): 20 (4 + 16/d). With bf16 parameters (BF16_Optimizer, as
+                       BLOOM's runs): the bf16 gradients autograd writes, a whole fp32 gradient accumulator each
+                       micro-batch's gradients are added into and that is all-reduced as it is, even under ZeRO-1,
+                       and fp32 master weights and moments: 20 (8 + 12/d). fp32 parameters are not modelled.
 """
 
 from __future__ import annotations
@@ -77,19 +80,23 @@ class EngineConfig:
                              "(parallel/grad_sync.py); plan another engine with --engine megatron-core")
         if self.name == "deepspeed" and self.accumulate_allreduce_grads_in_fp32 is not None:
             raise UsageError("--accumulate-allreduce-grads-in-fp32/--grad-reduce-in-bf16 are Megatron-LM's; the "
-                             "deepspeed engine is modelled with fp16 gradients (ZeRO stage 0/1)")
+                             "deepspeed engine's gradient precision follows the parameters (ZeRO stage 0/1)")
 
     def grads_in_fp32(self, params_dtype: str) -> bool:
-        if params_dtype == "fp32" or self.name == OURS:
+        """Whether gradients accumulate and are reduced in fp32."""
+        if params_dtype == "fp32" or self.name == OURS or (self.name == "deepspeed" and params_dtype == "bf16"):
             return True
         if self.accumulate_allreduce_grads_in_fp32 is not None:
             return self.accumulate_allreduce_grads_in_fp32
         return params_dtype == "bf16" and self.name == "megatron-core"
 
     def precision(self, params_dtype: str, distributed_optimizer: bool) -> PrecisionConfig:
-        if self.name == "deepspeed" and params_dtype != "fp16":
-            raise UsageError(f"--engine deepspeed: memory is modelled for --fp16 (ZeRO stage 0/1), not {params_dtype}")
+        if self.name == "deepspeed" and params_dtype == "fp32":
+            raise UsageError("--engine deepspeed: memory is modelled for --fp16 and --bf16 (ZeRO stage 0/1), not fp32")
         param_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[params_dtype]
+        if self.name == "deepspeed" and params_dtype == "bf16":  # bf16 gradients beside the fp32 accumulator
+            return PrecisionConfig(param_bytes=2, distributed_optimizer=distributed_optimizer, grad_bytes=2 + _FP32,
+                                   fp32_master_copy=False)
         return PrecisionConfig(param_bytes=param_bytes, distributed_optimizer=distributed_optimizer,
                                grad_bytes=_FP32 if self.grads_in_fp32(params_dtype) else param_bytes,
                                fp32_master_copy=self.name == OURS)
@@ -97,10 +104,11 @@ class EngineConfig:
     def accumulation_bytes(self, params_dtype: str) -> int:
         """Bytes moved per parameter and micro-batch to accumulate a weight gradient outside the GEMM that made it:
         ours adds p.grad into the fp32 main_grad (read e, read and write 4: parallel/grad_sync.py); DeepSpeed's
-        autograd adds each micro-batch's gradient into the 16-bit .grad (read 2e, write e); Megatron-core
+        autograd adds each micro-batch's gradient into the 16-bit .grad (read 2e, write e; with bf16 its optimizer
+        adds them into fp32 as ours does); Megatron-core
         accumulates inside the weight-gradient GEMM (--gradient-accumulation-fusion, its default): none."""
         e = {"fp32": 4, "bf16": 2, "fp16": 2}[params_dtype]
-        if self.name == OURS:
+        if self.name == OURS or (self.name == "deepspeed" and params_dtype == "bf16"):  # (BF16_Optimizer: likewise)
             return e + 2 * _FP32
         if self.name == "deepspeed":
             return 3 * e

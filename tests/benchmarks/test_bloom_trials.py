@@ -41,3 +41,12 @@ def test_a_bad_row_is_a_usage_error(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(UsageError, match="tp x pp x dp"):
         load_data(str(path))
+
+
+def test_deepspeeds_whole_layer_checkpoints_and_states_hold_less_than_ours():
+    data = load_data()
+    group = ["02-21 h14336 L72"]
+    theirs, ours = evaluate(data, group), evaluate(data, group, engine="megatron_bmw")
+    for a, b in zip(theirs["rows"], ours["rows"]):
+        assert a["predicted_peak_gb"] < b["predicted_peak_gb"]  # one checkpoint per layer, not two
+    assert ours["false_oom"] >= 1 and theirs["false_oom"] == 0  # line 610 ran at 69 GB

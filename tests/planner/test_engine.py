@@ -35,6 +35,9 @@ CASES = [
     # DeepSpeed ZeRO-0/1, fp16: fp16 grads; fp32 master, fp32 grad copy and moments (a partition of them at stage 1)
     ("deepspeed", None, "fp16", False, (2, 2, 16)),
     ("deepspeed", None, "fp16", True, (2, 2, 16 / 4)),
+    # BF16_Optimizer: bf16 grads and a whole fp32 accumulator; fp32 master and moments (a partition at stage 1)
+    ("deepspeed", None, "bf16", False, (2, 6, 12)),
+    ("deepspeed", None, "bf16", True, (2, 6, 12 / 4)),
 ]
 
 
@@ -66,8 +69,8 @@ def test_rank_memory_follows_the_engine():
 def test_engine_flags_that_cannot_hold(flags, needle):
     with pytest.raises(UsageError, match=needle):
         engine_from_flags(*flags)
-    with pytest.raises(UsageError, match="modelled for --fp16"):
-        EngineConfig("deepspeed").precision("bf16", False)
+    with pytest.raises(UsageError, match="modelled for --fp16 and --bf16"):
+        EngineConfig("deepspeed").precision("fp32", False)
 
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
