@@ -174,7 +174,9 @@ def evaluate(data: dict, groups: list[str] | None = None, memory: MemorySettings
             "median_pick_vs_best": statistics.median(s["pick_vs_best"] for s in searches) if searches else float("nan"),
             "oom_caught": sum(1 for r in rows if r["oom"] and not r["predicted_fits"]),
             "oom_total": sum(1 for r in rows if r["oom"]),
-            "false_oom": sum(1 for r in ran if not r["predicted_fits"])}
+            "false_oom": sum(1 for r in ran if not r["predicted_fits"]),
+            "median_error_by_tp": {tp: statistics.median(r["error"] for r in ran if r["tp"] == tp)
+                                   for tp in sorted({r["tp"] for r in ran})}}
 
 
 def main() -> int:
@@ -217,6 +219,8 @@ def main() -> int:
           f"{result['oom_total']}; rows that ran predicted not to fit: {result['false_oom']}")
     pairs = "; ".join(f"{factor} {right}/{n}" for factor, (right, n) in result["pairs"].items())
     print(f"pairs of rows of one group that differ in one factor only, ordered by the prediction as measured: {pairs}")
+    by_tp = ", ".join(f"tp {tp} {100 * e:+.1f}%" for tp, e in result["median_error_by_tp"].items())
+    print(f"median signed error by tensor-parallel size: {by_tp}")
     print("hd: head dimension; mem pub.: GB the author saw on the first node (nvidia-smi), pred.: the planner's peak "
           f"(GB, engine {args.engine})")
     if args.json:
