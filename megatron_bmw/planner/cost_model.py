@@ -124,6 +124,10 @@ class CostModel:
         self.dtype = spec.model.params_dtype
         self.layout = spec.rank_layout()
         p = spec.pp
+        self.blocking_p2p = settings.engine.blocking_p2p
+        if self.blocking_p2p and (spec.pipeline.schedule not in ("1f1b", "gpipe") or spec.pipeline.bpipe):
+            raise UsageError(f"--engine {settings.engine.name} runs the 1F1B (or GPipe) schedule without BPipe, not "
+                             f"{spec.pipeline.schedule}" + (" with BPipe" if spec.pipeline.bpipe else ""))
         placement = {} if placement is None else placement
         if "devices" not in placement:
             placement["devices"] = [self._stage_device(s) for s in range(p)]
@@ -411,6 +415,28 @@ class CostModel:
 
     # ---- per action --------------------------------------------------------------------------------------------
     def compute_time(self, rank: int, action: Action) -> float:
+        if self.blocking_p2p:
+            return self._compute_time(rank, action) + self._held_transfers(rank, action)
+        return self._compute_time(rank, action)
+
+    def _held_transfers(self, rank: int, action: Action) -> float:
+        """Under an engine whose transfers hold the compute stream (EngineConfig.blocking_p2p): a forward's receive
+        and send of the activation, a backward's of the gradient, with the neighbouring stages. The transfer itself
+        then takes no time of its own (transfer_time): its data is there when the sender's action ends."""
+        if action.kind not in (Kind.FORWARD, Kind.BACKWARD):
+            return 0.0
+        half = action.half is not None
+        near = [q for q in (rank - 1, rank + 1) if 0 <= q < self.spec.pp]
+        return sum(self._link_time(min(rank, q), max(rank, q), half) for q in near)
+
+    def _link_time(self, src: int, dst: int, half: bool) -> float:
+        key = (src, dst, half)
+        got = self._transfers.get(key)
+        if got is None:
+            got = self._transfers[key] = self.p2p_link(src, dst).time(self.spec.hidden_bytes(half))
+        return got
+
+    def _compute_time(self, rank: int, action: Action) -> float:
         if self.action_factors is not None:
             work, wait = self._action_parts(rank, action)
             return (work * self.action_factors.get((rank, action), self.static_factor[rank]) + wait) * action.weight
@@ -450,11 +476,9 @@ class CostModel:
         return 1.0 if total <= 0 else work * factor / total
 
     def transfer_time(self, src: int, dst: int, action: Action) -> float:
-        key = (src, dst, action.half is not None)
-        got = self._transfers.get(key)
-        if got is None:
-            got = self._transfers[key] = self.p2p_link(src, dst).time(self.spec.hidden_bytes(key[2]))
-        return got
+        if self.blocking_p2p:  # (held by the compute on both sides: _held_transfers)
+            return 0.0
+        return self._link_time(src, dst, action.half is not None)
 
     def copy_time(self, rank: int, action: Action, nbytes: float) -> float:
         """An EVICT or LOAD of `nbytes` between `rank` and its peer (or host memory when it has none)."""

@@ -115,6 +115,13 @@ class EngineConfig:
         return 0
 
     @property
+    def blocking_p2p(self) -> bool:
+        """Whether pipeline sends and receives hold the compute stream: DeepSpeed's pipeline engine moves each
+        activation and gradient with a synchronous broadcast between the two stages, so a stage computes nothing
+        while its transfers run (Megatron's batched isend/irecv, and ours, run beside the compute)."""
+        return self.name == "deepspeed"
+
+    @property
     def runs_here(self) -> bool:
         """Whether our runtime (pretrain_gpt.py) runs a plan for this engine."""
         return self.name == OURS

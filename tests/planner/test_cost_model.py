@@ -23,7 +23,8 @@ MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_s
 
 
 def _spec(**kw) -> RunSpec:
-    pipe = dict(micro_batch_size=2, num_microbatches=4, partition=(5, 5), schedule="1f1b", recompute=None)
+    pipe = dict(micro_batch_size=2, num_microbatches=4, partition=(5, 5), schedule="1f1b", recompute=None,
+                virtual_stages=1)
     pipe.update({k: kw.pop(k) for k in list(kw) if k in pipe})
     base = dict(model=MODEL, tp=1, pp=2, dp=1, pipeline=PipelineConfig(**pipe))
     base.update(kw)
@@ -302,3 +303,24 @@ def test_tp_comm_overlap_hides_the_sequence_parallel_collectives_behind_their_ge
     assert hidden.tp_comm("head", 0) == plain.tp_comm("head", 0)
     with pytest.raises(UsageError, match="--tp-comm-overlap"):
         EngineConfig("megatron_bmw", tp_comm_overlap=True)
+
+
+def test_deepspeeds_transfers_hold_the_compute():
+    """DeepSpeed's pipeline engine sends with a synchronous broadcast: a stage's forward holds its activation's
+    receive and send, a backward its gradient's, and the transfer adds no arrival time of its own."""
+    half = replace(MODEL, params_dtype="fp16")
+    cluster = load_cluster("a100-80g-ib", num_nodes=3)
+    spec = _spec(model=half, partition=(3, 4, 3), tp=8, pp=3)
+    ours = CostModel(spec, cluster)
+    ds = CostModel(spec, cluster, settings=CostSettings(engine=EngineConfig("deepspeed")))
+    send = Action(Kind.SEND_ACT, 0, 0)
+    link = [ours.transfer_time(0, 1, send), ours.transfer_time(1, 2, send)]
+    assert min(link) > 0 and ds.transfer_time(0, 1, send) == 0.0
+    for rank, held in ((0, link[0]), (1, link[0] + link[1]), (2, link[1])):
+        forward, backward = Action(Kind.FORWARD, 0, 0), Action(Kind.BACKWARD, 0, 0)
+        assert ds.compute_time(rank, forward) - ours.compute_time(rank, forward) == pytest.approx(held)
+        # (the backward's own work differs by engine: DeepSpeed accumulates fp16 gradients)
+        assert ds.compute_time(rank, backward) - ds._compute_time(rank, backward) == pytest.approx(held)
+    interleaved = _spec(model=half, partition=(3, 2, 2, 3), schedule="interleaved", virtual_stages=2)
+    with pytest.raises(UsageError, match="runs the 1F1B"):
+        CostModel(interleaved, cluster, settings=CostSettings(engine=EngineConfig("deepspeed")))
