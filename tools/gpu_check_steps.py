@@ -447,17 +447,10 @@ def param_gather_check(small: bool) -> dict:
             "losses": {k: v["losses"] for k, v in runs.items()}, "notes": notes}
 
 
-def _median_seconds(fn, cuda: bool, warmup: int = 3, repeats: int = 7) -> float:
-    times = []
-    for i in range(warmup + repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+def _median_seconds(fn, device: torch.device, warmup: int = 3, repeats: int = 7) -> float:
+    from megatron_bmw.device import timed
+
+    times = [timed(fn, device)[0] for _ in range(warmup + repeats)][warmup:]
     return sorted(times)[len(times) // 2]
 
 
@@ -488,13 +481,13 @@ def grad_accum_check(small: bool) -> dict:
         for p in params:
             p.grad = None
 
-    plain = _median_seconds(backward, cuda)
+    plain = _median_seconds(backward, device)
     sync = GradSync(params, ParallelState.serial(device))
-    hooked = _median_seconds(backward, cuda)
+    hooked = _median_seconds(backward, device)
     sync.remove_hooks()
     n = sum(p.numel() for p in params)
     grad, main = torch.ones(n, dtype=cfg.torch_dtype, device=device), torch.zeros(n, dtype=torch.float32, device=device)
-    per_byte = _median_seconds(lambda: main.add_(grad), cuda) / (n * (grad.element_size() + 8))
+    per_byte = _median_seconds(lambda: main.add_(grad), device) / (n * (grad.element_size() + 8))
     predicted = n * EngineConfig().accumulation_bytes(dtype) * per_byte
     measured = hooked - plain
     return {"status": "ok", "device": device.type, "dtype": dtype, "parameters": n,

@@ -9,7 +9,7 @@ from ..config import ModelConfig
 from ..errors import UsageError
 from .cluster import DeviceType
 from .flops import unit_forward_flops
-from .kernel_time import KernelDevice, unit_kernel_times
+from .kernel_time import device_kernels, unit_kernel_times
 from .memory_model import UNIT_KINDS, unit_activation_bytes
 from .profile_data import Profile, UnitTiming, model_signature
 
@@ -48,9 +48,7 @@ def analytic_profile(model: ModelConfig, device: DeviceType, settings: ProfileSe
         raise UsageError(f"--achievable-fraction must be in (0, 1], got {achievable_fraction}")
     dtype = model.params_dtype
     rate = device.peak(dtype) * achievable_fraction
-    unaligned = device.peak_flops.get("fp32") if dtype in ("bf16", "fp16") else None
-    kernels = KernelDevice(device.peak(dtype), achievable_fraction, device.sm_count, device.memory_bandwidth,
-                           unaligned_flops=unaligned) if device.sm_count is not None else None
+    kernels = device_kernels(device, dtype, achievable_fraction)
     units = []
     for b in settings.micro_batch_sizes:
         for kind in UNIT_KINDS:

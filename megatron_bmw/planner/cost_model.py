@@ -40,10 +40,11 @@ from dataclasses import dataclass
 from ..errors import UsageError
 from ..pipeline.schedule import Action, Kind
 from .cluster import Cluster, DeviceType, Link
-from .engine import OURS, EngineConfig
+from .engine import EngineConfig
 from .elementwise import unit_elementwise_bytes
 from .flops import core_attention_share, unit_forward_flops, unit_weight_grad_flops
-from .kernel_time import KernelDevice, shape_ratio, unit_edge_gemms, unit_kernel_times, unit_weight_grad_time
+from .kernel_time import (KernelDevice, device_kernels, shape_ratio, unit_edge_gemms, unit_kernel_times,
+                          unit_weight_grad_time)
 from ..units import owns_output_weight, unit_kind, unit_names
 from .overlap import RankSpans, exposed_gather, reduce_end
 from .memory_model import chunk_unit_indices, chunk_units, unit_param_count
@@ -281,11 +282,7 @@ class CostModel:
 
     def kernel_device(self, device: DeviceType) -> KernelDevice | None:
         """The kernel model's view of `device` (None where the cluster file gives no SM count)."""
-        if device.sm_count is None:
-            return None
-        unaligned = device.peak_flops.get("fp32") if self.dtype in ("bf16", "fp16") else None
-        return KernelDevice(device.peak(self.dtype), self.settings.fraction(device), device.sm_count,
-                            device.memory_bandwidth, unaligned_flops=unaligned)
+        return device_kernels(device, self.dtype, self.settings.fraction(device))
 
     def _compute(self, kind: str, device: DeviceType, index: int | None) -> tuple[float, float, bool]:
         """(forward, backward, TP communication included): the profile at this tp, else its tp=1 times split
@@ -498,16 +495,8 @@ class CostModel:
         return self.dp_reduce_seconds(rank)(self.params[rank])
 
     def grad_reduction(self) -> tuple[float, bool]:
-        """(bytes per gradient element reduced, whether it is a reduce-scatter): the engine's gradient buffer
-        (engine.py: fp32 main grads, or 16-bit under Megatron's fp16 and --grad-reduce-in-bf16). Ours all-reduces
-        even under ZeRO-1 (parallel/grad_sync.py), as DeepSpeed's BF16_Optimizer does its fp32 accumulator;
-        Megatron-core's and DeepSpeed's fp16 distributed optimizers reduce-scatter, each rank keeping the
-        gradients of its shard."""
-        engine = self.settings.engine
-        if engine.name == OURS or (engine.name == "deepspeed" and self.dtype == "bf16"):  # (BF16_Optimizer: fp32)
-            return 4.0, False
-        grad_bytes = engine.precision(self.dtype, self.spec.distributed_optimizer).grad_bytes
-        return float(grad_bytes), self.spec.distributed_optimizer
+        """(bytes per gradient element reduced, whether it is a reduce-scatter): the engine's (EngineConfig)."""
+        return self.settings.engine.grad_reduction(self.dtype, self.spec.distributed_optimizer)
 
     def sp_sync_time(self, rank: int) -> float:
         """Sequence-parallel replicated gradients (LayerNorms, row-parallel biases) summed over tp."""

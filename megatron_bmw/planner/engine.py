@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..units import DTYPE_BYTES
 
 ENGINES = ("megatron_bmw", "megatron-core", "deepspeed")
 OURS = "megatron_bmw"
@@ -82,9 +83,13 @@ class EngineConfig:
             raise UsageError("--accumulate-allreduce-grads-in-fp32/--grad-reduce-in-bf16 are Megatron-LM's; the "
                              "deepspeed engine's gradient precision follows the parameters (ZeRO stage 0/1)")
 
+    def _bf16_optimizer(self, params_dtype: str) -> bool:
+        """DeepSpeed with bf16 parameters: its BF16_Optimizer, an fp32 accumulator all-reduced as ours is."""
+        return self.name == "deepspeed" and params_dtype == "bf16"
+
     def grads_in_fp32(self, params_dtype: str) -> bool:
         """Whether gradients accumulate and are reduced in fp32."""
-        if params_dtype == "fp32" or self.name == OURS or (self.name == "deepspeed" and params_dtype == "bf16"):
+        if params_dtype == "fp32" or self.name == OURS or self._bf16_optimizer(params_dtype):
             return True
         if self.accumulate_allreduce_grads_in_fp32 is not None:
             return self.accumulate_allreduce_grads_in_fp32
@@ -93,8 +98,8 @@ class EngineConfig:
     def precision(self, params_dtype: str, distributed_optimizer: bool) -> PrecisionConfig:
         if self.name == "deepspeed" and params_dtype == "fp32":
             raise UsageError("--engine deepspeed: memory is modelled for --fp16 and --bf16 (ZeRO stage 0/1), not fp32")
-        param_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[params_dtype]
-        if self.name == "deepspeed" and params_dtype == "bf16":  # bf16 gradients beside the fp32 accumulator
+        param_bytes = DTYPE_BYTES[params_dtype]
+        if self._bf16_optimizer(params_dtype):  # bf16 gradients beside the fp32 accumulator
             return PrecisionConfig(param_bytes=2, distributed_optimizer=distributed_optimizer, grad_bytes=2 + _FP32,
                                    fp32_master_copy=False)
         return PrecisionConfig(param_bytes=param_bytes, distributed_optimizer=distributed_optimizer,
@@ -107,12 +112,21 @@ class EngineConfig:
         autograd adds each micro-batch's gradient into the 16-bit .grad (read 2e, write e; with bf16 its optimizer
         adds them into fp32 as ours does); Megatron-core
         accumulates inside the weight-gradient GEMM (--gradient-accumulation-fusion, its default): none."""
-        e = {"fp32": 4, "bf16": 2, "fp16": 2}[params_dtype]
-        if self.name == OURS or (self.name == "deepspeed" and params_dtype == "bf16"):  # (BF16_Optimizer: likewise)
+        e = DTYPE_BYTES[params_dtype]
+        if self.name == OURS or self._bf16_optimizer(params_dtype):
             return e + 2 * _FP32
         if self.name == "deepspeed":
             return 3 * e
         return 0
+
+    def grad_reduction(self, params_dtype: str, distributed_optimizer: bool) -> tuple[float, bool]:
+        """(bytes per gradient element reduced over data parallel, whether it is a reduce-scatter): ours all-reduces
+        fp32 even under ZeRO-1 (parallel/grad_sync.py), as DeepSpeed's BF16_Optimizer does its fp32 accumulator;
+        Megatron-core's and DeepSpeed's fp16 distributed optimizers reduce-scatter their gradient buffer's bytes,
+        each rank keeping the gradients of its shard."""
+        if self.name == OURS or self._bf16_optimizer(params_dtype):
+            return float(_FP32), False
+        return float(self.precision(params_dtype, distributed_optimizer).grad_bytes), distributed_optimizer
 
     @property
     def blocking_p2p(self) -> bool:

@@ -58,6 +58,16 @@ class KernelDevice:
 ALIGN_BYTES = 16  # tensor cores' operand alignment
 
 
+def device_kernels(device, dtype: str, achievable_fraction: float) -> KernelDevice | None:
+    """The kernel model's view of a cluster device type (planner/cluster.py DeviceType) running `dtype`: None
+    where it gives no SM count; 16-bit GEMMs off the tensor cores' alignment run at its fp32 peak."""
+    if device.sm_count is None:
+        return None
+    unaligned = device.peak_flops.get("fp32") if dtype in ("bf16", "fp16") else None
+    return KernelDevice(device.peak(dtype), achievable_fraction, device.sm_count, device.memory_bandwidth,
+                        unaligned_flops=unaligned)
+
+
 def gemm_time(m: int, n: int, k: int, elem_bytes: int, dev: KernelDevice, batch: int = 1) -> float:
     """Seconds of `batch` GEMMs [m, k] x [k, n]."""
     if min(m, n, k, batch) <= 0:

@@ -31,7 +31,7 @@ from ..units import unit_kind, unit_names
 from .cluster import Cluster
 from .cost_model import CostModel, CostSettings, optimizer_step_seconds
 from .evaluate import stage_capacity
-from .memory_model import (MemorySettings, PrecisionConfig, layer_checkpoints, layer_transient_extra,
+from .memory_model import (MemorySettings, layer_checkpoints, layer_transient_extra,
                            unit_activation_bytes, unit_param_count, unit_transient_bytes, unit_wgrad_bytes)
 from .overlap import gather_lead, overlapped_end, reduce_end
 from .partitioners import amp_partition, choose_options, galvatron_walk, minmax_partition
