@@ -70,6 +70,7 @@ class Sizes:
     planned_gbs: int
     planned_iters: int
     steps_flag: list[str]  # tools/gpu_check_steps.py sizes
+    peer_iters: int  # iterations of each side of the megatron-core comparison
 
 
 def _batch(mbs: int, gbs: int) -> list[str]:
@@ -81,11 +82,11 @@ GPU = Sizes(small=_gpt(4, 512, 8, 1024, 8192), small_batch=_batch(4, 16), iters=
                  ("GPT 350M", _gpt(24, 1024, 16, 2048, 50257), _batch(4, 32))],
             big_iters=40, profiled=_gpt(8, 1024, 16, 1024, 50257), profile_mbs="1,2,4",
             planned=[(1, "none"), (2, "none"), (4, "none"), (2, "full")], planned_gbs=16, planned_iters=20,
-            steps_flag=[])
+            steps_flag=[], peer_iters=25)
 DRY = Sizes(small=_gpt(2, 64, 4, 64, 512), small_batch=_batch(2, 4), iters=8,
             big=[("GPT tiny", _gpt(2, 64, 4, 64, 512), _batch(2, 4))], big_iters=6, profiled=_gpt(2, 64, 4, 64, 512),
             profile_mbs="1,2", planned=[(1, "none"), (2, "full")], planned_gbs=4, planned_iters=4,
-            steps_flag=["--small"])
+            steps_flag=["--small"], peer_iters=4)
 PLAN_CLUSTER, PLAN_DEVICE = "h100-80g-ib", "h100-80g"  # what the planning steps plan for (one GPU of it)
 FP16_ITERS = 40  # from Megatron's initial loss scale 2^32 the first ~17 iterations overflow and are skipped
 
@@ -104,6 +105,7 @@ class Context:
     log_path: str = ""
     inject: str | None = None  # "fail" or "hang" for the running step (tests)
     env: dict = field(default_factory=dict)  # the env step's result (the big run's MFU needs the peak)
+    big: tuple | None = None  # (name, model flags, batch flags) of the big step's model that ran
 
     def command(self, argv: list[str], what: str = "") -> str:
         """Run `argv` in the repository root within the step's time; return its output; StepFailed on a
@@ -330,6 +332,7 @@ def step_big(ctx: Context) -> dict:
             failures.append("no MFU: " + ("run the env step with it" if not ctx.env else
                                           f"no bf16 peak known for {ctx.env.get('gpu')}"))
         numbers.update(_plan_numbers(run))
+        ctx.big = (name, model, batch)
         losses = _losses(its)
         if not all(math.isfinite(x) for x in losses):
             raise StepFailed(f"{name}: a loss is not finite")
@@ -337,6 +340,42 @@ def step_big(ctx: Context) -> dict:
         return {"numbers": numbers, "notes": (notes + "; " if notes else "") +
                 f"plan: {os.path.basename(plan)} (analytic h100-80g profile; time prediction is analytic)"}
     raise StepFailed("; ".join(failures))
+
+
+def step_peer(ctx: Context) -> dict:
+    """Ours against megatron-core (when importable) on the big step's model, no recomputation, same run."""
+    name, model, batch = ctx.big or ctx.sizes.big[-1]
+    path = os.path.join(ctx.work, "peer.json")
+    argv = [ctx.python, os.path.join(ROOT, "benchmarks", "megatron_core_peer.py"), "--iters", str(ctx.sizes.peer_iters),
+            "--warmup", "5", "--json", path, *(["--allow-cpu"] if not ctx.cuda else []), "--", *model, *batch]
+    try:
+        ctx.command(argv, "megatron_core_peer.py")
+    except StepFailed:
+        if not os.path.exists(path):
+            raise
+    with open(path) as f:
+        result = json.load(f)
+    rows = result["rows"]
+    numbers: dict = {"model": name}
+    for peer, row in rows.items():
+        for key, scale, digits in (("seconds", 1e3, 1), ("tflops", 1, 1), ("mfu_pct", 1, 1),
+                                   ("peak_bytes", 2**-30, 2)):
+            if row.get(key) is not None:
+                label = {"seconds": "ms", "peak_bytes": "peak_gib"}.get(key, key)
+                numbers[f"{peer}_{label}"] = round(row[key] * scale, digits)
+    for key in ("ours_over_mcore_time", "ours_over_mcore_memory"):
+        if key in result:
+            numbers[key] = round(result[key], 3)
+    errors = {peer: row["error"] for peer, row in rows.items() if "error" in row}
+    if "error" in rows.get("ours", {}):
+        raise StepFailed(f"ours: {errors['ours'][:300]}")
+    notes = "megatron-core: local spec, SDPA core attention, Float16Module, fp32 grad buffers, no TE/apex"
+    if "not importable" in errors.get("mcore", ""):
+        return {"status": "ok (ours only)", "numbers": numbers,
+                "notes": errors["mcore"][:200] + "; carry its wheel (scripts/gpu_check.sh GPU_CHECK_WHEELS)"}
+    if errors:
+        raise StepFailed(f"megatron-core: {errors['mcore'][:300]}")
+    return {"numbers": numbers, "details": result, "notes": notes}
 
 
 def _profile(ctx: Context, path: str) -> None:
@@ -455,6 +494,7 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
     Step("param_gather", "ZeRO-1 --overlap-param-gather on a one-rank NCCL group: bit for bit with gathering at once",
          step_param_gather, 90),
     Step("big", "single-GPU GPT (1.3B, else 350M) seq 2048: tokens/s, MFU, memory model", step_big, 220),
+    Step("peer", "the big step's GPT, ours vs megatron-core (if importable): ms/iter, MFU, memory", step_peer, 200),
     Step("planner", "autoconfig.py profile + predicted vs measured step time, 4 configs", step_planner, 200),
     Step("allowance", "CUDA allowance: measured (profile's cuda_memory) vs derived terms", step_allowance, 120),
     Step("grad_accum", "fp32 main_grad accumulation per micro-batch: measured vs the planner's bytes", step_grad_accum,
@@ -465,7 +505,7 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
 ]
 
 
-DETAILED = ("store", "param_gather", "planner", "allowance")  # steps whose details the report prints
+DETAILED = ("store", "param_gather", "peer", "planner", "allowance")  # steps whose details the report prints
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------

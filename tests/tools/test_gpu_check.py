@@ -20,7 +20,8 @@ _spec.loader.exec_module(gpu_check)
 def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     out = tmp_path / "report"
     argv = [sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), str(out), "--dry-run",
-            "--steps", "env,bf16,store,optimizer,param_gather,allowance,grad_accum,fp16", "--inject", "optimizer=hang",
+            "--steps", "env,bf16,store,optimizer,param_gather,peer,allowance,grad_accum,fp16", "--inject",
+            "optimizer=hang",
             "--inject", "fp16=fail",
             "--step-timeout-s", "40"]  # a cap for a hang; the injected one is cut after 4 s
     run = subprocess.run(argv, capture_output=True, text=True, timeout=300,
@@ -29,8 +30,8 @@ def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     data = json.loads((out / "report.json").read_text())
     assert data["finished"] is True and data["mode"] == "dry-run"
     steps = {s["name"]: s for s in data["steps"]}
-    assert list(steps) == ["env", "bf16", "store", "optimizer", "param_gather", "allowance", "grad_accum",
-                           "fp16"]  # the table's
+    assert list(steps) == ["env", "bf16", "store", "optimizer", "param_gather", "peer", "allowance",
+                           "grad_accum", "fp16"]  # the table's
     # order, after the failures too
     assert all({"name", "what", "status", "seconds"} <= set(s) for s in data["steps"])
     assert steps["env"]["status"] == "ok" and steps["env"]["numbers"]["torch"]
@@ -43,6 +44,11 @@ def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     assert gather["status"] == "ok", gather
     checks = gather["details"]["checks"]
     assert all(checks.values()) and len(checks) == 5 and "CPU" in gather["notes"]
+    peer = steps["peer"]  # no big step ran: the last big model (the tiny one), ours and megatron-core (test extra)
+    assert peer["status"] == "ok", peer
+    rows = peer["details"]["rows"]
+    assert rows["ours"]["parameters"] == rows["mcore"]["parameters"] > 0  # the same model on both sides
+    assert peer["numbers"]["model"] == "GPT tiny" and peer["numbers"]["ours_over_mcore_time"] > 0
     allowance = steps["allowance"]  # no planner step ran: its own profile, derived terms only on the CPU
     assert allowance["status"] == "ok", allowance
     assert allowance["numbers"]["context_gib_derived"] == 0.5 and "context_gib_measured" not in allowance["numbers"]
