@@ -178,7 +178,7 @@ def run_mcore(flags: list[str], iters: int, warmup: int, allow_cpu: bool) -> dic
 
     def loss_func(output):
         loss = output.float().mean()
-        return loss, {"lm loss": loss.detach()}
+        return loss, {"lm loss": loss.detach().clone()}  # its schedule divides `loss` in place
 
     def forward_step(data_iterator, model):
         tokens, labels = next(data_iterator)

@@ -82,7 +82,7 @@ GPU = Sizes(small=_gpt(4, 512, 8, 1024, 8192), small_batch=_batch(4, 16), iters=
                  ("GPT 350M", _gpt(24, 1024, 16, 2048, 50257), _batch(4, 32))],
             big_iters=40, profiled=_gpt(8, 1024, 16, 1024, 50257), profile_mbs="1,2,4",
             planned=[(1, "none"), (2, "none"), (4, "none"), (2, "full")], planned_gbs=16, planned_iters=20,
-            steps_flag=[], peer_iters=25)
+            steps_flag=[], peer_iters=30)
 DRY = Sizes(small=_gpt(2, 64, 4, 64, 512), small_batch=_batch(2, 4), iters=8,
             big=[("GPT tiny", _gpt(2, 64, 4, 64, 512), _batch(2, 4))], big_iters=6, profiled=_gpt(2, 64, 4, 64, 512),
             profile_mbs="1,2", planned=[(1, "none"), (2, "full")], planned_gbs=4, planned_iters=4,
@@ -344,7 +344,7 @@ def step_big(ctx: Context) -> dict:
 
 def step_peer(ctx: Context) -> dict:
     """Ours against megatron-core (when importable) on the big step's model, no recomputation, same run."""
-    name, model, batch = ctx.big or ctx.sizes.big[-1]
+    name, model, batch = ctx.big or ctx.sizes.big[0]
     path = os.path.join(ctx.work, "peer.json")
     argv = [ctx.python, os.path.join(ROOT, "benchmarks", "megatron_core_peer.py"), "--iters", str(ctx.sizes.peer_iters),
             "--warmup", "5", "--json", path, *(["--allow-cpu"] if not ctx.cuda else []), "--", *model, *batch]

@@ -295,6 +295,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
             if tp == 1:
                 state = ParallelState.serial(device)
                 if cuda:
+                    torch.cuda.init()  # the allocator's statistics refuse a device CUDA has not set up yet
                     torch.cuda.reset_peak_memory_stats(device)
                     before = cuda_memory.reading(torch.cuda, device)
                 timed = time_units(model, state, settings.micro_batch_sizes, settings.warmup, settings.repeats,
