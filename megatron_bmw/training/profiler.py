@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,52 +52,6 @@ def _stat(values: list[float], statistic: str) -> float:
     return min(values) if statistic == "min" else statistics.median(values)
 
 
-class PhaseClock:
-    """Times a phase (a unit's forward or its backward) as a long run meets it, where the host issues kernels
-    ahead of the device. On CUDA the host's issue time and the device's execution time are taken apart (a
-    sleep kernel keeps the device busy while the host issues the phase, so the events around it see the
-    phase's kernels back to back) and the phase costs the larger: small units are bound by the host's launches,
-    big ones by the device, and a synchronised wall time would add the two. Elsewhere: the synchronised wall
-    time."""
-
-    MIN_COVER_S = 2e-3
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda" and hasattr(torch.cuda, "_sleep")
-        self.host_s = self.device_s = 0.0  # the last phase's parts
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            torch.cuda._sleep(10**7)
-            end.record()
-            end.synchronize()
-            self.cycles_per_s = 1e7 / max(start.elapsed_time(end) / 1e3, 1e-6)
-
-    def run(self, fn: Callable[[], object], cover_s: float = 0.0) -> tuple[object, float]:
-        """(fn(), seconds); `cover_s`: how long the device is kept busy first (more than the host's issue time)."""
-        if not self.cuda:
-            seconds, out = timed(fn, self.device)
-            self.host_s = self.device_s = seconds
-            return out, seconds
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(self.device)
-        torch.cuda._sleep(int(max(cover_s, self.MIN_COVER_S) * self.cycles_per_s))
-        start.record()
-        t0 = time.perf_counter()
-        out = fn()
-        self.host_s = time.perf_counter() - t0
-        end.record()
-        end.synchronize()
-        self.device_s = start.elapsed_time(end) / 1e3
-        return out, max(self.host_s, self.device_s)
-
-    def cover(self) -> float:
-        """A sleep that outlasts the host's issue time of the phase just run."""
-        return 2 * self.host_s + 1e-3
-
-
 def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, repeats: int = 5,
                seed: int = 1234, barrier=None, statistic: str = "median", rounds: int = 1) -> list[UnitTiming]:
     """Forward/backward seconds and saved bytes of every unit kind on this process (tp from `state`).
@@ -120,19 +73,6 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
     saved: dict[tuple[int, str], int] = {}
     batches = {b: _batch(model, b, state.device) for b in micro_batch_sizes}
     entries = [(b, kind) for b in micro_batch_sizes for kind in UNIT_KINDS]
-    clock = PhaseClock(state.device)
-    cover: dict[tuple[int, str, str], float] = {}  # the sleep that outlasts each phase's issue time (CUDA)
-
-    def forward(b: int, kind: str, unit, hidden):
-        if (b, kind) not in saved:  # the hooks cost time: measure bytes in a warm-up iteration only
-            rec, y = measure_saved(lambda: unit(hidden, batches[b]), params + shared)
-            saved[(b, kind)] = rec.total
-            return y
-        return unit(hidden, batches[b])
-
-    def backward(kind: str, y) -> None:
-        torch.autograd.backward(y) if kind == "head" else torch.autograd.backward(y, torch.ones_like(y))
-
     for r in range(rounds):
         for b, kind in entries:
             unit = units[_UNIT_OF_KIND[kind]]
@@ -144,15 +84,24 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
                 if kind != "embedding":
                     hidden = torch.randn(seq, b, model.hidden_size, dtype=model.torch_dtype,
                                          device=state.device, requires_grad=True)
-                y, tf = clock.run(lambda: forward(b, kind, unit, hidden), cover.get((b, kind, "f"), 0.0))
-                if it < warmup:
-                    cover[(b, kind, "f")] = max(cover.get((b, kind, "f"), 0.0), clock.cover())
-                _, tb = clock.run(partial(backward, kind, y), cover.get((b, kind, "b"), 0.0))
-                if it < warmup:
-                    cover[(b, kind, "b")] = max(cover.get((b, kind, "b"), 0.0), clock.cover())
+                synchronize(state.device)
+                t0 = time.perf_counter()
+                if (b, kind) not in saved:  # the hooks cost time: measure bytes in a warm-up iteration only
+                    rec, y = measure_saved(lambda: unit(hidden, batches[b]), params + shared)
+                    saved[(b, kind)] = rec.total
+                else:
+                    y = unit(hidden, batches[b])
+                synchronize(state.device)
+                t1 = time.perf_counter()
+                if kind == "head":
+                    torch.autograd.backward(y)
+                else:
+                    torch.autograd.backward(y, torch.ones_like(y))
+                synchronize(state.device)
+                t2 = time.perf_counter()
                 if it >= warmup:
-                    fwd.append(tf)
-                    bwd.append(tb)
+                    fwd.append(t1 - t0)
+                    bwd.append(t2 - t1)
                 del y
     sync.remove_hooks()
     return [UnitTiming(kind, tp, b, _stat(samples[(b, kind)][0], statistic), _stat(samples[(b, kind)][1], statistic),
