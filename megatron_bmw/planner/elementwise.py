@@ -25,8 +25,8 @@ v padded vocabulary, t tensor-parallel size, e bytes per element; H = s'bh eleme
                  2F and F, writes 2F).
   head           the final norm (BERT's LM head adds its GeLU and LayerNorm on [s'b, h]) and the vocab-parallel
                  cross entropy over L = sb v/t logits as parallel/cross_entropy.py computes it: forward casts
-                 to fp32 (Le + 4L), max (4L), subtract (8L), exp (8L), sum (4L), normalise (8L); backward clones
-                 (8L), scales (8L) and casts back (4L + Le).
+                 to fp32 (Le + 4L), max (4L), subtract (8L), exp (8L), sum (4L), normalise (8L); backward scales
+                 the saved softmax in place (8L) and casts back (4L + Le).
   embedding      the dropout (as above) and, in backward, the word table's dense gradient [v/t, h]: written
                  zero-filled, read into the gradient buffer (grad_bytes per element, read and written); the
                  learned positions likewise over their rows. The lookups themselves are kernel_time.py's.
@@ -101,7 +101,7 @@ def _head(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[flo
         fwd, bwd = fwd + 4 * hidden * e, bwd + 6 * hidden * e
     logits = model.seq_length * b * model.vocab_size / tp
     fwd += logits * (e + 9 * FP32)
-    bwd += logits * (5 * FP32 + e)
+    bwd += logits * (3 * FP32 + e)
     return fwd, bwd
 
 

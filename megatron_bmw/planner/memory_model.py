@@ -554,13 +554,14 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
 
 def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False) -> int:
     """The largest gradient buffers a unit's backward allocates beside what it saved (Galvatron's backward peak):
-    the head's gradient of the logits in fp32 (and its cast for the output matmul), the attention's gradient
+    the head's gradient of the logits cast for the output matmul (the fp32 gradient takes the saved softmax's
+    place), the attention's gradient
     of the scores and probabilities (unfused; the fused kernel's gradient of q, k, v), the MLP's gradients of
     the GeLU output and input, the embedding's hidden-state gradient."""
     s, b, h, f, v = model.seq_length, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
     e = model.dtype_bytes
     if kind == "head":
-        return s * b * (v // tp) * (_FP32 + (0 if e == _FP32 else e))
+        return s * b * (v // tp) * (0 if e == _FP32 else e)
     if kind == "attention":
         heads = model.num_attention_heads // tp
         return b * heads * s * s * (_FP32 + e) if not model.flash_attention else 3 * s * b * (h // tp) * e
