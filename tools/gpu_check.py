@@ -269,6 +269,14 @@ def step_grad_accum(ctx: Context) -> dict:
     return {"numbers": {k: out[k] for k in keys}, "details": out, "notes": out["notes"]}
 
 
+def step_launch(ctx: Context) -> dict:
+    out = ctx.steps_script("launch")
+    numbers = {f"{mbs}_{k.replace('_over_stream', '')}": v for mbs, r in out["results"].items()
+               for k, v in r.items() if k.endswith("_over_stream")}
+    numbers.update({f"{mbs}_stream_ms": r["stream_ms"] for mbs, r in out["results"].items()})
+    return {"numbers": numbers, "details": out, "notes": out["notes"]}
+
+
 def search_args(model: list[str], batch: list[str], space: list[str], path: str, profile: str | None) -> list[str]:
     """autoconfig.py's arguments for a one-GPU plan (an H100's memory; analytic times without `profile`)."""
     spaces = [x for s in ["tp=1", "pp=1", *space] for x in ("--space", s)]
@@ -496,6 +504,8 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
     Step("big", "single-GPU GPT (1.3B, else 350M) seq 2048: tokens/s, MFU, memory model", step_big, 220),
     Step("peer", "the big step's GPT, ours vs megatron-core (if importable): ms/iter, MFU, memory", step_peer, 200),
     Step("planner", "autoconfig.py profile + predicted vs measured step time, 4 configs", step_planner, 200),
+    Step("launch", "per-unit timings (synchronised, host, event span, behind a sleep) against a unit stream",
+         step_launch, 90),
     Step("allowance", "CUDA allowance: measured (profile's cuda_memory) vs derived terms", step_allowance, 120),
     Step("grad_accum", "fp32 main_grad accumulation per micro-batch: measured vs the planner's bytes", step_grad_accum,
          60),
@@ -505,7 +515,7 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
 ]
 
 
-DETAILED = ("store", "param_gather", "peer", "planner", "allowance")  # steps whose details the report prints
+DETAILED = ("store", "param_gather", "peer", "planner", "launch", "allowance")  # steps whose details the report prints
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@
   store      BPipe's activation store (pipeline/activation_store.py) with the side-stream copier of
              pipeline/transfers.CudaChannel: evict to pinned host memory and load back on side streams, gradients
              bit for bit, the streams waiting on each other, and pinned host copy rates both ways
+  launch     per-unit timings five ways (synchronised, host, event span, behind a sleep kernel) against a stream
+             of micro-batches (tools/gpu_check_launch.py)
   grad_accum a GPT MLP unit's backward with and without GradSync's fp32 main_grad hooks: the accumulation's cost
              per micro-batch against the planner's count (planner/engine.py accumulation_bytes)
   param_gather
@@ -499,8 +501,14 @@ def grad_accum_check(small: bool) -> dict:
                      "into the weight-gradient GEMM); the CPU's figure is noisy" + ("" if cuda else " (CPU run)")}
 
 
+def launch_check(small: bool) -> dict:
+    from tools.gpu_check_launch import launch_check as check
+
+    return check(small)
+
+
 STEPS = {"env": env, "optimizer": optimizer_check, "store": store_check, "param_gather": param_gather_check,
-         "grad_accum": grad_accum_check}
+         "grad_accum": grad_accum_check, "launch": launch_check}
 
 
 def main(argv: list[str] | None = None) -> int:

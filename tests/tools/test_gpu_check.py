@@ -20,7 +20,7 @@ _spec.loader.exec_module(gpu_check)
 def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     out = tmp_path / "report"
     argv = [sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), str(out), "--dry-run",
-            "--steps", "env,bf16,store,optimizer,param_gather,peer,allowance,grad_accum,fp16", "--inject",
+            "--steps", "env,bf16,store,optimizer,param_gather,peer,launch,allowance,grad_accum,fp16", "--inject",
             "optimizer=hang",
             "--inject", "fp16=fail",
             "--step-timeout-s", "40"]  # a cap for a hang; the injected one is cut after 4 s
@@ -30,7 +30,7 @@ def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     data = json.loads((out / "report.json").read_text())
     assert data["finished"] is True and data["mode"] == "dry-run"
     steps = {s["name"]: s for s in data["steps"]}
-    assert list(steps) == ["env", "bf16", "store", "optimizer", "param_gather", "peer", "allowance",
+    assert list(steps) == ["env", "bf16", "store", "optimizer", "param_gather", "peer", "launch", "allowance",
                            "grad_accum", "fp16"]  # the table's
     # order, after the failures too
     assert all({"name", "what", "status", "seconds"} <= set(s) for s in data["steps"])
@@ -49,6 +49,10 @@ def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     rows = peer["details"]["rows"]
     assert rows["ours"]["parameters"] == rows["mcore"]["parameters"] > 0  # the same model on both sides
     assert peer["numbers"]["model"] == "GPT tiny" and peer["numbers"]["ours_over_mcore_time"] > 0
+    launch = steps["launch"]  # the CPU times two ways (sync, host); both summed against the unit stream
+    assert launch["status"] == "ok", launch
+    assert {"mbs1_sync", "mbs1_host", "mbs2_sync", "mbs2_stream_ms"} <= set(launch["numbers"])
+    assert launch["numbers"]["mbs2_stream_ms"] > 0 and "mbs1_span" not in launch["numbers"]
     allowance = steps["allowance"]  # no planner step ran: its own profile, derived terms only on the CPU
     assert allowance["status"] == "ok", allowance
     assert allowance["numbers"]["context_gib_derived"] == 0.5 and "context_gib_measured" not in allowance["numbers"]

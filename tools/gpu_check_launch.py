@@ -1,0 +1,153 @@
+"""gpu_check's `launch` step: which per-unit timing sums to what a run of units costs on a GPU.
+
+The profiler times each unit synchronised (training/profiler.py): on a GPU that adds the host's kernel launches to
+the device's execution, while a run overlaps them. Here every unit of the planner step's GPT is timed five ways per
+phase (forward, backward), beside a stream of whole micro-batches through an 8-layer stack with no synchronisation
+inside, so the next GPU session can see which per-unit figure the planner should sum:
+  sync           synchronise, call, synchronise (the profiler's figure)
+  host           the call's wall time alone, the device idle at the start (its launches; the device may lag)
+  span           CUDA events around the call, the device idle at the start
+  covered_host   the call's wall time with a sleep kernel queued ahead (the device busy meanwhile)
+  covered_device CUDA events around the call behind that sleep: the kernels back to back
+Per micro-batch size the step reports each method's micro-batch sum (embedding + layers x (attention + MLP) + head,
+forward and backward) over the stream's measured time per micro-batch. CPU: sync and host only.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from functools import partial
+
+import torch
+
+METHODS = ("sync", "host", "span", "covered_host", "covered_device")
+
+
+class _Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.cycles_per_s = None
+        if self.cuda and hasattr(torch.cuda, "_sleep"):
+            start, end = self._events()
+            torch.cuda.synchronize()
+            start.record()
+            torch.cuda._sleep(10**7)
+            end.record()
+            end.synchronize()
+            self.cycles_per_s = 1e7 / max(start.elapsed_time(end) / 1e3, 1e-6)
+
+    @staticmethod
+    def _events():
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def measure(self, method: str, fn, cover_s: float = 5e-3):
+        """(seconds or None, fn()) by `method`."""
+        self._sync()
+        if method in ("sync", "host"):
+            t0 = time.perf_counter()
+            out = fn()
+            if method == "sync":
+                self._sync()
+            seconds = time.perf_counter() - t0
+            self._sync()
+            return seconds, out
+        if not self.cuda or (method.startswith("covered") and self.cycles_per_s is None):
+            return None, fn()
+        start, end = self._events()
+        if method.startswith("covered"):
+            torch.cuda._sleep(int(cover_s * self.cycles_per_s))
+        start.record()
+        t0 = time.perf_counter()
+        out = fn()
+        host = time.perf_counter() - t0
+        end.record()
+        end.synchronize()
+        return (host if method == "covered_host" else start.elapsed_time(end) / 1e3), out
+
+
+def launch_check(small: bool) -> dict:
+    from megatron_bmw.config import ModelConfig
+    from megatron_bmw.models.chunk import build_units
+    from megatron_bmw.parallel.grad_sync import GradSync
+    from megatron_bmw.parallel.state import ParallelState
+    from megatron_bmw.training.profiler import _batch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    layers = 2 if small else 8
+    cfg = ModelConfig(num_layers=layers, hidden_size=64 if small else 1024, num_attention_heads=4 if small else 16,
+                      vocab_size=512 if small else 50304, seq_length=64 if small else 1024, hidden_dropout=0.0,
+                      attention_dropout=0.0, params_dtype="bf16" if cuda else "fp32",
+                      attention_backend="flash" if cuda else "unfused")
+    state = ParallelState.serial(device)
+    units = build_units(cfg, state, 1234)
+    params = [p for u in units.values() for p in u.parameters()]
+    grad_sync = GradSync(params, state)
+    timer = _Timer(device)
+    warmup, repeats = (1, 3) if small else (3, 7)
+
+    def backward(y, kind: str) -> None:
+        torch.autograd.backward(y) if kind == "head" else torch.autograd.backward(y, torch.ones_like(y))
+
+    def hidden(b: int):
+        return torch.randn(cfg.seq_length, b, cfg.hidden_size, dtype=cfg.torch_dtype, device=device,
+                           requires_grad=True)
+
+    results = {}
+    for b in ((1, 2) if small else (1, 2, 4)):
+        batch = _batch(cfg, b, device)
+        phases: dict[str, dict[str, float | None]] = {}
+        for kind, name in (("embedding", "embedding"), ("attention", "attn_0"), ("mlp", "mlp_0"), ("head", "head")):
+            unit = units[name]
+            samples = {(m, ph): [] for m in METHODS for ph in ("f", "b")}
+            for it in range(warmup + repeats):
+                for method in METHODS:
+                    x = None if kind == "embedding" else hidden(b)
+                    tf, y = timer.measure(method, lambda: unit(x, batch))
+                    tb, _ = timer.measure(method, partial(backward, y, kind))
+                    if it >= warmup and tf is not None:
+                        samples[(method, "f")].append(tf)
+                        samples[(method, "b")].append(tb)
+                    del y
+            phases[kind] = {f"{m}_{ph}": statistics.median(v) if v else None for (m, ph), v in samples.items()}
+        sums = {}
+        for method in METHODS:
+            parts = [phases[k].get(f"{method}_{ph}") for k in phases for ph in ("f", "b")]
+            if all(p is not None for p in parts):
+                per = {k: phases[k][f"{method}_f"] + phases[k][f"{method}_b"] for k in phases}
+                sums[method] = per["embedding"] + layers * (per["attention"] + per["mlp"]) + per["head"]
+        stream = _stream_seconds(units, layers, batch, timer, warmup, repeats, backward)
+        results[f"mbs{b}"] = {"stream_ms": round(stream * 1e3, 3),
+                              **{f"{m}_over_stream": round(v / stream, 3) for m, v in sums.items()},
+                              "units_ms": {k: {m: round(v * 1e3, 4) for m, v in ph.items() if v is not None}
+                                           for k, ph in phases.items()}}
+    grad_sync.remove_hooks()
+    return {"status": "ok", "device": device.type, "layers": layers, "hidden": cfg.hidden_size,
+            "seq": cfg.seq_length, "results": results,
+            "notes": "sum of each per-unit timing over one micro-batch, over a stream of micro-batches through the "
+                     "stack unsynchronised (1.0: the planner's sum is right)" + ("" if cuda else "; CPU run")}
+
+
+def _stream_seconds(units, layers: int, batch, timer: _Timer, warmup: int, repeats: int, backward) -> float:
+    """Seconds per micro-batch of forward and backward through embedding, `layers` x (attention, MLP) and head,
+    micro-batches back to back, synchronised only around the whole run."""
+    def one() -> None:
+        h = units["embedding"](None, batch)
+        for i in range(layers):
+            h = units[f"mlp_{i}"](units[f"attn_{i}"](h, batch), batch)
+        backward(units["head"](h, batch), "head")
+
+    for _ in range(warmup):
+        one()
+    timer._sync()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        one()
+    timer._sync()
+    return (time.perf_counter() - t0) / repeats
