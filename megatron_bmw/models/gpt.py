@@ -21,7 +21,7 @@ from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.init import ParamInit
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallel_lm_logits
 from ..parallel.mappings import scatter_to_sp
-from ..parallel.random import checkpoint
+from ..parallel.recompute import checkpoint
 from ..parallel.state import ParallelState
 from .rotary import apply_rotary, rotary_angles
 from .softmax import causal_softmax, padding_softmax

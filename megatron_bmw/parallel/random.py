@@ -77,24 +77,3 @@ def set_rng_state(state: dict, tracker: RNGTracker) -> None:
     tracker.set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def checkpoint(fn, tracker: RNGTracker | None, *args):
-    """Activation recomputation that replays the same dropout masks, including those drawn under the tracker."""
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
-
-    snapshot = tracker.get_states() if tracker is not None else None
-    first_call = [True]
-
-    def run(*a):
-        if first_call[0] or tracker is None:
-            first_call[0] = False
-            return fn(*a)
-        current = tracker.get_states()
-        tracker.set_states(snapshot)
-        try:
-            return fn(*a)
-        finally:
-            tracker.set_states(current)
-
-    return torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
