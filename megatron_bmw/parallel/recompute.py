@@ -4,8 +4,9 @@ Where a tensor argument requires a gradient this is Megatron's reentrant checkpo
 graph and saves only its tensor arguments; the backward restores the random states the forward started from,
 runs it again with a graph and back-propagates through it. Its cost on the host is about one more forward;
 torch's non-reentrant checkpoint adds a pack and an unpack hook per saved tensor and a check of the recomputed
-tensors (benchmarks/recompute_overhead.py; on a GPU a small model's step is bound by the host). Units whose gradient reaches only parameters (an embedding: no argument requires one) keep
-torch's non-reentrant checkpoint, which does not need one.
+tensors (benchmarks/recompute_overhead.py; on a GPU a small model's step is bound by the host). Units whose
+gradient reaches only parameters (an embedding: no argument requires one) keep torch's non-reentrant checkpoint,
+which does not need one.
 """
 
 from __future__ import annotations
