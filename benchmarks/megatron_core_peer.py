@@ -83,7 +83,6 @@ def run_ours(flags: list[str], iters: int, warmup: int, timeout_s: float) -> dic
 
 # ---- megatron-core ------------------------------------------------------------------------------------------------
 def _sdpa_attention_class():
-    import torch
     import torch.nn.functional as F
     from megatron.core.transformer.module import MegatronModule
 
@@ -104,7 +103,6 @@ def _sdpa_attention_class():
             s, b = query.shape[0], query.shape[1]
             return ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    del torch
     return SDPAttention
 
 

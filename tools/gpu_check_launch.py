@@ -21,6 +21,8 @@ from functools import partial
 
 import torch
 
+from megatron_bmw.device import synchronize, timed
+
 METHODS = ("sync", "host", "span", "covered_host", "covered_device")
 
 
@@ -42,20 +44,19 @@ class _Timer:
     def _events():
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
+    def sync(self) -> None:
+        synchronize(self.device)
 
     def measure(self, method: str, fn, cover_s: float = 5e-3):
         """(seconds or None, fn()) by `method`."""
-        self._sync()
-        if method in ("sync", "host"):
+        if method == "sync":
+            return timed(fn, self.device)
+        self.sync()
+        if method == "host":
             t0 = time.perf_counter()
             out = fn()
-            if method == "sync":
-                self._sync()
             seconds = time.perf_counter() - t0
-            self._sync()
+            self.sync()
             return seconds, out
         if not self.cuda or (method.startswith("covered") and self.cycles_per_s is None):
             return None, fn()
@@ -145,9 +146,9 @@ def _stream_seconds(units, layers: int, batch, timer: _Timer, warmup: int, repea
 
     for _ in range(warmup):
         one()
-    timer._sync()
+    timer.sync()
     t0 = time.perf_counter()
     for _ in range(repeats):
         one()
-    timer._sync()
+    timer.sync()
     return (time.perf_counter() - t0) / repeats

@@ -49,10 +49,8 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         args = list(ctx.others)
-        inputs = []
         for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
             args[i] = t.detach().requires_grad_(t.requires_grad)
-            inputs.append(args[i])
         current = _states(ctx.tracker, ctx.device)
         _restore(ctx.states, ctx.tracker, ctx.device)
         try:
