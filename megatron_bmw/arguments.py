@@ -19,7 +19,7 @@ from .units import num_units, parse_recompute, recompute_from_flags, unit_layer,
 # (flag -> number of values it takes). Kernel selection and internal implementation choices:
 IGNORED_KERNEL_FLAGS = {
     "--no-masked-softmax-fusion": 0, "--no-bias-gelu-fusion": 0, "--no-bias-dropout-fusion": 0,
-    "--no-gradient-accumulation-fusion": 0, "--no-async-tensor-model-parallel-allreduce": 0,
+    "--no-async-tensor-model-parallel-allreduce": 0,
     "--use-mcore-models": 0, "--use-legacy-models": 0, "--no-persist-layer-norm": 0,
     "--transformer-impl": 1, "--accumulate-allreduce-grads-in-fp32": 0, "--empty-unused-memory-level": 1,
     "--num-workers": 1, "--data-impl": 1, "--cross-entropy-loss-fusion": 0, "--manual-gc": 0,
@@ -136,6 +136,9 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1, help="1 only (no context parallelism)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   help="add each weight gradient into the fp32 main_grad after its GEMM, not inside it (the "
+                        "planner then counts e + 8 bytes per parameter and micro-batch, for ours and megatron-core)")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="with --use-distributed-optimizer: all-gather the updated parameters during the next forward")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
@@ -594,6 +597,7 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
     train = TrainConfig(
         global_batch_size=gbs, train_iters=train_iters, seed=args.seed, pipeline_trace=args.pipeline_trace,
         overlap_grad_reduce=overlap_grad_reduce, eod_mask_loss=args.eod_mask_loss,
+        gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", True),
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         tensorboard_dir=args.tensorboard_dir, log_throughput=args.log_throughput,
@@ -667,6 +671,7 @@ def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> R
     dtype = s.model.params_dtype
     rest = _training_configs(args, batches, _training_length(args, batches), dtype == "fp16", dtype == "bf16",
                              s.distributed_optimizer, s.overlap_grad_reduce, s.overlap_param_gather)
+    rest["train"] = replace(rest["train"], gradient_accumulation_fusion=plan.engine.gradient_accumulation_fusion)
     if rest["data"].vocab_size is None and vocab_size is None:  # --mock-data sized by the plan's vocabulary
         rest["data"] = replace(rest["data"], vocab_size=orig_vocab)
     return RunConfig(model=s.model, parallel=parallel, pipeline=s.pipeline, orig_vocab_size=orig_vocab, **rest)
@@ -757,6 +762,7 @@ def plan_flags(plan) -> dict[str, object]:
         "bpipe": pl.bpipe, "microbatch_slicing": str(pl.slicing),
         "use_distributed_optimizer": s.distributed_optimizer, "overlap_grad_reduce": s.overlap_grad_reduce,
         "overlap_param_gather": s.overlap_param_gather,
+        "gradient_accumulation_fusion": plan.engine.gradient_accumulation_fusion,
         "unit_strategies": ",".join(s.unit_strategies) if s.unit_strategies else None,
     }
 

@@ -366,6 +366,7 @@ class TrainConfig:
     seed: int = 1234
     pipeline_trace: str | None = None
     overlap_grad_reduce: bool = False
+    gradient_accumulation_fusion: bool = True  # weight gradients added into main_grad by their GEMM (wgrad_accum)
     eod_mask_loss: bool = False
     log_interval: int = 100
     eval_interval: int = 1000

@@ -192,7 +192,8 @@ def cluster_from_args(args, profiles: Profiles, placeholder_ok: bool = False) ->
 
 def engine_from_args(args) -> EngineConfig:
     return engine_from_flags(getattr(args, "engine", None), getattr(args, "accumulate_allreduce_grads_in_fp32", False),
-                             getattr(args, "grad_reduce_in_bf16", False), getattr(args, "tp_comm_overlap", False))
+                             getattr(args, "grad_reduce_in_bf16", False), getattr(args, "tp_comm_overlap", False),
+                             getattr(args, "gradient_accumulation_fusion", True))
 
 
 def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None) -> MemorySettings:

@@ -265,7 +265,8 @@ def step_param_gather(ctx: Context) -> dict:
 
 def step_grad_accum(ctx: Context) -> dict:
     out = ctx.steps_script("grad_accum")
-    keys = ("parameters", "backward_ms", "accumulation_ms", "predicted_ms", "measured_over_predicted", "add_GBps")
+    keys = ("parameters", "backward_ms", "accumulation_ms", "predicted_ms", "measured_over_predicted", "add_GBps",
+            "fused_accumulation_ms", "fused_kernel")
     return {"numbers": {k: out[k] for k in keys}, "details": out, "notes": out["notes"]}
 
 
@@ -507,8 +508,8 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
     Step("launch", "per-unit timings (synchronised, host, event span, behind a sleep) against a unit stream",
          step_launch, 90),
     Step("allowance", "CUDA allowance: measured (profile's cuda_memory) vs derived terms", step_allowance, 120),
-    Step("grad_accum", "fp32 main_grad accumulation per micro-batch: measured vs the planner's bytes", step_grad_accum,
-         60),
+    Step("grad_accum", "fp32 main_grad accumulation per micro-batch, unfused vs the planner's bytes, and fused",
+         step_grad_accum, 60),
     Step("fp16", "fp16 with dynamic loss scaling from 2^32: skips, then loss falls", step_fp16, 120),
     Step("attention", "flash (SDPA) vs unfused attention: same loss on one batch", step_attention, 120),
     Step("llama", "rope + SwiGLU + RMSNorm + GQA, bf16: loss falls", step_llama, 120),

@@ -457,11 +457,14 @@ def _median_seconds(fn, device: torch.device, warmup: int = 3, repeats: int = 7)
 
 
 def grad_accum_check(small: bool) -> dict:
-    """A GPT MLP unit's backward with and without GradSync's hooks (each weight gradient added into fp32 main_grad
-    and freed): the difference is what a micro-batch spends accumulating, against the planner's count
-    (EngineConfig.accumulation_bytes per parameter) at this device's measured rate of the same add."""
+    """A GPT MLP unit's backward without GradSync (autograd writes .grad), with its hooks adding each weight gradient
+    into fp32 main_grad (--no-gradient-accumulation-fusion) and fused (the weight-gradient GEMM adds into main_grad,
+    parallel/wgrad_accum.py): the unfused difference is what a micro-batch spends accumulating, against the
+    planner's count (EngineConfig.accumulation_bytes per parameter) at this device's measured rate of the same add;
+    the fused one is what fusion leaves of it."""
     from megatron_bmw.config import ModelConfig
     from megatron_bmw.models.chunk import build_units
+    from megatron_bmw.parallel import wgrad_accum
     from megatron_bmw.parallel.grad_sync import GradSync
     from megatron_bmw.parallel.state import ParallelState
     from megatron_bmw.planner.engine import EngineConfig
@@ -484,21 +487,26 @@ def grad_accum_check(small: bool) -> dict:
             p.grad = None
 
     plain = _median_seconds(backward, device)
-    sync = GradSync(params, ParallelState.serial(device))
-    hooked = _median_seconds(backward, device)
-    sync.remove_hooks()
+    timed = {}
+    for fusion in (False, True):
+        sync = GradSync(params, ParallelState.serial(device), fusion=fusion)
+        timed[fusion] = _median_seconds(backward, device)
+        sync.remove_hooks()
     n = sum(p.numel() for p in params)
     grad, main = torch.ones(n, dtype=cfg.torch_dtype, device=device), torch.zeros(n, dtype=torch.float32, device=device)
     per_byte = _median_seconds(lambda: main.add_(grad), device) / (n * (grad.element_size() + 8))
-    predicted = n * EngineConfig().accumulation_bytes(dtype) * per_byte
-    measured = hooked - plain
+    predicted = n * EngineConfig(gradient_accumulation_fusion=False).accumulation_bytes(dtype) * per_byte
+    measured = timed[False] - plain
     return {"status": "ok", "device": device.type, "dtype": dtype, "parameters": n,
-            "backward_ms": round(plain * 1e3, 3), "with_hooks_ms": round(hooked * 1e3, 3),
-            "accumulation_ms": round(measured * 1e3, 3), "predicted_ms": round(predicted * 1e3, 3),
+            "backward_ms": round(plain * 1e3, 3), "with_hooks_ms": round(timed[False] * 1e3, 3),
+            "fused_ms": round(timed[True] * 1e3, 3), "accumulation_ms": round(measured * 1e3, 3),
+            "fused_accumulation_ms": round((timed[True] - plain) * 1e3, 3),
+            "fused_kernel": wgrad_accum.kernel(cfg.torch_dtype, device), "predicted_ms": round(predicted * 1e3, 3),
             "measured_over_predicted": round(measured / predicted, 2) if predicted > 0 else None,
             "add_GBps": round(1e-9 / per_byte, 1),
-            "notes": "what our runtime spends per micro-batch on fp32 gradient accumulation (Megatron-core fuses it "
-                     "into the weight-gradient GEMM); the CPU's figure is noisy" + ("" if cuda else " (CPU run)")}
+            "notes": "unfused: what a micro-batch spends on fp32 gradient accumulation; fused: what the weight-gradient "
+                     "GEMM's own accumulation leaves of it (the planner counts none); the CPU's figure is noisy" +
+                     ("" if cuda else " (CPU run)")}
 
 
 def launch_check(small: bool) -> dict:

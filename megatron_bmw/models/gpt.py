@@ -224,6 +224,7 @@ class Head(Unit):
             full = init.normal(name, (cfg.vocab_size, cfg.hidden_size))
             self.output_weight = VocabParallelEmbedding(full, state, cfg.torch_dtype).weight
             self.output_weight.embedding_or_output = True
+            self.output_weight.wgrad_fusable = True  # the logits are its only use on this rank
             if self.tied:  # a copy on the last pipeline stage, kept equal by the embedding-group all-reduce
                 self.output_weight.shared_embedding = True
                 self.output_weight.shared_embedding_copy = True

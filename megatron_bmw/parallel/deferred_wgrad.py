@@ -4,6 +4,8 @@ Every linear layer of the model (column- and row-parallel, the vocab-parallel ou
 `linear`. Its backward returns the input gradient right away; inside `deferring(key)` it does not compute the
 weight gradient but stashes (input, output gradient) under `key`, and `run_deferred(key)` later computes those
 gradients and accumulates them through autograd, so `main_grad` hooks (parallel/grad_sync.py) fire as usual.
+A weight with a `main_grad_sink` (gradient-accumulation fusion, wgrad_accum.py) skips autograd: its gradient,
+deferred or not, goes into `main_grad` in one GEMM and the sink tells the gradient sync.
 Bias, norm and embedding gradients are not deferred: they stay in the input-gradient pass.
 """
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .mappings import gather_along, reduce_scatter_along
+from .wgrad_accum import accumulate, fused_sink
 
 # Not thread-local: on CUDA the autograd engine runs backward functions on its own device threads.
 _active: list | None = None
@@ -53,6 +56,11 @@ def run_deferred(key: Hashable) -> None:
     weights, grads = [], []
     for x, g, weight, group in items:
         total = gather_along(x, 0, group) if group is not None else x
+        sink = fused_sink(weight)
+        if sink is not None:
+            accumulate(weight.main_grad, g, total)
+            sink(weight)
+            continue
         grads.append(_weight_grad(g, total))
         weights.append(weight.view_as(weight))  # a node whose backward reaches the weight's AccumulateGrad
     if weights:
@@ -99,7 +107,12 @@ class _Linear(torch.autograd.Function):
             _active.append((x, g, ctx.param, ctx.group))
             return grad_x, None, grad_b, None
         total = gather_along(x, 0, ctx.group) if ctx.group is not None else x
-        return grad_x, _weight_grad(g, total), grad_b, None
+        sink = fused_sink(ctx.param)
+        if sink is None:
+            return grad_x, _weight_grad(g, total), grad_b, None
+        accumulate(ctx.param.main_grad, g, total)
+        sink(ctx.param)
+        return grad_x, None, grad_b, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gather_group=None) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Gradient accumulation in fp32 and gradient synchronisation after a pipeline schedule.
 
 Each parameter gets `main_grad`, an fp32 view into a flat bucket buffer; a post-accumulate hook adds `p.grad`
-into it and frees `p.grad` (a hook with no `p.grad`, from a backward that deferred the weight gradient, is skipped), so gradients accumulate in fp32 whatever the parameter dtype. After the last
-micro-batch:
+into it and frees `p.grad` (a hook with no `p.grad`, from a backward that deferred the weight gradient, is
+skipped), so gradients accumulate in fp32 whatever the parameter dtype. With `fusion` (the default, Megatron's
+--gradient-accumulation-fusion) the linear layers' weights skip that: their backward adds the weight gradient into
+`main_grad` itself and calls the parameter's sink (wgrad_accum.py). After the last micro-batch:
   - data parallel: each bucket is all-reduced over the DP group and averaged (launched as soon as the bucket's
     last gradient is accumulated when `overlap` is set, else all at the end);
   - sequence parallel: replicated parameters marked `sequence_parallel` are summed over the TP group;
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .state import ParallelState, group_size
+from .wgrad_accum import set_sinks
 
 
 class _Bucket:
@@ -34,7 +37,8 @@ class _Bucket:
 
 class GradSync:
     def __init__(self, params: list[nn.Parameter], state: ParallelState, bucket_size: int = 40_000_000,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, fusion: bool = True) -> None:
+        """fusion: linear layers add their weight gradients into `main_grad` themselves (wgrad_accum.py)."""
         self.state = state
         self.overlap = overlap and state.dp_group is not None  # a one-rank group reduces too (a GPU check)
         self.params = [p for p in params if p.requires_grad]
@@ -50,6 +54,7 @@ class GradSync:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._remaining: dict[int, int] = {}
         self._hooks = weak_grad_hooks(self, self.params)
+        set_sinks(self, self.params, "_accumulated" if fusion else None)
 
     def buffer_bytes(self) -> int:
         """Bytes of the fp32 gradient buffers."""
@@ -71,6 +76,10 @@ class GradSync:
             return
         p.main_grad.add_(p.grad)
         p.grad = None
+        self._accumulated(p)
+
+    def _accumulated(self, p: nn.Parameter) -> None:
+        """One more backward's gradient of `p` is in `main_grad`: launch its bucket's reduction once complete."""
         if not self.overlap or id(p) not in self._remaining:
             return
         self._remaining[id(p)] -= 1
@@ -98,6 +107,7 @@ class GradSync:
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
+        set_sinks(self, self.params, None)
 
 
 def weak_grad_hooks(owner, params: list[nn.Parameter]) -> list:

@@ -166,8 +166,8 @@ class Hybrid(Uniform):
     def trainable(self, named: list) -> list:
         return local_params(named)
 
-    def grad_sync(self, params: list, state: ParallelState, overlap: bool = False):
-        return HybridGradSync(params, state)
+    def grad_sync(self, params: list, state: ParallelState, overlap: bool = False, fusion: bool = True):
+        return HybridGradSync(params, state)  # unfused: FSDP's units take their gradients through autograd
 
     def activation_params(self, chunks: list):
         return lambda: unsharded_storages(chunks)
@@ -336,6 +336,7 @@ class HybridGradSync:
 
     def __init__(self, params: list[torch.Tensor], state: ParallelState, bucket_size: int = 40_000_000) -> None:
         from .grad_sync import _Bucket, weak_grad_hooks
+        from .wgrad_accum import set_sinks
 
         self.state = state
         self.params = [p for p in params if getattr(p, "fsdp_param", None) is not None or p.requires_grad]
@@ -367,6 +368,7 @@ class HybridGradSync:
                 tp_sums.setdefault(id(p.tp_sum_group), (p.tp_sum_group, []))[1].append(p)
         self._tp_sums = list(tp_sums.values())
         self._hooks = weak_grad_hooks(self, [p for p in plain if p.requires_grad])
+        set_sinks(self, self.params, None)  # unfused: every gradient through autograd and the hooks
 
     def _on_grad(self, p) -> None:
         if p.grad is None:  # its gradient was deferred (deferred_wgrad)

@@ -3,7 +3,8 @@
 Parameter attributes read by gradient sync, the optimizer and checkpoint tools:
   tensor_model_parallel (bool) and partition_dim: the parameter is a shard along that dim; partition_stride
     (SwiGLU's fc1): the full tensor is that many blocks along the dim, and the shard a part of each;
-  sequence_parallel (bool): replicated, but its gradient is partial per sequence shard (all-reduced over tp).
+  sequence_parallel (bool): replicated, but its gradient is partial per sequence shard (all-reduced over tp);
+  wgrad_fusable (bool): only a linear layer uses it, so its weight gradient may go straight into main_grad.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class ColumnParallelLinear(nn.Module):
         self.state = state
         self.gather_output = gather_output
         self.weight = _param(weight, state, 0, dtype, stride)
+        self.weight.wgrad_fusable = True
         self.bias = _param(bias, state, 0, dtype, stride) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +72,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.state = state
         self.weight = _param(weight, state, 1, dtype)
+        self.weight.wgrad_fusable = True
         self.bias = _param(bias, state, None, dtype) if bias is not None else None
         if self.bias is not None:
             self.bias.sequence_parallel = state.sequence_parallel

@@ -62,10 +62,10 @@ class Uniform:
         """(name, tensor) pairs the optimizer updates."""
         return named
 
-    def grad_sync(self, params: list, state, overlap: bool = False):
+    def grad_sync(self, params: list, state, overlap: bool = False, fusion: bool = True):
         from .grad_sync import GradSync
 
-        return GradSync(params, state, overlap=overlap)
+        return GradSync(params, state, overlap=overlap, fusion=fusion)
 
     def activation_params(self, chunks: list) -> Callable[[], set[int]] | None:
         """Storages that look like activations but are parameters (gathered shards), for the activation store."""

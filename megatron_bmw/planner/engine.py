@@ -68,6 +68,7 @@ class EngineConfig:
     name: str = OURS
     accumulate_allreduce_grads_in_fp32: bool | None = None
     tp_comm_overlap: bool = False  # Megatron-core with Transformer Engine: SP collectives overlap their GEMMs
+    gradient_accumulation_fusion: bool = True  # Megatron's default; --no-gradient-accumulation-fusion turns it off
 
     def __post_init__(self) -> None:
         if self.name not in ENGINES:
@@ -107,17 +108,20 @@ class EngineConfig:
                                fp32_master_copy=self.name == OURS)
 
     def accumulation_bytes(self, params_dtype: str) -> int:
-        """Bytes moved per parameter and micro-batch to accumulate a weight gradient outside the GEMM that made it:
-        ours adds p.grad into the fp32 main_grad (read e, read and write 4: parallel/grad_sync.py); DeepSpeed's
-        autograd adds each micro-batch's gradient into the 16-bit .grad (read 2e, write e; with bf16 its optimizer
-        adds them into fp32 as ours does); Megatron-core
-        accumulates inside the weight-gradient GEMM (--gradient-accumulation-fusion, its default): none."""
+        """Bytes moved per parameter and micro-batch to accumulate a weight gradient outside the GEMM that made it.
+        Ours and Megatron-core accumulate inside the weight-gradient GEMM (--gradient-accumulation-fusion, the
+        default; parallel/wgrad_accum.py): none. Unfused, they add the e-byte gradient into their gradient buffer
+        (read e, read and write the buffer's bytes: fp32 main_grad for ours). DeepSpeed's autograd adds each
+        micro-batch's gradient into the 16-bit .grad (read 2e, write e); with bf16 its optimizer adds them into an
+        fp32 accumulator as ours does unfused."""
         e = DTYPE_BYTES[params_dtype]
-        if self.name == OURS or self._bf16_optimizer(params_dtype):
+        if self._bf16_optimizer(params_dtype):
             return e + 2 * _FP32
         if self.name == "deepspeed":
             return 3 * e
-        return 0
+        if self.gradient_accumulation_fusion:
+            return 0
+        return e + 2 * (_FP32 if self.grads_in_fp32(params_dtype) else e)
 
     def grad_reduction(self, params_dtype: str, distributed_optimizer: bool) -> tuple[float, bool]:
         """(bytes per gradient element reduced over data parallel, whether it is a reduce-scatter): ours all-reduces
@@ -146,19 +150,23 @@ class EngineConfig:
             out["accumulate_allreduce_grads_in_fp32"] = self.accumulate_allreduce_grads_in_fp32
         if self.tp_comm_overlap:
             out["tp_comm_overlap"] = True
+        if not self.gradient_accumulation_fusion:
+            out["gradient_accumulation_fusion"] = False
         return out
 
     def describe(self) -> str:
         flag = self.accumulate_allreduce_grads_in_fp32
         return self.name + ("" if flag is None else " with --accumulate-allreduce-grads-in-fp32" if flag
-                            else " with --grad-reduce-in-bf16") + (" --tp-comm-overlap" if self.tp_comm_overlap else "")
+                            else " with --grad-reduce-in-bf16") + (" --tp-comm-overlap" if self.tp_comm_overlap else "") + \
+            ("" if self.gradient_accumulation_fusion or self.name == "deepspeed"
+             else " --no-gradient-accumulation-fusion")
 
 
 def engine_from_flags(engine: str | None, accumulate_fp32: bool, reduce_bf16: bool,
-                      tp_comm_overlap: bool = False) -> EngineConfig:
-    """The engine of `--engine`, `--accumulate-allreduce-grads-in-fp32`, `--grad-reduce-in-bf16` and
-    `--tp-comm-overlap`."""
+                      tp_comm_overlap: bool = False, accumulation_fusion: bool = True) -> EngineConfig:
+    """The engine of `--engine`, `--accumulate-allreduce-grads-in-fp32`, `--grad-reduce-in-bf16`,
+    `--tp-comm-overlap` and `--no-gradient-accumulation-fusion`."""
     if accumulate_fp32 and reduce_bf16:
         raise UsageError("--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 contradict each other")
     flag = True if accumulate_fp32 else False if reduce_bf16 else None
-    return EngineConfig(engine or OURS, flag, tp_comm_overlap)
+    return EngineConfig(engine or OURS, flag, tp_comm_overlap, accumulation_fusion)

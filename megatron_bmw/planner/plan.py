@@ -90,7 +90,8 @@ class Plan:
                    devices=data.get("devices", []), cluster=data.get("cluster", {}), profiles=data.get("profiles", []),
                    prediction=data.get("prediction", {}), search=data.get("search", {}),
                    engine=EngineConfig(tr.get("engine", OURS), tr.get("accumulate_allreduce_grads_in_fp32"),
-                                       bool(tr.get("tp_comm_overlap", False))))
+                                       bool(tr.get("tp_comm_overlap", False)),
+                                       bool(tr.get("gradient_accumulation_fusion", True))))
 
 
 def _known(section, cls, where: str, name: str) -> dict:

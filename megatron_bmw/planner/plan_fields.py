@@ -96,12 +96,13 @@ _SECTIONS = {
     "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                  "sequence_parallel", "rank_order", "unit_strategies"),
     "training": ("global_batch_size", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-                 "engine", "accumulate_allreduce_grads_in_fp32", "tp_comm_overlap"),
+                 "engine", "accumulate_allreduce_grads_in_fp32", "tp_comm_overlap", "gradient_accumulation_fusion"),
 }
 
 
 def _check_engine(f: _Fields, training: dict) -> None:
     engine = f.choice(training, "engine", "training.engine", ENGINES, OURS)
+    f.boolean(training, "gradient_accumulation_fusion", "training.gradient_accumulation_fusion", True)
     if "tp_comm_overlap" in training:
         f.boolean(training, "tp_comm_overlap", "training.tp_comm_overlap")
         if training["tp_comm_overlap"] and engine != "megatron-core":

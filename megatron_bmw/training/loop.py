@@ -159,7 +159,8 @@ class Trainer:
         self.chunks, self.schedule, self.partition = pipeline_setup(model, state, tr.seed, pl,
                                                                     stage_times=measured_stage_times)
         self.named_params = state.units.trainable([(n, p) for c in self.chunks for n, p in c.named_parameters()])
-        self.grad_sync = state.units.grad_sync([p for _, p in self.named_params], state, overlap=tr.overlap_grad_reduce)
+        self.grad_sync = state.units.grad_sync([p for _, p in self.named_params], state, overlap=tr.overlap_grad_reduce,
+                                               fusion=tr.gradient_accumulation_fusion)
         self.optimizer = build_optimizer(self.named_params, run.optimizer, state, modules=self.chunks)
         self.scheduler = LRScheduler(self.optimizer, run.lr)
         self.tracer = Tracer(state.rank, state.pp_rank) if tr.pipeline_trace else None

@@ -32,24 +32,33 @@ def _spec(**kw) -> RunSpec:
 
 
 def test_weight_gradient_accumulation_follows_the_engine():
-    """Per micro-batch, ours adds each 16-bit weight gradient into fp32 main_grad (read 2, read and write 4 bytes a
-    parameter), DeepSpeed's autograd into the fp16 .grad (read 4, write 2), Megatron-core inside the GEMM."""
+    """Per micro-batch: ours and Megatron-core accumulate inside the weight-gradient GEMM by default; unfused
+    (--no-gradient-accumulation-fusion) ours adds each 16-bit weight gradient into fp32 main_grad (read 2, read and
+    write 4 bytes a parameter) and Megatron-core into its fp16 buffer (read 2, read and write 2); DeepSpeed's
+    autograd adds into the fp16 .grad (read 4, write 2)."""
     half = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32,
                        params_dtype="fp16")
     cluster = load_cluster("a100-80g-ib")
     device, rate = cluster.device(0), 2039e9 * 0.8
 
-    def backward(engine: str, kind: str = "mlp") -> float:
-        cost = CostModel(_spec(model=half), cluster, settings=CostSettings(engine=EngineConfig(engine)))
-        return cost.unit_times(kind, None, device, 0)[1]
+    def backward(engine: str, kind: str = "mlp", fusion: bool = True) -> float:
+        settings = CostSettings(engine=EngineConfig(engine, gradient_accumulation_fusion=fusion))
+        return CostModel(_spec(model=half), cluster, settings=settings).unit_times(kind, None, device, 0)[1]
 
     params = unit_param_count("mlp", half)
-    assert backward("megatron_bmw") - backward("megatron-core") == pytest.approx(params * 10 / rate)
+    # fused, ours differs from Megatron-core only by the fp32 gradient buffer its elementwise kernels write
+    grads = unit_elementwise_bytes("mlp", half, 2, grad_bytes=4)[1] - unit_elementwise_bytes(
+        "mlp", half, 2, grad_bytes=2)[1]
+    assert backward("megatron_bmw") - backward("megatron-core") == pytest.approx(grads / rate, abs=1e-15)
+    assert backward("megatron_bmw", fusion=False) - backward("megatron_bmw") == pytest.approx(params * 10 / rate)
+    assert backward("megatron-core", fusion=False) - backward("megatron-core") == pytest.approx(params * 6 / rate)
     assert backward("deepspeed") - backward("megatron-core") == pytest.approx(params * 6 / rate)
+    assert backward("deepspeed", fusion=False) == backward("deepspeed")  # Megatron's flag; not DeepSpeed's
     # the head's own output matrix on a last stage accumulates like any weight; the table's dense gradient is the
     # embedding's elementwise work, not counted again
     head = unit_param_count("head", half, 1, True)
-    assert backward("megatron_bmw", "head") - backward("megatron-core", "head") == pytest.approx(head * 10 / rate)
+    assert backward("megatron_bmw", "head", False) - backward("megatron_bmw", "head") == pytest.approx(
+        head * 10 / rate)
     emb = unit_elementwise_bytes("embedding", half, 2, grad_bytes=4)[1] - unit_elementwise_bytes(
         "embedding", half, 2, grad_bytes=2)[1]
     assert backward("megatron_bmw", "embedding") - backward("megatron-core", "embedding") == pytest.approx(emb / rate)
@@ -71,7 +80,7 @@ def test_analytic_unit_times():
     fwd, bwd = cost.unit_times("mlp", None, device, 0)
     flops = unit_forward_flops("mlp", MODEL, 2)
     moved_f, moved_b = unit_elementwise_bytes("mlp", MODEL, 2)  # elementwise kernels over HBM
-    moved_b += unit_param_count("mlp", MODEL) * 12  # fp32 weight gradients added into fp32 main_grad
+    # (fp32 weight gradients go into main_grad inside their GEMM: no bytes of their own)
     rate = 2039e9 * 0.8  # bandwidth fraction 0.8
     assert fwd == pytest.approx(flops / (19.5e12 * 0.5) + moved_f / rate)
     assert bwd == pytest.approx(2 * flops / (19.5e12 * 0.5) + moved_b / rate)

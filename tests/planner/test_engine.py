@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_bmw.arguments import apply_plan, parse_args
+from megatron_bmw.arguments import apply_plan, configs_from_args, parse_args
 from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.pipeline.build import build_schedule
@@ -98,8 +98,17 @@ def test_plans_carry_the_engine_and_our_runtime_refuses_others(tmp_path):
     assert json.loads(path.read_text())["training"]["tp_comm_overlap"] is True
     assert Plan.load(str(path)).engine == overlapped
     _plan(EngineConfig()).save(str(path))  # ours: the default, written as before
-    assert "accumulate_allreduce_grads_in_fp32" not in json.loads(path.read_text())["training"]
+    training = json.loads(path.read_text())["training"]
+    assert "accumulate_allreduce_grads_in_fp32" not in training and "gradient_accumulation_fusion" not in training
     assert apply_plan(parse_args(argv), argv).engine == EngineConfig()
+    unfused = EngineConfig(gradient_accumulation_fusion=False)
+    _plan(unfused).save(str(path))
+    assert json.loads(path.read_text())["training"]["gradient_accumulation_fusion"] is False
+    assert apply_plan(parse_args(argv), argv).engine == unfused
+    assert not configs_from_args(parse_args(argv), 1, plan=Plan.load(str(path))).train.gradient_accumulation_fusion
+    _plan(EngineConfig()).save(str(path))
+    with pytest.raises(UsageError, match="--no-gradient-accumulation-fusion disagrees with --plan"):
+        apply_plan(parse_args(argv + ["--no-gradient-accumulation-fusion"]), argv + ["--no-gradient-accumulation-fusion"])
 
 
 @pytest.mark.parametrize("training,needle", [
@@ -109,6 +118,7 @@ def test_plans_carry_the_engine_and_our_runtime_refuses_others(tmp_path):
     ({"engine": "megatron-core", "accumulate_allreduce_grads_in_fp32": "yes"}, "must be true or false"),
     ({"tp_comm_overlap": True}, "engine megatron_bmw does not overlap tensor-parallel communication"),
     ({"engine": "megatron-core", "tp_comm_overlap": 1}, "must be true or false"),
+    ({"gradient_accumulation_fusion": "off"}, "training.gradient_accumulation_fusion must be true or false"),
 ])
 def test_a_plan_file_with_an_engine_setting_that_cannot_hold(tmp_path, training, needle):
     data = _plan(EngineConfig()).to_json()

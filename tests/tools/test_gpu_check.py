@@ -147,4 +147,5 @@ def test_grad_accum_step_measures_the_hooks_beside_the_planners_count(tmp_path):
     assert out["status"] == "ok" and out["device"] == "cpu" and out["dtype"] == "fp32"
     assert out["parameters"] == 64 * 256 * 2 + 256 + 64 + 2 * 64  # fc1, fc2 and their biases, the LayerNorm
     assert out["predicted_ms"] > 0 and out["with_hooks_ms"] > 0 and out["add_GBps"] > 0
+    assert out["fused_ms"] > 0 and out["fused_kernel"] == "addmm"  # fp32 weights: addmm_ into main_grad
     assert "grad_accum" in [s.name for s in gpu_check.STEPS]
