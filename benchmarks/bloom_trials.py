@@ -22,7 +22,8 @@ planner's peak against the published use and the OOM rows. Nothing here is fitte
 --engine (planner/engine.py) says whose gradients and model states are modelled: `deepspeed` (the default, the
 engine that ran: fp16 rows with fp16 gradients accumulated by autograd and reduce-scattered under ZeRO-1, bf16 rows
 with BF16_Optimizer's fp32 accumulator all-reduced; whole-layer checkpoints; pipeline transfers that hold the
-compute, as its synchronous broadcasts do) or `megatron_bmw` (our runtime: fp32 main gradients all-reduced, a
+compute, as its synchronous broadcasts do, each tp rank sending its 1/tp part and the receiver all-gathering over
+tp) or `megatron_bmw` (our runtime: fp32 main gradients all-reduced, a
 checkpoint per sub-layer unit, transfers beside the compute). The summary ends with the median signed error per
 tensor-parallel size.
 

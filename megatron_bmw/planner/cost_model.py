@@ -418,13 +418,23 @@ class CostModel:
 
     def _held_transfers(self, rank: int, action: Action) -> float:
         """Under an engine whose transfers hold the compute stream (EngineConfig.blocking_p2p): a forward's receive
-        and send of the activation, a backward's of the gradient, with the neighbouring stages. The transfer itself
-        then takes no time of its own (transfer_time): its data is there when the sender's action ends."""
+        and send of the activation, a backward's of the gradient, with the neighbouring stages (with tp, a 1/tp
+        part each and the tp all-gathers after it). The transfer itself then takes no time of its own
+        (transfer_time): its data is there when the sender's action ends."""
         if action.kind not in (Kind.FORWARD, Kind.BACKWARD):
             return 0.0
         half = action.half is not None
         near = [q for q in (rank - 1, rank + 1) if 0 <= q < self.spec.pp]
-        return sum(self._link_time(min(rank, q), max(rank, q), half) for q in near)
+        if self.spec.tp == 1:
+            return sum(self._link_time(min(rank, q), max(rank, q), half) for q in near)
+        # DeepSpeed partitions what it sends over tp (is_pipe_partitioned, is_grad_partitioned): each tp rank sends
+        # its 1/tp part and the receiver all-gathers the whole over its tp group; a backward also gathers its own
+        # partitioned output again before back-propagating through it
+        nbytes = self.spec.hidden_bytes(half)
+        sent = sum(self.p2p_link(min(rank, q), max(rank, q)).time(nbytes / self.spec.tp) for q in near)
+        receives = rank > 0 if action.kind is Kind.FORWARD else rank < self.spec.pp - 1
+        gathers = 0 if not receives else 1 if action.kind is Kind.FORWARD else 2
+        return sent + gathers * allgather_time(nbytes, self.spec.tp, self.tp_link(rank))
 
     def _link_time(self, src: int, dst: int, half: bool) -> float:
         key = (src, dst, half)

@@ -314,22 +314,31 @@ def test_tp_comm_overlap_hides_the_sequence_parallel_collectives_behind_their_ge
         EngineConfig("megatron_bmw", tp_comm_overlap=True)
 
 
-def test_deepspeeds_transfers_hold_the_compute():
+@pytest.mark.parametrize("tp", [1, 8])
+def test_deepspeeds_transfers_hold_the_compute(tp):
     """DeepSpeed's pipeline engine sends with a synchronous broadcast: a stage's forward holds its activation's
-    receive and send, a backward its gradient's, and the transfer adds no arrival time of its own."""
+    receive and send, a backward its gradient's, and the transfer adds no arrival time of its own. With tp each
+    rank sends its 1/tp part (pipe_partitioned, grad_partitioned: DeepSpeed's defaults); a forward that received
+    all-gathers the whole over tp, a backward that received all-gathers the gradient and its own output again."""
     half = replace(MODEL, params_dtype="fp16")
     cluster = load_cluster("a100-80g-ib", num_nodes=3)
-    spec = _spec(model=half, partition=(3, 4, 3), tp=8, pp=3)
+    spec = _spec(model=half, partition=(3, 4, 3), tp=tp, pp=3)
     ours = CostModel(spec, cluster)
     ds = CostModel(spec, cluster, settings=CostSettings(engine=EngineConfig("deepspeed")))
     send = Action(Kind.SEND_ACT, 0, 0)
-    link = [ours.transfer_time(0, 1, send), ours.transfer_time(1, 2, send)]
-    assert min(link) > 0 and ds.transfer_time(0, 1, send) == 0.0
-    for rank, held in ((0, link[0]), (1, link[0] + link[1]), (2, link[1])):
+    assert ds.transfer_time(0, 1, send) == 0.0
+    link = [ours.p2p_link(0, 1).time(spec.hidden_bytes() / tp), ours.p2p_link(1, 2).time(spec.hidden_bytes() / tp)]
+    gather = allgather_time(spec.hidden_bytes(), tp, ours.tp_link(0))
+    assert min(link) > 0 and (gather > 0) == (tp > 1)
+    if tp == 1:
+        assert link == [ours.transfer_time(0, 1, send), ours.transfer_time(1, 2, send)]
+    for rank, held, gathers in ((0, link[0], (0, 2)), (1, link[0] + link[1], (1, 2)), (2, link[1], (1, 0))):
         forward, backward = Action(Kind.FORWARD, 0, 0), Action(Kind.BACKWARD, 0, 0)
-        assert ds.compute_time(rank, forward) - ours.compute_time(rank, forward) == pytest.approx(held)
+        assert ds.compute_time(rank, forward) - ours.compute_time(rank, forward) == pytest.approx(
+            held + gathers[0] * gather)
         # (the backward's own work differs by engine: DeepSpeed accumulates fp16 gradients)
-        assert ds.compute_time(rank, backward) - ds._compute_time(rank, backward) == pytest.approx(held)
+        assert ds.compute_time(rank, backward) - ds._compute_time(rank, backward) == pytest.approx(
+            held + gathers[1] * gather)
     interleaved = _spec(model=half, partition=(3, 2, 2, 3), schedule="interleaved", virtual_stages=2)
     with pytest.raises(UsageError, match="runs the 1F1B"):
         CostModel(interleaved, cluster, settings=CostSettings(engine=EngineConfig("deepspeed")))
