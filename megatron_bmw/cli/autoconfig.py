@@ -106,7 +106,8 @@ def _profile(args) -> int:
     settings = ProfileSettings(micro_batch_sizes=args.profile_micro_batch_sizes, tp_sizes=args.profile_tp,
                                warmup=args.profile_warmup, repeats=args.profile_repeats, threads=args.threads,
                                links=not args.no_links, rounds=args.profile_rounds,
-                               statistic=args.profile_statistic)
+                               statistic=args.profile_statistic,
+                               gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", True))
     if args.analytic:
         if not args.cluster:
             raise UsageError("--analytic needs --cluster to name the device type's peak FLOP/s")

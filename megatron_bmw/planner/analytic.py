@@ -26,6 +26,7 @@ class ProfileSettings:
     rounds: int = 1  # sweeps over all entries; more spread the samples over time
     statistic: str = "median"  # or "min": robust to other jobs on a shared machine
     comm_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+    gradient_accumulation_fusion: bool = True  # the backward accumulates as the run will (parallel/wgrad_accum.py)
 
     def __post_init__(self) -> None:
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:

@@ -3,8 +3,9 @@ profiles for devices that are not here).
 
 Measured mode runs each unit kind (embedding, attention, MLP, head) of a one-layer model exactly as the
 engine does (the unit called on the hidden state, one autograd.backward per micro-batch, gradients
-accumulated into fp32 main_grad by GradSync's hooks), over micro-batch sizes and tensor-parallel degrees; a
-tensor-parallel degree t runs on t local processes (gloo on CPU, NCCL on GPUs). It also times the engine's
+accumulated into fp32 main_grad, fused into the weight-gradient GEMM unless --no-gradient-accumulation-fusion),
+over micro-batch sizes and tensor-parallel degrees; a tensor-parallel degree t runs on t local processes (gloo
+on CPU, NCCL on GPUs). It also times the engine's
 own per-action overhead (a one-stage pipeline against the sum of its units) and fits latency + bytes /
 bandwidth to point-to-point and all-reduce timings between local ranks. On a GPU it records the allocator's and
 the device's memory around the timed steps (cuda_memory.py): the measured terms of the CUDA allowance.
@@ -53,7 +54,8 @@ def _stat(values: list[float], statistic: str) -> float:
 
 
 def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, repeats: int = 5,
-               seed: int = 1234, barrier=None, statistic: str = "median", rounds: int = 1) -> list[UnitTiming]:
+               seed: int = 1234, barrier=None, statistic: str = "median", rounds: int = 1,
+               fusion: bool = True) -> list[UnitTiming]:
     """Forward/backward seconds and saved bytes of every unit kind on this process (tp from `state`).
 
     The sweep over micro-batch sizes and kinds runs `rounds` times with `repeats` samples each, so the samples
@@ -66,7 +68,7 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
     units = build_units(one_layer, state, seed)
     params = [p for u in units.values() for p in u.parameters()]
     shared = [units["embedding"].word_embeddings.weight]
-    sync = GradSync(params, state)
+    sync = GradSync(params, state, fusion=fusion)
     tp = state.tp_size
     seq = model.seq_length // tp if state.sequence_parallel else model.seq_length
     samples: dict[tuple[int, str], tuple[list[float], list[float]]] = {}
@@ -211,7 +213,8 @@ def _worker(rank: int, world: int, init_file: str, model: ModelConfig, settings:
             state = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp))
             result["tp_group"] = state.dp_rank
             units = time_units(model, state, settings.micro_batch_sizes, settings.warmup, settings.repeats,
-                               barrier=dist.barrier, statistic=settings.statistic, rounds=settings.rounds)
+                               barrier=dist.barrier, statistic=settings.statistic, rounds=settings.rounds,
+                               fusion=settings.gradient_accumulation_fusion)
             result["units"] = units
             if backend == "nccl":  # after the tp collectives: the communicators' buffers are allocated
                 result["cuda_memory"] = cuda_memory.reading(torch.cuda, torch.device("cuda", rank))
@@ -299,7 +302,8 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
                     torch.cuda.reset_peak_memory_stats(device)
                     before = cuda_memory.reading(torch.cuda, device)
                 timed = time_units(model, state, settings.micro_batch_sizes, settings.warmup, settings.repeats,
-                                   statistic=settings.statistic, rounds=settings.rounds)
+                                   statistic=settings.statistic, rounds=settings.rounds,
+                                   fusion=settings.gradient_accumulation_fusion)
                 if cuda:
                     measured = {"before": before, "after": cuda_memory.reading(torch.cuda, device)}
                 units += timed

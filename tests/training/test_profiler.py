@@ -26,6 +26,23 @@ def test_time_units_and_saved_bytes():
         assert t.saved_bytes == unit_activation_bytes(t.kind, MODEL, t.micro_batch_size, device="cpu")
 
 
+@pytest.mark.parametrize("fusion", [True, False])
+def test_units_accumulate_their_gradients_as_the_run_will(monkeypatch, fusion):
+    """--no-gradient-accumulation-fusion reaches the profile's GradSync (the backward it times)."""
+    from megatron_bmw.parallel import grad_sync
+
+    seen = []
+
+    class Spy(grad_sync.GradSync):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("fusion", True))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(grad_sync, "GradSync", Spy)
+    time_units(MODEL, ParallelState.serial(), (1,), warmup=0, repeats=1, fusion=fusion)
+    assert seen == [fusion]
+
+
 def test_engine_overhead_is_non_negative():
     out = time_engine_overhead(ParallelState.serial(), num_microbatches=2, repeats=1)
     assert out["forward_s"] >= 0 and out["backward_s"] == out["forward_s"]
