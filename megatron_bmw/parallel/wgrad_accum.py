@@ -46,7 +46,7 @@ def _has_out_dtype(dtype: torch.dtype, device: torch.device) -> bool:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             want = 1 + a.float() @ b.float()
             _out_dtype_ok[key] = bool(torch.allclose(acc, want, rtol=1e-2, atol=1e-2))
-        except (RuntimeError, TypeError, NotImplementedError):
+        except Exception:  # noqa: BLE001 - whatever this torch says, the unfused add stays right
             _out_dtype_ok[key] = False
     return _out_dtype_ok[key]
 
