@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,28 +22,18 @@ import torch  # noqa: E402
 
 from benchmarks.common import format_table  # noqa: E402
 from megatron_bmw.config import ModelConfig  # noqa: E402
+from megatron_bmw.device import timed  # noqa: E402
 from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error  # noqa: E402
 from megatron_bmw.models.chunk import ModelChunk, build_units  # noqa: E402
 from megatron_bmw.parallel import wgrad_accum  # noqa: E402
 from megatron_bmw.parallel.grad_sync import GradSync  # noqa: E402
 from megatron_bmw.parallel.state import ParallelState  # noqa: E402
 
-DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _step_seconds(model, sync: GradSync, batches: list, device: torch.device) -> float:
     sync.zero()
-    _sync(device)
-    t0 = time.perf_counter()
-    for b in batches:
-        (model(None, b) / len(batches)).backward()
-    _sync(device)
-    return time.perf_counter() - t0
+    return timed(lambda: [(model(None, b) / len(batches)).backward() for b in batches], device)[0]
 
 
 @exit_on_usage_error
@@ -57,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per step")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32")
     args = ap.parse_args(argv)
     for flag in ("hidden", "layers", "seq", "mbs", "micro", "rounds"):
         if getattr(args, flag) < 1:
@@ -69,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("--dtype: 16-bit runs need --device cuda (the CPU path is fp32)")
     cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=max(1, args.hidden // 64),
                       vocab_size=1024, seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0,
-                      params_dtype=DTYPES[args.dtype])
+                      params_dtype=args.dtype)
     state = ParallelState.serial(device)
     g = torch.Generator().manual_seed(0)
     batches = []

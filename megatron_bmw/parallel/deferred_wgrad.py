@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .mappings import gather_along, reduce_scatter_along
-from .wgrad_accum import accumulate, fused_sink
+from .wgrad_accum import accumulate_into
 
 # Not thread-local: on CUDA the autograd engine runs backward functions on its own device threads.
 _active: list | None = None
@@ -56,10 +56,7 @@ def run_deferred(key: Hashable) -> None:
     weights, grads = [], []
     for x, g, weight, group in items:
         total = gather_along(x, 0, group) if group is not None else x
-        sink = fused_sink(weight)
-        if sink is not None:
-            accumulate(weight.main_grad, g, total)
-            sink(weight)
+        if accumulate_into(weight, g, total):
             continue
         grads.append(_weight_grad(g, total))
         weights.append(weight.view_as(weight))  # a node whose backward reaches the weight's AccumulateGrad
@@ -107,12 +104,9 @@ class _Linear(torch.autograd.Function):
             _active.append((x, g, ctx.param, ctx.group))
             return grad_x, None, grad_b, None
         total = gather_along(x, 0, ctx.group) if ctx.group is not None else x
-        sink = fused_sink(ctx.param)
-        if sink is None:
-            return grad_x, _weight_grad(g, total), grad_b, None
-        accumulate(ctx.param.main_grad, g, total)
-        sink(ctx.param)
-        return grad_x, None, grad_b, None
+        if accumulate_into(ctx.param, g, total):
+            return grad_x, None, grad_b, None
+        return grad_x, _weight_grad(g, total), grad_b, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gather_group=None) -> torch.Tensor:

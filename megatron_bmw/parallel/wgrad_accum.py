@@ -83,6 +83,11 @@ def set_sinks(owner, params: list, method: str | None) -> None:
             del p.main_grad_sink
 
 
-def fused_sink(weight: torch.Tensor):
-    """The sink of a weight whose gradient goes into its `main_grad` here, or None (autograd's path)."""
-    return getattr(weight, "main_grad_sink", None)
+def accumulate_into(weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> bool:
+    """Add g^T x into `weight.main_grad` and tell its sink, where it has one; False: autograd's path is its."""
+    sink = getattr(weight, "main_grad_sink", None)
+    if sink is None:
+        return False
+    accumulate(weight.main_grad, g, x)
+    sink(weight)
+    return True

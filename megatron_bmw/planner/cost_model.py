@@ -137,6 +137,7 @@ class CostModel:
             self.profiles.for_device(device.name)  # a device type without a profile is an error now, not later
         self._p2p: dict[tuple, Link] = placement.setdefault("links", {})  # stage pairs, each stage's tp/dp group
         self._transfers: dict[tuple, float] = {}  # (src, dst, half) -> p2p seconds of the hidden state
+        self._held: dict[tuple, float] = {}  # (rank, kind, half) -> transfers a blocking engine's action holds
         self._tables: tuple[list[list[float]], list[list[float]], list[int]] | None = None
         self._grad_units: dict[int, list] = {}  # grad_units, per rank
         self._wshare: dict[tuple, float] = {}
@@ -423,18 +424,22 @@ class CostModel:
         (transfer_time): its data is there when the sender's action ends."""
         if action.kind not in (Kind.FORWARD, Kind.BACKWARD):
             return 0.0
-        half = action.half is not None
-        near = [q for q in (rank - 1, rank + 1) if 0 <= q < self.spec.pp]
-        if self.spec.tp == 1:
-            return sum(self._link_time(min(rank, q), max(rank, q), half) for q in near)
+        key = (rank, action.kind, action.half is not None)
+        got = self._held.get(key)
+        if got is None:
+            got = self._held[key] = self._held_seconds(*key)
+        return got
+
+    def _held_seconds(self, rank: int, kind: Kind, half: bool) -> float:
         # DeepSpeed partitions what it sends over tp (is_pipe_partitioned, is_grad_partitioned): each tp rank sends
         # its 1/tp part and the receiver all-gathers the whole over its tp group; a backward also gathers its own
-        # partitioned output again before back-propagating through it
-        nbytes = self.spec.hidden_bytes(half)
-        sent = sum(self.p2p_link(min(rank, q), max(rank, q)).time(nbytes / self.spec.tp) for q in near)
-        receives = rank > 0 if action.kind is Kind.FORWARD else rank < self.spec.pp - 1
-        gathers = 0 if not receives else 1 if action.kind is Kind.FORWARD else 2
-        return sent + gathers * allgather_time(nbytes, self.spec.tp, self.tp_link(rank))
+        # partitioned output again before back-propagating through it (no gathers at tp 1)
+        tp, nbytes = self.spec.tp, self.spec.hidden_bytes(half)
+        near = [q for q in (rank - 1, rank + 1) if 0 <= q < self.spec.pp]
+        sent = sum(self.p2p_link(min(rank, q), max(rank, q)).time(nbytes / tp) for q in near)
+        receives = rank > 0 if kind is Kind.FORWARD else rank < self.spec.pp - 1
+        gathers = 0 if not receives else 1 if kind is Kind.FORWARD else 2
+        return sent + gathers * allgather_time(nbytes, tp, self.tp_link(rank))
 
     def _link_time(self, src: int, dst: int, half: bool) -> float:
         key = (src, dst, half)
