@@ -278,6 +278,25 @@ def step_launch(ctx: Context) -> dict:
     return {"numbers": numbers, "details": out, "notes": out["notes"]}
 
 
+def step_kernels(ctx: Context) -> dict:
+    """benchmarks/kernel_model.py: the planner's GEMM, attention and memory-bound kernel times against this GPU's."""
+    path = os.path.join(ctx.work, "kernels.json")
+    flags = ["--small", "--device", "cpu", "--repeats", "1", "--models", "bloom,1.3b"] if ctx.dry_run else []
+    ctx.command([ctx.python, os.path.join(ROOT, "benchmarks", "kernel_model.py"), "--json", path, *flags],
+                "benchmarks/kernel_model.py")
+    with open(path) as f:
+        out = json.load(f)
+    numbers = {f"{k.replace(' ', '_')}_ratio": round(v, 3) for k, v in out["median_ratio_by_category"].items()}
+    numbers.update({f"{name}_spearman": round(m["spearman"], 2) for name, m in out["models"].items()})
+    for name, m in out["models"].items():
+        for t in m.get("tp_scaling", []):
+            numbers[f"{name}_mbs{t['mbs']}_tp{t['tp'][1]}_over_tp{t['tp'][0]}"] = \
+                f"{t['measured']:.3f} (modelled {t['modelled']:.3f})"
+    numbers["largest_gemm_fraction_of_peak"] = round(out["largest_gemm"]["fraction_of_peak"], 3)
+    return {"numbers": numbers, "details": {k: out[k] for k in ("layouts", "largest_gemm", "device_type", "dtype")},
+            "notes": f"kernel model of device type {out['device_type']} ({out['dtype']}); measured/modelled per kind"}
+
+
 def search_args(model: list[str], batch: list[str], space: list[str], path: str, profile: str | None) -> list[str]:
     """autoconfig.py's arguments for a one-GPU plan (an H100's memory; analytic times without `profile`)."""
     spaces = [x for s in ["tp=1", "pp=1", *space] for x in ("--space", s)]
@@ -497,6 +516,8 @@ class Step:
 
 STEPS = [  # the most telling first: later ones are skipped when the check's time runs out
     Step("env", "torch/CUDA, GPU, apex/TE detection, bf16 matmul rate", step_env, 90),
+    Step("kernels", "the planner's kernel model (GEMMs, attention, memory-bound) against this GPU's kernels",
+         step_kernels, 120),
     Step("bf16", "bf16 GPT training, flash (SDPA) attention: loss falls", step_bf16, 120),
     Step("store", "BPipe activation store: side-stream copies, events, pinned host copies", step_store, 90),
     Step("optimizer", "our Adam (fused on CUDA) vs torch foreach AdamW", step_optimizer, 60),
@@ -516,7 +537,8 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
 ]
 
 
-DETAILED = ("store", "param_gather", "peer", "planner", "launch", "allowance")  # steps whose details the report prints
+# steps whose details the report prints
+DETAILED = ("kernels", "store", "param_gather", "peer", "planner", "launch", "allowance")
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------

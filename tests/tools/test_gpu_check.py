@@ -20,7 +20,8 @@ _spec.loader.exec_module(gpu_check)
 def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     out = tmp_path / "report"
     argv = [sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), str(out), "--dry-run",
-            "--steps", "env,bf16,store,optimizer,param_gather,peer,launch,allowance,grad_accum,fp16", "--inject",
+            "--steps", "env,kernels,bf16,store,optimizer,param_gather,peer,launch,allowance,grad_accum,fp16",
+            "--inject",
             "optimizer=hang",
             "--inject", "fp16=fail",
             "--step-timeout-s", "150"]  # a cap for a real hang (peer took >40 s on a loaded 2-core CI machine);
@@ -31,11 +32,15 @@ def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     data = json.loads((out / "report.json").read_text())
     assert data["finished"] is True and data["mode"] == "dry-run"
     steps = {s["name"]: s for s in data["steps"]}
-    assert list(steps) == ["env", "bf16", "store", "optimizer", "param_gather", "peer", "launch", "allowance",
-                           "grad_accum", "fp16"]  # the table's
+    assert list(steps) == ["env", "kernels", "bf16", "store", "optimizer", "param_gather", "peer", "launch",
+                           "allowance", "grad_accum", "fp16"]  # the table's
     # order, after the failures too
     assert all({"name", "what", "status", "seconds"} <= set(s) for s in data["steps"])
     assert steps["env"]["status"] == "ok" and steps["env"]["numbers"]["torch"]
+    kernels = steps["kernels"]  # tiny shapes on the CPU beside the h100-80g's modelled times
+    assert kernels["status"] == "ok", kernels
+    assert kernels["numbers"]["forward_ratio"] > 0 and "bloom_mbs1_tp2_over_tp1" in kernels["numbers"]
+    assert kernels["details"]["device_type"] == "h100-80g" and len(kernels["details"]["layouts"]) == 6
     bf16 = steps["bf16"]
     assert bf16["status"] == "ok", bf16
     assert bf16["numbers"]["last_loss"] < bf16["numbers"]["first_loss"]
