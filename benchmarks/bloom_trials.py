@@ -1,5 +1,6 @@
 """The planner against BigScience's BLOOM-176B trials: 92 timed runs (and 6 out-of-memory ones) of 176-206B GPTs on
-48 nodes of 8 A100-80GB, where the micro-batch size, the number of attention heads and the layout (tp, pp, dp) vary.
+48 nodes of 8 A100-80GB, where the micro-batch size, the number of attention heads and the layout (tp, pp, dp) vary,
+and two runs of 6 and 10 of its layers on one node (tp 8, no pipeline, no network: the tensor-parallel layer alone).
 
 Source: bigscience-workshop/bigscience, train/tr11-176B-ml/chronicles-prequel.md (commit ddfe9cc, 2022-03-02;
 unchanged since), the tables of sections "48 node contenders" to "Rebalancing layers" (20-28 Feb 2022). Every row
@@ -179,7 +180,8 @@ def evaluate(data: dict, groups: list[str] | None = None, memory: MemorySettings
             "oom_total": sum(1 for r in rows if r["oom"]),
             "false_oom": sum(1 for r in ran if not r["predicted_fits"]),
             "median_error_by_tp": {tp: statistics.median(r["error"] for r in ran if r["tp"] == tp)
-                                   for tp in sorted({r["tp"] for r in ran})}}
+                                   for tp in sorted({r["tp"] for r in ran})},
+            "one_node": [(r["line"], r["error"], r["tp"], r["mbs"]) for r in ran if r["nodes"] == 1]}
 
 
 def main() -> int:
@@ -224,6 +226,10 @@ def main() -> int:
     print(f"pairs of rows of one group that differ in one factor only, ordered by the prediction as measured: {pairs}")
     by_tp = ", ".join(f"tp {tp} {100 * e:+.1f}%" for tp, e in result["median_error_by_tp"].items())
     print(f"median signed error by tensor-parallel size: {by_tp}")
+    if result["one_node"]:
+        one = ", ".join(f"line {line} (tp {tp}, micro-batch {mbs}) {100 * e:+.1f}%" for line, e, tp, mbs in
+                        result["one_node"])
+        print(f"on one node (no pipeline, no network; the tensor-parallel layer alone): {one}")
     print("hd: head dimension; mem pub.: GB the author saw on the first node (nvidia-smi), pred.: the planner's peak "
           f"(GB, engine {args.engine})")
     if args.json:
