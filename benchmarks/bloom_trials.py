@@ -56,8 +56,13 @@ from megatron_bmw.planner.spec import RunSpec  # noqa: E402
 from megatron_bmw.units import recompute_from_flags  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "bloom_trials.json")
-# the CUDA allowance derived for A100-80GB (planner/cuda_allowance.py); --flat-allowance: the 1.5 GiB + 10% it replaced
-MEMORY = MemorySettings(device="cuda", derived=DerivedAllowance((load_cluster("a100-80g-ib").groups[0].device,)))
+# the CUDA allowance derived for A100-80GB (planner/cuda_allowance.py) with the CUDA context the author measured on
+# that cluster's A100s with its 2022 stack (CUDA 11.3, kernels loaded eagerly): "40GB A100 takes 1573MiB for cuda
+# kernels" (chronicles-prequel.md line 144), where the device type's 0.5 GiB is a lazily loading stack's;
+# --flat-allowance: the 1.5 GiB + 10% it replaced
+JEAN_ZAY_CONTEXT_BYTES = 1573 * 2**20
+MEMORY = MemorySettings(device="cuda", derived=DerivedAllowance((
+    replace(load_cluster("a100-80g-ib").groups[0].device, cuda_context_bytes=JEAN_ZAY_CONTEXT_BYTES),)))
 FLAT = MemorySettings(device="cuda", workspace_bytes=1.5 * 2**30, fragmentation=0.10)
 ROW_KEYS = ("group", "line", "hidden", "layers", "heads", "tp", "pp", "dp", "mbs", "gbs", "nodes", "partition_method",
             "dtype", "measured_s", "oom")
@@ -181,7 +186,9 @@ def evaluate(data: dict, groups: list[str] | None = None, memory: MemorySettings
             "false_oom": sum(1 for r in ran if not r["predicted_fits"]),
             "median_error_by_tp": {tp: statistics.median(r["error"] for r in ran if r["tp"] == tp)
                                    for tp in sorted({r["tp"] for r in ran})},
-            "one_node": [(r["line"], r["error"], r["tp"], r["mbs"]) for r in ran if r["nodes"] == 1]}
+            "one_node": [(r["line"], r["error"], r["tp"], r["mbs"]) for r in ran if r["nodes"] == 1],
+            "median_published_over_predicted_memory": statistics.median(
+                r["published_mem_gb"] / r["predicted_peak_gb"] for r in ran if r.get("published_mem_gb"))}
 
 
 def main() -> int:
@@ -230,6 +237,8 @@ def main() -> int:
         one = ", ".join(f"line {line} (tp {tp}, micro-batch {mbs}) {100 * e:+.1f}%" for line, e, tp, mbs in
                         result["one_node"])
         print(f"on one node (no pipeline, no network; the tensor-parallel layer alone): {one}")
+    print(f"memory: median published (nvidia-smi) over predicted peak "
+          f"{result['median_published_over_predicted_memory']:.3f} over the rows that give it")
     print("hd: head dimension; mem pub.: GB the author saw on the first node (nvidia-smi), pred.: the planner's peak "
           f"(GB, engine {args.engine})")
     if args.json:
