@@ -55,9 +55,10 @@ MODELS = {
 SEQ = 2048
 SMALL = {"hidden": 256, "heads": 4, "vocab": 1024, "seq": 128}
 # GPU name pattern -> (cluster, device type, memory bandwidth override in bytes/s: the datasheet's, where the GPU
-# has the listed type's SMs and peak but other memory)
+# has the listed type's SMs and peak but other memory); an A100 with less than 60 GB is the 40 GB one
 GPUS = (("H200", "h100-80g-ib", "h100-80g", 4.8e12), ("H100", "h100-80g-ib", "h100-80g", None),
-        ("A100-SXM4-40GB", "a100-40g-ib", "a100-40g", None), ("A100", "a100-80g-ib", "a100-80g", None))
+        ("A100", "a100-80g-ib", "a100-80g", None))
+A100_40 = ("a100-40g-ib", "a100-40g")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ def device_type_for(name: str, memory_bytes: float, cluster: str | None, device_
     if cluster is None or device_type is None:
         for pattern, c, d, bandwidth in GPUS:
             if pattern in name:
+                if pattern == "A100" and memory_bytes < 60e9:
+                    c, d = A100_40
                 cluster, device_type, override = cluster or c, device_type or d, bandwidth
                 break
         else:
@@ -319,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         props = torch.cuda.get_device_properties(device)
         dev = device_type_for(props.name, props.total_memory, args.cluster, args.device_type)
     else:
-        dev = device_type_for("H100", 0, args.cluster, args.device_type)
+        dev = device_type_for("H100", 80e9, args.cluster, args.device_type)
     result = run(models, device, dtype, dev, args.repeats, args.small)
     result.update(device=str(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu",
                   device_type=dev.name, dtype=dtype)
