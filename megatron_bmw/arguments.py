@@ -244,6 +244,11 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="record the CUDA caching allocator's allocations and frees from start-up; the last rank "
+                        "writes a snapshot to --memory-snapshot-path at every log interval (open it at "
+                        "pytorch.org/memory_viz, or summarise it with tools/memory_snapshot.py)")
+    g.add_argument("--memory-snapshot-path", type=str, default="snapshot.pickle")
     return p
 
 
@@ -601,6 +606,8 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         tensorboard_dir=args.tensorboard_dir, log_throughput=args.log_throughput,
+        record_memory_history=getattr(args, "record_memory_history", False),
+        memory_snapshot_path=getattr(args, "memory_snapshot_path", "snapshot.pickle"),
         log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad, save=args.save,
         load=args.load, save_interval=args.save_interval, save_optim=not args.no_save_optim,
         save_rng=not args.no_save_rng, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,

@@ -375,6 +375,8 @@ class TrainConfig:
     exit_duration_in_mins: float | None = None
     tensorboard_dir: str | None = None
     log_throughput: bool = False
+    record_memory_history: bool = False  # the CUDA allocator's history, a snapshot per log interval (last rank)
+    memory_snapshot_path: str = "snapshot.pickle"
     log_params_norm: bool = False
     log_num_zeros_in_grad: bool = False
     save: str | None = None

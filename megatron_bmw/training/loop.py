@@ -35,6 +35,7 @@ from .profiler import measure_stage_times
 from ..models.bert import LOSS_NAMES, drain_reported
 from .batches import MicroBatches
 from .bert_batches import BertMicroBatches
+from . import memory_history
 from .checkpointing import DIST_FORMAT, TRACKER, checkpoint_format, load_checkpoint, read_tracker, save_checkpoint
 from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format_validation_log, num_zeros_in_grad,
                       params_norm, throughput_tflops, timestamp)
@@ -501,6 +502,8 @@ class Trainer:
             losses=interval.losses(), loss_scale=it.step.loss_scale, grad_norm=it.step.grad_norm,
             num_zeros=zeros, params_norm=norm, skipped_iters=interval.skipped, nan_iters=interval.nan,
             throughput=tflops, prefix=timestamp()))
+        if tr.record_memory_history and self.state.rank == _world() - 1:  # Megatron: the last rank
+            memory_history.write_snapshot(tr.memory_snapshot_path, torch.cuda)
         tokens = it.batch_size * model.seq_length
         self.tb.add_scalars({**interval.losses(), "learning-rate": lr, "batch-size": it.batch_size,
                              "loss-scale": it.step.loss_scale, "grad-norm": it.step.grad_norm,

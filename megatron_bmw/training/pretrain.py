@@ -12,11 +12,13 @@ import torch.distributed as dist
 from ..arguments import (apply_plan, build_parser, configs_from_args, data_config_from_args,
                          parse_args)
 from ..data.tokenizers import build_tokenizer
-from ..errors import exit_on_usage_error
+from ..device import choose_backend
+from ..errors import UsageError, exit_on_usage_error
 from ..fused import HAVE_APEX, HAVE_TE
 from ..parallel.state import ParallelState, init_distributed
 from ..paths import check_output_dir, check_output_file
 from ..pipeline.slicing import num_sliced
+from . import memory_history
 from .logging import format_validation_log
 from .plan_check import plan_check_lines
 from .loop import Trainer, count_parameters, print_first, print_last
@@ -47,9 +49,16 @@ def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
     check_output_dir("--ckpt-convert-save", run.train.ckpt_convert_save)
     check_output_dir("--tensorboard-dir", run.train.tensorboard_dir)
     check_output_file("--pipeline-trace", run.train.pipeline_trace)
+    if run.train.record_memory_history:
+        if choose_backend(run.train.distributed_backend) != "nccl":
+            raise UsageError("--record-memory-history records the CUDA caching allocator: it needs a GPU (the nccl "
+                             "backend), and this run is on the CPU")
+        check_output_file("--memory-snapshot-path", run.train.memory_snapshot_path)
     init_distributed(run.train.distributed_backend, run.train.distributed_timeout_minutes)
     state = ParallelState.build(run.parallel, timeout_minutes=run.train.distributed_timeout_minutes,
                                 num_units=run.model.num_units)
+    if run.train.record_memory_history:  # from start-up, so the parameters' and optimizer's blocks are in it
+        memory_history.start(torch.cuda)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     _banner(run, state, args)
     if plan is not None:
