@@ -447,10 +447,8 @@ def step_planner(ctx: Context) -> dict:
     return {"numbers": numbers, "details": rows}
 
 
-def allowance_numbers(profile: dict, model: list[str], mbs: int, cluster: str, device_type: str) -> dict:
-    """The CUDA allowance's terms a profile measured (its "cuda_memory", training/cuda_memory.py) beside those
-    planner/cuda_allowance.py derives without it, for the profiled model on one GPU of `device_type` (tp, dp, pp 1)
-    at micro-batch `mbs`. StepFailed when a measured term is missing on CUDA or out of range."""
+def derived_terms(model: list[str], mbs: int, cluster: str, device_type: str):
+    """planner/cuda_allowance.py's terms for `model` (flags) on one GPU of `device_type` (tp, dp, pp 1), bf16."""
     from megatron_bmw.arguments import build_parser, configs_from_args, parse_args
     from megatron_bmw.planner.cluster import load_cluster
     from megatron_bmw.planner.cuda_allowance import allowance_terms
@@ -459,7 +457,14 @@ def allowance_numbers(profile: dict, model: list[str], mbs: int, cluster: str, d
     flags = ["--mock-data", *MODEL_FLAGS, *model, "--bf16", *_batch(mbs, mbs)]
     cfg = configs_from_args(parse_args(flags, build_parser()), 1).model
     device = next(g.device for g in load_cluster(cluster).groups if g.device.name == device_type)
-    derived = allowance_terms(device, cfg, 1, 1, 1, mbs, False, precision_from(cfg, False))
+    return allowance_terms(device, cfg, 1, 1, 1, mbs, False, precision_from(cfg, False))
+
+
+def allowance_numbers(profile: dict, model: list[str], mbs: int, cluster: str, device_type: str) -> dict:
+    """The CUDA allowance's terms a profile measured (its "cuda_memory", training/cuda_memory.py) beside those
+    planner/cuda_allowance.py derives without it, for the profiled model on one GPU of `device_type` (tp, dp, pp 1)
+    at micro-batch `mbs`. StepFailed when a measured term is missing on CUDA or out of range."""
+    derived = derived_terms(model, mbs, cluster, device_type)
     numbers = {"context_gib_derived": round(derived.context / 2**30, 3),
                "allocator_fraction_derived": round(derived.fragmentation, 4),
                "cublas_mib_derived": round(derived.cublas / 2**20, 1), "nccl_communicators": derived.communicators}
@@ -505,6 +510,48 @@ def step_allowance(ctx: Context) -> dict:
     return {"numbers": numbers, "details": data.get("cuda_memory") or {}, "notes": "; ".join(notes)}
 
 
+TRACE_CODES = {"alloc": 0, "free_completed": 1, "segment_alloc": 2, "segment_free": 3}
+
+
+def step_allocator(ctx: Context) -> dict:
+    """The big step's GPT (else the first one) for a few iterations with --record-memory-history: the caching
+    allocator's overhead at the peak, from the snapshot, against the allocator fraction planner/cuda_allowance.py
+    derives; the trace's (action, size) pairs are kept in the logs (allocator_trace.json) for an allocator model to
+    replay, the snapshot itself is not (its stacks are large)."""
+    from megatron_bmw.training.memory_history import read_snapshot, summarize
+
+    name, model, batch = ctx.big or ctx.sizes.big[0]
+    snap = os.path.join(ctx.work, "snapshot.pickle")
+    flags = [*COMMON, *LR, *model, *batch, "--bf16", "--attention-backend", "flash", "--train-iters", "6",
+             "--log-interval", "3", "--record-memory-history", "--memory-snapshot-path", snap]
+    plan = os.path.join(ctx.work, f"plan_big_{name.split()[-1]}.json")
+    if ctx.big and os.path.exists(plan):
+        flags += ["--plan", plan]
+    ctx.pretrain(flags, f"{name} with --record-memory-history")
+    try:
+        data = read_snapshot(snap)
+    finally:
+        if os.path.exists(snap):
+            os.remove(snap)
+    s = summarize(data)
+    trace = (data.get("device_traces") or [[]])[0]
+    with open(os.path.join(ctx.work, "allocator_trace.json"), "w") as f:
+        json.dump({"codes": TRACE_CODES, "events": [[TRACE_CODES[e["action"]], int(e.get("size", 0))]
+                                                    for e in trace if e.get("action") in TRACE_CODES],
+                   "end": {"allocated_bytes": s["allocated_end_bytes"], "reserved_bytes": s["reserved_end_bytes"]}},
+                  f)
+    if s["allocator_fraction"] is None:
+        raise StepFailed(f"the snapshot recorded no allocation ({s['events']} events)")
+    derived = derived_terms(model, int(batch[1]), PLAN_CLUSTER, PLAN_DEVICE)
+    numbers = {"model": name, "events": s["events"], "peak_allocated_gib": round(s["peak_allocated_bytes"] / 2**30, 3),
+               "peak_reserved_gib": round(s["peak_reserved_bytes"] / 2**30, 3),
+               "allocator_fraction_measured": round(s["allocator_fraction"], 4),
+               "allocator_fraction_derived": round(derived.fragmentation, 4)}
+    return {"numbers": numbers, "details": {k: v for k, v in s.items() if k != "most_requested"},
+            "notes": "peaks over the recorded window (the last 100,000 events); the derived fraction counts "
+                     "rounding and segment tails, not the gaps between live blocks"}
+
+
 @dataclass(frozen=True)
 class Step:
     name: str
@@ -529,6 +576,8 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
     Step("launch", "per-unit timings (synchronised, host, event span, behind a sleep) against a unit stream",
          step_launch, 90),
     Step("allowance", "CUDA allowance: measured (profile's cuda_memory) vs derived terms", step_allowance, 120),
+    Step("allocator", "the caching allocator's overhead at the peak of a training run (--record-memory-history) vs "
+         "the derived allocator fraction", step_allocator, 150, cuda_only=True),
     Step("grad_accum", "fp32 main_grad accumulation per micro-batch, unfused vs the planner's bytes, and fused",
          step_grad_accum, 60),
     Step("fp16", "fp16 with dynamic loss scaling from 2^32: skips, then loss falls", step_fp16, 120),
@@ -538,7 +587,7 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
 
 
 # steps whose details the report prints
-DETAILED = ("kernels", "store", "param_gather", "peer", "planner", "launch", "allowance")
+DETAILED = ("kernels", "store", "param_gather", "peer", "planner", "launch", "allowance", "allocator")
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------

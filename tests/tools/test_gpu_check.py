@@ -154,3 +154,32 @@ def test_grad_accum_step_measures_the_hooks_beside_the_planners_count(tmp_path):
     assert out["predicted_ms"] > 0 and out["with_hooks_ms"] > 0 and out["add_GBps"] > 0
     assert out["fused_ms"] > 0 and out["fused_kernel"] == "addmm"  # fp32 weights: addmm_ into main_grad
     assert "grad_accum" in [s.name for s in gpu_check.STEPS]
+
+
+def test_allocator_step_reads_the_snapshot_keeps_its_trace_and_drops_it(tmp_path):
+    import pickle
+    from types import SimpleNamespace
+
+    MiB = 2**20
+    trace = [{"action": "segment_alloc", "size": 20 * MiB}, {"action": "alloc", "size": 12 * MiB},
+             {"action": "alloc", "size": 4 * MiB}, {"action": "free_requested", "size": 4 * MiB},
+             {"action": "free_completed", "size": 4 * MiB}]
+    end = [{"device": 0, "total_size": 20 * MiB, "blocks": [{"size": 12 * MiB, "state": "active_allocated"}]}]
+    runs = []
+
+    def pretrain(flags, what):
+        runs.append(flags)
+        path = flags[flags.index("--memory-snapshot-path") + 1]
+        with open(path, "wb") as f:
+            pickle.dump({"segments": end, "device_traces": [trace]}, f)
+        return {"iterations": [{}], "log": ""}
+
+    ctx = SimpleNamespace(big=None, sizes=gpu_check.GPU, work=str(tmp_path), pretrain=pretrain)
+    out = gpu_check.step_allocator(ctx)
+    assert "--record-memory-history" in runs[0] and "--plan" not in runs[0]  # no big step ran: no plan
+    n = out["numbers"]
+    assert n["model"] == "GPT 1.3B" and n["peak_allocated_gib"] == round(16 / 1024, 3)
+    assert n["allocator_fraction_measured"] == round(20 / 16 - 1, 4) and n["allocator_fraction_derived"] > 0
+    kept = json.loads((tmp_path / "allocator_trace.json").read_text())
+    assert kept["events"] == [[2, 20 * MiB], [0, 12 * MiB], [0, 4 * MiB], [1, 4 * MiB]]
+    assert not (tmp_path / "snapshot.pickle").exists()  # too large for the logs
