@@ -514,16 +514,17 @@ TRACE_CODES = {"alloc": 0, "free_completed": 1, "segment_alloc": 2, "segment_fre
 
 
 def step_allocator(ctx: Context) -> dict:
-    """The big step's GPT (else the first one) for a few iterations with --record-memory-history: the caching
+    """The big step's GPT (else the first one) for two iterations with --record-memory-history: the caching
     allocator's overhead at the peak, from the snapshot, against the allocator fraction planner/cuda_allowance.py
     derives; the trace's (action, size) pairs are kept in the logs (allocator_trace.json) for an allocator model to
-    replay, the snapshot itself is not (its stacks are large)."""
+    replay (code, size, address), the snapshot itself is not (its stacks are large)."""
     from megatron_bmw.training.memory_history import read_snapshot, summarize
 
     name, model, batch = ctx.big or ctx.sizes.big[0]
     snap = os.path.join(ctx.work, "snapshot.pickle")
-    flags = [*COMMON, *LR, *model, *batch, "--bf16", "--attention-backend", "flash", "--train-iters", "6",
-             "--log-interval", "3", "--record-memory-history", "--memory-snapshot-path", snap]
+    # two iterations (the optimizer's states appear in the first): the whole run fits the trace's 100,000 entries
+    flags = [*COMMON, *LR, *model, *batch, "--bf16", "--attention-backend", "flash", "--train-iters", "2",
+             "--log-interval", "2", "--record-memory-history", "--memory-snapshot-path", snap]
     plan = os.path.join(ctx.work, f"plan_big_{name.split()[-1]}.json")
     if ctx.big and os.path.exists(plan):
         flags += ["--plan", plan]
@@ -536,8 +537,9 @@ def step_allocator(ctx: Context) -> dict:
     s = summarize(data)
     trace = (data.get("device_traces") or [[]])[0]
     with open(os.path.join(ctx.work, "allocator_trace.json"), "w") as f:
-        json.dump({"codes": TRACE_CODES, "events": [[TRACE_CODES[e["action"]], int(e.get("size", 0))]
-                                                    for e in trace if e.get("action") in TRACE_CODES],
+        json.dump({"codes": TRACE_CODES, "fields": ["code", "size", "addr"],
+                   "events": [[TRACE_CODES[e["action"]], int(e.get("size", 0)), int(e.get("addr", 0))]
+                              for e in trace if e.get("action") in TRACE_CODES],
                    "end": {"allocated_bytes": s["allocated_end_bytes"], "reserved_bytes": s["reserved_end_bytes"]}},
                   f)
     if s["allocator_fraction"] is None:

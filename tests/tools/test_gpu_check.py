@@ -161,9 +161,11 @@ def test_allocator_step_reads_the_snapshot_keeps_its_trace_and_drops_it(tmp_path
     from types import SimpleNamespace
 
     MiB = 2**20
-    trace = [{"action": "segment_alloc", "size": 20 * MiB}, {"action": "alloc", "size": 12 * MiB},
-             {"action": "alloc", "size": 4 * MiB}, {"action": "free_requested", "size": 4 * MiB},
-             {"action": "free_completed", "size": 4 * MiB}]
+    trace = [{"action": "segment_alloc", "size": 20 * MiB, "addr": 64},
+             {"action": "alloc", "size": 12 * MiB, "addr": 64},
+             {"action": "alloc", "size": 4 * MiB, "addr": 64 + 12 * MiB},
+             {"action": "free_requested", "size": 4 * MiB, "addr": 64 + 12 * MiB},
+             {"action": "free_completed", "size": 4 * MiB, "addr": 64 + 12 * MiB}]
     end = [{"device": 0, "total_size": 20 * MiB, "blocks": [{"size": 12 * MiB, "state": "active_allocated"}]}]
     runs = []
 
@@ -181,5 +183,6 @@ def test_allocator_step_reads_the_snapshot_keeps_its_trace_and_drops_it(tmp_path
     assert n["model"] == "GPT 1.3B" and n["peak_allocated_gib"] == round(16 / 1024, 3)
     assert n["allocator_fraction_measured"] == round(20 / 16 - 1, 4) and n["allocator_fraction_derived"] > 0
     kept = json.loads((tmp_path / "allocator_trace.json").read_text())
-    assert kept["events"] == [[2, 20 * MiB], [0, 12 * MiB], [0, 4 * MiB], [1, 4 * MiB]]
+    assert kept["events"] == [[2, 20 * MiB, 64], [0, 12 * MiB, 64], [0, 4 * MiB, 64 + 12 * MiB],
+                              [1, 4 * MiB, 64 + 12 * MiB]]
     assert not (tmp_path / "snapshot.pickle").exists()  # too large for the logs
