@@ -510,15 +510,13 @@ def step_allowance(ctx: Context) -> dict:
     return {"numbers": numbers, "details": data.get("cuda_memory") or {}, "notes": "; ".join(notes)}
 
 
-TRACE_CODES = {"alloc": 0, "free_completed": 1, "segment_alloc": 2, "segment_free": 3}
-
-
 def step_allocator(ctx: Context) -> dict:
     """The big step's GPT (else the first one) for two iterations with --record-memory-history: the caching
     allocator's overhead at the peak, from the snapshot, against the allocator fraction planner/cuda_allowance.py
     derives; the trace's (action, size) pairs are kept in the logs (allocator_trace.json) for an allocator model to
     replay (code, size, address), the snapshot itself is not (its stacks are large)."""
-    from megatron_bmw.training.memory_history import read_snapshot, summarize
+    from megatron_bmw.planner.caching_allocator import replay
+    from megatron_bmw.training.memory_history import TRACE_CODES, read_snapshot, summarize, trace_events
 
     name, model, batch = ctx.big or ctx.sizes.big[0]
     snap = os.path.join(ctx.work, "snapshot.pickle")
@@ -534,12 +532,9 @@ def step_allocator(ctx: Context) -> dict:
     finally:
         if os.path.exists(snap):
             os.remove(snap)
-    s = summarize(data)
-    trace = (data.get("device_traces") or [[]])[0]
+    s, events = summarize(data), trace_events(data)
     with open(os.path.join(ctx.work, "allocator_trace.json"), "w") as f:
-        json.dump({"codes": TRACE_CODES, "fields": ["code", "size", "addr"],
-                   "events": [[TRACE_CODES[e["action"]], int(e.get("size", 0)), int(e.get("addr", 0))]
-                              for e in trace if e.get("action") in TRACE_CODES],
+        json.dump({"codes": TRACE_CODES, "fields": ["code", "size", "addr"], "events": [list(e) for e in events],
                    "end": {"allocated_bytes": s["allocated_end_bytes"], "reserved_bytes": s["reserved_end_bytes"]}},
                   f)
     if s["allocator_fraction"] is None:
@@ -549,7 +544,14 @@ def step_allocator(ctx: Context) -> dict:
                "peak_reserved_gib": round(s["peak_reserved_bytes"] / 2**30, 3),
                "allocator_fraction_measured": round(s["allocator_fraction"], 4),
                "allocator_fraction_derived": round(derived.fragmentation, 4)}
-    return {"numbers": numbers, "details": {k: v for k, v in s.items() if k != "most_requested"},
+    try:  # planner/caching_allocator.py replaying the run's requests: does it reserve what the allocator did?
+        model = replay(events)
+        numbers.update(model_peak_reserved_gib=round(model["model_peak_reserved"] / 2**30, 3),
+                       model_same_segments=model["same_segments"])
+    except ValueError as exc:
+        model = {"error": str(exc)}
+    return {"numbers": numbers, "details": {**{k: v for k, v in s.items() if k != "most_requested"},
+                                            "allocator_model": model},
             "notes": "peaks over the recorded window (the last 100,000 events); the derived fraction counts "
                      "rounding and segment tails, not the gaps between live blocks"}
 

@@ -58,8 +58,8 @@ def summarize(snapshot: dict, device: int = 0) -> dict:
     allocator's overhead at the peak (peak reserved / peak allocated - 1) and the most requested block sizes."""
     segments = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
     reserved = sum(int(s.get("total_size", 0)) for s in segments)
-    allocated = sum(int(b.get("size", 0)) for s in segments for b in s.get("blocks", [])
-                    if b.get("state") in ("active_allocated", "active_pending_free"))
+    allocated = sum(int(b.get("requested_size", b.get("size", 0))) for s in segments for b in s.get("blocks", [])
+                    if b.get("state") in ("active_allocated", "active_pending_free"))  # the trace's sizes
     end = (allocated, reserved)
     traces = snapshot.get("device_traces") or []
     trace = traces[device] if device < len(traces) else []
@@ -89,3 +89,15 @@ def summarize(snapshot: dict, device: int = 0) -> dict:
             "allocator_fraction": peak_reserved / peak_allocated - 1 if peak_allocated else None,
             "allocated_end_bytes": end[0], "reserved_end_bytes": end[1],
             "most_requested": sorted(sizes.items(), key=lambda kv: -kv[0] * kv[1])[:10]}
+
+
+TRACE_CODES = {"alloc": 0, "free_completed": 1, "segment_alloc": 2, "segment_free": 3}  # caching_allocator's codes
+
+
+def trace_events(snapshot: dict, device: int = 0) -> list[tuple[int, int, int]]:
+    """The device's trace as (code, size, address): allocations, completed frees, segments reserved and released
+    (planner/caching_allocator.replay's input)."""
+    traces = snapshot.get("device_traces") or []
+    trace = traces[device] if device < len(traces) else []
+    return [(TRACE_CODES[e["action"]], int(e.get("size", 0)), int(e.get("addr", 0))) for e in trace
+            if e.get("action") in TRACE_CODES]

@@ -162,11 +162,12 @@ def test_allocator_step_reads_the_snapshot_keeps_its_trace_and_drops_it(tmp_path
 
     MiB = 2**20
     trace = [{"action": "segment_alloc", "size": 20 * MiB, "addr": 64},
-             {"action": "alloc", "size": 12 * MiB, "addr": 64},
-             {"action": "alloc", "size": 4 * MiB, "addr": 64 + 12 * MiB},
-             {"action": "free_requested", "size": 4 * MiB, "addr": 64 + 12 * MiB},
-             {"action": "free_completed", "size": 4 * MiB, "addr": 64 + 12 * MiB}]
-    end = [{"device": 0, "total_size": 20 * MiB, "blocks": [{"size": 12 * MiB, "state": "active_allocated"}]}]
+             {"action": "alloc", "size": 8 * MiB, "addr": 64},
+             {"action": "alloc", "size": 4 * MiB, "addr": 64 + 8 * MiB},
+             {"action": "free_requested", "size": 4 * MiB, "addr": 64 + 8 * MiB},
+             {"action": "free_completed", "size": 4 * MiB, "addr": 64 + 8 * MiB}]
+    end = [{"device": 0, "total_size": 20 * MiB, "blocks": [{"size": 8 * MiB, "requested_size": 8 * MiB,
+                                                             "state": "active_allocated"}]}]
     runs = []
 
     def pretrain(flags, what):
@@ -180,9 +181,10 @@ def test_allocator_step_reads_the_snapshot_keeps_its_trace_and_drops_it(tmp_path
     out = gpu_check.step_allocator(ctx)
     assert "--record-memory-history" in runs[0] and "--plan" not in runs[0]  # no big step ran: no plan
     n = out["numbers"]
-    assert n["model"] == "GPT 1.3B" and n["peak_allocated_gib"] == round(16 / 1024, 3)
-    assert n["allocator_fraction_measured"] == round(20 / 16 - 1, 4) and n["allocator_fraction_derived"] > 0
+    assert n["model"] == "GPT 1.3B" and n["peak_allocated_gib"] == round(12 / 1024, 3)
+    assert n["allocator_fraction_measured"] == round(20 / 12 - 1, 4) and n["allocator_fraction_derived"] > 0
+    assert n["model_same_segments"] is True and n["model_peak_reserved_gib"] == n["peak_reserved_gib"]
     kept = json.loads((tmp_path / "allocator_trace.json").read_text())
-    assert kept["events"] == [[2, 20 * MiB, 64], [0, 12 * MiB, 64], [0, 4 * MiB, 64 + 12 * MiB],
-                              [1, 4 * MiB, 64 + 12 * MiB]]
+    assert kept["events"] == [[2, 20 * MiB, 64], [0, 8 * MiB, 64], [0, 4 * MiB, 64 + 8 * MiB],
+                              [1, 4 * MiB, 64 + 8 * MiB]]
     assert not (tmp_path / "snapshot.pickle").exists()  # too large for the logs

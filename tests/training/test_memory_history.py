@@ -2,6 +2,7 @@
 a stand-in for torch.cuda; on the CPU the flag is one line, exit 2."""
 
 import importlib.util
+import json
 import os
 import pickle
 from types import SimpleNamespace
@@ -24,28 +25,32 @@ def snapshot(trace: list[dict], segments: list[dict]) -> dict:
 def _segment(total: int, allocated: list[int]) -> dict:
     blocks = [{"size": n, "state": "active_allocated"} for n in allocated]
     free = total - sum(allocated)
-    return {"device": 0, "total_size": total, "blocks": blocks + ([{"size": free, "state": "inactive"}] if free else [])}
+    blocks += [{"size": free, "state": "inactive"}] if free else []
+    return {"device": 0, "total_size": total, "blocks": blocks}
 
 
-# a 20 MiB segment holds a 12 MiB block; a 10 MiB block is freed and the 12 MiB one taken, a second 20 MiB segment
-# holds an 8 MiB block: peak allocated 22 MiB (12 + 10), peak reserved 40 MiB
-TRACE = [{"action": "segment_alloc", "size": 20 * MiB}, {"action": "alloc", "size": 10 * MiB},
-         {"action": "alloc", "size": 12 * MiB, "addr": 1}, {"action": "free_requested", "size": 10 * MiB},
-         {"action": "free_completed", "size": 10 * MiB}, {"action": "segment_alloc", "size": 20 * MiB},
-         {"action": "alloc", "size": 8 * MiB}]
+# what the caching allocator does: a 20 MiB segment takes 6 and 8 MiB blocks; the 6 MiB one freed, a 9 MiB request
+# fits neither free piece (6 MiB, and the 6 MiB tail), so a second 20 MiB segment: peak allocated 17 MiB (8 + 9),
+# peak reserved 40 MiB
+TRACE = [{"action": "segment_alloc", "size": 20 * MiB, "addr": 0}, {"action": "alloc", "size": 6 * MiB, "addr": 0},
+         {"action": "alloc", "size": 8 * MiB, "addr": 6 * MiB},
+         {"action": "free_requested", "size": 6 * MiB, "addr": 0},
+         {"action": "free_completed", "size": 6 * MiB, "addr": 0},
+         {"action": "segment_alloc", "size": 20 * MiB, "addr": 20 * MiB},
+         {"action": "alloc", "size": 9 * MiB, "addr": 20 * MiB}]
 # the end state: each segment with its live block
-END = [_segment(20 * MiB, [12 * MiB]), _segment(20 * MiB, [8 * MiB])]
+END = [_segment(20 * MiB, [8 * MiB]), _segment(20 * MiB, [9 * MiB])]
 
 
 def test_the_summary_replays_the_trace_back_from_the_segments():
     s = memory_history.summarize(snapshot(TRACE, END))
-    assert s["peak_allocated_bytes"] == 22 * MiB and s["peak_reserved_bytes"] == 40 * MiB
-    assert s["allocator_fraction"] == pytest.approx(40 / 22 - 1)
-    assert s["allocated_end_bytes"] == 20 * MiB and s["counts"] == {"alloc": 3, "free": 1, "segment_alloc": 2,
+    assert s["peak_allocated_bytes"] == 17 * MiB and s["peak_reserved_bytes"] == 40 * MiB
+    assert s["allocator_fraction"] == pytest.approx(40 / 17 - 1)
+    assert s["allocated_end_bytes"] == 17 * MiB and s["counts"] == {"alloc": 3, "free": 1, "segment_alloc": 2,
                                                                   "segment_free": 0, "oom": 0}
     # the trace's first events lost (a trace kept to its last entries): the peaks still come from the end state
     cut = memory_history.summarize(snapshot(TRACE[3:], END))
-    assert cut["peak_allocated_bytes"] == 22 * MiB and cut["peak_reserved_bytes"] == 40 * MiB
+    assert cut["peak_allocated_bytes"] == 17 * MiB and cut["peak_reserved_bytes"] == 40 * MiB
     assert memory_history.summarize({"segments": []})["allocator_fraction"] is None
 
 
@@ -119,10 +124,18 @@ def test_the_tool_prints_the_peaks_and_bad_input_is_one_line(tmp_path, capsys):
     path.write_bytes(pickle.dumps(snapshot(TRACE, END)))
     assert tool.main([str(path), "--json", str(tmp_path / "s.json")]) == 0
     out = capsys.readouterr().out
-    assert "peak allocated 0.021 GiB, peak reserved 0.039 GiB: allocator overhead 81.8%" in out
-    assert "most requested sizes (MiB x count): 12.00 x 1, 10.00 x 1, 8.00 x 1" in out
+    assert "peak allocated 0.017 GiB, peak reserved 0.039 GiB: allocator overhead 135.3%" in out
+    assert "most requested sizes (MiB x count): 9.00 x 1, 8.00 x 1, 6.00 x 1" in out
+    assert tool.main([str(path), "--replay"]) == 0  # TRACE is what the allocator does: the model agrees
+    out = capsys.readouterr().out
+    assert "allocator model: peak reserved 0.039 GiB in 2 segments" in out
+    assert "recorded 0.039 GiB in 2 segments: the same segments" in out
+    trace_file = tmp_path / "allocator_trace.json"
+    trace_file.write_text(json.dumps({"events": [[0, 4 * MiB, 0], [1, 4 * MiB, 8]]}))
     for argv, message in (([str(tmp_path / "none.pickle")], "cannot read the memory snapshot"),
-                          ([str(path), "--device", "1"], "no recorded events on device 1")):
+                          ([str(path), "--device", "1"], "no recorded events on device 1"),
+                          ([str(trace_file)], "takes --replay"),
+                          ([str(trace_file), "--replay"], "cannot replay: event 1: a free at 0x8")):
         with pytest.raises(SystemExit) as info:
             tool.main(argv)
         assert info.value.code == 2
