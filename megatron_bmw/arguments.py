@@ -25,6 +25,11 @@ IGNORED_KERNEL_FLAGS = {
     "--num-workers": 1, "--data-impl": 1, "--cross-entropy-loss-fusion": 0, "--manual-gc": 0,
     "--manual-gc-interval": 1, "--no-create-attention-mask-in-dataloader": 0, "--no-mmap-bin-files": 0,
     "--tiktoken-pattern": 1, "--no-rope-fusion": 0,
+    # how a torch_dist checkpoint is written (the checkpoint is the same), fp16 attention scaling (the softmax is fp32
+    # here), p2p and embedding-gradient scheduling
+    "--ckpt-fully-parallel-save": 0, "--no-ckpt-fully-parallel-save": 0, "--ckpt-fully-parallel-load": 0,
+    "--async-save": 0, "--apply-query-key-layer-scaling": 0, "--overlap-p2p-communication": 0,
+    "--defer-embedding-wgrad-compute": 0,
     # FP8 matmuls and a bf16 gradient reduction: speed-for-precision choices; the run keeps --bf16/--fp16 matmuls
     # and fp32 gradient reduction
     "--fp8-format": 1, "--fp8-recipe": 1, "--fp8-margin": 1, "--fp8-amax-history-len": 1,
@@ -38,7 +43,7 @@ IGNORED_LOGGING_FLAGS = {
     "--log-memory-to-tensorboard": 0, "--tensorboard-log-interval": 1, "--tensorboard-queue-size": 1,
     "--profile": 0, "--profile-step-start": 1, "--profile-step-end": 1, "--use-pytorch-profiler": 0,
     "--log-batch-size-to-tensorboard": 0, "--wandb-project": 1, "--wandb-exp-name": 1, "--wandb-save-dir": 1,
-    "--wandb-entity": 1,
+    "--wandb-entity": 1, "--log-world-size-to-tensorboard": 0,
 }
 IGNORED_FLAGS = {**IGNORED_KERNEL_FLAGS, **IGNORED_LOGGING_FLAGS}
 # Megatron's attention backends -> ours: cuDNN's fused kernel runs as torch's fused attention, local as unfused
@@ -94,6 +99,9 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--position-embedding-type", default="learned_absolute",
                    help="learned_absolute (GPT-2), rope (Llama) or none")
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="Megatron's older flag for rope")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="Megatron's older flag: no learned position embedding (--position-embedding-type none, "
+                        "unless rope)")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="of each head's dimensions rotated")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
@@ -196,6 +204,7 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="the learning rate the warm-up starts from")
     g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -235,6 +244,7 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ckpt-format", default="torch",
                    help="torch (Megatron's legacy format, the default) or torch_dist (layout-free, "
                         "torch.distributed.checkpoint); --load reads either")
+    g.add_argument("--use-dist-ckpt", action="store_true", help="Megatron's older flag for --ckpt-format torch_dist")
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=100)
@@ -316,6 +326,8 @@ def _check_megatron_choices(args) -> None:
                          "load --load, save to --ckpt-convert-save/<format>, exit)")
     if args.ckpt_convert_save is not None and args.ckpt_convert_format is None:
         raise UsageError("--ckpt-convert-save is only used with --ckpt-convert-format torch|torch_dist")
+    if getattr(args, "use_dist_ckpt", False):  # as Megatron: the deprecated flag sets the format
+        args.ckpt_format = "torch_dist"
     if args.ckpt_format not in CKPT_FORMATS_HERE:
         known = args.ckpt_format in CKPT_FORMATS
         raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; use torch "
@@ -570,7 +582,8 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
 def llama_settings(args) -> dict:
     """ModelConfig's Llama-family fields from Megatron's flags."""
     rope = args.use_rotary_position_embeddings or args.position_embedding_type == "rope"
-    return dict(position_embedding_type="rope" if rope else args.position_embedding_type,
+    kind = "rope" if rope else "none" if getattr(args, "no_position_embedding", False) else args.position_embedding_type
+    return dict(position_embedding_type=kind,
                 rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
                 rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, swiglu=args.swiglu,
                 num_query_groups=args.num_query_groups if args.group_query_attention else None,
@@ -631,7 +644,7 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
                   lr_warmup_fraction=args.lr_warmup_fraction, train_iters=train_iters, global_batch_size=gbs,
                   train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
                   lr_warmup_samples=args.lr_warmup_samples, decoupled_lr=args.decoupled_lr,
-                  decoupled_min_lr=args.decoupled_min_lr)
+                  decoupled_min_lr=args.decoupled_min_lr, warmup_init=getattr(args, "lr_warmup_init", 0.0))
     if not args.mock_data and not args.data_path:
         raise UsageError("give --data-path (preprocessed .bin/.idx prefixes) or --mock-data")
     return dict(train=train, optimizer=optimizer, lr=lr, data=data_config_from_args(args))

@@ -504,8 +504,11 @@ class LRConfig:
     # (the floor defaults to min_lr), on the same warm-up and decay
     decoupled_lr: float | None = None
     decoupled_min_lr: float | None = None
+    warmup_init: float = 0.0  # --lr-warmup-init: where the linear warm-up starts
 
     def __post_init__(self) -> None:
+        if self.warmup_init < 0:
+            raise UsageError(f"--lr-warmup-init must be >= 0, got {self.warmup_init}")
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise UsageError(
                 f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, not {self.lr_decay_style!r}"

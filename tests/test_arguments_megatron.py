@@ -200,6 +200,25 @@ def test_aliases_and_accepted_megatron_values():
     assert m.qk_layernorm and m.apply_layernorm_1p
 
 
+def test_megatrons_older_flags_and_the_warmup_start():
+    assert _run(["--use-dist-ckpt"]).train.ckpt_format == "torch_dist"  # deprecated there, still in scripts
+    assert _run(["--no-position-embedding"]).model.position_embedding_type == "none"
+    rope = _run(["--use-rotary-position-embeddings", "--no-position-embedding"]).model  # Megatron's rope scripts
+    assert rope.position_embedding_type == "rope"
+    lr = _run(["--lr", "1e-3", "--lr-warmup-iters", "4", "--lr-warmup-init", "1e-4", "--global-batch-size", "1",
+               "--train-iters", "10"]).lr
+    assert lr.warmup_init == 1e-4
+    from megatron_bmw.training.lr_scheduler import LRScheduler
+
+    sched = LRScheduler(None, lr)
+    seen = [sched.get_lr()]
+    for _ in range(4):
+        sched.step(1)
+        seen.append(sched.get_lr())
+    assert seen == pytest.approx([1e-4, 3.25e-4, 5.5e-4, 7.75e-4, 1e-3])  # Megatron's init + (max - init) n / warmup
+    _refused(["--lr", "1e-3", "--lr-warmup-init", "-1"], "--lr-warmup-init must be >= 0")
+
+
 @pytest.mark.parametrize("text", ["949,50,1", "'949,50,1'", '"949,50,1"', "949/50/1", "'949/50/1'", "949, 50, 1"])
 def test_split_as_megatron_reads_it(text):
     split = _run(["--split", text]).data.split
@@ -219,6 +238,14 @@ def test_ignored_flags_are_split_by_kind():
                               "--wandb-project", "p", "--wandb-exp-name=x"])
     assert args.ignored_kernel_flags == ["--no-rope-fusion", "--fp8-format", "--num-layers-at-start-in-bf16"]
     assert args.ignored_logging_flags == ["--wandb-project", "--wandb-exp-name"]
+    # how torch_dist checkpoints are written, fp16 attention scaling, p2p and embedding-gradient scheduling
+    args = parse_args(BASE + ["--ckpt-fully-parallel-save", "--async-save", "--apply-query-key-layer-scaling",
+                              "--overlap-p2p-communication", "--defer-embedding-wgrad-compute",
+                              "--log-world-size-to-tensorboard"])
+    assert args.ignored_kernel_flags == ["--ckpt-fully-parallel-save", "--async-save",
+                                         "--apply-query-key-layer-scaling", "--overlap-p2p-communication",
+                                         "--defer-embedding-wgrad-compute"]
+    assert args.ignored_logging_flags == ["--log-world-size-to-tensorboard"]
 
 
 def test_train_iters_defaults_to_10():

@@ -1,9 +1,10 @@
-"""Learning-rate schedule: linear warm-up from 0, then constant, linear or cosine decay to min_lr.
+"""Learning-rate schedule: linear warm-up from --lr-warmup-init (default 0), then constant, linear or cosine decay
+to min_lr.
 
 Counted in samples, as Megatron's optimizer-parameter scheduler: the loop calls `step(batch)` after every
 successful iteration with that iteration's global batch, so a ramped-up batch advances the schedule by what
 it consumed. The schedule is evaluated at the current count before it is advanced, so the first iteration of a
-warm-up runs with lr 0.
+warm-up runs with the warm-up's initial lr (0 by default).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class LRScheduler:
         self.lr_decay_style = cfg.lr_decay_style
         self.lr_decay_steps = cfg.decay_steps
         self.lr_warmup_steps = cfg.warmup_steps
+        self.warmup_init = cfg.warmup_init
         # --decoupled-lr: (peak, floor) of the embedding and output layer, on the same warm-up and decay
         self.decoupled = (cfg.decoupled_lr, cfg.decoupled_floor) if cfg.decoupled_lr is not None else None
         self.num_steps = 0
@@ -48,7 +50,7 @@ class LRScheduler:
         min_lr = self.min_lr if floor is None else floor
         n = self.num_steps
         if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
-            return max_lr * n / self.lr_warmup_steps
+            return self.warmup_init + (max_lr - self.warmup_init) * n / self.lr_warmup_steps
         if self.lr_decay_style == "constant":
             return max_lr
         if n > self.lr_decay_steps:
