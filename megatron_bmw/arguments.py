@@ -254,6 +254,9 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
+                   help="always on here: a nan or inf loss, or gradients that are not finite, end the run with one "
+                        "line (fp16 with a dynamic loss scale skips the step first)")
     g.add_argument("--record-memory-history", action="store_true",
                    help="record the CUDA caching allocator's allocations and frees from start-up; the last rank "
                         "writes a snapshot to --memory-snapshot-path at every log interval (open it at "

@@ -202,6 +202,7 @@ def test_aliases_and_accepted_megatron_values():
 
 def test_megatrons_older_flags_and_the_warmup_start():
     assert _run(["--use-dist-ckpt"]).train.ckpt_format == "torch_dist"  # deprecated there, still in scripts
+    assert parse_args(BASE + ["--check-for-nan-in-loss-and-grad"]).ignored_flags == []  # what the loop always does
     assert _run(["--no-position-embedding"]).model.position_embedding_type == "none"
     rope = _run(["--use-rotary-position-embeddings", "--no-position-embedding"]).model  # Megatron's rope scripts
     assert rope.position_embedding_type == "rope"
