@@ -10,9 +10,11 @@ reserves from the device. Torch-free.
   best fit     the smallest free block of the pool that holds the request (ties: the lowest address).
   splitting    the block is cut to the request where what is left is at least 512 bytes (small pool) or more than
                1 MiB (large pool); the rest stays free in the pool.
-  freeing      a freed block merges with free neighbours of its segment; segments are kept (cached), never given
-               back, unless the device runs out (not modelled: `pinned_peak` is what must fit, the segments that
-               hold a live block, since cached empty ones would be released and the request retried).
+  freeing      a freed block merges with free neighbours of its segment; segments are kept (cached) and given back
+               only by `release_cached` (torch.cuda.empty_cache, or the allocator's retry when the device runs out:
+               every segment without a live block). Running out is not modelled: `pinned_peak` is what must fit,
+               the segments that hold a live block, since cached empty ones would be released and the request
+               retried.
 
 `replay` takes a recorded trace (tools/gpu_check.py's allocator step, from torch.cuda.memory._snapshot()) and
 returns what the model reserves beside what was recorded, so the model can be checked against a real run.
@@ -119,6 +121,21 @@ class CachingAllocator:
                         other.next.prev = block
         bisect.insort(pool, (block.size, block.addr, block))
 
+    def release_cached(self) -> int:
+        """Give back every segment that holds no live block (torch.cuda.empty_cache); the bytes released."""
+        released = 0
+        for small, pool in self._free.items():
+            keep = []
+            for entry in pool:
+                block = entry[2]
+                if block.prev is None and block.next is None and self._live_per_segment[block.segment] == 0:
+                    released += block.size
+                else:
+                    keep.append(entry)
+            self._free[small] = keep
+        self.reserved -= released
+        return released
+
     def _new_segment(self, size: int, small: bool) -> _Block:
         block = _Block(self._next_addr, size, len(self.segments), small)
         self._next_addr += size
@@ -131,12 +148,16 @@ class CachingAllocator:
 
 def replay(events: list[list[int]] | list[tuple[int, int, int]]) -> dict:
     """Replay a recorded trace of (code, size, address) events through the model: its allocations and frees (by the
-    recorded address) drive the model, its segment events are what the real allocator reserved. The trace must
-    start at an empty allocator (recorded from start-up, not cut)."""
+    recorded address) drive the model, its segment events are what the real allocator reserved; where the allocator
+    gave segments back (empty_cache), the model gives back its empty ones too. The trace must start at an empty
+    allocator (recorded from start-up, not cut)."""
     model = CachingAllocator()
     live: dict[int, _Block] = {}
     recorded, recorded_peak, recorded_segments = 0, 0, []
+    releasing = False  # within a run of recorded segment frees: the model released its empty segments at the first
     for i, (code, size, addr) in enumerate(events):
+        if code != SEGMENT_FREE:
+            releasing = False
         if code == ALLOC:
             live[addr] = model.malloc(size)
         elif code == FREE:
@@ -150,6 +171,9 @@ def replay(events: list[list[int]] | list[tuple[int, int, int]]) -> dict:
             recorded_segments.append(size)
         elif code == SEGMENT_FREE:
             recorded -= size
+            if not releasing:
+                model.release_cached()
+                releasing = True
     return {"model_peak_reserved": model.peak_reserved, "model_pinned_peak": model.pinned_peak,
             "model_peak_allocated": model.peak_allocated, "model_segments": len(model.segments),
             "recorded_peak_reserved": recorded_peak, "recorded_segments": len(recorded_segments),

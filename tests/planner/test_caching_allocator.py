@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_bmw.planner.caching_allocator import (ALLOC, FREE, SEGMENT_ALLOC, CachingAllocator,
+from megatron_bmw.planner.caching_allocator import (ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, CachingAllocator,
                                                      allocation_size, replay, round_size)
 
 MiB = 2**20
@@ -90,3 +90,23 @@ def test_replay_sets_the_model_beside_the_recorded_segments():
     assert not wrong["same_segments"] and wrong["model_segments"] == 1  # the model fits 11 MiB in the 12 left
     with pytest.raises(ValueError, match="a cut trace"):
         replay(events[3:])
+
+
+def test_empty_cache_gives_back_the_segments_without_a_live_block():
+    a = CachingAllocator()
+    kept, gone = a.malloc(4 * MiB), a.malloc(30 * MiB)  # a 20 MiB segment (kept alive) and a 30 MiB one
+    part = a.malloc(2 * MiB)  # in the 20 MiB segment too
+    a.free(gone)
+    a.free(part)
+    assert a.release_cached() == 30 * MiB and a.reserved == 20 * MiB  # the 20 MiB one still holds `kept`
+    again = a.malloc(30 * MiB)
+    assert a.segments == [20 * MiB, 30 * MiB, 30 * MiB] and again.segment == 2
+    a.free(kept)
+    assert a.release_cached() == 20 * MiB
+
+
+def test_replay_follows_a_recorded_empty_cache():
+    events = [(SEGMENT_ALLOC, 30 * MiB, 0), (ALLOC, 30 * MiB, 0), (FREE, 30 * MiB, 0),
+              (SEGMENT_FREE, 30 * MiB, 0), (SEGMENT_ALLOC, 12 * MiB, 0), (ALLOC, 12 * MiB, 0)]
+    out = replay(events)  # without the release the model would cut 12 MiB from its cached 30 MiB block
+    assert out["same_segments"] and out["model_segments"] == 2
