@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,14 +37,15 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import format_table  # noqa: E402
 from megatron_bmw.config import ModelConfig  # noqa: E402
+from megatron_bmw.device import timed  # noqa: E402
 from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error  # noqa: E402
 from megatron_bmw.planner.cluster import DeviceType, load_cluster  # noqa: E402
 from megatron_bmw.planner.cost_model import CostSettings  # noqa: E402
 from megatron_bmw.planner.kernel_time import (FLASH_BACKWARD, KernelDevice, device_kernels,  # noqa: E402
                                               flash_attention_time, gemm_time)
 from megatron_bmw.planner.accuracy import spearman  # noqa: E402
+from megatron_bmw.units import DTYPE_BYTES  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # model name -> (hidden, heads, vocab, attention backend, [(tp, micro-batch size), ...])
 MODELS = {
     "bloom": (14336, 64, 250880, "unfused", [(tp, b) for tp in (4, 8) for b in (1, 2, 4)]),
@@ -86,11 +86,10 @@ def device_type_for(name: str, memory_bytes: float, cluster: str | None, device_
                 break
         else:
             raise UsageError(f"no device type known for {name!r}: give --cluster and --device-type")
-    for group in load_cluster(cluster).groups:
-        if group.device.name == device_type:
-            dev = group.device
-            return replace(dev, memory_bandwidth=override) if override else dev
-    raise UsageError(f"--device-type: cluster {cluster} has no device type {device_type!r}")
+    dev = load_cluster(cluster).device_type(device_type)
+    if dev is None:
+        raise UsageError(f"--device-type: cluster {cluster} has no device type {device_type!r}")
+    return replace(dev, memory_bandwidth=override) if override else dev
 
 
 def _gemm(m: int, n: int, k: int, dtype, device, batch: int = 0):
@@ -196,9 +195,7 @@ def time_kernel(kernel: Kernel, device: torch.device, repeats: int) -> float:
             end.synchronize()
             seconds = start.elapsed_time(end) / 1e3
         else:
-            t0 = time.perf_counter()
-            kernel.run()
-            seconds = time.perf_counter() - t0
+            seconds = timed(kernel.run, device)[0]
         if i >= 2:
             samples.append(seconds)
     return statistics.median(samples)
@@ -225,7 +222,7 @@ def run(models: list[str], device: torch.device, dtype: str, dev: DeviceType, re
     for name in models:
         cfg, configs = model_config(name, small, dtype)
         for tp, b in configs:
-            kernels = layout_kernels(cfg, tp, b, kd, rate, DTYPES[dtype], device)
+            kernels = layout_kernels(cfg, tp, b, kd, rate, cfg.torch_dtype, device)
             mine = [{"model": name, "tp": tp, "mbs": b, "kernel": k.name, "category": k.category, "unit": k.unit,
                      "measured_ms": 1e3 * time_kernel(k, device, repeats), "modelled_ms": 1e3 * k.modelled_s,
                      "flops": k.flops} for k in kernels]
@@ -301,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="bloom,gpt3,1.3b", help="comma list of " + ", ".join(MODELS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="bf16 on a GPU, fp32 on the CPU")
+    ap.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=None, help="bf16 on a GPU, fp32 on the CPU")
     ap.add_argument("--cluster", default=None)
     ap.add_argument("--device-type", default=None)
     ap.add_argument("--repeats", type=int, default=10)

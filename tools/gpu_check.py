@@ -456,7 +456,7 @@ def derived_terms(model: list[str], mbs: int, cluster: str, device_type: str):
 
     flags = ["--mock-data", *MODEL_FLAGS, *model, "--bf16", *_batch(mbs, mbs)]
     cfg = configs_from_args(parse_args(flags, build_parser()), 1).model
-    device = next(g.device for g in load_cluster(cluster).groups if g.device.name == device_type)
+    device = load_cluster(cluster).device_type(device_type)
     return allowance_terms(device, cfg, 1, 1, 1, mbs, False, precision_from(cfg, False))
 
 

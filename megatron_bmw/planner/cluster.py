@@ -122,6 +122,10 @@ class Cluster:
     def device(self, gpu: int) -> DeviceType:
         return self.locate(gpu)[0].device
 
+    def device_type(self, name: str) -> DeviceType | None:
+        """The device type called `name` in one of the groups, or None."""
+        return next((g.device for g in self.groups if g.device.name == name), None)
+
     def devices_of(self, gpus) -> list[DeviceType]:
         """The distinct device types among `gpus`."""
         if len(self.groups) == 1:

@@ -11,6 +11,9 @@ import os
 import pickle
 import sys
 
+from ..errors import UsageError
+from ..planner.caching_allocator import ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE
+
 MAX_ENTRIES = 100_000  # trace entries kept (Megatron's trace_alloc_max_entries)
 
 
@@ -38,8 +41,6 @@ def write_snapshot(path: str, cuda) -> bool:
 
 
 def read_snapshot(path: str) -> dict:
-    from ..errors import UsageError
-
     try:
         with open(path, "rb") as f:
             snap = pickle.load(f)
@@ -91,7 +92,7 @@ def summarize(snapshot: dict, device: int = 0) -> dict:
             "most_requested": sorted(sizes.items(), key=lambda kv: -kv[0] * kv[1])[:10]}
 
 
-TRACE_CODES = {"alloc": 0, "free_completed": 1, "segment_alloc": 2, "segment_free": 3}  # caching_allocator's codes
+TRACE_CODES = {"alloc": ALLOC, "free_completed": FREE, "segment_alloc": SEGMENT_ALLOC, "segment_free": SEGMENT_FREE}
 
 
 def trace_events(snapshot: dict, device: int = 0) -> list[tuple[int, int, int]]:
