@@ -513,8 +513,8 @@ def step_allowance(ctx: Context) -> dict:
 def step_allocator(ctx: Context) -> dict:
     """The big step's GPT (else the first one) for two iterations with --record-memory-history: the caching
     allocator's overhead at the peak, from the snapshot, against the allocator fraction planner/cuda_allowance.py
-    derives; the trace's (action, size) pairs are kept in the logs (allocator_trace.json) for an allocator model to
-    replay (code, size, address), the snapshot itself is not (its stacks are large)."""
+    derives, and planner/caching_allocator.py replaying the recorded requests. The trace's (code, size, address)
+    events are kept in the logs (allocator_trace.json); the snapshot itself is not (its stacks are large)."""
     from megatron_bmw.planner.caching_allocator import replay
     from megatron_bmw.training.memory_history import TRACE_CODES, read_snapshot, summarize, trace_events
 
@@ -545,13 +545,13 @@ def step_allocator(ctx: Context) -> dict:
                "allocator_fraction_measured": round(s["allocator_fraction"], 4),
                "allocator_fraction_derived": round(derived.fragmentation, 4)}
     try:  # planner/caching_allocator.py replaying the run's requests: does it reserve what the allocator did?
-        model = replay(events)
-        numbers.update(model_peak_reserved_gib=round(model["model_peak_reserved"] / 2**30, 3),
-                       model_same_segments=model["same_segments"])
+        replayed = replay(events)
+        numbers.update(model_peak_reserved_gib=round(replayed["model_peak_reserved"] / 2**30, 3),
+                       model_same_segments=replayed["same_segments"])
     except ValueError as exc:
-        model = {"error": str(exc)}
+        replayed = {"error": str(exc)}
     return {"numbers": numbers, "details": {**{k: v for k, v in s.items() if k != "most_requested"},
-                                            "allocator_model": model},
+                                            "allocator_model": replayed},
             "notes": "peaks over the recorded window (the last 100,000 events); the derived fraction counts "
                      "rounding and segment tails, not the gaps between live blocks"}
 
