@@ -15,6 +15,12 @@ YAML (bandwidths in GB/s = 1e9 bytes/s, latencies in microseconds, memory in GiB
     inter_node: {bandwidth_GBps: 1.25, latency_us: 30}
     bandwidth_matrix_GBps: [[...], ...]   # optional, one row per GPU
 
+A group may say `nics_per_node`: its inter-node link is then one NIC of that many (DGX-style nodes: one per GPU),
+and a ring collective (a data- or tensor-parallel group) with k of its GPUs on a node moves its traffic off that
+node over nics x k / gpus_per_node of them: NCCL runs one channel per NIC and a ring leaves each node once, while
+the node's other GPUs, in groups of the same kind, use the rest. Without it the inter-node link is what any ring
+crossing nodes gets, whatever its GPUs per node.
+
 A device type may state what the CUDA allowance (cuda_allowance.py) needs: `cuda_context_gb` (the CUDA context),
 `compute_capability` (cuBLAS workspace sizes follow the architecture) and `nccl_channels` (NCCL's collective
 channels on these nodes); without them it takes its defaults.
@@ -77,6 +83,17 @@ class NodeGroup:
     intra_node: Link
     inter_node: Link | None = None  # this group's network interface, if it differs from the cluster's
     cores_per_node: int | None = None  # CPU ranks share this many cores per node; None: a device per rank
+    nics_per_node: int | None = None  # the inter-node link is one of this many NICs; None: what any ring gets
+
+    def ring_share(self, gpus_on_node: int) -> float:
+        """How many inter-node links' worth a ring collective with `gpus_on_node` of its ranks on one of these
+        nodes moves off that node: NCCL runs a channel per NIC and leaves the node once per ring, and the node's
+        NICs are shared by its GPUs, all of them in some group of the same kind at once (the tp peers of a
+        data-parallel group reduce together): nics x gpus_on_node / gpus_per_node. Without nics_per_node the
+        link is what any ring crossing nodes gets (1)."""
+        if self.nics_per_node is None:
+            return 1.0
+        return self.nics_per_node * gpus_on_node / self.gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -144,28 +161,23 @@ class Cluster:
         return Link(min(x.bandwidth for x in ends), max(x.latency for x in ends))
 
     def slowest_link(self, gpus: list[int]) -> Link:
-        """Bandwidth of the slowest pair in a group (AMP's rule for rings), with the largest latency."""
+        """The link a ring collective over `gpus` runs at: its slowest pair (AMP's rule), where a node's share of
+        the network grows with the ring's GPUs on it when the node's NICs are described (NodeGroup.ring_share);
+        with the largest latency."""
         if len(gpus) < 2:
             return Link(float("inf"), 0.0)
         if self.bandwidth_matrix is not None:
             links = [self.link(a, b) for i, a in enumerate(gpus) for b in gpus[i + 1:]]
-        else:  # pairs differ only by node: the intra-node links of shared nodes, the inter-node ones between
+        else:  # pairs differ only by node: the intra-node links of shared nodes, each node's way off it between
             per_node: dict[int, list] = {}
             for g in gpus:
                 group, node = self.locate(g)
                 per_node.setdefault(node, [group, 0])[1] += 1
             links = [group.intra_node for group, count in per_node.values() if count > 1]
-            ends = {id(group): group for group, _ in per_node.values()}
-            nodes_of = {}
-            for group, _ in per_node.values():
-                nodes_of[id(group)] = nodes_of.get(id(group), 0) + 1
-            kinds = list(ends)
-            for i, a in enumerate(kinds):
-                for b in kinds[i:]:
-                    if a == b and nodes_of[a] < 2:
-                        continue
-                    x, y = (ends[a].inter_node or self.inter_node), (ends[b].inter_node or self.inter_node)
-                    links.append(Link(min(x.bandwidth, y.bandwidth), max(x.latency, y.latency)))
+            if len(per_node) > 1:
+                for group, count in per_node.values():
+                    end = group.inter_node or self.inter_node
+                    links.append(Link(end.bandwidth * group.ring_share(count), end.latency))
         return Link(min(x.bandwidth for x in links), max(x.latency for x in links))
 
     def with_nodes(self, num_nodes: int) -> Cluster:
@@ -320,10 +332,11 @@ def _link(spec, where: str) -> Link:
 def _group(spec, types: dict[str, DeviceType], where: str) -> NodeGroup:
     if not isinstance(spec, dict):
         raise UsageError(f"{where}: expected a mapping with nodes, gpus_per_node, device and intra_node")
-    _only(spec, {"nodes", "gpus_per_node", "device", "intra_node", "inter_node", "cores_per_node"}, where)
+    _only(spec, {"nodes", "gpus_per_node", "device", "intra_node", "inter_node", "cores_per_node", "nics_per_node"},
+          where)
     counts = {}
-    for key in ("nodes", "gpus_per_node", "cores_per_node"):
-        if key == "cores_per_node" and key not in spec:
+    for key in ("nodes", "gpus_per_node", "cores_per_node", "nics_per_node"):
+        if key in ("cores_per_node", "nics_per_node") and key not in spec:
             continue
         x = spec.get(key)
         if not isinstance(x, int) or isinstance(x, bool) or x < 1:
@@ -335,7 +348,7 @@ def _group(spec, types: dict[str, DeviceType], where: str) -> NodeGroup:
     intra = _link(_need(spec, "intra_node", dict, where), f"{where}.intra_node")
     inter = _link(spec["inter_node"], f"{where}.inter_node") if "inter_node" in spec else None
     return NodeGroup(counts["nodes"], counts["gpus_per_node"], types[device], intra, inter,
-                     counts.get("cores_per_node"))
+                     counts.get("cores_per_node"), counts.get("nics_per_node"))
 
 
 def local_cluster(gpus: int, device: DeviceType, p2p: Link, allreduce: Link | None = None,

@@ -40,6 +40,24 @@ def test_num_nodes_resizes_and_links():
     assert load_cluster("h100-80g-ib").device(0).peak("bf16") == pytest.approx(989e12)
 
 
+def test_rings_use_the_nics_of_their_gpus_on_each_node():
+    """One NIC per GPU (DGX-style): a data-parallel ring with k GPUs per node leaves each node over k NICs, capped
+    by NVLink; one NIC per node: the node's GPUs share it; no NIC count: the link whatever the GPUs per node."""
+    dgx = load_cluster("a100-80g-ib", num_nodes=4)
+    ib = dgx.inter_node.bandwidth
+    assert dgx.slowest_link([0, 8, 16, 24]).bandwidth == pytest.approx(ib)  # tp 8: one GPU per node
+    assert dgx.slowest_link([0, 4, 8, 12]).bandwidth == pytest.approx(2 * ib)  # tp 4: two
+    assert dgx.slowest_link(list(range(32))).bandwidth == pytest.approx(min(8 * ib, 230e9))  # tp 1: NVLink caps
+    shared = _hetero()
+    shared["groups"][0]["nics_per_node"] = 1
+    c = parse_cluster(shared)
+    assert c.slowest_link([0, 4, 8]).bandwidth == pytest.approx(1.25e9 / 4)  # tp 4: four rings share the NIC
+    assert c.slowest_link([0, 1, 4, 5]).bandwidth == pytest.approx(1.25e9 / 2)
+    assert c.slowest_link([0, 1, 2, 3, 4, 5, 6, 7]).bandwidth == pytest.approx(1.25e9)
+    assert c.slowest_link([0, 1, 2, 3, 12]).bandwidth == pytest.approx(1.25e9)  # the t4 group gives no NIC count
+    assert parse_cluster(_hetero()).slowest_link([0, 4, 8]).bandwidth == pytest.approx(1.25e9)
+
+
 def test_heterogeneous_groups():
     c = parse_cluster(_hetero())
     assert c.num_gpus == 16
@@ -64,6 +82,7 @@ def test_bandwidth_matrix_overrides_links():
     (lambda d: d.pop("inter_node"), "missing 'inter_node'"),
     (lambda d: d["groups"][0].update(device="a100"), "device 'a100' is not one of device_types"),
     (lambda d: d["groups"][0].update(nodes=0), "'nodes' must be an integer >= 1"),
+    (lambda d: d["groups"][0].update(nics_per_node=0.5), "'nics_per_node' must be an integer >= 1"),
     (lambda d: d["device_types"]["v100"].update(memory_gb=-1), "'memory_gb' must be a positive number"),
     (lambda d: d["device_types"]["v100"]["peak_tflops"].update(fp8=1), "unknown dtype 'fp8'"),
     (lambda d: d.update(bandwidth_matrix_GBps=[[0, 1]]), "must be 16 rows of 16 numbers"),
