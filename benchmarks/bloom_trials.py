@@ -11,9 +11,8 @@ The runs: Megatron-DeepSpeed (DeepSpeed's pipeline engine, 1F1B), ZeRO-1, full a
 2048, vocabulary 250,880, unfused attention (baddbmm and a fused softmax kernel; no flash attention then), tied
 embeddings, gradients reduced after the pipeline. The cluster is the built-in a100-80g-ib's A100-80GB and NVLink
 with the inter-node link replaced by BigScience's own all-reduce measurement on that machine (5.06 GB/s bus
-bandwidth, 4 Omni-Path links per node of 8 GPUs), since Jean Zay's network is not DGX-style. That ring ran over
-whole nodes, so it is what a node moves off itself in all: a data-parallel ring with 8 / tp GPUs per node gets
-that share of it while its tp peers reduce beside it (nics_per_node 1 in the data; planner/cluster.py).
+bandwidth, 4 Omni-Path links per node of 8 GPUs), since Jean Zay's network is not DGX-style: it is what each
+ring gets, whatever its GPUs per node (the data's nics_note says why it is not a node's total shared by its rings).
 
 A group is one day's comparison of one model (same hidden size and depth): the author's own search (one group varies
 only the global batch: it checks the pipeline bubble and is left out of the summary's searches). Reported per
