@@ -180,6 +180,34 @@ class Cluster:
                     links.append(Link(end.bandwidth * group.ring_share(count), end.latency))
         return Link(min(x.bandwidth for x in links), max(x.latency for x in links))
 
+    def concurrent_link(self, pairs: list[tuple[int, int]]) -> Link:
+        """The link each (src, dst) pair gets when all of `pairs` transfer at once (a pipeline stage's replicas
+        sending to the next stage's): its own link, where a node's inter-node transfers out of (or into) it are more
+        than its NICs (nics_per_node) they share them; with the largest latency."""
+        if not pairs:
+            return Link(float("inf"), 0.0)
+        if self.bandwidth_matrix is not None:
+            links = [self.link(a, b) for a, b in pairs]
+            return Link(min(x.bandwidth for x in links), max(x.latency for x in links))
+        out: dict[int, int] = {}
+        into: dict[int, int] = {}
+        where = {g: self.locate(g) for pair in pairs for g in pair}
+        for a, b in pairs:
+            if where[a][1] != where[b][1]:
+                out[where[a][1]] = out.get(where[a][1], 0) + 1
+                into[where[b][1]] = into.get(where[b][1], 0) + 1
+        bandwidth, latency = float("inf"), 0.0
+        for a, b in pairs:
+            link = self.link(a, b)
+            (ga, na), (gb, nb) = where[a], where[b]
+            share = 1.0
+            if na != nb:
+                for group, count in ((ga, out[na]), (gb, into[nb])):
+                    if group.nics_per_node is not None and count > group.nics_per_node:
+                        share = min(share, group.nics_per_node / count)
+            bandwidth, latency = min(bandwidth, link.bandwidth * share), max(latency, link.latency)
+        return Link(bandwidth, latency)
+
     def with_nodes(self, num_nodes: int) -> Cluster:
         """The same cluster with `num_nodes` nodes (single-group clusters only)."""
         if num_nodes < 1:

@@ -243,12 +243,13 @@ class CostModel:
         return self._group_link("dp", stage, (self.layout.rank(0, d, stage) for d in range(self.spec.dp)))
 
     def p2p_link(self, src: int, dst: int) -> Link:
-        """Slowest of the links joining the tensor-/data-parallel replicas of two pipeline stages."""
+        """Slowest of the links joining the tensor-/data-parallel replicas of two pipeline stages, all sending at
+        once (Cluster.concurrent_link: a node's replicas share its NICs)."""
         key = (src, dst)
         if key not in self._p2p:
-            links = [self.cluster.link(self.layout.rank(t, d, src), self.layout.rank(t, d, dst))
-                     for d in range(self.spec.dp) for t in range(self.spec.tp)]
-            self._p2p[key] = Link(min(x.bandwidth for x in links), max(x.latency for x in links))
+            self._p2p[key] = self.cluster.concurrent_link(
+                [(self.layout.rank(t, d, src), self.layout.rank(t, d, dst))
+                 for d in range(self.spec.dp) for t in range(self.spec.tp)])
         return self._p2p[key]
 
     # ---- compute ----------------------------------------------------------------------------------------------

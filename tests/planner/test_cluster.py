@@ -58,6 +58,21 @@ def test_rings_use_the_nics_of_their_gpus_on_each_node():
     assert parse_cluster(_hetero()).slowest_link([0, 4, 8]).bandwidth == pytest.approx(1.25e9)
 
 
+def test_concurrent_transfers_share_a_nodes_nics():
+    """A stage's replicas send to the next stage at once: on a node with one NIC they share it, on DGX-style
+    nodes each has its own; within a node nothing is shared."""
+    shared = _hetero()
+    shared["groups"][0]["nics_per_node"] = 1
+    c = parse_cluster(shared)
+    assert c.concurrent_link([(0, 4), (1, 5), (2, 6), (3, 7)]).bandwidth == pytest.approx(1.25e9 / 4)
+    assert c.concurrent_link([(0, 4), (1, 5)]).bandwidth == pytest.approx(1.25e9 / 2)
+    assert c.concurrent_link([(0, 4)]).bandwidth == pytest.approx(1.25e9)
+    assert c.concurrent_link([(0, 1), (2, 3)]).bandwidth == pytest.approx(45e9)
+    assert parse_cluster(_hetero()).concurrent_link([(0, 4), (1, 5)]).bandwidth == pytest.approx(1.25e9)
+    dgx = load_cluster("a100-80g-ib", num_nodes=2)
+    assert dgx.concurrent_link([(g, g + 8) for g in range(8)]).bandwidth == pytest.approx(23e9)
+
+
 def test_heterogeneous_groups():
     c = parse_cluster(_hetero())
     assert c.num_gpus == 16
