@@ -447,6 +447,26 @@ def step_planner(ctx: Context) -> dict:
     return {"numbers": numbers, "details": rows}
 
 
+def synthetic_numbers(flags: list[str]) -> dict:
+    """planner/allocation_trace.py for the run of `flags` (one GPU; the --plan's choices where given): the
+    memory model's tensors in the schedule's order through the caching-allocator model, to set beside the
+    recorded trace. {"error": ...} where it cannot be built."""
+    from megatron_bmw.arguments import apply_plan, build_parser, configs_from_args, parse_args
+    from megatron_bmw.planner.allocation_trace import synthetic_allocator
+    from megatron_bmw.planner.spec import RunSpec
+
+    try:
+        parser = build_parser()
+        args = parse_args(flags, parser)
+        run = configs_from_args(args, 1, plan=apply_plan(args, flags, parser) if args.plan else None)
+        spec = RunSpec(run.model, 1, 1, 1, run.pipeline)
+        got = synthetic_allocator(spec, iterations=2)
+    except (UsageError, ValueError) as exc:
+        return {"error": str(exc)}
+    return {"synthetic_peak_allocated_gib": round(got["peak_allocated"] / 2**30, 3),
+            "synthetic_allocator_fraction": round(got["allocator_fraction"], 4), "segments": got["segments"]}
+
+
 def derived_terms(model: list[str], mbs: int, cluster: str, device_type: str):
     """planner/cuda_allowance.py's terms for `model` (flags) on one GPU of `device_type` (tp, dp, pp 1), bf16."""
     from megatron_bmw.arguments import build_parser, configs_from_args, parse_args
@@ -513,7 +533,9 @@ def step_allowance(ctx: Context) -> dict:
 def step_allocator(ctx: Context) -> dict:
     """The big step's GPT (else the first one) for two iterations with --record-memory-history: the caching
     allocator's overhead at the peak, from the snapshot, against the allocator fraction planner/cuda_allowance.py
-    derives, and planner/caching_allocator.py replaying the recorded requests. The trace's (code, size, address)
+    derives, planner/caching_allocator.py replaying the recorded requests, and the same model on the synthetic
+    trace of the run (planner/allocation_trace.py: the memory model's tensors in the schedule's order), to see
+    whether it reserves what the real one did. The trace's (code, size, address)
     events are kept in the logs (allocator_trace.json); the snapshot itself is not (its stacks are large)."""
     from megatron_bmw.planner.caching_allocator import replay
     from megatron_bmw.training.memory_history import TRACE_CODES, read_snapshot, summarize, trace_events
@@ -521,7 +543,9 @@ def step_allocator(ctx: Context) -> dict:
     name, model, batch = ctx.big or ctx.sizes.big[0]
     snap = os.path.join(ctx.work, "snapshot.pickle")
     # two iterations (the optimizer's states appear in the first): the whole run fits the trace's 100,000 entries
-    flags = [*COMMON, *LR, *model, *batch, "--bf16", "--attention-backend", "flash", "--train-iters", "2",
+    # (warm-up 1: a warm-up as long as the run is refused)
+    flags = [*COMMON, *LR[:-2], "--lr-warmup-iters", "1", *model, *batch, "--bf16", "--attention-backend", "flash",
+             "--train-iters", "2",
              "--log-interval", "2", "--record-memory-history", "--memory-snapshot-path", snap]
     plan = os.path.join(ctx.work, f"plan_big_{name.split()[-1]}.json")
     if ctx.big and os.path.exists(plan):
@@ -550,8 +574,12 @@ def step_allocator(ctx: Context) -> dict:
                        model_same_segments=replayed["same_segments"])
     except ValueError as exc:
         replayed = {"error": str(exc)}
+    synthetic = synthetic_numbers([f for f in flags if f not in ("--record-memory-history", "--memory-snapshot-path",
+                                                                 snap)])
+    numbers.update({k: synthetic[k] for k in ("synthetic_peak_allocated_gib", "synthetic_allocator_fraction")
+                    if k in synthetic})
     return {"numbers": numbers, "details": {**{k: v for k, v in s.items() if k != "most_requested"},
-                                            "allocator_model": replayed},
+                                            "allocator_model": replayed, "synthetic": synthetic},
             "notes": "peaks over the recorded window (the last 100,000 events); the derived fraction counts "
                      "rounding and segment tails, not the gaps between live blocks"}
 

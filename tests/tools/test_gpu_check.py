@@ -184,6 +184,8 @@ def test_allocator_step_reads_the_snapshot_keeps_its_trace_and_drops_it(tmp_path
     assert n["model"] == "GPT 1.3B" and n["peak_allocated_gib"] == round(12 / 1024, 3)
     assert n["allocator_fraction_measured"] == round(20 / 12 - 1, 4) and n["allocator_fraction_derived"] > 0
     assert n["model_same_segments"] is True and n["model_peak_reserved_gib"] == n["peak_reserved_gib"]
+    # the synthetic trace of the same run: the memory model's peak, through the allocator model
+    assert n["synthetic_peak_allocated_gib"] > 20 and 0 <= n["synthetic_allocator_fraction"] < 0.1
     kept = json.loads((tmp_path / "allocator_trace.json").read_text())
     assert kept["events"] == [[2, 20 * MiB, 64], [0, 8 * MiB, 64], [0, 4 * MiB, 64 + 8 * MiB],
                               [1, 4 * MiB, 64 + 8 * MiB]]
