@@ -18,8 +18,10 @@ YAML (bandwidths in GB/s = 1e9 bytes/s, latencies in microseconds, memory in GiB
 A group may say `nics_per_node`: its inter-node link is then one NIC of that many (DGX-style nodes: one per GPU),
 and a ring collective (a data- or tensor-parallel group) with k of its GPUs on a node moves its traffic off that
 node over nics x k / gpus_per_node of them: NCCL runs one channel per NIC and a ring leaves each node once, while
-the node's other GPUs, in groups of the same kind, use the rest. Without it the inter-node link is what any ring
-crossing nodes gets, whatever its GPUs per node.
+the node's other GPUs, in groups of the same kind, use the rest; a pipeline stage's replicas sending to the next
+stage at once share them the same way (concurrent_link). Without it the inter-node link is what any ring or
+transfer crossing nodes gets, whatever its GPUs per node (right where something per connection, not the NICs,
+limits it: BLOOM's Jean Zay, benchmarks/bloom_trials.py).
 
 A device type may state what the CUDA allowance (cuda_allowance.py) needs: `cuda_context_gb` (the CUDA context),
 `compute_capability` (cuBLAS workspace sizes follow the architecture) and `nccl_channels` (NCCL's collective
