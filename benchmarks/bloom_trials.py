@@ -14,6 +14,11 @@ with the inter-node link replaced by BigScience's own all-reduce measurement on 
 bandwidth, 4 Omni-Path links per node of 8 GPUs), since Jean Zay's network is not DGX-style: it is what each
 ring gets, whatever its GPUs per node (the data's nics_note says why it is not a node's total shared by its rings).
 
+The trials ran with CUDA_LAUNCH_BLOCKING=1 (Jean Zay hung on 40+ nodes without it; the data's setup cites where):
+every kernel launch waits for its kernel, so a unit's host time adds to its device time (--launch blocking, the
+default: the operators our runtime's units dispatch, models/op_count.py, x the host time per operator measured
+for our runtime on an H100's host, CostSettings.host_op_s; --launch async: the host ahead of the GPU, as before).
+
 A group is one day's comparison of one model (same hidden size and depth): the author's own search (one group varies
 only the global batch: it checks the pipeline bubble and is left out of the summary's searches). Reported per
 row: measured and predicted seconds per iteration and the error; per group: Spearman's rank correlation of
@@ -30,7 +35,7 @@ checkpoint per sub-layer unit, transfers beside the compute). The summary ends w
 tensor-parallel size.
 
     python benchmarks/bloom_trials.py [--group "02-25 h14336 L72"] [--engine megatron_bmw] [--flat-allowance]
-                                      [--json out.json]
+                                      [--launch async] [--json out.json]
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from megatron_bmw.planner.engine import EngineConfig  # noqa: E402
 from megatron_bmw.planner.evaluate import simulate_run, stage_capacity  # noqa: E402
 from megatron_bmw.planner.memory_model import MemorySettings  # noqa: E402
 from megatron_bmw.planner.spec import RunSpec  # noqa: E402
+from megatron_bmw.models.op_count import unit_op_counts  # noqa: E402
 from megatron_bmw.units import recompute_from_flags  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "bloom_trials.json")
@@ -146,13 +152,29 @@ def differing_factor(a: dict, b: dict) -> str | None:
     return differ[0] if len(differ) == 1 else None
 
 
+def costs_of(spec: RunSpec, engine: str, launch: str) -> CostSettings:
+    """The engine's costs; with blocking launches (CUDA_LAUNCH_BLOCKING=1, as the trials ran) the host's time per
+    operator (CostSettings.host_op_s, measured for our runtime) over the operators the model's units dispatch
+    (models/op_count.py: our runtime's GPT units, which Megatron-DeepSpeed's resemble)."""
+    if launch == "async":
+        return CostSettings(engine=EngineConfig(engine))
+    key = (spec.model.attention_backend, spec.model.hidden_dropout, spec.model.attention_dropout)
+    if key not in _OPS:
+        _OPS[key] = tuple((k, f, b) for k, (f, b) in unit_op_counts(spec.model).items())
+    return CostSettings(engine=EngineConfig(engine), launch_blocking=True, host_ops=_OPS[key])
+
+
+_OPS: dict[tuple, tuple] = {}
+
+
 def evaluate(data: dict, groups: list[str] | None = None, memory: MemorySettings = MEMORY,
-             engine: str = "deepspeed") -> dict:
-    setup, costs = data["setup"], CostSettings(engine=EngineConfig(engine))
+             engine: str = "deepspeed", launch: str = "blocking") -> dict:
+    setup = data["setup"]
     memory = replace(memory, engine=EngineConfig(engine))
     rows = [dict(r) for r in data["rows"] if groups is None or r["group"] in groups]
     for row in rows:
         spec = run_spec(row, setup)
+        costs = costs_of(spec, engine, launch)
         cluster = cluster_of(setup, row["nodes"])
         ev = simulate_run(spec, cluster, None, costs, memory, memory_over_time=False)
         row["predicted_s"] = ev.simulation.iteration_time
@@ -202,10 +224,14 @@ def main() -> int:
     parser.add_argument("--engine", choices=("deepspeed", "megatron_bmw"), default="deepspeed",
                         help="whose gradient handling and model states: DeepSpeed's, which ran the trials (default), "
                              "or our runtime's")
+    parser.add_argument("--launch", choices=("blocking", "async"), default="blocking",
+                        help="kernel launches: blocking (CUDA_LAUNCH_BLOCKING=1, as the trials ran: each unit's host "
+                             "time adds to its device time; the default) or async (the host ahead of the GPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
-        result = evaluate(load_data(args.data), args.group, FLAT if args.flat_allowance else MEMORY, args.engine)
+        result = evaluate(load_data(args.data), args.group, FLAT if args.flat_allowance else MEMORY, args.engine,
+                          args.launch)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

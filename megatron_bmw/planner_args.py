@@ -93,6 +93,12 @@ def add_planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
                        help="of the memory bandwidth, for memory-bound work")
         g.add_argument("--overlap-factor", type=float, default=None,
                        help="slowdown of overlapped DP sync (default: the profile's overlap_factor, else 1.3)")
+        g.add_argument("--cuda-launch-blocking", action="store_true",
+                       help="the run sets CUDA_LAUNCH_BLOCKING=1: each unit's host time (its operators, counted on "
+                            "this CPU, x --host-op-us) adds to its device time (analytic times only)")
+        g.add_argument("--host-op-us", type=float, default=None,
+                       help="host time per dispatched operator with --cuda-launch-blocking (default: 80, measured "
+                            "for this runtime on an H100's host)")
         g.add_argument("--timeline", default=None, help="write the simulated timeline as a PNG")
 
 
@@ -242,8 +248,19 @@ def cost_settings(args, profiles: Profiles | None = None) -> CostSettings:
     overlap = args.overlap_factor
     if overlap is None:
         overlap = (profiles.overlap_factor if profiles is not None else None) or CostSettings().overlap_factor
+    host = {}
+    if args.host_op_us is not None:
+        if not args.cuda_launch_blocking:
+            raise UsageError("--host-op-us is the host time per operator of --cuda-launch-blocking; give both")
+        host["host_op_s"] = args.host_op_us * 1e-6
+    if args.cuda_launch_blocking:
+        from .models.op_count import unit_op_counts
+
+        model = configs_from_args(argparse.Namespace(**{**vars(args), **SERIAL_FLAGS}), 1).model
+        host.update(launch_blocking=True,
+                    host_ops=tuple((k, f, b) for k, (f, b) in unit_op_counts(model).items()))
     return CostSettings(achievable_fraction=args.achievable_fraction, bandwidth_fraction=args.bandwidth_fraction,
-                        overlap_factor=overlap, engine=engine_from_args(args))
+                        overlap_factor=overlap, engine=engine_from_args(args), **host)
 
 
 def run_search(args, progress: bool | None = None):

@@ -77,7 +77,7 @@ def launch_check(small: bool) -> dict:
     from megatron_bmw.models.chunk import build_units
     from megatron_bmw.parallel.grad_sync import GradSync
     from megatron_bmw.parallel.state import ParallelState
-    from megatron_bmw.training.profiler import _batch
+    from megatron_bmw.models.chunk import synthetic_batch as _batch
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -4,6 +4,7 @@ their ends (BERT's embedding and heads, models/bert.py)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..config import ModelConfig
@@ -11,9 +12,20 @@ from ..parallel.init import ParamInit
 from ..parallel.state import ParallelState
 from ..units import unit_names
 from .bert import BertEmbedding, BertHead
+from .bert import synthetic_batch as bert_batch
 from .gpt import MLP, Attention, Embedding, Head, Unit
 
 ENDS = {"gpt": (Embedding, Head), "bert": (BertEmbedding, BertHead)}  # model type -> (embedding, head) units
+
+
+def synthetic_batch(model: ModelConfig, b: int, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A micro-batch of `b` random samples for `model`'s units (profiling and counting them)."""
+    if model.model_type == "bert":
+        return {k: v.to(device) for k, v in bert_batch(model, b, seed, pad=False).items()}
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.vocab_size, (b, model.seq_length + 1), generator=g)
+    return {"tokens": tokens[:, :-1].clone().to(device), "labels": tokens[:, 1:].clone().to(device),
+            "loss_mask": torch.ones(b, model.seq_length, device=device)}
 
 
 def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list[int] | None = None,

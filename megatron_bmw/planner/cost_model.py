@@ -52,12 +52,24 @@ from .profile_data import Profile, Profiles
 from .spec import RunSpec
 
 
+# the host's time per operator our runtime dispatches, all its host work included: on the H100 run's host (README,
+# "What has run on a GPU") an 8-layer GPT (hidden 1024, flash, micro-batch 1) was bound by the host at 26.3 and
+# 28.0 ms per micro-batch, over the 336 operators its units dispatch (models/op_count.py)
+HOST_OP_S = 80e-6
+
+
 @dataclass(frozen=True)
 class CostSettings:
     achievable_fraction: float | None = None  # of peak FLOP/s for analytic times; None: the device type's (or 0.5)
     bandwidth_fraction: float = 0.8  # of the memory bandwidth, for memory-bound work (elementwise, optimizer)
     overlap_factor: float = 1.3  # slowdown of compute and communication that overlap
     engine: EngineConfig = EngineConfig()  # whose runtime: the bytes and the collective of the gradient reduction
+    # CUDA_LAUNCH_BLOCKING=1: every kernel launch waits for the kernel, so a unit's host time (its operators x
+    # host_op_s) adds to its device time instead of running ahead of it; host_ops: (kind, forward operators,
+    # backward operators) per unit kind (models/op_count.py), without the tensor-parallel collectives
+    launch_blocking: bool = False
+    host_op_s: float = HOST_OP_S
+    host_ops: tuple[tuple[str, int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.achievable_fraction is not None and not 0 < self.achievable_fraction <= 1:
@@ -66,6 +78,27 @@ class CostSettings:
             raise UsageError(f"--bandwidth-fraction must be in (0, 1], got {self.bandwidth_fraction}")
         if self.overlap_factor < 1:
             raise UsageError(f"--overlap-factor must be >= 1, got {self.overlap_factor}")
+        if not 0 <= self.host_op_s < 0.01:
+            raise UsageError(f"--host-op-us must be in [0, 10000), got {self.host_op_s * 1e6:g}")
+        if self.launch_blocking and self.host_ops is None:
+            raise UsageError("--cuda-launch-blocking needs the units' operator counts (models/op_count.py)")
+
+    def host_time(self, kind: str, tp: int, sp: bool) -> tuple[float, float]:
+        """(forward, backward) seconds a unit's launches hold the device with blocking launches (else 0): its
+        operators, and its tensor-parallel collectives (one each way, an all-gather and a reduce-scatter with
+        sequence parallelism; the vocabulary-parallel loss's three reductions forward)."""
+        if not self.launch_blocking:
+            return 0.0, 0.0
+        ops = {k: (f, b) for k, f, b in self.host_ops}
+        if kind not in ops:
+            raise UsageError(f"--cuda-launch-blocking: no operator count for {kind} units")
+        f, b = ops[kind]
+        if tp > 1:
+            extra = {"attention": (1, 1), "mlp": (1, 1), "embedding": (1, 0), "head": (3, 1)}[kind]
+            if sp and kind in ("attention", "mlp"):
+                extra = (2, 2)
+            f, b = f + extra[0], b + extra[1]
+        return f * self.host_op_s, b * self.host_op_s
 
     def fraction(self, device: DeviceType) -> float:
         """Achievable share of `device`'s peak FLOP/s: the setting, else the device type's, else 0.5."""
@@ -122,6 +155,9 @@ class CostModel:
         if isinstance(profiles, Profile):
             profiles = Profiles([profiles])
         self.spec, self.cluster, self.profiles, self.settings = spec, cluster, profiles or Profiles(), settings
+        if settings.launch_blocking and self.profiles:
+            raise UsageError("--cuda-launch-blocking models blocking launches on analytic unit times; a profile's "
+                             "times are what its run did: profile with CUDA_LAUNCH_BLOCKING=1 set instead")
         self.dtype = spec.model.params_dtype
         self.layout = spec.rank_layout()
         p = spec.pp
@@ -280,7 +316,8 @@ class CostModel:
                 moved = moved[0], moved[1] + unit_param_count(kind, model, tp, own) * accumulate
             rate = device.memory_bandwidth * self.settings.bandwidth_fraction
             fwd, bwd = fwd + moved[0] / rate, bwd + moved[1] / rate
-        return fwd, bwd
+        host = self.settings.host_time(kind, tp, self.spec.sp)
+        return fwd + host[0], bwd + host[1]
 
     def kernel_device(self, device: DeviceType) -> KernelDevice | None:
         """The kernel model's view of `device` (None where the cluster file gives no SM count)."""

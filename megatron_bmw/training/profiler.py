@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, ParallelConfig, PipelineConfig
+from ..models.chunk import synthetic_batch as _batch
 from ..device import choose_backend, ping_pong, set_device, synchronize, timed
 from ..planner.analytic import ProfileSettings
 from ..planner.memory_model import UNIT_KINDS
@@ -36,17 +37,6 @@ if TYPE_CHECKING:
     from ..parallel.state import ParallelState
 
 _UNIT_OF_KIND = {"embedding": "embedding", "attention": "attn_0", "mlp": "mlp_0", "head": "head"}
-
-
-def _batch(model: ModelConfig, b: int, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    if model.model_type == "bert":
-        from ..models.bert import synthetic_batch
-
-        return {k: v.to(device) for k, v in synthetic_batch(model, b, seed, pad=False).items()}
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, model.vocab_size, (b, model.seq_length + 1), generator=g)
-    return {"tokens": tokens[:, :-1].clone().to(device), "labels": tokens[:, 1:].clone().to(device),
-            "loss_mask": torch.ones(b, model.seq_length, device=device)}
 
 
 def _stat(values: list[float], statistic: str) -> float:

@@ -34,6 +34,20 @@ def test_a_group_evaluates():
     assert result["pairs"]["attention heads"][1] == 1
 
 
+def test_blocking_launches_charge_the_host_per_micro_batch():
+    """The trials ran with CUDA_LAUNCH_BLOCKING=1: each unit's host time adds to its device time, so more, smaller
+    micro-batches cost more per sample, and most at tp 8 (line 607: micro-batch 1, 609: 4)."""
+    data = load_data()
+    assert data["setup"]["kernel_launches"]["blocking"] is True
+    group = ["02-21 h14336 L72"]
+    held, ahead = evaluate(data, group), evaluate(data, group, launch="async")
+    by_line = {r["line"]: r for r in held["rows"]}
+    async_line = {r["line"]: r for r in ahead["rows"]}
+    added = {line: by_line[line]["predicted_s"] - async_line[line]["predicted_s"] for line in by_line}
+    assert all(x > 0 for x in added.values())
+    assert added[607] > 2 * added[609]  # four times the micro-batches, each with the same operators
+
+
 def test_a_bad_row_is_a_usage_error(tmp_path):
     data = load_data()
     data["rows"][0]["dp"] += 1

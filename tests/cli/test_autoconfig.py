@@ -60,6 +60,14 @@ def test_simulate_json_and_timeline(capsys, tmp_path):
     assert png.exists() and png.stat().st_size > 1000
 
 
+def test_blocking_launches_slow_the_simulation(capsys):
+    argv = ["simulate", "--cluster", "a100-40g-ib", *MODEL, "--global-batch-size", "8", "--world-size", "1", "--json"]
+    plain = _json(capsys, argv)["iteration_time_s"]
+    held = _json(capsys, argv + ["--cuda-launch-blocking"])["iteration_time_s"]
+    slower = _json(capsys, argv + ["--cuda-launch-blocking", "--host-op-us", "200"])["iteration_time_s"]
+    assert plain < held < slower  # a tiny model: its units' host time dominates
+
+
 def test_interleaved_and_gpipe(capsys):
     big = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
            "--micro-batch-size", "2"]  # compute, not link latency, dominates
@@ -128,6 +136,8 @@ def test_analytic_profile(capsys, tmp_path):
     (["search", "--global-batch-size", "8"], "--cluster local: this machine has not been measured; run"),
     (["simulate", "--cluster", "local"], "add --profile prof.json"),
     (["estimate"], "--cluster local: this machine has not been measured"),
+    (["simulate", "--cluster", "a100-80g-ib", "--host-op-us", "50"], "give both"),
+    (["simulate", "--cluster", "a100-80g-ib", "--cuda-launch-blocking", "--host-op-us", "-1"], "--host-op-us must"),
 ])
 def test_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as err:

@@ -96,6 +96,30 @@ def test_analytic_unit_times():
     assert plain_b < sel_b < plain_b + plain_f
 
 
+def test_blocking_launches_add_each_units_host_time():
+    """CUDA_LAUNCH_BLOCKING=1: a unit's operators x the host time per operator add to its device time, with its
+    tensor-parallel collectives; recomputation repeats them; nothing changes without it."""
+    cluster = load_cluster("a100-80g-ib")
+    ops = (("embedding", 8, 4), ("attention", 21, 25), ("mlp", 10, 11), ("head", 21, 12))
+    blocking = CostSettings(launch_blocking=True, host_ops=ops, host_op_s=50e-6)
+    device = cluster.device(0)
+    for tp, sp, extra in ((1, False, (0, 0)), (2, False, (1, 1)), (2, True, (2, 2))):
+        spec = _spec(tp=tp, sequence_parallel=sp)
+        plain = CostModel(spec, cluster).unit_times("attention", None, device, 0)
+        held = CostModel(spec, cluster, settings=blocking).unit_times("attention", None, device, 0)
+        assert held[0] == pytest.approx(plain[0] + (21 + extra[0]) * 50e-6)
+        assert held[1] == pytest.approx(plain[1] + (25 + extra[1]) * 50e-6)
+    full = CostModel(_spec(), cluster, settings=blocking).unit_times("mlp", "full", device, 0)
+    assert full[1] == pytest.approx(CostModel(_spec(), cluster).unit_times("mlp", "full", device, 0)[1]
+                                    + (10 + 11) * 50e-6)  # the forward's operators again
+    with pytest.raises(UsageError, match="operator counts"):
+        CostSettings(launch_blocking=True)
+    profile = Profile(device={"name": "local", "kind": "cpu"}, dtype="fp32", model=model_signature(MODEL),
+                      units=[UnitTiming(k, 1, 2, 1e-3, 2e-3, 0) for k in ("embedding", "attention", "mlp", "head")])
+    with pytest.raises(UsageError, match="CUDA_LAUNCH_BLOCKING=1"):
+        CostModel(_spec(), cluster, profile, blocking)
+
+
 def test_heterogeneous_stages_scale_with_peak():
     data = {"device_types": {"fast": {"memory_gb": 16, "peak_tflops": {"fp32": 20}},
                              "slow": {"memory_gb": 16, "peak_tflops": {"fp32": 10}}},
