@@ -97,8 +97,9 @@ def add_planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
                        help="the run sets CUDA_LAUNCH_BLOCKING=1: each unit's host time (its operators, counted on "
                             "this CPU, x --host-op-us) adds to its device time (analytic times only)")
         g.add_argument("--host-op-us", type=float, default=None,
-                       help="host time per dispatched operator with --cuda-launch-blocking (default: 80, measured "
-                            "for this runtime on an H100's host)")
+                       help="host time per dispatched operator (default: 80, measured for this runtime on an "
+                            "H100's host): our runtime's analytic units take at least their host time, and with "
+                            "--cuda-launch-blocking any engine's add it")
         g.add_argument("--timeline", default=None, help="write the simulated timeline as a PNG")
 
 
@@ -248,19 +249,23 @@ def cost_settings(args, profiles: Profiles | None = None) -> CostSettings:
     overlap = args.overlap_factor
     if overlap is None:
         overlap = (profiles.overlap_factor if profiles is not None else None) or CostSettings().overlap_factor
+    engine = engine_from_args(args)
     host = {}
     if args.host_op_us is not None:
-        if not args.cuda_launch_blocking:
-            raise UsageError("--host-op-us is the host time per operator of --cuda-launch-blocking; give both")
         host["host_op_s"] = args.host_op_us * 1e-6
-    if args.cuda_launch_blocking:
+    # the host's time per operator is measured for our runtime: its analytic unit times take at least it (or,
+    # with blocking launches, add it); other engines' hosts are not measured, so only where asked for
+    if args.cuda_launch_blocking or (engine.name == OURS and not profiles):
         from .models.op_count import unit_op_counts
 
         model = configs_from_args(argparse.Namespace(**{**vars(args), **SERIAL_FLAGS}), 1).model
-        host.update(launch_blocking=True,
+        host.update(launch_blocking=args.cuda_launch_blocking,
                     host_ops=tuple((k, f, b) for k, (f, b) in unit_op_counts(model).items()))
+    elif args.host_op_us is not None:
+        raise UsageError(f"--host-op-us: engine {engine.name}'s host is not modelled (our runtime's is, and any "
+                         "engine's with --cuda-launch-blocking)")
     return CostSettings(achievable_fraction=args.achievable_fraction, bandwidth_fraction=args.bandwidth_fraction,
-                        overlap_factor=overlap, engine=engine_from_args(args), **host)
+                        overlap_factor=overlap, engine=engine, **host)
 
 
 def run_search(args, progress: bool | None = None):

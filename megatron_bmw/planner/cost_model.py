@@ -64,9 +64,9 @@ class CostSettings:
     bandwidth_fraction: float = 0.8  # of the memory bandwidth, for memory-bound work (elementwise, optimizer)
     overlap_factor: float = 1.3  # slowdown of compute and communication that overlap
     engine: EngineConfig = EngineConfig()  # whose runtime: the bytes and the collective of the gradient reduction
-    # CUDA_LAUNCH_BLOCKING=1: every kernel launch waits for the kernel, so a unit's host time (its operators x
-    # host_op_s) adds to its device time instead of running ahead of it; host_ops: (kind, forward operators,
-    # backward operators) per unit kind (models/op_count.py), without the tensor-parallel collectives
+    # host_ops: (kind, forward operators, backward operators) per unit kind (models/op_count.py), without the
+    # tensor-parallel collectives; with them an analytic unit takes at least its host time (operators x host_op_s),
+    # and with launch_blocking (CUDA_LAUNCH_BLOCKING=1: every launch waits for its kernel) the host time adds
     launch_blocking: bool = False
     host_op_s: float = HOST_OP_S
     host_ops: tuple[tuple[str, int, int], ...] | None = None
@@ -84,10 +84,10 @@ class CostSettings:
             raise UsageError("--cuda-launch-blocking needs the units' operator counts (models/op_count.py)")
 
     def host_time(self, kind: str, tp: int, sp: bool) -> tuple[float, float]:
-        """(forward, backward) seconds a unit's launches hold the device with blocking launches (else 0): its
-        operators, and its tensor-parallel collectives (one each way, an all-gather and a reduce-scatter with
-        sequence parallelism; the vocabulary-parallel loss's three reductions forward)."""
-        if not self.launch_blocking:
+        """(forward, backward) seconds of a unit's host work (0 without operator counts): its operators, and its
+        tensor-parallel collectives (one each way, an all-gather and a reduce-scatter with sequence parallelism;
+        the vocabulary-parallel loss's three reductions forward), at host_op_s each."""
+        if self.host_ops is None:
             return 0.0, 0.0
         ops = {k: (f, b) for k, f, b in self.host_ops}
         if kind not in ops:
@@ -316,8 +316,10 @@ class CostModel:
                 moved = moved[0], moved[1] + unit_param_count(kind, model, tp, own) * accumulate
             rate = device.memory_bandwidth * self.settings.bandwidth_fraction
             fwd, bwd = fwd + moved[0] / rate, bwd + moved[1] / rate
-        host = self.settings.host_time(kind, tp, self.spec.sp)
-        return fwd + host[0], bwd + host[1]
+        if self.settings.launch_blocking:  # the launches wait for the kernels: the host's time adds
+            host = self.settings.host_time(kind, tp, self.spec.sp)
+            fwd, bwd = fwd + host[0], bwd + host[1]
+        return fwd, bwd
 
     def kernel_device(self, device: DeviceType) -> KernelDevice | None:
         """The kernel model's view of `device` (None where the cluster file gives no SM count)."""
@@ -442,6 +444,11 @@ class CostModel:
         if not comm_in:  # gloo's reduction burns CPU: the bandwidth term is work, the latency waiting
             (a, b), (c, d) = self.tp_comm_parts(kind, stage)
             fw, fl, bw, bl = fw + a, fl + b, bw + c, bl + d
+        if self.settings.host_ops is not None and not self.settings.launch_blocking and not self.profiles:
+            # launches run ahead of the GPU, but no faster than the host issues them: a unit takes at least its
+            # host time (a profile's wall times hold it already)
+            hf, hb = self.settings.host_time(kind, self.spec.tp, self.spec.sp)
+            fw, bw = fw + max(0.0, hf - fw - fl), bw + max(0.0, hb - bw - bl)
         if recompute == "full":
             bw, bl = bw + fw, bl + fl
         elif recompute == "selective" and kind == "attention":

@@ -62,10 +62,13 @@ def test_simulate_json_and_timeline(capsys, tmp_path):
 
 def test_blocking_launches_slow_the_simulation(capsys):
     argv = ["simulate", "--cluster", "a100-40g-ib", *MODEL, "--global-batch-size", "8", "--world-size", "1", "--json"]
-    plain = _json(capsys, argv)["iteration_time_s"]
+    device = _json(capsys, argv + ["--host-op-us", "0"])["iteration_time_s"]
+    ahead = _json(capsys, argv)["iteration_time_s"]  # our runtime: a unit takes at least its host time
     held = _json(capsys, argv + ["--cuda-launch-blocking"])["iteration_time_s"]
     slower = _json(capsys, argv + ["--cuda-launch-blocking", "--host-op-us", "200"])["iteration_time_s"]
-    assert plain < held < slower  # a tiny model: its units' host time dominates
+    assert device < ahead < held < slower  # a tiny model: its units' host time dominates
+    other = _json(capsys, argv + ["--engine", "megatron-core"])["iteration_time_s"]
+    assert other < ahead  # another engine's host is not modelled
 
 
 def test_interleaved_and_gpipe(capsys):
@@ -136,7 +139,8 @@ def test_analytic_profile(capsys, tmp_path):
     (["search", "--global-batch-size", "8"], "--cluster local: this machine has not been measured; run"),
     (["simulate", "--cluster", "local"], "add --profile prof.json"),
     (["estimate"], "--cluster local: this machine has not been measured"),
-    (["simulate", "--cluster", "a100-80g-ib", "--host-op-us", "50"], "give both"),
+    (["simulate", "--cluster", "a100-80g-ib", "--engine", "megatron-core", "--host-op-us", "50"],
+     "--host-op-us: engine megatron-core's host is not modelled"),
     (["simulate", "--cluster", "a100-80g-ib", "--cuda-launch-blocking", "--host-op-us", "-1"], "--host-op-us must"),
 ])
 def test_usage_errors(capsys, argv, message):

@@ -114,6 +114,14 @@ def test_blocking_launches_add_each_units_host_time():
                                     + (10 + 11) * 50e-6)  # the forward's operators again
     with pytest.raises(UsageError, match="operator counts"):
         CostSettings(launch_blocking=True)
+    # launches running ahead: a unit takes at least its host time, never less than its device time
+    ahead = CostSettings(host_ops=ops, host_op_s=50e-6)
+    for host_s, bound in ((50e-6, "host"), (1e-9, "device")):
+        got = CostModel(_spec(), cluster, settings=replace(ahead, host_op_s=host_s)).unit_times("attention", None,
+                                                                                                device, 0)
+        plain = CostModel(_spec(), cluster).unit_times("attention", None, device, 0)
+        want = (max(plain[0], 21 * host_s), max(plain[1], 25 * host_s))
+        assert got == pytest.approx(want) and (got[0] > plain[0]) == (bound == "host")
     profile = Profile(device={"name": "local", "kind": "cpu"}, dtype="fp32", model=model_signature(MODEL),
                       units=[UnitTiming(k, 1, 2, 1e-3, 2e-3, 0) for k in ("embedding", "attention", "mlp", "head")])
     with pytest.raises(UsageError, match="CUDA_LAUNCH_BLOCKING=1"):
