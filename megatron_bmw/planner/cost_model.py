@@ -444,9 +444,10 @@ class CostModel:
         if not comm_in:  # gloo's reduction burns CPU: the bandwidth term is work, the latency waiting
             (a, b), (c, d) = self.tp_comm_parts(kind, stage)
             fw, fl, bw, bl = fw + a, fl + b, bw + c, bl + d
-        if self.settings.host_ops is not None and not self.settings.launch_blocking and not self.profiles:
-            # launches run ahead of the GPU, but no faster than the host issues them: a unit takes at least its
-            # host time (a profile's wall times hold it already)
+        if (self.settings.host_ops is not None and not self.settings.launch_blocking and not self.profiles
+                and device.sm_count is not None):
+            # launches run ahead of the GPU (a device type with SMs), but no faster than the host issues them: a
+            # unit takes at least its host time (a profile's wall times hold it already)
             hf, hb = self.settings.host_time(kind, self.spec.tp, self.spec.sp)
             fw, bw = fw + max(0.0, hf - fw - fl), bw + max(0.0, hb - bw - bl)
         if recompute == "full":
