@@ -275,6 +275,8 @@ def step_launch(ctx: Context) -> dict:
     numbers = {f"{mbs}_{k.replace('_over_stream', '')}": v for mbs, r in out["results"].items()
                for k, v in r.items() if k.endswith("_over_stream")}
     numbers.update({f"{mbs}_stream_ms": r["stream_ms"] for mbs, r in out["results"].items()})
+    numbers.update({f"{mbs}_host_us_per_op": r["host_us_per_op_if_host_bound"] for mbs, r in out["results"].items()
+                    if "host_us_per_op_if_host_bound" in r})
     return {"numbers": numbers, "details": out, "notes": out["notes"]}
 
 

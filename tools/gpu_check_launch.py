@@ -9,6 +9,8 @@ inside, so the next GPU session can see which per-unit figure the planner should
   span           CUDA events around the call, the device idle at the start
   covered_host   the call's wall time with a sleep kernel queued ahead (the device busy meanwhile)
   covered_device CUDA events around the call behind that sleep: the kernels back to back
+and, on a GPU, host_floor: the planner's model of our runtime (each unit max(covered_device, its operators x
+HOST_OP_S)); host_us_per_op_if_host_bound is the stream's time over the operators of a micro-batch.
 Per micro-batch size the step reports each method's micro-batch sum (embedding + layers x (attention + MLP) + head,
 forward and backward) over the stream's measured time per micro-batch. CPU: sync and host only.
 """
@@ -78,6 +80,7 @@ def launch_check(small: bool) -> dict:
     from megatron_bmw.parallel.grad_sync import GradSync
     from megatron_bmw.parallel.state import ParallelState
     from megatron_bmw.models.chunk import synthetic_batch as _batch
+    from megatron_bmw.models.op_count import unit_op_counts
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -100,6 +103,8 @@ def launch_check(small: bool) -> dict:
         return torch.randn(cfg.seq_length, b, cfg.hidden_size, dtype=cfg.torch_dtype, device=device,
                            requires_grad=True)
 
+    ops = unit_op_counts(cfg)
+    per_microbatch_ops = sum(ops["embedding"]) + layers * (sum(ops["attention"]) + sum(ops["mlp"])) + sum(ops["head"])
     results = {}
     for b in ((1, 2) if small else (1, 2, 4)):
         batch = _batch(cfg, b, device)
@@ -123,8 +128,12 @@ def launch_check(small: bool) -> dict:
             if all(p is not None for p in parts):
                 per = {k: phases[k][f"{method}_f"] + phases[k][f"{method}_b"] for k in phases}
                 sums[method] = per["embedding"] + layers * (per["attention"] + per["mlp"]) + per["head"]
+        floor = _host_floor(phases, ops, layers)
+        if floor is not None:  # the planner's model: each unit max(its kernels back to back, its host time)
+            sums["host_floor"] = floor
         stream = _stream_seconds(units, layers, batch, timer, warmup, repeats, backward)
         results[f"mbs{b}"] = {"stream_ms": round(stream * 1e3, 3),
+                              "host_us_per_op_if_host_bound": round(stream / per_microbatch_ops * 1e6, 1),
                               **{f"{m}_over_stream": round(v / stream, 3) for m, v in sums.items()},
                               "units_ms": {k: {m: round(v * 1e3, 4) for m, v in ph.items() if v is not None}
                                            for k, ph in phases.items()}}
@@ -133,6 +142,20 @@ def launch_check(small: bool) -> dict:
             "seq": cfg.seq_length, "results": results,
             "notes": "sum of each per-unit timing over one micro-batch, over a stream of micro-batches through the "
                      "stack unsynchronised (1.0: the planner's sum is right)" + ("" if cuda else "; CPU run")}
+
+
+def _host_floor(phases: dict, ops: dict, layers: int) -> float | None:
+    """One micro-batch as the planner times our runtime's analytic units on a GPU (planner/cost_model.py): each
+    unit's phase takes max(its kernels back to back, its operators x HOST_OP_S); None without device timings."""
+    from megatron_bmw.planner.cost_model import HOST_OP_S
+
+    per = {}
+    for kind, ph in phases.items():
+        device = (ph.get("covered_device_f"), ph.get("covered_device_b"))
+        if None in device:
+            return None
+        per[kind] = sum(max(d, n * HOST_OP_S) for d, n in zip(device, ops[kind]))
+    return per["embedding"] + layers * (per["attention"] + per["mlp"]) + per["head"]
 
 
 def _stream_seconds(units, layers: int, batch, timer: _Timer, warmup: int, repeats: int, backward) -> float:

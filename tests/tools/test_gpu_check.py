@@ -57,7 +57,7 @@ def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     assert peer["numbers"]["model"] == "GPT tiny" and peer["numbers"]["ours_over_mcore_time"] > 0
     launch = steps["launch"]  # the CPU times two ways (sync, host); both summed against the unit stream
     assert launch["status"] == "ok", launch
-    assert {"mbs1_sync", "mbs1_host", "mbs2_sync", "mbs2_stream_ms"} <= set(launch["numbers"])
+    assert {"mbs1_sync", "mbs1_host", "mbs2_sync", "mbs2_stream_ms", "mbs1_host_us_per_op"} <= set(launch["numbers"])
     assert launch["numbers"]["mbs2_stream_ms"] > 0 and "mbs1_span" not in launch["numbers"]
     allowance = steps["allowance"]  # no planner step ran: its own profile, derived terms only on the CPU
     assert allowance["status"] == "ok", allowance
@@ -190,3 +190,17 @@ def test_allocator_step_reads_the_snapshot_keeps_its_trace_and_drops_it(tmp_path
     assert kept["events"] == [[2, 20 * MiB, 64], [0, 8 * MiB, 64], [0, 4 * MiB, 64 + 8 * MiB],
                               [1, 4 * MiB, 64 + 8 * MiB]]
     assert not (tmp_path / "snapshot.pickle").exists()  # too large for the logs
+
+
+def test_launch_steps_host_floor_is_the_planners_model():
+    from tools.gpu_check_launch import _host_floor
+    from megatron_bmw.planner.cost_model import HOST_OP_S
+
+    ops = {"embedding": (2, 1), "attention": (10, 20), "mlp": (5, 5), "head": (4, 4)}
+    device = {"embedding": (1e-6, 1e-6), "attention": (1.0, 1.0), "mlp": (1e-6, 1e-6), "head": (1e-6, 1e-6)}
+    phases = {k: {"covered_device_f": f, "covered_device_b": b} for k, (f, b) in device.items()}
+    got = _host_floor(phases, ops, layers=3)
+    host = {k: (f * HOST_OP_S, b * HOST_OP_S) for k, (f, b) in ops.items()}
+    want = sum(host["embedding"]) + 3 * (2.0 + sum(host["mlp"])) + sum(host["head"])  # attention: device-bound
+    assert got == pytest.approx(want)
+    assert _host_floor({**phases, "mlp": {"covered_device_f": None, "covered_device_b": 1.0}}, ops, 3) is None
