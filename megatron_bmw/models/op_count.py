@@ -1,6 +1,7 @@
-"""How many operators the runtime dispatches in each unit's forward and backward: the host's share of a unit's
-time where every kernel launch waits for the kernel (CUDA_LAUNCH_BLOCKING=1), which the planner adds to the
-device time (planner/cost_model.py, CostSettings.launch_blocking).
+"""How many operators the runtime dispatches in each unit's forward and backward: times the host's time per
+operator, a unit's host time, which the planner takes as the least an analytic unit of our runtime on a GPU costs,
+and adds to any unit's device time where every kernel launch waits for the kernel (CUDA_LAUNCH_BLOCKING=1)
+(planner/cost_model.py, CostSettings.host_ops and launch_blocking).
 
 The units of one layer of `model` are built small on the CPU (hidden 64, sequence 32, vocabulary 256, at most 4
 heads: the same modules and code paths, so the same operators) and run once forward and once backward under a

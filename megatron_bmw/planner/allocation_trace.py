@@ -26,7 +26,7 @@ from ..errors import UsageError
 from ..pipeline.build import build_schedule
 from ..pipeline.schedule import Kind
 from ..units import owns_output_weight, unit_kind, unit_names
-from .caching_allocator import ALLOC, FREE, CachingAllocator
+from .caching_allocator import ALLOC, FREE, replay
 from .engine import OURS
 from .memory_model import (MemorySettings, chunk_unit_indices, precision_from, unit_saved_tensors,
                            unit_transient_bytes)
@@ -149,13 +149,7 @@ def synthetic_allocator(spec: RunSpec, rank: int = 0, settings: MemorySettings =
                         iterations: int = 2) -> dict:
     """The caching-allocator model run on `rank_trace`: peak allocated, peak reserved, the peak of segments that
     hold a live block (what must fit), and that over the allocated peak less one: the allocator's overhead."""
-    allocator = CachingAllocator()
-    live = {}
-    for code, size, addr in rank_trace(spec, rank, settings, iterations):
-        if code == ALLOC:
-            live[addr] = allocator.malloc(size)
-        else:
-            allocator.free(live.pop(addr))
-    return {"peak_allocated": allocator.peak_allocated, "peak_reserved": allocator.peak_reserved,
-            "pinned_peak": allocator.pinned_peak, "segments": len(allocator.segments),
-            "allocator_fraction": allocator.pinned_peak / allocator.peak_allocated - 1}
+    got = replay(rank_trace(spec, rank, settings, iterations))
+    return {"peak_allocated": got["model_peak_allocated"], "peak_reserved": got["model_peak_reserved"],
+            "pinned_peak": got["model_pinned_peak"], "segments": got["model_segments"],
+            "allocator_fraction": got["model_pinned_peak"] / got["model_peak_allocated"] - 1}
