@@ -9,6 +9,13 @@ per-GPU teraFLOP/s (with the MFU it makes of the H100's 989 bf16 TFLOP/s, so bf1
 (Megatron-LM's num_floating_point_operations of that commit: 72 B s L h^2 (1 + s/6h + V/12Lh) for this GPT)
 over its teraFLOP/s x GPUs.
 
+The same README strong-scales the table's 177B GPT (GPT-3 with the larger vocabulary) at global batch 1152 from
+96 to 4608 H100s and states the MFU of the ends in its text: "a reduction in MFU from 47% to 42%"
+(images/strong_scaling.png plots the points between, which are not read off here). The layout is not stated; the
+177B row's tp 8 x pp 6 gives both GPU counts (dp 2 and 96), so it is taken. The MFU is rounded to a per cent
+(+-1.1% in time). At 96 GPUs each replica runs 576 micro-batches, so the pipeline bubble and the data-parallel
+reduction hardly count: that row checks the layer time itself.
+
 Not published, so stated here: the micro-batch size, interleaving and recomputation. Two predictions per row:
   - as stated: micro-batch 1, 1F1B, no recomputation (the least the table implies);
   - tuned: the planner's own choice of micro-batch, schedule (1F1B or interleaved) and recomputation on the
@@ -18,7 +25,7 @@ bf16; gradient accumulation fused into the weight-gradient GEMM; flash attention
 GEMMs) on the h100-80g-ib cluster (DGX H100: NVLink 4, a 400 Gb/s NIC per GPU). Analytic unit times (no H100
 here to profile). Nothing here is fitted to the table.
 
-    python benchmarks/megatron_core_scaling.py [--rows 1.7B,177B] [--no-tuned] [--json out.json]
+    python benchmarks/megatron_core_scaling.py [--rows 1.7B,177B,177B@96] [--no-tuned] [--json out.json]
 """
 
 from __future__ import annotations
@@ -60,8 +67,16 @@ TABLE = [
     ("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4),
     ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9),
 ]
+# strong scaling of the 177B row: GPUs, data-parallel size, the MFU stated in the README's text
+STRONG = [(96, 2, 47), (4608, 96, 42)]
 MEMORY = MemorySettings(device="cuda", engine=EngineConfig("megatron-core"),
                         derived=DerivedAllowance((load_cluster(CLUSTER).groups[0].device,)))
+
+
+def strong_rows() -> list[tuple]:
+    """The strong-scaling ends as rows of TABLE's shape (teraFLOP/s from the stated MFU)."""
+    base = next(r for r in TABLE if r[0] == "177B")
+    return [(f"177B@{gpus}", *base[1:6], dp, gpus, base[8], mfu / 100 * PEAK / 1e12) for gpus, dp, mfu in STRONG]
 
 
 def megatron_flops(batch: int, layers: int, hidden: int) -> float:
@@ -120,38 +135,50 @@ def error(pred: float | None, measured: float) -> float | None:
     return None if pred is None else pred / measured - 1
 
 
+def run_block(title: str, rows: list[tuple], tuned: bool) -> list[dict]:
+    """Run and print `rows` under `title`, with the median errors of the stated and the tuned plans."""
+    print(f"{title}\n{'model':>9} {'tp':>2} {'pp':>2} {'dp':>2} {'GPUs':>4} {'batch':>5} | {'measured':>8} | "
+          f"{'stated':>7} {'error':>6} {'fits':>4} | {'tuned':>7} {'error':>6} {'plan':<24} {'cpu s':>5}")
+    results = []
+    for row in rows:
+        r = run_row(row, tuned)
+        results.append(r)
+        e1, e2 = error(r["stated_s"], r["measured_s"]), error(r.get("tuned_s"), r["measured_s"])
+        picked = (f"{r['tuned_s']:7.3f} {100 * e2:+5.1f}% {r['tuned_plan']:<24} {r['search_cpu_s']:5.1f}"
+                  if e2 is not None else f"{'-':>7} {'':>6} {'none fits' if tuned else '(no search)':<24}")
+        print(f"{r['model']:>9} {r['tp']:>2} {r['pp']:>2} {r['dp']:>2} {r['gpus']:>4} {r['global_batch']:>5} | "
+              f"{r['measured_s']:8.3f} | {r['stated_s']:7.3f} {100 * e1:+5.1f}% {'yes' if r['stated_fits'] else 'NO':>4}"
+              f" | {picked}", flush=True)
+    for key, label in (("stated_s", "as stated (mbs 1, 1F1B, no recomputation)"), ("tuned_s", "tuned")):
+        errs = [error(r[key], r["measured_s"]) for r in results if r.get(key) is not None]
+        if errs:
+            print(f"{label}: median |error| {100 * statistics.median(abs(e) for e in errs):.1f}%, median signed "
+                  f"{100 * statistics.median(errs):+.1f}% over {len(errs)} rows")
+    print()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=None, help="the models to run, e.g. 1.7B,177B (default: all)")
     parser.add_argument("--no-tuned", action="store_true", help="only the stated plans (no search)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    rows = TABLE
+    every = TABLE + strong_rows()
+    rows = every
     if args.rows is not None:
         names = [x.strip() for x in args.rows.split(",") if x.strip()]
-        unknown = [x for x in names if x not in {r[0] for r in TABLE}]
+        unknown = [x for x in names if x not in {r[0] for r in every}]
         if unknown or not names:
             print(f"error: --rows: unknown model {', '.join(unknown) or args.rows!r} "
-                  f"(one of {', '.join(r[0] for r in TABLE)})", file=sys.stderr)
+                  f"(one of {', '.join(r[0] for r in every)})", file=sys.stderr)
             return 2
-        rows = [r for r in TABLE if r[0] in names]
-    print(f"{'model':>5} {'tp':>2} {'pp':>2} {'dp':>2} {'GPUs':>4} {'batch':>5} | {'measured':>8} | {'stated':>7} "
-          f"{'error':>6} {'fits':>4} | {'tuned':>7} {'error':>6} {'plan':<24} {'cpu s':>5}")
+        rows = [r for r in every if r[0] in names]
     results = []
-    for row in rows:
-        r = run_row(row, not args.no_tuned)
-        results.append(r)
-        e1, e2 = error(r["stated_s"], r["measured_s"]), error(r.get("tuned_s"), r["measured_s"])
-        tuned = (f"{r['tuned_s']:7.3f} {100 * e2:+5.1f}% {r['tuned_plan']:<24} {r['search_cpu_s']:5.1f}"
-                 if e2 is not None else f"{'-':>7} {'':>6} {'(no search)' if args.no_tuned else 'none fits':<24}")
-        print(f"{r['model']:>5} {r['tp']:>2} {r['pp']:>2} {r['dp']:>2} {r['gpus']:>4} {r['global_batch']:>5} | "
-              f"{r['measured_s']:8.3f} | {r['stated_s']:7.3f} {100 * e1:+5.1f}% {'yes' if r['stated_fits'] else 'NO':>4}"
-              f" | {tuned}", flush=True)
-    for key, label in (("stated_s", "as stated (mbs 1, 1F1B, no recomputation)"), ("tuned_s", "tuned")):
-        errs = [error(r[key], r["measured_s"]) for r in results if r.get(key) is not None]
-        if errs:
-            print(f"{label}: median |error| {100 * statistics.median(abs(e) for e in errs):.1f}%, median signed "
-                  f"{100 * statistics.median(errs):+.1f}% over {len(errs)} rows")
+    for title, block in (("weak scaling (the README's table)", [r for r in rows if r in TABLE]),
+                         ("strong scaling of 177B at batch 1152 (the README's text)", [r for r in rows if r not in TABLE])):
+        if block:
+            results += run_block(title, block, not args.no_tuned)
     print("measured: the table's FLOPs over its teraFLOP/s x GPUs (s per iteration); error: predicted / measured - 1")
     if args.json:
         try:

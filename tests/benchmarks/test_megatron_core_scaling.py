@@ -36,3 +36,15 @@ def test_bad_rows_are_one_line(capsys):
     assert bench.main(["--rows", "3B"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--rows" in err[0] and "3B" in err[0]
+
+
+def test_strong_scaling_ends_are_the_177b_row_at_other_data_parallel_sizes():
+    base = next(r for r in bench.TABLE if r[0] == "177B")
+    ends = bench.strong_rows()
+    assert [r[0] for r in ends] == ["177B@96", "177B@4608"]
+    for row, mfu in zip(ends, (47, 42)):
+        assert row[1:6] == base[1:6] and row[8] == base[8]  # model, tp, pp and global batch of the 177B row
+        assert row[4] * row[5] * row[6] == row[7]
+        assert round(100 * row[9] * 1e12 / bench.PEAK) == mfu
+    # the row in the table lies between the two ends in scale and in MFU
+    assert ends[0][7] < base[7] < ends[1][7] and ends[1][9] < base[9] < ends[0][9]
