@@ -810,7 +810,12 @@ def apply_plan(args: argparse.Namespace, argv: list[str], parser: argparse.Argum
     if not plan.engine.runs_here:
         raise UsageError(f"--plan {args.plan}: planned for engine {plan.engine.describe()}, which this runtime is "
                          "not (megatron_bmw, fp32 main gradients); plan again with --engine megatron_bmw")
-    given = given_flags(argv, parser or build_parser())
+    check_flags_against_plan(args, given_flags(argv, parser or build_parser()), plan)
+    return plan
+
+
+def check_flags_against_plan(args: argparse.Namespace, given: dict[str, str], plan) -> None:
+    """A flag given beside --plan (`given`: dest -> option string) that disagrees with the plan is an error."""
     for dest in _RECOMPUTE_FLAGS:
         if dest in given:
             raise UsageError(f"{given[dest]}: --plan {args.plan} sets the pipeline and every unit's recomputation; "
@@ -824,4 +829,3 @@ def apply_plan(args: argparse.Namespace, argv: list[str], parser: argparse.Argum
             shown = "" if isinstance(value, bool) else f" {mine}"
             raise UsageError(f"{given[dest]}{shown} disagrees with --plan {args.plan} "
                              f"({'on' if value is True else 'off' if value is False else value})")
-    return plan

@@ -203,8 +203,55 @@ def engine_from_args(args) -> EngineConfig:
                              getattr(args, "gradient_accumulation_fusion", True))
 
 
-def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None) -> MemorySettings:
-    """The flags' memory settings. On cuda the allowance is derived per layout on the cluster's device types
+ENGINE_FLAGS = ("engine", "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16", "tp_comm_overlap",
+                "gradient_accumulation_fusion")
+
+
+def plan_from_args(args, argv: list[str], parser: argparse.ArgumentParser):
+    """estimate/simulate --plan: the plan file, every flag given beside it checked against it (the engine's too);
+    None without --plan. `parser`: the subcommand's."""
+    if not args.plan:
+        return None
+    from .arguments import check_flags_against_plan, given_flags
+    from .planner.plan import Plan
+
+    plan = Plan.load(args.plan)
+    given = given_flags(argv, parser)
+    check_flags_against_plan(args, given, plan)
+    engine_given = [given[d] for d in ENGINE_FLAGS if d in given]
+    mine = engine_from_args(args)
+    if engine_given and mine != plan.engine:
+        raise UsageError(f"{' '.join(engine_given)}: engine {mine.describe()} disagrees with --plan {args.plan} "
+                         f"(engine {plan.engine.describe()})")
+    for dest, value in (("rank_order", plan.spec.rank_order), ("model_type", plan.spec.model.model_type)):
+        if dest in given and getattr(args, dest) != value:
+            raise UsageError(f"{given[dest]} {getattr(args, dest)} disagrees with --plan {args.plan} ({value})")
+    return plan
+
+
+def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand `name` (its flags name the dests a plan is checked against)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
+
+
+def planned_spec(args, plan, cluster: Cluster):
+    """The RunSpec of a --plan on `cluster`; --world-size given beside it must agree."""
+    spec, where = plan.spec, f"--plan {args.plan}"
+    if args.world_size is not None and args.world_size != spec.world_size:
+        raise UsageError(f"--world-size {args.world_size} disagrees with {where} ({spec.world_size} ranks: tp "
+                         f"{spec.tp} x pp {spec.pp} x dp {spec.dp})")
+    if spec.world_size > cluster.num_gpus:
+        raise UsageError(f"{where} needs {spec.world_size} GPUs (tp {spec.tp} x pp {spec.pp} x dp {spec.dp}) but "
+                         f"cluster {cluster.name} has {cluster.num_gpus} (--num-nodes resizes it)")
+    return spec
+
+
+def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None,
+                    engine: EngineConfig | None = None) -> MemorySettings:
+    """The flags' memory settings (`engine`: a plan's, else the flags'). On cuda the allowance is derived per layout on the cluster's device types
     (cuda_allowance.py; no cluster: the default device), the profiles' measured CUDA memory replacing its terms;
     an explicit workspace or fragmentation (flags, else a calibrated profile) replaces the derived one."""
     device = args.memory_device
@@ -223,7 +270,7 @@ def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None) ->
         derived = DerivedAllowance(devices, profiles.measured_cuda_memory(),
                                    None if workspace is None else workspace * 2**30, fragmentation)
     return MemorySettings(device=device, workspace_bytes=(workspace or 0.0) * 2**30, fragmentation=fragmentation or 0.0,
-                          engine=engine_from_args(args), derived=derived)
+                          engine=engine or engine_from_args(args), derived=derived)
 
 
 def spec_from_args(args, cluster: Cluster, profiles: Profiles, costs: CostSettings = CostSettings()):
@@ -244,12 +291,13 @@ def spec_from_args(args, cluster: Cluster, profiles: Profiles, costs: CostSettin
     return spec_from_run_config(cfg, world)
 
 
-def cost_settings(args, profiles: Profiles | None = None) -> CostSettings:
-    """The flags' cost settings; the overlap factor, when not given, from the profiles (calibrated), else 1.3."""
+def cost_settings(args, profiles: Profiles | None = None, plan=None) -> CostSettings:
+    """The flags' cost settings (with `plan`: its model and engine); the overlap factor, when not given, from the
+    profiles (calibrated), else 1.3."""
     overlap = args.overlap_factor
     if overlap is None:
         overlap = (profiles.overlap_factor if profiles is not None else None) or CostSettings().overlap_factor
-    engine = engine_from_args(args)
+    engine = engine_from_args(args) if plan is None else plan.engine
     host = {}
     if args.host_op_us is not None:
         host["host_op_s"] = args.host_op_us * 1e-6
@@ -258,9 +306,12 @@ def cost_settings(args, profiles: Profiles | None = None) -> CostSettings:
     if args.cuda_launch_blocking or (engine.name == OURS and not profiles):
         from .models.op_count import unit_op_counts
 
-        model = configs_from_args(argparse.Namespace(**{**vars(args), **SERIAL_FLAGS}), 1).model
+        model = plan.spec.model if plan is not None else \
+            configs_from_args(argparse.Namespace(**{**vars(args), **SERIAL_FLAGS}), 1).model
         host.update(launch_blocking=args.cuda_launch_blocking,
                     host_ops=tuple((k, f, b) for k, (f, b) in unit_op_counts(model).items()))
+    elif args.host_op_us is not None and engine.name == OURS:
+        raise UsageError("--host-op-us applies to analytic unit times; a profile's times hold the host already")
     elif args.host_op_us is not None:
         raise UsageError(f"--host-op-us: engine {engine.name}'s host is not modelled (our runtime's is, and any "
                          "engine's with --cuda-launch-blocking)")
@@ -323,6 +374,7 @@ def write_plans(result, profiles: Profiles, orig_vocab_size: int, out_dir: str, 
 
 # The model alone, as the search reads it from the flags: one rank, no layout.
 SERIAL_FLAGS = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
+                    unit_strategies=None, pipeline_schedule="1f1b",
                     micro_batch_size=1, global_batch_size=None, num_layers_per_virtual_pipeline_stage=None,
                     virtual_pipeline_model_parallel_size=None, pipeline_partition=None, bpipe=False,
                     microbatch_slicing="0", recompute_units=None, recompute_granularity=None,

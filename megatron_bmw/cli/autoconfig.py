@@ -5,6 +5,7 @@ autoconfig.py search --cluster a100-80g-ib --num-nodes 2 <model flags> --global-
     [--output-dir plans/]   # the top-k plans as plans/plan_1.json ... (tools/grid_search.py --plans plans/)
 autoconfig.py estimate --cluster a100-80g-ib --num-nodes 2 <pretrain_gpt.py flags> [--json]
 autoconfig.py simulate --cluster FILE.yaml [--profile prof.json] <flags> [--json] [--timeline out.png]
+autoconfig.py simulate|estimate --cluster a100-80g-ib --plan plan.json   # a plan file, on this cluster
 autoconfig.py profile --output prof.json <model flags> [--profile-tp 1,2] [--analytic --cluster NAME]
 autoconfig.py calibrate --results results.jsonl [--profile prof.json] --output calibrated.json
 """
@@ -24,30 +25,30 @@ from ..planner.evaluate import estimate_memory, simulate_run
 from ..planner.report import estimate_json, memory_table, simulate_json
 from ..planner.files import write_json
 from ..planner_args import (build_autoconfig_parser, cluster_from_args, configs_from_args, cost_settings,
-                            engine_from_args, load_profiles, memory_settings, run_search, spec_from_args,
-                            write_plans)
+                            engine_from_args, load_profiles, memory_settings, plan_from_args, planned_spec, run_search,
+                            spec_from_args, subcommand_parser, write_plans)
 from ..trials.results import load_results
 from ..trials.specs import TrialModel
 
 
-def _estimate(args) -> int:
+def _estimate(args, plan) -> int:
     profiles = load_profiles(args)
     cluster = cluster_from_args(args, profiles)
-    spec = spec_from_args(args, cluster, profiles)
-    settings = memory_settings(args, profiles, cluster)
+    spec = planned_spec(args, plan, cluster) if plan else spec_from_args(args, cluster, profiles)
+    settings = memory_settings(args, profiles, cluster, plan.engine if plan else None)
     memory = estimate_memory(spec, settings=settings)
     data = estimate_json(spec, memory, cluster, settings)
     print(json.dumps(data) if args.json else memory_table(data))
     return 0
 
 
-def _simulate(args) -> int:
+def _simulate(args, plan) -> int:
     check_output_file("--timeline", args.timeline)
     profiles = load_profiles(args)
     cluster = cluster_from_args(args, profiles)
-    costs = cost_settings(args, profiles)
-    spec = spec_from_args(args, cluster, profiles, costs)
-    settings = memory_settings(args, profiles, cluster)
+    costs = cost_settings(args, profiles, plan)
+    spec = planned_spec(args, plan, cluster) if plan else spec_from_args(args, cluster, profiles, costs)
+    settings = memory_settings(args, profiles, cluster, plan.engine if plan else None)
     ev = simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline))
     data = simulate_json(ev, cluster, settings)
     if args.timeline:
@@ -149,8 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         return tune(argv[1:])
     parser = build_autoconfig_parser()
     args = parse_args(argv, parser)
-    return {"estimate": _estimate, "simulate": _simulate, "profile": _profile, "search": _search,
-            "calibrate": _calibrate}[args.command](args)
+    if args.command in ("estimate", "simulate"):
+        plan = plan_from_args(args, argv, subcommand_parser(parser, args.command))
+        return (_estimate if args.command == "estimate" else _simulate)(args, plan)
+    if getattr(args, "plan", None):
+        raise UsageError(f"--plan: {args.command} does not read a plan file (estimate and simulate do; "
+                         "search writes one with --output)")
+    return {"profile": _profile, "search": _search, "calibrate": _calibrate}[args.command](args)
 
 
 def run_calibrate(results_path: str, cluster: str, profile_paths: list[str], output: str,

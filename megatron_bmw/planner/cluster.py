@@ -36,12 +36,14 @@ it every rank has a device of its own (GPUs), as before.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
 import yaml
 
 from ..errors import UsageError
+from .files import read_text
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 GB = 1e9
@@ -232,20 +234,28 @@ def builtin_names() -> tuple[str, ...]:
     return BUILTIN
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 as PyYAML reads it, but 1e2 and 5e-06 (no dot; JSON writes such numbers) are numbers, as in YAML
+    1.2, not strings."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
 def load_cluster(name_or_path: str, num_nodes: int | None = None) -> Cluster:
     """A built-in cluster by name, or a YAML file; `num_nodes` resizes a single-group cluster."""
     if name_or_path in BUILTIN:
         text = resources.files(__package__).joinpath("clusters", f"{name_or_path}.yaml").read_text()
         where = f"built-in cluster {name_or_path}"
     elif os.path.exists(name_or_path):
-        with open(name_or_path) as f:
-            text = f.read()
+        text = read_text(name_or_path, "--cluster", "cluster file")
         where = name_or_path
     else:
         raise UsageError(f"--cluster {name_or_path}: not a built-in cluster ({', '.join(BUILTIN)}) "
                          "and no such file")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
@@ -373,6 +383,8 @@ def _group(spec, types: dict[str, DeviceType], where: str) -> NodeGroup:
             raise UsageError(f"{where}: {key!r} must be an integer >= 1, got {x!r}")
         counts[key] = x
     device = spec.get("device")
+    if device is None:
+        raise UsageError(f"{where}: missing 'device' (one of device_types: {', '.join(types)})")
     if device not in types:
         raise UsageError(f"{where}: device {device!r} is not one of device_types ({', '.join(types)})")
     intra = _link(_need(spec, "intra_node", dict, where), f"{where}.intra_node")

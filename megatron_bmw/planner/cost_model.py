@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from ..errors import UsageError
 from ..pipeline.schedule import Action, Kind
 from .cluster import Cluster, DeviceType, Link
-from .engine import EngineConfig
+from .engine import OURS, EngineConfig
 from .elementwise import unit_elementwise_bytes
 from .flops import core_attention_share, unit_forward_flops, unit_weight_grad_flops
 from .kernel_time import (KernelDevice, device_kernels, shape_ratio, unit_edge_gemms, unit_kernel_times,
@@ -142,6 +142,32 @@ def optimizer_step_seconds(params: float, dp: int, zero1: bool, dtype_bytes: int
     return (params * (8 + dtype_bytes) + shard * 28) / (device.memory_bandwidth * bandwidth_fraction)
 
 
+def check_engine_runs(spec: RunSpec, engine: EngineConfig) -> None:
+    """A UsageError where `spec` uses what `engine` does not run. Ours runs everything. Megatron-LM runs 1F1B
+    and interleaved 1F1B over stages of whole layers (the embedding and the head beside layers), without BPipe,
+    slicing or per-unit strategies; DeepSpeed's pipeline engine runs 1F1B (or GPipe) without BPipe or
+    sequence parallelism."""
+    if engine.name == OURS:
+        return
+    pl, name = spec.pipeline, f"--engine {engine.name}"
+    runs = ("1f1b", "gpipe") if engine.blocking_p2p else ("1f1b", "interleaved")
+    if pl.schedule not in runs:
+        shown = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "interleaved 1F1B"}
+        raise UsageError(f"{name} runs the {' or '.join(shown[r] for r in runs)} schedule, not {pl.schedule}")
+    for used, what in ((pl.bpipe, "BPipe (--bpipe)"), (pl.slicing, "micro-batch slicing (--microbatch-slicing)"),
+                       (spec.unit_strategies, "per-unit strategies (--unit-strategies)"),
+                       (engine.blocking_p2p and spec.sp, "sequence parallelism (--sequence-parallel)")):
+        if used:
+            raise UsageError(f"{name} has no {what}")
+    units, layers, end = unit_names(spec.model.num_layers), spec.model.num_layers, 0
+    for size in pl.partition[:-1]:
+        end += size  # the next stage starts with unit `end`: a layer's attention after a whole layer
+        if not (units[end].startswith("attn_") and 3 <= end <= 2 * layers - 1):
+            raise UsageError(f"{name} runs pipeline stages of whole transformer layers (the embedding and the head "
+                             f"beside layers); --pipeline-partition {','.join(map(str, pl.partition))} starts a stage "
+                             f"at {units[end]}")
+
+
 class CostModel:
     """Durations for one RunSpec on one cluster. Build once, query per action."""
 
@@ -162,9 +188,7 @@ class CostModel:
         self.layout = spec.rank_layout()
         p = spec.pp
         self.blocking_p2p = settings.engine.blocking_p2p
-        if self.blocking_p2p and (spec.pipeline.schedule not in ("1f1b", "gpipe") or spec.pipeline.bpipe):
-            raise UsageError(f"--engine {settings.engine.name} runs the 1F1B (or GPipe) schedule without BPipe, not "
-                             f"{spec.pipeline.schedule}" + (" with BPipe" if spec.pipeline.bpipe else ""))
+        check_engine_runs(spec, settings.engine)
         placement = {} if placement is None else placement
         if "devices" not in placement:
             placement["devices"] = [self._stage_device(s) for s in range(p)]

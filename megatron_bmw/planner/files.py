@@ -8,21 +8,28 @@ import os
 from ..errors import UsageError
 
 
-def read_json(path: str, flag: str, what: str):
-    """The parsed file, or a UsageError naming `flag` and `path`."""
+def read_text(path: str, flag: str, what: str) -> str:
+    """The file's text, or a UsageError naming `flag` and `path`."""
     try:
         with open(path) as f:
-            return json.load(f)
+            return f.read()
     except FileNotFoundError:
         raise UsageError(f"{flag} {path}: no such file") from None
     except IsADirectoryError:
         raise UsageError(f"{flag} {path}: is a directory, not a {what}") from None
     except UnicodeDecodeError:
         raise UsageError(f"{flag} {path}: not a text file") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{flag} {path}: not valid JSON (line {exc.lineno})") from None
     except OSError as exc:
         raise UsageError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+
+
+def read_json(path: str, flag: str, what: str):
+    """The parsed file, or a UsageError naming `flag` and `path`."""
+    text = read_text(path, flag, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{flag} {path}: not valid JSON (line {exc.lineno})") from None
 
 
 def write_json(path: str, data, flag: str, what: str) -> None:

@@ -220,7 +220,10 @@ class LayoutProblem:
         self.stages = lay.pp * lay.virtual
         self.names = unit_names(model.num_layers)
         n = len(self.names)
-        base = Solution(lay, variant, even_partition(n, self.stages), None, 0.0, [], [], [], []).spec(model)
+        blocks = stage_blocks(model.num_layers, space.sublayer)  # (another engine's stages hold whole layers)
+        start = block_units(blocks, even_partition(len(blocks), self.stages)) if len(blocks) >= self.stages \
+            else even_partition(n, self.stages)
+        base = Solution(lay, variant, start, None, 0.0, [], [], [], []).spec(model)
         place_key = (lay.tp, lay.pp, lay.dp, base.rank_order)
         placement = shapes.placements.setdefault(place_key, {})
         self.cost = CostModel(base, cluster, profiles, costs, placement)

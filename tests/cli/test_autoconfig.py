@@ -142,6 +142,17 @@ def test_analytic_profile(capsys, tmp_path):
     (["simulate", "--cluster", "a100-80g-ib", "--engine", "megatron-core", "--host-op-us", "50"],
      "--host-op-us: engine megatron-core's host is not modelled"),
     (["simulate", "--cluster", "a100-80g-ib", "--cuda-launch-blocking", "--host-op-us", "-1"], "--host-op-us must"),
+    # what Megatron-LM does not run is refused, as DeepSpeed's is
+    (["simulate", "--cluster", "a100-80g-ib", "--world-size", "2", "--pipeline-model-parallel-size", "2",
+      "--engine", "megatron-core", "--pipeline-schedule", "zb-h1"],
+     "--engine megatron-core runs the 1F1B or interleaved 1F1B schedule, not zb-h1"),
+    (["simulate", "--cluster", "a100-80g-ib", "--world-size", "2", "--pipeline-model-parallel-size", "2",
+      "--engine", "megatron-core", "--bpipe"], "--engine megatron-core has no BPipe"),
+    (["simulate", "--cluster", "a100-80g-ib", "--world-size", "2", "--pipeline-model-parallel-size", "2",
+      "--engine", "megatron-core", "--microbatch-slicing", "1"], "--engine megatron-core has no micro-batch slicing"),
+    (["simulate", "--cluster", "a100-80g-ib", "--world-size", "2", "--pipeline-model-parallel-size", "2",
+      "--engine", "megatron-core", "--pipeline-partition", "4,6"],
+     "--pipeline-partition 4,6 starts a stage at mlp_1"),
 ])
 def test_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as err:
@@ -204,3 +215,60 @@ def test_the_planner_plans_llama_layers(capsys):
     assert main(["search", "--cluster", "a100-80g-ib", *MODEL, *LLAMA, "--global-batch-size", "8",
                  "--world-size", "8", "--no-progress"]) == 0
     assert "tp" in capsys.readouterr().out
+
+
+def test_simulate_and_estimate_a_plan_file(capsys, tmp_path):
+    """--plan: the plan's own layout, schedule and engine, simulated to its prediction; flags beside it agree."""
+    plan = tmp_path / "p.json"
+    assert main(["search", "--cluster", "a100-80g-ib", "--num-nodes", "1", "--world-size", "4", *MODEL,
+                 "--global-batch-size", "16", "--no-progress", "--output", str(plan)]) == 0
+    capsys.readouterr()
+    saved = json.loads(plan.read_text())
+    sim = _json(capsys, ["simulate", "--cluster", "a100-80g-ib", "--plan", str(plan), "--json"])
+    assert sim["iteration_time_s"] == pytest.approx(saved["prediction"]["iteration_time_s"], rel=1e-9)
+    assert sim["layout"]["tp"] * sim["layout"]["pp"] * sim["layout"]["dp"] == 4
+    assert sim["layout"]["partition"] == saved["pipeline"]["partition"]
+    est = _json(capsys, ["estimate", "--cluster", "a100-80g-ib", "--plan", str(plan), "--num-layers", "4", "--json"])
+    assert [s["peak_bytes"] for s in est["stages"]] == [s["peak_bytes"] for s in sim["stages"]]
+    for argv, message in (
+            (["--hidden-size", "128"], "--hidden-size 128 disagrees with --plan"),
+            (["--world-size", "2"], "--world-size 2 disagrees with --plan"),
+            (["--engine", "megatron-core"], "--engine: engine megatron-core disagrees with --plan"),
+            (["--model-type", "bert"], "--model-type bert disagrees with --plan")):
+        with pytest.raises(SystemExit) as err:
+            main(["simulate", "--cluster", "a100-80g-ib", "--plan", str(plan), *argv])
+        out = capsys.readouterr().err
+        assert err.value.code == 2 and message in out and out.count("\n") == 1, out
+    for command in ("search", "profile"):
+        with pytest.raises(SystemExit) as err:
+            main([command, "--cluster", "a100-80g-ib", "--plan", str(plan), "--output", str(tmp_path / "x.json")])
+        out = capsys.readouterr().err
+        assert err.value.code == 2 and f"--plan: {command} does not read a plan file" in out
+    assert main(["simulate", "--cluster", "aws-p3.8xlarge", "--plan", str(plan)]) == 0  # another 4-GPU cluster
+    small = tmp_path / "small.yaml"
+    small.write_text("name: two\ndevice_types:\n  g: {memory_gb: 16, peak_tflops: {fp32: 15, fp16: 125}}\n"
+                     "groups:\n  - {nodes: 1, gpus_per_node: 2, device: g, intra_node: {bandwidth_GBps: 150, "
+                     "latency_us: 5}}\ninter_node: {bandwidth_GBps: 10, latency_us: 10}\n")
+    with pytest.raises(SystemExit) as err:  # a plan for more GPUs than the cluster has
+        main(["simulate", "--cluster", str(small), "--plan", str(plan)])
+    assert err.value.code == 2 and "needs 4 GPUs" in capsys.readouterr().err
+
+
+def test_unit_strategies_simulate_on_a_named_cluster(capsys):
+    """The host-time model's serial model drops the per-unit strategies (and the schedule) like tp and pp."""
+    argv = ["simulate", "--cluster", "a100-80g-ib", "--num-nodes", "1", "--world-size", "2", *MODEL,
+            "--global-batch-size", "8", "--micro-batch-size", "1", "--json"]
+    hybrid = _json(capsys, argv + ["--unit-strategies", "dp2"])
+    plain = _json(capsys, argv)
+    assert hybrid["iteration_time_s"] > 0 and plain["layout"]["dp"] == 2
+
+
+def test_host_op_us_with_a_profile_says_why(capsys, tmp_path):
+    prof = tmp_path / "a.json"
+    assert main(["profile", "--analytic", "--cluster", "a100-80g-ib", "--output", str(prof), *MODEL]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as err:
+        main(["simulate", "--cluster", "a100-80g-ib", "--profile", str(prof), *MODEL, "--world-size", "1",
+              "--host-op-us", "100"])
+    out = capsys.readouterr().err
+    assert err.value.code == 2 and "--host-op-us applies to analytic unit times" in out and out.count("\n") == 1

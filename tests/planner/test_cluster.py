@@ -96,6 +96,7 @@ def test_bandwidth_matrix_overrides_links():
 @pytest.mark.parametrize("mutate,match", [
     (lambda d: d.pop("inter_node"), "missing 'inter_node'"),
     (lambda d: d["groups"][0].update(device="a100"), "device 'a100' is not one of device_types"),
+    (lambda d: d["groups"][0].pop("device"), "missing 'device'"),
     (lambda d: d["groups"][0].update(nodes=0), "'nodes' must be an integer >= 1"),
     (lambda d: d["groups"][0].update(nics_per_node=0.5), "'nics_per_node' must be an integer >= 1"),
     (lambda d: d["device_types"]["v100"].update(memory_gb=-1), "'memory_gb' must be a positive number"),
@@ -125,3 +126,24 @@ def test_bad_files(tmp_path):
     lst.write_text("- 1\n- 2\n")
     with pytest.raises(UsageError, match="expected a mapping"):
         load_cluster(str(lst))
+
+
+def test_unreadable_files_are_one_line(tmp_path):
+    with pytest.raises(UsageError, match=r"^--cluster .*: is a directory, not a cluster file$"):
+        load_cluster(str(tmp_path))
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(UsageError, match=r"^--cluster .*bin.yaml: not a text file$"):
+        load_cluster(str(binary))
+
+
+def test_numbers_in_exponent_form(tmp_path):
+    """1e2 (no dot, as JSON writes small and large numbers) is a number, as YAML 1.2 reads it, not a string."""
+    path = tmp_path / "sci.yaml"
+    path.write_text("device_types:\n  g: {memory_gb: 1.6e1, peak_tflops: {fp32: 15.7, fp16: 125}}\n"
+                    "groups:\n  - {nodes: 1, gpus_per_node: 4, device: g, intra_node: {bandwidth_GBps: 1.5E2, "
+                    "latency_us: 5e0}}\ninter_node: {bandwidth_GBps: 1e2, latency_us: 3e1}\n")
+    cluster = load_cluster(str(path))
+    assert cluster.inter_node.bandwidth == pytest.approx(100e9) and cluster.inter_node.latency == pytest.approx(30e-6)
+    assert cluster.groups[0].intra_node.bandwidth == pytest.approx(150e9)
+    assert cluster.groups[0].device.memory_bytes == 16 * 2**30  # memory_gb counts GiB
