@@ -98,7 +98,10 @@ def _encode(item: tuple[int, str]) -> tuple[dict[str, list[np.ndarray]] | None, 
         if not isinstance(text, str):
             what = "missing" if text is None else "not a string"
             raise UsageError(f"--json-keys: key {key!r} is {what} in {_input} line {lineno}")
-        out[key] = _sequences(text)
+        try:
+            out[key] = _sequences(text)
+        except UsageError as exc:  # a token the tokenizer refuses: name where it is
+            raise UsageError(f"--input: {_input} line {lineno}, key {key!r}: {exc}") from None
     return out, size
 
 

@@ -104,6 +104,11 @@ def _profile(args) -> int:
 
     check_output_file("--output", args.output)
     cfg = configs_from_args(args, args.tensor_model_parallel_size)
+    for tp in args.profile_tp:
+        try:
+            cfg.model.check_tensor_parallel(tp)
+        except UsageError as exc:
+            raise UsageError(str(exc).replace(f"--tensor-model-parallel-size {tp}", f"--profile-tp {tp}")) from None
     settings = ProfileSettings(micro_batch_sizes=args.profile_micro_batch_sizes, tp_sizes=args.profile_tp,
                                warmup=args.profile_warmup, repeats=args.profile_repeats, threads=args.threads,
                                links=not args.no_links, rounds=args.profile_rounds,

@@ -635,6 +635,9 @@ def retarget(model: Model, target: Target, to_megatron: bool) -> tuple[Model, La
     if virtual > 1 and pp == 1:
         raise UsageError("--target-virtual-pipeline-model-parallel-size > 1 needs a pipeline-parallel size > 1")
     n = cfg["num_layers"]
+    if to_megatron and n < pp * virtual:
+        raise UsageError(f"the model's {n} layers are fewer than the {pp * virtual} (virtual) pipeline stages, and "
+                         "Megatron's stages hold whole transformer layers: give a smaller target pipeline size")
     try:
         if target.partition is not None:
             partition = parse_partition(target.partition, n, pp, virtual)
@@ -648,8 +651,10 @@ def retarget(model: Model, target: Target, to_megatron: bool) -> tuple[Model, La
     if to_megatron:
         problem = megatron_partition_problem(partition)
         if problem:
+            fix = ("give one whose stages end between layers" if origin == "--target-pipeline-partition"
+                   else "give --target-pipeline-partition")
             raise UsageError(f"{origin} {','.join(map(str, partition))}: {problem}, but Megatron's pipeline stages "
-                             "hold whole transformer layers; give --target-pipeline-partition")
+                             f"hold whole transformer layers; {fix}")
     what = "--target-tensor-parallel-size" if target.tp else "the tensor-parallel size"
     for name in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "num_query_groups"):
         if cfg.get(name) and cfg[name] % tp:

@@ -55,6 +55,8 @@ def vocab_size_with_padding(
 def _require_file(path: str | None, flag: str, what: str) -> str:
     if not path:
         raise UsageError(f"{flag}: required for {what}")
+    if os.path.isdir(path):
+        raise UsageError(f"{flag}: {path!r} is a directory; give the {what} file")
     if not os.path.isfile(path):
         raise UsageError(f"{flag}: no such file {path!r}")
     return path

@@ -153,7 +153,7 @@ def check_plan_fields(data: dict, where: str) -> None:
     devices = f.kind(data, "devices", "devices", list, "a list of device type names", [])
     if not all(isinstance(d, str) for d in devices):
         f.fail("devices", "must be a list of device type names")
-    if devices and len(devices) != tp * pp * dp:
+    if devices and len(devices) != tp * pp * dp:  # (empty: not recorded)
         f.fail("devices", f"names {len(devices)} devices, but the plan runs on tp {tp} x pp {pp} x dp {dp} = "
                f"{tp * pp * dp} ranks")
     for key in ("cluster", "prediction", "search"):
@@ -239,6 +239,8 @@ def _check_pipeline(f: _Fields, pl: dict, num_layers: int, pp: int) -> None:
     schedule = f.choice(pl, "schedule", "pipeline.schedule", SCHEDULES, "1f1b")
     if virtual > 1 and schedule == "gpipe":
         f.fail("pipeline.schedule", f"gpipe cannot interleave pipeline.virtual_stages {virtual}")
+    if schedule == "zbv" and virtual != 2:
+        f.fail("pipeline.virtual_stages", f"is {virtual}, but pipeline.schedule zbv holds 2 model chunks per rank")
     if f.boolean(pl, "bpipe", "pipeline.bpipe", False) and schedule == "gpipe":
         f.fail("pipeline.bpipe", "works with the 1F1B schedules, not pipeline.schedule gpipe")
     slicing = pl.get("slicing", 0)

@@ -178,6 +178,13 @@ class Profile:
             raise UsageError(f"--profile {where}: not a format-{FORMAT} profile written by autoconfig.py profile")
         try:
             units = [_unit_timing(u, i, where) for i, u in enumerate(data["units"])]
+            for key in ("device", "model", "links", "overhead", "calibration", "memory_allowance", "cuda_memory"):
+                if data.get(key) is not None and not isinstance(data[key], dict):
+                    raise UsageError(f"--profile {where}: {key} must be a mapping, got {data[key]!r}")
+            mode = data.get("mode", "measured")
+            if mode not in ("measured", "analytic"):
+                raise UsageError(f"--profile {where}: mode must be measured or analytic, got {mode!r}")
+            _optional(data["device"].get("memory_bytes"), "device.memory_bytes", where, 1e-300)
             model = data["model"]
             missing = [k for k in MODEL_KEYS if k not in model]
             if missing:
@@ -193,6 +200,8 @@ class Profile:
                                       "memory_allowance.fragmentation", where, 0.0)
             links, overhead = data.get("links", {}), data.get("overhead", {})
             for name, link in links.items():
+                if not isinstance(link, dict):
+                    raise UsageError(f"--profile {where}: links.{name} must be a mapping, got {link!r}")
                 for key, least in (("bandwidth_Bps", 1e-300), ("latency_s", 0.0)):
                     _optional(link.get(key), f"links.{name}.{key}", where, least)
             for key in ("forward_s", "backward_s"):
@@ -201,11 +210,13 @@ class Profile:
             for key in MEASURED_CUDA_KEYS:
                 _optional(cuda_memory.get(key), f"cuda_memory.{key}", where, 0.0)
             return cls(device=data["device"], dtype=data["dtype"], model=model, units=units,
-                       links=links, overhead=overhead, mode=data.get("mode", "measured"),
+                       links=links, overhead=overhead, mode=mode,
                        overlap_factor=overlap, memory_workspace_bytes=workspace, memory_fragmentation=fragmentation,
                        calibration=dict(calibration), cuda_memory=dict(cuda_memory))
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise UsageError(f"--profile {where}: missing or malformed field {exc}") from None
+        except KeyError as exc:
+            raise UsageError(f"--profile {where}: missing field {exc}") from None
+        except (TypeError, AttributeError) as exc:
+            raise UsageError(f"--profile {where}: malformed ({exc})") from None
 
 
 def _optional(value, name: str, where: str, least: float) -> float | None:

@@ -12,9 +12,10 @@ from .engine import OURS
 from ..pipeline.generators import SCHEDULES, generate
 from ..pipeline.schedule import Kind
 
+SEARCHED = tuple(x for x in SCHEDULES if x != "zbv")  # the V placement is simulated, not searched
 ENGINE_SCHEDULES = {"megatron-core": ("1f1b", "interleaved"), "deepspeed": ("1f1b",)}
 _BOOL = {"on": (True,), "off": (False,), "both": (False, True), "true": (True,), "false": (False,)}
-_HELP = (f"tp, pp, dp, mbs (lists of integers); schedule ({', '.join(SCHEDULES)}: zero-bubble ones only where the "
+_HELP = (f"tp, pp, dp, mbs (lists of integers); schedule ({', '.join(SEARCHED)}: zero-bubble ones only where the "
          "simulator says they win under the memory limit); virtual (chunks per rank); "
          "sp, zero1, bpipe, slicing (on, off, both); recompute (none, selective, full: the choices allowed per "
          "unit); recompute-granularity (unit or uniform); partition (unit or layer: where stages may end); strategy "
@@ -92,7 +93,10 @@ def _parse_dim(key: str, values: list[str], item: str) -> dict:
     if key == "schedule":
         bad = [v for v in values if v not in SCHEDULES]
         if bad:
-            raise UsageError(f"--space {item!r}: unknown schedule {bad[0]!r} ({', '.join(SCHEDULES)})")
+            raise UsageError(f"--space {item!r}: unknown schedule {bad[0]!r} ({', '.join(SEARCHED)})")
+        if "zbv" in values:
+            raise UsageError(f"--space {item!r}: zbv is simulated, not searched (autoconfig.py simulate "
+                             f"--pipeline-schedule zbv); the search takes {', '.join(SEARCHED)}")
         return {key: tuple(values)}
     if key in ("sp", "zero1", "bpipe", "slicing"):
         if len(values) != 1 or values[0] not in _BOOL:

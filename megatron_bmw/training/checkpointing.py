@@ -245,6 +245,43 @@ def _arg(payload: dict, key: str, default=None):
     return args.get(key, default) if isinstance(args, dict) else getattr(args, key, default)
 
 
+# saved arguments that make another model even where no tensor's shape tells (checked first, named on a mismatch)
+ARCHITECTURE = ("model_type", "num_layers", "num_attention_heads", "swiglu", "normalization",
+                "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
+                "bert_binary_head", "apply_residual_connection_post_layernorm", "orig_vocab_size")
+
+
+def check_model(load_dir: str, payload: dict, model_args: dict, why: str = "another model") -> None:
+    """A checkpoint of another model type or architecture is refused with the first difference named (sizes
+    show as a tensor's two shapes instead). `payload`: a checkpoint's, its "args" a dict or Megatron's Namespace."""
+    for key in ARCHITECTURE:
+        saved = _arg(payload, key)
+        if saved is not None and model_args.get(key) is not None and saved != model_args[key]:
+            raise UsageError(f"--load {load_dir}: checkpoint has {key} = {saved!r}, this run {model_args[key]!r} "
+                             f"({why})")
+
+
+def state_dict_error(exc: RuntimeError) -> str:
+    """torch's load_state_dict error as one line: the first tensor of another shape with both shapes, else the
+    first missing or unexpected tensor."""
+    import re
+
+    text = str(exc)
+    size = re.search(r"size mismatch for (\S+): copying a param with shape torch\.Size\(\[([^\]]*)\]\) from "
+                     r"checkpoint, the shape in current model is torch\.Size\(\[([^\]]*)\]\)", text)
+    if size:
+        shape = lambda s: str(tuple(int(x) for x in s.split(",") if x.strip()))  # noqa: E731
+        return (f"model tensor {size.group(1)} has shape {shape(size.group(3))} in this model but "
+                f"{shape(size.group(2))} in the checkpoint")
+    for kind, what in (("Missing", "the checkpoint has no tensor {} (saved from another model or architecture?)"),
+                       ("Unexpected", "the checkpoint has tensor {}, which this model does not (another model or "
+                                      "architecture?)")):
+        keys = re.search(kind + r' key\(s\) in state_dict: "([^"]+)"', text)
+        if keys:
+            return what.format(keys.group(1))
+    return (text.strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
 def _sizes_of(payload: dict, state: ParallelState) -> tuple[int, int]:
     """(tp, pp) a shard's saved arguments name (this run's where they say nothing)."""
     return (_arg(payload, "tensor_model_parallel_size", state.tp_size),
@@ -308,8 +345,10 @@ def load_checkpoint(
     optimizer: MixedPrecisionOptimizer | None = None,
     load_optim: bool = True,
     iteration: int | str | None = None,
+    model_args: dict | None = None,
 ) -> dict | None:
-    """Load this rank's payload (and the optimizer's state into `optimizer`).
+    """Load this rank's payload (and the optimizer's state into `optimizer`); with `model_args` (this run's saved
+    arguments) a checkpoint of another architecture is refused first, naming the setting.
 
     Returns None when `load_dir` has no tracker file and no `iteration` was asked for. Without the optimizer
     state (`load_optim=False`) the optimizer re-reads its master weights from the model at its next step.
@@ -345,6 +384,8 @@ def load_checkpoint(
         raise _strategies_mismatch(load_dir, theirs, state)
     if saved_args != (state.tp_size, state.pp_size):
         raise _mismatch(load_dir, saved_args, state)
+    if model_args is not None:
+        check_model(load_dir, payload, model_args)
     optim_sd = payload.pop("optimizer", None)
     if optimizer is None:
         return payload

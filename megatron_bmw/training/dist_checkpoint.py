@@ -37,7 +37,8 @@ from ..parallel.agree import agree
 from ..parallel.state import ParallelState
 from .checkpointing import (DIST_FORMAT as FORMAT, DIST_METADATA_FILE as METADATA_FILE, RELEASE,  # noqa: F401
                             _fsync_dir, _move_into_place, _resolve_iteration_dir, _shared_token, _world, _write_tracker,
-                            checkpoint_format, clear_debris, is_dist_checkpoint, iteration_dir_name, read_tracker)
+                            check_model, checkpoint_format, clear_debris, is_dist_checkpoint, iteration_dir_name,
+                            read_tracker)
 from .dist_chunks import LoadPlanner, SavePlanner, Slices, local_of, piece_slices, slices_of
 from .optimizer import MOMENTS, MixedPrecisionOptimizer
 
@@ -46,10 +47,6 @@ MODEL = "model."
 OPTIM = "optimizer.state."
 MASTER = "fp32_param"
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
-# saved arguments that make another model even where no tensor's shape tells (checked first, named on a mismatch)
-ARCHITECTURE = ("model_type", "num_layers", "num_attention_heads", "swiglu", "normalization",
-                "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
-                "bert_binary_head", "apply_residual_connection_post_layernorm", "orig_vocab_size")
 
 
 def _optim_slices(optimizer: MixedPrecisionOptimizer, param: torch.Tensor, start: int, end: int,
@@ -215,16 +212,6 @@ def _load_error(exc: BaseException) -> str:
     return (text.strip().splitlines() or [type(exc).__name__])[-1][:300]
 
 
-def check_model(load_dir: str, common: dict, model_args: dict) -> None:
-    """A checkpoint of another model type or architecture is refused with the first difference named (sizes
-    show as a tensor's two shapes instead)."""
-    saved = common.get("args") or {}
-    for key in ARCHITECTURE:
-        if saved.get(key) is not None and model_args.get(key) is not None and saved[key] != model_args[key]:
-            raise UsageError(f"--load {load_dir}: checkpoint has {key} = {saved[key]!r}, this run "
-                             f"{model_args[key]!r} (another model; a torch_dist checkpoint reshards the layout only)")
-
-
 def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrecisionOptimizer | None,
          load_optim: bool = True, model_args: dict | None = None) -> dict:
     """Load the tracker's torch_dist checkpoint into this rank's chunks (and the optimizer). Collective; an error
@@ -294,7 +281,7 @@ def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: Mix
     iter_dir = _resolve_iteration_dir(load_dir, iteration)
     common = read_common(load_dir, iter_dir)
     if model_args is not None:
-        check_model(load_dir, common, model_args)
+        check_model(load_dir, common, model_args, "another model; a torch_dist checkpoint reshards the layout only")
     tensors, targets, first = {}, {}, {}
 
     units = _unit_states(chunks, state)

@@ -36,7 +36,8 @@ from ..models.bert import LOSS_NAMES, drain_reported
 from .batches import MicroBatches
 from .bert_batches import BertMicroBatches
 from . import memory_history
-from .checkpointing import DIST_FORMAT, TRACKER, checkpoint_format, load_checkpoint, read_tracker, save_checkpoint
+from .checkpointing import (DIST_FORMAT, TRACKER, checkpoint_format, load_checkpoint, read_tracker, save_checkpoint,
+                            state_dict_error)
 from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format_validation_log, num_zeros_in_grad,
                       params_norm, throughput_tflops, timestamp)
 from .lr_scheduler import LRScheduler
@@ -250,7 +251,8 @@ class Trainer:
     def _load_weights(self, load_optim: bool) -> dict:
         """This rank's checkpoint file into the model chunks (and the optimizer); no collectives."""
         tr = self.run.train
-        payload = load_checkpoint(tr.load, self.state, self.optimizer, load_optim=load_optim)
+        payload = load_checkpoint(tr.load, self.state, self.optimizer, load_optim=load_optim,
+                                  model_args=self._args_dict())
         for i, chunk in enumerate(self.chunks):
             key = "model" if len(self.chunks) == 1 else f"model{i}"
             if key not in payload:
@@ -258,8 +260,7 @@ class Trainer:
             try:
                 self.state.units.load_state_dict(chunk, payload[key])
             except RuntimeError as exc:
-                first = str(exc).strip().splitlines()[0]
-                raise UsageError(f"--load {tr.load}: model weights do not fit this model: {first}") from None
+                raise UsageError(f"--load {tr.load}: {state_dict_error(exc)}") from None
         return payload
 
     def load(self) -> None:

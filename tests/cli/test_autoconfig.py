@@ -142,6 +142,7 @@ def test_analytic_profile(capsys, tmp_path):
     (["simulate", "--cluster", "a100-80g-ib", "--engine", "megatron-core", "--host-op-us", "50"],
      "--host-op-us: engine megatron-core's host is not modelled"),
     (["simulate", "--cluster", "a100-80g-ib", "--cuda-launch-blocking", "--host-op-us", "-1"], "--host-op-us must"),
+    (["profile", "--output", "unwritten.json", "--profile-tp", "1,3"], "--profile-tp 3 does not divide"),
     # what Megatron-LM does not run is refused, as DeepSpeed's is
     (["simulate", "--cluster", "a100-80g-ib", "--world-size", "2", "--pipeline-model-parallel-size", "2",
       "--engine", "megatron-core", "--pipeline-schedule", "zb-h1"],

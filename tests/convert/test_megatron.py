@@ -430,7 +430,15 @@ def test_partition_inside_a_layer(megatron, tmp_path, capsys):
         TOOLMOD.main(["--direction", "ours-to-megatron", "--load-dir", ours, "--save-dir", str(tmp_path / "bad")])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ends between attn_1 and mlp_1" in err[0], err
+    assert len(err) == 1 and "ends between attn_1 and mlp_1" in err[0] and "give --target-pipeline-partition" in err[0]
+    for flags, needle in ((["--target-pipeline-partition", "4,6"], "give one whose stages end between layers"),
+                          (["--target-pipeline-model-parallel-size", "4", "--target-virtual-pipeline-model-parallel-"
+                            "size", "2"], "4 layers are fewer than the 8 (virtual) pipeline stages")):
+        with pytest.raises(SystemExit) as exc:
+            TOOLMOD.main(["--direction", "ours-to-megatron", "--load-dir", ours, "--save-dir", str(tmp_path / "bad"),
+                          *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1 and needle in err[0], err
     back = _convert("ours-to-megatron", ours, tmp_path / "m55", "--target-pipeline-partition", "5,5")
     _assert_same_weights(back, case["ckpt"])
 

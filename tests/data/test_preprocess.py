@@ -94,6 +94,9 @@ def test_bad_inputs(preprocess, tmp_path, capsys):
     assert "--json-keys: key 'body' is missing" in error_line(preprocess, ["--input", str(good), *out, *null, "--json-keys", "body"], capsys)
     assert "--vocab-file: required" in error_line(preprocess, ["--input", str(good), *out, "--tokenizer-type", "GPT2BPETokenizer"], capsys)
     assert "--workers" in error_line(preprocess, ["--input", str(good), *out, *null, "--workers", "0"], capsys)
+    big = write_jsonl(tmp_path / "big.jsonl", ["1 2", "3 99"])  # a token id the vocabulary does not have
+    assert f"--input: {big} line 2, key 'text': NullTokenizer: id 99 outside" in error_line(
+        preprocess, ["--input", str(big), *out, *null], capsys)
 
 
 @pytest.mark.slow

@@ -95,6 +95,7 @@ def test_flag_errors(tmp_path, bpe_files):
     one_line(DataConfig(tokenizer_type="Nope"), "--tokenizer-type: unknown 'Nope'")
     one_line(DataConfig(tokenizer_type="SentencePieceTokenizer"), "--tokenizer-model: required")
     one_line(DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(tmp_path / "x.model")), "--tokenizer-model: no such file")
+    one_line(DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(tmp_path)), "--tokenizer-model: .* is a directory")
     (tmp_path / "bad.model").write_bytes(b"not a model")
     one_line(DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(tmp_path / "bad.model")), "--tokenizer-model: .* is not a SentencePiece model")
     one_line(DataConfig(tokenizer_type="GPT2BPETokenizer", merge_file=merges), "--vocab-file: required")

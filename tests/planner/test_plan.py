@@ -99,6 +99,7 @@ def _set(section, key, value):
     (_set("pipeline", "slicing", 9), "pipeline.slicing"),
     (_set("pipeline", "slicing", "some"), "pipeline.slicing"),
     (_set("pipeline", "schedule", "zb"), "pipeline.schedule"),
+    (_set("pipeline", "schedule", "zbv"), "pipeline.virtual_stages"),
     (_set("pipeline", "recompute", "full"), "pipeline.recompute"),
     (_set("model", "num_layers", 0), "model.num_layers"),
     (_set("model", "num_layers", 5), "pipeline.partition"),

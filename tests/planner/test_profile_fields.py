@@ -125,3 +125,16 @@ def test_bad_unit_times_are_named(tmp_path, capsys, edit, needle):
     with pytest.raises(SystemExit) as exit_:  # through the command, as the probe ran it
         main(["simulate", *FLAGS, "--cluster", "local", "--profile", path])
     assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"overhead": -1}, "overhead must be a mapping, got -1"),
+    ({"links": {"p2p": 3}}, "links.p2p must be a mapping, got 3"),
+    ({"mode": "bogus"}, "mode must be measured or analytic, got 'bogus'"),
+    ({"device": {"name": "gpu-test", "memory_bytes": 0}}, "device.memory_bytes must be a number > 0, got 0"),
+    ({"device": "gpu-test"}, "device must be a mapping"),
+])
+def test_malformed_sections_are_named(tmp_path, change, message):
+    with pytest.raises(UsageError) as err:
+        Profile.load(_write(tmp_path, _profile(**change)))
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -8,7 +8,7 @@ from megatron_bmw.config import ParallelConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.parallel.layout import RankLayout
 from megatron_bmw.parallel.state import ParallelState
-from megatron_bmw.training.checkpointing import load_checkpoint, read_tracker, save_checkpoint
+from megatron_bmw.training.checkpointing import load_checkpoint, read_tracker, save_checkpoint, state_dict_error
 from megatron_bmw.config import OptimizerConfig
 from megatron_bmw.training.optimizer import build_optimizer
 from tests.dist_harness import run_distributed
@@ -239,3 +239,28 @@ def test_a_missing_stage_directory_is_named(tmp_path):
         load_checkpoint(str(tmp_path), _state(1, 2, rank=1))
     assert str(err.value) == (f"--load {tmp_path}: checkpoint file {it}/mp_rank_00_001/model_optim_rng.pt is "
                               "missing (its shard directory mp_rank_00_001 is gone)")
+
+
+def test_another_architecture_or_size_is_named(tmp_path):
+    """The torch format names the setting of another architecture before reading any state, and another size's
+    tensor with both shapes (as torch_dist does)."""
+    state = ParallelState.serial()
+    model = _model()
+    payload = _payload(model, state, 1)
+    payload["args"].update(swiglu=False, num_layers=2)
+    save_checkpoint(str(tmp_path), 1, state, payload)
+    with pytest.raises(UsageError) as err:
+        load_checkpoint(str(tmp_path), state, model_args={"swiglu": True, "num_layers": 2})
+    assert str(err.value) == f"--load {tmp_path}: checkpoint has swiglu = False, this run True (another model)"
+    loaded = load_checkpoint(str(tmp_path), state, model_args={"swiglu": False, "num_layers": 2, "normalization": None})
+    wider = nn.Sequential(nn.Linear(6, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+    with pytest.raises(RuntimeError) as exc:
+        wider.load_state_dict(loaded["model"])
+    assert state_dict_error(exc.value) == "model tensor 0.weight has shape (7, 6) in this model but (5, 6) in the checkpoint"
+    deeper = nn.Sequential(*_model(), nn.Linear(3, 3))
+    with pytest.raises(RuntimeError) as exc:
+        deeper.load_state_dict(loaded["model"])
+    assert state_dict_error(exc.value).startswith("the checkpoint has no tensor 3.weight")
+    with pytest.raises(RuntimeError) as exc:
+        nn.Sequential(nn.Linear(6, 5)).load_state_dict(loaded["model"])
+    assert state_dict_error(exc.value).startswith("the checkpoint has tensor 1.weight, which this model does not")

@@ -68,7 +68,7 @@ def test_analytic_profile_round_trip(tmp_path):
     again = Profile.load(str(path))
     assert again.units == prof.units and again.mode == "analytic"
     path.write_text(json.dumps({"format": 1, "units": []}))
-    with pytest.raises(UsageError, match="missing or malformed field"):
+    with pytest.raises(UsageError, match="missing field .device."):
         Profile.load(str(path))
     path.write_text("{")
     with pytest.raises(UsageError, match="not valid JSON"):
