@@ -107,6 +107,10 @@ def exit_on_usage_error(fn):
             return fn(*args, **kwargs)
         except (UsageError, RunError, Reported) as exc:
             _exit(report(exc))
+        except KeyboardInterrupt:  # Ctrl-C before a handler of the entry point's own (pretrain's saves) was set
+            if _distributed()[1] == 0:
+                say("interrupted (SIGINT); stopped")
+            _exit(130)
         except BrokenPipeError:  # the reader left (`... | head`): stop quietly, as a Unix tool does
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)

@@ -9,6 +9,16 @@ if [ -z "${GPUS_PER_NODE:-}" ]; then
   GPUS_PER_NODE=$(nvidia-smi -L 2>/dev/null | wc -l || true)
   [ "${GPUS_PER_NODE:-0}" -gt 0 ] || GPUS_PER_NODE=1
 fi
+need_int() {  # name, value, least: one line and exit 2 for a variable that is not an integer >= least
+  case "$2" in ''|*[!0-9]*) echo "error: $1=$2: must be an integer >= $3" >&2; exit 2 ;; esac
+  [ "$2" -ge "$3" ] || { echo "error: $1=$2: must be an integer >= $3" >&2; exit 2; }
+}
+need_int GPUS_PER_NODE "$GPUS_PER_NODE" 1
+need_int NNODES "${NNODES:-1}" 1
+need_int NODE_RANK "${NODE_RANK:-0}" 0
+[ "${NODE_RANK:-0}" -lt "${NNODES:-1}" ] || { echo "error: NODE_RANK=${NODE_RANK:-0}: must be below NNODES=${NNODES:-1}" >&2; exit 2; }
+need_int MASTER_PORT "${MASTER_PORT:-29500}" 1
+[ "${MASTER_PORT:-29500}" -le 65535 ] || { echo "error: MASTER_PORT=${MASTER_PORT}: must be a port in [1, 65535]" >&2; exit 2; }
 PYTHON_BIN=${PYTHON_BIN:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
 exec "$PYTHON_BIN" -m torch.distributed.run \
     --nproc_per_node "$GPUS_PER_NODE" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \

@@ -11,6 +11,7 @@ PY=.venv/bin/python
 DATA=quickstart_data
 CKPT=checkpoints/quickstart
 ITERS=${QUICKSTART_ITERS:-300}
+case "$ITERS" in ''|*[!0-9]*|0) echo "error: QUICKSTART_ITERS=$ITERS: must be an integer >= 1" >&2; exit 2 ;; esac
 WARMUP=$(( ITERS / 10 < 20 ? ITERS / 10 : 20 ))  # warm-up must end within the run
 mkdir -p "$DATA"
 LOAD_ARGS=()

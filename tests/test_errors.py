@@ -55,3 +55,16 @@ def test_a_closed_pipe_ends_quietly():
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1 and "Traceback" not in err, err
+
+
+def test_ctrl_c_before_a_handler_is_one_line(monkeypatch, capsys):
+    """Ctrl-C in a run's start-up (before pretrain's own handler saves) printed a KeyboardInterrupt traceback."""
+    monkeypatch.setenv("RANK", "0")
+
+    @errors.exit_on_usage_error
+    def main():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code == 130 and capsys.readouterr().err == "error: interrupted (SIGINT); stopped\n"

@@ -33,6 +33,7 @@ sys.path.insert(0, ROOT)
 
 from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error  # noqa: E402
 from megatron_bmw.trials.logparse import parse_log  # noqa: E402
+from megatron_bmw.paths import check_output_dir  # noqa: E402
 
 
 class StepFailed(Exception):
@@ -715,7 +716,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise UsageError(f"--steps: unknown step {unknown[0]!r} (steps: {','.join(names)})")
     inject = _parse_inject(args.inject)
-    os.makedirs(args.out_dir, exist_ok=True)
+    for flag, value in (("--budget-s", args.budget_s), ("--step-timeout-s", args.step_timeout_s)):
+        if value is not None and not 0 < value < math.inf:
+            raise UsageError(f"{flag} must be a number of seconds > 0, got {value:g}")
+    check_output_dir("out_dir", args.out_dir)
     import torch
 
     cuda = torch.cuda.is_available()

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.snapshot.endswith(".json"):
         if not args.replay:
             raise UsageError(f"{args.snapshot}: a trace file (gpu_check's allocator_trace.json) takes --replay")
-        out = {"replay": replayed(args.snapshot, read_json(args.snapshot, "trace", "trace").get("events"))}
+        trace = read_json(args.snapshot, "trace", "trace")
+        out = {"replay": replayed(args.snapshot, trace.get("events") if isinstance(trace, dict) else None)}
     else:
         snap = read_snapshot(args.snapshot)
         out = summary(args.snapshot, snap, args.device)
@@ -67,8 +68,13 @@ def summary(path: str, snap: dict, device: int) -> dict:
 
 def replayed(path: str, events) -> dict:
     """planner/caching_allocator.py replaying the trace's requests, beside what the allocator reserved."""
-    if not isinstance(events, list) or not all(isinstance(e, (list, tuple)) and len(e) == 3 for e in events):
+    if not isinstance(events, list) or not events or not all(isinstance(e, (list, tuple)) and len(e) == 3
+                                                             for e in events):
         raise UsageError(f"{path}: no (code, size, address) events to replay")
+    bad = next((i for i, e in enumerate(events) if not all(isinstance(x, int) and not isinstance(x, bool)
+                                                           for x in e) or e[1] < 0 or e[2] < 0), None)
+    if bad is not None:
+        raise UsageError(f"{path}: event {bad} {events[bad]!r} is not (code, size >= 0, address >= 0) in integers")
     try:
         r = replay(events)
     except ValueError as exc:

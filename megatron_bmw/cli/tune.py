@@ -17,6 +17,7 @@ repeats are kept in <output-dir>/trials.jsonl, as grid_search.py keeps its resul
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -50,7 +51,8 @@ def build_parser() -> OneLineParser:
     g = p.add_argument_group("the loop")
     g.add_argument("--top-k", type=int, default=3, help="plans measured per round")
     g.add_argument("--max-trials", type=int, default=12, help="plans measured in all")
-    g.add_argument("--max-minutes", type=float, default=60.0, help="wall-clock budget (checked between trials)")
+    g.add_argument("--max-minutes", type=float, default=60.0,
+                   help="wall-clock budget (checked before each trial; a trial started runs to its end)")
     g.add_argument("--max-rounds", type=int, default=5)
     g.add_argument("--space", action="append", default=[], help="search space restriction, as search takes it")
     g = p.add_argument_group("measuring")
@@ -92,6 +94,8 @@ def _check(opts) -> None:
         raise UsageError(f"--max-minutes must be > 0, got {opts.max_minutes:g}")
     if not opts.max_spread > 0:
         raise UsageError(f"--max-spread must be > 0, got {opts.max_spread:g}")
+    if not 0 <= opts.kill_grace < math.inf:
+        raise UsageError(f"--kill-grace must be >= 0 seconds, got {opts.kill_grace:g}")
     if not 0 <= opts.warmup_iters < opts.trial_iters:
         raise UsageError(f"--warmup-iters {opts.warmup_iters} must be in [0, --trial-iters {opts.trial_iters})")
     if opts.script is not None and not os.path.isfile(opts.script):
@@ -133,12 +137,41 @@ class Tuner:
         self.world = opts.nproc_per_node * opts.nnodes
         self.out = opts.output_dir
         check_output_dir("--output-dir", self.out)
-        self.results = Results(os.path.join(self.out, "trials.jsonl"))
+        self._same_run(opts)
+        self.results = Results(os.path.join(self.out, "trials.jsonl"), "--output-dir")
         self.trials: dict[str, Trial] = {}  # base id -> trial, in the order measured
         self.proposed: dict[str, tuple[int, float | None]] = {}  # base id -> (round, predicted time then)
         self.start = time.monotonic()
         self.runner = Runner(LaunchConfig(opts.launcher, opts.nproc_per_node, opts.nnodes, opts.python, opts.script,
                                           opts.trial_timeout, opts.kill_grace))
+
+    def _same_run(self, opts) -> None:
+        """An --output-dir holds one tune: the same command resumes it; another model, batch, world, cluster or
+        space is refused instead of mixing its trials and overwriting the plan and report (tune.json records
+        what the folder's tune is of)."""
+        path = os.path.join(self.out, "tune.json")
+        mine = {"flags": self.search_flags(), "world_size": self.world, "cluster": opts.cluster,
+                "space": list(opts.space)}
+        theirs = None
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    theirs = json.load(f)
+            except (OSError, ValueError):
+                raise UsageError(f"--output-dir {self.out}: tune.json is unreadable (edited by hand?); give another "
+                                 "--output-dir") from None
+        if theirs is not None and theirs != mine:
+            key = next(k for k in mine if theirs.get(k) != mine[k]) if isinstance(theirs, dict) else "flags"
+            shown = " ".join(theirs.get(key)) if isinstance(theirs, dict) and key == "flags" else \
+                (theirs.get(key) if isinstance(theirs, dict) else theirs)
+            raise UsageError(f"--output-dir {self.out} holds a tune of another run ({key}: {shown}); the same "
+                             "command resumes it, another one needs another --output-dir")
+        if theirs is None:
+            os.makedirs(self.out, exist_ok=True)
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(mine, f, indent=1)
+            os.replace(tmp, path)
 
     # -- pieces --------------------------------------------------------------------------------------------------
     def search_flags(self) -> list[str]:
@@ -171,8 +204,11 @@ class Tuner:
         reps = [self.results.latest[k] for k in self.results.latest if k.rsplit(".", 1)[0] == base]
         return aggregate(base, reps)
 
+    def out_of_time(self) -> bool:
+        return (time.monotonic() - self.start) / 60 > self.opts.max_minutes
+
     def out_of_budget(self) -> str | None:
-        if (time.monotonic() - self.start) / 60 > self.opts.max_minutes:
+        if self.out_of_time():
             return f"--max-minutes {self.opts.max_minutes:g} spent"
         if len(self.trials) >= self.opts.max_trials:
             return f"--max-trials {self.opts.max_trials} measured"
@@ -194,6 +230,8 @@ class Tuner:
         so_far = self.measured(rep.base_id)
         if self.results.done(rep.id) or (so_far is not None and so_far["status"] != "ok"):
             return  # measured already, or failed (OOM, crash, hang) once: no repeat of a failure
+        if self.out_of_time():  # the loop stops at its next check; repeats not run are left for a resume
+            return
         if t.skip_reason:
             rec = {"id": rep.id, "status": "infeasible", "reason": t.skip_reason, "plan": t.plan,
                    "plan_path": t.plan_path, "layout": t.layout, "world_size": t.world_size, "argv": t.argv()}

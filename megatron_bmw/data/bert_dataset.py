@@ -75,6 +75,12 @@ class BertSampleConfig:
             raise UsageError(f"--seq-length {self.seq_length}: a BERT sample needs at least 5 positions")
         if not 0.0 < self.mask_prob < 1.0:
             raise UsageError(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
+        longest = self.seq_length - 3  # [CLS] and two [SEP]
+        if self.mask_prob * longest < 1:  # the budget below: not one token would be masked in any sample
+            raise UsageError(f"--seq-length {self.seq_length} with --mask-prob {self.mask_prob:g}: the longest sample "
+                             f"({longest} tokens) may mask {self.mask_prob * longest:.2f} tokens, fewer than one, so "
+                             "the masked-LM loss would train on nothing; give a longer --seq-length or a larger "
+                             "--mask-prob")
         if not 0.0 <= self.short_seq_prob <= 1.0:
             raise UsageError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
         if self.max_ngram < 1:

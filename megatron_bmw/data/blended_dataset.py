@@ -50,6 +50,8 @@ def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
     total = sum(w for w, _ in pairs)
     if total <= 0:
         raise UsageError("--data-path: weights sum to zero")
+    if not math.isfinite(total):
+        raise UsageError("--data-path: the weights' sum overflows; give smaller weights (only their ratios count)")
     return [(w / total, p) for w, p in pairs]
 
 

@@ -64,10 +64,7 @@ def build_gpt_datasets(
         return _mock_datasets(cfg, seq_length, seed, num_samples)
     if not cfg.data_path:
         raise UsageError("--data-path: required unless --mock-data is set")
-    blend = parse_data_path(cfg.data_path)
-    weights = [w for w, _ in blend]
-    if len(blend) > 1 and min(weights) == 0:
-        blend = [(w, p) for w, p in blend if w > 0]
+    blend = _weighted(parse_data_path(cfg.data_path))
 
     def make(ds: IndexedDataset, rng: tuple[int, int], count: int, name: str) -> GPTDataset:
         cache = cfg.data_cache_path or default_cache_dir(ds.path_prefix)
@@ -106,12 +103,21 @@ def build_bert_datasets(cfg: DataConfig, sample: "BertSampleConfig", num_samples
                      for name, n, w in zip(SPLIT_NAMES, num_samples, weights))
     if not cfg.data_path:
         raise UsageError("--data-path: required unless --mock-data is set")
-    blend = [(w, p) for w, p in parse_data_path(cfg.data_path) if w > 0 or len(cfg.data_path) == 1]
+    blend = _weighted(parse_data_path(cfg.data_path))
     def make(ds: IndexedDataset, rng: tuple[int, int], count: int, name: str):
         return BertDataset(ds, np.arange(*rng), count, sample, vocab, name)
 
     return _split_and_blend(cfg, blend, num_samples, check_vocab_size, lambda ds: len(ds.document_indices) - 1,
                             make, lambda first: None)
+
+
+def _weighted(blend: list[tuple[float, str]]) -> list[tuple[float, str]]:
+    """The prefixes of weight > 0; one of weight 0 is still opened, as Megatron does, so a misspelt one is named."""
+    if len(blend) == 1:
+        return blend
+    for _, prefix in (b for b in blend if b[0] == 0):
+        IndexedDataset(prefix)
+    return [b for b in blend if b[0] > 0]
 
 
 def _split_and_blend(cfg: DataConfig, blend: list, num_samples: tuple[int, int, int], check_vocab_size: int | None,

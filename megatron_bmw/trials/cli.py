@@ -219,6 +219,8 @@ def _check(opts) -> None:
         raise UsageError(f"--kill-grace must be >= 0 seconds, got {opts.kill_grace:g}")
     if opts.script is not None and not os.path.isfile(opts.script):
         raise UsageError(f"--script {opts.script}: no such file")
+    if opts.plot is not None and os.path.isdir(opts.plot):
+        raise UsageError(f"--plot {opts.plot}: is a directory, expected a PNG file name")
     for flag, path in (("--plot", opts.plot), ("--results", opts.results), ("--log-dir", opts.log_dir)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):

@@ -4,6 +4,7 @@ measured best), and a predicted-vs-measured PNG."""
 
 from __future__ import annotations
 
+import os
 
 from ..planner.accuracy import error_summary
 from .grid import layout_label
@@ -89,6 +90,8 @@ def plot(records: list[dict], predictions: dict[str, float], path: str) -> str:
                  fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
+    if not os.path.splitext(path)[1]:  # (matplotlib would add it unsaid)
+        path += ".png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"predicted vs measured written to {path}"

@@ -13,6 +13,7 @@ A line cut short by a kill is skipped when reading. One sweep at a time may writ
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -22,8 +23,9 @@ FINAL = ("ok", "oom", "crash", "hang", "infeasible")
 
 
 class Results:
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, flag: str = "--results") -> None:
+        """`flag`: what the messages name the file by (the flag that gave it, or its folder's)."""
+        self.path, self.flag = path, flag
         self.latest: dict[str, dict] = {}
         self.attempts: dict[str, int] = {}
         self._lock = None
@@ -37,7 +39,7 @@ class Results:
             with open(self.path, "rb") as f:
                 lines = f.read().splitlines(keepends=True)
         except OSError as exc:
-            raise UsageError(f"--results {self.path}: cannot read it ({exc.strerror})") from None
+            raise UsageError(f"{self.flag} {self.path}: cannot read it ({exc.strerror})") from None
         unterminated = bool(lines) and not lines[-1].endswith(b"\n")
         for n, line in enumerate(lines, 1):
             try:
@@ -48,13 +50,26 @@ class Results:
                     print(f"warning: --results {self.path}: line {n} was cut short (a killed sweep); skipped",
                           file=sys.stderr, flush=True)
                     continue
-                raise UsageError(f"--results {self.path}: line {n} is not a JSON record (not a results file, or "
+                raise UsageError(f"{self.flag} {self.path}: line {n} is not a JSON record (not a results file, or "
                                  "edited by hand?)") from None
             if isinstance(record, dict) and "id" in record:
+                self._check(record, n)
                 self.latest[record["id"]] = record
                 if record.get("status") == "running":
                     self.attempts[record["id"]] = self.attempts.get(record["id"], 0) + 1
         self._newline_first = unterminated and self._cut_at is None
+
+    def _check(self, record: dict, n: int) -> None:
+        """A record the readers can use: a string id, a known status, an ok trial's positive median time."""
+        where = f"{self.flag} {self.path}: line {n}"
+        if not isinstance(record["id"], str):
+            raise UsageError(f"{where}: id must be a string, got {record['id']!r} (edited by hand?)")
+        status = record.get("status")
+        if status not in (*FINAL, "running"):
+            raise UsageError(f"{where}: status must be one of {', '.join(FINAL)} or running, got {status!r}")
+        median = record.get("median_iteration_s")
+        if status == "ok" and (isinstance(median, bool) or not isinstance(median, (int, float)) or not 0 < median < math.inf):
+            raise UsageError(f"{where}: an ok trial needs median_iteration_s > 0, got {median!r} (edited by hand?)")
 
     def lock(self) -> None:
         """Hold an exclusive lock on `<results>.lock` until the process ends."""
@@ -62,15 +77,15 @@ class Results:
 
         folder = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(folder):
-            raise UsageError(f"--results {self.path}: folder {folder} does not exist")
+            raise UsageError(f"{self.flag} {self.path}: folder {folder} does not exist")
         try:
             self._lock = open(self.path + ".lock", "w")
         except OSError as exc:
-            raise UsageError(f"--results {self.path}: cannot write beside it ({exc.strerror})") from None
+            raise UsageError(f"{self.flag} {self.path}: cannot write beside it ({exc.strerror})") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            raise UsageError(f"--results {self.path}: another sweep is writing it") from None
+            raise UsageError(f"{self.flag} {self.path}: another sweep is writing it") from None
 
     def unlock(self) -> None:
         """Release the lock (a process that goes on after its sweep)."""
@@ -96,7 +111,7 @@ class Results:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:
-            raise UsageError(f"--results {self.path}: cannot write it ({exc.strerror})") from None
+            raise UsageError(f"{self.flag} {self.path}: cannot write it ({exc.strerror})") from None
 
     def final_records(self) -> list[dict]:
         return [r for r in self.latest.values() if r.get("status") in FINAL]

@@ -97,6 +97,8 @@ def test_repeats_aggregate_to_their_median_and_spread():
     (["--nproc-per-node", "2", "--script", "nope.py"], "--script nope.py: no such file"),
     (["--nproc-per-node", "2", "--max-spread", "0"], "--max-spread must be > 0"),
     (["--nproc-per-node", "2", "--cluster", "a100-80g-ib"], "give --profile"),
+    (["--nproc-per-node", "2", "--kill-grace", "-1"], "--kill-grace must be >= 0 seconds"),
+    (["--nproc-per-node", "2", "--kill-grace", "nan"], "--kill-grace must be >= 0 seconds"),
 ])
 def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, extra, needle):
     monkeypatch.chdir(tmp_path)
@@ -105,3 +107,41 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, extra, needle):
         main([*extra, *MODEL])
     lines = capsys.readouterr().err.strip().splitlines()
     assert err.value.code == 2 and len(lines) == 1 and needle in lines[0], lines
+
+
+def _refused(capsys, *extra):
+    with pytest.raises(SystemExit) as err:
+        main(["--nproc-per-node", "2", "--profile", PROFILE, "--output-dir", "out", *extra, *MODEL])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert err.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+def test_an_output_dir_holds_one_tune(tmp_path, monkeypatch, capsys):
+    """Another model, batch or space into a folder that holds a tune is refused before anything runs or is
+    overwritten; tune.json records the folder's run."""
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("out")
+    mine = {"flags": ["--nproc-per-node", "2"], "world_size": 2, "cluster": "local", "space": []}
+    with open("out/tune.json", "w") as f:
+        json.dump(mine, f)
+    line = _refused(capsys)
+    assert line.startswith("error: --output-dir out holds a tune of another run (flags: --nproc-per-node 2)"), line
+    assert json.load(open("out/tune.json")) == mine and sorted(os.listdir("out")) == ["tune.json"]
+    with open("out/tune.json", "w") as f:
+        f.write("{")
+    assert "tune.json is unreadable" in _refused(capsys)
+
+
+@pytest.mark.parametrize("record,needle", [
+    ({"id": "06dd8b804778.9", "status": "ok"}, "line 2: an ok trial needs median_iteration_s > 0, got None"),
+    ({"id": 3, "status": "ok"}, "line 2: id must be a string, got 3"),
+    ({"id": "a.1", "status": "fine"}, "line 2: status must be one of ok, oom, crash, hang, infeasible or running"),
+])
+def test_a_hand_edited_trials_file_is_one_line(tmp_path, monkeypatch, capsys, record, needle):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("out")
+    with open("out/trials.jsonl", "w") as f:
+        f.write(json.dumps({"id": "a.1", "status": "running"}) + "\n" + json.dumps(record) + "\n")
+    line = _refused(capsys)
+    assert line.startswith("error: --output-dir out/trials.jsonl: ") and needle in line, line

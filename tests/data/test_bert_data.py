@@ -202,3 +202,12 @@ def test_bert_datasets_over_preprocessed_data_and_blends(vocab_file, tmp_path):
     assert len(blend[0]) == 40 and {blend[0][i]["dataset_id"] for i in range(40)} == {0, 1}
     with pytest.raises(UsageError, match="BERT needs a WordPiece tokenizer"):
         BertVocab.of(build_tokenizer(DataConfig(tokenizer_type="NullTokenizer", vocab_size=10)))
+
+
+def test_a_masking_budget_under_one_token_is_refused():
+    """Megatron's budget min(mask_prob x target, ...) masks nothing below one token: no loss would train."""
+    BertSampleConfig(seq_length=10, mask_prob=0.15)  # 7 tokens: 1.05, one token per sample
+    with pytest.raises(UsageError, match="--seq-length 9 with --mask-prob 0.15: the longest sample"):
+        BertSampleConfig(seq_length=9, mask_prob=0.15)
+    with pytest.raises(UsageError, match="--seq-length 64 with --mask-prob 0.01"):
+        BertSampleConfig(seq_length=64, mask_prob=0.01)

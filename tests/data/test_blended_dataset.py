@@ -50,7 +50,8 @@ def test_parse_data_path():
     assert parse_data_path(["a", "b"]) == [(0.5, "a"), (0.5, "b")]
     assert parse_data_path(["3", "a", "1", "b"]) == [(0.75, "a"), (0.25, "b")]
     for bad, why in [([], "no data prefix"), (["1", "a", "2"], "pairs"), (["1", "a", "x", "b"], "'x' is not"),
-                     (["a", "0.5"], "mixes"), (["0", "a", "0", "b"], "sum to zero"), (["-1", "a", "2", "b"], "'-1'")]:
+                     (["a", "0.5"], "mixes"), (["0", "a", "0", "b"], "sum to zero"), (["-1", "a", "2", "b"], "'-1'"),
+                     (["1e308", "a", "1e308", "b"], "the weights' sum overflows")]:
         with pytest.raises(UsageError, match=why) as info:
             parse_data_path(bad)
         assert str(info.value).startswith("--data-path: ") and "\n" not in str(info.value)
@@ -69,3 +70,16 @@ def test_builder_blends_two_prefixes(tmp_path):
     assert tokens == {0: {1}, 1: {2}}
     again = build_gpt_datasets(cfg, seq_length=16, seed=0, num_samples=(1000, 100, 10))[0]
     assert again.built_from_cache and all(d.built_from_cache for d in again.datasets)
+
+
+def test_a_prefix_of_weight_zero_is_still_opened(tmp_path):
+    """As Megatron opens every prefix: a misspelt one with weight 0 is named, not silently skipped."""
+    a = write_dataset(tmp_path / "a", [[1] * 30 for _ in range(40)])
+    cfg = DataConfig(data_path=["1", a, "0", str(tmp_path / "typo")], split="100,0,0",
+                     data_cache_path=str(tmp_path / "cache"))
+    with pytest.raises(UsageError, match="typo"):
+        build_gpt_datasets(cfg, seq_length=16, seed=0, num_samples=(100, 0, 0))
+    b = write_dataset(tmp_path / "b", [[2] * 30 for _ in range(40)])
+    cfg = DataConfig(data_path=["1", a, "0", b], split="100,0,0", data_cache_path=str(tmp_path / "cache"))
+    train = build_gpt_datasets(cfg, seq_length=16, seed=0, num_samples=(100, 0, 0))[0]
+    assert {t for i in range(len(train)) for t in train[i]["text"].tolist()} == {1}  # weight 0: never drawn

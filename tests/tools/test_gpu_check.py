@@ -77,10 +77,16 @@ def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "env,warp"], "--steps: unknown step 'warp'"),
     (["--inject", "env=explode"], "--inject 'env=explode': give STEP=fail or STEP=hang"),
+    (["--budget-s", "nan"], "--budget-s must be a number of seconds > 0, got nan"),
+    (["--step-timeout-s", "-5"], "--step-timeout-s must be a number of seconds > 0, got -5"),
+    (["--steps", "env"], "out_dir {tmp}/a_file: exists and is not a directory"),
 ])
 def test_usage_errors_are_one_line(tmp_path, capsys, argv, message):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / ("a_file" if "out_dir" in message else "out")
+    message = message.replace("{tmp}", str(tmp_path))
     with pytest.raises(SystemExit) as exc:
-        gpu_check.main([str(tmp_path / "out"), *argv])
+        gpu_check.main([str(out), *argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1

@@ -33,10 +33,15 @@ def test_the_tool_prints_the_peaks_and_bad_input_is_one_line(tmp_path, capsys):
     assert "recorded 0.039 GiB in 2 segments: the same segments" in out
     trace_file = tmp_path / "allocator_trace.json"
     trace_file.write_text(json.dumps({"events": [[0, 4 * MiB, 0], [1, 4 * MiB, 8]]}))
+    listed, negative = tmp_path / "list.json", tmp_path / "negative.json"
+    listed.write_text("[]")
+    negative.write_text(json.dumps({"events": [[0, -5, 2], [1, 3, 2]]}))
     for argv, message in (([str(tmp_path / "none.pickle")], "cannot read the memory snapshot"),
                           ([str(path), "--device", "1"], "no recorded events on device 1"),
                           ([str(trace_file)], "takes --replay"),
-                          ([str(trace_file), "--replay"], "cannot replay: event 1: a free at 0x8")):
+                          ([str(trace_file), "--replay"], "cannot replay: event 1: a free at 0x8"),
+                          ([str(listed), "--replay"], "no (code, size, address) events to replay"),
+                          ([str(negative), "--replay"], "event 0 [0, -5, 2] is not (code, size >= 0")):
         with pytest.raises(SystemExit) as info:
             tool.main(argv)
         assert info.value.code == 2

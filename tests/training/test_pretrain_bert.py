@@ -216,5 +216,7 @@ def test_bert_bad_input_refused():
     cases = [(["--short-seq-prob", "-0.1"], "--short-seq-prob must be in [0, 1]"),
              (["--seq-length", "4", "--max-position-embeddings", "4"], "--seq-length 4: a BERT sample needs"),
              (["--vocab-size", "6"], "--vocab-size 6: BERT mock data needs at least 8"),
+             (["--seq-length", "9", "--max-position-embeddings", "9"],  # 0.15 x 6 tokens: nothing to learn from
+              "--seq-length 9 with --mask-prob 0.15: the longest sample (6 tokens) may mask 0.90 tokens"),
              (["--masking-max-ngram", "0"], "--masking-max-ngram must be >= 1")]
     assert run_distributed(1, _refused, cases) == [True]

@@ -127,7 +127,8 @@ def test_bad_sweep_inputs_named_in_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "empty.yaml").write_text("\n")
     (tmp_path / "empty_axis.yaml").write_text("grid:\n  micro-batch-size: []\n")
     (tmp_path / "a_file").write_text("")
-    (tmp_path / "garbage.jsonl").write_text('{"id": "a", "status": "ok"}\ngarbage\n{"id": "b", "status": "ok"}\n')
+    (tmp_path / "garbage.jsonl").write_text('{"id": "a", "status": "ok", "median_iteration_s": 1}\ngarbage\n'
+                                           '{"id": "b", "status": "ok", "median_iteration_s": 1}\n')
     run = ["--nproc-per-node", "1", *MODEL.split()]
     for argv, message in [
         (["--nnodes", "0", *run, "--dry-run"], "--nnodes must be >= 1, got 0"),
@@ -136,6 +137,7 @@ def test_bad_sweep_inputs_named_in_one_line(tmp_path, monkeypatch, capsys):
         (["--kill-grace", "-5", *run], "--kill-grace must be >= 0 seconds"),
         (["--trial-timeout", "0", *run], "--trial-timeout must be > 0 seconds"),
         (["--plot", "no/dir/x.png", "--report-only", "--results", "garbage.jsonl"], "--plot no/dir/x.png: folder"),
+        (["--plot", ".", "--report-only", "--results", "garbage.jsonl"], "--plot .: is a directory"),
         (["--grid", "empty.yaml", *run], "--grid empty.yaml: empty"),
         (["--grid", "empty_axis.yaml", *run], "the axis --micro-batch-size has no values"),
         ([*run, "--micro-batch-size", "2,", "--dry-run"], "--micro-batch-size '2,': an empty value"),
@@ -152,14 +154,15 @@ def test_a_results_line_cut_by_a_kill_is_skipped_and_not_glued_to(tmp_path, caps
     from megatron_bmw.trials.results import Results
 
     path = tmp_path / "r.jsonl"
-    path.write_text('{"id": "a", "status": "ok"}\n{"id": "b", "sta')
+    ok = '"status": "ok", "median_iteration_s": 1'
+    path.write_text('{"id": "a", ' + ok + '}\n{"id": "b", "sta')
     results = Results(str(path))
     assert set(results.latest) == {"a"} and "line 2 was cut short" in capsys.readouterr().err
-    results.append({"id": "c", "status": "ok"})
+    results.append({"id": "c", "status": "ok", "median_iteration_s": 1})
     assert set(Results(str(path)).latest) == {"a", "c"}  # the cut line is dropped
-    path.write_text('{"id": "a", "status": "ok"}')  # whole, but without its newline
+    path.write_text('{"id": "a", ' + ok + '}')  # whole, but without its newline
     results = Results(str(path))
-    results.append({"id": "c", "status": "ok"})
+    results.append({"id": "c", "status": "ok", "median_iteration_s": 1})
     assert set(Results(str(path)).latest) == {"a", "c"}
 
 
@@ -179,3 +182,13 @@ def test_the_sweep_does_not_import_torch():
     code = ("import sys, megatron_bmw.trials.cli, megatron_bmw.trials.specs, megatron_bmw.planner.calibrate; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_the_plot_note_names_the_file_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    from megatron_bmw.trials.report import plot
+
+    rows = [{"id": f"t{i}", "status": "ok", "median_iteration_s": 0.1 * i} for i in (1, 2)]
+    note = plot(rows, {"t1": 0.11, "t2": 0.19}, str(tmp_path / "myplot"))
+    assert note == f"predicted vs measured written to {tmp_path / 'myplot.png'}"
+    assert (tmp_path / "myplot.png").is_file()
