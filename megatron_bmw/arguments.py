@@ -541,6 +541,8 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     _check_megatron_choices(args)
     if args.fp16 and args.bf16:
         raise UsageError("--fp16 and --bf16 are mutually exclusive")
+    if getattr(args, "model_type", "gpt") != "bert" and not getattr(args, "bert_binary_head", True):
+        raise UsageError("--bert-no-binary-head: applies to --model-type bert (a GPT has no sentence-order head)")
     if plan is not None:
         return _configs_from_plan(args, world_size, vocab_size, plan)
     tp = args.tensor_model_parallel_size

@@ -72,6 +72,9 @@ class SearchSpace:
                              f"{', '.join(runs)}")
         if "uniform" not in self.strategy:
             raise UsageError(f"--space strategy=hybrid: engine {engine} runs one layout for all units (uniform)")
+        for name, values, what in (("bpipe", self.bpipe, "BPipe"), ("slicing", self.slicing, "micro-batch slicing")):
+            if False not in values:
+                raise UsageError(f"--space {name}=on: engine {engine} has no {what}")
         sp = self.sp
         if engine == "deepspeed":
             if False not in sp:

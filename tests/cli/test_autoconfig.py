@@ -143,6 +143,12 @@ def test_analytic_profile(capsys, tmp_path):
      "--host-op-us: engine megatron-core's host is not modelled"),
     (["simulate", "--cluster", "a100-80g-ib", "--cuda-launch-blocking", "--host-op-us", "-1"], "--host-op-us must"),
     (["profile", "--output", "unwritten.json", "--profile-tp", "1,3"], "--profile-tp 3 does not divide"),
+    (["search", "--cluster", "a100-80g-ib", "--bert-no-binary-head", "--global-batch-size", "8"],
+     "--bert-no-binary-head: applies to --model-type bert"),
+    (["search", "--cluster", "a100-80g-ib", "--engine", "megatron-core", "--space", "bpipe=on",
+      "--global-batch-size", "8"], "--space bpipe=on: engine megatron-core has no BPipe"),
+    (["search", "--cluster", "a100-80g-ib", "--engine", "deepspeed", "--fp16", "--space", "slicing=on",
+      "--global-batch-size", "8"], "--space slicing=on: engine deepspeed has no micro-batch slicing"),
     # what Megatron-LM does not run is refused, as DeepSpeed's is
     (["simulate", "--cluster", "a100-80g-ib", "--world-size", "2", "--pipeline-model-parallel-size", "2",
       "--engine", "megatron-core", "--pipeline-schedule", "zb-h1"],
