@@ -30,7 +30,6 @@ the tp ranks) that does not; at tp = 1 the whole time grows with the batch.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -39,6 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.args import UsageError, exit_on_usage_error, output_files, parser  # noqa: E402
 from benchmarks.stats import spearman  # noqa: E402
 from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.planner.cluster import load_cluster
@@ -152,16 +152,21 @@ def evaluate(data: dict, batch_scaling: str, memory: MemorySettings, engine: str
             "false_oom": sum(1 for r in ran if not r["fits"]), "ratio_by_tp": by_tp}
 
 
+@exit_on_usage_error
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-scaling", choices=["fixed", "linear"], default="fixed")
-    parser.add_argument("--engine", choices=["deepspeed", "ours"], default="deepspeed",
-                        help="memory of the engine that ran the trials (deepspeed) or of our runtime alone")
-    parser.add_argument("--flat-allowance", action="store_true", help="1.5 GiB + 10%% instead of the derived one")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    with open(DATA) as f:
-        data = json.load(f)
+    ap = parser(__doc__)
+    ap.add_argument("--batch-scaling", choices=["fixed", "linear"], default="fixed")
+    ap.add_argument("--engine", choices=["deepspeed", "ours"], default="deepspeed",
+                    help="memory of the engine that ran the trials (deepspeed) or of our runtime alone")
+    ap.add_argument("--flat-allowance", action="store_true", help="1.5 GiB + 10%% instead of the derived one")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    output_files(json=args.json)
+    try:
+        with open(DATA) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{os.path.normpath(DATA)}: cannot read AMP's trials ({exc})") from None
     engine = EngineConfig("deepspeed") if args.engine == "deepspeed" else EngineConfig()
     memory = MemorySettings(device="cuda", engine=engine, derived=DerivedAllowance(
         (load_cluster("aws-g4dn.12xlarge").groups[0].device,)))

@@ -40,7 +40,6 @@ tensor-parallel size.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -49,6 +48,7 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.args import exit_on_usage_error, output_files, parser  # noqa: E402
 from megatron_bmw.config import ModelConfig, PipelineConfig  # noqa: E402
 from megatron_bmw.errors import UsageError  # noqa: E402
 from megatron_bmw.planner.accuracy import error_summary  # noqa: E402
@@ -171,6 +171,10 @@ def evaluate(data: dict, groups: list[str] | None = None, memory: MemorySettings
              engine: str = "deepspeed", launch: str = "blocking") -> dict:
     setup = data["setup"]
     memory = replace(memory, engine=EngineConfig(engine))
+    known = list(dict.fromkeys(r["group"] for r in data["rows"]))
+    unknown = [g for g in groups or () if g not in known]
+    if unknown:
+        raise UsageError(f"--group {unknown[0]!r}: no such group (one of {', '.join(map(repr, known))})")
     rows = [dict(r) for r in data["rows"] if groups is None or r["group"] in groups]
     for row in rows:
         spec = run_spec(row, setup)
@@ -216,25 +220,23 @@ def evaluate(data: dict, groups: list[str] | None = None, memory: MemorySettings
                 r["published_mem_gb"] / r["predicted_peak_gb"] for r in ran if r.get("published_mem_gb"))}
 
 
+@exit_on_usage_error
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default=DATA)
-    parser.add_argument("--group", action="append", default=None, help="only this group (repeatable)")
-    parser.add_argument("--flat-allowance", action="store_true", help="1.5 GiB + 10%% instead of the derived allowance")
-    parser.add_argument("--engine", choices=("deepspeed", "megatron_bmw"), default="deepspeed",
-                        help="whose gradient handling and model states: DeepSpeed's, which ran the trials (default), "
-                             "or our runtime's")
-    parser.add_argument("--launch", choices=("blocking", "async"), default="blocking",
-                        help="kernel launches: blocking (CUDA_LAUNCH_BLOCKING=1, as the trials ran: each unit's host "
-                             "time adds to its device time; the default) or async (the host ahead of the GPU)")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    try:
-        result = evaluate(load_data(args.data), args.group, FLAT if args.flat_allowance else MEMORY, args.engine,
-                          args.launch)
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    ap = parser(__doc__)
+    ap.add_argument("--data", default=DATA)
+    ap.add_argument("--group", action="append", default=None, help="only this group (repeatable)")
+    ap.add_argument("--flat-allowance", action="store_true", help="1.5 GiB + 10%% instead of the derived allowance")
+    ap.add_argument("--engine", choices=("deepspeed", "megatron_bmw"), default="deepspeed",
+                    help="whose gradient handling and model states: DeepSpeed's, which ran the trials (default), "
+                         "or our runtime's")
+    ap.add_argument("--launch", choices=("blocking", "async"), default="blocking",
+                    help="kernel launches: blocking (CUDA_LAUNCH_BLOCKING=1, as the trials ran: each unit's host "
+                         "time adds to its device time; the default) or async (the host ahead of the GPU)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    output_files(json=args.json)
+    result = evaluate(load_data(args.data), args.group, FLAT if args.flat_allowance else MEMORY, args.engine,
+                      args.launch)
     head = (f"{'line':>4} {'tp':>2} {'pp':>2} {'dp':>2} {'mbs':>3} {'heads':>5} {'hd':>3} {'gbs':>4} | {'measured':>8} "
             f"{'predicted':>9} {'error':>6} | {'mem pub.':>8} {'pred.':>5} {'fits':>4}")
     for name, s in result["groups"].items():

@@ -13,7 +13,6 @@ read the overhead as an upper bound.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.args import UsageError, count, exit_on_usage_error, parser  # noqa: E402
 from benchmarks.common import format_table, median, run_gloo  # noqa: E402
 from megatron_bmw.config import ModelConfig, ParallelConfig, PipelineConfig  # noqa: E402
 from megatron_bmw.parallel.state import ParallelState  # noqa: E402
@@ -39,6 +39,12 @@ def _batches(cfg: ModelConfig, m: int, mbs: int) -> list[dict]:
         out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
                     "loss_mask": torch.ones(mbs, cfg.seq_length)})
     return out
+
+
+def check_hidden(hidden: int) -> None:
+    """The model below has 4 attention heads."""
+    if hidden % 4:
+        raise UsageError(f"--hidden {hidden}: must be a multiple of the model's 4 attention heads")
 
 
 def _body(rank: int, world: int, m: int, iters: int, hidden: int, seq: int, mbs: int) -> dict:
@@ -64,15 +70,17 @@ def _body(rank: int, world: int, m: int, iters: int, hidden: int, seq: int, mbs:
             "times": times}
 
 
+@exit_on_usage_error
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro-batch-size", type=int, default=4)
-    ap.add_argument("--pp", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
+    ap = parser(__doc__)
+    ap.add_argument("--iters", type=count(1), default=6)
+    ap.add_argument("--hidden", type=count(1), default=128)
+    ap.add_argument("--seq", type=count(1), default=128)
+    ap.add_argument("--micro-batch-size", type=count(1), default=4)
+    ap.add_argument("--pp", type=count(1), nargs="+", default=[4, 8])
+    ap.add_argument("--microbatches", type=count(1), nargs="+", default=[8, 16])
     args = ap.parse_args()
+    check_hidden(args.hidden)
     summary = []
     for p in args.pp:
         for m in args.microbatches:
@@ -97,4 +105,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,7 +7,6 @@ moments exist). torch_dist is also loaded into another layout (pp instead of tp)
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shutil
@@ -19,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.args import UsageError, count, exit_on_usage_error, output_dirs, parser  # noqa: E402
 from benchmarks.common import format_table, run_gloo  # noqa: E402
 
 
@@ -68,13 +68,21 @@ def _case(rank: int, world_size: int, args) -> dict:
     return out
 
 
+@exit_on_usage_error
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-layers", type=int, default=24)
-    p.add_argument("--hidden-size", type=int, default=1024)
-    p.add_argument("--nproc", type=int, default=2)
+    p = parser(__doc__)
+    p.add_argument("--num-layers", type=count(1), default=24)
+    p.add_argument("--hidden-size", type=count(64), default=1024, help="a head per 64")
+    p.add_argument("--nproc", type=count(1), default=2)
     p.add_argument("--dir", default="/tmp/megatron_bmw_ckpt_bench")
     args = p.parse_args()
+    heads = args.hidden_size // 64  # as _model gives them
+    if args.hidden_size % heads:
+        raise UsageError(f"--hidden-size {args.hidden_size}: not divisible by its {heads} attention heads (one per 64)")
+    if heads % args.nproc:
+        raise UsageError(f"--nproc {args.nproc}: must divide the {heads} attention heads of --hidden-size "
+                         f"{args.hidden_size} (tensor parallel)")
+    output_dirs(dir=args.dir)
     shutil.rmtree(args.dir, ignore_errors=True)
     results = run_gloo(_case, args.nproc, args)
     r0 = results[0]
@@ -90,4 +98,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

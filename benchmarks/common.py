@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.args import UsageError, count
 from megatron_bmw.device import free_port
 
 
@@ -23,6 +24,8 @@ def _gloo_worker(rank: int, world_size: int, port: int, threads: int, fn, args, 
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
     try:
         results.put((rank, True, fn(rank, world_size, *args)))
+    except UsageError as exc:  # bad input a rank found: the parent raises it (one line, no traceback here)
+        results.put((rank, None, str(exc)))
     except BaseException:  # noqa: BLE001 - report to the parent
         results.put((rank, False, traceback.format_exc()))
         raise
@@ -32,7 +35,8 @@ def _gloo_worker(rank: int, world_size: int, port: int, threads: int, fn, args, 
 
 def run_gloo(fn, world_size: int, *args, threads: int = 1) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned gloo processes with `threads` torch threads
-    each; return the per-rank results (they must be picklable). `fn` must be a module-level function."""
+    each; return the per-rank results (they must be picklable). `fn` must be a module-level function. A UsageError
+    raised on a rank is raised here."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
@@ -41,19 +45,26 @@ def run_gloo(fn, world_size: int, *args, threads: int = 1) -> list:
     for p in procs:
         p.start()
     out: dict[int, object] = {}
-    errors = []
+    errors, usage = [], None
     for _ in range(world_size):
         rank, ok, value = results.get()
-        (out.__setitem__(rank, value) if ok else errors.append((rank, value)))
-        if not ok:
-            break
+        if ok:
+            out[rank] = value
+            continue
+        if ok is None:
+            usage = value
+        else:
+            errors.append((rank, value))
+        break
     for p in procs:
-        if errors:
+        if errors or usage is not None:
             p.terminate()
         p.join()
     if errors:
         rank, tb = errors[0]
         raise RuntimeError(f"rank {rank} failed:\n{tb}")
+    if usage is not None:
+        raise UsageError(usage)
     return [out[r] for r in range(world_size)]
 
 
@@ -103,12 +114,18 @@ def run_command(cmd: list[str], what: str, root: str) -> str:
 
 
 def add_pipeline_model_args(ap) -> None:
-    """The GPT and micro-batching flags the pipeline benchmarks share."""
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro-batch-size", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=1024)
+    """The GPT and micro-batching flags the pipeline benchmarks share (check them with check_pipeline_model)."""
+    ap.add_argument("--layers", type=count(1), default=8)
+    ap.add_argument("--hidden", type=count(1), default=256)
+    ap.add_argument("--heads", type=count(1), default=8)
+    ap.add_argument("--seq", type=count(1), default=128)
+    ap.add_argument("--micro-batch-size", type=count(1), default=4)
+    ap.add_argument("--microbatches", type=count(1), default=8)
+    ap.add_argument("--vocab", type=count(1), default=1024)
     ap.add_argument("--attention", default="auto", choices=["auto", "flash", "unfused"])
+
+
+def check_pipeline_model(args) -> None:
+    """What the ranks' ModelConfig would refuse, said before any rank starts."""
+    if args.hidden % args.heads:
+        raise UsageError(f"--hidden {args.hidden}: not divisible by --heads {args.heads}")

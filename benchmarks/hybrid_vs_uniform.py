@@ -27,6 +27,7 @@ from types import SimpleNamespace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.args import UsageError, count, exit_on_usage_error, output_dirs, output_files, parser  # noqa: E402
 from benchmarks.common import format_table, median, run_command  # noqa: E402
 from megatron_bmw.config import ModelConfig  # noqa: E402
 from megatron_bmw.planner.cluster import load_cluster  # noqa: E402
@@ -191,19 +192,33 @@ def _t(r) -> str:
     return "-" if r is None else f"{r.time:.4f}"
 
 
+@exit_on_usage_error
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modelled-only", action="store_true")
-    p.add_argument("--measured-only", action="store_true")
+    p = parser(__doc__, epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modelled-only", action="store_true", help="only (a)")
+    p.add_argument("--measured-only", action="store_true", help="only (b)")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "megatron_bmw_hybrid_vs_uniform"))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--trial-iters", type=int, default=10)
-    p.add_argument("--warmup-iters", type=int, default=3)
-    p.add_argument("--json", default=None)
+    p.add_argument("--rounds", type=count(1), default=3)
+    p.add_argument("--trial-iters", type=count(1), default=10)
+    p.add_argument("--warmup-iters", type=count(0), default=3)
+    p.add_argument("--json", default=None, help="(b)'s plans and measured times")
     p.add_argument("--predict-only", action="store_true", help="(b): plan, but run nothing")
-    p.add_argument("--vocab-size", type=int, default=SMALL["vocab_size"],
+    p.add_argument("--vocab-size", type=count(1), default=SMALL["vocab_size"],
                    help="(b): the small GPT's vocabulary (a large one makes the embedding and head outweigh a layer)")
     opts = p.parse_args()
+    if opts.modelled_only and opts.measured_only:
+        raise UsageError("--modelled-only, --measured-only: give one (each leaves out the other part)")
+    if opts.modelled_only and opts.predict_only:
+        raise UsageError("--predict-only: plans (b), which --modelled-only leaves out")
+    if opts.json and (opts.modelled_only or opts.predict_only):
+        raise UsageError(f"--json: holds (b)'s measured times, which "
+                         f"{'--modelled-only' if opts.modelled_only else '--predict-only'} does not run")
+    if opts.warmup_iters >= opts.trial_iters:
+        raise UsageError(f"--warmup-iters {opts.warmup_iters} leaves no measured iteration of --trial-iters "
+                         f"{opts.trial_iters}")
+    output_files(json=opts.json)
+    if not opts.modelled_only:
+        output_dirs(out=opts.out)
     SMALL["vocab_size"] = opts.vocab_size
     if not opts.measured_only:
         modelled()
@@ -212,4 +227,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

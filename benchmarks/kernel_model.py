@@ -35,10 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.args import count, names, output_files, parser  # noqa: E402
 from benchmarks.common import format_table  # noqa: E402
 from megatron_bmw.config import ModelConfig  # noqa: E402
 from megatron_bmw.device import timed  # noqa: E402
-from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error  # noqa: E402
+from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
 from megatron_bmw.planner.cluster import DeviceType, load_cluster  # noqa: E402
 from megatron_bmw.planner.cost_model import CostSettings  # noqa: E402
 from megatron_bmw.planner.kernel_time import (FLASH_BACKWARD, KernelDevice, device_kernels,  # noqa: E402
@@ -295,23 +296,22 @@ def main_table(result: dict) -> str:
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--models", default="bloom,gpt3,1.3b", help="comma list of " + ", ".join(MODELS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=None, help="bf16 on a GPU, fp32 on the CPU")
     ap.add_argument("--cluster", default=None)
     ap.add_argument("--device-type", default=None)
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=count(1), default=10)
     ap.add_argument("--small", action="store_true", help="tiny shapes (a dry run)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    unknown = [m for m in models if m not in MODELS]
-    if unknown or not models:
-        raise UsageError(f"--models: unknown {', '.join(unknown) or 'empty list'} (known: {', '.join(MODELS)})")
-    if args.repeats < 1:
-        raise UsageError("--repeats must be >= 1")
-    device = torch.device(args.device)
+    models = names("--models", args.models, MODELS)
+    output_files(json=args.json)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device {args.device}: not a device (cpu, cuda or cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here")
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")

@@ -29,6 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.args import count, output_files, parser  # noqa: E402
 from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
 
 DEFAULT_FLAGS = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
@@ -322,20 +323,24 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(prog="megatron_core_peer.py", description=__doc__.splitlines()[0])
+    ap = parser(__doc__, prog="megatron_core_peer.py",
+                epilog="-- <pretrain_gpt.py flags>: after `--`, the model and batch flags both sides train with "
+                       "(default: a 350M GPT, micro-batch 4, 8 micro-batches)")
     ap.add_argument("--peers", default="ours,mcore", help="comma-separated subset of ours,mcore")
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5, help="iterations left out of the median")
+    ap.add_argument("--iters", type=count(1), default=30)
+    ap.add_argument("--warmup", type=count(0), default=5, help="iterations left out of the median")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="each peer's time limit")
     ap.add_argument("--json", default=None, help="also write the result here")
     ap.add_argument("--allow-cpu", action="store_true", help="run on the CPU in fp32 (tests)")
     ap.add_argument("--mcore-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.usage = ap.format_usage().removeprefix("usage: ").rstrip() + " [-- <pretrain_gpt.py flags>]"
     args = ap.parse_args(own)
     peers = args.peers.split(",")
     if any(p not in PEERS for p in peers):
         raise UsageError(f"--peers {args.peers!r}: choose from {','.join(PEERS)}")
-    if args.iters < 1 or not 0 <= args.warmup:
-        raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    if not args.timeout_s > 0:
+        raise UsageError(f"--timeout-s {args.timeout_s}: must be > 0")
+    output_files(json=args.json)
     flags = [*FIXED_FLAGS, *(flags or DEFAULT_FLAGS)]
     import torch
 

@@ -30,7 +30,6 @@ here to profile). Nothing here is fitted to the table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -41,9 +40,10 @@ try:
     import megatron_bmw  # noqa: F401
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.args, behind megatron_bmw
 
+from benchmarks.args import exit_on_usage_error, names, output_files, parser  # noqa: E402
 from megatron_bmw.config import ModelConfig, PipelineConfig
-from megatron_bmw.errors import UsageError
 from megatron_bmw.planner.cluster import load_cluster
 from megatron_bmw.planner.cost_model import CostSettings
 from megatron_bmw.planner.cuda_allowance import DerivedAllowance
@@ -158,22 +158,19 @@ def run_block(title: str, rows: list[tuple], tuned: bool) -> list[dict]:
     return results
 
 
+@exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default=None, help="the models to run, e.g. 1.7B,177B (default: all)")
-    parser.add_argument("--no-tuned", action="store_true", help="only the stated plans (no search)")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+    ap = parser(__doc__)
+    ap.add_argument("--rows", default=None, help="the models to run, e.g. 1.7B,177B (default: all)")
+    ap.add_argument("--no-tuned", action="store_true", help="only the stated plans (no search)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
     every = TABLE + strong_rows()
     rows = every
     if args.rows is not None:
-        names = [x.strip() for x in args.rows.split(",") if x.strip()]
-        unknown = [x for x in names if x not in {r[0] for r in every}]
-        if unknown or not names:
-            print(f"error: --rows: unknown model {', '.join(unknown) or args.rows!r} "
-                  f"(one of {', '.join(r[0] for r in every)})", file=sys.stderr)
-            return 2
-        rows = [r for r in every if r[0] in names]
+        chosen = names("--rows", args.rows, [r[0] for r in every])
+        rows = [r for r in every if r[0] in chosen]
+    output_files(json=args.json)
     results = []
     for title, block in (("weak scaling (the README's table)", [r for r in rows if r in TABLE]),
                          ("strong scaling of 177B at batch 1152 (the README's text)", [r for r in rows if r not in TABLE])):
@@ -181,18 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             results += run_block(title, block, not args.no_tuned)
     print("measured: the table's FLOPs over its teraFLOP/s x GPUs (s per iteration); error: predicted / measured - 1")
     if args.json:
-        try:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
-        except OSError as exc:
-            print(f"error: --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main())

@@ -35,7 +35,6 @@ parameter before sharding).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -46,7 +45,9 @@ try:
     import megatron_bmw  # noqa: F401
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.args, behind megatron_bmw
 
+from benchmarks.args import UsageError, exit_on_usage_error, names, output_files, parser  # noqa: E402
 from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.planner.cluster import load_cluster
 from megatron_bmw.planner.cost_model import CostSettings
@@ -106,21 +107,38 @@ def published_spec(model: ModelConfig, tp: int, pp: int, gpus: int, batch: int) 
                    overlap_grad_reduce=dp > 1)
 
 
+@exit_on_usage_error
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default=None, help="billions of parameters of the rows to run, e.g. 1.7,145.6")
-    parser.add_argument("--memory", action="store_true", help="only the memory margins of the published layouts")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--zero-bubble", action="store_true",
-                        help="search with and without ZB-H1 in the space and compare (instead of the published rows)")
-    parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout (default 0.1)")
-    parser.add_argument("--engine", choices=("megatron_bmw", "megatron-core"), default="megatron-core",
-                        help="whose gradient reduction the time model assumes: Megatron's, as the published runs ran "
-                             "it (--fp16: 16-bit gradients all-reduced; the default), or ours (fp32 all-reduce)")
-    args = parser.parse_args()
-    rows = TABLE if args.rows is None else [r for r in TABLE if str(r[0]) in args.rows.split(",")]
+    ap = parser(__doc__)
+    ap.add_argument("--rows", default=None, help="billions of parameters of the rows to run, e.g. 1.7,145.6")
+    ap.add_argument("--memory", action="store_true", help="only the memory margins of the published layouts")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--zero-bubble", action="store_true",
+                    help="search with and without ZB-H1 in the space and compare (instead of the published rows)")
+    ap.add_argument("--dropout", type=float, default=None, help="--zero-bubble's hidden and attention dropout "
+                                                                 "(default 0.1)")
+    ap.add_argument("--engine", choices=("megatron_bmw", "megatron-core"), default=None,
+                    help="whose gradient reduction the time model assumes: Megatron's, as the published runs ran "
+                         "it (--fp16: 16-bit gradients all-reduced; the default), or ours (fp32 all-reduce)")
+    args = ap.parse_args()
+    if args.zero_bubble and args.memory:
+        raise UsageError("--zero-bubble, --memory: give one (each replaces the published rows' table)")
+    if args.dropout is not None and not args.zero_bubble:
+        raise UsageError("--dropout: only with --zero-bubble (the published rows run with 0.1)")
+    if args.engine is not None and (args.zero_bubble or args.memory):
+        raise UsageError(f"--engine: only for the published rows' table, not "
+                         f"{'--zero-bubble' if args.zero_bubble else '--memory'}")
+    dropout = 0.1 if args.dropout is None else args.dropout
+    args.engine = args.engine or "megatron-core"
+    if not 0 <= dropout < 1:
+        raise UsageError(f"--dropout {args.dropout}: must be in [0, 1)")
+    output_files(json=args.json)
+    rows = TABLE
+    if args.rows is not None:
+        chosen = names("--rows", args.rows, [str(r[0]) for r in TABLE])
+        rows = [r for r in TABLE if str(r[0]) in chosen]
     if args.zero_bubble:
-        return zero_bubble_rows(rows, args.dropout, args.json)
+        return zero_bubble_rows(rows, dropout, args.json)
     if args.memory:
         return memory_table(rows, args.json)
     costs = CostSettings(engine=EngineConfig(args.engine))

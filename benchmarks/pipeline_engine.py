@@ -36,7 +36,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import add_pipeline_model_args, format_table, median, run_gloo  # noqa: E402
+from benchmarks.args import UsageError, count, exit_on_usage_error, output_files, parser  # noqa: E402
+from benchmarks.common import (add_pipeline_model_args, check_pipeline_model, format_table, median,  # noqa: E402
+                               run_gloo)
 from benchmarks.pipelining_adapters import (identity_loss, make_microbatches, torch_stage,  # noqa: E402
                                             torch_step, whole_batch, zero_grads as _zero)
 from megatron_bmw.config import ModelConfig, ParallelConfig, PipelineConfig  # noqa: E402
@@ -216,17 +218,23 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap = parser(__doc__)
+    ap.add_argument("--iters", type=count(1), default=20)
+    ap.add_argument("--warmup", type=count(0), default=3)
     add_pipeline_model_args(ap)
-    ap.add_argument("--stage-reps", type=int, default=1, help="per-stage f/b probes per timing round")
-    ap.add_argument("--breakdown", type=int, default=2,
+    ap.add_argument("--stage-reps", type=count(1), default=1, help="per-stage f/b probes per timing round")
+    ap.add_argument("--breakdown", type=count(0), default=2,
                     help="instrumented iterations per system after timing (compute vs p2p wait per rank)")
     ap.add_argument("--trace", default=None, help="write a Chrome trace of the instrumented iterations here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.trace and not args.breakdown:
+        raise UsageError("--trace: traces the --breakdown iterations; --breakdown 0 has none")
+    check_pipeline_model(args)
+    output_files(trace=args.trace)
+    return args
 
 
+@exit_on_usage_error
 def main(argv=None) -> None:
     args = parse_args(argv)
     start = time.perf_counter()
@@ -281,4 +289,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

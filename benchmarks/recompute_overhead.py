@@ -10,7 +10,6 @@ cost 2.2x at micro-batch 2 with torch's checkpoint); the planner counts one more
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -20,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks.args import UsageError, count, exit_on_usage_error, parser  # noqa: E402
 from benchmarks.common import format_table  # noqa: E402
 from megatron_bmw.config import ModelConfig  # noqa: E402
 from megatron_bmw.models import gpt  # noqa: E402
@@ -39,13 +39,16 @@ def _seconds(unit, batch, shape, repeats: int) -> float:
     return statistics.median(times[repeats // 5:])
 
 
+@exit_on_usage_error
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=300)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = parser(__doc__)
+    ap.add_argument("--hidden", type=count(1), default=16)
+    ap.add_argument("--seq", type=count(1), default=8)
+    ap.add_argument("--repeats", type=count(1), default=300)
+    ap.add_argument("--rounds", type=count(1), default=5)
     args = ap.parse_args()
+    if args.hidden % 2:
+        raise UsageError(f"--hidden {args.hidden}: must be even (the unit has 2 attention heads)")
     torch.set_num_threads(1)
     cfg = ModelConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=2, vocab_size=64,
                       seq_length=args.seq, hidden_dropout=0.1, attention_dropout=0.1)

@@ -18,7 +18,6 @@ every repeat gave the same plans and counts.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,7 +28,9 @@ try:
     import megatron_bmw  # noqa: F401
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.args, behind megatron_bmw
 
+from benchmarks.args import count, exit_on_usage_error, names, output_files, parser  # noqa: E402
 from megatron_bmw.config import ModelConfig
 from megatron_bmw.planner.cluster import load_cluster
 from megatron_bmw.planner_args import CUDA_FRAGMENTATION, CUDA_WORKSPACE_GB
@@ -53,19 +54,22 @@ for _layers in (12, 24, 48, 96):  # targets: 96 layers within 8 x the 12-layer c
     CASES[f"l{_layers}"] = (dict(num_layers=_layers, **_GPT3_LAYER), 51200, "a100-80g-ib", 8, 128, None)
 
 
+@exit_on_usage_error
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--dump", help="write every case's ranked plans, counts and CPU times to this JSON file "
-                                       "(to compare two versions' plans)")
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--repeats", type=count(1), default=3)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--dump", help="write every case's ranked plans, counts and CPU times to this JSON file "
+                                   "(to compare two versions' plans)")
+    args = ap.parse_args()
+    cases = names("--cases", args.cases, CASES)
+    output_files(dump=args.dump)
     memory = MemorySettings(device="cuda", workspace_bytes=CUDA_WORKSPACE_GB * 2**30, fragmentation=CUDA_FRAGMENTATION)
     print(f"{'case':<6} {'GPUs':>5} {'CPU s':>7} {'target':>6} {'met':>4} {'layouts':>7} {'solved':>6} "
           f"{'pruned':>6} {'infeas':>6} {'unsolved':>8} {'cands':>6} {'sims':>5} {'same':>4} {'linear':>6}  best plan")
     per_layer = {}  # CPU s per layer of the layer-scaling cases
     dump = {}
-    for name in args.cases.split(","):
+    for name in cases:
         shape, vocab, cluster_name, nodes, batch, target = CASES[name]
         model = ModelConfig(vocab_size=vocab, **shape)
         cluster = load_cluster(cluster_name, num_nodes=nodes)

@@ -23,7 +23,6 @@ measured before, copy that run's results.jsonl and results_K.jsonl (the grid pas
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks.args import UsageError, count, exit_on_usage_error, output_dirs, output_files, parser  # noqa: E402
 from benchmarks.common import run_command  # noqa: E402
 
 from megatron_bmw.planner.calibrate import calibrate, scaled_profile  # noqa: E402
@@ -166,19 +166,25 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+@exit_on_usage_error
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "megatron_bmw_search_vs_grid"))
-    ap.add_argument("--trial-iters", type=int, default=12)
-    ap.add_argument("--warmup-iters", type=int, default=4)
-    ap.add_argument("--grid-passes", type=int, default=2, help="times the whole grid is measured")
-    ap.add_argument("--confirm-rounds", type=int, default=3, help="re-measure the picks and the fastest trials")
-    ap.add_argument("--confirm-top", type=int, default=4, help="fastest measured trials re-measured")
+    ap.add_argument("--trial-iters", type=count(1), default=12)
+    ap.add_argument("--warmup-iters", type=count(0), default=4)
+    ap.add_argument("--grid-passes", type=count(1), default=2, help="times the whole grid is measured")
+    ap.add_argument("--confirm-rounds", type=count(0), default=3,
+                    help="re-measure the picks and the fastest trials (0: no confirmation)")
+    ap.add_argument("--confirm-top", type=count(1), default=4, help="fastest measured trials re-measured")
     ap.add_argument("--profile-statistic", choices=["min", "median"], default="min",
                     help="of each profile entry's samples (min: the least disturbed by other jobs)")
     ap.add_argument("--json", default=None)
     opts = ap.parse_args()
-    os.makedirs(opts.out, exist_ok=True)
+    if opts.warmup_iters >= opts.trial_iters:
+        raise UsageError(f"--warmup-iters {opts.warmup_iters} leaves no measured iteration of --trial-iters "
+                         f"{opts.trial_iters}")
+    output_files(json=opts.json)
+    output_dirs(out=opts.out)
     results = os.path.join(opts.out, "results.jsonl")
     t0 = time.time()
     print(f"search vs grid on {WORLD} gloo ranks; working in {opts.out}", flush=True)
@@ -274,4 +280,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,7 +21,6 @@ inside the two-stage pipeline here.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.args import UsageError, count, exit_on_usage_error, output_dirs, output_files, parser  # noqa: E402
 from benchmarks.common import cpu_probe  # noqa: E402
 from benchmarks.stats import spearman  # noqa: E402
 from megatron_bmw.config import ModelConfig, PipelineConfig
@@ -336,12 +336,13 @@ def memory_check(model: ModelConfig, mbs: int = 2) -> list[dict]:
     return rows
 
 
+@exit_on_usage_error
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=6, help="round-robin passes over the configurations")
-    ap.add_argument("--per-round", type=int, default=2, help="measured iterations per configuration and pass")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--profile-repeats", type=int, default=3, help="samples per unit and round")
+    ap = parser(__doc__)
+    ap.add_argument("--rounds", type=count(1), default=6, help="round-robin passes over the configurations")
+    ap.add_argument("--per-round", type=count(1), default=2, help="measured iterations per configuration and pass")
+    ap.add_argument("--warmup", type=count(0), default=1)
+    ap.add_argument("--profile-repeats", type=count(1), default=3, help="samples per unit and round")
     ap.add_argument("--profile", default=None, help="reuse a profile JSON instead of measuring one")
     ap.add_argument("--save-profile", default=None, help="write the measured profile here")
     ap.add_argument("--json", default=None, help="write all numbers to this JSON file")
@@ -351,10 +352,14 @@ def main() -> int:
     ap.add_argument("--statistic", choices=["median", "min"], default="median",
                     help="over repetitions, for the profile and the measured iterations alike")
     args = ap.parse_args()
+    if not args.tolerance >= 1:
+        raise UsageError(f"--tolerance {args.tolerance}: must be >= 1 (the fastest sample must count)")
+    if args.profile and args.save_profile:
+        raise UsageError("--save-profile: saves a measured profile; --profile reuses one instead of measuring")
+    output_files(json=args.json, save_profile=args.save_profile)
+    output_dirs(trace_dir=args.trace_dir)
     torch.set_num_threads(1)
     model = ModelConfig(**MODEL)
-    if args.trace_dir:
-        os.makedirs(args.trace_dir, exist_ok=True)
     settings = None
     if args.profile:
         profile = Profile.load(args.profile)

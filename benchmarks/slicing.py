@@ -10,7 +10,6 @@ round), plus what the replay predicts from the measured stage times.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -19,7 +18,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bpipe_memory import _batches  # noqa: E402
+from benchmarks.args import count, exit_on_usage_error, parser  # noqa: E402
+from benchmarks.bpipe_memory import _batches, check_hidden  # noqa: E402
 from benchmarks.common import format_table, median, run_gloo  # noqa: E402
 from megatron_bmw.config import ModelConfig, ParallelConfig, PipelineConfig  # noqa: E402
 from megatron_bmw.parallel.state import ParallelState  # noqa: E402
@@ -27,7 +27,7 @@ from megatron_bmw.pipeline.engine import PipelineEngine  # noqa: E402
 from megatron_bmw.pipeline.build import build_schedule  # noqa: E402
 from megatron_bmw.pipeline.replay import replay  # noqa: E402
 from megatron_bmw.pipeline.schedule import Kind  # noqa: E402
-from megatron_bmw.pipeline.slicing import num_sliced  # noqa: E402
+from megatron_bmw.pipeline.slicing import check_slicing, num_sliced  # noqa: E402
 from megatron_bmw.pipeline.stages import hidden_shape, pipeline_setup  # noqa: E402
 from megatron_bmw.training.profiler import measure_stage_times  # noqa: E402
 
@@ -76,15 +76,18 @@ def _predicted(f: list[float], b: list[float], c: float, m: int, k: int) -> tupl
     return first, result.makespan
 
 
+@exit_on_usage_error
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro-batch-size", type=int, default=8)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--pp", type=int, default=4)
+    ap = parser(__doc__)
+    ap.add_argument("--iters", type=count(1), default=8)
+    ap.add_argument("--hidden", type=count(1), default=256)
+    ap.add_argument("--seq", type=count(1), default=128)
+    ap.add_argument("--micro-batch-size", type=count(1), default=8)
+    ap.add_argument("--microbatches", type=count(1), default=8)
+    ap.add_argument("--pp", type=count(1), default=4)
     args = ap.parse_args()
+    check_slicing("auto", args.micro_batch_size, args.microbatches)  # as the ranks would, before they start
+    check_hidden(args.hidden)
     out = run_gloo(_body, args.pp, args.microbatches, args.iters, args.hidden, args.seq, args.micro_batch_size)
     f, b, c = out[0]["measured"]
     print(f"pp={args.pp} m={args.microbatches}: measured forward per stage {[round(x * 1e3, 1) for x in f]} ms, "
@@ -100,4 +103,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

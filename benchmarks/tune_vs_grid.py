@@ -18,7 +18,6 @@ Everything is kept in --out (default: $TMPDIR/megatron_bmw_tune_vs_grid); a seco
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,6 +26,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks.args import UsageError, count, exit_on_usage_error, output_dirs, output_files, parser  # noqa: E402
 from benchmarks.common import format_table, run_command  # noqa: E402
 
 from megatron_bmw.trials.report import error_summary  # noqa: E402
@@ -100,16 +100,21 @@ def confirm(out: str, candidates: dict[str, dict], opts) -> dict[str, list[float
     return times
 
 
+@exit_on_usage_error
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "megatron_bmw_tune_vs_grid"))
-    ap.add_argument("--trial-iters", type=int, default=12)
-    ap.add_argument("--warmup-iters", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--top-k", type=int, default=3)
+    ap.add_argument("--trial-iters", type=count(1), default=12)
+    ap.add_argument("--warmup-iters", type=count(0), default=4)
+    ap.add_argument("--rounds", type=count(1), default=3, help="grid and confirmation rounds; tune's --repeats")
+    ap.add_argument("--top-k", type=count(1), default=3)
     ap.add_argument("--json", default=None)
     opts = ap.parse_args()
-    os.makedirs(opts.out, exist_ok=True)
+    if opts.warmup_iters >= opts.trial_iters:
+        raise UsageError(f"--warmup-iters {opts.warmup_iters} leaves no measured iteration of --trial-iters "
+                         f"{opts.trial_iters}")
+    output_files(json=opts.json)
+    output_dirs(out=opts.out)
     grid_files = [grid_round(opts.out, k, opts) for k in range(1, opts.rounds + 1)]
     grid = grid_medians(grid_files)
     tune_dir = os.path.join(opts.out, "tune")
@@ -153,4 +158,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,10 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks.args import count, parser  # noqa: E402
 from benchmarks.common import format_table  # noqa: E402
 from megatron_bmw.config import ModelConfig  # noqa: E402
 from megatron_bmw.device import timed  # noqa: E402
-from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error  # noqa: E402
+from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
 from megatron_bmw.models.chunk import ModelChunk, build_units  # noqa: E402
 from megatron_bmw.parallel import wgrad_accum  # noqa: E402
 from megatron_bmw.parallel.grad_sync import GradSync  # noqa: E402
@@ -38,25 +39,28 @@ def _step_seconds(model, sync: GradSync, batches: list, device: torch.device) ->
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--mbs", type=int, default=2)
-    ap.add_argument("--micro", type=int, default=4, help="micro-batches per step")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = parser(__doc__)
+    ap.add_argument("--hidden", type=count(1), default=512)
+    ap.add_argument("--layers", type=count(1), default=4)
+    ap.add_argument("--seq", type=count(1), default=256)
+    ap.add_argument("--mbs", type=count(1), default=2)
+    ap.add_argument("--micro", type=count(1), default=4, help="micro-batches per step")
+    ap.add_argument("--rounds", type=count(1), default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32")
     args = ap.parse_args(argv)
-    for flag in ("hidden", "layers", "seq", "mbs", "micro", "rounds"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag} must be >= 1")
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device {args.device}: not a device (cpu, cuda or cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here")
     if device.type == "cpu" and args.dtype != "fp32":
         raise UsageError("--dtype: 16-bit runs need --device cuda (the CPU path is fp32)")
-    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=max(1, args.hidden // 64),
+    heads = max(1, args.hidden // 64)
+    if args.hidden % heads:
+        raise UsageError(f"--hidden {args.hidden}: not divisible by its {heads} attention heads (one per 64)")
+    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=heads,
                       vocab_size=1024, seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0,
                       params_dtype=args.dtype)
     state = ParallelState.serial(device)

@@ -58,7 +58,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import add_pipeline_model_args, cpu_probe, format_table, median, run_gloo  # noqa: E402
+from benchmarks.args import count, exit_on_usage_error, output_files, parser  # noqa: E402
+from benchmarks.common import (add_pipeline_model_args, check_pipeline_model, cpu_probe, format_table,  # noqa: E402
+                               median, run_gloo)
 from benchmarks.pipelining_adapters import (identity_loss, make_microbatches, native_linear,  # noqa: E402
                                             torch_stage, torch_step, whole_batch, zero_grads)
 from megatron_bmw.config import ModelConfig, ParallelConfig  # noqa: E402
@@ -406,10 +408,10 @@ def torch_bubble(name: str, p: int, res: list[dict], keep: list[int]) -> list[fl
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--pp", type=int, default=4, help="pipeline ranks (gloo processes)")
-    ap.add_argument("--iters", type=int, default=10, help="timed rounds")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    ap.add_argument("--iters", type=count(1), default=10, help="timed rounds")
+    ap.add_argument("--warmup", type=count(0), default=2, help="untimed rounds first")
     add_pipeline_model_args(ap)
     ap.add_argument("--ours", default=None,
                     help=f"comma-separated schedules of ours (default: those of {','.join(OURS)} registered); "
@@ -427,7 +429,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--p2p", choices=["in-run", "ping-pong"], default="in-run",
                     help="the simulator's transfer time: the median latency seen in the traced iterations (a wait's "
                     "end minus its producer's end), or a ping-pong's between neighbours, measured alone")
-    ap.add_argument("--p2p-reps", type=int, default=20, help="ping-pongs per neighbour pair")
+    ap.add_argument("--p2p-reps", type=count(1), default=20, help="ping-pongs per neighbour pair")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args(argv)
     args.ours = our_schedules(None if args.ours is None else [s for s in args.ours.split(",") if s])
@@ -442,9 +444,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "torch-zbv" in args.torch and args.microbatches < 2 * args.pp - 1:
         raise UsageError(f"--microbatches {args.microbatches}: torch-zbv needs at least 2 x pp - 1 = "
                          f"{2 * args.pp - 1}")
+    if not args.tolerance >= 1:
+        raise UsageError(f"--tolerance {args.tolerance}: must be >= 1 (the fastest round must count)")
+    check_pipeline_model(args)
+    output_files(json=args.json)
     return args
 
 
+@exit_on_usage_error
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()

@@ -51,7 +51,7 @@ def test_a_small_run_reports_every_kernel_and_the_summary(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--models", "gpt5"], "--models: unknown gpt5"),
-    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--repeats", "0"], "--repeats: must be >= 1"),
     (["--device-type", "nope", "--cluster", "h100-80g-ib", "--device", "cpu"], "cluster h100-80g-ib has no device"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):

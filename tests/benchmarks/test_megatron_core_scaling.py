@@ -33,7 +33,9 @@ def test_rows_run_and_the_search_is_no_slower_than_the_stated_plan(capsys):
 
 
 def test_bad_rows_are_one_line(capsys):
-    assert bench.main(["--rows", "3B"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--rows", "3B"])
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--rows" in err[0] and "3B" in err[0]
 

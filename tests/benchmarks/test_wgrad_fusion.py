@@ -15,7 +15,7 @@ def test_a_tiny_run_times_both_paths_with_the_same_gradients(capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--rounds", "0"], "--rounds: must be >= 1"),
     (["--dtype", "bf16"], "--dtype: 16-bit runs need --device cuda"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice"),
 ])
