@@ -261,25 +261,34 @@ def check_model(load_dir: str, payload: dict, model_args: dict, why: str = "anot
                              f"({why})")
 
 
-def state_dict_error(exc: RuntimeError) -> str:
-    """torch's load_state_dict error as one line: the first tensor of another shape with both shapes, else the
-    first missing or unexpected tensor."""
+def load_error(exc: BaseException, fallback_line: int = 0) -> str:
+    """One line for weights that do not fit the model, from torch's load_state_dict message (torch format) or
+    torch.distributed.checkpoint's (torch_dist): the first tensor of another shape with both shapes, else the first
+    missing (or unexpected) tensor, else line `fallback_line` of the message."""
     import re
 
     text = str(exc)
-    size = re.search(r"size mismatch for (\S+): copying a param with shape torch\.Size\(\[([^\]]*)\]\) from "
-                     r"checkpoint, the shape in current model is torch\.Size\(\[([^\]]*)\]\)", text)
-    if size:
+    no_tensor = "the checkpoint has no tensor {} (saved from another model or architecture?)"
+    dcp_missing = re.search(r"Missing key in checkpoint state_dict: ([^\s.]+(?:\.[^\s]+)?)\.?\s", text + " ")
+    if dcp_missing:
+        return no_tensor.format(dcp_missing.group(1).rstrip("."))
+    sizes = r"torch\.Size\(\[([^\]]*)\]\)"
+    torch_size = re.search(rf"size mismatch for (\S+): copying a param with shape {sizes} from checkpoint, the "
+                           rf"shape in current model is {sizes}", text)  # (name, saved, current)
+    dcp_size = re.search(rf"Size mismatch between saved {sizes} and current: {sizes} for (\S+)", text)
+    if torch_size or dcp_size:
+        name, saved, mine = torch_size.groups() if torch_size else (dcp_size.group(3).rstrip(","),
+                                                                    *dcp_size.groups()[:2])
         shape = lambda s: str(tuple(int(x) for x in s.split(",") if x.strip()))  # noqa: E731
-        return (f"model tensor {size.group(1)} has shape {shape(size.group(3))} in this model but "
-                f"{shape(size.group(2))} in the checkpoint")
-    for kind, what in (("Missing", "the checkpoint has no tensor {} (saved from another model or architecture?)"),
-                       ("Unexpected", "the checkpoint has tensor {}, which this model does not (another model or "
-                                      "architecture?)")):
-        keys = re.search(kind + r' key\(s\) in state_dict: "([^"]+)"', text)
-        if keys:
-            return what.format(keys.group(1))
-    return (text.strip().splitlines() or [type(exc).__name__])[0][:300]
+        return f"model tensor {name} has shape {shape(mine)} in this model but {shape(saved)} in the checkpoint"
+    torch_missing = re.search(r'Missing key\(s\) in state_dict: "([^"]+)"', text)
+    if torch_missing:
+        return no_tensor.format(torch_missing.group(1))
+    unexpected = re.search(r'Unexpected key\(s\) in state_dict: "([^"]+)"', text)
+    if unexpected:
+        return (f"the checkpoint has tensor {unexpected.group(1)}, which this model does not (another model or "
+                "architecture?)")
+    return (text.strip().splitlines() or [type(exc).__name__])[fallback_line][:300]
 
 
 def _sizes_of(payload: dict, state: ParallelState) -> tuple[int, int]:

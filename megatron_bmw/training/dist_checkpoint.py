@@ -38,7 +38,7 @@ from ..parallel.state import ParallelState
 from .checkpointing import (DIST_FORMAT as FORMAT, DIST_METADATA_FILE as METADATA_FILE, RELEASE,  # noqa: F401
                             _fsync_dir, _move_into_place, _resolve_iteration_dir, _shared_token, _world, _write_tracker,
                             check_model, checkpoint_format, clear_debris, is_dist_checkpoint, iteration_dir_name,
-                            read_tracker)
+                            load_error, read_tracker)
 from .dist_chunks import LoadPlanner, SavePlanner, Slices, local_of, piece_slices, slices_of
 from .optimizer import MOMENTS, MixedPrecisionOptimizer
 
@@ -195,23 +195,6 @@ def read_common(load_dir: str, iter_dir: str) -> dict:
     return data
 
 
-def _load_error(exc: BaseException) -> str:
-    import re
-
-    text = str(exc)
-    missing = re.search(r"Missing key in checkpoint state_dict: ([^\s.]+(?:\.[^\s]+)?)\.?\s", text + " ")
-    if missing:
-        key = missing.group(1).rstrip(".")
-        return f"the checkpoint has no tensor {key} (saved from another model or architecture?)"
-    size = re.search(r"Size mismatch between saved (torch\.Size\(\[[^\]]*\]\)) and current: "
-                     r"(torch\.Size\(\[[^\]]*\]\)) for (\S+)", text)
-    if size:
-        shape = lambda s: str(tuple(int(x) for x in s[len("torch.Size(["):-2].split(",") if x.strip()))  # noqa: E731
-        return (f"model tensor {size.group(3).rstrip(',')} has shape {shape(size.group(2))} in this model but "
-                f"{shape(size.group(1))} in the checkpoint")
-    return (text.strip().splitlines() or [type(exc).__name__])[-1][:300]
-
-
 def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrecisionOptimizer | None,
          load_optim: bool = True, model_args: dict | None = None) -> dict:
     """Load the tracker's torch_dist checkpoint into this rank's chunks (and the optimizer). Collective; an error
@@ -227,7 +210,7 @@ def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrec
                 dcp.load(tensors, checkpoint_id=_resolve_iteration_dir(load_dir, read_tracker(load_dir)),
                          planner=LoadPlanner(), no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
-            error = UsageError(f"--load {load_dir}: {_load_error(exc)}")
+            error = UsageError(f"--load {load_dir}: {load_error(exc, -1)}")
         agree(_raise, error)
         for src, *extra in targets.values():
             for t in extra:

@@ -37,7 +37,7 @@ from .batches import MicroBatches
 from .bert_batches import BertMicroBatches
 from . import memory_history
 from .checkpointing import (DIST_FORMAT, TRACKER, checkpoint_format, load_checkpoint, read_tracker, save_checkpoint,
-                            state_dict_error)
+                            load_error)
 from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format_validation_log, num_zeros_in_grad,
                       params_norm, throughput_tflops, timestamp)
 from .lr_scheduler import LRScheduler
@@ -260,7 +260,7 @@ class Trainer:
             try:
                 self.state.units.load_state_dict(chunk, payload[key])
             except RuntimeError as exc:
-                raise UsageError(f"--load {tr.load}: {state_dict_error(exc)}") from None
+                raise UsageError(f"--load {tr.load}: {load_error(exc)}") from None
         return payload
 
     def load(self) -> None:

@@ -8,7 +8,7 @@ from megatron_bmw.config import ParallelConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.parallel.layout import RankLayout
 from megatron_bmw.parallel.state import ParallelState
-from megatron_bmw.training.checkpointing import load_checkpoint, read_tracker, save_checkpoint, state_dict_error
+from megatron_bmw.training.checkpointing import load_checkpoint, read_tracker, save_checkpoint, load_error
 from megatron_bmw.config import OptimizerConfig
 from megatron_bmw.training.optimizer import build_optimizer
 from tests.dist_harness import run_distributed
@@ -256,11 +256,11 @@ def test_another_architecture_or_size_is_named(tmp_path):
     wider = nn.Sequential(nn.Linear(6, 7), nn.LayerNorm(7), nn.Linear(7, 3))
     with pytest.raises(RuntimeError) as exc:
         wider.load_state_dict(loaded["model"])
-    assert state_dict_error(exc.value) == "model tensor 0.weight has shape (7, 6) in this model but (5, 6) in the checkpoint"
+    assert load_error(exc.value) == "model tensor 0.weight has shape (7, 6) in this model but (5, 6) in the checkpoint"
     deeper = nn.Sequential(*_model(), nn.Linear(3, 3))
     with pytest.raises(RuntimeError) as exc:
         deeper.load_state_dict(loaded["model"])
-    assert state_dict_error(exc.value).startswith("the checkpoint has no tensor 3.weight")
+    assert load_error(exc.value).startswith("the checkpoint has no tensor 3.weight")
     with pytest.raises(RuntimeError) as exc:
         nn.Sequential(nn.Linear(6, 5)).load_state_dict(loaded["model"])
-    assert state_dict_error(exc.value).startswith("the checkpoint has tensor 1.weight, which this model does not")
+    assert load_error(exc.value).startswith("the checkpoint has tensor 1.weight, which this model does not")
