@@ -251,9 +251,10 @@ def planned_spec(args, plan, cluster: Cluster):
 
 def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None,
                     engine: EngineConfig | None = None) -> MemorySettings:
-    """The flags' memory settings (`engine`: a plan's, else the flags'). On cuda the allowance is derived per layout on the cluster's device types
-    (cuda_allowance.py; no cluster: the default device), the profiles' measured CUDA memory replacing its terms;
-    an explicit workspace or fragmentation (flags, else a calibrated profile) replaces the derived one."""
+    """The flags' memory settings (`engine`: a plan's, else the flags'). On cuda the allowance is derived per
+    layout on the cluster's device types (cuda_allowance.py; no cluster: the default device), the profiles'
+    measured CUDA memory replacing its terms; an explicit workspace or fragmentation (flags, else a calibrated
+    profile) replaces the derived one."""
     device = args.memory_device
     if device is None:
         cpu = any(p.device.get("kind") == "cpu" for ps in profiles.by_type.values() for p in ps)

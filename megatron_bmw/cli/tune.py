@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 
 from ..errors import OneLineParser, UsageError, exit_on_usage_error
 from ..paths import check_output_dir
+from ..planner.files import write_json
 from ..trials.cli import run_trial
 from ..trials.grid import Trial, expand, load_plans, parse_flag_tokens
 from ..trials.report import plot, table
@@ -152,26 +153,22 @@ class Tuner:
         path = os.path.join(self.out, "tune.json")
         mine = {"flags": self.search_flags(), "world_size": self.world, "cluster": opts.cluster,
                 "space": list(opts.space)}
-        theirs = None
-        if os.path.isfile(path):
-            try:
-                with open(path) as f:
-                    theirs = json.load(f)
-            except (OSError, ValueError):
-                raise UsageError(f"--output-dir {self.out}: tune.json is unreadable (edited by hand?); give another "
-                                 "--output-dir") from None
-        if theirs is not None and theirs != mine:
-            key = next(k for k in mine if theirs.get(k) != mine[k]) if isinstance(theirs, dict) else "flags"
-            shown = " ".join(theirs.get(key)) if isinstance(theirs, dict) and key == "flags" else \
-                (theirs.get(key) if isinstance(theirs, dict) else theirs)
+        if not os.path.isfile(path):
+            write_json(path, mine, "--output-dir", "tune record")
+            return
+        try:
+            with open(path) as f:
+                theirs = json.load(f)
+        except (OSError, ValueError):
+            theirs = None
+        if not isinstance(theirs, dict):
+            raise UsageError(f"--output-dir {self.out}: tune.json is unreadable (edited by hand?); give another "
+                             "--output-dir")
+        if theirs != mine:
+            key = next(k for k in (*mine, *theirs) if theirs.get(k) != mine.get(k))
+            shown = " ".join(theirs[key]) if key == "flags" and isinstance(theirs.get(key), list) else theirs.get(key)
             raise UsageError(f"--output-dir {self.out} holds a tune of another run ({key}: {shown}); the same "
                              "command resumes it, another one needs another --output-dir")
-        if theirs is None:
-            os.makedirs(self.out, exist_ok=True)
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(mine, f, indent=1)
-            os.replace(tmp, path)
 
     # -- pieces --------------------------------------------------------------------------------------------------
     def search_flags(self) -> list[str]:

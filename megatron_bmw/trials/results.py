@@ -47,7 +47,7 @@ class Results:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 if n == len(lines) and unterminated:  # cut by a kill: the first append drops it
                     self._cut_at = sum(len(x) for x in lines[:-1])
-                    print(f"warning: --results {self.path}: line {n} was cut short (a killed sweep); skipped",
+                    print(f"warning: {self.flag} {self.path}: line {n} was cut short (a killed sweep); skipped",
                           file=sys.stderr, flush=True)
                     continue
                 raise UsageError(f"{self.flag} {self.path}: line {n} is not a JSON record (not a results file, or "
@@ -68,7 +68,8 @@ class Results:
         if status not in (*FINAL, "running"):
             raise UsageError(f"{where}: status must be one of {', '.join(FINAL)} or running, got {status!r}")
         median = record.get("median_iteration_s")
-        if status == "ok" and (isinstance(median, bool) or not isinstance(median, (int, float)) or not 0 < median < math.inf):
+        number = isinstance(median, (int, float)) and not isinstance(median, bool)
+        if status == "ok" and not (number and 0 < median < math.inf):
             raise UsageError(f"{where}: an ok trial needs median_iteration_s > 0, got {median!r} (edited by hand?)")
 
     def lock(self) -> None:
