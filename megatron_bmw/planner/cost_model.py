@@ -6,7 +6,7 @@ times of the two shapes where the SM count is known, else by FLOPs; a device typ
 when profiles are given), or analytically (by GEMM shape, kernel_time.py, where the device type gives its SMs, else
 FLOPs / (peak x achievable fraction) with backward = 2 x forward). Tensor-parallel collectives run inside units:
 measured when the profile has that tp degree, else added from the cluster's links (with Megatron-core's
---tp-comm-overlap, the sequence-parallel ones beside their GEMMs: _overlapped_sp). Recomputation
+--tp-comm-overlap, the sequence-parallel ones beside their GEMMs, as Transformer Engine runs them: tp_overlap.py). Recomputation
 adds the recomputed forward (the whole unit for full, the attention core for selective) to the backward.
 A zero-bubble schedule's split backward: W (the deferred weight gradients) takes `wgrad_share` of the unit's own
 backward, the share its weight-gradient GEMMs have of the backward's matrix work (by GEMM shape where the
@@ -43,10 +43,11 @@ from .cluster import Cluster, DeviceType, Link
 from .engine import OURS, EngineConfig
 from .elementwise import unit_elementwise_bytes
 from .flops import core_attention_share, unit_forward_flops, unit_weight_grad_flops
-from .kernel_time import (KernelDevice, device_kernels, shape_ratio, unit_edge_gemms, unit_kernel_times,
+from .kernel_time import (KernelDevice, device_kernels, shape_ratio, unit_edge_shapes, unit_kernel_times,
                           unit_weight_grad_time)
 from ..units import owns_output_weight, unit_kind, unit_names
 from .overlap import RankSpans, exposed_gather, reduce_end
+from .tp_overlap import unit_overlap_cost
 from .memory_model import chunk_unit_indices, chunk_units, unit_param_count
 from .profile_data import Profile, Profiles
 from .spec import RunSpec
@@ -85,8 +86,8 @@ class CostSettings:
 
     def host_time(self, kind: str, tp: int, sp: bool) -> tuple[float, float]:
         """(forward, backward) seconds of a unit's host work (0 without operator counts): its operators, and its
-        tensor-parallel collectives (one each way, an all-gather and a reduce-scatter with sequence parallelism;
-        the vocabulary-parallel loss's three reductions forward), at host_op_s each."""
+        tensor-parallel collectives (one each way; with sequence parallelism two forward and three backward, as
+        tp_comm_parts counts them; the vocabulary-parallel loss's three reductions forward), at host_op_s each."""
         if self.host_ops is None:
             return 0.0, 0.0
         ops = {k: (f, b) for k, f, b in self.host_ops}
@@ -96,7 +97,9 @@ class CostSettings:
         if tp > 1:
             extra = {"attention": (1, 1), "mlp": (1, 1), "embedding": (1, 0), "head": (3, 1)}[kind]
             if sp and kind in ("attention", "mlp"):
-                extra = (2, 2)
+                extra = (2, 3)
+            elif sp and kind == "head":
+                extra = (4, 2)
             f, b = f + extra[0], b + extra[1]
         return f * self.host_op_s, b * self.host_op_s
 
@@ -426,32 +429,30 @@ class CostModel:
 
         sp = self.spec.sp
         if kind in ("attention", "mlp"):
+            # sequence parallel: forward gathers the input and reduce-scatters the output; backward gathers the
+            # output's gradient, reduce-scatters the input's and gathers the input again for the weight gradient
             if sp and self.settings.engine.tp_comm_overlap:
-                return self._overlapped_sp(kind, stage, ag)
-            return (add(ag, ag), add(ag, ag)) if sp else (ar, ar)
+                overlapped = self._overlapped_sp(kind, stage, ag)
+                if overlapped is not None:
+                    return overlapped
+            return (add(ag, ag), add(ag, ag, ag)) if sp else (ar, ar)
         if kind == "embedding":
             return ar, (ag if sp else zero)
         small = allreduce_parts(self.spec.model.seq_length * self.spec.pipeline.micro_batch_size * 4, tp, link)
-        return add(ag if sp else zero, small, small, small), (ag if sp else ar)
+        return add(ag if sp else zero, small, small, small), (add(ag, ag) if sp else ar)
 
     def _overlapped_sp(self, kind: str, stage: int, one: tuple[float, float]):
-        """--tp-comm-overlap (Megatron-core with Transformer Engine): each of a unit's two sequence-parallel
-        collectives per pass (`one`: (bandwidth term, latency)) runs beside the GEMM at its end of the unit (the
-        all-gather before QKV or fc1, the reduce-scatter after the projection or fc2; in backward their mirrors),
-        both slowed by the overlap factor while they overlap: a pair (c, g) takes max(c, g) + (factor - 1) x
-        min(c, g), of which what exceeds g is the collective's exposed time. Without the device's SM count there are
-        no GEMM times to pair with, and nothing is hidden."""
+        """--tp-comm-overlap (Megatron-core with Transformer Engine's userbuffers, tp_overlap.py): what a unit's
+        sequence-parallel collectives (`one`: (bandwidth term, latency) of each) add beside the GEMMs that hide
+        them, the SMs the overlaps take from those GEMMs included. None without the device's SM count: no GEMM times
+        to pair with, so nothing is hidden."""
         c = one[0] + one[1]
         kd = self.kernel_device(self.devices[stage])
         if kd is None or c <= 0:
-            return (2 * one[0], 2 * one[1]), (2 * one[0], 2 * one[1])
-        factor = self.settings.overlap_factor
-        edges = unit_edge_gemms(kind, self.spec.model, self.spec.pipeline.micro_batch_size, self.spec.tp, kd)
-
-        def exposed(pair: tuple[float, float]) -> tuple[float, float]:
-            e = sum(max(c, g) + (factor - 1) * min(c, g) - g for g in pair)
-            return one[0] * e / c, one[1] * e / c
-        return exposed(edges[0]), exposed(edges[1])
+            return None
+        first, last = unit_edge_shapes(kind, self.spec.model, self.spec.pipeline.micro_batch_size, self.spec.tp)
+        added = unit_overlap_cost(first, last, self.spec.model.dtype_bytes, c, self.spec.tp, kd)
+        return tuple((one[0] * a / c, one[1] * a / c) for a in added)
 
     def unit_times(self, kind: str, recompute: str | None, device: DeviceType, stage: int,
                    index: int | None = None) -> tuple[float, float]:

@@ -121,10 +121,12 @@ def _unit_parts(kind: str, model: ModelConfig, micro_batch_size: int, tp: int,
     e = model.dtype_bytes
     tokens = s * b
     parts: list[tuple[float, float, float]] = []
+    if kind in ("attention", "mlp"):
+        first, last = unit_edge_shapes(kind, model, b, tp)
+        parts.append(_linear(*first, e, dev))
     if kind == "attention":
         heads = model.num_attention_heads // tp
         d = model.head_dim
-        parts.append(_linear(tokens, model.qkv_rows // tp, h, e, dev))
         if model.flash_attention:
             f = flash_attention_time(b * heads, s, d, e, dev, causal=model.model_type != "bert")
             parts.append((f, FLASH_BACKWARD * f, 0.0))
@@ -133,10 +135,8 @@ def _unit_parts(kind: str, model: ModelConfig, micro_batch_size: int, tp: int,
             pv = gemm_time(s, d, s, e, dev, b * heads)
             # backward: dV, dQ, dK [s, d] contracting s; dP [s, s] contracting d
             parts.append((qk + pv, 3 * pv + qk, 0.0))
-        parts.append(_linear(tokens, h, h // tp, e, dev))
-    elif kind == "mlp":
-        parts.append(_linear(tokens, model.fc1_rows // tp, h, e, dev))
-        parts.append(_linear(tokens, h, model.ffn_hidden_size // tp, e, dev))
+    if kind in ("attention", "mlp"):
+        parts.append(_linear(*last, e, dev))
     elif kind == "head":
         parts.append(_linear(tokens, model.vocab_size // tp, h, e, dev))
         if model.model_type == "bert":
@@ -175,11 +175,14 @@ def shape_ratio(kind: str, model: ModelConfig, micro_batch_size: int, tp: int, r
     return ours[0] / ref[0], ours[1] / ref[1]
 
 
-def unit_edge_gemms(kind: str, model: ModelConfig, micro_batch_size: int, tp: int,
-                    dev: KernelDevice) -> tuple[tuple[float, float], tuple[float, float]]:
-    """((first, last) forward, (first, last) backward) seconds of the GEMMs at the ends of an attention or MLP unit
-    (QKV and projection; fc1 and fc2): the GEMMs a sequence-parallel all-gather feeds and a reduce-scatter drains,
-    which Transformer Engine's communication overlap hides them behind."""
-    parts = _unit_parts(kind, model, micro_batch_size, tp, dev)
-    first, last = parts[0], parts[-1]
-    return (first[0], last[0]), (first[1], last[1])
+def unit_edge_shapes(kind: str, model: ModelConfig, micro_batch_size: int,
+                     tp: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(m, n, k) of the GEMMs at the ends of an attention or MLP unit on one tensor-parallel rank: the
+    column-parallel one a sequence-parallel all-gather feeds (QKV, fc1) and the row-parallel one a reduce-scatter
+    drains (projection, fc2); what Transformer Engine's communication overlap hides the collectives behind."""
+    tokens, h = model.seq_length * micro_batch_size, model.hidden_size
+    if kind == "attention":
+        return (tokens, model.qkv_rows // tp, h), (tokens, h, h // tp)
+    if kind == "mlp":
+        return (tokens, model.fc1_rows // tp, h), (tokens, h, model.ffn_hidden_size // tp)
+    raise ValueError(f"unit kind {kind!r} has no sequence-parallel GEMMs")

@@ -103,7 +103,7 @@ def test_blocking_launches_add_each_units_host_time():
     ops = (("embedding", 8, 4), ("attention", 21, 25), ("mlp", 10, 11), ("head", 21, 12))
     blocking = CostSettings(launch_blocking=True, host_ops=ops, host_op_s=50e-6)
     device = cluster.device(0)
-    for tp, sp, extra in ((1, False, (0, 0)), (2, False, (1, 1)), (2, True, (2, 2))):
+    for tp, sp, extra in ((1, False, (0, 0)), (2, False, (1, 1)), (2, True, (2, 3))):
         spec = _spec(tp=tp, sequence_parallel=sp)
         plain = CostModel(spec, cluster).unit_times("attention", None, device, 0)
         held = CostModel(spec, cluster, settings=blocking).unit_times("attention", None, device, 0)
@@ -318,11 +318,29 @@ def test_the_gradient_reduction_follows_the_engine():
     assert reduce(fp32, True) == ((4.0, True), pytest.approx(allgather_time(4e8, 8, link)))
 
 
-def test_tp_comm_overlap_hides_the_sequence_parallel_collectives_behind_their_gemms():
-    """Megatron-core's --tp-comm-overlap: each SP collective beside the GEMM at its end of the unit costs only what
-    exceeds that GEMM (both slowed by the overlap factor while they overlap); refused for other engines."""
+def test_sequence_parallel_collectives_per_unit_follow_the_runtime():
+    """Sequence parallel (parallel/deferred_wgrad.py): an attention or MLP unit's forward all-gathers its input
+    and reduce-scatters its output; its backward all-gathers the output's gradient, reduce-scatters the input's and
+    all-gathers the saved input shard again for the weight gradient: two collectives forward, three backward. The
+    head gathers its input forward; backward reduce-scatters the input's gradient and gathers the input again."""
+    cluster = load_cluster("a100-80g-ib")
+    model = ModelConfig(num_layers=2, hidden_size=4096, num_attention_heads=32, vocab_size=51200, seq_length=2048,
+                        params_dtype="bf16")
+    cost = CostModel(_spec(model=model, tp=8, pp=1, dp=1, partition=(6,), sequence_parallel=True), cluster)
+    one = allgather_time(2048 * 2 * 4096 * 2, 8, cost.tp_link(0))
+    for kind in ("attention", "mlp"):
+        assert cost.tp_comm(kind, 0) == pytest.approx((2 * one, 3 * one))
+    assert cost.tp_comm("head", 0)[1] == pytest.approx(2 * one)
+
+
+def test_tp_comm_overlap_costs_what_transformer_engine_leaves_exposed():
+    """Megatron-core's --tp-comm-overlap: a unit's sequence-parallel collectives add what tp_overlap.py's model of
+    Transformer Engine's overlaps gives beside the unit's own GEMMs (the SMs the overlaps take included): less than
+    running them after the GEMMs, more than nothing; the embedding's and head's collectives are not overlapped;
+    refused for other engines."""
     from megatron_bmw.planner.engine import EngineConfig
-    from megatron_bmw.planner.kernel_time import unit_edge_gemms
+    from megatron_bmw.planner.kernel_time import unit_edge_shapes
+    from megatron_bmw.planner.tp_overlap import unit_overlap_cost
 
     cluster = load_cluster("a100-80g-ib")
     model = ModelConfig(num_layers=2, hidden_size=4096, num_attention_heads=32, vocab_size=51200, seq_length=2048,
@@ -331,17 +349,19 @@ def test_tp_comm_overlap_hides_the_sequence_parallel_collectives_behind_their_ge
     plain = CostModel(spec, cluster, settings=CostSettings(engine=EngineConfig("megatron-core")))
     overlap = CostSettings(engine=EngineConfig("megatron-core", tp_comm_overlap=True))
     hidden = CostModel(spec, cluster, settings=overlap)
-    factor = CostSettings().overlap_factor
+    one = allgather_time(2048 * 2 * 4096 * 2, 8, hidden.tp_link(0))
     for kind in ("attention", "mlp"):
         pf, pb = plain.tp_comm(kind, 0)
         fwd, bwd = hidden.tp_comm(kind, 0)
-        one = pf / 2  # one all-gather or reduce-scatter
-        (f0, f1), (b0, b1) = unit_edge_gemms(kind, model, 2, 8, hidden.kernel_device(hidden.devices[0]))
-        expect = sum(max(one, g) + (factor - 1) * min(one, g) - g for g in (f0, f1))
-        assert fwd == pytest.approx(expect) and 0 < fwd < pf, kind
-        assert 0 < bwd < pb
-    # the embedding's and the head's collectives are not overlapped
+        first, last = unit_edge_shapes(kind, model, 2, 8)
+        assert (fwd, bwd) == pytest.approx(unit_overlap_cost(first, last, 2, one, 8,
+                                                             hidden.kernel_device(hidden.devices[0])))
+        assert 0 < fwd < pf and 0 < bwd < pb, kind
     assert hidden.tp_comm("head", 0) == plain.tp_comm("head", 0)
+    # a device type without SMs has no GEMM times to hide behind: the collectives stay whole
+    flat = replace(cluster.groups[0].device, sm_count=None)
+    bare = CostModel(spec, replace(cluster, groups=(replace(cluster.groups[0], device=flat),)), settings=overlap)
+    assert bare.tp_comm("mlp", 0) == pytest.approx(plain.tp_comm("mlp", 0))
     with pytest.raises(UsageError, match="--tp-comm-overlap"):
         EngineConfig("megatron_bmw", tp_comm_overlap=True)
 
