@@ -462,15 +462,32 @@ def _check_varying_batch(args, sizes: list[int], mb: int, dp: int, pp: int, virt
                          f"fewer than --microbatch-slicing {slicing}")
 
 
-def _check_recompute_block(args, stage_units: list[list[int]]) -> None:
-    """Megatron's block method recomputes the first N layers of each pipeline stage: 1 <= N <= its layers."""
-    if args.recompute_num_layers is not None and args.recompute_num_layers < 1:
-        raise UsageError(f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
+def _check_recompute_flags(args, stage_units: list[list[int]]) -> None:
+    """Megatron's rules: --recompute-method and --recompute-num-layers say which layers full recomputation covers,
+    so selective takes neither; block recomputes the first N layers of each pipeline stage, 1 <= N <= its layers.
+    Uniform recomputes every unit on its own here, which is Megatron's uniform with N = 1 (its groups of N layers
+    recomputed from one saved input are not implemented)."""
+    n = args.recompute_num_layers
+    if n is not None and n < 1:
+        raise UsageError(f"--recompute-num-layers must be >= 1, got {n}")
+    if args.recompute_activations or args.recompute_granularity == "selective":
+        given = [f for f, v in (("--recompute-method", args.recompute_method), ("--recompute-num-layers", n))
+                 if v is not None]
+        if given:
+            raise UsageError(f"{' and '.join(given)} {'choose' if len(given) > 1 else 'chooses'} the layers of "
+                             "--recompute-granularity full; selective recomputation covers every attention core "
+                             f"(drop {'them' if len(given) > 1 else 'it'})")
+        return
+    if args.recompute_method in (None, "uniform") and n is not None and n > 1 \
+            and args.recompute_granularity == "full":
+        raise UsageError(f"--recompute-num-layers {n} with --recompute-method uniform: Megatron's groups of {n} "
+                         "layers recomputed from one saved input are not implemented; here every unit is recomputed "
+                         "on its own (Megatron's 1), or --recompute-method block recomputes the first N layers of "
+                         "each pipeline stage")
     if args.recompute_method != "block":
         return
     names = unit_names(args.num_layers)
     most = max(len({unit_layer(names[i]) for i in units} - {None}) for units in stage_units)
-    n = args.recompute_num_layers
     if n is None or not 1 <= n <= most:
         given = "is missing" if n is None else f"is {n}"
         raise UsageError(f"--recompute-num-layers {given}: --recompute-method block recomputes the first N layers "
@@ -498,7 +515,7 @@ def pipeline_config_from_args(args: argparse.Namespace, dp: int, global_batch_si
     partition = parse_partition(args.pipeline_partition, args.num_layers, pp, virtual)
     placement = "v" if args.pipeline_schedule == "zbv" else "interleaved"
     stage_units = [[i for c in rank_chunks(partition, pp, r, placement) for i in c] for r in range(pp)]
-    _check_recompute_block(args, stage_units)
+    _check_recompute_flags(args, stage_units)
     granularity = "selective" if args.recompute_activations else args.recompute_granularity
     if args.recompute_units is not None:
         if granularity is not None:

@@ -1,8 +1,9 @@
-"""Flag values argparse lets through: numbers that are not finite, and values that start with '-'.
+"""Flag values argparse lets through: numbers that are not finite or too large, and values that start with '-'.
 
 Ranges live with the settings they bound (config.py); this module catches what comes before them: `--lr nan`
-or `--lr 1e39` (beyond fp32) passed every `< 0` test and reached torch as a traceback, and `--split -1,2,3` was
-taken by argparse for a flag ("expected one argument")."""
+or `--lr 1e39` (beyond fp32) passed every `< 0` test and reached torch as a traceback, as did an integer beyond
+int64 (`--rotary-base 1e20` spelt out, `--train-iters` of 24 digits); and `--split -1,2,3` was taken by argparse for
+a flag ("expected one argument")."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import struct
 from .errors import UsageError
 
 FP32_MAX = struct.unpack("f", b"\xff\xff\x7f\x7f")[0]
+INT64_MAX = 2**63 - 1
 
 
 def _actions(parser: argparse.ArgumentParser):
@@ -31,13 +33,18 @@ def _single_value_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.A
 
 
 def check_finite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Every float-valued flag is a finite number an fp32 tensor can hold."""
+    """Every float-valued flag is a finite number an fp32 tensor can hold; every integer-valued one fits int64."""
     for action in _actions(parser):
-        if action.type is not float or not action.option_strings:
+        if action.type not in (float, int) or not action.option_strings:
             continue
         values = getattr(args, action.dest, None)
         for value in values if isinstance(values, list) else [values]:
-            if value is not None and not (math.isfinite(value) and abs(value) <= FP32_MAX):
+            if value is None:
+                continue
+            if action.type is int and abs(value) > INT64_MAX:
+                raise UsageError(f"{action.option_strings[0]} must fit a 64-bit integer (at most {INT64_MAX}), "
+                                 f"got {value}")
+            if action.type is float and not (math.isfinite(value) and abs(value) <= FP32_MAX):
                 raise UsageError(f"{action.option_strings[0]} must be a finite number within fp32's range, got {value}")
 
 

@@ -68,6 +68,8 @@ def _refused(extra, needle, world=1):
     (["--lr", "nan"], "--lr must be a finite number"),
     (["--lr", "1e39"], "--lr must be a finite number within fp32's range"),
     (["--min-lr", "inf"], "--min-lr must be a finite number"),
+    (["--rotary-base", "1" + "0" * 20], "--rotary-base must fit a 64-bit integer"),
+    (["--train-iters", "1" + "0" * 23], "--train-iters must fit a 64-bit integer"),
     (["--clip-grad", "nan"], "--clip-grad must be a finite number"),
     (["--seed", "-1"], "--seed must be in [0, 2**32)"),
     (["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
@@ -84,6 +86,12 @@ def _refused(extra, needle, world=1):
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"],
      "--recompute-num-layers must be >= 1, got 0"),
     (["--num-layers-per-virtual-pipeline-stage", "0"], "--num-layers-per-virtual-pipeline-stage must be >= 1"),
+    # the runtime probe's (session 12): Megatron refuses these; here they ran as something else
+    (["--recompute-granularity", "selective", "--recompute-method", "block", "--recompute-num-layers", "1"],
+     "--recompute-method and --recompute-num-layers choose the layers of --recompute-granularity full"),
+    (["--recompute-activations", "--recompute-method", "uniform"], "--recompute-method chooses the layers"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"],
+     "--recompute-num-layers 3 with --recompute-method uniform: Megatron's groups of 3 layers"),
 ])
 def test_refused(extra, needle):
     _refused(extra, needle)
