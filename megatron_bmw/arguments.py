@@ -580,7 +580,11 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
                          f"the tokenizer's vocabulary has {orig_vocab} token(s); a language model needs >= 2")
     multiple = args.make_vocab_size_divisible_by * tp
     padded = -(-orig_vocab // multiple) * multiple
-    backend = "flash" if args.use_flash_attn else _BACKEND_AS.get(args.attention_backend, args.attention_backend)
+    backend = _BACKEND_AS.get(args.attention_backend, args.attention_backend)
+    if args.use_flash_attn and backend not in ("auto", "flash"):
+        raise UsageError(f"--use-flash-attn (Megatron's older flag for --attention-backend flash) contradicts "
+                         f"--attention-backend {args.attention_backend}")
+    backend = "flash" if args.use_flash_attn else backend
     model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=padded, seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,

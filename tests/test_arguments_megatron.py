@@ -90,6 +90,8 @@ def _refused(extra, needle, world=1):
     (["--recompute-granularity", "selective", "--recompute-method", "block", "--recompute-num-layers", "1"],
      "--recompute-method and --recompute-num-layers choose the layers of --recompute-granularity full"),
     (["--recompute-activations", "--recompute-method", "uniform"], "--recompute-method chooses the layers"),
+    (["--use-flash-attn", "--attention-backend", "local"], "--use-flash-attn (Megatron's older flag for "
+                                                            "--attention-backend flash) contradicts"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"],
      "--recompute-num-layers 3 with --recompute-method uniform: Megatron's groups of 3 layers"),
 ])

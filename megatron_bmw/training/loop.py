@@ -475,7 +475,7 @@ class Trainer:
                 if tr.save and not saved:
                     self.save()
                 self.exited_early = True  # as Megatron: exit right after the save, no test-set evaluation
-                print_first(st, f" exiting program at iteration {self.iteration}")
+                print_last(st, f" exiting program at iteration {self.iteration}")  # after the log line, same rank
                 return
         if tr.save and not (tr.save_interval and self.iteration % tr.save_interval == 0):
             self.save()
