@@ -57,8 +57,8 @@ def read_tracker(ckpt_dir: str) -> int | str | None:
     path = os.path.join(ckpt_dir, TRACKER)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
+    with open(path, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace").strip()
     if text == RELEASE:
         return RELEASE
     try:
@@ -136,9 +136,10 @@ def save_checkpoint(
         except OSError as exc:
             raise failed(exc) from None
         except RuntimeError as exc:  # torch.save's zip writer reports a full disk as a RuntimeError
-            if "PytorchStreamWriter failed writing" not in str(exc):
+            cause = _write_error(exc)
+            if cause is None:
                 raise
-            raise failed(exc) from None
+            raise failed(cause) from None
 
     def publish() -> None:
         if rank != 0:
@@ -158,6 +159,18 @@ def save_checkpoint(
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return final_dir
+
+
+def _write_error(exc: RuntimeError) -> BaseException | None:
+    """The disk error behind a RuntimeError of torch.save's zip writer (its own text for a failed write, or the
+    OSError it was raised while handling: "unexpected pos" after ENOSPC), else None."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    return exc if "PytorchStreamWriter failed writing" in text or "inline_container" in text else None
 
 
 def clear_debris(save_dir: str) -> None:

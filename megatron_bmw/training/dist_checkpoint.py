@@ -183,13 +183,17 @@ def _gather_objects(obj) -> list | None:
     return out
 
 
+def _unreadable(load_dir: str, path: str, exc: Exception) -> UsageError:
+    reason = (str(exc).strip().splitlines() or [""])[0]
+    return UsageError(f"--load {load_dir}: cannot read {path} ({type(exc).__name__}: {reason})")
+
+
 def read_common(load_dir: str, iter_dir: str) -> dict:
     path = os.path.join(iter_dir, COMMON_FILE)
     try:
         data = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - missing, truncated or foreign
-        reason = (str(exc).strip().splitlines() or [""])[0]
-        raise UsageError(f"--load {load_dir}: cannot read {path} ({type(exc).__name__}: {reason})") from None
+        raise _unreadable(load_dir, path, exc) from None
     if not isinstance(data, dict) or data.get("checkpoint_format") != FORMAT:
         raise UsageError(f"--load {load_dir}: {path} is not a megatron_bmw torch_dist common file")
     return data
@@ -269,8 +273,11 @@ def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: Mix
 
     units = _unit_states(chunks, state)
 
-    sizes = {k: md.size for k, md in FileSystemReader(iter_dir).read_metadata().state_dict_metadata.items()
-             if hasattr(md, "size")}
+    try:
+        metadata = FileSystemReader(iter_dir).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - truncated or foreign
+        raise _unreadable(load_dir, os.path.join(iter_dir, METADATA_FILE), exc) from None
+    sizes = {k: md.size for k, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
     rows = ((common.get("args") or {}).get("padded_vocab_size"), (model_args or {}).get("padded_vocab_size"))
 
     def want(key: str, param: torch.Tensor, target: torch.Tensor, tp: tuple[int, int], piece=None) -> None:

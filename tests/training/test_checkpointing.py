@@ -106,6 +106,30 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000010", "iter_0000020", "latest_checkpointed_iteration.txt"]
 
 
+def test_a_full_disk_under_torchs_zip_writer_is_one_line_and_leaves_no_debris(tmp_path, monkeypatch):
+    """torch 2.13's zip writer, hitting ENOSPC, raises "unexpected pos" while handling the OSError: the save names
+    the disk error, keeps the previous checkpoint and removes its temporary folder (probe, session 12)."""
+    import errno
+
+    from megatron_bmw.errors import RunError
+    from megatron_bmw.training import checkpointing
+
+    state = ParallelState.serial()
+    model = _model()
+    save_checkpoint(str(tmp_path), 10, state, _payload(model, state, 10), None)
+
+    def full(obj, f, *a, **k):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1010752 vs 1010640")
+
+    monkeypatch.setattr(checkpointing.torch, "save", full)
+    with pytest.raises(RunError, match="iteration 20 .No space left on device.; the previous checkpoint is kept"):
+        save_checkpoint(str(tmp_path), 20, state, _payload(model, state, 20), None)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000010", "latest_checkpointed_iteration.txt"]
+
+
 def test_resave_same_iteration_and_interrupted_swap(tmp_path):
     state = ParallelState.serial()
     model = _model()
@@ -120,6 +144,9 @@ def test_tracker_cases(tmp_path):
     state = ParallelState.serial()
     assert load_checkpoint(str(tmp_path / "nothing"), state) is None
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("banana\n")
+    with pytest.raises(UsageError, match="not an iteration number"):
+        load_checkpoint(str(tmp_path), state)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_bytes(b"\x00\x00\xff")
     with pytest.raises(UsageError, match="not an iteration number"):
         load_checkpoint(str(tmp_path), state)
     os.makedirs(tmp_path / "release" / "mp_rank_00")

@@ -168,6 +168,16 @@ def test_other_model_refused_in_one_line(tmp_path):
     msg = _error_of(small + ["--train-iters", "4", "--load", ckpt, "--swiglu"])
     assert msg == (f"--load {ckpt}: checkpoint has swiglu = False, this run True (another model; a torch_dist "
                    "checkpoint reshards the layout only)")
+    # a truncated .metadata is named, as a truncated common file is (probe, session 12: an UnpicklingError)
+    cut = str(tmp_path / "cut")
+    shutil.copytree(ckpt, cut)
+    metadata = os.path.join(cut, "iter_0000003", ".metadata")
+    with open(metadata, "rb") as f:
+        head = f.read(100)
+    with open(metadata, "wb") as f:
+        f.write(head)
+    msg = _error_of(small + ["--train-iters", "4", "--load", cut])
+    assert msg.startswith(f"--load {cut}: cannot read {metadata} (") and "\n" not in msg, msg
 
 
 _KILL_CHILD = """
