@@ -22,11 +22,12 @@ def _as_float(token: str) -> float | None:
         return None
 
 
-def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
+def parse_data_path(data_path: list[str]) -> list[tuple[float | None, str]]:
     """Parse Megatron's `--data-path` into `[(weight, prefix), ...]` with weights summing to 1.
 
-    Accepted forms: `[prefix]`, `[prefix1, prefix2, ...]` (equal weights) and
-    `[w1, prefix1, w2, prefix2, ...]`. The weighted form is recognised by a number as first token.
+    Accepted forms: `[prefix]`, `[w1, prefix1, w2, prefix2, ...]` (recognised by a number as first token) and
+    `[prefix1, prefix2, ...]`, whose weights are None: as in Megatron they follow the datasets' sizes, which the
+    builder knows (data/builder.py: each prefix's tokens in each split).
     """
     if not data_path:
         raise UsageError("--data-path: no data prefix given")
@@ -38,7 +39,7 @@ def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
             raise UsageError(
                 f"--data-path: mixes prefixes and weights ({numeric[0]!r}); use 'w1 prefix1 w2 prefix2 ...'"
             )
-        return [(1.0 / len(data_path), p) for p in data_path]
+        return [(None, p) for p in data_path]
     if len(data_path) % 2:
         raise UsageError(f"--data-path: weighted form needs weight/prefix pairs, got {len(data_path)} tokens")
     pairs: list[tuple[float, str]] = []

@@ -70,7 +70,10 @@ def build_gpt_datasets(
         cache = cfg.data_cache_path or default_cache_dir(ds.path_prefix)
         return GPTDataset(ds, np.arange(*rng), count, seq_length, seed, cache, name)
 
-    return _split_and_blend(cfg, blend, num_samples, check_vocab_size, len, make,
+    def tokens(ds: IndexedDataset, rng: tuple[int, int]) -> int:
+        return int(ds.sequence_lengths[rng[0]:rng[1]].sum(dtype=np.int64))
+
+    return _split_and_blend(cfg, blend, num_samples, check_vocab_size, len, tokens, make,
                             lambda first: cfg.data_cache_path or default_cache_dir(first.path_prefix))
 
 
@@ -107,23 +110,30 @@ def build_bert_datasets(cfg: DataConfig, sample: "BertSampleConfig", num_samples
     def make(ds: IndexedDataset, rng: tuple[int, int], count: int, name: str):
         return BertDataset(ds, np.arange(*rng), count, sample, vocab, name)
 
+    def tokens(ds: IndexedDataset, rng: tuple[int, int]) -> int:
+        first, last = ds.document_indices[rng[0]], ds.document_indices[rng[1]]
+        return int(ds.sequence_lengths[first:last].sum(dtype=np.int64))
+
     return _split_and_blend(cfg, blend, num_samples, check_vocab_size, lambda ds: len(ds.document_indices) - 1,
-                            make, lambda first: None)
+                            tokens, make, lambda first: None)
 
 
-def _weighted(blend: list[tuple[float, str]]) -> list[tuple[float, str]]:
-    """The prefixes of weight > 0; one of weight 0 is still opened, as Megatron does, so a misspelt one is named."""
+def _weighted(blend: list[tuple[float | None, str]]) -> list[tuple[float | None, str]]:
+    """The prefixes of weight > 0 (or None: by size); one of weight 0 is still opened, as Megatron does, so a
+    misspelt one is named."""
     if len(blend) == 1:
         return blend
     for _, prefix in (b for b in blend if b[0] == 0):
         IndexedDataset(prefix)
-    return [b for b in blend if b[0] > 0]
+    return [b for b in blend if b[0] is None or b[0] > 0]
 
 
 def _split_and_blend(cfg: DataConfig, blend: list, num_samples: tuple[int, int, int], check_vocab_size: int | None,
-                     length, make, blend_cache) -> Datasets:
+                     length, tokens, make, blend_cache) -> Datasets:
     """Split each prefix of `blend` by `cfg.split` (over `length(ds)` items) and, per split, one dataset
-    (`make(ds, range, count, split name)`) or a BlendedDataset of the prefixes that have items there."""
+    (`make(ds, range, count, split name)`) or a BlendedDataset of the prefixes that have items there. A prefix
+    given without a weight weighs its `tokens(ds, range)` in the split (Megatron: weights from the datasets'
+    sizes; it concatenates them exhaustively, here they are sampled in those proportions)."""
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
     if check_vocab_size is not None:
         for ds in indexed:
@@ -131,7 +141,9 @@ def _split_and_blend(cfg: DataConfig, blend: list, num_samples: tuple[int, int, 
     ranges = [split_ranges(cfg.split, length(ds)) for ds in indexed]
     out: list[object | None] = []
     for s, (name, n) in enumerate(zip(SPLIT_NAMES, num_samples)):
-        members = [(w, ds, r[s]) for (w, _), ds, r in zip(blend, indexed, ranges) if r[s][1] > r[s][0]]
+        members = [(tokens(ds, r[s]) if w is None else w, ds, r[s])
+                   for (w, _), ds, r in zip(blend, indexed, ranges) if r[s][1] > r[s][0]]
+        members = [m for m in members if m[0] > 0]
         if n == 0 or not members:
             out.append(None)
             continue

@@ -109,6 +109,44 @@ class _Index:
         offset += count * 8
         self.document_indices = np.frombuffer(mm, dtype="<i8", count=doc_count, offset=offset)
         self._mmap = mm
+        _check_index(path, self.sequence_lengths, self.sequence_pointers, self.document_indices, self.dtype.itemsize)
+
+
+CHECK_CHUNK = 1 << 22  # entries checked at a time (bounded temporaries on indexes of 1e8+ sequences)
+
+
+def _first(bad: np.ndarray, start: int) -> int:
+    return start + int(np.flatnonzero(bad)[0])
+
+
+def _check_index(path: str, lengths: np.ndarray, pointers: np.ndarray, docs: np.ndarray, itemsize: int) -> None:
+    """What Megatron's writer guarantees and the readers rely on: lengths >= 0, each sequence starting where the one
+    before ends (the first at 0), and a document index rising from 0 to at most the sequence count. A hand-made or damaged
+    index failed mid-training (a negative slice, arrays of unequal shape) or sampled past its sequences."""
+    count = len(lengths)
+    if count and int(pointers[0]) != 0:
+        raise UsageError(f"{path}: sequence 0 starts at byte {int(pointers[0])}, not 0 (damaged index?)")
+    for start in range(0, count, CHECK_CHUNK):
+        ln = lengths[start:start + CHECK_CHUNK]
+        if (ln < 0).any():
+            i = _first(ln < 0, start)
+            raise UsageError(f"{path}: sequence {i} has length {int(lengths[i])} (damaged index?)")
+        ends = pointers[start:start + CHECK_CHUNK] + ln.astype(np.int64) * itemsize
+        nxt = pointers[start + 1:start + CHECK_CHUNK + 1]
+        gap = ends[:len(nxt)] != nxt
+        if gap.any():
+            i = _first(gap, start) + 1
+            raise UsageError(f"{path}: sequence {i} starts at byte {int(pointers[i])}, not where sequence {i - 1} "
+                             f"ends ({int(pointers[i - 1]) + int(lengths[i - 1]) * itemsize}) (damaged index?)")
+    if int(docs[0]) != 0 or int(docs[-1]) > count:
+        raise UsageError(f"{path}: the document index runs from {int(docs[0])} to {int(docs[-1])}, not from 0 to at "
+                         f"most the {count} sequences (damaged index?)")
+    for start in range(0, len(docs) - 1, CHECK_CHUNK):
+        falls = docs[start + 1:start + CHECK_CHUNK + 1] < docs[start:start + CHECK_CHUNK][:len(docs) - 1 - start]
+        if falls.any():
+            i = _first(falls, start) + 1
+            raise UsageError(f"{path}: document {i} starts at sequence {int(docs[i])}, before document {i - 1} "
+                             f"({int(docs[i - 1])}) (damaged index?)")
 
 
 class IndexedDataset:

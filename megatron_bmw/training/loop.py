@@ -36,8 +36,8 @@ from ..models.bert import LOSS_NAMES, drain_reported
 from .batches import MicroBatches
 from .bert_batches import BertMicroBatches
 from . import memory_history
-from .checkpointing import (DIST_FORMAT, TRACKER, checkpoint_format, load_checkpoint, read_tracker, save_checkpoint,
-                            load_error)
+from .checkpointing import (DIST_FORMAT, DIST_METADATA_FILE, MODEL_FILE, RELEASE, TRACKER, checkpoint_format,
+                            load_checkpoint, load_error, read_tracker, save_checkpoint)
 from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format_validation_log, num_zeros_in_grad,
                       params_norm, throughput_tflops, timestamp)
 from .lr_scheduler import LRScheduler
@@ -83,6 +83,18 @@ def print_last(state: ParallelState, text: str) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if state.rank == world - 1:
         print(text, flush=True)
+
+
+def _iteration_contents(path: str) -> str | None:
+    """What marks `path` as a folder inside a checkpoint (an iteration's shard folders or torch_dist metadata, a
+    shard's file), or None."""
+    if not os.path.isdir(path):
+        return None
+    for entry in sorted(os.listdir(path)):
+        if entry in (DIST_METADATA_FILE, MODEL_FILE) or \
+                (entry.startswith("mp_rank_") and os.path.isdir(os.path.join(path, entry))):
+            return entry
+    return None
 
 
 def print_first(state: ParallelState, text: str) -> None:
@@ -268,13 +280,19 @@ class Trainer:
         if tr.load is None:
             return
         self.optimizer.finish_param_sync()  # a gather still running would overwrite the loaded weights
-        if read_tracker(tr.load) is None:
+        tracked = read_tracker(tr.load)
+        if tracked is None:
             if os.path.exists(tr.load) and not os.path.isdir(tr.load):
                 raise UsageError(f"--load {tr.load}: not a directory (give the checkpoint directory)")
+            inside = _iteration_contents(tr.load)
+            if inside:
+                raise UsageError(f"--load {tr.load}: this folder is inside a checkpoint (it holds {inside}); give the "
+                                 f"checkpoint's top directory, which holds {TRACKER}")
             print_first(self.state, f"WARNING: could not find the metadata file {os.path.join(tr.load, TRACKER)}\n"
                                     "    will not load any checkpoints and will start from random")
             return
-        load_optim = tr.load_optim and not tr.finetune
+        release = tracked == RELEASE  # Megatron: a release checkpoint's weights only, from iteration 0
+        load_optim = tr.load_optim and not tr.finetune and not release
         if agree(checkpoint_format, tr.load) == DIST_FORMAT:  # any layout's
             from . import dist_checkpoint
 
@@ -296,7 +314,7 @@ class Trainer:
         raw = payload.get("args")  # a dict here, an argparse.Namespace in Megatron-LM's checkpoints
         args = raw if isinstance(raw, dict) else vars(raw) if hasattr(raw, "__dict__") else {}
         saved_batch = int(args.get("global_batch_size") or tr.global_batch_size)
-        self.iteration = int(payload.get("iteration", 0))
+        self.iteration = 0 if release else int(payload.get("iteration", 0))
         self.consumed_train = int(payload.get("consumed_train_samples",
                                               args.get("consumed_train_samples", self.iteration * saved_batch)))
         self.consumed_valid = int(payload.get("consumed_valid_samples", args.get("consumed_valid_samples", 0)))
@@ -304,10 +322,14 @@ class Trainer:
             agree(self.scheduler.load_state_dict, payload["opt_param_scheduler"], samples_per_iteration=saved_batch,
                   override=tr.override_opt_param_scheduler, use_checkpoint=tr.use_checkpoint_opt_param_scheduler,
                   where=f"--load {tr.load}")
-        if tr.load_rng and "rng_state" in payload:
-            set_rng_state(payload["rng_state"], self.state.rng)
-        elif tr.load_rng and payload.get("rng_layout_changed"):
-            self._reseed(payload.get("saved_layout"))
+        if tr.load_rng and not release:
+            if "rng_state" in payload:
+                set_rng_state(payload["rng_state"], self.state.rng)
+            elif payload.get("rng_layout_changed"):
+                self._reseed(payload.get("saved_layout"))
+            else:  # Megatron stops here too
+                raise UsageError(f"--load {tr.load}: the checkpoint has no RNG state (saved with --no-save-rng?); "
+                                 "load with --no-load-rng or --finetune")
         print_first(self.state, f"  successfully loaded checkpoint from {tr.load} at iteration {self.iteration}")
 
     def convert_checkpoint(self) -> str:

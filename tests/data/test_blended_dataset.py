@@ -47,7 +47,7 @@ def test_samples_per_dataset_margin():
 
 def test_parse_data_path():
     assert parse_data_path(["a"]) == [(1.0, "a")]
-    assert parse_data_path(["a", "b"]) == [(0.5, "a"), (0.5, "b")]
+    assert parse_data_path(["a", "b"]) == [(None, "a"), (None, "b")]  # by size: the builder weighs them
     assert parse_data_path(["3", "a", "1", "b"]) == [(0.75, "a"), (0.25, "b")]
     for bad, why in [([], "no data prefix"), (["1", "a", "2"], "pairs"), (["1", "a", "x", "b"], "'x' is not"),
                      (["a", "0.5"], "mixes"), (["0", "a", "0", "b"], "sum to zero"), (["-1", "a", "2", "b"], "'-1'"),
@@ -70,6 +70,17 @@ def test_builder_blends_two_prefixes(tmp_path):
     assert tokens == {0: {1}, 1: {2}}
     again = build_gpt_datasets(cfg, seq_length=16, seed=0, num_samples=(1000, 100, 10))[0]
     assert again.built_from_cache and all(d.built_from_cache for d in again.datasets)
+
+
+def test_prefixes_without_weights_weigh_their_tokens_in_each_split(tmp_path):
+    """Megatron's `--data-path a b`: weights from the datasets' sizes (probe, session 12: here they were equal,
+    so a tiny dataset filled half the training samples)."""
+    a = write_dataset(tmp_path / "a", [[1] * 30 for _ in range(90)])
+    b = write_dataset(tmp_path / "b", [[2] * 10 for _ in range(30)])
+    cfg = DataConfig(data_path=[a, b], split="100,0,0", data_cache_path=str(tmp_path / "cache"))
+    train = build_gpt_datasets(cfg, seq_length=16, seed=0, num_samples=(1000, 0, 0))[0]
+    counts = np.bincount(np.asarray(train.dataset_index), minlength=2)
+    assert counts.tolist() == [900, 100]  # 2700 tokens against 300
 
 
 def test_a_prefix_of_weight_zero_is_still_opened(tmp_path):

@@ -154,6 +154,23 @@ def test_short_bin(example, tmp_path):
     one_line_error(lambda: IndexedDataset(example), r"ex\.bin: data file is 10 bytes but the index needs 12")
 
 
+# header 34 bytes, then lengths (<i4 x 3) at 34, pointers (<i8 x 3) at 46, the document index (<i8 x 3) at 70
+@pytest.mark.parametrize("offset,fmt,value,match", [
+    (34 + 4, "<i", -5, r"sequence 1 has length -5"),
+    (46, "<q", 2, r"sequence 0 starts at byte 2, not 0"),
+    (46 + 16, "<q", 1000, r"sequence 2 starts at byte 1000, not where sequence 1 ends \(8\)"),
+    (70 + 8, "<q", 4, r"document 2 starts at sequence 3, before document 1 \(4\)"),
+    (70 + 16, "<q", 7, r"the document index runs from 0 to 7, not from 0 to at most the 3 sequences"),
+])
+def test_a_damaged_index_is_named_when_opened(example, tmp_path, offset, fmt, value, match):
+    """Probe, session 12: such indexes passed the header checks and failed mid-training with tracebacks."""
+    path = tmp_path / "ex.idx"
+    raw = bytearray(path.read_bytes())
+    raw[offset:offset + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    path.write_bytes(bytes(raw))
+    one_line_error(lambda: IndexedDataset(example), rf"ex\.idx: {match}")
+
+
 def test_check_vocab(example):
     ds = IndexedDataset(example)
     ds.check_vocab(11)

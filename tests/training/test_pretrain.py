@@ -188,6 +188,28 @@ def test_load_without_checkpoint_warns_and_starts_from_scratch(tmp_path):
     assert iteration_lines(resumed.stdout)[0].startswith(" iteration        4/")
 
 
+@pytest.mark.slow
+def test_load_refuses_what_megatron_refuses_and_starts_a_release_at_zero(tmp_path):
+    """Probe, session 12: a folder inside a checkpoint started from random weights (exit 0), and a checkpoint saved
+    without RNG state resumed silently; Megatron stops at the latter. A release checkpoint is Megatron's weights
+    only, from iteration 0."""
+    from megatron_bmw.errors import UsageError
+
+    ckpt = str(tmp_path / "ckpt")
+    _train(0, 1, BASE + ["--train-iters", "4", "--exit-interval", "2", "--save", ckpt, "--no-save-rng"])
+    argv = BASE + ["--train-iters", "4"]
+    for inside, holds in (("iter_0000002", "mp_rank_00"), ("iter_0000002/mp_rank_00", "model_optim_rng.pt")):
+        with pytest.raises(UsageError, match=rf"inside a checkpoint \(it holds {holds}\); give the checkpoint's top"):
+            build_trainer(argv + ["--load", os.path.join(ckpt, inside)])
+    with pytest.raises(UsageError, match="has no RNG state .saved with --no-save-rng..; load with --no-load-rng"):
+        build_trainer(argv + ["--load", ckpt])
+    assert build_trainer(argv + ["--load", ckpt, "--no-load-rng"]).iteration == 2
+    os.rename(os.path.join(ckpt, "iter_0000002"), os.path.join(ckpt, "release"))
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release\n")
+    assert build_trainer(argv + ["--load", ckpt]).iteration == 0
+
+
 def _mismatch_case(rank, world_size, ckpt):
     """Every rank meets the mismatch; they agree on it, rank 0 prints it and all stop with code 2."""
     import contextlib
