@@ -593,7 +593,9 @@ def parse_split(split: str) -> list[float]:
         weights = [float(p) for p in parts]
     except ValueError:
         raise UsageError(f"--split: {split!r} is not a list of numbers") from None
-    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+    if any(not math.isfinite(w) for w in weights) or not math.isfinite(sum(weights)):
+        raise UsageError(f"--split: weights in {split!r} must be finite numbers (only their ratios count)")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise UsageError(f"--split: weights in {split!r} must be non-negative with a positive sum")
     weights += [0.0] * (3 - len(weights))
     total = sum(weights)

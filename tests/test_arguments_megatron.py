@@ -80,6 +80,7 @@ def _refused(extra, needle, world=1):
     (["--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
     (["--vocab-size", "1"], "--vocab-size must be >= 2"),
     (["--split", "-1,2,3"], "--split: weights in '-1,2,3' must be non-negative"),
+    (["--split", "1e400,1,1"], "--split: weights in '1e400,1,1' must be finite numbers"),
     (["--lr", "-1e-3"], "--lr must be >= 0"),
     (["--unit-strategies", ""], "--unit-strategies is empty"),
     (["--unit-strategies", " "], "--unit-strategies is empty"),

@@ -135,6 +135,10 @@ def _split_and_blend(cfg: DataConfig, blend: list, num_samples: tuple[int, int, 
     given without a weight weighs its `tokens(ds, range)` in the split (Megatron: weights from the datasets'
     sizes; it concatenates them exhaustively, here they are sampled in those proportions)."""
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    if all(length(ds) == 0 for ds in indexed):
+        names = ", ".join(prefix for _, prefix in blend)
+        plural = "s" if len(blend) > 1 else ""
+        raise UsageError(f"--data-path {names}: no documents to train on (empty dataset{plural})")
     if check_vocab_size is not None:
         for ds in indexed:
             ds.check_vocab(check_vocab_size)

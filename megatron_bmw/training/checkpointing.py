@@ -78,7 +78,15 @@ def checkpoint_format(load_dir: str) -> str | None:
     iteration = read_tracker(load_dir)
     if iteration is None:
         return None
-    return DIST_FORMAT if is_dist_checkpoint(_resolve_iteration_dir(load_dir, iteration)) else "torch"
+    iter_dir = _resolve_iteration_dir(load_dir, iteration)
+    if is_dist_checkpoint(iter_dir):
+        return DIST_FORMAT
+    if os.path.isdir(iter_dir) and not any(e.startswith("mp_rank_") for e in os.listdir(iter_dir)):
+        shards = sorted(e for e in os.listdir(iter_dir) if e.endswith(".distcp"))
+        if shards:
+            raise UsageError(f"--load {load_dir}: {iter_dir} holds torch_dist shards ({shards[0]}, ...) but no "
+                             f"{DIST_METADATA_FILE} (an incomplete copy?)")
+    return "torch"
 
 
 def _world() -> tuple[int, int]:
@@ -274,10 +282,10 @@ def check_model(load_dir: str, payload: dict, model_args: dict, why: str = "anot
                              f"({why})")
 
 
-def load_error(exc: BaseException, fallback_line: int = 0) -> str:
+def load_error(exc: BaseException, fallback_line: int = 0, unmatched: str = "{}") -> str:
     """One line for weights that do not fit the model, from torch's load_state_dict message (torch format) or
     torch.distributed.checkpoint's (torch_dist): the first tensor of another shape with both shapes, else the first
-    missing (or unexpected) tensor, else line `fallback_line` of the message."""
+    missing (or unexpected) tensor, else line `fallback_line` of the message, put into `unmatched`."""
     import re
 
     text = str(exc)
@@ -301,7 +309,7 @@ def load_error(exc: BaseException, fallback_line: int = 0) -> str:
     if unexpected:
         return (f"the checkpoint has tensor {unexpected.group(1)}, which this model does not (another model or "
                 "architecture?)")
-    return (text.strip().splitlines() or [type(exc).__name__])[fallback_line][:300]
+    return unmatched.format((text.strip().splitlines() or [type(exc).__name__])[fallback_line][:300])
 
 
 def _sizes_of(payload: dict, state: ParallelState) -> tuple[int, int]:

@@ -209,12 +209,13 @@ def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrec
                                               model_args)
     with torch.no_grad():
         error = None
+        iter_dir = _resolve_iteration_dir(load_dir, read_tracker(load_dir))
         try:
             with _single_process_quiet():
-                dcp.load(tensors, checkpoint_id=_resolve_iteration_dir(load_dir, read_tracker(load_dir)),
-                         planner=LoadPlanner(), no_dist=not dist.is_initialized())
+                dcp.load(tensors, checkpoint_id=iter_dir, planner=LoadPlanner(), no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
-            error = UsageError(f"--load {load_dir}: {load_error(exc, -1)}")
+            why = load_error(exc, -1, f"cannot read the tensors in {iter_dir} ({{}})")
+            error = UsageError(f"--load {load_dir}: {why}")
         agree(_raise, error)
         for src, *extra in targets.values():
             for t in extra:

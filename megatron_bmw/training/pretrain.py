@@ -76,10 +76,12 @@ def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
         return trainer
     print_first(state, "training ...")
     trainer.train()
-    if trainer.test_data is not None and run.train.eval_iters > 0 and not trainer.exited_early:
-        trainer.evaluate(trainer.test_data, run.train.eval_iters)
-        print_last(state, format_validation_log(trainer.iteration, trainer.eval_losses,
-                                                label=f"iteration {trainer.iteration} on test set"))
+    if run.train.eval_iters > 0 and not trainer.exited_early:  # Megatron: the validation set, then the test set
+        for data, split in ((trainer.valid_data, "validation"), (trainer.test_data, "test")):
+            if data is not None:
+                trainer.evaluate(data, run.train.eval_iters)
+                print_last(state, format_validation_log(trainer.iteration, trainer.eval_losses,
+                                                        label=f"iteration {trainer.iteration} on {split} set"))
     trainer.finish()
     if plan is not None:
         trainer.plan_check = plan_check_lines(trainer, plan)

@@ -83,6 +83,14 @@ def test_prefixes_without_weights_weigh_their_tokens_in_each_split(tmp_path):
     assert counts.tolist() == [900, 100]  # 2700 tokens against 300
 
 
+def test_empty_datasets_are_named_not_the_split(tmp_path):
+    """Probe, session 12: a dataset of no sequences said '--split gives the training split no data'."""
+    empty = write_dataset(tmp_path / "e", [])
+    cfg = DataConfig(data_path=[empty], split="100,0,0", data_cache_path=str(tmp_path / "cache"))
+    with pytest.raises(UsageError, match=r"--data-path .*e: no documents to train on \(empty dataset\)"):
+        build_gpt_datasets(cfg, seq_length=16, seed=0, num_samples=(10, 0, 0))
+
+
 def test_a_prefix_of_weight_zero_is_still_opened(tmp_path):
     """As Megatron opens every prefix: a misspelt one with weight 0 is named, not silently skipped."""
     a = write_dataset(tmp_path / "a", [[1] * 30 for _ in range(40)])

@@ -178,6 +178,16 @@ def test_other_model_refused_in_one_line(tmp_path):
         f.write(head)
     msg = _error_of(small + ["--train-iters", "4", "--load", cut])
     assert msg.startswith(f"--load {cut}: cannot read {metadata} (") and "\n" not in msg, msg
+    os.remove(metadata)
+    msg = _error_of(small + ["--train-iters", "4", "--load", cut])
+    assert msg == (f"--load {cut}: {os.path.dirname(metadata)} holds torch_dist shards (__0_0.distcp, ...) but no "
+                   ".metadata (an incomplete copy?)"), msg
+    shutil.copy(os.path.join(ckpt, "iter_0000003", ".metadata"), metadata)
+    shard = os.path.join(cut, "iter_0000003", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    msg = _error_of(small + ["--train-iters", "4", "--load", cut])
+    assert msg.startswith(f"--load {cut}: cannot read the tensors in {os.path.dirname(metadata)} ("), msg
 
 
 _KILL_CHILD = """

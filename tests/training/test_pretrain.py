@@ -261,7 +261,8 @@ def test_train_on_preprocessed_blend(tmp_path):
     base = [a for a in BASE if a != "--mock-data"]
     out = _cli(base + data + ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "2"])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("validation loss at iteration") == 2
+    assert out.stdout.count("validation loss at iteration") == 3  # at 2 and 4, and after training as Megatron:
+    assert out.stdout.count("validation loss at iteration 4 on validation set") == 1
     assert len([ln for ln in out.stdout.splitlines() if LOG_RE.match(ln)]) == 4
     assert os.listdir(tmp_path / "cache")
     # ids beyond the vocabulary are caught when the dataset opens
