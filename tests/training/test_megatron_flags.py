@@ -117,7 +117,8 @@ def test_validation_after_resume_equals_the_uninterrupted_run(tmp_path):
     second = _cli(flags + ["--save", ckpt, "--load", ckpt])
     assert full.returncode == first.returncode == second.returncode == 0, second.stderr
     expected = _validation_lines(full.stdout)
-    assert len(expected) == 3 and len(set(expected)) == 3
+    assert len(expected) == 4 and len(set(expected)) == 4  # at 2, 4, 6 and after training (Megatron's)
+    assert expected[-1].startswith("validation loss at iteration 6 on validation set |")
     assert _validation_lines(first.stdout) + _validation_lines(second.stdout) == expected
 
 
