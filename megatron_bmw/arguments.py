@@ -600,6 +600,7 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     _check_layout(model, parallel)
     _check_split_backward(pipeline, parallel, model)
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
+                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
                                          args.use_distributed_optimizer, args.overlap_grad_reduce,
                                          args.overlap_param_gather))
@@ -720,7 +721,8 @@ def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> R
     rest["train"] = replace(rest["train"], gradient_accumulation_fusion=plan.engine.gradient_accumulation_fusion)
     if rest["data"].vocab_size is None and vocab_size is None:  # --mock-data sized by the plan's vocabulary
         rest["data"] = replace(rest["data"], vocab_size=orig_vocab)
-    return RunConfig(model=s.model, parallel=parallel, pipeline=s.pipeline, orig_vocab_size=orig_vocab, **rest)
+    return RunConfig(model=s.model, parallel=parallel, pipeline=s.pipeline, orig_vocab_size=orig_vocab,
+                     make_vocab_size_divisible_by=plan.make_vocab_size_divisible_by, **rest)
 
 
 # ---- --plan: the plan gives the model, parallel and pipeline configs; flags given beside it must agree -----------

@@ -643,3 +643,4 @@ class RunConfig:
     lr: LRConfig
     data: DataConfig
     orig_vocab_size: int | None = None
+    make_vocab_size_divisible_by: int | None = None  # the padding multiple (x tp) behind model.vocab_size

@@ -251,7 +251,8 @@ class Trainer:
         d = {k: v for k, v in asdict(r.model).items() if k != "params_dtype"}
         d.update(tensor_model_parallel_size=self.state.tp_size, pipeline_model_parallel_size=self.state.pp_size,
                  data_parallel_size=self.state.dp_size, padded_vocab_size=r.model.vocab_size,
-                 orig_vocab_size=r.orig_vocab_size, micro_batch_size=r.pipeline.micro_batch_size,
+                 orig_vocab_size=r.orig_vocab_size, make_vocab_size_divisible_by=r.make_vocab_size_divisible_by,
+                 micro_batch_size=r.pipeline.micro_batch_size,
                  global_batch_size=r.train.global_batch_size, seed=r.train.seed, pipeline_partition=self.partition,
                  params_dtype=str(r.model.torch_dtype), consumed_train_samples=self.consumed_train,
                  consumed_valid_samples=self.consumed_valid, train_iters=r.train.train_iters,

@@ -197,6 +197,10 @@ def test_load_refuses_what_megatron_refuses_and_starts_a_release_at_zero(tmp_pat
 
     ckpt = str(tmp_path / "ckpt")
     _train(0, 1, BASE + ["--train-iters", "4", "--exit-interval", "2", "--save", ckpt, "--no-save-rng"])
+    import torch  # the padding multiple is in the args, so the converters re-pad for another tp as the run would
+
+    saved = torch.load(os.path.join(ckpt, "iter_0000002", "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
+    assert saved["args"]["make_vocab_size_divisible_by"] == 4
     argv = BASE + ["--train-iters", "4"]
     for inside, holds in (("iter_0000002", "mp_rank_00"), ("iter_0000002/mp_rank_00", "model_optim_rng.pt")):
         with pytest.raises(UsageError, match=rf"inside a checkpoint \(it holds {holds}\); give the checkpoint's top"):
