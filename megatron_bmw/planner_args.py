@@ -189,6 +189,8 @@ def cluster_from_args(args, profiles: Profiles, placeholder_ok: bool = False) ->
                              "use another --cluster")
         memory = float(profile.device.get("memory_bytes") or load_cluster("local").groups[0].device.memory_bytes)
         cores = profile.cores() if profile.device.get("kind") == "cpu" else None  # CPU ranks share the cores
+        if cores is not None:  # and the host's memory: each rank's capacity is its share
+            memory /= gpus
         return local_cluster(gpus, profile.device_type(memory), p2p, profile.link("allreduce"), cores)
     if args.cluster == "local" and not placeholder_ok:  # plans on placeholder figures would look real and be wrong
         raise UsageError("--cluster local: this machine has not been measured; run `python tools/autoconfig.py "

@@ -112,6 +112,9 @@ def test_profile_then_simulate_locally(capsys, tmp_path):
     local = _json(capsys, ["simulate", "--profile", str(prof), *MODEL, "--pipeline-model-parallel-size", "2",
                            "--global-batch-size", "8", "--json"])
     assert local["cluster"] == "local" and local["iteration_time_s"] > 0
+    # the ranks of this machine share its memory: each stage's capacity is its share (probe, session 12: the whole)
+    assert data["device"]["kind"] == "cpu"
+    assert [st["capacity_bytes"] for st in local["stages"]] == [data["device"]["memory_bytes"] / 2] * 2
 
 
 def test_analytic_profile(capsys, tmp_path):
