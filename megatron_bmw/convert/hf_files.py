@@ -101,10 +101,17 @@ def run_direction(args: argparse.Namespace, to_megatron: Callable[..., dict[str,
         print(f"wrote {args.save}: tp={out['tensor_model_parallel_size']}, pp={out['pipeline_model_parallel_size']}, "
               f"layers={out['num_layers']}, vocab {out['orig_vocab_size']} padded to {out['padded_vocab_size']}")
         if run_with is not None:
-            print(f"run it with: {run_with(out)} --load {args.save} --finetune")
+            layout = (f"--make-vocab-size-divisible-by {out['make_vocab_size_divisible_by']} "
+                      f"--tensor-model-parallel-size {out['tensor_model_parallel_size']} "
+                      f"--pipeline-model-parallel-size {out['pipeline_model_parallel_size']}")
+            print(f"run it with: {run_with(out)} {layout} --load {args.save} --finetune")
     else:
         if not args.load:
             raise UsageError("--load is required for --direction megatron-to-hf")
+        if os.path.exists(args.hf_dir) and (not os.path.isdir(args.hf_dir) or os.listdir(args.hf_dir)):
+            what = "is not a directory" if not os.path.isdir(args.hf_dir) else "is not empty"
+            raise UsageError(f"--hf-dir {args.hf_dir} {what}; choose a new directory (the export would overwrite "
+                             "what is there)")
         to_hf(args.load, args.hf_dir)
         print(f"wrote {args.hf_dir}")
     return 0

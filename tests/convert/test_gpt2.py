@@ -155,6 +155,27 @@ def test_round_trip_to_hf(converted):
         assert torch.equal(back[k], v), k
 
 
+def test_export_refuses_a_used_hf_dir_and_import_prints_a_complete_run_line(converted, capsys):
+    """Probe, session 12: megatron-to-hf overwrote an existing model directory with exit 0, and the printed run
+    line lacked the layout and padding flags the checkpoint needs."""
+    victim = converted["root"] / "victim"
+    victim.mkdir()
+    (victim / "config.json").write_text("{}")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        converted["tool"].main(["--direction", "megatron-to-hf", "--load", converted["saves"][1], "--hf-dir",
+                                str(victim)])
+    assert exc.value.code == 2 and (victim / "config.json").read_text() == "{}"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --hf-dir {victim} is not empty; choose a new directory (the export would overwrite "
+                   "what is there)"], err
+    assert converted["tool"].main(["--direction", "hf-to-megatron", "--hf-dir", converted["hf_dir"], "--save",
+                                   str(converted["root"] / "tp2_again"), "--tensor-model-parallel-size", "2"]) == 0
+    run = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("run it with: pretrain_gpt.py ")]
+    assert len(run) == 1 and ("--make-vocab-size-divisible-by 128 --tensor-model-parallel-size 2 "
+                              "--pipeline-model-parallel-size 1 --load") in run[0], run
+
+
 def test_untied_round_trip_and_sharding():
     hf = _random_hf_model(tie_word_embeddings=False)
     hf_sd = hf.state_dict()

@@ -30,6 +30,15 @@ from megatron_bmw.convert.gpt2 import hf_config_from_megatron, hf_to_megatron, m
 from megatron_bmw.convert.vocab_padding import padded_rows, write_rows
 
 
+def run_flags(args: dict[str, Any]) -> str:
+    """The pretrain_gpt.py flags of the converted model (run_direction adds the layout and padding)."""
+    untie = " --untie-embeddings-and-output-weights" if args.get("untie_embeddings_and_output_weights") else ""
+    return (f"--num-layers {args['num_layers']} --hidden-size {args['hidden_size']} "
+            f"--num-attention-heads {args['num_attention_heads']} --ffn-hidden-size {args['ffn_hidden_size']} "
+            f"--max-position-embeddings {args['max_position_embeddings']} --layernorm-epsilon "
+            f"{args['layernorm_epsilon']}{untie}")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Hugging Face files
 
@@ -79,7 +88,7 @@ def megatron_to_hf_dir(load: str, hf_dir: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the conversion named by --direction."""
     return run_direction(build_parser(__doc__.splitlines()[0]).parse_args(argv), hf_to_megatron_dir,
-                         megatron_to_hf_dir)
+                         megatron_to_hf_dir, lambda out: f"pretrain_gpt.py {run_flags(out)}")
 
 
 if __name__ == "__main__":

@@ -43,10 +43,7 @@ def run_flags(args: dict[str, Any]) -> str:
     if args["untie_embeddings_and_output_weights"]:
         flags.append("--untie-embeddings-and-output-weights")
     flags.append("--hidden-dropout 0 --attention-dropout " + str(args["attention_dropout"]))
-    flags.append(f"--make-vocab-size-divisible-by {args['make_vocab_size_divisible_by']} "
-                 f"--tensor-model-parallel-size {args['tensor_model_parallel_size']} "
-                 f"--pipeline-model-parallel-size {args['pipeline_model_parallel_size']}")
-    return " ".join(flags)
+    return " ".join(flags)  # run_direction adds the layout and the vocabulary's padding
 
 
 def hf_to_megatron_dir(hf_dir: str, save: str, tp: int, divisible_by: int, pp: int = 1) -> dict[str, Any]:
