@@ -43,9 +43,10 @@ FORMAT = 1
 MEASURED_CUDA_KEYS = ("context_bytes", "nccl_bytes_per_communicator", "allocator_fraction")
 MODEL_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
               "attention_backend", "hidden_dropout", "attention_dropout")
-# the layer kind (Llama-family settings); a profile written before they existed timed GPT-2 layers
-LAYER_DEFAULTS = {"position_embedding_type": "learned_absolute", "rotary_percent": 1.0, "normalization": "LayerNorm",
-                  "swiglu": False, "num_query_groups": None, "add_bias_linear": True, "add_qkv_bias": False}
+# the model and layer kind (GPT or BERT, Llama-family settings); a profile written before they existed timed GPT-2
+LAYER_DEFAULTS = {"model_type": "gpt", "position_embedding_type": "learned_absolute", "rotary_percent": 1.0,
+                  "normalization": "LayerNorm", "swiglu": False, "num_query_groups": None, "add_bias_linear": True,
+                  "add_qkv_bias": False}
 
 
 def model_signature(model: ModelConfig) -> dict:
@@ -106,6 +107,11 @@ class Profile:
                             if u.kind == kind and u.tp == tp and u.unit is None)
         if not points:
             return None
+        profiled = self.model.get("model_type", "gpt")
+        if model.model_type != profiled:  # other units (BERT's head, its embedding): no shape rescales them
+            raise UsageError(f"--profile {self.source}: timed a {profiled.upper()} model, this is "
+                             f"{model.model_type.upper()}; profile it with `autoconfig.py profile --model-type "
+                             f"{model.model_type}`")
         fwd, bwd = _interpolate(points, micro_batch_size)
         if model_signature(model) != self.model:
             kernels = self.kernel_device(kernels)

@@ -128,6 +128,19 @@ def test_blocking_launches_add_each_units_host_time():
         CostModel(_spec(), cluster, profile, blocking)
 
 
+def test_a_profile_of_the_other_model_type_is_refused():
+    """Probe, session 12: a GPT profile timed a BERT search (another head and embedding, which no shape ratio
+    rescales); the model type is part of a profile's model, GPT for profiles written before it was."""
+    profile = Profile(device={"name": "local", "kind": "cpu"}, dtype="fp32", model=model_signature(MODEL),
+                      units=[UnitTiming(k, 1, 2, 1e-3, 2e-3, 0) for k in ("embedding", "attention", "mlp", "head")],
+                      source="gpt.json")
+    assert profile.model["model_type"] == "gpt" and profile.unit_time("mlp", 1, 2, MODEL) is not None
+    bert = replace(MODEL, model_type="bert")
+    with pytest.raises(UsageError, match=r"--profile gpt.json: timed a GPT model, this is BERT; profile it with "
+                                         r"`autoconfig.py profile --model-type bert`"):
+        profile.unit_time("mlp", 1, 2, bert)
+
+
 def test_heterogeneous_stages_scale_with_peak():
     data = {"device_types": {"fast": {"memory_gb": 16, "peak_tflops": {"fp32": 20}},
                              "slow": {"memory_gb": 16, "peak_tflops": {"fp32": 10}}},
