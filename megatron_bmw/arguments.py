@@ -574,7 +574,9 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     train_iters = _training_length(args, batches)
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
-        raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)")
+        raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)"
+                         if args.mock_data else "no vocabulary: give the tokenizer (--tokenizer-type and its "
+                         "--vocab-file or --tokenizer-model) or --vocab-size")
     if orig_vocab < 2:
         raise UsageError(f"--vocab-size must be >= 2, got {orig_vocab}" if vocab_size is None else
                          f"the tokenizer's vocabulary has {orig_vocab} token(s); a language model needs >= 2")

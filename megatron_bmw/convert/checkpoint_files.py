@@ -132,6 +132,9 @@ def load_full(load: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             grid[int(m.group(1)), int(m.group(2) or 0)] = os.path.join(it_dir, entry, MODEL_FILE)
             styles.add(m.group(2) is None)
     if not grid:
+        if os.path.isfile(os.path.join(it_dir, ".metadata")):
+            raise UsageError(f"--load: {it_dir} is a torch_dist checkpoint; convert it to the torch format first "
+                             "(pretrain_gpt.py --load ... --ckpt-convert-format torch --ckpt-convert-save DIR)")
         raise UsageError(f"--load: {it_dir} has no mp_rank_* directories")
     if len(styles) > 1:
         raise UsageError(f"--load: {it_dir} mixes mp_rank_TT and mp_rank_TT_PPP directories")

@@ -574,6 +574,9 @@ def read_ours(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
         if not isinstance(cfg.get(key), int):
             raise UsageError(f"{where}: checkpoint args lack an integer {key!r}")
+    if a.get("unit_strategies"):
+        raise UsageError(f"{where}: saved with --unit-strategies (a hybrid layout); the converters read uniform "
+                         "tp x pp checkpoints only")
     tp = int(a.get("tensor_model_parallel_size") or 1)
     pp = int(a.get("pipeline_model_parallel_size") or 1)
     _check_grid(files, tp, pp, where)

@@ -819,3 +819,13 @@ def test_llama_converted_tp2_trains_like_tp1(llama, tmp_path):
     ref = run_distributed(1, _first_loss, base + ["--load", serial])[0]
     got = run_distributed(2, _first_loss, base + ["--tensor-model-parallel-size", "2", "--load", tp2])
     assert got == pytest.approx([ref, ref], rel=1e-5)
+
+
+def test_a_hybrid_checkpoint_is_named_as_such():
+    """Probe, session 12: a --unit-strategies checkpoint was refused for its rank grid, without naming why."""
+    from megatron_bmw.convert.megatron import read_ours
+    from megatron_bmw.errors import UsageError
+
+    args = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "unit_strategies": ["tp2", "dp2"]}
+    with pytest.raises(UsageError, match="saved with --unit-strategies .a hybrid layout.; the converters read uniform"):
+        read_ours({(0, 0): {"args": args}}, where="--load x")
