@@ -89,6 +89,13 @@ def _weight_files(hf_dir: str) -> list[str]:
     raise UsageError(f"--hf-dir {hf_dir} has no model.safetensors or pytorch_model.bin")
 
 
+def layout_flags(args: dict[str, Any]) -> str:
+    """The flags a converted checkpoint's layout and vocabulary padding need (every tool's run line ends so)."""
+    return (f"--make-vocab-size-divisible-by {args['make_vocab_size_divisible_by']} "
+            f"--tensor-model-parallel-size {args['tensor_model_parallel_size']} "
+            f"--pipeline-model-parallel-size {args['pipeline_model_parallel_size']}")
+
+
 def run_direction(args: argparse.Namespace, to_megatron: Callable[..., dict[str, Any]],
                   to_hf: Callable[[str, str], None], run_with: Callable[[dict[str, Any]], str] | None = None) -> int:
     """The conversion --direction names; `run_with(args)` gives the line saying how to train the converted model."""
@@ -101,10 +108,7 @@ def run_direction(args: argparse.Namespace, to_megatron: Callable[..., dict[str,
         print(f"wrote {args.save}: tp={out['tensor_model_parallel_size']}, pp={out['pipeline_model_parallel_size']}, "
               f"layers={out['num_layers']}, vocab {out['orig_vocab_size']} padded to {out['padded_vocab_size']}")
         if run_with is not None:
-            layout = (f"--make-vocab-size-divisible-by {out['make_vocab_size_divisible_by']} "
-                      f"--tensor-model-parallel-size {out['tensor_model_parallel_size']} "
-                      f"--pipeline-model-parallel-size {out['pipeline_model_parallel_size']}")
-            print(f"run it with: {run_with(out)} {layout} --load {args.save} --finetune")
+            print(f"run it with: {run_with(out)} {layout_flags(out)} --load {args.save} --finetune")
     else:
         if not args.load:
             raise UsageError("--load is required for --direction megatron-to-hf")

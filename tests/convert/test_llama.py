@@ -269,7 +269,9 @@ def test_pretrain_gpt_continues_from_an_imported_checkpoint(converted):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
     args = _rank_file(converted["saves"][1, 1], 0)["args"]
-    argv = converted["tool"].run_flags(args).split() + [
+    from megatron_bmw.convert.hf_files import layout_flags
+
+    argv = (converted["tool"].run_flags(args) + " " + layout_flags(args)).split() + [
         "--mock-data", "--vocab-size", "100", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size",
         "4", "--train-iters", "3", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
         "--attention-backend", "unfused", "--load", converted["saves"][1, 1], "--save", str(trained)]
