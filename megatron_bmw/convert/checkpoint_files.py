@@ -20,7 +20,7 @@ import torch
 
 from ..errors import UsageError
 from ..pipeline.partition import default_partition, rank_chunks
-from ..training.checkpointing import MODEL_FILE, RELEASE, TRACKER, mp_rank_dir_name
+from ..training.checkpointing import MODEL_FILE, RELEASE, TRACKER, is_dist_checkpoint, mp_rank_dir_name
 from ..units import owns_output_weight, unit_names
 from .tp_shards import merge_shards, shard_state_dict
 
@@ -120,6 +120,13 @@ def _chunks(payload: Mapping[str, Any], path: str) -> list[dict]:
     return [payload[f"model{i}"] for i in keys]
 
 
+def check_uniform_layout(args: Mapping[str, Any], where: str) -> None:
+    """The converters read uniform tp x pp checkpoints: one saved with --unit-strategies is refused."""
+    if args.get("unit_strategies"):
+        raise UsageError(f"{where}: saved with --unit-strategies (a hybrid layout); the converters read uniform "
+                         "tp x pp checkpoints only")
+
+
 def load_full(load: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(full state dict, args) of the checkpoint `<load>/latest_checkpointed_iteration.txt` names, whatever its tp,
     pp and virtual pipeline sizes."""
@@ -132,7 +139,7 @@ def load_full(load: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             grid[int(m.group(1)), int(m.group(2) or 0)] = os.path.join(it_dir, entry, MODEL_FILE)
             styles.add(m.group(2) is None)
     if not grid:
-        if os.path.isfile(os.path.join(it_dir, ".metadata")):
+        if is_dist_checkpoint(it_dir):
             raise UsageError(f"--load: {it_dir} is a torch_dist checkpoint; convert it to the torch format first "
                              "(pretrain_gpt.py --load ... --ckpt-convert-format torch --ckpt-convert-save DIR)")
         raise UsageError(f"--load: {it_dir} has no mp_rank_* directories")
@@ -140,9 +147,7 @@ def load_full(load: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise UsageError(f"--load: {it_dir} mixes mp_rank_TT and mp_rank_TT_PPP directories")
     first = _read(grid[min(grid)])
     args = dict(first["args"]) if isinstance(first["args"], dict) else dict(vars(first["args"]))
-    if args.get("unit_strategies"):
-        raise UsageError(f"--load {load}: saved with --unit-strategies (a hybrid layout); the converters read "
-                         "uniform tp x pp checkpoints only")
+    check_uniform_layout(args, f"--load {load}")
     tp = int(args.get("tensor_model_parallel_size") or 1)
     pp = int(args.get("pipeline_model_parallel_size") or 1)
     want = {(t, r) for t in range(tp) for r in range(pp)}

@@ -37,6 +37,7 @@ from ..config import ModelConfig
 from ..errors import UsageError
 from ..pipeline.partition import default_partition, parse_partition, rank_chunks, virtual_stage_units
 from ..units import owns_output_weight, unit_names
+from .checkpoint_files import check_uniform_layout
 from .gpt2 import POSITION_EMBEDDING, merge_shards, padded_vocab_size, shard_state_dict
 
 CHECKPOINT_VERSION = 3.0
@@ -574,9 +575,7 @@ def read_ours(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
         if not isinstance(cfg.get(key), int):
             raise UsageError(f"{where}: checkpoint args lack an integer {key!r}")
-    if a.get("unit_strategies"):
-        raise UsageError(f"{where}: saved with --unit-strategies (a hybrid layout); the converters read uniform "
-                         "tp x pp checkpoints only")
+    check_uniform_layout(a, where)
     tp = int(a.get("tensor_model_parallel_size") or 1)
     pp = int(a.get("pipeline_model_parallel_size") or 1)
     _check_grid(files, tp, pp, where)
