@@ -121,8 +121,8 @@ def _first(bad: np.ndarray, start: int) -> int:
 
 def _check_index(path: str, lengths: np.ndarray, pointers: np.ndarray, docs: np.ndarray, itemsize: int) -> None:
     """What Megatron's writer guarantees and the readers rely on: lengths >= 0, each sequence starting where the one
-    before ends (the first at 0), and a document index rising from 0 to at most the sequence count. A hand-made or damaged
-    index failed mid-training (a negative slice, arrays of unequal shape) or sampled past its sequences."""
+    before ends (the first at 0), and a document index rising from 0 to at most the sequence count. A hand-made or
+    damaged index failed mid-training (a negative slice, arrays of unequal shape) or sampled past its sequences."""
     count = len(lengths)
     if count and int(pointers[0]) != 0:
         raise UsageError(f"{path}: sequence 0 starts at byte {int(pointers[0])}, not 0 (damaged index?)")

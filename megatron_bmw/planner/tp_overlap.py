@@ -61,11 +61,12 @@ def unit_overlap_cost(first: tuple[int, int, int], last: tuple[int, int, int], e
     (projection, fc2) GEMMs, `comm` one sequence-parallel all-gather or reduce-scatter of its [s x b, h] input."""
     low = margin_device(dev)
 
-    def times(m: int, n: int, k: int, d: KernelDevice) -> tuple[float, float, float]:
-        return gemm_time(m, n, k, elem_bytes, d), gemm_time(m, k, n, elem_bytes, d), gemm_time(k, n, m, elem_bytes, d)
+    def on(d: KernelDevice, m: int, n: int, k: int) -> float:
+        return gemm_time(m, n, k, elem_bytes, d)
 
-    (f_fwd, f_dgrad, f_wgrad), (l_fwd, l_dgrad, _) = times(*first, dev), times(*last, dev)
-    (_, fm_dgrad, fm_wgrad), (lm_fwd, _, _) = times(*first, low), times(*last, low)
-    forward = ring_exchange(f_fwd, comm, tp) + pipelined(l_fwd, lm_fwd, comm)
-    backward = ring_exchange(l_dgrad, comm, tp) + bulk(f_dgrad, fm_dgrad, comm) + bulk(f_wgrad, fm_wgrad, comm)
+    (m, n, k), (lm, ln, lk) = first, last
+    dgrad, wgrad = (m, k, n), (k, n, m)  # the column-parallel GEMM's input and weight gradients
+    forward = ring_exchange(on(dev, *first), comm, tp) + pipelined(on(dev, *last), on(low, *last), comm)
+    backward = (ring_exchange(on(dev, lm, lk, ln), comm, tp)  # the row-parallel GEMM's input gradient
+                + bulk(on(dev, *dgrad), on(low, *dgrad), comm) + bulk(on(dev, *wgrad), on(low, *wgrad), comm))
     return forward, backward

@@ -67,6 +67,18 @@ def read_tracker(ckpt_dir: str) -> int | str | None:
         raise UsageError(f"--load {ckpt_dir}: {TRACKER} holds {text!r}, not an iteration number or 'release'") from None
 
 
+def inside_checkpoint(path: str) -> str | None:
+    """What marks `path` as a folder inside a checkpoint (an iteration's shard folders or torch_dist metadata, a
+    shard's file), or None."""
+    if not os.path.isdir(path):
+        return None
+    for entry in sorted(os.listdir(path)):
+        if entry in (DIST_METADATA_FILE, MODEL_FILE) or \
+                (entry.startswith("mp_rank_") and os.path.isdir(os.path.join(path, entry))):
+            return entry
+    return None
+
+
 def is_dist_checkpoint(iter_dir: str) -> bool:
     """DCP directories (training/dist_checkpoint.py's torch_dist format) hold a .metadata file: how --load tells the
     formats apart without importing torch.distributed.checkpoint."""

@@ -36,8 +36,8 @@ from ..models.bert import LOSS_NAMES, drain_reported
 from .batches import MicroBatches
 from .bert_batches import BertMicroBatches
 from . import memory_history
-from .checkpointing import (DIST_FORMAT, DIST_METADATA_FILE, MODEL_FILE, RELEASE, TRACKER, checkpoint_format,
-                            load_checkpoint, load_error, read_tracker, save_checkpoint)
+from .checkpointing import (DIST_FORMAT, RELEASE, TRACKER, checkpoint_format, inside_checkpoint, load_checkpoint,
+                            load_error, read_tracker, save_checkpoint)
 from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format_validation_log, num_zeros_in_grad,
                       params_norm, throughput_tflops, timestamp)
 from .lr_scheduler import LRScheduler
@@ -83,18 +83,6 @@ def print_last(state: ParallelState, text: str) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if state.rank == world - 1:
         print(text, flush=True)
-
-
-def _iteration_contents(path: str) -> str | None:
-    """What marks `path` as a folder inside a checkpoint (an iteration's shard folders or torch_dist metadata, a
-    shard's file), or None."""
-    if not os.path.isdir(path):
-        return None
-    for entry in sorted(os.listdir(path)):
-        if entry in (DIST_METADATA_FILE, MODEL_FILE) or \
-                (entry.startswith("mp_rank_") and os.path.isdir(os.path.join(path, entry))):
-            return entry
-    return None
 
 
 def print_first(state: ParallelState, text: str) -> None:
@@ -285,7 +273,7 @@ class Trainer:
         if tracked is None:
             if os.path.exists(tr.load) and not os.path.isdir(tr.load):
                 raise UsageError(f"--load {tr.load}: not a directory (give the checkpoint directory)")
-            inside = _iteration_contents(tr.load)
+            inside = inside_checkpoint(tr.load)
             if inside:
                 raise UsageError(f"--load {tr.load}: this folder is inside a checkpoint (it holds {inside}); give the "
                                  f"checkpoint's top directory, which holds {TRACKER}")
