@@ -51,6 +51,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (on the host) on `device`; to a GPU through pinned memory without blocking the host, as Megatron's
+    pinned data loader (a copy from pageable memory waits for the GPU's queue to drain)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
     """(seconds, result) of `fn()`, the device synchronised before and after."""
     synchronize(device)

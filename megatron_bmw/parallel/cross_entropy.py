@@ -17,17 +17,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start):
         ctx.in_dtype = logits.dtype
-        logits = logits.float()
-        logits_max = logits.max(dim=-1).values
+        logits_max = logits.max(dim=-1).values.float()
         _all_reduce(logits_max, group, dist.ReduceOp.MAX)
-        logits = logits - logits_max.unsqueeze(-1)
+        # one fp32 [tokens, vocab/tp] tensor from here on, worked in place as Megatron does; the caller's logits
+        # stay as they are (an fp32 input is copied by the subtraction, a 16-bit one by the upcast)
+        if logits.dtype == torch.float32:
+            logits = logits - logits_max.unsqueeze(-1)
+        else:
+            logits = logits.float().sub_(logits_max.unsqueeze(-1))
         vocab_local = logits.size(-1)
         local = target - vocab_start
         outside = (local < 0) | (local >= vocab_local)
         local = local.masked_fill(outside, 0)
         predicted = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         _all_reduce(predicted, group)
-        exp = logits.exp()
+        exp = logits.exp_()
         sum_exp = exp.sum(dim=-1)
         _all_reduce(sum_exp, group)
         loss = sum_exp.log() - predicted

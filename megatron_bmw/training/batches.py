@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..device import host_to_device
+
 
 class MicroBatches:
     def __init__(self, dataset, micro_batch_size: int, dp_size: int, dp_rank: int, device: torch.device,
@@ -30,7 +32,8 @@ class MicroBatches:
         mask = torch.ones(tokens.shape, dtype=torch.float32)
         if self.eod_mask_loss and self.eod is not None:
             mask[tokens == self.eod] = 0.0
-        return {"tokens": tokens.to(self.device), "labels": labels.to(self.device), "loss_mask": mask.to(self.device)}
+        return {k: host_to_device(v, self.device) for k, v in
+                (("tokens", tokens), ("labels", labels), ("loss_mask", mask))}
 
 
 class IterationBatches:

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ..models.bert import loss_divisors
+from ..device import host_to_device
 from .batches import MicroBatches
 
 
@@ -23,4 +24,4 @@ class BertMicroBatches(MicroBatches):
                  "labels": stack("labels"), "loss_mask": mask,
                  "sop_labels": torch.tensor([int(r["is_random"]) for r in rows], dtype=torch.int64),
                  "loss_divisors": loss_divisors(mask)}
-        return {k: v.to(self.device) for k, v in batch.items()}
+        return {k: host_to_device(v, self.device) for k, v in batch.items()}
