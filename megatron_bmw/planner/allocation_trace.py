@@ -28,8 +28,8 @@ from ..pipeline.schedule import Kind
 from ..units import owns_output_weight, unit_kind, unit_names
 from .caching_allocator import ALLOC, FREE, replay
 from .engine import OURS
-from .memory_model import (MemorySettings, chunk_unit_indices, precision_from, unit_saved_tensors,
-                           unit_transient_bytes)
+from .memory_model import (MemorySettings, chunk_unit_indices, precision_from, shared_output_grad_bytes,
+                           unit_saved_tensors, unit_transient_bytes)
 from .overlap import BUCKET_ELEMS
 from .spec import RunSpec
 
@@ -125,20 +125,26 @@ def rank_trace(spec: RunSpec, rank: int = 0, settings: MemorySettings = MemorySe
                                                      layout.unit_recompute(i), settings.device)]
 
     held: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
+    shared_grad = shared_output_grad_bytes(model, tp, spec.pp, [names[i] for i in units], settings.engine)
     for _ in range(iterations):
         for a in schedule.actions[rank]:
             if a.kind is Kind.FORWARD:
                 held[(a.microbatch, a.chunk)] = [[alloc(n) for n in saved(i)] for i in chunks[a.chunk]]
             elif a.kind is Kind.BACKWARD:
                 blocks = held.pop((a.microbatch, a.chunk))
+                output_grad = None
                 for i, unit_blocks in zip(reversed(chunks[a.chunk]), reversed(blocks)):
                     transient = unit_transient_bytes(unit_kind(names[i]), model, pl.micro_batch_size, tp, sp,
                                                      layout.unit_recompute(i), settings.device)
                     extra = alloc(transient) if transient else None
+                    if names[i] == "head" and shared_grad:
+                        output_grad = alloc(shared_grad)
                     for block in unit_blocks:
                         free(block)
                     if extra is not None:
                         free(extra)
+                if output_grad is not None:
+                    free(output_grad)
             elif a.kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT, Kind.EVICT, Kind.LOAD, Kind.ACCEPT,
                             Kind.RETURN):
                 raise UsageError(f"a synthetic allocation trace does not model {a.kind.name} actions")

@@ -18,7 +18,7 @@ from ..pipeline.schedule import Schedule
 from ..strategy import UnitStrategy
 from ..units import owns_output_weight, unit_kind, unit_names
 from .memory_model import (MemorySettings, PrecisionConfig, RankMemory, activation_walk, chunk_unit_indices,
-                           unit_activation_bytes, unit_param_count, unit_transient_bytes)
+                           shared_output_grad_bytes, unit_activation_bytes, unit_param_count, unit_transient_bytes)
 
 
 def local_batch(strategy: UnitStrategy, micro_batch_size: int) -> int:
@@ -72,7 +72,9 @@ def rank_memory_hybrid(spec, schedule: Schedule, rank: int, settings: MemorySett
                                                                for c in per_chunk(r)])
     if activation_peak is not None:
         act = activation_peak
-    transient = max(u.transient_bytes for u in units)
+    here = [names[i] for c in chunk_unit_indices(layout, rank) for i in c]
+    transient = max(u.transient_bytes for u in units) + shared_output_grad_bytes(
+        model, strategies[names.index("head")].tp, spec.pp, here, settings.engine)
     params = sum(u.params for u in units)
     precision = PrecisionConfig(param_bytes=model.dtype_bytes)
     static = sum(u.state_bytes for u in units)

@@ -583,18 +583,32 @@ def unit_transient_bytes(kind: str, model: ModelConfig, micro_batch_size: int, t
     return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp)
 
 
+def shared_output_grad_bytes(model: ModelConfig, tp: int, pp: int, names: list[str], engine: EngineConfig) -> int:
+    """Our runtime's gradient of the output layer's weight when it is the word embedding's own Parameter on this
+    rank (tied, embedding and head together): two uses in one backward, so it cannot go straight into main_grad
+    (parallel/wgrad_accum.py) and autograd holds the logits' part, v/t x h in the parameter dtype, from the
+    head's backward until the embedding's adds to it. 0 elsewhere, and for engines that accumulate it fused."""
+    if engine.name != OURS or "head" not in names \
+            or owns_output_weight(model.untie_embeddings_and_output_weights, pp, names):
+        return 0
+    return (model.vocab_size // tp) * model.hidden_size * model.dtype_bytes
+
+
 def _backward_transient(layout: StageLayout, model: ModelConfig, rank: int, settings: MemorySettings) -> float:
     """The rank's worst unit backward: rebuilt activations plus gradient buffers (one unit at a time; a whole-layer
-    checkpoint's MLP backward also holds the layer's rebuilt attention and its own input)."""
+    checkpoint's MLP backward also holds the layer's rebuilt attention and its own input), plus the shared
+    output weight's gradient (`shared_output_grad_bytes`), held from the head's backward, the first, to the end."""
     names = unit_names(model.num_layers)
     sp = layout.sequence_parallel and layout.tp > 1
     b, tp = layout.micro_batch_size, layout.tp
     layered = layer_checkpoints(settings.engine)
     extra = layer_transient_extra(model, b, tp, sp, settings.device) if layered else 0
-    return float(max(unit_transient_bytes(unit_kind(names[i]), model, b, tp, sp, layout.unit_recompute(i),
-                                          settings.device)
-                     + (extra if layered and _layer_paired(layout, names, chunk, i) else 0)
-                     for chunk in chunk_unit_indices(layout, rank) for i in chunk))
+    chunks = chunk_unit_indices(layout, rank)
+    held = shared_output_grad_bytes(model, tp, layout.pp, [names[i] for c in chunks for i in c], settings.engine)
+    return float(held + max(unit_transient_bytes(unit_kind(names[i]), model, b, tp, sp, layout.unit_recompute(i),
+                                                 settings.device)
+                            + (extra if layered and _layer_paired(layout, names, chunk, i) else 0)
+                            for chunk in chunks for i in chunk))
 
 
 def precision_from(model: ModelConfig, distributed_optimizer: bool, engine: EngineConfig = EngineConfig()

@@ -16,6 +16,7 @@ from megatron_bmw.planner.memory_model import (
     korthikanti_layer_bytes,
     layer_activation_bytes,
     rank_memory,
+    shared_output_grad_bytes,
     total_parameters,
     unit_kind,
     unit_param_count,
@@ -156,6 +157,30 @@ def test_rank_memory_uses_schedule_inflight():
         assert mem.peak_inflight_microbatches == min(4 - r, 8)
         assert mem.activation_bytes == pytest.approx(mem.chunk_activation_bytes[0] * (4 - r))
         assert rank_memory(layout, cfg, gp, r, prec).peak_inflight_microbatches == 8
+
+
+def test_shared_output_weight_gradient_is_held_in_backward():
+    """Tied, with embedding and head on one rank, the output layer's weight gradient (v/t x h, parameter dtype)
+    waits in autograd from the head's backward to the embedding's: the backward transient carries it. An own
+    output matrix (untied, or the last stage's copy) goes straight into main_grad, as does Megatron-LM's."""
+    from megatron_bmw.planner.engine import EngineConfig
+    from megatron_bmw.units import unit_names
+
+    cfg = _cfg(num_layers=2, params_dtype="bf16")
+    names = unit_names(2)
+    ours = EngineConfig()
+    assert shared_output_grad_bytes(cfg, 2, 1, names, ours) == (cfg.vocab_size // 2) * cfg.hidden_size * 2
+    assert shared_output_grad_bytes(_cfg(num_layers=2, untie_embeddings_and_output_weights=True), 1, 1, names,
+                                    ours) == 0
+    assert shared_output_grad_bytes(cfg, 1, 2, names[-2:], ours) == 0  # the last stage's own copy
+    assert shared_output_grad_bytes(cfg, 1, 1, names[:2], ours) == 0  # no head here
+    assert shared_output_grad_bytes(cfg, 1, 1, names, EngineConfig(name="megatron-core")) == 0
+    layout = StageLayout(tp=1, dp=1, pp=1, sequence_parallel=False, micro_batch_size=1, partition=(len(names),))
+    prec = PrecisionConfig(param_bytes=2)
+    tied = rank_memory(layout, cfg, generate("1f1b", 1, 2), 0, prec)
+    untied = rank_memory(layout, _cfg(num_layers=2, params_dtype="bf16", untie_embeddings_and_output_weights=True),
+                         generate("1f1b", 1, 2), 0, prec)
+    assert tied.transient_bytes - untied.transient_bytes == cfg.vocab_size * cfg.hidden_size * 2
 
 
 def test_model_states_precision_and_zero():
