@@ -36,7 +36,9 @@ bool); full recomputation keeps the unit's input. Engines that checkpoint whole 
 `layer_checkpoints`) keep one input per fully recomputed layer, the attention unit's, and the MLP's backward then
 holds the rebuilt layer (`layer_transient_extra`).
 The engine frees a stage's output once it is sent (Megatron's deallocate_output_tensor), so between units
-nothing is held beyond what the next unit saves.
+nothing is held beyond what the next unit saves. Where the tied output weight is the embedding's own Parameter
+(embedding and head on one rank) its gradient cannot go straight into main_grad: autograd holds the logits' part,
+v/t x h in the parameter dtype, from the head's backward to the embedding's (`shared_output_grad_bytes`).
 Zero-bubble schedules split a backward into B (input gradients) and W (the linear layers' weight gradients,
 parallel/deferred_wgrad.py). B frees what the unit saved except what W needs, which it keeps until W: per linear
 layer its input and its output gradient (attention: QKV input s'bh, QKV gradient 3sbh/t, context sbh/t,
