@@ -278,6 +278,10 @@ def step_launch(ctx: Context) -> dict:
     numbers.update({f"{mbs}_stream_ms": r["stream_ms"] for mbs, r in out["results"].items()})
     numbers.update({f"{mbs}_host_us_per_op": r["host_us_per_op_if_host_bound"] for mbs, r in out["results"].items()
                     if "host_us_per_op_if_host_bound" in r})
+    for key, short in (("us_per_backward_call", "us_per_backward_call"),
+                       ("sync_over_unit_calls_stream", "sync_over_unit_calls"),
+                       ("sync_and_forwards_over_full_recompute", "sync_and_forwards_over_recompute")):
+        numbers.update({f"{mbs}_{short}": r[key] for mbs, r in out["results"].items() if key in r})
     return {"numbers": numbers, "details": out, "notes": out["notes"]}
 
 

@@ -13,6 +13,10 @@ and, on a GPU, host_floor: the planner's model of our runtime (each unit max(cov
 HOST_OP_S)); host_us_per_op_if_host_bound is the stream's time over the operators of a micro-batch.
 Per micro-batch size the step reports each method's micro-batch sum (embedding + layers x (attention + MLP) + head,
 forward and backward) over the stream's measured time per micro-batch. CPU: sync and host only.
+Two more streams separate what the synchronised sum adds: the same micro-batches with a backward call per unit
+(each unit's input a leaf, as the profiler times them; us_per_backward_call is its cost over the one call a stage
+makes), and with every unit fully recomputed (reentrant, one nested backward per unit), against the planner's
+figure for it, the synchronised units plus their forwards again.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ def launch_check(small: bool) -> dict:
     units = build_units(cfg, state, 1234)
     params = [p for u in units.values() for p in u.parameters()]
     grad_sync = GradSync(params, state)
+    rc_units = build_units(cfg, state, 1234, recompute=("full",) * len(units))  # reentrant, as the runtime's
+    rc_sync = GradSync([p for u in rc_units.values() for p in u.parameters()], state)
     timer = _Timer(device)
     warmup, repeats = (1, 3) if small else (3, 7)
 
@@ -131,13 +137,26 @@ def launch_check(small: bool) -> dict:
         floor = _host_floor(phases, ops, layers)
         if floor is not None:  # the planner's model: each unit max(its kernels back to back, its host time)
             sums["host_floor"] = floor
-        stream = _stream_seconds(units, layers, batch, timer, warmup, repeats, backward)
+        stream = _stream_seconds(partial(_microbatch, units, layers, batch, backward), timer, warmup, repeats)
+        calls = _stream_seconds(partial(_microbatch_unit_calls, units, layers, batch, backward), timer, warmup,
+                                repeats)
+        recomputed = _stream_seconds(partial(_microbatch, rc_units, layers, batch, backward), timer, warmup,
+                                     repeats)
+        forwards = phases["embedding"]["sync_f"] + layers * (phases["attention"]["sync_f"]
+                                                            + phases["mlp"]["sync_f"]) + phases["head"]["sync_f"]
         results[f"mbs{b}"] = {"stream_ms": round(stream * 1e3, 3),
                               "host_us_per_op_if_host_bound": round(stream / per_microbatch_ops * 1e6, 1),
                               **{f"{m}_over_stream": round(v / stream, 3) for m, v in sums.items()},
+                              "unit_calls_stream_ms": round(calls * 1e3, 3),
+                              "us_per_backward_call": round((calls - stream) / (2 * layers + 1) * 1e6, 1),
+                              "sync_over_unit_calls_stream": round(sums["sync"] / calls, 3),
+                              "full_recompute_stream_ms": round(recomputed * 1e3, 3),
+                              "sync_and_forwards_over_full_recompute": round((sums["sync"] + forwards) / recomputed,
+                                                                             3),
                               "units_ms": {k: {m: round(v * 1e3, 4) for m, v in ph.items() if v is not None}
                                            for k, ph in phases.items()}}
     grad_sync.remove_hooks()
+    rc_sync.remove_hooks()
     return {"status": "ok", "device": device.type, "layers": layers, "hidden": cfg.hidden_size,
             "seq": cfg.seq_length, "results": results,
             "notes": "sum of each per-unit timing over one micro-batch, over a stream of micro-batches through the "
@@ -158,15 +177,35 @@ def _host_floor(phases: dict, ops: dict, layers: int) -> float | None:
     return per["embedding"] + layers * (per["attention"] + per["mlp"]) + per["head"]
 
 
-def _stream_seconds(units, layers: int, batch, timer: _Timer, warmup: int, repeats: int, backward) -> float:
-    """Seconds per micro-batch of forward and backward through embedding, `layers` x (attention, MLP) and head,
-    micro-batches back to back, synchronised only around the whole run."""
-    def one() -> None:
-        h = units["embedding"](None, batch)
-        for i in range(layers):
-            h = units[f"mlp_{i}"](units[f"attn_{i}"](h, batch), batch)
-        backward(units["head"](h, batch), "head")
+def _microbatch(units, layers: int, batch, backward) -> None:
+    """Forward through embedding, `layers` x (attention, MLP) and head, then one backward, as the engine runs a
+    one-stage pipeline."""
+    h = units["embedding"](None, batch)
+    for i in range(layers):
+        h = units[f"mlp_{i}"](units[f"attn_{i}"](h, batch), batch)
+    backward(units["head"](h, batch), "head")
 
+
+def _microbatch_unit_calls(units, layers: int, batch, backward) -> None:
+    """The same micro-batch with a backward call per unit, each unit's input a leaf (as the profiler times them),
+    unsynchronised: against `_microbatch`, the host's cost of a backward call."""
+    outs, leaves = [], []
+    h = units["embedding"](None, batch)
+    for i in range(layers):
+        for name in (f"attn_{i}", f"mlp_{i}"):
+            outs.append(h)
+            leaf = h.detach().requires_grad_()
+            leaves.append(leaf)
+            h = units[name](leaf, batch)
+    outs.append(h)
+    leaf = h.detach().requires_grad_()
+    backward(units["head"](leaf, batch), "head")
+    for out, leaf in zip(reversed(outs), [leaf, *reversed(leaves)]):
+        torch.autograd.backward(out, leaf.grad)
+
+
+def _stream_seconds(one, timer: _Timer, warmup: int, repeats: int) -> float:
+    """Seconds per micro-batch of `one()`, micro-batches back to back, synchronised only around the whole run."""
     for _ in range(warmup):
         one()
     timer.sync()

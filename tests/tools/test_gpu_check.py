@@ -59,6 +59,9 @@ def test_dry_run_reports_every_step_and_survives_failures(tmp_path):
     assert launch["status"] == "ok", launch
     assert {"mbs1_sync", "mbs1_host", "mbs2_sync", "mbs2_stream_ms", "mbs1_host_us_per_op"} <= set(launch["numbers"])
     assert launch["numbers"]["mbs2_stream_ms"] > 0 and "mbs1_span" not in launch["numbers"]
+    details = launch["details"]["results"]["mbs1"]  # the per-call and recomputed streams ran too
+    assert details["unit_calls_stream_ms"] > 0 and details["full_recompute_stream_ms"] > 0
+    assert {"mbs1_us_per_backward_call", "mbs2_sync_and_forwards_over_recompute"} <= set(launch["numbers"])
     allowance = steps["allowance"]  # no planner step ran: its own profile, derived terms only on the CPU
     assert allowance["status"] == "ok", allowance
     assert allowance["numbers"]["context_gib_derived"] == 0.5 and "context_gib_measured" not in allowance["numbers"]
