@@ -22,8 +22,8 @@ IGNORED_KERNEL_FLAGS = {
     "--no-async-tensor-model-parallel-allreduce": 0,
     "--use-mcore-models": 0, "--use-legacy-models": 0, "--no-persist-layer-norm": 0,
     "--transformer-impl": 1, "--accumulate-allreduce-grads-in-fp32": 0, "--empty-unused-memory-level": 1,
-    "--num-workers": 1, "--data-impl": 1, "--cross-entropy-loss-fusion": 0, "--manual-gc": 0,
-    "--manual-gc-interval": 1, "--no-create-attention-mask-in-dataloader": 0, "--no-mmap-bin-files": 0,
+    "--num-workers": 1, "--data-impl": 1, "--cross-entropy-loss-fusion": 0,
+    "--no-create-attention-mask-in-dataloader": 0, "--no-mmap-bin-files": 0,
     "--tiktoken-pattern": 1, "--no-rope-fusion": 0,
     # how a torch_dist checkpoint is written (the checkpoint is the same), fp16 attention scaling (the softmax is fp32
     # here), p2p and embedding-gradient scheduling
@@ -188,6 +188,12 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-signal-handler", action="store_true", help="accepted; SIGTERM always saves and exits")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector off during training, run by hand (as Megatron: at the start, "
+                        "every --manual-gc-interval iterations, around each validation)")
+    g.add_argument("--manual-gc-interval", type=int, default=0, help="iterations between collections (0: none)")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="with --manual-gc, no collection around validation")
 
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--optimizer", choices=["adam"], default="adam")
@@ -647,6 +653,7 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
         gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", True),
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        manual_gc=args.manual_gc, manual_gc_interval=args.manual_gc_interval, manual_gc_eval=args.manual_gc_eval,
         tensorboard_dir=args.tensorboard_dir, log_throughput=args.log_throughput,
         record_memory_history=getattr(args, "record_memory_history", False),
         memory_snapshot_path=getattr(args, "memory_snapshot_path", "snapshot.pickle"),

@@ -373,6 +373,9 @@ class TrainConfig:
     eval_iters: int = 100
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
+    manual_gc: bool = False  # Python's collector off during training, collected by hand (Megatron's --manual-gc)
+    manual_gc_interval: int = 0  # iterations between collections; 0: only at the start and around validation
+    manual_gc_eval: bool = True
     tensorboard_dir: str | None = None
     log_throughput: bool = False
     record_memory_history: bool = False  # the CUDA allocator's history, a snapshot per log interval (last rank)
@@ -412,6 +415,8 @@ class TrainConfig:
             raise UsageError(f"--save-interval must be >= 1, got {self.save_interval}")
         if self.exit_interval is not None and self.exit_interval < 1:
             raise UsageError(f"--exit-interval must be >= 1, got {self.exit_interval}")
+        if self.manual_gc_interval < 0:
+            raise UsageError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
         if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
             raise UsageError(f"--exit-duration-in-mins must be > 0, got {self.exit_duration_in_mins:g}")
         if not 0 <= self.seed < 2**32:

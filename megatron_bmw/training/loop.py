@@ -10,6 +10,7 @@ is raised on every rank at the same iteration (the ranks agree through one all-r
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import signal
@@ -451,6 +452,10 @@ class Trainer:
 
     # -- loop ------------------------------------------------------------------------------------------------
     def train(self) -> None:
+        manual_gc = self.run.train.manual_gc
+        if manual_gc:  # the collector runs between steps, at the same moments on every rank (Megatron's)
+            gc.disable()
+            gc.collect()
         try:
             with _Signal() as sig:
                 self._train(sig)
@@ -458,6 +463,9 @@ class Trainer:
         except BaseException:
             self.tb.close()  # what was logged reaches the disk even when the run stops on an error
             raise
+        finally:
+            if manual_gc:
+                gc.enable()
 
     def _train(self, sig: _Signal) -> None:
         tr, st = self.run.train, self.state
@@ -465,6 +473,8 @@ class Trainer:
         interval = IntervalStats()
         while self.iteration < tr.train_iters:
             it = self.train_step()
+            if tr.manual_gc and tr.manual_gc_interval and self.iteration % tr.manual_gc_interval == 0:
+                gc.collect()
             self.history.append((self.iteration, it.loss, it.step.grad_norm))
             interval.add(it.loss, it.step.successful, it.parts)
             why = divergence(it.loss, it.step, it.scale_before, self.run.optimizer)
@@ -524,7 +534,12 @@ class Trainer:
                              "tokens-per-second": tokens / seconds}, self.iteration)
 
     def _validate(self) -> None:
+        collect = self.run.train.manual_gc and self.run.train.manual_gc_eval
+        if collect:
+            gc.collect()
         loss = self.evaluate(self.valid_data, self.run.train.eval_iters)
+        if collect:
+            gc.collect(generation=0)  # what the evaluation made
         if loss is None:
             return
         line = format_validation_log(self.iteration, self.eval_losses)

@@ -96,7 +96,7 @@ SCRIPT = """
 CHANGED: dict[str, tuple[str, str]] = {}  # none since --ckpt-format torch_dist is written here
 # --calculate-per-token-loss is taken as is: every micro-batch holds micro-batch x seq-length loss tokens (no
 # --eod-mask-loss), so the mean over the batch's tokens is the mean of the micro-batch means computed here
-IGNORED = ["--use-mcore-models", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--manual-gc",
+IGNORED = ["--use-mcore-models", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
            "--empty-unused-memory-level", "--fp8-format", "--fp8-amax-history-len",
            "--fp8-amax-compute-algo", "--fp8-param-gather", "--tiktoken-pattern",
            "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers"]
