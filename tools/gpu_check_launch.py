@@ -1,9 +1,9 @@
 """gpu_check's `launch` step: which per-unit timing sums to what a run of units costs on a GPU.
 
 The profiler times each unit synchronised (training/profiler.py): on a GPU that adds the host's kernel launches to
-the device's execution, while a run overlaps them. Here every unit of the planner step's GPT is timed five ways per
-phase (forward, backward), beside a stream of whole micro-batches through an 8-layer stack with no synchronisation
-inside, so the next GPU session can see which per-unit figure the planner should sum:
+the device's execution, while a run overlaps them. Here every unit of an 8-layer GPT (hidden 1024, seq 1024: bound
+by the host on an H100) is timed five ways per phase (forward, backward), beside a stream of whole micro-batches
+through the 8-layer stack with no synchronisation inside, to see which per-unit figure the planner should sum:
   sync           synchronise, call, synchronise (the profiler's figure)
   host           the call's wall time alone, the device idle at the start (its launches; the device may lag)
   span           CUDA events around the call, the device idle at the start
