@@ -100,6 +100,35 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
                        saved[(b, kind)]) for b in micro_batch_sizes for kind in UNIT_KINDS]
 
 
+STEADY_DEPTH, STEADY_MICROBATCHES = 4, 3
+
+
+def steady_microbatches(model: ModelConfig, state, micro_batch_size: int, seed: int = 1234, fusion: bool = True,
+                        cuda=None) -> dict | None:
+    """Micro-batches run as training runs them (embedding, STEADY_DEPTH x the one layer's attention and MLP, head,
+    one backward each) from an emptied cache; with `cuda` (torch.cuda on a GPU) the allocator's readings after
+    them, whose maxima cover these micro-batches only: the fragmentation a training run sees."""
+    from ..models.chunk import build_units
+    from ..parallel.grad_sync import GradSync
+
+    units = build_units(ModelConfig(**{**model.__dict__, "num_layers": 1}), state, seed)
+    sync = GradSync([p for u in units.values() for p in u.parameters()], state, fusion=fusion)
+    batch = _batch(model, micro_batch_size, state.device)
+    if cuda is not None:
+        cuda.synchronize(state.device)
+        cuda.empty_cache()
+        cuda.reset_peak_memory_stats(state.device)
+    for _ in range(STEADY_MICROBATCHES):
+        h = units["embedding"](None, batch)
+        for _ in range(STEADY_DEPTH):
+            h = units["mlp_0"](units["attn_0"](h, batch), batch)
+        torch.autograd.backward(units["head"](h, batch))
+    synchronize(state.device)
+    got = cuda_memory.reading(cuda, state.device) if cuda is not None else None
+    sync.remove_hooks()
+    return got
+
+
 def time_engine_overhead(state, num_microbatches: int = 8, repeats: int = 5, seed: int = 1234, barrier=None,
                          statistic: str = "median") -> dict:
     """Per compute action, the engine's own time beside its units (slots, batches, loss, tracing, the
@@ -295,7 +324,10 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
                                    statistic=settings.statistic, rounds=settings.rounds,
                                    fusion=settings.gradient_accumulation_fusion)
                 if cuda:
-                    measured = {"before": before, "after": cuda_memory.reading(torch.cuda, device)}
+                    measured = {"before": before, "after": cuda_memory.reading(torch.cuda, device),
+                                "steady": steady_microbatches(model, state, max(settings.micro_batch_sizes),
+                                                              fusion=settings.gradient_accumulation_fusion,
+                                                              cuda=torch.cuda)}
                 units += timed
                 if settings.overhead:
                     overhead = time_engine_overhead(state, repeats=max(5, settings.repeats * settings.rounds),
@@ -319,7 +351,8 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
         info["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
     if sequence_parallel:
         info["sequence_parallel"] = True
-    terms = cuda_memory.measured_terms(measured["before"], measured["after"], tp_readings) if measured else {}
+    terms = cuda_memory.measured_terms(measured["before"], measured["after"], tp_readings,
+                                       measured["steady"]) if measured else {}
     return Profile(device=info, dtype=model.params_dtype, model=model_signature(model), units=units,
                    links=links, overhead=overhead, mode="measured", cuda_memory=terms)
 

@@ -130,6 +130,40 @@ def test_profile_measures_the_terms_from_readings():
     back = Profile.from_json(prof.to_json())
     assert Profiles([back]).measured_cuda_memory() == MeasuredCudaMemory(600 * MiB, 200 * MiB, 10.5 / 9 - 1)
     assert DerivedAllowance().settings(MemorySettings(), MODEL, 1, 1, 1, 1, False).derived is None
+    # the steady micro-batches' maxima, where measured, give the allocator's fraction; the context stays the sweep's
+    steady = cuda_memory.reading(FakeCuda(9 * GiB, 2 * GiB, 9.09 * GiB, 9 * GiB, total - 9 * GiB - 600 * MiB,
+                                          total), 0)
+    terms = cuda_memory.measured_terms(before, after, None, steady)
+    assert terms["allocator_fraction"] == pytest.approx(0.01) and terms["context_bytes"] == 600 * MiB
+    assert terms["samples"]["steady"] == steady
+
+
+def test_steady_microbatches_read_the_allocator_after_emptying_it():
+    """The readings cover the steady micro-batches only: the cache is emptied and the maxima reset first."""
+    from megatron_bmw.parallel.state import ParallelState
+    from megatron_bmw.training.profiler import steady_microbatches
+
+    calls = []
+
+    class Recording(FakeCuda):
+        def synchronize(self, device):
+            calls.append("synchronize")
+
+        def empty_cache(self):
+            calls.append("empty_cache")
+
+        def reset_peak_memory_stats(self, device):
+            calls.append("reset")
+
+        def max_memory_reserved(self, device):
+            calls.append("read")
+            return super().max_memory_reserved(device)
+
+    tiny = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8,
+                       attention_backend="unfused")
+    got = steady_microbatches(tiny, ParallelState.serial(), 2, cuda=Recording(1, 1, 3, 2, 5, 10))
+    assert calls == ["synchronize", "empty_cache", "reset", "read"] and got["max_reserved"] == 3
+    assert steady_microbatches(tiny, ParallelState.serial(), 1) is None  # the CPU: the micro-batches alone
 
 
 def test_the_cluster_file_states_the_device_inputs():
