@@ -4,14 +4,16 @@ attention core (fused SDPA kernel, or the unfused batched products), the output 
 memory-bound kernels, each timed on the device (median of repeats, CUDA events on a GPU) beside the time the
 planner gives it on the device type of the cluster file.
 
-    python benchmarks/kernel_model.py [--models bloom,gpt3,1.3b] [--device cuda] [--dtype bf16]
+    python benchmarks/kernel_model.py [--models bloom,gpt3,1.3b,mcore1.7b,mcore177b] [--device cuda] [--dtype bf16]
                                       [--cluster h100-80g-ib --device-type h100-80g] [--repeats 10] [--json out.json]
     python benchmarks/kernel_model.py --small --device cpu   # tiny shapes: exercises the code, says nothing
 
 Models (per tensor-parallel rank, sequence 2048): `bloom` BLOOM-176B's trial shape (hidden 14336, 64 heads, vocab
 250880, unfused attention) at tp 4 and 8, micro-batch 1, 2, 4; `gpt3` GPT-3 175B (hidden 12288, 96 heads, vocab
 51200, flash) at tp 4 and 8, micro-batch 1, 2; `1.3b` (hidden 2048, 16 heads, vocab 50304, flash) at tp 1,
-micro-batch 1, 2, 4. The GPU's name picks the device type (H100 and H200: h100-80g, H200 with its 4.8 TB/s; A100:
+micro-batch 1, 2, 4; at sequence 4096 and vocab 131072, Megatron-core's published H100 shapes, `mcore1.7b` (hidden
+2048, 16 heads) at tp 1, micro-batch 1, 2, 4 and `mcore177b` (hidden 12288, 96 heads) at tp 8, micro-batch 1, 2
+(the kernels are torch's, not Transformer Engine's). The GPU's name picks the device type (H100 and H200: h100-80g, H200 with its 4.8 TB/s; A100:
 a100-80g or a100-40g by memory); on the CPU the h100-80g's times are printed beside CPU timings, which only
 exercises the code.
 
@@ -52,8 +54,12 @@ MODELS = {
     "bloom": (14336, 64, 250880, "unfused", [(tp, b) for tp in (4, 8) for b in (1, 2, 4)]),
     "gpt3": (12288, 96, 51200, "flash", [(tp, b) for tp in (4, 8) for b in (1, 2)]),
     "1.3b": (2048, 16, 50304, "flash", [(1, b) for b in (1, 2, 4)]),
+    # Megatron-core's published H100 runs (benchmarks/megatron_core_scaling.py): the 1.7B and the 177B, sequence 4096
+    "mcore1.7b": (2048, 16, 131072, "flash", [(1, b) for b in (1, 2, 4)]),
+    "mcore177b": (12288, 96, 131072, "flash", [(8, b) for b in (1, 2)]),
 }
 SEQ = 2048
+SEQ_OF = {"mcore1.7b": 4096, "mcore177b": 4096}
 SMALL = {"hidden": 256, "heads": 4, "vocab": 1024, "seq": 128}
 # GPU name pattern -> (cluster, device type, memory bandwidth override in bytes/s: the datasheet's, where the GPU
 # has the listed type's SMs and peak but other memory); an A100 with less than 60 GB is the 40 GB one
@@ -204,7 +210,7 @@ def time_kernel(kernel: Kernel, device: torch.device, repeats: int) -> float:
 
 def model_config(name: str, small: bool, dtype: str) -> tuple[ModelConfig, list[tuple[int, int]]]:
     hidden, heads, vocab, backend, layouts = MODELS[name]
-    seq = SEQ
+    seq = SEQ_OF.get(name, SEQ)
     if small:
         hidden, heads, vocab, seq = SMALL["hidden"], SMALL["heads"], SMALL["vocab"], SMALL["seq"]
         layouts = [(1, 1), (1, 2), (2, 1)]
@@ -297,7 +303,7 @@ def main_table(result: dict) -> str:
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__)
-    ap.add_argument("--models", default="bloom,gpt3,1.3b", help="comma list of " + ", ".join(MODELS))
+    ap.add_argument("--models", default="bloom,gpt3,1.3b,mcore1.7b,mcore177b", help="comma list of " + ", ".join(MODELS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=None, help="bf16 on a GPU, fp32 on the CPU")
     ap.add_argument("--cluster", default=None)
