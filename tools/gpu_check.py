@@ -70,6 +70,7 @@ class Sizes:
     planned: list[tuple[int, str]]  # (micro-batch size, recomputation) runs against the planner
     planned_gbs: int
     planned_iters: int
+    host_bound: tuple[list[str], int, int] | None  # a second planner case: (model, global batch, iterations)
     steps_flag: list[str]  # tools/gpu_check_steps.py sizes
     peer_iters: int  # iterations of each side of the megatron-core comparison
 
@@ -85,10 +86,11 @@ GPU = Sizes(small=_gpt(4, 512, 8, 1024, 8192), small_batch=_batch(4, 16), iters=
             # GPT of hidden 1024 is bound by the host (README, "What has run on a GPU": the launch step diagnoses it)
             big_iters=40, profiled=_gpt(24, 2048, 16, 2048, 50257), profile_mbs="1,2,4",
             planned=[(1, "none"), (2, "none"), (4, "none"), (2, "full")], planned_gbs=8, planned_iters=12,
+            host_bound=(_gpt(8, 1024, 16, 1024, 50257), 16, 20),
             steps_flag=[], peer_iters=30)
 DRY = Sizes(small=_gpt(2, 64, 4, 64, 512), small_batch=_batch(2, 4), iters=8,
             big=[("GPT tiny", _gpt(2, 64, 4, 64, 512), _batch(2, 4))], big_iters=6, profiled=_gpt(2, 64, 4, 64, 512),
-            profile_mbs="1,2", planned=[(1, "none"), (2, "full")], planned_gbs=4, planned_iters=4,
+            profile_mbs="1,2", planned=[(1, "none"), (2, "full")], planned_gbs=4, planned_iters=4, host_bound=None,
             steps_flag=["--small"], peer_iters=4)
 PLAN_CLUSTER, PLAN_DEVICE = "h100-80g-ib", "h100-80g"  # what the planning steps plan for (one GPU of it)
 FP16_ITERS = 40  # from Megatron's initial loss scale 2^32 the first ~17 iterations overflow and are skipped
@@ -415,42 +417,96 @@ def step_peer(ctx: Context) -> dict:
     return {"numbers": numbers, "details": result, "notes": notes}
 
 
-def _profile(ctx: Context, path: str) -> None:
+def _profile(ctx: Context, path: str, model: list[str] | None = None) -> None:
     s = ctx.sizes
-    ctx.autoconfig(["profile", "--output", path, *MODEL_FLAGS, *s.profiled, "--bf16", "--attention-backend", "flash",
-                    "--profile-micro-batch-sizes", s.profile_mbs, "--no-links", "--device-type", PLAN_DEVICE],
+    ctx.autoconfig(["profile", "--output", path, *MODEL_FLAGS, *(model or s.profiled), "--bf16", "--attention-backend",
+                    "flash", "--profile-micro-batch-sizes", s.profile_mbs, "--no-links", "--device-type", PLAN_DEVICE],
                    "autoconfig.py profile")
 
 
-def step_planner(ctx: Context) -> dict:
-    """autoconfig.py profile on this device, then predicted against measured step time (and memory) for a few
-    single-GPU configurations planned with that profile."""
+def stream_scaled_profile(path: str, out: str) -> bool:
+    """The profile at `path` with each unit time scaled by its micro-batch size's stream over units sum (at most 1),
+    written to `out`: the alternative the GPU check predicts beside the profile as measured. False where the
+    profile recorded no stream (a CPU profile)."""
+    with open(path) as f:
+        data = json.load(f)
+    stream = data.get("stream") or {}
+    if not stream:
+        return False
+    for u in data["units"]:
+        entry = stream.get(str(u["micro_batch_size"]))
+        k = min(1.0, entry["stream_s"] / entry["units_s"]) if entry else 1.0
+        u["forward_s"], u["backward_s"] = u["forward_s"] * k, u["backward_s"] * k
+    with open(out, "w") as f:
+        json.dump(data, f)
+    return True
+
+
+def _predicted(path: str) -> float:
+    with open(path) as f:
+        return float(json.load(f)["prediction"]["iteration_time_s"])
+
+
+def _planner_case(ctx: Context, label: str, model: list[str], gbs: int, iters: int, profile: str) -> tuple[dict, list]:
+    """One planner case: profile `model`, then each planned configuration searched with the profile as measured
+    (and, for a GPU profile, with its stream-scaled copy), run with --plan, predicted against measured."""
     s = ctx.sizes
-    profile = os.path.join(ctx.work, "profile.json")
-    _profile(ctx, profile)
+    _profile(ctx, profile, model)
+    scaled = profile.replace(".json", "_stream.json")
+    has_stream = stream_scaled_profile(profile, scaled)
     rows, failures = {}, []
     for mbs, recompute in s.planned:
-        name = f"mbs{mbs}-{recompute}"
+        name = f"{label}mbs{mbs}-{recompute}"
         plan = os.path.join(ctx.work, f"plan_{name}.json")
-        batch = _batch(mbs, s.planned_gbs)
+        batch = _batch(mbs, gbs)
+        space = planned_space(mbs, recompute)
         try:
-            _plan(ctx, s.profiled, batch, planned_space(mbs, recompute), plan, profile, f"search for {name}")
-            run = ctx.pretrain([*COMMON, *LR, *s.profiled, *batch, "--bf16", "--attention-backend", "flash",
-                                "--plan", plan, "--train-iters", str(s.planned_iters)], f"{name} run")
+            _plan(ctx, model, batch, space, plan, profile, f"search for {name}")
+            run = ctx.pretrain([*COMMON, *LR, *model, *batch, "--bf16", "--attention-backend", "flash",
+                                "--plan", plan, "--train-iters", str(iters)], f"{name} run")
             p = _plan_numbers(run)
             rows[name] = {k: p[k] for k in ("time_pred_s", "time_meas_s", "time_err_pct", "mem_err_pct")}
+            if has_stream:
+                alt = os.path.join(ctx.work, f"plan_{name}_stream.json")
+                _plan(ctx, model, batch, space, alt, scaled, f"search for {name} (stream-scaled profile)")
+                pred = _predicted(alt)
+                rows[name].update(time_pred_stream_s=round(pred, 4),
+                                  time_err_stream_pct=round(100 * (p["time_meas_s"] / pred - 1), 1))
         except StepTimeout:
             raise
         except StepFailed as exc:
             failures.append(f"{name}: {exc}")
+    return rows, failures
+
+
+def step_planner(ctx: Context) -> dict:
+    """autoconfig.py profile on this device, then predicted against measured step time (and memory) for a few
+    single-GPU configurations planned with that profile: the big step's 1.3B (bound by the device), then an
+    8-layer GPT (bound by the host); beside each prediction the one from the profile scaled to its recorded
+    stream (profile_data.py "stream"), to see which a GPU profile should give."""
+    s = ctx.sizes
+    cases = [("", s.profiled, s.planned_gbs, s.planned_iters, os.path.join(ctx.work, "profile.json"))]
+    if s.host_bound is not None:
+        model, gbs, iters = s.host_bound
+        cases.append(("small-", model, gbs, iters, os.path.join(ctx.work, "profile_small.json")))
+    rows, failures = {}, []
+    for label, model, gbs, iters, profile in cases:
+        got, failed = _planner_case(ctx, label, model, gbs, iters, profile)
+        rows.update(got)
+        failures += failed
     if not rows:
         raise StepFailed("; ".join(failures) or "no configuration ran")
-    def worst(key: str) -> float | None:
-        values = [abs(r[key]) for r in rows.values() if r[key] is not None]
+
+    def worst(small: bool, key: str) -> float | None:
+        values = [abs(r[key]) for n, r in rows.items() if n.startswith("small-") == small and r.get(key) is not None]
         return max(values) if values else None
 
-    numbers = {"configs": len(rows), "worst_time_err_pct": worst("time_err_pct"),
-               "worst_mem_err_pct": worst("mem_err_pct")}
+    numbers = {"configs": len(rows), "worst_time_err_pct": worst(False, "time_err_pct"),
+               "worst_mem_err_pct": worst(False, "mem_err_pct"),
+               "worst_time_err_stream_pct": worst(False, "time_err_stream_pct")}
+    if s.host_bound is not None:
+        numbers.update(small_worst_time_err_pct=worst(True, "time_err_pct"),
+                       small_worst_time_err_stream_pct=worst(True, "time_err_stream_pct"))
     if failures:
         raise StepFailed("; ".join(failures))
     return {"numbers": numbers, "details": rows}
@@ -613,7 +669,8 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
          step_param_gather, 90),
     Step("big", "single-GPU GPT (1.3B, else 350M) seq 2048: tokens/s, MFU, memory model", step_big, 220),
     Step("peer", "the big step's GPT, ours vs megatron-core (if importable): ms/iter, MFU, memory", step_peer, 200),
-    Step("planner", "autoconfig.py profile + predicted vs measured step time, 4 configs", step_planner, 240),
+    Step("planner", "autoconfig.py profile + predicted vs measured step time, 4 configs of a 1.3B and of an 8-layer "
+         "GPT", step_planner, 330),
     Step("launch", "per-unit timings (synchronised, host, event span, behind a sleep) against a unit stream",
          step_launch, 90),
     Step("allowance", "CUDA allowance: measured (profile's cuda_memory) vs derived terms", step_allowance, 120),

@@ -11,6 +11,7 @@ JSON layout (format 1):
    "overlap_factor": 1.3,                       # optional: slowdown of overlapped gradient reduction
    "memory_allowance": {"workspace_bytes", "fragmentation"},   # optional: per GPU, and the share on top
    "cuda_memory": {"context_bytes", "nccl_bytes_per_communicator", "allocator_fraction", "samples"},  # optional
+   "stream": {"<micro-batch size>": {"depth", "stream_s", "units_s"}, ...},  # optional, tp 1 on a GPU
    "calibration": {...}}                        # optional: what `autoconfig.py calibrate` fitted it on
 "overlap_factor" and "memory_allowance" (written by `autoconfig.py calibrate`) are what search, estimate and
 simulate use unless --overlap-factor, --memory-workspace-gb or --memory-fragmentation say otherwise; a profile
@@ -19,6 +20,10 @@ these fields existed carry them only in "calibration" (overlap_factor, memory_wo
 memory_fragmentation), which is read the same way. "device.cores": the CPU cores of the profiling machine.
 "cuda_memory" (written by `autoconfig.py profile` on a GPU) holds the measured terms of the derived CUDA allowance
 (cuda_allowance.py), which replace the modelled ones; "samples" keeps the raw allocator readings.
+"stream" (a GPU profile): per micro-batch size, a micro-batch's seconds through embedding, `depth` layers (the
+one profiled layer again) and head, micro-batches back to back as a run has them ("stream_s"), beside the sum of
+the synchronised unit times for the same ("units_s"). Recorded for the GPU check to compare (README, "What has
+run on a GPU": the sums over-count a host-bound run); the cost model does not use it yet.
 "device.type" names the cluster device type the profile is for (default: device.name); a unit entry with
 "unit" (its index in [embedding, attn_0, mlp_0, ..., head]) times that unit alone (per-layer profiles), one
 without times every unit of its kind.
@@ -79,6 +84,7 @@ class Profile:
     memory_fragmentation: float | None = None
     calibration: dict = field(default_factory=dict)  # calibrate's record of the fit (provenance only)
     cuda_memory: dict = field(default_factory=dict)  # measured CUDA allowance terms (profile on a GPU)
+    stream: dict = field(default_factory=dict)  # micro-batch size (str) -> {depth, stream_s, units_s} (GPU)
 
     # ---- lookup ------------------------------------------------------------------------------------------------
     def tps(self, kind: str) -> set[int]:
@@ -167,6 +173,8 @@ class Profile:
             data["calibration"] = self.calibration
         if self.cuda_memory:
             data["cuda_memory"] = self.cuda_memory
+        if self.stream:
+            data["stream"] = self.stream
         return data
 
     def save(self, path: str) -> None:
@@ -184,7 +192,8 @@ class Profile:
             raise UsageError(f"--profile {where}: not a format-{FORMAT} profile written by autoconfig.py profile")
         try:
             units = [_unit_timing(u, i, where) for i, u in enumerate(data["units"])]
-            for key in ("device", "model", "links", "overhead", "calibration", "memory_allowance", "cuda_memory"):
+            for key in ("device", "model", "links", "overhead", "calibration", "memory_allowance", "cuda_memory",
+                        "stream"):
                 if data.get(key) is not None and not isinstance(data[key], dict):
                     raise UsageError(f"--profile {where}: {key} must be a mapping, got {data[key]!r}")
             mode = data.get("mode", "measured")
@@ -215,10 +224,17 @@ class Profile:
             cuda_memory = data.get("cuda_memory") or {}
             for key in MEASURED_CUDA_KEYS:
                 _optional(cuda_memory.get(key), f"cuda_memory.{key}", where, 0.0)
+            stream = data.get("stream") or {}
+            for mbs, entry in stream.items():
+                if not isinstance(entry, dict):
+                    raise UsageError(f"--profile {where}: stream.{mbs} must be a mapping, got {entry!r}")
+                for key, least in (("depth", 1.0), ("stream_s", 1e-300), ("units_s", 1e-300)):
+                    if _optional(entry.get(key), f"stream.{mbs}.{key}", where, least) is None:
+                        raise KeyError(f"stream.{mbs}.{key}")
             return cls(device=data["device"], dtype=data["dtype"], model=model, units=units,
                        links=links, overhead=overhead, mode=mode,
                        overlap_factor=overlap, memory_workspace_bytes=workspace, memory_fragmentation=fragmentation,
-                       calibration=dict(calibration), cuda_memory=dict(cuda_memory))
+                       calibration=dict(calibration), cuda_memory=dict(cuda_memory), stream=dict(stream))
         except KeyError as exc:
             raise UsageError(f"--profile {where}: missing field {exc}") from None
         except (TypeError, AttributeError) as exc:

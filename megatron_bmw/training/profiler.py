@@ -101,32 +101,70 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
 
 
 STEADY_DEPTH, STEADY_MICROBATCHES = 4, 3
+STREAM_DEPTH, STREAM_MICROBATCHES = 8, 4  # the deepest stack timed, and micro-batches per sample
 
 
-def steady_microbatches(model: ModelConfig, state, micro_batch_size: int, seed: int = 1234, fusion: bool = True,
-                        cuda=None) -> dict | None:
-    """Micro-batches run as training runs them (embedding, STEADY_DEPTH x the one layer's attention and MLP, head,
-    one backward each) from an emptied cache; with `cuda` (torch.cuda on a GPU) the allocator's readings after
-    them, whose maxima cover these micro-batches only: the fragmentation a training run sees."""
+def _one_layer_units(model: ModelConfig, state, seed: int, fusion: bool):
     from ..models.chunk import build_units
     from ..parallel.grad_sync import GradSync
 
     units = build_units(ModelConfig(**{**model.__dict__, "num_layers": 1}), state, seed)
-    sync = GradSync([p for u in units.values() for p in u.parameters()], state, fusion=fusion)
+    return units, GradSync([p for u in units.values() for p in u.parameters()], state, fusion=fusion)
+
+
+def _stack_microbatch(units: dict, batch: dict, depth: int) -> None:
+    """One micro-batch as a one-stage run has it: embedding, `depth` x the one layer's attention and MLP, head,
+    one backward."""
+    h = units["embedding"](None, batch)
+    for _ in range(depth):
+        h = units["mlp_0"](units["attn_0"](h, batch), batch)
+    torch.autograd.backward(units["head"](h, batch))
+
+
+def steady_microbatches(model: ModelConfig, state, micro_batch_size: int, seed: int = 1234, fusion: bool = True,
+                        cuda=None) -> dict | None:
+    """Micro-batches run as training runs them (`_stack_microbatch` at STEADY_DEPTH) from an emptied cache; with
+    `cuda` (torch.cuda on a GPU) the allocator's readings after them, whose maxima cover these micro-batches only:
+    the fragmentation a training run sees."""
+    units, sync = _one_layer_units(model, state, seed, fusion)
     batch = _batch(model, micro_batch_size, state.device)
     if cuda is not None:
         cuda.synchronize(state.device)
         cuda.empty_cache()
         cuda.reset_peak_memory_stats(state.device)
     for _ in range(STEADY_MICROBATCHES):
-        h = units["embedding"](None, batch)
-        for _ in range(STEADY_DEPTH):
-            h = units["mlp_0"](units["attn_0"](h, batch), batch)
-        torch.autograd.backward(units["head"](h, batch))
+        _stack_microbatch(units, batch, STEADY_DEPTH)
     synchronize(state.device)
     got = cuda_memory.reading(cuda, state.device) if cuda is not None else None
     sync.remove_hooks()
     return got
+
+
+def time_stream(model: ModelConfig, state, timings: list[UnitTiming], seed: int = 1234, fusion: bool = True,
+                warmup: int = 2, repeats: int = 5, statistic: str = "median") -> dict:
+    """Per micro-batch size of `timings`: a micro-batch's seconds through a stack of min(layers, STREAM_DEPTH)
+    (`_stack_microbatch`), micro-batches back to back and synchronised only around each sample, beside the sum of
+    the synchronised unit times for the same stack: {str(mbs): {depth, stream_s, units_s}}."""
+    depth = min(model.num_layers, STREAM_DEPTH)
+    units, sync = _one_layer_units(model, state, seed, fusion)
+    out = {}
+    for b in sorted({t.micro_batch_size for t in timings}):
+        per = {t.kind: t.forward_s + t.backward_s for t in timings if t.micro_batch_size == b}
+        batch = _batch(model, b, state.device)
+        for _ in range(max(1, warmup)):
+            _stack_microbatch(units, batch, depth)
+        samples = []
+        for _ in range(repeats):
+            synchronize(state.device)
+            t0 = time.perf_counter()
+            for _ in range(STREAM_MICROBATCHES):
+                _stack_microbatch(units, batch, depth)
+            synchronize(state.device)
+            samples.append((time.perf_counter() - t0) / STREAM_MICROBATCHES)
+        out[str(b)] = {"depth": depth, "stream_s": _stat(samples, statistic),
+                       "units_s": per["embedding"] + depth * (per["attention"] + per["mlp"]) + per["head"]}
+    sync.remove_hooks()
+    return out
 
 
 def time_engine_overhead(state, num_microbatches: int = 8, repeats: int = 5, seed: int = 1234, barrier=None,
@@ -309,6 +347,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
         units: list[UnitTiming] = []
         overhead: dict = {}
         measured: dict = {}
+        stream: dict = {}
         tp_readings: list[dict] = []
         for k, tp in enumerate(settings.tp_sizes):
             model.check_tensor_parallel(tp)
@@ -329,6 +368,10 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
                                                               fusion=settings.gradient_accumulation_fusion,
                                                               cuda=torch.cuda)}
                 units += timed
+                if cuda:
+                    stream = time_stream(model, state, timed, fusion=settings.gradient_accumulation_fusion,
+                                         warmup=settings.warmup, repeats=settings.repeats,
+                                         statistic=settings.statistic)
                 if settings.overhead:
                     overhead = time_engine_overhead(state, repeats=max(5, settings.repeats * settings.rounds),
                                                     statistic=settings.statistic)
@@ -354,7 +397,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
     terms = cuda_memory.measured_terms(measured["before"], measured["after"], tp_readings,
                                        measured["steady"]) if measured else {}
     return Profile(device=info, dtype=model.params_dtype, model=model_signature(model), units=units,
-                   links=links, overhead=overhead, mode="measured", cuda_memory=terms)
+                   links=links, overhead=overhead, mode="measured", cuda_memory=terms, stream=stream)
 
 
 def _host_memory() -> int:

@@ -107,15 +107,30 @@ def test_the_gpu_sizes_plan_on_one_h100(tmp_path, capsys):
         assert main(gpu_check.search_args(model, batch, gpu_check.big_space(batch), path, None)) == 0
         stage = Plan.load(path).prediction["stages"][0]
         assert stage["peak_bytes"] < 0.8 * stage["capacity_bytes"]
-    for mbs, recompute in sizes.planned:
-        path = str(tmp_path / f"plan{mbs}{recompute}.json")
-        batch = gpu_check._batch(mbs, sizes.planned_gbs)
-        assert main(gpu_check.search_args(sizes.profiled, batch, gpu_check.planned_space(mbs, recompute), path,
-                                          None)) == 0
-        pipeline = Plan.load(path).spec.pipeline
-        assert pipeline.micro_batch_size == mbs
-        assert set(pipeline.recompute or ()) - {None} == ({"full"} if recompute == "full" else set()), pipeline
+    small, small_gbs, _ = sizes.host_bound
+    for model, gbs in ((sizes.profiled, sizes.planned_gbs), (small, small_gbs)):
+        for mbs, recompute in sizes.planned:
+            path = str(tmp_path / f"plan{mbs}{recompute}.json")
+            batch = gpu_check._batch(mbs, gbs)
+            assert main(gpu_check.search_args(model, batch, gpu_check.planned_space(mbs, recompute), path,
+                                              None)) == 0
+            pipeline = Plan.load(path).spec.pipeline
+            assert pipeline.micro_batch_size == mbs
+            assert set(pipeline.recompute or ()) - {None} == ({"full"} if recompute == "full" else set()), pipeline
     capsys.readouterr()
+
+
+def test_stream_scaled_profile(tmp_path):
+    """Each unit time scaled by its micro-batch size's stream over units sum, at most 1; nothing without a stream."""
+    units = [{"kind": "mlp", "tp": 1, "micro_batch_size": b, "forward_s": 1.0, "backward_s": 2.0} for b in (1, 2, 4)]
+    stream = {"1": {"depth": 8, "stream_s": 6.0, "units_s": 10.0}, "2": {"depth": 8, "stream_s": 12.0, "units_s": 10.0}}
+    src, out = tmp_path / "p.json", str(tmp_path / "s.json")
+    src.write_text(json.dumps({"units": units, "stream": stream}))
+    assert gpu_check.stream_scaled_profile(str(src), out)
+    got = [(u["forward_s"], u["backward_s"]) for u in json.loads(open(out).read())["units"]]
+    assert got == [pytest.approx((0.6, 1.2)), (1.0, 2.0), (1.0, 2.0)]  # capped at 1; mbs 4 has no stream entry
+    src.write_text(json.dumps({"units": units}))
+    assert not gpu_check.stream_scaled_profile(str(src), out)
 
 
 

@@ -10,9 +10,9 @@ from megatron_bmw.errors import UsageError
 from megatron_bmw.parallel.state import ParallelState
 from megatron_bmw.planner.cluster import load_cluster
 from megatron_bmw.planner.memory_model import unit_activation_bytes
-from megatron_bmw.planner.profile_data import Profile
+from megatron_bmw.planner.profile_data import MODEL_KEYS, Profile
 from megatron_bmw.planner.analytic import analytic_profile
-from megatron_bmw.training.profiler import _fit_link, time_engine_overhead, time_units
+from megatron_bmw.training.profiler import _fit_link, time_engine_overhead, time_stream, time_units
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
                     attention_backend="unfused")
@@ -24,6 +24,23 @@ def test_time_units_and_saved_bytes():
     for t in timings:
         assert t.forward_s > 0 and t.backward_s > 0
         assert t.saved_bytes == unit_activation_bytes(t.kind, MODEL, t.micro_batch_size, device="cpu")
+
+
+def test_stream_of_the_stack_beside_the_units_sum():
+    """What a GPU profile records for the GPU check: a micro-batch through a stack of the model's depth (at most
+    8), unsynchronised inside, and the synchronised units' sum for the same stack; the file keeps it."""
+    timings = time_units(MODEL, ParallelState.serial(), (1, 2), warmup=0, repeats=1)
+    got = time_stream(MODEL, ParallelState.serial(), timings, warmup=0, repeats=2)
+    assert set(got) == {"1", "2"} and all(e["depth"] == MODEL.num_layers for e in got.values())
+    one = {t.kind: t.forward_s + t.backward_s for t in timings if t.micro_batch_size == 1}
+    assert got["1"]["units_s"] == pytest.approx(one["embedding"] + 2 * (one["attention"] + one["mlp"]) + one["head"])
+    assert all(e["stream_s"] > 0 for e in got.values())
+    prof = Profile(device={"name": "x"}, dtype="fp32", model={k: getattr(MODEL, k) for k in MODEL_KEYS},
+                   stream=got)
+    assert Profile.from_json(prof.to_json()).stream == got
+    bad = {**prof.to_json(), "stream": {"1": {"depth": 2, "stream_s": -1.0, "units_s": 1.0}}}
+    with pytest.raises(UsageError, match="stream.1.stream_s must be a number > 0"):
+        Profile.from_json(bad)
 
 
 @pytest.mark.parametrize("fusion", [True, False])
