@@ -448,8 +448,9 @@ def _predicted(path: str) -> float:
 
 
 def _planner_case(ctx: Context, label: str, model: list[str], gbs: int, iters: int, profile: str) -> tuple[dict, list]:
-    """One planner case: profile `model`, then each planned configuration searched with the profile as measured
-    (and, for a GPU profile, with its stream-scaled copy), run with --plan, predicted against measured."""
+    """One planner case: profile `model`, then each planned configuration searched with the profile as measured,
+    run with --plan, predicted against measured; beside it the prediction of its stream-scaled copy (a GPU profile)
+    and the analytic one (no profile)."""
     s = ctx.sizes
     _profile(ctx, profile, model)
     scaled = profile.replace(".json", "_stream.json")
@@ -466,12 +467,14 @@ def _planner_case(ctx: Context, label: str, model: list[str], gbs: int, iters: i
                                 "--plan", plan, "--train-iters", str(iters)], f"{name} run")
             p = _plan_numbers(run)
             rows[name] = {k: p[k] for k in ("time_pred_s", "time_meas_s", "time_err_pct", "mem_err_pct")}
-            if has_stream:
-                alt = os.path.join(ctx.work, f"plan_{name}_stream.json")
-                _plan(ctx, model, batch, space, alt, scaled, f"search for {name} (stream-scaled profile)")
+            for key, source in (("stream", scaled if has_stream else None), ("analytic", "")):
+                if source is None:
+                    continue
+                alt = os.path.join(ctx.work, f"plan_{name}_{key}.json")
+                _plan(ctx, model, batch, space, alt, source or None, f"search for {name} ({key})")
                 pred = _predicted(alt)
-                rows[name].update(time_pred_stream_s=round(pred, 4),
-                                  time_err_stream_pct=round(100 * (p["time_meas_s"] / pred - 1), 1))
+                rows[name].update({f"time_pred_{key}_s": round(pred, 4),
+                                   f"time_err_{key}_pct": round(100 * (p["time_meas_s"] / pred - 1), 1)})
         except StepTimeout:
             raise
         except StepFailed as exc:
@@ -503,10 +506,12 @@ def step_planner(ctx: Context) -> dict:
 
     numbers = {"configs": len(rows), "worst_time_err_pct": worst(False, "time_err_pct"),
                "worst_mem_err_pct": worst(False, "mem_err_pct"),
-               "worst_time_err_stream_pct": worst(False, "time_err_stream_pct")}
+               "worst_time_err_stream_pct": worst(False, "time_err_stream_pct"),
+               "worst_time_err_analytic_pct": worst(False, "time_err_analytic_pct")}
     if s.host_bound is not None:
         numbers.update(small_worst_time_err_pct=worst(True, "time_err_pct"),
-                       small_worst_time_err_stream_pct=worst(True, "time_err_stream_pct"))
+                       small_worst_time_err_stream_pct=worst(True, "time_err_stream_pct"),
+                       small_worst_time_err_analytic_pct=worst(True, "time_err_analytic_pct"))
     if failures:
         raise StepFailed("; ".join(failures))
     return {"numbers": numbers, "details": rows}
