@@ -675,7 +675,7 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
     Step("big", "single-GPU GPT (1.3B, else 350M) seq 2048: tokens/s, MFU, memory model", step_big, 220),
     Step("peer", "the big step's GPT, ours vs megatron-core (if importable): ms/iter, MFU, memory", step_peer, 200),
     Step("planner", "autoconfig.py profile + predicted vs measured step time, 4 configs of a 1.3B and of an 8-layer "
-         "GPT", step_planner, 330),
+         "GPT", step_planner, 420),
     Step("launch", "per-unit timings (synchronised, host, event span, behind a sleep) against a unit stream",
          step_launch, 90),
     Step("allowance", "CUDA allowance: measured (profile's cuda_memory) vs derived terms", step_allowance, 120),
