@@ -442,19 +442,17 @@ def stream_scaled_profile(path: str, out: str) -> bool:
     return True
 
 
-def _predicted(path: str) -> float:
-    with open(path) as f:
-        return float(json.load(f)["prediction"]["iteration_time_s"])
-
-
 def _planner_case(ctx: Context, label: str, model: list[str], gbs: int, iters: int, profile: str) -> tuple[dict, list]:
     """One planner case: profile `model`, then each planned configuration searched with the profile as measured,
     run with --plan, predicted against measured; beside it the prediction of its stream-scaled copy (a GPU profile)
     and the analytic one (no profile)."""
+    from megatron_bmw.planner.plan import Plan
+
     s = ctx.sizes
     _profile(ctx, profile, model)
     scaled = profile.replace(".json", "_stream.json")
-    has_stream = stream_scaled_profile(profile, scaled)
+    alternatives = [("stream", scaled)] if stream_scaled_profile(profile, scaled) else []
+    alternatives.append(("analytic", None))
     rows, failures = {}, []
     for mbs, recompute in s.planned:
         name = f"{label}mbs{mbs}-{recompute}"
@@ -467,12 +465,10 @@ def _planner_case(ctx: Context, label: str, model: list[str], gbs: int, iters: i
                                 "--plan", plan, "--train-iters", str(iters)], f"{name} run")
             p = _plan_numbers(run)
             rows[name] = {k: p[k] for k in ("time_pred_s", "time_meas_s", "time_err_pct", "mem_err_pct")}
-            for key, source in (("stream", scaled if has_stream else None), ("analytic", "")):
-                if source is None:
-                    continue
+            for key, source in alternatives:
                 alt = os.path.join(ctx.work, f"plan_{name}_{key}.json")
-                _plan(ctx, model, batch, space, alt, source or None, f"search for {name} ({key})")
-                pred = _predicted(alt)
+                _plan(ctx, model, batch, space, alt, source, f"search for {name} ({key})")
+                pred = Plan.load(alt).prediction["iteration_time_s"]
                 rows[name].update({f"time_pred_{key}_s": round(pred, 4),
                                    f"time_err_{key}_pct": round(100 * (p["time_meas_s"] / pred - 1), 1)})
         except StepTimeout:

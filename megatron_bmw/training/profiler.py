@@ -43,6 +43,14 @@ def _stat(values: list[float], statistic: str) -> float:
     return min(values) if statistic == "min" else statistics.median(values)
 
 
+def _one_layer_units(model: ModelConfig, state, seed: int, fusion: bool):
+    from ..models.chunk import build_units
+    from ..parallel.grad_sync import GradSync
+
+    units = build_units(ModelConfig(**{**model.__dict__, "num_layers": 1}), state, seed)
+    return units, GradSync([p for u in units.values() for p in u.parameters()], state, fusion=fusion)
+
+
 def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, repeats: int = 5,
                seed: int = 1234, barrier=None, statistic: str = "median", rounds: int = 1,
                fusion: bool = True) -> list[UnitTiming]:
@@ -51,14 +59,9 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
     The sweep over micro-batch sizes and kinds runs `rounds` times with `repeats` samples each, so the samples
     of one entry spread over the whole profiling time; `barrier` (all profiling processes) starts each entry's
     samples together (not each sample: lock-stepped identical kernels contend more than a pipeline's do)."""
-    from ..models.chunk import build_units
-    from ..parallel.grad_sync import GradSync
-
-    one_layer = ModelConfig(**{**model.__dict__, "num_layers": 1})
-    units = build_units(one_layer, state, seed)
+    units, sync = _one_layer_units(model, state, seed, fusion)
     params = [p for u in units.values() for p in u.parameters()]
     shared = [units["embedding"].word_embeddings.weight]
-    sync = GradSync(params, state, fusion=fusion)
     tp = state.tp_size
     seq = model.seq_length // tp if state.sequence_parallel else model.seq_length
     samples: dict[tuple[int, str], tuple[list[float], list[float]]] = {}
@@ -102,14 +105,6 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
 
 STEADY_DEPTH, STEADY_MICROBATCHES = 4, 3
 STREAM_DEPTH, STREAM_MICROBATCHES = 8, 4  # the deepest stack timed, and micro-batches per sample
-
-
-def _one_layer_units(model: ModelConfig, state, seed: int, fusion: bool):
-    from ..models.chunk import build_units
-    from ..parallel.grad_sync import GradSync
-
-    units = build_units(ModelConfig(**{**model.__dict__, "num_layers": 1}), state, seed)
-    return units, GradSync([p for u in units.values() for p in u.parameters()], state, fusion=fusion)
 
 
 def _stack_microbatch(units: dict, batch: dict, depth: int) -> None:
@@ -367,11 +362,10 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
                                 "steady": steady_microbatches(model, state, max(settings.micro_batch_sizes),
                                                               fusion=settings.gradient_accumulation_fusion,
                                                               cuda=torch.cuda)}
-                units += timed
-                if cuda:
                     stream = time_stream(model, state, timed, fusion=settings.gradient_accumulation_fusion,
                                          warmup=settings.warmup, repeats=settings.repeats,
                                          statistic=settings.statistic)
+                units += timed
                 if settings.overhead:
                     overhead = time_engine_overhead(state, repeats=max(5, settings.repeats * settings.rounds),
                                                     statistic=settings.statistic)
