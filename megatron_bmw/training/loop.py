@@ -43,6 +43,7 @@ from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format
                       params_norm, throughput_tflops, timestamp)
 from .lr_scheduler import LRScheduler
 from .optimizer import StepResult, build_optimizer
+from .plan_check import warmup_iterations
 from .process_memory import ResidentPeak
 
 TRACE_ITERATIONS = 20  # --pipeline-trace records this many iterations
@@ -167,7 +168,16 @@ class Trainer:
         self.optimizer = build_optimizer(self.named_params, run.optimizer, state, modules=self.chunks)
         self.scheduler = LRScheduler(self.optimizer, run.lr)
         self.tracer = Tracer(state.rank, state.pp_rank) if tr.pipeline_trace else None
-        self.track_activations = tr.log_activation_memory or track_memory
+        # --plan's memory check: CUDA asks its allocator; the CPU counts the activation store's peak, whose
+        # saved-tensor hooks cost host time, so (at one batch size) only over the warm-up iterations the time
+        # check skips
+        self.tracked_iterations = 0
+        if tr.log_activation_memory or (track_memory and state.device.type != "cuda"):
+            one_size = len(tr.batch_schedule.sizes()) == 1
+            self.tracked_iterations = (max(1, warmup_iterations(tr.train_iters))
+                                       if one_size and not tr.log_activation_memory else tr.train_iters)
+        self.track_activations = self.tracked_iterations > 0
+        self.activation_peak = 0.0  # the tracked engines' peak, once tracking has stopped
         self.engine = self._new_engine(self.schedule)
         # one schedule and engine per micro-batch count (a ramped-up batch changes the count), cached; the smallest
         # count's schedule is built now so a count that cannot be scheduled fails at start-up
@@ -426,8 +436,16 @@ class Trainer:
         parts = self._loss_parts(m)
         self.step_times.append(time.perf_counter() - start)
         self.iteration += 1
+        if self.track_activations and len(self.step_times) >= self.tracked_iterations:
+            self._stop_tracking()
         self.consumed_train += batch
         return IterationResult(loss, step, batch, scale, parts)
+
+    def _stop_tracking(self) -> None:
+        """Later iterations run engines without the activation store (BPipe's keep theirs: they move with it)."""
+        self.activation_peak = max(self.activation_peak, self.engine.activation_stats()["peak_bytes"])
+        self.track_activations = False
+        self.pipelines = {m: (schedule, None) for m, (schedule, _) in self.pipelines.items()}
 
     def evaluate(self, data, iters: int) -> float | None:
         """Mean loss over `iters` full global batches, continuing from the validation samples consumed so far."""
@@ -557,7 +575,9 @@ class Trainer:
             if id(p) not in seen:
                 seen.add(id(p))
                 params += p.numel() * p.element_size()
-        store = self.engine.activation_stats()["peak_bytes"] if self.engine.store is not None else 0.0
+        store = self.activation_peak
+        if self.engine.store is not None:
+            store = max(store, self.engine.activation_stats()["peak_bytes"])
         return float(params + self.grad_sync.buffer_bytes() + self.optimizer.state_bytes() + store)
 
     def finish(self) -> None:

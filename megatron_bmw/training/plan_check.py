@@ -21,9 +21,15 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return t.cpu().tolist()
 
 
+def warmup_iterations(iterations: int) -> int:
+    """Iterations the time check skips: the first quarter, at least one (where there are two), at most 5."""
+    return min(5, max(1, iterations // 4)) if iterations > 1 else 0
+
+
 def plan_check_lines(trainer, plan) -> list[str]:
     """Lines for rank 0 (every rank must call this: it reduces over ranks). Iteration time: the median over
-    the iterations after the first quarter (at least one, at most 5, skipped as warm-up), slowest rank.
+    the iterations after the warm-up (warmup_iterations, and the iterations the activation store tracked),
+    slowest rank.
     Memory: each pipeline stage's largest rank against the predicted peak without the allowance for context,
     workspaces and fragmentation. CUDA: the peak allocated. CPU, with no allocator to ask: the rise of the
     process's peak resident memory from before the model was built (what the process really held: the
@@ -31,7 +37,8 @@ def plan_check_lines(trainer, plan) -> list[str]:
     states plus the activation store's peak, against the prediction of those two)."""
     st = trainer.state
     times = trainer.step_times
-    warm = min(5, max(1, len(times) // 4)) if len(times) > 1 else 0
+    # at least the iterations whose activations were tracked: the store's hooks cost host time
+    warm = min(max(warmup_iterations(len(times)), trainer.tracked_iterations), max(0, len(times) - 1))
     kept = times[warm:]
     measured = statistics.median(kept) if kept else float("nan")
     cpu = st.device.type != "cuda"

@@ -1,0 +1,50 @@
+"""--plan's checks: the activation store (the CPU's memory measure) tracks only the warm-up iterations the time
+check skips, since its saved-tensor hooks cost host time; the time is the median of the untracked ones."""
+
+from types import SimpleNamespace
+
+from megatron_bmw.training.loop import Trainer, build_trainer
+from megatron_bmw.training.plan_check import plan_check_lines, warmup_iterations
+
+GPT = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+       "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "1", "--global-batch-size", "4",
+       "--lr", "1e-3", "--log-interval", "100", "--eval-iters", "0", "--make-vocab-size-divisible-by", "4"]
+
+
+def _tracked_trainer(argv: list[str]) -> Trainer:
+    probe = build_trainer(argv)
+    return Trainer(probe.run, probe.state, track_memory=True)
+
+
+def test_warmup_iterations():
+    assert [warmup_iterations(n) for n in (0, 1, 2, 4, 8, 19, 20, 100)] == [0, 0, 1, 1, 2, 4, 5, 5]
+
+
+def test_plan_run_tracks_activations_in_the_warmup_only():
+    trainer = _tracked_trainer(GPT + ["--train-iters", "12"])
+    assert trainer.tracked_iterations == 3 and trainer.engine.store is not None
+    stores = []
+    for _ in range(12):
+        trainer.train_step()
+        stores.append(trainer.engine.store is not None)
+    assert stores == [True] * 3 + [False] * 9  # the first engine ran three iterations, new ones the rest
+    assert trainer.activation_peak > 0
+    params = sum(p.numel() * p.element_size() for _, p in trainer.named_params)
+    states = params + trainer.grad_sync.buffer_bytes() + trainer.optimizer.state_bytes()
+    assert trainer.memory_in_use() == states + trainer.activation_peak  # the tracked peak still counts
+    trainer.step_times = [9.0] * 3 + [1.0] * 9  # tracked iterations are slow: none reaches the median
+    plan = SimpleNamespace(prediction={"iteration_time_s": 1.0, "stages": []})
+    assert plan_check_lines(trainer, plan) == [
+        " plan check | iteration time predicted 1.0000 s, measured 1.0000 s (median of 9 iterations after 3 "
+        "warm-up) | error +0.0%"]
+
+
+def test_activation_memory_log_and_ramp_up_track_every_iteration():
+    assert _tracked_trainer(GPT + ["--train-iters", "12", "--log-activation-memory"]).tracked_iterations == 12
+    ramp = _tracked_trainer(GPT + ["--train-iters", "12", "--rampup-batch-size", "2", "2", "8"])
+    assert ramp.tracked_iterations == 12  # a later, larger batch may hold more activations
+
+
+def test_run_without_plan_tracks_nothing():
+    trainer = build_trainer(GPT + ["--train-iters", "2"])
+    assert trainer.tracked_iterations == 0 and trainer.engine.store is None
