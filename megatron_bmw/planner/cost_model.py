@@ -7,7 +7,9 @@ when profiles are given), or analytically (by GEMM shape, kernel_time.py, where 
 FLOPs / (peak x achievable fraction) with backward = 2 x forward). Tensor-parallel collectives run inside units:
 measured when the profile has that tp degree, else added from the cluster's links (with Megatron-core's
 --tp-comm-overlap, the sequence-parallel ones beside their GEMMs, as Transformer Engine runs them: tp_overlap.py). Recomputation
-adds the recomputed forward (the whole unit for full, the attention core for selective) to the backward.
+adds the recomputed forward (the whole unit for full, the attention core for selective) to the backward, unless the
+profile timed the unit recomputed (its forward without saved activations, its backward with the recomputation and
+whatever that costs beside the forward, e.g. the host's work of restoring the random states).
 A zero-bubble schedule's split backward: W (the deferred weight gradients) takes `wgrad_share` of the unit's own
 backward, the share its weight-gradient GEMMs have of the backward's matrix work (by GEMM shape where the
 device type gives its SMs, else by FLOPs); B takes the rest with the recomputation, the collectives and the
@@ -358,27 +360,30 @@ class CostModel:
         (fw, fl), (bw, bl), comm_in = self._compute_parts(kind, device, index)
         return fw + fl, bw + bl, comm_in
 
-    def _compute_parts(self, kind: str, device: DeviceType, index: int | None):
+    def _compute_parts(self, kind: str, device: DeviceType, index: int | None, recompute: str | None = None):
         """((forward work, wait), (backward work, wait), TP communication included); waiting only where ranks
-        share cores and a tp > 1 profile entry holds more than its share of the tp=1 work."""
+        share cores and a tp > 1 profile entry holds more than its share of the tp=1 work. With `recompute`: the
+        profile's timing of the unit recomputed so, None where it has none."""
         tp, b = self.spec.tp, self.spec.pipeline.micro_batch_size
         profiles = self.profiles.for_device(device.name)
         for degree in (tp, 1):
             for prof in profiles:
                 kd = prof.kernel_device(self.kernel_device(device))
-                timed = prof.unit_time(kind, degree, b, self.spec.model, index, kd)
+                timed = prof.unit_time(kind, degree, b, self.spec.model, index, kd, recompute)
                 if timed is not None:
                     shard = (degree / tp,) * 2
                     if degree != tp and kd is not None:  # a tp=1 timing split by the kernel model's shard shapes
                         shard = shape_ratio(kind, self.spec.model, b, tp, self.spec.model, degree, kd) or shard
                     f, g = timed[0] * shard[0], timed[1] * shard[1]
                     if self.shares_cores and degree > 1 and prof.device.get("kind") == "cpu":
-                        one = prof.unit_time(kind, 1, b, self.spec.model, index)
+                        one = prof.unit_time(kind, 1, b, self.spec.model, index, recompute=recompute)
                         if one is not None:
                             c = max(1.0, degree * int(prof.device.get("threads") or 1) / prof.cores())
                             fw, bw = min(f / c, one[0] / degree), min(g / c, one[1] / degree)
                             return (fw, f - fw * c), (bw, g - bw * c), True
                     return (f, 0.0), (g, 0.0), degree == tp
+        if recompute is not None:
+            return None
         if profiles and kind in ("attention", "mlp"):
             raise UsageError(f"--profile for device type {device.name} has no {kind} timings")
         fwd, bwd = self._analytic(kind, tp, device)
@@ -465,19 +470,23 @@ class CostModel:
     def unit_parts(self, kind: str, recompute: str | None, device: DeviceType, stage: int,
                    index: int | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
         """unit_times as ((forward work, forward wait), (backward work, backward wait)) on a core of its own."""
-        (fw, fl), (bw, bl), comm_in = self._compute_parts(kind, device, index)
+        # a profile that timed the unit recomputed holds its recomputation, whatever it costs beside the forward
+        timed = self._compute_parts(kind, device, index, recompute) if recompute and self.profiles else None
+        (fw, fl), (bw, bl), comm_in = timed if timed is not None else self._compute_parts(kind, device, index)
         if not comm_in:  # gloo's reduction burns CPU: the bandwidth term is work, the latency waiting
             (a, b), (c, d) = self.tp_comm_parts(kind, stage)
             fw, fl, bw, bl = fw + a, fl + b, bw + c, bl + d
+            if timed is not None and recompute == "full":  # the recomputed forward's collectives
+                bw, bl = bw + a, bl + b
         if (self.settings.host_ops is not None and not self.settings.launch_blocking and not self.profiles
                 and device.sm_count is not None):
             # launches run ahead of the GPU (a device type with SMs), but no faster than the host issues them: a
             # unit takes at least its host time (a profile's wall times hold it already)
             hf, hb = self.settings.host_time(kind, self.spec.tp, self.spec.sp)
             fw, bw = fw + max(0.0, hf - fw - fl), bw + max(0.0, hb - bw - bl)
-        if recompute == "full":
+        if timed is None and recompute == "full":
             bw, bl = bw + fw, bl + fl
-        elif recompute == "selective" and kind == "attention":
+        elif timed is None and recompute == "selective" and kind == "attention":
             share = core_attention_share(self.spec.model)
             bw, bl = bw + fw * share, bl + fl * share
         return (fw, fl), (bw, bl)

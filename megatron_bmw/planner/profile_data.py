@@ -5,7 +5,8 @@ JSON layout (format 1):
    "dtype": "fp32",
    "model": {hidden_size, num_attention_heads, ffn_hidden_size, seq_length, vocab_size, attention_backend,
              hidden_dropout, attention_dropout},
-   "units": [{"kind", "tp", "micro_batch_size", "forward_s", "backward_s", "saved_bytes", "unit"}, ...],
+   "units": [{"kind", "tp", "micro_batch_size", "forward_s", "backward_s", "saved_bytes", "unit", "recompute"},
+             ...],
    "links": {"p2p": {"bandwidth_Bps", "latency_s"}, "allreduce": {...}},
    "overhead": {"forward_s", "backward_s"},     # per compute action of the engine, beside the units
    "overlap_factor": 1.3,                       # optional: slowdown of overlapped gradient reduction
@@ -26,7 +27,9 @@ the synchronised unit times for the same ("units_s"). Recorded for the GPU check
 run on a GPU": the sums over-count a host-bound run); the cost model does not use it yet.
 "device.type" names the cluster device type the profile is for (default: device.name); a unit entry with
 "unit" (its index in [embedding, attn_0, mlp_0, ..., head]) times that unit alone (per-layer profiles), one
-without times every unit of its kind.
+without times every unit of its kind. An entry with "recompute" (full, or selective for attention) times the unit
+recomputed: its forward without the saved activations, its backward with the recomputation; entries without it
+time the unit as it is.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class UnitTiming:
     backward_s: float
     saved_bytes: int | None = None
     unit: int | None = None  # this unit of the model only (per-layer times)
+    recompute: str | None = None  # timed recomputed (full, or selective for attention)
 
 
 @dataclass
@@ -99,18 +103,19 @@ class Profile:
         return str(self.device.get("type") or self.device.get("name") or "local")
 
     def unit_time(self, kind: str, tp: int, micro_batch_size: int, model: ModelConfig,
-                  index: int | None = None, kernels: KernelDevice | None = None) -> tuple[float, float] | None:
-        """(forward, backward) seconds for `model`'s unit (unit `index` when the profile times units one by one),
-        or None when this tp was not profiled.
+                  index: int | None = None, kernels: KernelDevice | None = None,
+                  recompute: str | None = None) -> tuple[float, float] | None:
+        """(forward, backward) seconds for `model`'s unit (unit `index` when the profile times units one by one;
+        recomputed as `recompute` says), or None when this tp (or recomputation) was not profiled.
 
         Linear in the micro-batch size between (and beyond) the profiled sizes. When `model` differs from the
         profiled model: rescaled by the kernel model's times of the two shapes where the device's SM count is
         known (`kernels`, or the profile's own device.sm_count), else by FLOPs."""
         points = sorted((u.micro_batch_size, u.forward_s, u.backward_s) for u in self.units
-                        if u.kind == kind and u.tp == tp and u.unit == index)
+                        if u.kind == kind and u.tp == tp and u.unit == index and u.recompute == recompute)
         if not points and index is not None:
             points = sorted((u.micro_batch_size, u.forward_s, u.backward_s) for u in self.units
-                            if u.kind == kind and u.tp == tp and u.unit is None)
+                            if u.kind == kind and u.tp == tp and u.unit is None and u.recompute == recompute)
         if not points:
             return None
         profiled = self.model.get("model_type", "gpt")
@@ -144,7 +149,7 @@ class Profile:
         """FLOP/s the device reached on the profiled MLP units (the best case), for rescaling to other devices."""
         best = 0.0
         for u in self.units:
-            if u.kind == "mlp" and u.tp == 1:
+            if u.kind == "mlp" and u.tp == 1 and u.recompute is None:
                 flops = unit_forward_flops("mlp", self._model_config(), u.micro_batch_size) * 3
                 best = max(best, flops / (u.forward_s + u.backward_s))
         if best == 0.0:
@@ -269,6 +274,11 @@ def _unit_timing(entry, i: int, where: str) -> UnitTiming:
     _optional(timing.saved_bytes, f"units[{i}].saved_bytes", where, 0.0)
     if timing.unit is not None and (isinstance(timing.unit, bool) or not isinstance(timing.unit, int) or timing.unit < 0):
         raise UsageError(f"--profile {where}: units[{i}].unit must be a unit index >= 0, got {timing.unit!r}")
+    recomputed = {"attention": ("full", "selective"), "mlp": ("full",)}.get(timing.kind, ())
+    if timing.recompute is not None and timing.recompute not in recomputed:
+        can = f"one of {', '.join(recomputed)} or null" if recomputed else "null (never recomputed)"
+        raise UsageError(f"--profile {where}: units[{i}].recompute must be {can} for {timing.kind} units, got "
+                         f"{timing.recompute!r}")
     return timing
 
 

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,10 +52,21 @@ def _one_layer_units(model: ModelConfig, state, seed: int, fusion: bool):
     return units, GradSync([p for u in units.values() for p in u.parameters()], state, fusion=fusion)
 
 
+RECOMPUTED = [("attention", "full"), ("attention", "selective"), ("mlp", "full")]  # (kind, recomputation) timed
+
+
+def _recompute(unit, how: str | None) -> None:
+    """Set `unit` to run recomputed as `how` says (None: as built, keeping its activations)."""
+    unit.recompute = "full" if how == "full" else None
+    if hasattr(unit, "selective"):
+        unit.selective = how == "selective"
+
+
 def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, repeats: int = 5,
                seed: int = 1234, barrier=None, statistic: str = "median", rounds: int = 1,
-               fusion: bool = True) -> list[UnitTiming]:
-    """Forward/backward seconds and saved bytes of every unit kind on this process (tp from `state`).
+               fusion: bool = True, recomputed=None) -> list[UnitTiming]:
+    """Forward/backward seconds and saved bytes of every unit kind on this process (tp from `state`), and of the
+    (kind, recomputation) pairs `recomputed` (default RECOMPUTED) with the unit recomputed so.
 
     The sweep over micro-batch sizes and kinds runs `rounds` times with `repeats` samples each, so the samples
     of one entry spread over the whole profiling time; `barrier` (all profiling processes) starts each entry's
@@ -64,16 +76,19 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
     shared = [units["embedding"].word_embeddings.weight]
     tp = state.tp_size
     seq = model.seq_length // tp if state.sequence_parallel else model.seq_length
-    samples: dict[tuple[int, str], tuple[list[float], list[float]]] = {}
-    saved: dict[tuple[int, str], int] = {}
+    samples: dict[tuple[int, str, str | None], tuple[list[float], list[float]]] = {}
+    saved: dict[tuple[int, str, str | None], int] = {}
     batches = {b: _batch(model, b, state.device) for b in micro_batch_sizes}
-    entries = [(b, kind) for b in micro_batch_sizes for kind in UNIT_KINDS]
+    pairs = [(k, None) for k in UNIT_KINDS] + list(RECOMPUTED if recomputed is None else recomputed)
+    entries = [(b, kind, rc) for b in micro_batch_sizes for kind, rc in pairs]
     for r in range(rounds):
-        for b, kind in entries:
+        for b, kind, rc in entries:
             unit = units[_UNIT_OF_KIND[kind]]
-            fwd, bwd = samples.setdefault((b, kind), ([], []))
+            key = (b, kind, rc)
+            fwd, bwd = samples.setdefault(key, ([], []))
             if barrier is not None:
                 barrier()
+            _recompute(unit, rc)
             for it in range(warmup + repeats):
                 hidden = None
                 if kind != "embedding":
@@ -81,9 +96,9 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
                                          device=state.device, requires_grad=True)
                 synchronize(state.device)
                 t0 = time.perf_counter()
-                if (b, kind) not in saved:  # the hooks cost time: measure bytes in a warm-up iteration only
+                if key not in saved:  # the hooks cost time: measure bytes in a warm-up iteration only
                     rec, y = measure_saved(lambda: unit(hidden, batches[b]), params + shared)
-                    saved[(b, kind)] = rec.total
+                    saved[key] = rec.total
                 else:
                     y = unit(hidden, batches[b])
                 synchronize(state.device)
@@ -98,9 +113,10 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
                     fwd.append(t1 - t0)
                     bwd.append(t2 - t1)
                 del y
+            _recompute(unit, None)
     sync.remove_hooks()
-    return [UnitTiming(kind, tp, b, _stat(samples[(b, kind)][0], statistic), _stat(samples[(b, kind)][1], statistic),
-                       saved[(b, kind)]) for b in micro_batch_sizes for kind in UNIT_KINDS]
+    return [UnitTiming(kind, tp, b, _stat(samples[key][0], statistic), _stat(samples[key][1], statistic), saved[key],
+                       recompute=rc) for key in entries for b, kind, rc in [key]]
 
 
 STEADY_DEPTH, STEADY_MICROBATCHES = 4, 3
@@ -144,7 +160,7 @@ def time_stream(model: ModelConfig, state, timings: list[UnitTiming], seed: int 
     units, sync = _one_layer_units(model, state, seed, fusion)
     out = {}
     for b in sorted({t.micro_batch_size for t in timings}):
-        per = {t.kind: t.forward_s + t.backward_s for t in timings if t.micro_batch_size == b}
+        per = {t.kind: t.forward_s + t.backward_s for t in timings if t.micro_batch_size == b and t.recompute is None}
         batch = _batch(model, b, state.device)
         for _ in range(max(1, warmup)):
             _stack_microbatch(units, batch, depth)
@@ -174,7 +190,8 @@ def time_engine_overhead(state, num_microbatches: int = 8, repeats: int = 5, see
     tiny = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8,
                        attention_backend="unfused")
     b = 1
-    units = time_units(tiny, state, (b,), warmup=1, repeats=repeats, seed=seed, barrier=barrier, statistic=statistic)
+    units = time_units(tiny, state, (b,), warmup=1, repeats=repeats, seed=seed, barrier=barrier, statistic=statistic,
+                       recomputed=())
     chunks, sched, _ = pipeline_setup(tiny, state, seed, PipelineConfig(micro_batch_size=b,
                                                                          num_microbatches=num_microbatches))
     params = [p for c in chunks for p in c.parameters()]
@@ -316,10 +333,10 @@ def _merge_ranks(results: list[dict]) -> list[UnitTiming]:
         groups.setdefault(r["tp_group"], []).append(r["units"])
     slowest = []
     for members in groups.values():
-        slowest.append([UnitTiming(e[0].kind, e[0].tp, e[0].micro_batch_size, max(x.forward_s for x in e),
-                                   max(x.backward_s for x in e), e[0].saved_bytes) for e in zip(*members)])
-    return [UnitTiming(e[0].kind, e[0].tp, e[0].micro_batch_size, statistics.mean(x.forward_s for x in e),
-                       statistics.mean(x.backward_s for x in e), e[0].saved_bytes) for e in zip(*slowest)]
+        slowest.append([replace(e[0], forward_s=max(x.forward_s for x in e), backward_s=max(x.backward_s for x in e))
+                        for e in zip(*members)])
+    return [replace(e[0], forward_s=statistics.mean(x.forward_s for x in e),
+                    backward_s=statistics.mean(x.backward_s for x in e)) for e in zip(*slowest)]
 
 
 def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(),

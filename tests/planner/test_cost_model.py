@@ -190,6 +190,30 @@ def test_profiled_device_matches_local_cluster_exactly():
         CostModel(_spec(micro_batch_size=1), load_cluster("a100-80g-ib"), prof)
 
 
+def test_recomputation_as_the_profile_timed_it():
+    """A profile that timed a unit recomputed gives its forward and backward as they were (the recomputation and
+    whatever it cost beside the forward); without such an entry the backward adds the forward (full) or the
+    attention core's share of it (selective). At tp 2 from tp 1 timings, the recomputed forward's collectives are
+    in the backward too."""
+    from megatron_bmw.planner.cluster import local_cluster
+    from megatron_bmw.planner.flops import core_attention_share
+
+    prof = _profile()
+    prof.units += [UnitTiming("attention", 1, b, 0.9e-3 * s, 3.5e-3 * s, recompute="full") for b, s in ((1, 1), (4, 3))]
+    cluster = local_cluster(4, prof.device_type(8e9), prof.link("p2p"))
+    cost = CostModel(_spec(micro_batch_size=1), cluster, prof)
+    dev = cluster.device(0)
+    assert cost.unit_times("attention", "full", dev, 0) == pytest.approx((0.9e-3, 3.5e-3))
+    assert cost.unit_times("mlp", "full", dev, 0) == pytest.approx((2e-3, 4e-3 + 2e-3))  # not timed: modelled
+    share = core_attention_share(MODEL)
+    assert cost.unit_times("attention", "selective", dev, 0) == pytest.approx((1e-3, 2e-3 + share * 1e-3))
+    tp2 = CostModel(_spec(micro_batch_size=1, tp=2), cluster, prof)
+    (a, b), (c, d) = tp2.tp_comm_parts("attention", 0)
+    (fw, fl), (bw, bl) = tp2.unit_parts("attention", "full", dev, 0)
+    assert fw + fl == pytest.approx(0.9e-3 / 2 + a + b)
+    assert bw + bl == pytest.approx(3.5e-3 / 2 + c + d + a + b)
+
+
 def test_profiles_match_device_types_and_per_unit_times():
     from megatron_bmw.planner.profile_data import Profiles
 

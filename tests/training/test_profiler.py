@@ -19,11 +19,34 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_s
 
 
 def test_time_units_and_saved_bytes():
-    timings = time_units(MODEL, ParallelState.serial(), (1, 2), warmup=0, repeats=2)
-    assert len(timings) == 8
+    """Every kind as it is, and attention and MLP recomputed (full; selective for attention): what they save is
+    what the memory model says of each; the units are left as built."""
+    state = ParallelState.serial()
+    timings = time_units(MODEL, state, (1, 2), warmup=0, repeats=2)
+    assert [(t.micro_batch_size, t.kind, t.recompute) for t in timings] == [
+        (b, k, rc) for b in (1, 2) for k, rc in [("embedding", None), ("attention", None), ("mlp", None),
+                                                 ("head", None), ("attention", "full"), ("attention", "selective"),
+                                                 ("mlp", "full")]]
     for t in timings:
         assert t.forward_s > 0 and t.backward_s > 0
-        assert t.saved_bytes == unit_activation_bytes(t.kind, MODEL, t.micro_batch_size, device="cpu")
+        assert t.saved_bytes == unit_activation_bytes(t.kind, MODEL, t.micro_batch_size, recompute=t.recompute,
+                                                      device="cpu")
+
+
+def test_recompute_switch_restores_the_unit():
+    from megatron_bmw.training.profiler import _one_layer_units, _recompute
+
+    units, sync = _one_layer_units(MODEL, ParallelState.serial(), 1, True)
+    attn, mlp = units["attn_0"], units["mlp_0"]
+    _recompute(attn, "selective")
+    assert attn.selective and attn.recompute is None
+    _recompute(attn, "full")
+    _recompute(mlp, "full")
+    assert not attn.selective and attn.recompute == "full" and mlp.recompute == "full"
+    for u in (attn, mlp):
+        _recompute(u, None)
+    assert not attn.selective and attn.recompute is None and mlp.recompute is None
+    sync.remove_hooks()
 
 
 def test_stream_of_the_stack_beside_the_units_sum():
@@ -32,7 +55,7 @@ def test_stream_of_the_stack_beside_the_units_sum():
     timings = time_units(MODEL, ParallelState.serial(), (1, 2), warmup=0, repeats=1)
     got = time_stream(MODEL, ParallelState.serial(), timings, warmup=0, repeats=2)
     assert set(got) == {"1", "2"} and all(e["depth"] == MODEL.num_layers for e in got.values())
-    one = {t.kind: t.forward_s + t.backward_s for t in timings if t.micro_batch_size == 1}
+    one = {t.kind: t.forward_s + t.backward_s for t in timings if t.micro_batch_size == 1 and t.recompute is None}
     assert got["1"]["units_s"] == pytest.approx(one["embedding"] + 2 * (one["attention"] + one["mlp"]) + one["head"])
     assert all(e["stream_s"] > 0 for e in got.values())
     prof = Profile(device={"name": "x"}, dtype="fp32", model={k: getattr(MODEL, k) for k in MODEL_KEYS},
