@@ -256,7 +256,8 @@ def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None,
     """The flags' memory settings (`engine`: a plan's, else the flags'). On cuda the allowance is derived per
     layout on the cluster's device types (cuda_allowance.py; no cluster: the default device), the profiles'
     measured CUDA memory replacing its terms; an explicit workspace or fragmentation (flags, else a calibrated
-    profile) replaces the derived one."""
+    profile) replaces the derived one. On the CPU: the flags, else a calibrated profile, else what a CPU profile
+    measured a training process to hold beyond its tensors (host_memory), else none."""
     device = args.memory_device
     if device is None:
         cpu = any(p.device.get("kind") == "cpu" for ps in profiles.by_type.values() for p in ps)
@@ -267,6 +268,10 @@ def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None,
         workspace = profiles.memory_workspace_bytes / 2**30
     if fragmentation is None and profiles.memory_fragmentation is not None:
         fragmentation = profiles.memory_fragmentation
+    host = profiles.host_memory() if device == "cpu" else None
+    if host is not None:  # measured by a CPU profile (training/host_memory.py)
+        workspace = host[0] / 2**30 if workspace is None else workspace
+        fragmentation = host[1] if fragmentation is None else fragmentation
     derived = None
     if device == "cuda" and (workspace is None or fragmentation is None):
         devices = tuple({id(g.device): g.device for g in cluster.groups}.values()) if cluster is not None else ()

@@ -127,7 +127,7 @@ def _profile(args) -> int:
     else:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        profile = run_profile(cfg.model, settings, cfg.parallel.sequence_parallel)
+        profile = run_profile(cfg.model, settings, cfg.parallel.sequence_parallel, run=cfg)
         if args.device_type:
             profile.device["type"] = args.device_type
     profile.save(args.output)

@@ -13,6 +13,7 @@ JSON layout (format 1):
    "memory_allowance": {"workspace_bytes", "fragmentation"},   # optional: per GPU, and the share on top
    "cuda_memory": {"context_bytes", "nccl_bytes_per_communicator", "allocator_fraction", "samples"},  # optional
    "stream": {"<micro-batch size>": {"depth", "stream_s", "units_s"}, ...},  # optional, tp 1 on a GPU
+   "host_memory": {"runtime_bytes", "fraction"},  # optional, a CPU profile
    "calibration": {...}}                        # optional: what `autoconfig.py calibrate` fitted it on
 "overlap_factor" and "memory_allowance" (written by `autoconfig.py calibrate`) are what search, estimate and
 simulate use unless --overlap-factor, --memory-workspace-gb or --memory-fragmentation say otherwise; a profile
@@ -25,6 +26,9 @@ memory_fragmentation), which is read the same way. "device.cores": the CPU cores
 one profiled layer again) and head, micro-batches back to back as a run has them ("stream_s"), beside the sum of
 the synchronised unit times for the same ("units_s"). Recorded for the GPU check to compare (README, "What has
 run on a GPU": the sums over-count a host-bound run); the cost model does not use it yet.
+"host_memory" (a CPU profile, training/host_memory.py): what a CPU training process holds beyond the counted
+tensors, a fixed part (the runtime's first use) and a fraction of the counted bytes (the C allocator's); a CPU
+plan's allowance, as "cuda_memory" gives a GPU's.
 "device.type" names the cluster device type the profile is for (default: device.name); a unit entry with
 "unit" (its index in [embedding, attn_0, mlp_0, ..., head]) times that unit alone (per-layer profiles), one
 without times every unit of its kind. An entry with "recompute" (full, or selective for attention) times the unit
@@ -49,6 +53,7 @@ from .kernel_time import KernelDevice, shape_ratio
 
 FORMAT = 1
 MEASURED_CUDA_KEYS = ("context_bytes", "nccl_bytes_per_communicator", "allocator_fraction")
+HOST_MEMORY_KEYS = ("runtime_bytes", "fraction")
 MODEL_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
               "attention_backend", "hidden_dropout", "attention_dropout")
 # the model and layer kind (GPT or BERT, Llama-family settings); a profile written before they existed timed GPT-2
@@ -89,6 +94,7 @@ class Profile:
     calibration: dict = field(default_factory=dict)  # calibrate's record of the fit (provenance only)
     cuda_memory: dict = field(default_factory=dict)  # measured CUDA allowance terms (profile on a GPU)
     stream: dict = field(default_factory=dict)  # micro-batch size (str) -> {depth, stream_s, units_s} (GPU)
+    host_memory: dict = field(default_factory=dict)  # {runtime_bytes, fraction} (CPU)
 
     # ---- lookup ------------------------------------------------------------------------------------------------
     def tps(self, kind: str) -> set[int]:
@@ -180,6 +186,8 @@ class Profile:
             data["cuda_memory"] = self.cuda_memory
         if self.stream:
             data["stream"] = self.stream
+        if self.host_memory:
+            data["host_memory"] = self.host_memory
         return data
 
     def save(self, path: str) -> None:
@@ -198,7 +206,7 @@ class Profile:
         try:
             units = [_unit_timing(u, i, where) for i, u in enumerate(data["units"])]
             for key in ("device", "model", "links", "overhead", "calibration", "memory_allowance", "cuda_memory",
-                        "stream"):
+                        "stream", "host_memory"):
                 if data.get(key) is not None and not isinstance(data[key], dict):
                     raise UsageError(f"--profile {where}: {key} must be a mapping, got {data[key]!r}")
             mode = data.get("mode", "measured")
@@ -236,10 +244,15 @@ class Profile:
                 for key, least in (("depth", 1.0), ("stream_s", 1e-300), ("units_s", 1e-300)):
                     if _optional(entry.get(key), f"stream.{mbs}.{key}", where, least) is None:
                         raise KeyError(f"stream.{mbs}.{key}")
+            host = data.get("host_memory") or {}
+            for key in HOST_MEMORY_KEYS:
+                if _optional(host.get(key), f"host_memory.{key}", where, 0.0) is None and host:
+                    raise KeyError(f"host_memory.{key}")
             return cls(device=data["device"], dtype=data["dtype"], model=model, units=units,
                        links=links, overhead=overhead, mode=mode,
                        overlap_factor=overlap, memory_workspace_bytes=workspace, memory_fragmentation=fragmentation,
-                       calibration=dict(calibration), cuda_memory=dict(cuda_memory), stream=dict(stream))
+                       calibration=dict(calibration), cuda_memory=dict(cuda_memory), stream=dict(stream),
+                       host_memory=dict(host))
         except KeyError as exc:
             raise UsageError(f"--profile {where}: missing field {exc}") from None
         except (TypeError, AttributeError) as exc:
@@ -328,6 +341,14 @@ class Profiles:
                       if p.cuda_memory.get(key) is not None]
             got[key] = float(max(values)) if values else None
         return MeasuredCudaMemory(**got)
+
+    def host_memory(self) -> tuple[float, float] | None:
+        """(runtime bytes, fraction) a CPU training process holds beyond its tensors, the largest of each where
+        several profiles measured them; None where none did."""
+        measured = [p.host_memory for ps in self.by_type.values() for p in ps if p.host_memory]
+        if not measured:
+            return None
+        return max(m["runtime_bytes"] for m in measured), max(m["fraction"] for m in measured)
 
     def identity(self) -> list[dict]:
         """What a plan records of the profiles it was made with."""

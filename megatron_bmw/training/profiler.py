@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..config import ModelConfig, ParallelConfig, PipelineConfig
+from ..config import ModelConfig, ParallelConfig, PipelineConfig, RunConfig
 from ..models.chunk import synthetic_batch as _batch
 from ..device import choose_backend, ping_pong, set_device, synchronize, timed
 from ..planner.analytic import ProfileSettings
 from ..planner.memory_model import UNIT_KINDS
 from ..planner.profile_data import Profile, UnitTiming, model_signature
 from . import cuda_memory
+from .host_memory import measure_host_memory
 from .saved_bytes import measure_saved
 
 if TYPE_CHECKING:
@@ -340,8 +341,10 @@ def _merge_ranks(results: list[dict]) -> list[UnitTiming]:
 
 
 def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(),
-                sequence_parallel: bool = False) -> Profile:
-    """Measure everything on this machine. tp=1 runs in this process; larger degrees in spawned processes."""
+                sequence_parallel: bool = False, run: RunConfig | None = None) -> Profile:
+    """Measure everything on this machine. tp=1 runs in this process; larger degrees in spawned processes.
+    With `run` (the run's whole configuration) on the CPU, first what a training process holds beyond the
+    counted tensors (host_memory.py)."""
     from ..parallel.state import ParallelState
 
     previous = torch.get_num_threads()
@@ -356,6 +359,10 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
     try:
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        host = {}
+        if run is not None and not cuda:  # before anything else runs: the runtime's first use is measured
+            progress(0, "measuring what a training process holds beyond its tensors")
+            host = measure_host_memory(replace(run, model=model), max(settings.micro_batch_sizes))
         units: list[UnitTiming] = []
         overhead: dict = {}
         measured: dict = {}
@@ -408,7 +415,8 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
     terms = cuda_memory.measured_terms(measured["before"], measured["after"], tp_readings,
                                        measured["steady"]) if measured else {}
     return Profile(device=info, dtype=model.params_dtype, model=model_signature(model), units=units,
-                   links=links, overhead=overhead, mode="measured", cuda_memory=terms, stream=stream)
+                   links=links, overhead=overhead, mode="measured", cuda_memory=terms, stream=stream,
+                   host_memory=host)
 
 
 def _host_memory() -> int:
