@@ -57,7 +57,8 @@ from .spec import RunSpec
 
 # the host's time per operator our runtime dispatches, all its host work included: on the H100 run's host (README,
 # "What has run on a GPU") an 8-layer GPT (hidden 1024, flash, micro-batch 1) was bound by the host at 26.3 and
-# 28.0 ms per micro-batch, over the 336 operators its units dispatch (models/op_count.py)
+# 28.0 ms per micro-batch, over the 336 operators its units dispatch (models/op_count.py). Those runs were plan
+# checks with pageable batch copies and the activation store's saved-tensor hooks on, which runs no longer have
 HOST_OP_S = 80e-6
 
 
