@@ -19,21 +19,13 @@ def _run():
     return build_trainer(GPT).run
 
 
-def test_terms_from_the_resident_rise(monkeypatch):
-    """runtime: the tiny run's rise over its tracked tensors; fraction: the two-layer run's rise over what the
-    memory model counts for it, minus one."""
-    from megatron_bmw.planner.evaluate import estimate_memory
-    from megatron_bmw.planner.memory_model import MemorySettings
-    from megatron_bmw.planner.spec import spec_from_run_config
-
-    run, runs, rises = _run(), [], iter([50e6, 3e6])
-
-    class Peak:
-        def growth(self):
-            return next(rises)
-
-    monkeypatch.setattr(host_memory, "ResidentPeak", Peak)
+def test_terms_from_the_resident_rises(monkeypatch):
+    """The one-layer cut run twice, then the two-layer one, each after the previous one's memory went back:
+    fraction from the difference of the last two against the memory model's, runtime from the first less the
+    second as counted with it."""
     from megatron_bmw.training import loop
+
+    run, runs, releases = _run(), [], []
 
     class Spy(loop.Trainer):
         def __init__(self, run, *args, **kwargs):
@@ -41,16 +33,19 @@ def test_terms_from_the_resident_rise(monkeypatch):
             runs.append(self)
 
     monkeypatch.setattr(loop, "Trainer", Spy)
-    got = host_memory.measure_host_memory(run, 2)
-    tiny, cut = runs
-    assert tiny.run.model.num_layers == 1 and tiny.run.model.hidden_size == 16
-    assert (cut.run.model.num_layers, cut.run.pipeline.micro_batch_size, cut.run.pipeline.num_microbatches) == (2, 2, 2)
-    assert len(tiny.step_times) == len(cut.step_times) == host_memory.STEPS
-    counted = estimate_memory(spec_from_run_config(cut.run, 1), settings=MemorySettings(device="cpu"))[0]
-    total = sum((counted.params_bytes, counted.grads_bytes, counted.optimizer_bytes, counted.activation_bytes,
-                 counted.transient_bytes))
-    assert got["runtime_bytes"] == pytest.approx(50e6 - tiny.memory_in_use())
-    assert got["fraction"] == pytest.approx(max(0.0, 3e6 / total - 1))
+    monkeypatch.setattr(host_memory, "_release", lambda: releases.append(len(runs)))
+    one, two = (host_memory._counted(host_memory._cut(run, n, 2)) for n in (1, 2))
+    for rises, per_byte in (([90e6 + 1.2 * one, 1.2 * one, 1.2 * two], 1.2),
+                            ([90e6 + one, one, one + 0.5 * (two - one)], 1.0)):  # a fraction below 0 is none
+        steps = iter(rises)
+        monkeypatch.setattr(host_memory, "ResidentPeak", lambda: SimpleNamespace(growth=lambda: next(steps)))
+        runs.clear()
+        got = host_memory.measure_host_memory(run, 2)
+        assert [(r.run.model.num_layers, r.run.pipeline.micro_batch_size, r.run.pipeline.num_microbatches,
+                 len(r.step_times)) for r in runs] == [(1, 2, 2, 3), (1, 2, 2, 3), (2, 2, 2, 3)]
+        assert got["fraction"] == pytest.approx(per_byte - 1, abs=1e-9)
+        assert got["runtime_bytes"] == pytest.approx(rises[0] - per_byte * one)
+    assert releases[:6] == [0, 1, 1, 2, 2, 3]  # before and after each run
 
 
 def test_measured_for_real_in_this_process():
