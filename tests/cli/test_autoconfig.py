@@ -91,6 +91,7 @@ def test_profile_then_simulate_locally(capsys, tmp_path):
     data = json.loads(prof.read_text())
     assert {u["kind"] for u in data["units"]} == {"embedding", "attention", "mlp", "head"}
     assert all(u["saved_bytes"] > 0 for u in data["units"])
+    assert set(data["host_memory"]) == {"runtime_bytes", "fraction"}  # what a CPU run holds beyond its tensors
     # a measured profile without links cannot describe the local cluster, but works on a described one
     with pytest.raises(SystemExit) as err:
         main(["simulate", "--profile", str(prof), *MODEL, "--pipeline-model-parallel-size", "2"])
@@ -108,6 +109,7 @@ def test_profile_then_simulate_locally(capsys, tmp_path):
     assert sim["iteration_time_s"] > 0
     del data["device"]["type"]
     data["links"] = {"p2p": {"bandwidth_Bps": 1e9, "latency_s": 1e-4}}
+    data["host_memory"] = {"runtime_bytes": 5e7, "fraction": 0.1}  # (this process trained before: measured ~0)
     prof.write_text(json.dumps(data))
     local = _json(capsys, ["simulate", "--profile", str(prof), *MODEL, "--pipeline-model-parallel-size", "2",
                            "--global-batch-size", "8", "--json"])
@@ -115,6 +117,10 @@ def test_profile_then_simulate_locally(capsys, tmp_path):
     # the ranks of this machine share its memory: each stage's capacity is its share (probe, session 12: the whole)
     assert data["device"]["kind"] == "cpu"
     assert [st["capacity_bytes"] for st in local["stages"]] == [data["device"]["memory_bytes"] / 2] * 2
+    # and what a CPU run holds beyond its tensors is each local rank's allowance
+    for st in local["stages"]:
+        bare = st["peak_bytes"] - st["allowance_bytes"]
+        assert st["allowance_bytes"] == pytest.approx(5e7 + 0.1 * bare)
 
 
 def test_analytic_profile(capsys, tmp_path):
