@@ -445,7 +445,8 @@ class Trainer:
         """Later iterations run engines without the activation store (BPipe's keep theirs: they move with it)."""
         self.activation_peak = max(self.activation_peak, self.engine.activation_stats()["peak_bytes"])
         self.track_activations = False
-        self.pipelines = {m: (schedule, None) for m, (schedule, _) in self.pipelines.items()}
+        self.pipelines = {m: (schedule, e if e is not None and e.transfers is not None else None)
+                          for m, (schedule, e) in self.pipelines.items()}
 
     def evaluate(self, data, iters: int) -> float | None:
         """Mean loss over `iters` full global batches, continuing from the validation samples consumed so far."""

@@ -3,8 +3,11 @@ check skips, since its saved-tensor hooks cost host time; the time is the median
 
 from types import SimpleNamespace
 
+import pytest
+
 from megatron_bmw.training.loop import Trainer, build_trainer
 from megatron_bmw.training.plan_check import plan_check_lines, warmup_iterations
+from tests.dist_harness import run_distributed
 
 GPT = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
        "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "1", "--global-batch-size", "4",
@@ -48,3 +51,29 @@ def test_activation_memory_log_and_ramp_up_track_every_iteration():
 def test_run_without_plan_tracks_nothing():
     trainer = build_trainer(GPT + ["--train-iters", "2"])
     assert trainer.tracked_iterations == 0 and trainer.engine.store is None
+
+
+def _bpipe_case(rank, world_size, track):
+    from megatron_bmw.training.loop import Trainer
+
+    probe = build_trainer(GPT + ["--num-layers", "4", "--global-batch-size", "8", "--train-iters", "6",
+                                 "--pipeline-model-parallel-size", "4", "--bpipe"])
+    trainer = Trainer(probe.run, probe.state, track_memory=track) if track else probe
+    engines = []
+    for _ in range(6):
+        trainer.train_step()
+        engines.append(trainer.engine)
+    return [h[1] for h in trainer.history], [id(e) for e in engines], engines[0].transfers is not None, \
+        trainer.tracked_iterations
+
+
+@pytest.mark.slow
+def test_bpipe_ranks_keep_their_engine_when_tracking_stops():
+    """BPipe's engines hold the store for their transfers: they run on; other ranks' engines drop it."""
+    plain = run_distributed(4, _bpipe_case, False)
+    tracked = run_distributed(4, _bpipe_case, True)
+    for _, ids, transfers, warm in tracked:
+        assert warm == 1
+        assert len(set(ids)) == (1 if transfers else 2)
+    assert any(t for _, _, t, _ in tracked) and not all(t for _, _, t, _ in tracked)
+    assert tracked[-1][0] == pytest.approx(plain[-1][0], rel=1e-6)
