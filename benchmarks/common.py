@@ -125,7 +125,11 @@ def add_pipeline_model_args(ap) -> None:
     ap.add_argument("--attention", default="auto", choices=["auto", "flash", "unfused"])
 
 
-def check_pipeline_model(args) -> None:
-    """What the ranks' ModelConfig would refuse, said before any rank starts."""
+def check_pipeline_model(args, stages: int = 1, why: str = "") -> None:
+    """What the ranks' ModelConfig and partition would refuse, said before any rank starts in the benchmark's own
+    flags: `stages` pipeline stages (`why`: where the count comes from) each take whole layers."""
     if args.hidden % args.heads:
         raise UsageError(f"--hidden {args.hidden}: not divisible by --heads {args.heads}")
+    if args.layers < stages:
+        raise UsageError(f"--layers {args.layers}: fewer than the {stages} pipeline stages{why}; each stage takes "
+                         "whole layers")

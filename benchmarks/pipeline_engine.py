@@ -229,7 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.trace and not args.breakdown:
         raise UsageError("--trace: traces the --breakdown iterations; --breakdown 0 has none")
-    check_pipeline_model(args)
+    check_pipeline_model(args, P, f" (this benchmark's {P} ranks)")
     output_files(trace=args.trace)
     return args
 

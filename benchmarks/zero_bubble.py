@@ -446,7 +446,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"{2 * args.pp - 1}")
     if not args.tolerance >= 1:
         raise UsageError(f"--tolerance {args.tolerance}: must be >= 1 (the fastest round must count)")
-    check_pipeline_model(args)
+    zbv = [s for s in args.ours + args.torch if s.endswith("zbv")]
+    check_pipeline_model(args, 2 * args.pp if zbv else args.pp,
+                         f" ({zbv[0]}: two per rank of --pp {args.pp})" if zbv else f" (--pp {args.pp})")
     output_files(json=args.json)
     return args
 
