@@ -38,8 +38,9 @@ def plan_check_lines(trainer, plan) -> list[str]:
     peak, against the prediction of those two)."""
     st = trainer.state
     times = trainer.step_times
-    # at least the iterations whose activations were tracked: the store's hooks cost host time
-    warm = min(max(warmup_iterations(len(times)), trainer.tracked_iterations), max(0, len(times) - 1))
+    warm = warmup_iterations(len(times))
+    if trainer.tracked_iterations < len(times):  # the later ones ran without the store's hooks (host time)
+        warm = max(warm, trainer.tracked_iterations)
     kept = times[warm:]
     measured = statistics.median(kept) if kept else float("nan")
     cpu = st.device.type != "cuda"

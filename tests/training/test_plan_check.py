@@ -43,7 +43,11 @@ def test_plan_run_tracks_activations_in_the_warmup_only():
 
 
 def test_activation_memory_log_and_ramp_up_track_every_iteration():
-    assert _tracked_trainer(GPT + ["--train-iters", "12", "--log-activation-memory"]).tracked_iterations == 12
+    logged = _tracked_trainer(GPT + ["--train-iters", "12", "--log-activation-memory"])
+    assert logged.tracked_iterations == 12
+    logged.step_times = [2.0] * 3 + [1.0] * 9  # all tracked: the usual warm-up, not all but the last
+    plan = SimpleNamespace(prediction={"iteration_time_s": 1.0, "stages": []})
+    assert "(median of 9 iterations after 3 warm-up)" in plan_check_lines(logged, plan)[0]
     ramp = _tracked_trainer(GPT + ["--train-iters", "12", "--rampup-batch-size", "2", "2", "8"])
     assert ramp.tracked_iterations == 12  # a later, larger batch may hold more activations
 
