@@ -71,6 +71,9 @@ class DeviceType:
     cuda_context_bytes: float | None = None
     compute_capability: float | None = None
     nccl_channels: int | None = None
+    # the optimizer step as a CPU profile measured it (training/optimizer_time.py), instead of the bandwidth's
+    optimizer_bytes_per_s: float | None = None
+    optimizer_fixed_s: float = 0.0
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

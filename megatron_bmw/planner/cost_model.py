@@ -136,16 +136,24 @@ def allgather_parts(nbytes: float, n: int, link: Link) -> tuple[float, float]:
     return (n - 1) / n * nbytes / link.bandwidth, (n - 1) * link.latency
 
 
+def optimizer_step_bytes(params: float, dp: int, zero1: bool, dtype_bytes: int) -> float:
+    """Bytes the optimizer step moves: per parameter the gradient norm and the zeroing touch the fp32 gradient
+    (8 bytes) and the parameter is written; per parameter the rank updates (all of them, or its ZeRO-1 shard) Adam
+    reads the gradient and reads and writes the fp32 master and both moments (28 bytes)."""
+    shard = params / dp if zero1 else params
+    return params * (8 + dtype_bytes) + shard * 28
+
+
 def optimizer_step_seconds(params: float, dp: int, zero1: bool, dtype_bytes: int, device: DeviceType,
                            bandwidth_fraction: float) -> float:
-    """The optimizer step is memory-bound: per parameter the gradient norm and the zeroing touch the fp32
-    gradient (8 bytes) and the parameter is written; per parameter the rank updates (all of them, or its ZeRO-1
-    shard) Adam reads the gradient and reads and writes the fp32 master and both moments (28 bytes). At the
-    device's memory bandwidth x the achievable fraction of it; 0 when the bandwidth is not described."""
+    """The optimizer step is memory-bound (optimizer_step_bytes): at the rate a CPU profile measured, with its
+    fixed part, else at the device's memory bandwidth x the achievable fraction of it; 0 when neither is known."""
+    moved = optimizer_step_bytes(params, dp, zero1, dtype_bytes)
+    if device.optimizer_bytes_per_s is not None:
+        return device.optimizer_fixed_s + moved / device.optimizer_bytes_per_s
     if device.memory_bandwidth is None:
         return 0.0
-    shard = params / dp if zero1 else params
-    return (params * (8 + dtype_bytes) + shard * 28) / (device.memory_bandwidth * bandwidth_fraction)
+    return moved / (device.memory_bandwidth * bandwidth_fraction)
 
 
 def check_engine_runs(spec: RunSpec, engine: EngineConfig) -> None:

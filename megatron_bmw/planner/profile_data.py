@@ -14,6 +14,7 @@ JSON layout (format 1):
    "cuda_memory": {"context_bytes", "nccl_bytes_per_communicator", "allocator_fraction", "samples"},  # optional
    "stream": {"<micro-batch size>": {"depth", "stream_s", "units_s"}, ...},  # optional, tp 1 on a GPU
    "host_memory": {"runtime_bytes", "fraction"},  # optional, a CPU profile
+   "optimizer": {"bytes_per_s", "fixed_s"},     # optional, a CPU profile
    "calibration": {...}}                        # optional: what `autoconfig.py calibrate` fitted it on
 "overlap_factor" and "memory_allowance" (written by `autoconfig.py calibrate`) are what search, estimate and
 simulate use unless --overlap-factor, --memory-workspace-gb or --memory-fragmentation say otherwise; a profile
@@ -28,7 +29,8 @@ the synchronised unit times for the same ("units_s"). Recorded for the GPU check
 run on a GPU": the sums over-count a host-bound run); the cost model does not use it yet.
 "host_memory" (a CPU profile, training/host_memory.py): what a CPU training process holds beyond the counted
 tensors, a fixed part (the runtime's first use) and a fraction of the counted bytes (the C allocator's); a CPU
-plan's allowance, as "cuda_memory" gives a GPU's.
+plan's allowance, as "cuda_memory" gives a GPU's. "optimizer" (a CPU profile, training/optimizer_time.py): the
+rate and the fixed part of this machine's optimizer step, which the profile's device type then steps at.
 "device.type" names the cluster device type the profile is for (default: device.name); a unit entry with
 "unit" (its index in [embedding, attn_0, mlp_0, ..., head]) times that unit alone (per-layer profiles), one
 without times every unit of its kind. An entry with "recompute" (full, or selective for attention) times the unit
@@ -54,6 +56,7 @@ from .kernel_time import KernelDevice, shape_ratio
 FORMAT = 1
 MEASURED_CUDA_KEYS = ("context_bytes", "nccl_bytes_per_communicator", "allocator_fraction")
 HOST_MEMORY_KEYS = ("runtime_bytes", "fraction")
+OPTIMIZER_KEYS = ("bytes_per_s", "fixed_s")
 MODEL_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
               "attention_backend", "hidden_dropout", "attention_dropout")
 # the model and layer kind (GPT or BERT, Llama-family settings); a profile written before they existed timed GPT-2
@@ -95,6 +98,7 @@ class Profile:
     cuda_memory: dict = field(default_factory=dict)  # measured CUDA allowance terms (profile on a GPU)
     stream: dict = field(default_factory=dict)  # micro-batch size (str) -> {depth, stream_s, units_s} (GPU)
     host_memory: dict = field(default_factory=dict)  # {runtime_bytes, fraction} (CPU)
+    optimizer: dict = field(default_factory=dict)  # {bytes_per_s, fixed_s} (CPU)
 
     # ---- lookup ------------------------------------------------------------------------------------------------
     def tps(self, kind: str) -> set[int]:
@@ -169,7 +173,9 @@ class Profile:
     def device_type(self, memory_bytes: float) -> DeviceType:
         """The profiled device as a cluster device type, its peak set to what it achieved."""
         flops = self.achieved_flops()
-        return DeviceType(self.device.get("name", "local"), memory_bytes, {self.dtype: flops})
+        step = self.optimizer or {}
+        return DeviceType(self.device.get("name", "local"), memory_bytes, {self.dtype: flops},
+                          optimizer_bytes_per_s=step.get("bytes_per_s"), optimizer_fixed_s=step.get("fixed_s", 0.0))
 
     # ---- files ---------------------------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -188,6 +194,8 @@ class Profile:
             data["stream"] = self.stream
         if self.host_memory:
             data["host_memory"] = self.host_memory
+        if self.optimizer:
+            data["optimizer"] = self.optimizer
         return data
 
     def save(self, path: str) -> None:
@@ -206,7 +214,7 @@ class Profile:
         try:
             units = [_unit_timing(u, i, where) for i, u in enumerate(data["units"])]
             for key in ("device", "model", "links", "overhead", "calibration", "memory_allowance", "cuda_memory",
-                        "stream", "host_memory"):
+                        "stream", "host_memory", "optimizer"):
                 if data.get(key) is not None and not isinstance(data[key], dict):
                     raise UsageError(f"--profile {where}: {key} must be a mapping, got {data[key]!r}")
             mode = data.get("mode", "measured")
@@ -244,15 +252,17 @@ class Profile:
                 for key, least in (("depth", 1.0), ("stream_s", 1e-300), ("units_s", 1e-300)):
                     if _optional(entry.get(key), f"stream.{mbs}.{key}", where, least) is None:
                         raise KeyError(f"stream.{mbs}.{key}")
-            host = data.get("host_memory") or {}
-            for key in HOST_MEMORY_KEYS:
-                if _optional(host.get(key), f"host_memory.{key}", where, 0.0) is None and host:
-                    raise KeyError(f"host_memory.{key}")
+            host, step = data.get("host_memory") or {}, data.get("optimizer") or {}
+            for section, keys, got in (("host_memory", HOST_MEMORY_KEYS, host), ("optimizer", OPTIMIZER_KEYS, step)):
+                for key in keys:
+                    least = 1e-300 if key == "bytes_per_s" else 0.0
+                    if _optional(got.get(key), f"{section}.{key}", where, least) is None and got:
+                        raise KeyError(f"{section}.{key}")
             return cls(device=data["device"], dtype=data["dtype"], model=model, units=units,
                        links=links, overhead=overhead, mode=mode,
                        overlap_factor=overlap, memory_workspace_bytes=workspace, memory_fragmentation=fragmentation,
                        calibration=dict(calibration), cuda_memory=dict(cuda_memory), stream=dict(stream),
-                       host_memory=dict(host))
+                       host_memory=dict(host), optimizer=dict(step))
         except KeyError as exc:
             raise UsageError(f"--profile {where}: missing field {exc}") from None
         except (TypeError, AttributeError) as exc:

@@ -51,7 +51,8 @@ def _rise(run: RunConfig) -> float | None:
     return grown
 
 
-def _cut(run: RunConfig, layers: int, micro_batch_size: int) -> RunConfig:
+def cut_run(run: RunConfig, layers: int, micro_batch_size: int) -> RunConfig:
+    """`run` on one CPU process with its model cut to `layers`: MICROBATCHES micro-batches, STEPS iterations, mock data."""
     model = replace(run.model, num_layers=layers)
     return replace(run, model=model, parallel=ParallelConfig(),
                    pipeline=PipelineConfig(micro_batch_size=micro_batch_size, num_microbatches=MICROBATCHES),
@@ -74,7 +75,7 @@ def _counted(run: RunConfig) -> float:
 def measure_host_memory(run: RunConfig, micro_batch_size: int) -> dict:
     """{"runtime_bytes", "fraction"} for the profile of `run`'s model at `micro_batch_size`, or {} where /proc is
     not there. Call it in a process that has not trained yet: the runtime's first use is part of what it reads."""
-    one, two = _cut(run, 1, micro_batch_size), _cut(run, 2, micro_batch_size)
+    one, two = cut_run(run, 1, micro_batch_size), cut_run(run, 2, micro_batch_size)
     first, again, deeper = _rise(one), _rise(one), _rise(two)
     if first is None or again is None or deeper is None:
         return {}

@@ -33,6 +33,7 @@ from ..planner.memory_model import UNIT_KINDS
 from ..planner.profile_data import Profile, UnitTiming, model_signature
 from . import cuda_memory
 from .host_memory import measure_host_memory
+from .optimizer_time import measure_optimizer_step
 from .saved_bytes import measure_saved
 
 if TYPE_CHECKING:
@@ -344,7 +345,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
                 sequence_parallel: bool = False, run: RunConfig | None = None) -> Profile:
     """Measure everything on this machine. tp=1 runs in this process; larger degrees in spawned processes.
     With `run` (the run's whole configuration) on the CPU, first what a training process holds beyond the
-    counted tensors (host_memory.py)."""
+    counted tensors (host_memory.py) and its optimizer step (optimizer_time.py)."""
     from ..parallel.state import ParallelState
 
     previous = torch.get_num_threads()
@@ -359,10 +360,11 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
     try:
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        host = {}
+        host, step = {}, {}
         if run is not None and not cuda:  # before anything else runs: the runtime's first use is measured
-            progress(0, "measuring what a training process holds beyond its tensors")
+            progress(0, "measuring what a training process holds beyond its tensors, and its optimizer step")
             host = measure_host_memory(replace(run, model=model), max(settings.micro_batch_sizes))
+            step = measure_optimizer_step(replace(run, model=model), max(settings.micro_batch_sizes))
         units: list[UnitTiming] = []
         overhead: dict = {}
         measured: dict = {}
@@ -416,7 +418,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
                                        measured["steady"]) if measured else {}
     return Profile(device=info, dtype=model.params_dtype, model=model_signature(model), units=units,
                    links=links, overhead=overhead, mode="measured", cuda_memory=terms, stream=stream,
-                   host_memory=host)
+                   host_memory=host, optimizer=step)
 
 
 def _host_memory() -> int:

@@ -34,7 +34,7 @@ def test_terms_from_the_resident_rises(monkeypatch):
 
     monkeypatch.setattr(loop, "Trainer", Spy)
     monkeypatch.setattr(host_memory, "_release", lambda: releases.append(len(runs)))
-    one, two = (host_memory._counted(host_memory._cut(run, n, 2)) for n in (1, 2))
+    one, two = (host_memory._counted(host_memory.cut_run(run, n, 2)) for n in (1, 2))
     for rises, per_byte in (([90e6 + 1.2 * one, 1.2 * one, 1.2 * two], 1.2),
                             ([90e6 + one, one, one + 0.5 * (two - one)], 1.0)):  # a fraction below 0 is none
         steps = iter(rises)
