@@ -11,12 +11,14 @@ the previous one's memory went back to the system:
 - runtime_bytes: the first one-layer run, in a process that has trained nothing, less what the second one-layer
   run counted with that fraction. This is what PyTorch's CPU runtime allocates on first use (thread pools, the
   kernel libraries' scratch, the autograd engine), paid once per process and so in every training run's rise.
+The same trainers serve other measures of the cut model (`then`: the optimizer step, optimizer_time.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+from collections.abc import Callable
 from dataclasses import replace
 
 from ..config import DataConfig, ParallelConfig, PipelineConfig, RunConfig, TrainConfig
@@ -34,8 +36,9 @@ def _release() -> None:
         pass
 
 
-def _rise(run: RunConfig) -> float | None:
-    """The resident peak's rise over STEPS iterations of `run` from here; None without /proc."""
+def _rise(run: RunConfig, then: Callable | None = None) -> tuple[float | None, object]:
+    """The resident peak's rise over STEPS iterations of `run` from here (None without /proc), and `then(trainer)`
+    after it was read (None without `then`)."""
     from ..parallel.state import ParallelState
     from .loop import Trainer
 
@@ -45,14 +48,16 @@ def _rise(run: RunConfig) -> float | None:
     for _ in range(STEPS):
         trainer.train_step()
     grown = mark.growth()
+    after = then(trainer) if then is not None else None
     trainer.state.destroy()
     del trainer
     _release()
-    return grown
+    return grown, after
 
 
 def cut_run(run: RunConfig, layers: int, micro_batch_size: int) -> RunConfig:
-    """`run` on one CPU process with its model cut to `layers`: MICROBATCHES micro-batches, STEPS iterations, mock data."""
+    """`run` on one CPU process with its model cut to `layers`: MICROBATCHES micro-batches, STEPS iterations, mock
+    data."""
     model = replace(run.model, num_layers=layers)
     return replace(run, model=model, parallel=ParallelConfig(),
                    pipeline=PipelineConfig(micro_batch_size=micro_batch_size, num_microbatches=MICROBATCHES),
@@ -72,12 +77,14 @@ def _counted(run: RunConfig) -> float:
     return m.params_bytes + m.grads_bytes + m.optimizer_bytes + m.activation_bytes + m.transient_bytes
 
 
-def measure_host_memory(run: RunConfig, micro_batch_size: int) -> dict:
-    """{"runtime_bytes", "fraction"} for the profile of `run`'s model at `micro_batch_size`, or {} where /proc is
-    not there. Call it in a process that has not trained yet: the runtime's first use is part of what it reads."""
+def measure_host_memory(run: RunConfig, micro_batch_size: int, then: Callable | None = None) -> tuple[dict, list]:
+    """{"runtime_bytes", "fraction"} for the profile of `run`'s model at `micro_batch_size` ({} where /proc is not
+    there), and `then(trainer)` of the second one-layer and the two-layer runs (other measures on the same
+    trainers: optimizer_time.py). Call it in a process that has not trained yet: the runtime's first use is part
+    of what it reads."""
     one, two = cut_run(run, 1, micro_batch_size), cut_run(run, 2, micro_batch_size)
-    first, again, deeper = _rise(one), _rise(one), _rise(two)
+    (first, _), (again, a), (deeper, b) = _rise(one), _rise(one, then), _rise(two, then)
     if first is None or again is None or deeper is None:
-        return {}
+        return {}, [a, b]
     per_byte = max(1.0, (deeper - again) / (_counted(two) - _counted(one)))
-    return {"runtime_bytes": max(0.0, first - per_byte * _counted(one)), "fraction": per_byte - 1.0}
+    return {"runtime_bytes": max(0.0, first - per_byte * _counted(one)), "fraction": per_byte - 1.0}, [a, b]

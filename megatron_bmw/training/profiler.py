@@ -33,7 +33,7 @@ from ..planner.memory_model import UNIT_KINDS
 from ..planner.profile_data import Profile, UnitTiming, model_signature
 from . import cuda_memory
 from .host_memory import measure_host_memory
-from .optimizer_time import measure_optimizer_step
+from .optimizer_time import fit_optimizer_step, step_seconds
 from .saved_bytes import measure_saved
 
 if TYPE_CHECKING:
@@ -363,8 +363,9 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
         host, step = {}, {}
         if run is not None and not cuda:  # before anything else runs: the runtime's first use is measured
             progress(0, "measuring what a training process holds beyond its tensors, and its optimizer step")
-            host = measure_host_memory(replace(run, model=model), max(settings.micro_batch_sizes))
-            step = measure_optimizer_step(replace(run, model=model), max(settings.micro_batch_sizes))
+            host, timed_steps = measure_host_memory(replace(run, model=model), max(settings.micro_batch_sizes),
+                                                    then=step_seconds)
+            step = fit_optimizer_step(timed_steps, model.dtype_bytes)
         units: list[UnitTiming] = []
         overhead: dict = {}
         measured: dict = {}

@@ -40,7 +40,8 @@ def test_terms_from_the_resident_rises(monkeypatch):
         steps = iter(rises)
         monkeypatch.setattr(host_memory, "ResidentPeak", lambda: SimpleNamespace(growth=lambda: next(steps)))
         runs.clear()
-        got = host_memory.measure_host_memory(run, 2)
+        got, after = host_memory.measure_host_memory(run, 2, then=lambda t: t.run.model.num_layers)
+        assert after == [1, 2]  # `then` on the second one-layer and the two-layer trainers
         assert [(r.run.model.num_layers, r.run.pipeline.micro_batch_size, r.run.pipeline.num_microbatches,
                  len(r.step_times)) for r in runs] == [(1, 2, 2, 3), (1, 2, 2, 3), (2, 2, 2, 3)]
         assert got["fraction"] == pytest.approx(per_byte - 1, abs=1e-9)
@@ -49,7 +50,8 @@ def test_terms_from_the_resident_rises(monkeypatch):
 
 
 def test_measured_for_real_in_this_process():
-    got = host_memory.measure_host_memory(_run(), 1)
+    got, after = host_memory.measure_host_memory(_run(), 1)
+    assert after == [None, None]
     assert set(got) == {"runtime_bytes", "fraction"}  # this process trained before: the runtime is mostly paid
     assert all(v >= 0 and math.isfinite(v) for v in got.values())
 

@@ -1,5 +1,5 @@
-"""A CPU profile's optimizer step (training/optimizer_time.py): measured through the trainer on a one- and a
-two-layer cut of the model, and the step the planner then prices for the profile's device type."""
+"""A CPU profile's optimizer step (training/optimizer_time.py): timed on the trainers of a one- and a two-layer cut
+of the model, and the step the planner then prices for the profile's device type."""
 
 import math
 
@@ -15,25 +15,22 @@ GPT = ["--mock-data", "--vocab-size", "64", "--num-layers", "3", "--hidden-size"
        "--lr", "1e-3", "--make-vocab-size-divisible-by", "4", "--train-iters", "2"]
 
 
-def test_rate_and_fixed_part_from_two_cuts(monkeypatch):
-    run, seen = build_trainer(GPT).run, []
-
-    def step(cut):
-        seen.append((cut.model.num_layers, cut.pipeline.micro_batch_size))
-        return {1: (1e6, 0.012), 2: (3e6, 0.020)}[cut.model.num_layers]
-
-    monkeypatch.setattr(optimizer_time, "_step_seconds", step)
-    got = optimizer_time.measure_optimizer_step(run, 2)
-    assert seen == [(1, 2), (2, 2)]
+def test_rate_and_fixed_part_from_two_cuts():
+    got = optimizer_time.fit_optimizer_step([(1e6, 0.012), (3e6, 0.020)], 4)
     b1, b2 = optimizer_step_bytes(1e6, 1, False, 4), optimizer_step_bytes(3e6, 1, False, 4)
     assert got["bytes_per_s"] == pytest.approx((b2 - b1) / 0.008)
     assert got["fixed_s"] == pytest.approx(0.012 - b1 * 0.008 / (b2 - b1))
-    monkeypatch.setattr(optimizer_time, "_step_seconds", lambda cut: (1e6 * cut.model.num_layers, 0.01))
-    assert optimizer_time.measure_optimizer_step(run, 2) == {}  # no longer for more: noise, nothing to say
+    assert optimizer_time.fit_optimizer_step([(1e6, 0.01), (2e6, 0.01)], 4) == {}  # no longer for more: noise
 
 
-def test_measured_for_real():
-    got = optimizer_time.measure_optimizer_step(build_trainer(GPT).run, 1)
+def test_measured_for_real_on_the_host_memory_trainers():
+    """The step timed on the cut trainers host_memory.py runs: the one-layer one first, each with its parameters."""
+    from megatron_bmw.training.host_memory import measure_host_memory
+
+    run = build_trainer(GPT).run
+    _, points = measure_host_memory(run, 1, then=optimizer_time.step_seconds)
+    assert [p for p, _ in points][0] < points[1][0] and all(t > 0 for _, t in points)
+    got = optimizer_time.fit_optimizer_step(points, run.model.dtype_bytes)
     assert got == {} or (got["bytes_per_s"] > 0 and got["fixed_s"] >= 0 and math.isfinite(got["bytes_per_s"]))
 
 
