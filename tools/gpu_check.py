@@ -424,19 +424,14 @@ def _profile(ctx: Context, path: str, model: list[str] | None = None) -> None:
                    "autoconfig.py profile")
 
 
-def stream_scaled_profile(path: str, out: str) -> bool:
-    """The profile at `path` with each unit time scaled by its micro-batch size's stream over units sum (at most 1),
-    written to `out`: the alternative the GPU check predicts beside the profile as measured. False where the
-    profile recorded no stream (a CPU profile)."""
+def synchronised_profile(path: str, out: str) -> bool:
+    """The profile at `path` without its "stream" record, written to `out`: its units summed as synchronised
+    timings, the alternative the GPU check predicts beside the profile (whose unit times the cost model takes at the
+    stream's share, profile_data.py `stream_factor`). False where the profile recorded no stream (a CPU profile)."""
     with open(path) as f:
         data = json.load(f)
-    stream = data.get("stream") or {}
-    if not stream:
+    if not data.pop("stream", None):
         return False
-    for u in data["units"]:
-        entry = stream.get(str(u["micro_batch_size"]))
-        k = min(1.0, entry["stream_s"] / entry["units_s"]) if entry else 1.0
-        u["forward_s"], u["backward_s"] = u["forward_s"] * k, u["backward_s"] * k
     with open(out, "w") as f:
         json.dump(data, f)
     return True
@@ -444,14 +439,14 @@ def stream_scaled_profile(path: str, out: str) -> bool:
 
 def _planner_case(ctx: Context, label: str, model: list[str], gbs: int, iters: int, profile: str) -> tuple[dict, list]:
     """One planner case: profile `model`, then each planned configuration searched with the profile as measured,
-    run with --plan, predicted against measured; beside it the prediction of its stream-scaled copy (a GPU profile)
-    and the analytic one (no profile)."""
+    run with --plan, predicted against measured; beside it the prediction of its copy without the stream record
+    (a GPU profile's synchronised unit sums) and the analytic one (no profile)."""
     from megatron_bmw.planner.plan import Plan
 
     s = ctx.sizes
     _profile(ctx, profile, model)
-    scaled = profile.replace(".json", "_stream.json")
-    alternatives = [("stream", scaled)] if stream_scaled_profile(profile, scaled) else []
+    synced = profile.replace(".json", "_sync.json")
+    alternatives = [("sync", synced)] if synchronised_profile(profile, synced) else []
     alternatives.append(("analytic", None))
     rows, failures = {}, []
     for mbs, recompute in s.planned:
@@ -481,8 +476,8 @@ def _planner_case(ctx: Context, label: str, model: list[str], gbs: int, iters: i
 def step_planner(ctx: Context) -> dict:
     """autoconfig.py profile on this device, then predicted against measured step time (and memory) for a few
     single-GPU configurations planned with that profile: the big step's 1.3B (bound by the device), then an
-    8-layer GPT (bound by the host); beside each prediction the one from the profile scaled to its recorded
-    stream (profile_data.py "stream"), to see which a GPU profile should give."""
+    8-layer GPT (bound by the host); beside each prediction the one from the profile's synchronised unit sums
+    (without its "stream" record, which the cost model scales them by) and the analytic one."""
     s = ctx.sizes
     cases = [("", s.profiled, s.planned_gbs, s.planned_iters, os.path.join(ctx.work, "profile.json"))]
     if s.host_bound is not None:
@@ -502,11 +497,11 @@ def step_planner(ctx: Context) -> dict:
 
     numbers = {"configs": len(rows), "worst_time_err_pct": worst(False, "time_err_pct"),
                "worst_mem_err_pct": worst(False, "mem_err_pct"),
-               "worst_time_err_stream_pct": worst(False, "time_err_stream_pct"),
+               "worst_time_err_sync_pct": worst(False, "time_err_sync_pct"),
                "worst_time_err_analytic_pct": worst(False, "time_err_analytic_pct")}
     if s.host_bound is not None:
         numbers.update(small_worst_time_err_pct=worst(True, "time_err_pct"),
-                       small_worst_time_err_stream_pct=worst(True, "time_err_stream_pct"),
+                       small_worst_time_err_sync_pct=worst(True, "time_err_sync_pct"),
                        small_worst_time_err_analytic_pct=worst(True, "time_err_analytic_pct"))
     if failures:
         raise StepFailed("; ".join(failures))

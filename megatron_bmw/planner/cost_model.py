@@ -58,7 +58,9 @@ from .spec import RunSpec
 # the host's time per operator our runtime dispatches, all its host work included: on the H100 run's host (README,
 # "What has run on a GPU") an 8-layer GPT (hidden 1024, flash, micro-batch 1) was bound by the host at 26.3 and
 # 28.0 ms per micro-batch, over the 336 operators its units dispatch (models/op_count.py). Those runs were plan
-# checks with pageable batch copies and the activation store's saved-tensor hooks on, which runs no longer have
+# checks with pageable batch copies and the activation store's saved-tensor hooks on, which runs no longer have.
+# Without them the third session's `launch` step measured 46-62 us; left at 80: one stream of micro-batches took
+# 13.4 ms on one lease's host and 18.2 ms on the next
 HOST_OP_S = 80e-6
 
 

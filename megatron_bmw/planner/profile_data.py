@@ -25,8 +25,9 @@ memory_fragmentation), which is read the same way. "device.cores": the CPU cores
 (cuda_allowance.py), which replace the modelled ones; "samples" keeps the raw allocator readings.
 "stream" (a GPU profile): per micro-batch size, a micro-batch's seconds through embedding, `depth` layers (the
 one profiled layer again) and head, micro-batches back to back as a run has them ("stream_s"), beside the sum of
-the synchronised unit times for the same ("units_s"). Recorded for the GPU check to compare (README, "What has
-run on a GPU": the sums over-count a host-bound run); the cost model does not use it yet.
+the synchronised unit times for the same ("units_s"). Every unit time of the profile (any tp, recomputed or not)
+is taken at stream_s / units_s of its timing (at most 1, interpolated in the micro-batch size: `stream_factor`):
+the synchronised timings over-count a run, which overlaps each unit's launches with the kernels before it.
 "host_memory" (a CPU profile, training/host_memory.py): what a CPU training process holds beyond the counted
 tensors, a fixed part (the runtime's first use) and a fraction of the counted bytes (the C allocator's); a CPU
 plan's allowance, as "cuda_memory" gives a GPU's. "optimizer" (a CPU profile, training/optimizer_time.py): the
@@ -134,6 +135,8 @@ class Profile:
                              f"{model.model_type.upper()}; profile it with `autoconfig.py profile --model-type "
                              f"{model.model_type}`")
         fwd, bwd = _interpolate(points, micro_batch_size)
+        k = self.stream_factor(micro_batch_size)
+        fwd, bwd = fwd * k, bwd * k
         if model_signature(model) != self.model:
             kernels = self.kernel_device(kernels)
             ratio = shape_ratio(kind, model, micro_batch_size, tp, self._model_config(), tp, kernels) \
@@ -143,6 +146,21 @@ class Profile:
                 ratio = (ours / unit_forward_flops(kind, self._model_config(), micro_batch_size, tp),) * 2
             fwd, bwd = fwd * ratio[0], bwd * ratio[1]
         return fwd, bwd
+
+    def stream_factor(self, micro_batch_size: float) -> float:
+        """What a micro-batch streamed through the stack took over the sum of its synchronised unit timings (at
+        most 1; linear in the micro-batch size between the recorded sizes, the nearest beyond them): 1 without a
+        "stream" record. A GPU's synchronised timing pays the launch, the host's own work and the wait at every
+        unit, where a run overlaps them with the kernels of the units before."""
+        points = sorted((float(b), min(1.0, e["stream_s"] / e["units_s"])) for b, e in self.stream.items())
+        if not points:
+            return 1.0
+        if micro_batch_size <= points[0][0]:
+            return points[0][1]
+        for (b0, k0), (b1, k1) in zip(points, points[1:]):
+            if micro_batch_size <= b1:
+                return k0 + (micro_batch_size - b0) / (b1 - b0) * (k1 - k0)
+        return points[-1][1]
 
     def kernel_device(self, fallback: KernelDevice | None = None) -> KernelDevice | None:
         """The kernel model's device for rescaling this profile's times to other shapes: its own SM count where
@@ -161,7 +179,7 @@ class Profile:
         for u in self.units:
             if u.kind == "mlp" and u.tp == 1 and u.recompute is None:
                 flops = unit_forward_flops("mlp", self._model_config(), u.micro_batch_size) * 3
-                best = max(best, flops / (u.forward_s + u.backward_s))
+                best = max(best, flops / ((u.forward_s + u.backward_s) * self.stream_factor(u.micro_batch_size)))
         if best == 0.0:
             raise UsageError("profile has no tp=1 MLP timing to derive the device speed from")
         return best

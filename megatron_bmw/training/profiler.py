@@ -153,28 +153,35 @@ def steady_microbatches(model: ModelConfig, state, micro_batch_size: int, seed: 
     return got
 
 
+def _stream_seconds(units: dict, batch: dict, depth: int, device, warmup: int, repeats: int,
+                    statistic: str) -> float:
+    """A micro-batch's seconds through `_stack_microbatch`, micro-batches back to back and synchronised only
+    around each sample of STREAM_MICROBATCHES."""
+    for _ in range(max(1, warmup)):
+        _stack_microbatch(units, batch, depth)
+    samples = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(STREAM_MICROBATCHES):
+            _stack_microbatch(units, batch, depth)
+        synchronize(device)
+        samples.append((time.perf_counter() - t0) / STREAM_MICROBATCHES)
+    return _stat(samples, statistic)
+
+
 def time_stream(model: ModelConfig, state, timings: list[UnitTiming], seed: int = 1234, fusion: bool = True,
                 warmup: int = 2, repeats: int = 5, statistic: str = "median") -> dict:
     """Per micro-batch size of `timings`: a micro-batch's seconds through a stack of min(layers, STREAM_DEPTH)
-    (`_stack_microbatch`), micro-batches back to back and synchronised only around each sample, beside the sum of
-    the synchronised unit times for the same stack: {str(mbs): {depth, stream_s, units_s}}."""
+    (`_stream_seconds`), beside the sum of the synchronised unit times for the same stack:
+    {str(mbs): {depth, stream_s, units_s}}."""
     depth = min(model.num_layers, STREAM_DEPTH)
     units, sync = _one_layer_units(model, state, seed, fusion)
     out = {}
     for b in sorted({t.micro_batch_size for t in timings}):
         per = {t.kind: t.forward_s + t.backward_s for t in timings if t.micro_batch_size == b and t.recompute is None}
-        batch = _batch(model, b, state.device)
-        for _ in range(max(1, warmup)):
-            _stack_microbatch(units, batch, depth)
-        samples = []
-        for _ in range(repeats):
-            synchronize(state.device)
-            t0 = time.perf_counter()
-            for _ in range(STREAM_MICROBATCHES):
-                _stack_microbatch(units, batch, depth)
-            synchronize(state.device)
-            samples.append((time.perf_counter() - t0) / STREAM_MICROBATCHES)
-        out[str(b)] = {"depth": depth, "stream_s": _stat(samples, statistic),
+        got = _stream_seconds(units, _batch(model, b, state.device), depth, state.device, warmup, repeats, statistic)
+        out[str(b)] = {"depth": depth, "stream_s": got,
                        "units_s": per["embedding"] + depth * (per["attention"] + per["mlp"]) + per["head"]}
     sync.remove_hooks()
     return out
@@ -184,7 +191,8 @@ def time_engine_overhead(state, num_microbatches: int = 8, repeats: int = 5, see
                          statistic: str = "median") -> dict:
     """Per compute action, the engine's own time beside its units (slots, batches, loss, tracing, the
     gradient hooks' bookkeeping), measured on a tiny one-layer model whose units cost next to nothing: the
-    engine's run time minus the same units timed alone. Unit times of the real model carry no such cost."""
+    engine's run time minus the same units timed alone (on a GPU: streamed through as `time_stream` does, the
+    time a GPU profile's units are taken at). Unit times of the real model carry no such cost."""
     from ..parallel.grad_sync import GradSync
     from ..pipeline.engine import PipelineEngine
     from ..pipeline.stages import hidden_shape, pipeline_setup
@@ -192,8 +200,11 @@ def time_engine_overhead(state, num_microbatches: int = 8, repeats: int = 5, see
     tiny = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8,
                        attention_backend="unfused")
     b = 1
-    units = time_units(tiny, state, (b,), warmup=1, repeats=repeats, seed=seed, barrier=barrier, statistic=statistic,
-                       recomputed=())
+    cuda = state.device.type == "cuda"
+    if not cuda:
+        units = time_units(tiny, state, (b,), warmup=1, repeats=repeats, seed=seed, barrier=barrier,
+                           statistic=statistic, recomputed=())
+        per_mb = sum(u.forward_s + u.backward_s for u in units)
     chunks, sched, _ = pipeline_setup(tiny, state, seed, PipelineConfig(micro_batch_size=b,
                                                                          num_microbatches=num_microbatches))
     params = [p for c in chunks for p in c.parameters()]
@@ -212,7 +223,10 @@ def time_engine_overhead(state, num_microbatches: int = 8, repeats: int = 5, see
             times.append(time.perf_counter() - t0)
         sync.zero()
     sync.remove_hooks()
-    per_mb = sum(u.forward_s + u.backward_s for u in units)
+    if cuda:
+        one, hooks = _one_layer_units(tiny, state, seed, True)
+        per_mb = _stream_seconds(one, batches[0], 1, state.device, 2, repeats, statistic)
+        hooks.remove_hooks()
     extra = max(0.0, (_stat(times, statistic) / num_microbatches - per_mb) / 2)
     return {"forward_s": extra, "backward_s": extra}
 

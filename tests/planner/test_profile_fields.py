@@ -141,3 +141,24 @@ def test_malformed_sections_are_named(tmp_path, change, message):
     with pytest.raises(UsageError) as err:
         Profile.load(_write(tmp_path, _profile(**change)))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_gpu_profiles_stream_scales_every_unit_time():
+    """Unit times are taken at stream_s / units_s of their timing: interpolated in the micro-batch size, the nearest
+    record beyond the recorded sizes, never above 1, for every tp and recomputed entries alike; 1 without a stream."""
+    from megatron_bmw.config import ModelConfig
+
+    data = _profile(stream={"1": {"depth": 2, "stream_s": 5.0, "units_s": 10.0},
+                            "2": {"depth": 2, "stream_s": 16.0, "units_s": 10.0}})
+    data["units"] += [UnitTiming("mlp", 2, 1, 1e-3, 2e-3).__dict__,
+                      UnitTiming("mlp", 1, 1, 3e-3, 4e-3, recompute="full").__dict__]
+    prof = Profile.from_json(data)
+    plain = Profile.from_json({k: v for k, v in data.items() if k != "stream"})
+    model = ModelConfig(num_layers=2, **MODEL)
+    assert [prof.stream_factor(b) for b in (0.5, 1, 1.5, 2, 8)] == pytest.approx([0.5, 0.5, 0.75, 1.0, 1.0])
+    assert plain.stream_factor(1) == 1.0
+    for tp, rc, want in ((1, None, (1e-3, 2e-3)), (2, None, (1e-3, 2e-3)), (1, "full", (3e-3, 4e-3))):
+        assert plain.unit_time("mlp", tp, 1, model, recompute=rc) == pytest.approx(want)
+        assert prof.unit_time("mlp", tp, 1, model, recompute=rc) == pytest.approx((want[0] / 2, want[1] / 2))
+    assert prof.unit_time("mlp", 1, 2, model) == pytest.approx((2e-3, 4e-3))  # a stream slower than the sum: 1
+    assert prof.achieved_flops() == pytest.approx(2 * plain.achieved_flops())  # the best MLP was at micro-batch 1

@@ -120,18 +120,17 @@ def test_the_gpu_sizes_plan_on_one_h100(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_stream_scaled_profile(tmp_path):
-    """Each unit time scaled by its micro-batch size's stream over units sum, at most 1; nothing without a stream."""
+def test_synchronised_profile_drops_the_stream_record(tmp_path):
+    """The copy keeps the units as timed and loses the stream the cost model scales them by; nothing without one."""
     units = [{"kind": "mlp", "tp": 1, "micro_batch_size": b, "forward_s": 1.0, "backward_s": 2.0} for b in (1, 2, 4)]
-    stream = {"1": {"depth": 8, "stream_s": 6.0, "units_s": 10.0}, "2": {"depth": 8, "stream_s": 12.0, "units_s": 10.0}}
+    stream = {"1": {"depth": 8, "stream_s": 6.0, "units_s": 10.0}}
     src, out = tmp_path / "p.json", str(tmp_path / "s.json")
     src.write_text(json.dumps({"units": units, "stream": stream}))
-    assert gpu_check.stream_scaled_profile(str(src), out)
-    got = [(u["forward_s"], u["backward_s"]) for u in json.loads(open(out).read())["units"]]
-    assert got == [pytest.approx((0.6, 1.2)), (1.0, 2.0), (1.0, 2.0)]  # capped at 1; mbs 4 has no stream entry
+    assert gpu_check.synchronised_profile(str(src), out)
+    got = json.loads(open(out).read())
+    assert "stream" not in got and got["units"] == units
     src.write_text(json.dumps({"units": units}))
-    assert not gpu_check.stream_scaled_profile(str(src), out)
-
+    assert not gpu_check.synchronised_profile(str(src), out)
 
 
 def test_allowance_numbers_put_a_gpu_profiles_measured_terms_beside_the_derived():
