@@ -1,8 +1,9 @@
 """The planner's kernel model (planner/kernel_time.py, planner/elementwise.py) against the device's own kernels: every
 matrix product of a transformer layer at the shapes a search compares (tensor-parallel size, micro-batch size), the
 attention core (fused SDPA kernel, or the unfused batched products), the output layer's products, and the main
-memory-bound kernels, each timed on the device (median of repeats, CUDA events on a GPU) beside the time the
-planner gives it on the device type of the cluster file.
+memory-bound kernels, each timed on the device (median of repeats; on a GPU CUDA events behind a sleep kernel that
+keeps the GPU busy while the host dispatches, so a small kernel's time is its own, not the host's) beside the time
+the planner gives it on the device type of the cluster file.
 
     python benchmarks/kernel_model.py [--models bloom,gpt3,1.3b,mcore1.7b,mcore177b] [--device cuda] [--dtype bf16]
                                       [--cluster h100-80g-ib --device-type h100-80g] [--repeats 10] [--json out.json]
@@ -40,7 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.args import count, names, output_files, parser  # noqa: E402
 from benchmarks.common import format_table  # noqa: E402
 from megatron_bmw.config import ModelConfig  # noqa: E402
-from megatron_bmw.device import timed  # noqa: E402
+from megatron_bmw.device import covered_seconds, sleep_cycles_per_s, timed  # noqa: E402
 from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
 from megatron_bmw.planner.cluster import DeviceType, load_cluster  # noqa: E402
 from megatron_bmw.planner.cost_model import CostSettings  # noqa: E402
@@ -188,13 +189,16 @@ def layout_kernels(model: ModelConfig, tp: int, b: int, kd: KernelDevice, rate: 
                                 dtype, device)
 
 
-def time_kernel(kernel: Kernel, device: torch.device, repeats: int) -> float:
-    """Median seconds of `repeats` runs after two warm-up runs (CUDA events on a GPU)."""
+def time_kernel(kernel: Kernel, device: torch.device, repeats: int, cycles_per_s: float | None = None) -> float:
+    """Median seconds of `repeats` runs after two warm-up runs (CUDA events on a GPU, behind a sleep kernel where
+    `cycles_per_s` gives its clock: the kernels' own time, not the host's dispatch between them)."""
     samples = []
     for i in range(repeats + 2):
         if kernel.setup is not None:
             kernel.setup()
-        if device.type == "cuda":
+        if device.type == "cuda" and cycles_per_s:
+            seconds = covered_seconds(kernel.run, cycles_per_s)[0]
+        elif device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             kernel.run()
@@ -226,12 +230,13 @@ def run(models: list[str], device: torch.device, dtype: str, dev: DeviceType, re
         raise UsageError(f"device type {dev.name} gives no SM count or memory bandwidth: no kernel model to check")
     rate = dev.memory_bandwidth * settings.bandwidth_fraction
     rows, layouts = [], []
+    cycles = sleep_cycles_per_s() if device.type == "cuda" else None
     for name in models:
         cfg, configs = model_config(name, small, dtype)
         for tp, b in configs:
             kernels = layout_kernels(cfg, tp, b, kd, rate, cfg.torch_dtype, device)
             mine = [{"model": name, "tp": tp, "mbs": b, "kernel": k.name, "category": k.category, "unit": k.unit,
-                     "measured_ms": 1e3 * time_kernel(k, device, repeats), "modelled_ms": 1e3 * k.modelled_s,
+                     "measured_ms": 1e3 * time_kernel(k, device, repeats, cycles), "modelled_ms": 1e3 * k.modelled_s,
                      "flops": k.flops} for k in kernels]
             rows += mine
             layer = [r for r in mine if r["unit"] in ("attention", "mlp") and r["category"] != "memory-bound"]

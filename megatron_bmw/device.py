@@ -68,6 +68,35 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object
     return time.perf_counter() - t0, out
 
 
+def sleep_cycles_per_s() -> float | None:
+    """The GPU's clock as `torch.cuda._sleep` counts it (None without CUDA or without that kernel)."""
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "_sleep"):
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    return 1e7 / max(start.elapsed_time(end) / 1e3, 1e-6)
+
+
+def covered_seconds(fn: Callable[[], object], cycles_per_s: float, cover_s: float = 3e-3):
+    """(device seconds, host seconds, fn()) of `fn` on CUDA, with a sleep kernel of `cover_s` queued first: the
+    GPU is busy while the host dispatches `fn`, so the events around it time its kernels back to back, without
+    the host's gaps between them (as a run that is bound by the device has them)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(cover_s * cycles_per_s))
+    start.record()
+    t0 = time.perf_counter()
+    out = fn()
+    host = time.perf_counter() - t0
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3, host, out
+
+
 def ping_pong(first: bool, x: torch.Tensor, peer: int, out=None, back=None) -> None:
     """One round trip of `x` with `peer` (the `first` side sends first), on the given one-way groups."""
     if first:

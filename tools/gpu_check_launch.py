@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from megatron_bmw.device import synchronize, timed
+from megatron_bmw.device import covered_seconds, sleep_cycles_per_s, synchronize, timed
 
 METHODS = ("sync", "host", "span", "covered_host", "covered_device")
 
@@ -36,15 +36,7 @@ class _Timer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.cycles_per_s = None
-        if self.cuda and hasattr(torch.cuda, "_sleep"):
-            start, end = self._events()
-            torch.cuda.synchronize()
-            start.record()
-            torch.cuda._sleep(10**7)
-            end.record()
-            end.synchronize()
-            self.cycles_per_s = 1e7 / max(start.elapsed_time(end) / 1e3, 1e-6)
+        self.cycles_per_s = sleep_cycles_per_s() if self.cuda else None
 
     @staticmethod
     def _events():
@@ -66,16 +58,15 @@ class _Timer:
             return seconds, out
         if not self.cuda or (method.startswith("covered") and self.cycles_per_s is None):
             return None, fn()
-        start, end = self._events()
         if method.startswith("covered"):
-            torch.cuda._sleep(int(cover_s * self.cycles_per_s))
+            device_s, host_s, out = covered_seconds(fn, self.cycles_per_s, cover_s)
+            return (host_s if method == "covered_host" else device_s), out
+        start, end = self._events()
         start.record()
-        t0 = time.perf_counter()
         out = fn()
-        host = time.perf_counter() - t0
         end.record()
         end.synchronize()
-        return (host if method == "covered_host" else start.elapsed_time(end) / 1e3), out
+        return start.elapsed_time(end) / 1e3, out
 
 
 def launch_check(small: bool) -> dict:
