@@ -503,9 +503,26 @@ def step_planner(ctx: Context) -> dict:
         numbers.update(small_worst_time_err_pct=worst(True, "time_err_pct"),
                        small_worst_time_err_sync_pct=worst(True, "time_err_sync_pct"),
                        small_worst_time_err_analytic_pct=worst(True, "time_err_analytic_pct"))
+    for label, *_ in cases:
+        numbers.update(pick_numbers(label, {n: r for n, r in rows.items() if n.startswith(label)
+                                            and (label or not n.startswith("small-"))}))
     if failures:
         raise StepFailed("; ".join(failures))
     return {"numbers": numbers, "details": rows}
+
+
+def pick_numbers(label: str, rows: dict) -> dict:
+    """What a search among one case's configurations would have picked: the measured time of the fastest predicted
+    one over the fastest measured (per prediction: the profile's, the synchronised sums', the analytic one)."""
+    if len(rows) < 2:
+        return {}
+    best = min(r["time_meas_s"] for r in rows.values())
+    out = {}
+    for key, pred in (("", "time_pred_s"), ("sync_", "time_pred_sync_s"), ("analytic_", "time_pred_analytic_s")):
+        if all(r.get(pred) for r in rows.values()):
+            picked = min(rows.values(), key=lambda r: r[pred])
+            out[f"{label}{key}pick_over_best_pct"] = round(100 * (picked["time_meas_s"] / best - 1), 1)
+    return out
 
 
 def synthetic_numbers(flags: list[str]) -> dict:

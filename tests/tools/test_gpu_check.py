@@ -227,3 +227,11 @@ def test_launch_steps_host_floor_is_the_planners_model():
     want = sum(host["embedding"]) + 3 * (2.0 + sum(host["mlp"])) + sum(host["head"])  # attention: device-bound
     assert got == pytest.approx(want)
     assert _host_floor({**phases, "mlp": {"covered_device_f": None, "covered_device_b": 1.0}}, ops, 3) is None
+
+
+def test_pick_numbers_say_how_far_each_predictions_pick_is_from_the_best_measured():
+    rows = {"mbs1": {"time_meas_s": 0.42, "time_pred_s": 0.39, "time_pred_analytic_s": 0.30},
+            "mbs4": {"time_meas_s": 0.32, "time_pred_s": 0.31, "time_pred_analytic_s": 0.35}}
+    assert gpu_check.pick_numbers("small-", rows) == {"small-pick_over_best_pct": 0.0,
+                                                      "small-analytic_pick_over_best_pct": 31.2}
+    assert gpu_check.pick_numbers("", {"mbs1": rows["mbs1"]}) == {}
