@@ -378,6 +378,13 @@ class Profiles:
             return None
         return max(m["runtime_bytes"] for m in measured), max(m["fraction"] for m in measured)
 
+    def largest_micro_batch(self) -> int | None:
+        """The largest micro-batch size at which every profile timed its layers (attention and MLP units), None
+        without profiles: unit_time extrapolates beyond it."""
+        sizes = [max((u.micro_batch_size for u in p.units if u.kind in ("attention", "mlp")), default=0)
+                 for ps in self.by_type.values() for p in ps]
+        return min(sizes) if sizes else None
+
     def identity(self) -> list[dict]:
         """What a plan records of the profiles it was made with."""
         return [{"device_type": t, "mode": p.mode, "device": p.device.get("name"), "dtype": p.dtype,

@@ -178,7 +178,8 @@ TABLE_FOOTER = ("columns: # = rank; iter s = simulated iteration time; tokens/s;
                 "tp, pp, dp; mbs = micro-batch size; m = micro-batches per iteration; schedule (vN: virtual stages); "
                 "SP = sequence parallel; Z1 = ZeRO-1 (distributed optimizer); BP = BPipe; K = sliced micro-batches; "
                 "rc = recomputed units; mem/cap = the fullest stage's peak memory over its capacity; notes = how much "
-                "slower than #1, what slicing / partition refinement / BPipe saved, what is recomputed")
+                "slower than #1, what slicing / partition refinement / BPipe saved, what is recomputed, and a micro-batch "
+                "size beyond those --profile timed (its unit times extrapolated linearly from them)")
 
 
 def summary_line(st: dict) -> str:
@@ -219,4 +220,13 @@ def search_table(result) -> str:
     if result.ranked:
         best_r = result.ranked[0]
         lines.append(f"best: partition {','.join(map(str, best_r.spec.pipeline.partition))}")
+        profiled = result.stats.get("profiled_micro_batch")
+        beyond = sorted({r.spec.pipeline.micro_batch_size for r in result.ranked} - set(range(1, profiled + 1))) \
+            if profiled else []
+        if beyond:
+            sizes = sorted({1 << i for i in range(beyond[-1].bit_length()) if 1 << i <= beyond[-1]} | set(beyond))
+            these = f"size {beyond[0]} is" if len(beyond) == 1 else f"sizes {', '.join(map(str, beyond))} are"
+            lines.append(f"note: micro-batch {these} beyond the sizes --profile timed "
+                         f"(up to {profiled}); to measure instead of extrapolating, profile with autoconfig.py "
+                         f"profile --profile-micro-batch-sizes {','.join(map(str, sizes))}")
     return "\n".join(lines)

@@ -238,6 +238,9 @@ def _search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch
     for state in outcome.values():
         stats[state] += 1
     stats["estimate_s"] = time.time() - started  # reported only: no clock decides anything
+    profiled = profiles.largest_micro_batch()
+    if profiled is not None:
+        stats["profiled_micro_batch"] = profiled
     if not solutions:
         return SearchResult([], stats, model, global_batch, cluster, divisible_by)
 
@@ -438,6 +441,9 @@ def _finalist(sol: Solution, sim: _Simulator, space: SearchSpace, settings: Sear
             if c:
                 kinds[c] = kinds.get(c, 0) + 1
         notes.append("recompute " + ", ".join(f"{n} {c}" for c, n in sorted(kinds.items())))
+    profiled = sim.profiles.largest_micro_batch() if sim.profiles else None
+    if profiled and lay.mbs > profiled:
+        notes.append(f"mbs {lay.mbs} extrapolated (profiled up to {profiled})")
     return Ranked(ev.spec, ev, sol.estimate, True, notes, gains)
 
 

@@ -9,6 +9,7 @@ import pytest
 from megatron_bmw.planner.cluster import parse_cluster
 from megatron_bmw.planner.cost_model import CostSettings
 from megatron_bmw.planner.memory_model import MemorySettings
+from megatron_bmw.planner.profile_data import Profile, Profiles, UnitTiming, model_signature
 from megatron_bmw.planner.report import TABLE_FOOTER, search_table, summary_line
 from megatron_bmw.planner.search import SearchSettings, search
 from megatron_bmw.planner.space import SearchSpace
@@ -85,3 +86,31 @@ def test_table_footer_names_the_columns():
     head = table.splitlines()[0].split()
     for col in ("#", "SP", "Z1", "BP", "K", "rc", "mem/cap", "mbs", "m", "notes"):
         assert col in head and f"{col} " in TABLE_FOOTER
+
+
+def _timed_up_to(largest: int) -> Profiles:
+    units = [UnitTiming(kind, 1, b, t * (b + 4), 2 * t * (b + 4)) for b in (1, 2, 4, 8, 16) if b <= largest
+             for kind, t in (("embedding", 1e-5), ("attention", 1e-4), ("mlp", 2e-4), ("head", 5e-5))]
+    return Profiles([Profile(device={"name": "d", "type": "d", "kind": "cpu"}, dtype="fp32",
+                             model=model_signature(_model()), units=units)])
+
+
+def test_a_micro_batch_beyond_the_profile_is_noted():
+    short = search(_model(), 256, 8, 16, _cluster(0.004), _timed_up_to(1), costs=COSTS, memory=MEM,
+                   settings=SearchSettings(top_k=5))
+    assert short.stats["profiled_micro_batch"] == 1
+    beyond = [r for r in short.ranked if r.spec.pipeline.micro_batch_size > 1]
+    assert beyond, "a fixed cost per micro-batch: some plan takes a micro-batch beyond 1"
+    for r in short.ranked:
+        b = r.spec.pipeline.micro_batch_size
+        assert (f"mbs {b} extrapolated (profiled up to 1)" in r.notes) == (b > 1)
+    table = search_table(short)
+    sizes = sorted({r.spec.pipeline.micro_batch_size for r in beyond})
+    assert f"{', '.join(map(str, sizes))} {'is' if len(sizes) == 1 else 'are'} beyond the sizes --profile" in table
+    assert "--profile-micro-batch-sizes 1,2" in table
+    covered = search(_model(), 256, 8, 16, _cluster(0.004), _timed_up_to(16), costs=COSTS, memory=MEM,
+                     settings=SearchSettings(top_k=5))
+    assert covered.stats["profiled_micro_batch"] == 16
+    assert not any("extrapolated" in n for r in covered.ranked for n in r.notes)
+    assert "note: micro-batch" not in search_table(covered)
+    assert "profiled_micro_batch" not in _run().stats and "note: micro-batch" not in search_table(_run())
