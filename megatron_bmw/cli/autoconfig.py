@@ -22,7 +22,7 @@ from ..planner.cluster import load_cluster
 from ..planner.cost_model import CostSettings
 from ..planner.calibrate import calibrate, calibrated_profile_json, calibration_table
 from ..planner.evaluate import estimate_memory, simulate_run
-from ..planner.report import estimate_json, memory_table, simulate_json
+from ..planner.report import estimate_json, extrapolation_note, memory_table, simulate_json
 from ..planner.files import write_json
 from ..planner_args import (build_autoconfig_parser, cluster_from_args, configs_from_args, cost_settings,
                             engine_from_args, load_profiles, memory_settings, plan_from_args, planned_spec, run_search,
@@ -55,10 +55,16 @@ def _simulate(args, plan) -> int:
         from ..planner.timeline import render_timeline
 
         render_timeline(ev.simulation, args.timeline)
+    profiled = profiles.largest_micro_batch()
+    b = spec.pipeline.micro_batch_size
+    if profiled and b > profiled:
+        data["extrapolated_micro_batch"] = {"micro_batch_size": b, "profiled_up_to": profiled}
     if args.json:
         print(json.dumps(data))
     else:
         print(memory_table(data))
+        if "extrapolated_micro_batch" in data:
+            print(extrapolation_note([b], profiled))
         if args.timeline:
             print(f"timeline written to {args.timeline}")
     return 0

@@ -182,6 +182,14 @@ TABLE_FOOTER = ("columns: # = rank; iter s = simulated iteration time; tokens/s;
                 "size beyond those --profile timed (its unit times extrapolated linearly from them)")
 
 
+def extrapolation_note(beyond: list[int], profiled: int) -> str:
+    """The line that says which micro-batch sizes (sorted) lie beyond the largest one a profile timed."""
+    these = f"size {beyond[0]} is" if len(beyond) == 1 else f"sizes {', '.join(map(str, beyond))} are"
+    measure = sorted({1 << i for i in range(beyond[-1].bit_length())} | set(beyond))
+    return (f"note: micro-batch {these} beyond the sizes --profile timed (up to {profiled}): unit times extrapolated "
+            f"linearly; to measure them, autoconfig.py profile --profile-micro-batch-sizes {','.join(map(str, measure))}")
+
+
 def summary_line(st: dict) -> str:
     """The search's counts: layouts = solved + pruned + infeasible, and the same for candidates (a layout with
     one choice of SP, ZeRO-1, recomputation mode and BPipe)."""
@@ -224,9 +232,5 @@ def search_table(result) -> str:
         beyond = sorted({r.spec.pipeline.micro_batch_size for r in result.ranked} - set(range(1, profiled + 1))) \
             if profiled else []
         if beyond:
-            sizes = sorted({1 << i for i in range(beyond[-1].bit_length()) if 1 << i <= beyond[-1]} | set(beyond))
-            these = f"size {beyond[0]} is" if len(beyond) == 1 else f"sizes {', '.join(map(str, beyond))} are"
-            lines.append(f"note: micro-batch {these} beyond the sizes --profile timed "
-                         f"(up to {profiled}); to measure instead of extrapolating, profile with autoconfig.py "
-                         f"profile --profile-micro-batch-sizes {','.join(map(str, sizes))}")
+            lines.append(extrapolation_note(beyond, profiled))
     return "\n".join(lines)

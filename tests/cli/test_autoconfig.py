@@ -121,6 +121,14 @@ def test_profile_then_simulate_locally(capsys, tmp_path):
     for st in local["stages"]:
         bare = st["peak_bytes"] - st["allowance_bytes"]
         assert st["allowance_bytes"] == pytest.approx(5e7 + 0.1 * bare)
+    # a micro-batch beyond the profiled sizes (1, 2) is extrapolated, and says so
+    assert "extrapolated_micro_batch" not in local
+    flags = ["simulate", "--profile", str(prof), *MODEL, "--micro-batch-size", "4", "--global-batch-size", "8"]
+    beyond = _json(capsys, [*flags, "--json"])
+    assert beyond["extrapolated_micro_batch"] == {"micro_batch_size": 4, "profiled_up_to": 2}
+    assert main(flags) == 0
+    assert ("note: micro-batch size 4 is beyond the sizes --profile timed (up to 2): unit times extrapolated "
+            "linearly; to measure them, autoconfig.py profile --profile-micro-batch-sizes 1,2,4") in capsys.readouterr().out
 
 
 def test_analytic_profile(capsys, tmp_path):
