@@ -229,8 +229,8 @@ def search_table(result) -> str:
         best_r = result.ranked[0]
         lines.append(f"best: partition {','.join(map(str, best_r.spec.pipeline.partition))}")
         profiled = result.stats.get("profiled_micro_batch")
-        beyond = sorted({r.spec.pipeline.micro_batch_size for r in result.ranked} - set(range(1, profiled + 1))) \
-            if profiled else []
+        sizes = {r.spec.pipeline.micro_batch_size for r in result.ranked}
+        beyond = sorted(b for b in sizes if profiled and b > profiled)
         if beyond:
             lines.append(extrapolation_note(beyond, profiled))
     return "\n".join(lines)

@@ -441,7 +441,7 @@ def _finalist(sol: Solution, sim: _Simulator, space: SearchSpace, settings: Sear
             if c:
                 kinds[c] = kinds.get(c, 0) + 1
         notes.append("recompute " + ", ".join(f"{n} {c}" for c, n in sorted(kinds.items())))
-    profiled = sim.profiles.largest_micro_batch() if sim.profiles else None
+    profiled = sim.stats.get("profiled_micro_batch")
     if profiled and lay.mbs > profiled:
         notes.append(f"mbs {lay.mbs} extrapolated (profiled up to {profiled})")
     return Ranked(ev.spec, ev, sol.estimate, True, notes, gains)

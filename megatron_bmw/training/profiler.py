@@ -117,8 +117,9 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
                 del y
             _recompute(unit, None)
     sync.remove_hooks()
-    return [UnitTiming(kind, tp, b, _stat(samples[key][0], statistic), _stat(samples[key][1], statistic), saved[key],
-                       recompute=rc) for key in entries for b, kind, rc in [key]]
+    return [UnitTiming(kind, tp, b, _stat(samples[(b, kind, rc)][0], statistic),
+                       _stat(samples[(b, kind, rc)][1], statistic), saved[(b, kind, rc)], recompute=rc)
+            for b, kind, rc in entries]
 
 
 STEADY_DEPTH, STEADY_MICROBATCHES = 4, 3
