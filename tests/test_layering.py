@@ -17,7 +17,7 @@ PACKAGE = os.path.join(ROOT, "megatron_bmw")
 LAYERS = [
     ("errors", "paths"),
     ("units", "strategy", "config"),          # numbers only
-    ("device", "fused"),                        # torch leaves
+    ("device", "fused", "safe_load"),           # torch leaves
     ("parallel", "data"),
     ("models",),
     ("pipeline",),
