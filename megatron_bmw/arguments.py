@@ -6,8 +6,11 @@ import argparse
 import sys
 from dataclasses import replace
 
-from .config import (NORMALIZATIONS, BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig,
-                     ParallelConfig, PipelineConfig, RunConfig, TrainConfig, ZERO_BUBBLE)
+from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                     PipelineConfig, RunConfig, TrainConfig, ZERO_BUBBLE, padded_vocab_size)
+from .config.inputs import FlagInputs
+from .config.model import ATTENTION_BACKENDS
+from .config.schema import add_flags, check_flag_values, from_flags
 from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
 from .pipeline.partition import parse_partition, rank_chunks
@@ -47,10 +50,16 @@ IGNORED_LOGGING_FLAGS = {
 }
 IGNORED_FLAGS = {**IGNORED_KERNEL_FLAGS, **IGNORED_LOGGING_FLAGS}
 # Megatron's attention backends -> ours: cuDNN's fused kernel runs as torch's fused attention, local as unfused
-ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 _BACKEND_AS = {"fused": "flash", "local": "unfused"}
 CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")  # Megatron's
 CKPT_FORMATS_HERE = ("torch", "torch_dist")  # written and read here
+
+
+# Every class whose fields declare Megatron flags (config/schema.py): the parser is generated from them
+FLAG_CLASSES = (ModelConfig, RunConfig, ParallelConfig, PipelineConfig, BatchSchedule, TrainConfig, OptimizerConfig,
+                LRConfig, DataConfig, FlagInputs)
+GROUPS = ("model", "parallelism", "training", "optimizer and learning rate", "data", "checkpointing",
+          "logging and evaluation")
 
 
 def build_parser(prog: str = "pretrain_gpt.py", model_type: str = "gpt") -> argparse.ArgumentParser:
@@ -64,210 +73,15 @@ def build_parser(prog: str = "pretrain_gpt.py", model_type: str = "gpt") -> argp
 
 def add_bert_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """pretrain_bert.py's flags (Megatron's names; --no-whole-word-masking and --masking-max-ngram are ours)."""
-    g = p.add_argument_group("bert")
-    g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false",
-                   help="no sentence-order head (and no token-type embeddings)")
-    g.add_argument("--bert-binary-head", dest="bert_binary_head", action="store_true",
-                   help="the sentence-order head with the pooler (default)")
-    g.add_argument("--mask-prob", type=float, default=0.15, help="fraction of tokens to predict (default 0.15)")
-    g.add_argument("--short-seq-prob", type=float, default=0.1,
-                   help="probability of a sample shorter than --seq-length (default 0.1)")
-    g.add_argument("--no-whole-word-masking", dest="whole_word_masking", action="store_false",
-                   help="mask WordPiece pieces independently instead of whole words")
-    g.add_argument("--masking-max-ngram", type=int, default=3, help="longest masked n-gram of words (default 3)")
-    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
-                   help="residuals from the LayerNorm outputs (the layout Hugging Face's post-LN BERT converts to)")
-    g.add_argument("--openai-gelu", action="store_true", help="tanh-approximated GeLU in the LM head")
+    add_flags(p, {}, FLAG_CLASSES, lambda group: group == "bert")
     p.set_defaults(model_type="bert", bert_binary_head=True)
     return p
 
 
 def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every Megatron-compatible flag group to `p` (shared by pretrain_gpt.py and tools/autoconfig.py)."""
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--seq-length", type=int, default=64)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
-    g.add_argument("--position-embedding-type", default="learned_absolute",
-                   help="learned_absolute (GPT-2), rope (Llama) or none")
-    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="Megatron's older flag for rope")
-    g.add_argument("--no-position-embedding", action="store_true",
-                   help="Megatron's older flag: no learned position embedding (--position-embedding-type none, "
-                        "unless rope)")
-    g.add_argument("--rotary-percent", type=float, default=1.0, help="of each head's dimensions rotated")
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
-                   help="positions divided by it (longer contexts)")
-    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (fc1 holds the gate and up projections)")
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=1, help="with --group-query-attention (1: multi-query)")
-    g.add_argument("--normalization", choices=NORMALIZATIONS, default="LayerNorm")
-    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in attention and MLP projections")
-    g.add_argument("--add-qkv-bias", action="store_true", help="a QKV bias even with --disable-bias-linear")
-    g.add_argument("--kv-channels", type=int, default=None, help="head dimension: hidden size / heads only")
-    g.add_argument("--qk-layernorm", action="store_true",
-                   help="normalise every query and key head over the head dimension (--normalization's kind)")
-    g.add_argument("--apply-layernorm-1p", action="store_true",
-                   help="norm weights stored zero-centred (gamma - 1) and applied as weight + 1")
-    g.add_argument("--attention-softmax-in-fp32", action="store_true",
-                   help="accepted: the attention softmax always runs in fp32")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="auto, flash or fused (torch's fused attention), unfused or local (explicit softmax)")
-    g.add_argument("--use-flash-attn", action="store_true", help="Megatron's older flag; same as --attention-backend flash")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--recompute-activations", action="store_true", help="Megatron's alias of --recompute-granularity selective")
-    g.add_argument("--recompute-units", type=str, default=None,
-                   help="recomputation of every unit, e.g. none,selective,full,... over [embedding, attn_0, mlp_0, ..., head]")
-
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
-                   help="model chunks per pipeline rank (interleaved 1F1B); with --pipeline-partition any unit split")
-    g.add_argument("--unit-strategies", type=str, default=None,
-                   help="Galvatron-BMW hybrid: a strategy per unit over the world/pp ranks of a stage (tp2-dp2, "
-                        "dp2-tp2, sdp4, tp4, ...), comma separated over [embedding, attn_0, mlp_0, ..., head], or "
-                        "one for all; needs --tensor-model-parallel-size 1")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--context-parallel-size", type=int, default=1, help="1 only (no context parallelism)")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
-                   help="add each weight gradient into the fp32 main_grad after its GEMM, not inside it (the "
-                        "planner then counts e + 8 bytes per parameter and micro-batch, for ours and megatron-core)")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="with --use-distributed-optimizer: all-gather the updated parameters during the next forward")
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    g.add_argument("--pipeline-partition", type=str, default=None,
-                   help="units per (virtual) pipeline stage, e.g. 3,4,4,3; units are [embedding, attn_0, mlp_0, ..., head]")
-    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "zb-h1", "zb-h2", "zbv"], default="1f1b",
-                   help="zero-bubble: zb-h1, zb-h2 (more warm-up forwards), zbv (two chunks per rank in a V)")
-    g.add_argument("--pipeline-trace", type=str, default=None, help="write a Chrome trace of the pipeline actions")
-    g.add_argument("--gpus-per-node", type=int, default=None,
-                   help="node size for rank placement (default: the local world size)")
-    g.add_argument("--bpipe", action="store_true",
-                   help="BPipe: balance saved activations between pipeline stages s and p-1-s (pair-adjacent ranks)")
-    g.add_argument("--microbatch-slicing", default="0",
-                   help="halve the first K micro-batches to shorten the pipeline start-up (K >= 0, or auto)")
-    g.add_argument("--log-activation-memory", action="store_true",
-                   help="every pipeline rank prints its peak saved activations at the end")
-    g.add_argument("--plan", type=str, default=None,
-                   help="run the plan file written by tools/autoconfig.py search (other flags must agree with it)")
-
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, default=None, help="iterations (default 10 without --train-samples)")
-    g.add_argument("--train-samples", type=int, default=None, help="sample-based training length")
-    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
-                   metavar=("START", "INCREMENT", "SAMPLES"),
-                   help="grow the global batch from START by INCREMENT over SAMPLES consumed samples")
-    g.add_argument("--step-batch-size-schedule", type=str, default=None,
-                   help="global batch by consumed tokens, e.g. '0:256 2M:512' (K/M/B/T suffixes)")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None)
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--exit-duration-in-mins", type=float, default=None)
-    g.add_argument("--exit-signal-handler", action="store_true", help="accepted; SIGTERM always saves and exits")
-    g.add_argument("--manual-gc", action="store_true",
-                   help="Python's garbage collector off during training, run by hand (as Megatron: at the start, "
-                        "every --manual-gc-interval iterations, around each validation)")
-    g.add_argument("--manual-gc-interval", type=int, default=0, help="iterations between collections (0: none)")
-    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
-                   help="with --manual-gc, no collection around validation")
-
-    g = p.add_argument_group("optimizer and learning rate")
-    g.add_argument("--optimizer", choices=["adam"], default="adam")
-    g.add_argument("--lr", type=float, default=1e-4)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
-    g.add_argument("--decoupled-lr", type=float, default=None,
-                   help="peak learning rate of the word embedding and output layer (same warm-up and decay)")
-    g.add_argument("--decoupled-min-lr", type=float, default=None,
-                   help="their final learning rate (default --min-lr)")
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="accepted where every micro-batch has micro-batch x seq-length loss tokens (GPT without "
-                        "--eod-mask-loss): the mean over the batch's tokens is then the mean of micro-batch means")
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="the learning rate the warm-up starts from")
-    g.add_argument("--lr-decay-samples", type=int, default=None)
-    g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-
-    g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--split", type=str, default="969,30,1")
-    g.add_argument("--data-cache-path", type=str, default=None)
-    g.add_argument("--tokenizer-type", type=str, default=None)
-    g.add_argument("--tokenizer-model", type=str, default=None)
-    g.add_argument("--vocab-file", type=str, default=None)
-    g.add_argument("--merge-file", type=str, default=None)
-    g.add_argument("--vocab-size", type=int, default=None)
-    g.add_argument("--eod-mask-loss", action="store_true")
-
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", type=str, default=None)
-    g.add_argument("--load", type=str, default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--no-save-optim", action="store_true")
-    g.add_argument("--no-save-rng", action="store_true")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true")
-    g.add_argument("--override-opt_param-scheduler", action="store_true",
-                   help="on --load, use this run's LR schedule flags instead of the checkpoint's")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
-                   help="on --load, keep the checkpoint's LR schedule whatever this run's flags say")
-    g.add_argument("--ckpt-convert-format", default=None, choices=CKPT_FORMATS_HERE,
-                   help="load --load, save it in this format to --ckpt-convert-save/<format>, and exit")
-    g.add_argument("--ckpt-convert-save", default=None, help="where --ckpt-convert-format saves")
-    g.add_argument("--ckpt-format", default="torch",
-                   help="torch (Megatron's legacy format, the default) or torch_dist (layout-free, "
-                        "torch.distributed.checkpoint); --load reads either")
-    g.add_argument("--use-dist-ckpt", action="store_true", help="Megatron's older flag for --ckpt-format torch_dist")
-
-    g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir", type=str, default=None)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--log-throughput", action="store_true")
-    g.add_argument("--log-params-norm", action="store_true")
-    g.add_argument("--log-num-zeros-in-grad", action="store_true")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
-                   help="always on here: a nan or inf loss, or gradients that are not finite, end the run with one "
-                        "line (fp16 with a dynamic loss scale skips the step first)")
-    g.add_argument("--record-memory-history", action="store_true",
-                   help="record the CUDA caching allocator's allocations and frees from start-up; the last rank "
-                        "writes a snapshot to --memory-snapshot-path at every log interval (open it at "
-                        "pytorch.org/memory_viz, or summarise it with tools/memory_snapshot.py)")
-    g.add_argument("--memory-snapshot-path", type=str, default="snapshot.pickle")
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
+    add_flags(p, groups, FLAG_CLASSES, lambda group: group in GROUPS)
     return p
 
 
@@ -306,13 +120,6 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     return args
 
 
-def _positive(args, names: list[str]) -> None:
-    for name in names:
-        value = getattr(args, name.replace("-", "_"))
-        if value is not None and value < 1:
-            raise UsageError(f"--{name} must be >= 1, got {value}")
-
-
 def _check_megatron_choices(args) -> None:
     """Megatron flags whose other values select something this implementation does not have."""
     if args.context_parallel_size != 1:
@@ -341,20 +148,10 @@ def _check_megatron_choices(args) -> None:
         known = args.ckpt_format in CKPT_FORMATS
         raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; use torch "
                          "(Megatron's legacy format) or torch_dist")
-    for flag in ("hidden-dropout", "attention-dropout"):
-        value = getattr(args, flag.replace("-", "_"))
-        if not 0.0 <= value < 1.0:
-            raise UsageError(f"--{flag} must be in [0, 1), got {value}")
 
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:
-    return DataConfig(data_path=args.data_path or [], split=args.split, data_cache_path=args.data_cache_path,
-                      tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                      vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
-                      mock_data=args.mock_data, mask_prob=getattr(args, "mask_prob", 0.15),
-                      short_seq_prob=getattr(args, "short_seq_prob", 0.1),
-                      whole_word_masking=getattr(args, "whole_word_masking", True),
-                      masking_max_ngram=getattr(args, "masking_max_ngram", 3))
+    return from_flags(DataConfig, args, data_path=args.data_path or [])
 
 
 def _virtual_stages(args) -> int:
@@ -558,9 +355,7 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     plan's own objects and the flags give the rest.
 
     vocab_size: the vocabulary (from the tokenizer); defaults to --vocab-size, padded like Megatron."""
-    _positive(args, ["num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "seq-length",
-                     "micro-batch-size", "global-batch-size", "train-iters", "log-interval", "eval-interval",
-                     "tensor-model-parallel-size", "pipeline-model-parallel-size", "make-vocab-size-divisible-by"])
+    check_flag_values(args, FLAG_CLASSES)
     _check_megatron_choices(args)
     if args.fp16 and args.bf16:
         raise UsageError("--fp16 and --bf16 are mutually exclusive")
@@ -586,25 +381,14 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     if orig_vocab < 2:
         raise UsageError(f"--vocab-size must be >= 2, got {orig_vocab}" if vocab_size is None else
                          f"the tokenizer's vocabulary has {orig_vocab} token(s); a language model needs >= 2")
-    multiple = args.make_vocab_size_divisible_by * tp
-    padded = -(-orig_vocab // multiple) * multiple
     backend = _BACKEND_AS.get(args.attention_backend, args.attention_backend)
     if args.use_flash_attn and backend not in ("auto", "flash"):
         raise UsageError(f"--use-flash-attn (Megatron's older flag for --attention-backend flash) contradicts "
                          f"--attention-backend {args.attention_backend}")
     backend = "flash" if args.use_flash_attn else backend
-    model = ModelConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=padded, seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
-        ffn_hidden_size=args.ffn_hidden_size, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
-        layernorm_epsilon=args.layernorm_epsilon,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights, attention_backend=backend,
-        params_dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        model_type=getattr(args, "model_type", "gpt"), bert_binary_head=getattr(args, "bert_binary_head", True),
-        apply_residual_connection_post_layernorm=getattr(args, "apply_residual_connection_post_layernorm", False),
-        openai_gelu=getattr(args, "openai_gelu", False), **llama_settings(args),
-    )
+    model = from_flags(ModelConfig, args, vocab_size=padded_vocab_size(orig_vocab, args.make_vocab_size_divisible_by, tp),
+                       attention_backend=backend, params_dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+                       model_type=getattr(args, "model_type", "gpt"), **llama_settings(args))
     _check_layout(model, parallel)
     _check_split_backward(pipeline, parallel, model)
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
@@ -615,16 +399,11 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
 
 
 def llama_settings(args) -> dict:
-    """ModelConfig's Llama-family fields from Megatron's flags."""
+    """ModelConfig's Llama-family fields that Megatron's flags say in more than one way."""
     rope = args.use_rotary_position_embeddings or args.position_embedding_type == "rope"
     kind = "rope" if rope else "none" if getattr(args, "no_position_embedding", False) else args.position_embedding_type
     return dict(position_embedding_type=kind,
-                rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
-                rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, swiglu=args.swiglu,
-                num_query_groups=args.num_query_groups if args.group_query_attention else None,
-                normalization=args.normalization, add_bias_linear=not args.disable_bias_linear,
-                add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
-                apply_layernorm_1p=args.apply_layernorm_1p)
+                num_query_groups=args.num_query_groups if args.group_query_attention else None)
 
 
 def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -647,40 +426,12 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
     gbs = batches.global_batch_size
     if overlap_param_gather and distributed_optimizer and not overlap_grad_reduce:
         raise UsageError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
-    train = TrainConfig(
-        global_batch_size=gbs, train_iters=train_iters, seed=args.seed, pipeline_trace=args.pipeline_trace,
-        overlap_grad_reduce=overlap_grad_reduce, eod_mask_loss=args.eod_mask_loss,
-        gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", True),
-        log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
-        manual_gc=args.manual_gc, manual_gc_interval=args.manual_gc_interval, manual_gc_eval=args.manual_gc_eval,
-        tensorboard_dir=args.tensorboard_dir, log_throughput=args.log_throughput,
-        record_memory_history=getattr(args, "record_memory_history", False),
-        memory_snapshot_path=getattr(args, "memory_snapshot_path", "snapshot.pickle"),
-        log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad, save=args.save,
-        load=args.load, save_interval=args.save_interval, save_optim=not args.no_save_optim,
-        save_rng=not args.no_save_rng, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-        finetune=args.finetune, ckpt_format=args.ckpt_format,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        ckpt_convert_format=args.ckpt_convert_format, ckpt_convert_save=args.ckpt_convert_save,
-        distributed_backend=args.distributed_backend,
-        distributed_timeout_minutes=args.distributed_timeout_minutes, log_activation_memory=args.log_activation_memory,
-        train_samples=args.train_samples, batch_schedule=batches,
-    )
-    optimizer = OptimizerConfig(
-        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, fp16=fp16,
-        bf16=bf16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        use_distributed_optimizer=distributed_optimizer, overlap_param_gather=overlap_param_gather,
-    )
-    lr = LRConfig(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
-                  lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
-                  lr_warmup_fraction=args.lr_warmup_fraction, train_iters=train_iters, global_batch_size=gbs,
-                  train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
-                  lr_warmup_samples=args.lr_warmup_samples, decoupled_lr=args.decoupled_lr,
-                  decoupled_min_lr=args.decoupled_min_lr, warmup_init=getattr(args, "lr_warmup_init", 0.0))
+    train = from_flags(TrainConfig, args, global_batch_size=gbs, train_iters=train_iters,
+                       overlap_grad_reduce=overlap_grad_reduce, batch_schedule=batches)
+    optimizer = from_flags(OptimizerConfig, args, fp16=fp16, bf16=bf16, use_distributed_optimizer=distributed_optimizer,
+                           overlap_param_gather=overlap_param_gather)
+    lr = from_flags(LRConfig, args, lr=optimizer.lr, min_lr=optimizer.min_lr, train_iters=train_iters,
+                    global_batch_size=gbs, train_samples=train.train_samples)
     if not args.mock_data and not args.data_path:
         raise UsageError("give --data-path (preprocessed .bin/.idx prefixes) or --mock-data")
     return dict(train=train, optimizer=optimizer, lr=lr, data=data_config_from_args(args))
@@ -709,10 +460,10 @@ def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> R
     orig_vocab = next((v for v in (vocab_size, args.vocab_size, plan.orig_vocab_size) if v is not None), None)
     if orig_vocab is None:
         raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)")
-    multiple = plan.make_vocab_size_divisible_by * s.tp
-    if -(-orig_vocab // multiple) * multiple != s.model.vocab_size:
+    padded = padded_vocab_size(orig_vocab, plan.make_vocab_size_divisible_by, s.tp)
+    if padded != s.model.vocab_size:
         raise UsageError(f"--plan {args.plan}: planned for a padded vocabulary of {s.model.vocab_size}, this run has "
-                         f"{-(-orig_vocab // multiple) * multiple} (tokenizer or --vocab-size differs)")
+                         f"{padded} (tokenizer or --vocab-size differs)")
     if s.model.model_type != getattr(args, "model_type", "gpt"):
         raise UsageError(f"--plan {args.plan}: planned for a {s.model.model_type.upper()} model, this run trains a "
                          f"{getattr(args, 'model_type', 'gpt').upper()}")
@@ -807,7 +558,7 @@ def plan_flags(plan) -> dict[str, object]:
         "rotary_base": m.rotary_base, "rotary_seq_len_interpolation_factor": m.rotary_seq_len_interpolation_factor,
         "swiglu": m.swiglu, "group_query_attention": m.num_query_groups is not None,
         "num_query_groups": m.num_query_groups, "normalization": m.normalization,
-        "disable_bias_linear": not m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "qk_layernorm": m.qk_layernorm,
+        "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "qk_layernorm": m.qk_layernorm,
         "apply_layernorm_1p": m.apply_layernorm_1p,
         "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,

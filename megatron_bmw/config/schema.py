@@ -1,0 +1,154 @@
+"""Each config field declares its Megatron flag once, as field metadata (`flag`): its names, help, the flag's
+default, and the range a value must lie in. The argument parser is generated from these declarations
+(`add_flags`), the ranges are checked from them (`check_ranges`), and a config is built from parsed flags by
+field name (`from_flags`). No torch, no argparse namespace beyond the entry point."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Callable
+
+from ..errors import UsageError
+
+KEY = "megatron_flag"
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()  # a Flag's default that is the field's own
+
+
+@dataclass(frozen=True)
+class Flag:
+    names: tuple[str, ...]  # Megatron's spelling first, then aliases
+    group: str
+    help: str | None = None
+    default: Any = UNSET  # the flag's default where it differs from the field's
+    type: Callable | None = None  # None: the field's (int, float, str); booleans are switches
+    choices: tuple | None = None
+    action: str | None = None  # store_true | store_false (a switch), or None for a value
+    nargs: str | int | None = None
+    metavar: Any = None
+    dest: str | None = None  # where the parsed value lands (default: the field's name)
+    minimum: float | None = None  # value >= minimum
+    maximum: float | None = None  # value <= maximum
+    below: float | None = None  # value < below
+    above: float | None = None  # value > above
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def flag(*names: str, group: str, default: Any = MISSING, default_factory: Any = MISSING, cli_default: Any = UNSET,
+         **spec: Any) -> Any:
+    """A dataclass field that declares its command-line flag (`Flag`'s fields as keywords; `cli_default`: the
+    flag's default where Megatron's differs from the field's)."""
+    meta = {KEY: Flag(tuple(names), group, default=cli_default, **spec)}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def declared(cls) -> list[tuple[dataclasses.Field, Flag]]:
+    """(field, flag) of every field of `cls` that declares one, in declaration order."""
+    return [(f, f.metadata[KEY]) for f in dataclasses.fields(cls) if KEY in f.metadata]
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return None
+
+
+def _value_type(f: dataclasses.Field) -> Callable:
+    text = str(f.type)
+    for name, kind in (("int", int), ("float", float)):
+        if text.split(" | ")[0].strip() == name:
+            return kind
+    return str
+
+
+def add_flags(parser, groups: dict[str, Any], classes, wanted: Callable[[str], bool] = lambda group: True) -> None:
+    """Add the flags `classes` declare in the `wanted` groups to `parser`, each into its argument group (created on
+    first use, kept in `groups`)."""
+    for cls in classes:
+        for f, fl in declared(cls):
+            if not wanted(fl.group):
+                continue
+            group = groups.get(fl.group)
+            if group is None:
+                group = groups[fl.group] = parser.add_argument_group(fl.group)
+            kwargs: dict[str, Any] = {"dest": fl.dest or f.name}
+            default = fl.default if fl.default is not UNSET else _field_default(f)
+            if fl.action is not None:
+                kwargs["action"] = fl.action
+                if default is not None and fl.action == "store_true" and default is not False:
+                    kwargs["default"] = default
+            else:
+                kwargs["default"] = default
+                kwargs["type"] = fl.type or _value_type(f)
+                for key in ("choices", "nargs", "metavar"):
+                    if getattr(fl, key) is not None:
+                        kwargs[key] = list(fl.choices) if key == "choices" else getattr(fl, key)
+            if fl.help is not None:
+                kwargs["help"] = fl.help
+            group.add_argument(*fl.names, **kwargs)
+
+
+def check_ranges(obj) -> None:
+    """Every declared range of `obj`'s fields; one line naming the flag when a value lies outside."""
+    for f, fl in declared(type(obj)):
+        _check(fl, getattr(obj, f.name))
+
+
+def check_flag_values(values, classes) -> None:
+    """The declared ranges of parsed flag values (by dest), before any config is built from them."""
+    for cls in classes:
+        for f, fl in declared(cls):
+            _check(fl, getattr(values, fl.dest or f.name, None))
+
+
+def _check(fl: Flag, value) -> None:
+    if value is None or isinstance(value, (list, tuple, str, bool)):
+        return
+    low = [(b, c) for b, c in ((fl.minimum, "["), (fl.above, "(")) if b is not None]
+    high = [(b, c) for b, c in ((fl.maximum, "]"), (fl.below, ")")) if b is not None]
+    inside = all(value >= b if c == "[" else value > b for b, c in low) and \
+        all(value <= b if c == "]" else value < b for b, c in high)
+    if inside:
+        return
+    if low and high:
+        raise UsageError(f"{fl.name} must be in {low[0][1]}{_num(low[0][0])}, {_num(high[0][0])}{high[0][1]}, "
+                         f"got {value}")
+    bound, c = (low or high)[0]
+    word = {"[": ">=", "(": ">", "]": "<=", ")": "<"}[c]
+    raise UsageError(f"{fl.name} must be {word} {_num(bound)}, got {value}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 2**53 else repr(x)
+
+
+def from_flags(cls, values, **given: Any):
+    """`cls` built from parsed flag values (anything with attributes named by the flags' dests) and `given`,
+    which take precedence. A field whose flag was not parsed keeps its default."""
+    kwargs = {}
+    for f, fl in declared(cls):
+        if f.name in given:
+            continue
+        dest = fl.dest or f.name
+        if hasattr(values, dest):
+            kwargs[f.name] = getattr(values, dest)
+    return cls(**kwargs, **given)
+
+
+def flag_names(cls) -> dict[str, str]:
+    """field name -> its flag, for messages that name a field's flag."""
+    return {f.name: fl.name for f, fl in declared(cls)}
