@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                     PipelineConfig, RunConfig, TrainConfig, ZERO_BUBBLE, padded_vocab_size)
+                     PipelineConfig, RunConfig, TrainConfig, padded_vocab_size)
 from .config.inputs import FlagInputs
-from .config.model import ATTENTION_BACKENDS
 from .config.schema import add_flags, check_flag_values, from_flags
 from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
 from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
-from .strategy import parse_strategy, parse_unit_strategies
+from .plan_overlay import check_flags_against_plan, configs_from_plan, given_flags, plan_flags  # noqa: F401
+from .planner.plan import Plan
+from .run_parts import (check_layout, check_split_backward, check_strategies_fit, data_config_from_args,  # noqa: F401
+                        training_configs, training_length)
+from .strategy import parse_unit_strategies
 from .units import num_units, parse_recompute, recompute_from_flags, unit_layer, unit_names
 
 # Megatron flags accepted so existing launch scripts run unchanged, reported once at start-up, otherwise ignored
@@ -148,10 +152,6 @@ def _check_megatron_choices(args) -> None:
         known = args.ckpt_format in CKPT_FORMATS
         raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; use torch "
                          "(Megatron's legacy format) or torch_dist")
-
-
-def data_config_from_args(args: argparse.Namespace) -> DataConfig:
-    return from_flags(DataConfig, args, data_path=args.data_path or [])
 
 
 def _virtual_stages(args) -> int:
@@ -333,21 +333,6 @@ def pipeline_config_from_args(args: argparse.Namespace, dp: int, global_batch_si
                           slicing=slicing)
 
 
-def _training_length(args, schedule: BatchSchedule) -> int:
-    """--train-iters, or the iterations --train-samples holds (Megatron's update_train_iters)."""
-    if args.train_samples is not None:
-        if args.train_iters is not None:
-            raise UsageError("give --train-iters or --train-samples, not both")
-        if args.train_samples < 1:
-            raise UsageError(f"--train-samples must be >= 1, got {args.train_samples}")
-        iterations = schedule.iterations(args.train_samples)
-        if iterations == 0:
-            raise UsageError(f"--train-samples {args.train_samples} is less than the first global batch "
-                             f"({schedule.at(0)})")
-        return iterations
-    return 10 if args.train_iters is None else args.train_iters
-
-
 def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int | None = None,
                       plan=None) -> RunConfig:
     """Validate the flags against each other and the world size; build the config dataclasses. With `plan` (a
@@ -362,7 +347,7 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     if getattr(args, "model_type", "gpt") != "bert" and not getattr(args, "bert_binary_head", True):
         raise UsageError("--bert-no-binary-head: applies to --model-type bert (a GPT has no sentence-order head)")
     if plan is not None:
-        return _configs_from_plan(args, world_size, vocab_size, plan)
+        return configs_from_plan(args, world_size, vocab_size, plan)
     tp = args.tensor_model_parallel_size
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel,
@@ -372,7 +357,7 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     batches = batch_schedule_from_args(args, args.micro_batch_size * dp)
     gbs = batches.global_batch_size
     pipeline = pipeline_config_from_args(args, dp, gbs, batches.sizes())
-    train_iters = _training_length(args, batches)
+    train_iters = training_length(args, batches)
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
         raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)"
@@ -389,11 +374,11 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     model = from_flags(ModelConfig, args, vocab_size=padded_vocab_size(orig_vocab, args.make_vocab_size_divisible_by, tp),
                        attention_backend=backend, params_dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                        model_type=getattr(args, "model_type", "gpt"), **llama_settings(args))
-    _check_layout(model, parallel)
-    _check_split_backward(pipeline, parallel, model)
+    check_layout(model, parallel)
+    check_split_backward(pipeline, parallel, model)
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                     **_training_configs(args, batches, train_iters, args.fp16, args.bf16,
+                     **training_configs(args, batches, train_iters, args.fp16, args.bf16,
                                          args.use_distributed_optimizer, args.overlap_grad_reduce,
                                          args.overlap_param_gather))
 
@@ -404,90 +389,6 @@ def llama_settings(args) -> dict:
     kind = "rope" if rope else "none" if getattr(args, "no_position_embedding", False) else args.position_embedding_type
     return dict(position_embedding_type=kind,
                 num_query_groups=args.num_query_groups if args.group_query_attention else None)
-
-
-def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """The model splits over the tensor-parallel degrees: the run's, and every unit strategy's."""
-    tp = parallel.tensor_model_parallel_size
-    model.check_tensor_parallel(tp)
-    for strategy in sorted(set(parallel.unit_strategies or ())):
-        t = parse_strategy(strategy).tp
-        if model.vocab_size % t:
-            raise UsageError(f"--unit-strategies {strategy}: the padded vocabulary {model.vocab_size} does not split "
-                             f"over tp {t} (raise --make-vocab-size-divisible-by)")
-    if parallel.sequence_parallel and tp > 1 and model.seq_length % tp:
-        raise UsageError(f"--sequence-parallel: --seq-length {model.seq_length} is not divisible by tensor-parallel "
-                         f"size {tp}")
-
-
-def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool, bf16: bool,
-                      distributed_optimizer: bool, overlap_grad_reduce: bool, overlap_param_gather: bool) -> dict:
-    """The parts of a run no plan decides: training, optimizer, LR schedule and data."""
-    gbs = batches.global_batch_size
-    if overlap_param_gather and distributed_optimizer and not overlap_grad_reduce:
-        raise UsageError("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
-    train = from_flags(TrainConfig, args, global_batch_size=gbs, train_iters=train_iters,
-                       overlap_grad_reduce=overlap_grad_reduce, batch_schedule=batches)
-    optimizer = from_flags(OptimizerConfig, args, fp16=fp16, bf16=bf16, use_distributed_optimizer=distributed_optimizer,
-                           overlap_param_gather=overlap_param_gather)
-    lr = from_flags(LRConfig, args, lr=optimizer.lr, min_lr=optimizer.min_lr, train_iters=train_iters,
-                    global_batch_size=gbs, train_samples=train.train_samples)
-    if not args.mock_data and not args.data_path:
-        raise UsageError("give --data-path (preprocessed .bin/.idx prefixes) or --mock-data")
-    return dict(train=train, optimizer=optimizer, lr=lr, data=data_config_from_args(args))
-
-
-def _check_split_backward(pipeline: PipelineConfig, parallel: ParallelConfig, model: ModelConfig) -> None:
-    """What a zero-bubble schedule (backwards split into B and W) does not combine with yet (BPipe and slicing:
-    PipelineConfig)."""
-    name = pipeline.schedule
-    if name in ZERO_BUBBLE and parallel.unit_strategies:
-        raise UsageError(f"--pipeline-schedule {name} does not combine with --unit-strategies (not supported yet)")
-
-
-def _configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> RunConfig:
-    """The run of a plan: its model, degrees and pipeline as they are; training flags around them."""
-    s = plan.spec
-    if args.rampup_batch_size is not None or args.step_batch_size_schedule is not None:
-        flag = "--rampup-batch-size" if args.rampup_batch_size is not None else "--step-batch-size-schedule"
-        raise UsageError(f"{flag}: --plan {args.plan} fixes the micro-batches per iteration; drop one of them")
-    if world_size != s.world_size:
-        raise UsageError(f"--plan {args.plan}: planned for {s.world_size} ranks (tp {s.tp} x pp {s.pp} x dp {s.dp}), "
-                         f"launched with {world_size}")
-    parallel = ParallelConfig(tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp,
-                              sequence_parallel=s.sp, rank_order=s.rank_order, gpus_per_node=args.gpus_per_node,
-                              unit_strategies=tuple(s.unit_strategies) if s.unit_strategies else None)
-    orig_vocab = next((v for v in (vocab_size, args.vocab_size, plan.orig_vocab_size) if v is not None), None)
-    if orig_vocab is None:
-        raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)")
-    padded = padded_vocab_size(orig_vocab, plan.make_vocab_size_divisible_by, s.tp)
-    if padded != s.model.vocab_size:
-        raise UsageError(f"--plan {args.plan}: planned for a padded vocabulary of {s.model.vocab_size}, this run has "
-                         f"{padded} (tokenizer or --vocab-size differs)")
-    if s.model.model_type != getattr(args, "model_type", "gpt"):
-        raise UsageError(f"--plan {args.plan}: planned for a {s.model.model_type.upper()} model, this run trains a "
-                         f"{getattr(args, 'model_type', 'gpt').upper()}")
-    _check_layout(s.model, parallel)
-    _check_split_backward(s.pipeline, parallel, s.model)
-    pl = s.pipeline
-    check_slicing(pl.slicing, pl.micro_batch_size, pl.num_microbatches)
-    if s.unit_strategies:
-        _check_strategies_fit(parse_unit_strategies(s.unit_strategies, s.model.num_units, s.dp), s.model,
-                              pl.micro_batch_size * s.dp, pl.slicing != 0)
-    batches = BatchSchedule(plan.global_batch_size)
-    dtype = s.model.params_dtype
-    rest = _training_configs(args, batches, _training_length(args, batches), dtype == "fp16", dtype == "bf16",
-                             s.distributed_optimizer, s.overlap_grad_reduce, s.overlap_param_gather)
-    rest["train"] = replace(rest["train"], gradient_accumulation_fusion=plan.engine.gradient_accumulation_fusion)
-    if rest["data"].vocab_size is None and vocab_size is None:  # --mock-data sized by the plan's vocabulary
-        rest["data"] = replace(rest["data"], vocab_size=orig_vocab)
-    return RunConfig(model=s.model, parallel=parallel, pipeline=s.pipeline, orig_vocab_size=orig_vocab,
-                     make_vocab_size_divisible_by=plan.make_vocab_size_divisible_by, **rest)
-
-
-# ---- --plan: the plan gives the model, parallel and pipeline configs; flags given beside it must agree -----------
-_RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_activations",
-                    "num_layers_per_virtual_pipeline_stage")
 
 
 def _unit_strategies(args: argparse.Namespace, world_size: int) -> tuple[str, ...] | None:
@@ -511,106 +412,43 @@ def _unit_strategies(args: argparse.Namespace, world_size: int) -> tuple[str, ..
     if world_size % pp:
         raise UsageError(f"world size {world_size} is not divisible by --pipeline-model-parallel-size {pp}")
     strategies = parse_unit_strategies(text, num_units(args.num_layers), world_size // pp, flag)
-    _check_strategies_fit(strategies, args, args.micro_batch_size * (world_size // pp),
+    check_strategies_fit(strategies, args, args.micro_batch_size * (world_size // pp),
                           str(getattr(args, "microbatch_slicing", "0") or "0") != "0")
     return tuple(str(x) for x in strategies)
 
 
-def _check_strategies_fit(strategies, model, stage_batch: int, sliced: bool) -> None:
-    """Unit strategies against the model (a ModelConfig, or the flags' namespace) and the stage micro-batch: a
-    tied embedding and head share one unsharded strategy, every tp splits the heads, hidden and FFN sizes, and
-    with slicing every dp splits half a stage micro-batch."""
-    flag = "--unit-strategies"
-    first, last = strategies[0], strategies[-1]
-    if not model.untie_embeddings_and_output_weights and (first != last or first.sharded):
-        raise UsageError(f"{flag}: a tied word embedding needs the same, unsharded strategy for the embedding and "
-                         f"the head (got {first} and {last}); give --untie-embeddings-and-output-weights to use "
-                         "different ones")
-    groups = model.num_query_groups if getattr(model, "group_query_attention", True) else None
-    for name, value in (("--num-attention-heads", model.num_attention_heads), ("--num-query-groups", groups),
-                        ("--hidden-size", model.hidden_size), ("--ffn-hidden-size", model.ffn_hidden_size)):
-        bad = sorted({str(x) for x in strategies if value is not None and value % x.tp})
-        if bad:
-            raise UsageError(f"{flag}: {name} {value} does not split over the tp of {', '.join(bad)}")
-    half = stage_batch // 2
-    if sliced:
-        bad = sorted({str(x) for x in strategies if stage_batch % 2 or half % x.dp})
-        if bad:
-            raise UsageError(f"{flag} with --microbatch-slicing: half a stage micro-batch ({half} samples) does not "
-                             f"split over the dp of {', '.join(bad)}")
+@dataclass
+class ParsedRun:
+    """What an entry point's command line says: the run, the plan it runs (with its path), the tokenizer its data
+    names, and the Megatron flags accepted but ignored (for the start-up banner)."""
+
+    run: RunConfig
+    plan: Any = None
+    plan_path: str | None = None
+    tokenizer: Any = None
+    ignored_kernel_flags: list[str] = field(default_factory=list)
+    ignored_logging_flags: list[str] = field(default_factory=list)
 
 
-def plan_flags(plan) -> dict[str, object]:
-    """The flag values (argparse dests) a plan decides: what flags given beside --plan are checked against."""
-    s, pl, m = plan.spec, plan.spec.pipeline, plan.spec.model
-    return {
-        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
-        "num_attention_heads": m.num_attention_heads, "seq_length": m.seq_length,
-        "max_position_embeddings": m.max_position_embeddings, "hidden_dropout": m.hidden_dropout,
-        "attention_dropout": m.attention_dropout, "init_method_std": m.init_method_std,
-        "layernorm_epsilon": m.layernorm_epsilon,
-        "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
-        "attention_backend": m.attention_backend, "bf16": m.params_dtype == "bf16", "fp16": m.params_dtype == "fp16",
-        "bert_binary_head": m.bert_binary_head, "openai_gelu": m.openai_gelu,
-        "apply_residual_connection_post_layernorm": m.apply_residual_connection_post_layernorm,
-        "position_embedding_type": m.position_embedding_type,
-        "use_rotary_position_embeddings": m.position_embedding_type == "rope", "rotary_percent": m.rotary_percent,
-        "rotary_base": m.rotary_base, "rotary_seq_len_interpolation_factor": m.rotary_seq_len_interpolation_factor,
-        "swiglu": m.swiglu, "group_query_attention": m.num_query_groups is not None,
-        "num_query_groups": m.num_query_groups, "normalization": m.normalization,
-        "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "qk_layernorm": m.qk_layernorm,
-        "apply_layernorm_1p": m.apply_layernorm_1p,
-        "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
-        "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
-        "micro_batch_size": pl.micro_batch_size, "global_batch_size": plan.global_batch_size,
-        "pipeline_schedule": pl.schedule if pl.schedule in ("gpipe", *ZERO_BUBBLE) else "1f1b",
-        "virtual_pipeline_model_parallel_size": pl.virtual_stages,
-        "pipeline_partition": ",".join(map(str, pl.partition)),
-        "recompute_units": ",".join(x or "none" for x in pl.unit_recompute(m.num_units)),
-        "bpipe": pl.bpipe, "microbatch_slicing": str(pl.slicing),
-        "use_distributed_optimizer": s.distributed_optimizer, "overlap_grad_reduce": s.overlap_grad_reduce,
-        "overlap_param_gather": s.overlap_param_gather,
-        "gradient_accumulation_fusion": plan.engine.gradient_accumulation_fusion,
-        "unit_strategies": ",".join(s.unit_strategies) if s.unit_strategies else None,
-    }
-
-
-def given_flags(argv: list[str], parser: argparse.ArgumentParser) -> dict[str, str]:
-    """argparse dest -> the option string, for every flag present in argv."""
-    options = {opt: a.dest for a in parser._actions for opt in a.option_strings}
-    out = {}
-    for token in argv:
-        opt = token.split("=", 1)[0]
-        if opt in options:
-            out[options[opt]] = opt
-    return out
+def run_config_from_argv(argv: list[str], world_size: int, model_type: str = "gpt",
+                         tokenizer_from: Callable[[DataConfig], Any] | None = None) -> ParsedRun:
+    """The one way from a command line to a run: parse the flags (pretrain_gpt.py's, or pretrain_bert.py's), lay
+    --plan over them, build the tokenizer with `tokenizer_from` where the data names one, and build the configs."""
+    parser = build_parser(f"pretrain_{model_type}.py", model_type)
+    args = parse_args(argv, parser)
+    plan = apply_plan(args, argv, parser) if args.plan else None
+    tokenizer = tokenizer_from(data_config_from_args(args)) if tokenizer_from and args.tokenizer_type else None
+    run = configs_from_args(args, world_size, vocab_size=tokenizer.vocab_size if tokenizer is not None else None,
+                            plan=plan)
+    return ParsedRun(run, plan, args.plan, tokenizer, args.ignored_kernel_flags, args.ignored_logging_flags)
 
 
 def apply_plan(args: argparse.Namespace, argv: list[str], parser: argparse.ArgumentParser | None = None):
     """Load --plan and check the flags given beside it: one that disagrees with the plan is an error. The run's
     configs then come from the plan itself (`configs_from_args(..., plan=plan)`)."""
-    from .planner.plan import Plan
-
     plan = Plan.load(args.plan)
     if not plan.engine.runs_here:
         raise UsageError(f"--plan {args.plan}: planned for engine {plan.engine.describe()}, which this runtime is "
                          "not (megatron_bmw, fp32 main gradients); plan again with --engine megatron_bmw")
     check_flags_against_plan(args, given_flags(argv, parser or build_parser()), plan)
     return plan
-
-
-def check_flags_against_plan(args: argparse.Namespace, given: dict[str, str], plan) -> None:
-    """A flag given beside --plan (`given`: dest -> option string) that disagrees with the plan is an error."""
-    for dest in _RECOMPUTE_FLAGS:
-        if dest in given:
-            raise UsageError(f"{given[dest]}: --plan {args.plan} sets the pipeline and every unit's recomputation; "
-                             "drop the flag")
-    if args.use_flash_attn and plan.spec.model.attention_backend != "flash":
-        raise UsageError(f"--use-flash-attn disagrees with --plan {args.plan} (attention backend "
-                         f"{plan.spec.model.attention_backend})")
-    for dest, value in plan_flags(plan).items():
-        mine = getattr(args, dest, None)  # BERT's flags are not pretrain_gpt.py's
-        if dest in given and mine != value and not (dest == "microbatch_slicing" and str(mine) == str(value)):
-            shown = "" if isinstance(value, bool) else f" {mine}"
-            raise UsageError(f"{given[dest]}{shown} disagrees with --plan {args.plan} "
-                             f"({'on' if value is True else 'off' if value is False else value})")

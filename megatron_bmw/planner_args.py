@@ -214,7 +214,7 @@ def plan_from_args(args, argv: list[str], parser: argparse.ArgumentParser):
     None without --plan. `parser`: the subcommand's."""
     if not args.plan:
         return None
-    from .arguments import check_flags_against_plan, given_flags
+    from .plan_overlay import check_flags_against_plan, given_flags
     from .planner.plan import Plan
 
     plan = Plan.load(args.plan)

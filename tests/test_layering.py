@@ -23,7 +23,7 @@ LAYERS = [
     ("pipeline",),
     ("planner",),                               # torch-free
     ("flag_rules",),                            # values argparse lets through
-    ("arguments", "planner_args"),              # flags -> configs and planner settings
+    ("arguments", "planner_args", "plan_overlay", "run_parts"),  # flags (and a plan) -> configs
     ("training", "convert"),
     ("trials",),
     ("cli",),

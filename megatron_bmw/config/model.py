@@ -119,10 +119,10 @@ class ModelConfig:
             )
 
     def _check_llama(self) -> None:
-        for flag, value, choices in (("--position-embedding-type", self.position_embedding_type, POSITION_TYPES),
+        for name, value, choices in (("--position-embedding-type", self.position_embedding_type, POSITION_TYPES),
                                      ("--normalization", self.normalization, NORMALIZATIONS)):
             if value not in choices:
-                raise UsageError(f"{flag} {value}: not supported (choose {', '.join(choices)})")
+                raise UsageError(f"{name} {value}: not supported (choose {', '.join(choices)})")
         groups = self.query_groups
         if not 1 <= groups <= self.num_attention_heads or self.num_attention_heads % groups:
             raise UsageError(f"--num-query-groups {groups} must divide --num-attention-heads "

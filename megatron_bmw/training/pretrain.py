@@ -9,8 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..arguments import (apply_plan, build_parser, configs_from_args, data_config_from_args,
-                         parse_args)
+from ..arguments import run_config_from_argv
 from ..data.tokenizers import build_tokenizer
 from ..device import choose_backend
 from ..errors import UsageError, exit_on_usage_error
@@ -38,13 +37,9 @@ def main(argv: list[str] | None = None, model_type: str = "gpt") -> None:
 def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
     """Everything main does inside the process group (which it leaves to the caller); model_type "bert" takes
     pretrain_bert.py's flags."""
-    parser = build_parser(f"pretrain_{model_type}.py", model_type)
-    args = parse_args(argv, parser)
-    plan = apply_plan(args, argv, parser) if args.plan else None
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    tokenizer = build_tokenizer(data_config_from_args(args)) if args.tokenizer_type else None
-    run = configs_from_args(args, world, vocab_size=tokenizer.vocab_size if tokenizer is not None else None,
-                            plan=plan)
+    parsed = run_config_from_argv(argv, world, model_type, tokenizer_from=build_tokenizer)
+    run, plan, tokenizer = parsed.run, parsed.plan, parsed.tokenizer
     check_output_dir("--save", run.train.save)
     check_output_dir("--ckpt-convert-save", run.train.ckpt_convert_save)
     check_output_dir("--tensorboard-dir", run.train.tensorboard_dir)
@@ -60,9 +55,9 @@ def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
     if run.train.record_memory_history:  # from start-up, so the parameters' and optimizer's blocks are in it
         memory_history.start(torch.cuda)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    _banner(run, state, args)
+    _banner(run, state, parsed)
     if plan is not None:
-        print_first(state, f"> running plan {args.plan} (predicted {plan.prediction.get('iteration_time_s', 0):.4f} s "
+        print_first(state, f"> running plan {parsed.plan_path} (predicted {plan.prediction.get('iteration_time_s', 0):.4f} s "
                            "per iteration)")
     trainer = Trainer(run, state, tokenizer, track_memory=plan is not None)
     if state.dp_rank == 0:
@@ -107,7 +102,7 @@ def _describe_pipeline(trainer, state: ParallelState) -> None:
                 + "".join(f"\n> {e}" for e in extras))
 
 
-def _banner(run, state: ParallelState, args) -> None:
+def _banner(run, state: ParallelState, parsed) -> None:
     t, pl = run.train, run.pipeline
     lines = [
         f"> initialized tensor model parallel with size {state.tp_size}",
@@ -122,8 +117,8 @@ def _banner(run, state: ParallelState, args) -> None:
         f"> padded vocab (size: {run.orig_vocab_size}) with {run.model.vocab_size - run.orig_vocab_size} dummy "
         f"tokens (new size: {run.model.vocab_size})",
     ]
-    for kind, flags in (("kernel or implementation choice", args.ignored_kernel_flags),
-                        ("logging not written here", args.ignored_logging_flags)):
+    for kind, flags in (("kernel or implementation choice", parsed.ignored_kernel_flags),
+                        ("logging not written here", parsed.ignored_logging_flags)):
         if flags:
             lines.append(f"> ignored Megatron flags ({kind}): {' '.join(flags)}")
     print_first(state, "\n".join(lines))
