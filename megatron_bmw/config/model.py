@@ -47,9 +47,9 @@ class ModelConfig:
     num_layers: int = flag("--num-layers", group=M, default=2, minimum=1)
     hidden_size: int = flag("--hidden-size", group=M, default=64, minimum=1)
     num_attention_heads: int = flag("--num-attention-heads", group=M, default=4, minimum=1)
-    vocab_size: int = 128  # padded vocabulary size (run.padded_vocab_size of the data's --vocab-size or tokenizer)
+    vocab_size: int = flag(default=128, minimum=2)  # padded (run.padded_vocab_size of --vocab-size or the tokenizer's)
     seq_length: int = flag("--seq-length", group=M, default=32, minimum=1, cli_default=64)
-    max_position_embeddings: int | None = flag("--max-position-embeddings", group=M, default=None)
+    max_position_embeddings: int | None = flag("--max-position-embeddings", group=M, default=None, minimum=1)
     ffn_hidden_size: int | None = flag("--ffn-hidden-size", group=M, default=None, minimum=1)
     hidden_dropout: float = flag("--hidden-dropout", group=M, default=0.1, minimum=0.0, below=1.0)
     attention_dropout: float = flag("--attention-dropout", group=M, default=0.1, minimum=0.0, below=1.0)
@@ -58,10 +58,10 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = flag("--untie-embeddings-and-output-weights", group=M, default=False,
                                                      action="store_true")
     attention_backend: str = flag(  # auto | flash | unfused (Megatron's fused and local are read as flash, unfused)
-        "--attention-backend", group=M, default="auto", choices=ATTENTION_BACKENDS,
+        "--attention-backend", group=M, default="auto", choices=ATTENTION_BACKENDS, domain=("auto", "flash", "unfused"),
         help="auto, flash or fused (torch's fused attention), unfused or local (explicit softmax)")
-    params_dtype: str = "fp32"  # fp32 | bf16 | fp16 (a torch dtype is accepted and named); from --bf16/--fp16
-    model_type: str = "gpt"  # gpt (causal LM) | bert (bidirectional, masked LM + sentence order): the entry point's
+    params_dtype: str = flag(default="fp32", domain=tuple(DTYPE_BYTES))  # a torch dtype is named; from --bf16/--fp16
+    model_type: str = flag(default="gpt", domain=MODEL_TYPES)  # gpt (causal) | bert (masked LM): the entry point's
     bert_binary_head: bool = flag(  # BERT: pooler, sentence-order head and token-type embeddings
         "--bert-no-binary-head", group=B, default=True, action="store_false",
         help="no sentence-order head (and no token-type embeddings)")
@@ -72,16 +72,18 @@ class ModelConfig:
         "--openai-gelu", group=B, default=False, action="store_true", help="tanh-approximated GeLU in the LM head")
     # Llama-family GPTs (Megatron's flags of the same names)
     position_embedding_type: str = flag("--position-embedding-type", group=M, default="learned_absolute",
-                                        help="learned_absolute (GPT-2), rope (Llama) or none")
-    rotary_percent: float = flag("--rotary-percent", group=M, default=1.0, help="of each head's dimensions rotated")
-    rotary_base: int = flag("--rotary-base", group=M, default=10000)
+                                        domain=POSITION_TYPES, help="learned_absolute (GPT-2), rope (Llama) or none")
+    rotary_percent: float = flag("--rotary-percent", group=M, default=1.0, above=0.0, maximum=1.0,
+                                 help="of each head's dimensions rotated")
+    rotary_base: int = flag("--rotary-base", group=M, default=10000, above=0)
     rotary_seq_len_interpolation_factor: float | None = flag(
-        "--rotary-seq-len-interpolation-factor", group=M, default=None, type=int,
+        "--rotary-seq-len-interpolation-factor", group=M, default=None, type=int, minimum=1,
         help="positions divided by it (longer contexts)")
     swiglu: bool = flag("--swiglu", group=M, default=False, action="store_true",
                         help="SwiGLU MLP (fc1 holds the gate and up projections)")
     num_query_groups: int | None = flag(  # grouped-query attention (1: multi-query); None: one per head
-        "--num-query-groups", group=M, default=None, help="with --group-query-attention (1: multi-query)", cli_default=1)
+        "--num-query-groups", group=M, default=None, help="with --group-query-attention (1: multi-query)", cli_default=1,
+        minimum=1)
     normalization: str = flag("--normalization", group=M, default="LayerNorm", choices=NORMALIZATIONS)
     add_bias_linear: bool = flag("--disable-bias-linear", group=M, default=True, action="store_false",
                                  help="no biases in attention and MLP projections")
@@ -127,16 +129,9 @@ class ModelConfig:
         if not 1 <= groups <= self.num_attention_heads or self.num_attention_heads % groups:
             raise UsageError(f"--num-query-groups {groups} must divide --num-attention-heads "
                              f"{self.num_attention_heads}")
-        if not 0.0 < self.rotary_percent <= 1.0:
-            raise UsageError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         if self.rotary_dim % 2:
             raise UsageError(f"--rotary-percent {self.rotary_percent} rotates {self.rotary_dim} of the head's "
                              f"{self.head_dim} dimensions; the rotated part must be even")
-        if not self.rotary_base > 0:
-            raise UsageError(f"--rotary-base must be > 0, got {self.rotary_base}")
-        factor = self.rotary_seq_len_interpolation_factor
-        if factor is not None and not factor >= 1:
-            raise UsageError(f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
         if self.model_type == "bert" and self.llama_features():
             raise UsageError(f"{self.llama_features()[0]}: BERT runs its classic layers only (GPT models take it)")
 

@@ -21,7 +21,7 @@ class ParallelConfig:
     tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", group=P, default=1, minimum=1)
     pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", group=P, default=1, minimum=1)
     sequence_parallel: bool = flag("--sequence-parallel", group=P, default=False, action="store_true")
-    rank_order: str = "tp-dp-pp"  # Megatron's; "bpipe" places pipeline pairs (s, p-1-s) side by side
+    rank_order: str = flag(default="tp-dp-pp", domain=("tp-dp-pp", "bpipe"))  # bpipe: pairs (s, p-1-s) side by side
     gpus_per_node: int | None = flag("--gpus-per-node", group=P, default=None, minimum=1,
                                      help="node size for rank placement (default: the local world size)")
     # Galvatron-BMW hybrid: one strategy per unit (strategy.py text form) over the stage's world/pp ranks; tp is 1
@@ -50,12 +50,13 @@ class PipelineConfig:
     recomputation of every unit. The part of a plan that the schedule, the engine, the memory and cost models
     and the simulator all read."""
 
-    micro_batch_size: int = flag("--micro-batch-size", group="training", default=1, cli_default=2)
-    num_microbatches: int = 1  # from --global-batch-size, the micro-batch size and the data-parallel size
+    micro_batch_size: int = flag("--micro-batch-size", group="training", default=1, cli_default=2, minimum=1)
+    num_microbatches: int = flag(default=1, minimum=1)  # from --global-batch-size, the micro-batch and dp sizes
     schedule: str = flag(  # gpipe | 1f1b | interleaved | zero-bubble zb-h1 | zb-h2 | zbv (B/W split)
-        "--pipeline-schedule", group=P, default="1f1b", choices=PIPELINE_SCHEDULE_FLAG, dest="pipeline_schedule",
+        "--pipeline-schedule", group=P, default="1f1b", choices=PIPELINE_SCHEDULE_FLAG, domain=SCHEDULES,
+        dest="pipeline_schedule",
         help="zero-bubble: zb-h1, zb-h2 (more warm-up forwards), zbv (two chunks per rank in a V)")
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B; zbv: 2); from the virtual flags
+    virtual_stages: int = flag(default=1, minimum=1)  # model chunks per pipeline rank (interleaved; zbv 2)
     partition: tuple[int, ...] | None = flag(  # units per virtual stage; None: the default split
         "--pipeline-partition", group=P, default=None, type=str, dest="pipeline_partition",
         help="units per (virtual) pipeline stage, e.g. 3,4,4,3; units are [embedding, attn_0, mlp_0, ..., head]")

@@ -38,16 +38,33 @@ class Flag:
     maximum: float | None = None  # value <= maximum
     below: float | None = None  # value < below
     above: float | None = None  # value > above
+    domain: tuple | None = None  # the values the field holds, where they differ from the flag's choices
 
     @property
-    def name(self) -> str:
-        return self.names[0]
+    def name(self) -> str | None:
+        """Megatron's spelling (None: a field with rules but no flag)."""
+        return self.names[0] if self.names else None
+
+    def admits(self, value) -> bool:
+        return ((self.minimum is None or value >= self.minimum) and (self.above is None or value > self.above)
+                and (self.maximum is None or value <= self.maximum) and (self.below is None or value < self.below))
+
+    def bounds(self) -> str:
+        """The declared range in words: '>= 1', 'in [0, 1)', or ''."""
+        low = next(((b, c) for b, c in ((self.minimum, "["), (self.above, "(")) if b is not None), None)
+        high = next(((b, c) for b, c in ((self.maximum, "]"), (self.below, ")")) if b is not None), None)
+        if low and high:
+            return f"in {low[1]}{_num(low[0])}, {_num(high[0])}{high[1]}"
+        if low or high:
+            bound, c = low or high
+            return f"{ {'[': '>=', '(': '>', ']': '<=', ')': '<'}[c]} {_num(bound)}"
+        return ""
 
 
-def flag(*names: str, group: str, default: Any = MISSING, default_factory: Any = MISSING, cli_default: Any = UNSET,
+def flag(*names: str, group: str = "", default: Any = MISSING, default_factory: Any = MISSING, cli_default: Any = UNSET,
          **spec: Any) -> Any:
     """A dataclass field that declares its command-line flag (`Flag`'s fields as keywords; `cli_default`: the
-    flag's default where Megatron's differs from the field's)."""
+    flag's default where Megatron's differs from the field's). Without names: a field with rules and no flag."""
     meta = {KEY: Flag(tuple(names), group, default=cli_default, **spec)}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
@@ -80,7 +97,7 @@ def add_flags(parser, groups: dict[str, Any], classes, wanted: Callable[[str], b
     first use, kept in `groups`)."""
     for cls in classes:
         for f, fl in declared(cls):
-            if not wanted(fl.group):
+            if not fl.names or not wanted(fl.group):
                 continue
             group = groups.get(fl.group)
             if group is None:
@@ -105,31 +122,21 @@ def add_flags(parser, groups: dict[str, Any], classes, wanted: Callable[[str], b
 def check_ranges(obj) -> None:
     """Every declared range of `obj`'s fields; one line naming the flag when a value lies outside."""
     for f, fl in declared(type(obj)):
-        _check(fl, getattr(obj, f.name))
+        _check(fl, getattr(obj, f.name), fl.name or f.name)
 
 
 def check_flag_values(values, classes) -> None:
     """The declared ranges of parsed flag values (by dest), before any config is built from them."""
     for cls in classes:
         for f, fl in declared(cls):
-            _check(fl, getattr(values, fl.dest or f.name, None))
+            if fl.names:
+                _check(fl, getattr(values, fl.dest or f.name, None), fl.name)
 
 
-def _check(fl: Flag, value) -> None:
-    if value is None or isinstance(value, (list, tuple, str, bool)):
+def _check(fl: Flag, value, name: str) -> None:
+    if value is None or isinstance(value, (list, tuple, str, bool)) or fl.admits(value):
         return
-    low = [(b, c) for b, c in ((fl.minimum, "["), (fl.above, "(")) if b is not None]
-    high = [(b, c) for b, c in ((fl.maximum, "]"), (fl.below, ")")) if b is not None]
-    inside = all(value >= b if c == "[" else value > b for b, c in low) and \
-        all(value <= b if c == "]" else value < b for b, c in high)
-    if inside:
-        return
-    if low and high:
-        raise UsageError(f"{fl.name} must be in {low[0][1]}{_num(low[0][0])}, {_num(high[0][0])}{high[0][1]}, "
-                         f"got {value}")
-    bound, c = (low or high)[0]
-    word = {"[": ">=", "(": ">", "]": "<=", ")": "<"}[c]
-    raise UsageError(f"{fl.name} must be {word} {_num(bound)}, got {value}")
+    raise UsageError(f"{name} must be {fl.bounds()}, got {value}")
 
 
 def _num(x: float) -> str:

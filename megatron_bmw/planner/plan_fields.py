@@ -5,13 +5,14 @@ flags the user never gave (`--tensor-model-parallel-size`), and some were taken 
 
 from __future__ import annotations
 
-import math
 
-from ..config import MODEL_TYPES, NORMALIZATIONS, POSITION_TYPES, SCHEDULES
+import dataclasses
+
+from ..config import ModelConfig, ParallelConfig, PipelineConfig
+from ..config.codec import check_section, shown as _shown
 from ..errors import UsageError
-from ..parallel.layout import ORDERS
 from ..strategy import parse_unit_strategies
-from ..units import DTYPE_BYTES, num_units, parse_recompute
+from ..units import num_units, parse_recompute
 from .engine import ENGINES, OURS
 
 
@@ -39,16 +40,6 @@ class _Fields:
             return None
         if not _is_int(value) or value < low:
             self.fail(path, f"must be an integer >= {low}, got {_shown(value)}")
-        return value
-
-    def number(self, data: dict, key: str, path: str, low: float, high: float | None = None, default=...,
-               open_low: bool = False) -> float:
-        value = self._get(data, key, path, default)
-        ok = _is_number(value) and math.isfinite(value) and (value > low if open_low else value >= low) \
-            and (high is None or value < high)
-        if not ok:
-            bound = f"> {low:g}" if open_low else f">= {low:g}" if high is None else f"in [{low:g}, {high:g})"
-            self.fail(path, f"must be a number {bound}, got {_shown(value)}")
         return value
 
     def boolean(self, data: dict, key: str, path: str, default=...) -> bool:
@@ -81,20 +72,14 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _shown(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
+def _defaults(cls) -> dict:
+    """The defaults of `cls`'s fields that have one (what a plan file may leave out)."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
 
 _SECTIONS = {
     "": ("format", "version", "model", "orig_vocab_size", "make_vocab_size_divisible_by", "parallel", "pipeline",
          "training", "devices", "cluster", "profiles", "prediction", "search"),
-    "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-                 "sequence_parallel", "rank_order", "unit_strategies"),
     "training": ("global_batch_size", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
                  "engine", "accumulate_allreduce_grads_in_fp32", "tp_comm_overlap", "gradient_accumulation_fusion"),
 }
@@ -164,31 +149,8 @@ def check_plan_fields(data: dict, where: str) -> None:
 
 
 def _check_model(f: _Fields, data: dict) -> dict:
-    m = f.section(data, "model")
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        f.integer(m, key, f"model.{key}", 1)
-    f.integer(m, "vocab_size", "model.vocab_size", 2)
-    for key in ("max_position_embeddings", "ffn_hidden_size"):
-        f.integer(m, key, f"model.{key}", 1, default=None, optional=True)
-    for key in ("hidden_dropout", "attention_dropout"):
-        f.number(m, key, f"model.{key}", 0.0, 1.0, default=0.0)
-    for key in ("init_method_std", "layernorm_epsilon"):
-        f.number(m, key, f"model.{key}", 0.0, default=1.0, open_low=True)
-    for key in ("untie_embeddings_and_output_weights", "bert_binary_head", "apply_residual_connection_post_layernorm",
-                "openai_gelu"):
-        f.boolean(m, key, f"model.{key}", False)
-    f.choice(m, "attention_backend", "model.attention_backend", ("auto", "flash", "unfused"), "auto")
-    f.choice(m, "params_dtype", "model.params_dtype", tuple(DTYPE_BYTES), "fp32")
-    f.choice(m, "model_type", "model.model_type", MODEL_TYPES, "gpt")
-    f.choice(m, "position_embedding_type", "model.position_embedding_type", POSITION_TYPES, "learned_absolute")
-    f.choice(m, "normalization", "model.normalization", NORMALIZATIONS, "LayerNorm")
-    for key in ("swiglu", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p"):
-        f.boolean(m, key, f"model.{key}", key == "add_bias_linear")
-    f.number(m, "rotary_percent", "model.rotary_percent", 0.0, default=1.0, open_low=True)
-    f.integer(m, "rotary_base", "model.rotary_base", 1, 10000)
-    f.integer(m, "num_query_groups", "model.num_query_groups", 1, default=None, optional=True)
-    if m.get("rotary_seq_len_interpolation_factor") is not None:
-        f.number(m, "rotary_seq_len_interpolation_factor", "model.rotary_seq_len_interpolation_factor", 1.0)
+    """Each field by its declared type and rules (config/codec.py), then how they fit together."""
+    m = {**_defaults(ModelConfig), **check_section(ModelConfig, f.section(data, "model"), f.where, "model")}
     if m["hidden_size"] % m["num_attention_heads"]:
         f.fail("model.hidden_size", f"{m['hidden_size']} is not divisible by model.num_attention_heads "
                f"{m['num_attention_heads']}")
@@ -204,11 +166,12 @@ def _check_model(f: _Fields, data: dict) -> dict:
 
 def _check_parallel(f: _Fields, data: dict) -> tuple[int, int, int]:
     p = f.section(data, "parallel")
-    degrees = tuple(f.integer(p, key, f"parallel.{key}", 1) for key in
-                    ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"))
-    f.boolean(p, "sequence_parallel", "parallel.sequence_parallel", False)
-    f.choice(p, "rank_order", "parallel.rank_order", ORDERS, "tp-dp-pp")
-    return degrees
+    values = check_section(ParallelConfig, p, f.where, "parallel", exclude=("gpus_per_node",),
+                           extra=("data_parallel_size",))
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        f.integer(p, key, f"parallel.{key}", 1)  # required here, though the config has a default
+    return values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"], \
+        f.integer(p, "data_parallel_size", "parallel.data_parallel_size", 1)
 
 
 def _check_vocab(f: _Fields, data: dict, model: dict, tp: int) -> None:
@@ -233,15 +196,17 @@ def _check_tensor_split(f: _Fields, model: dict, tp: int, parallel_sp) -> None:
 
 
 def _check_pipeline(f: _Fields, pl: dict, num_layers: int, pp: int) -> None:
-    mb = f.integer(pl, "micro_batch_size", "pipeline.micro_batch_size", 1)
-    n = f.integer(pl, "num_microbatches", "pipeline.num_microbatches", 1)
-    virtual = f.integer(pl, "virtual_stages", "pipeline.virtual_stages", 1, 1)
-    schedule = f.choice(pl, "schedule", "pipeline.schedule", SCHEDULES, "1f1b")
+    given = check_section(PipelineConfig, pl, f.where, "pipeline")
+    for key in ("micro_batch_size", "num_microbatches"):
+        f.integer(pl, key, f"pipeline.{key}", 1)  # required here, though the config has a default
+    values = {**_defaults(PipelineConfig), **given}
+    mb, n, virtual, schedule = (values[k] for k in ("micro_batch_size", "num_microbatches", "virtual_stages",
+                                                     "schedule"))
     if virtual > 1 and schedule == "gpipe":
         f.fail("pipeline.schedule", f"gpipe cannot interleave pipeline.virtual_stages {virtual}")
     if schedule == "zbv" and virtual != 2:
         f.fail("pipeline.virtual_stages", f"is {virtual}, but pipeline.schedule zbv holds 2 model chunks per rank")
-    if f.boolean(pl, "bpipe", "pipeline.bpipe", False) and schedule == "gpipe":
+    if values["bpipe"] and schedule == "gpipe":
         f.fail("pipeline.bpipe", "works with the 1F1B schedules, not pipeline.schedule gpipe")
     slicing = pl.get("slicing", 0)
     if slicing != "auto" and (not _is_int(slicing) or slicing < 0):
