@@ -333,31 +333,20 @@ def pipeline_config_from_args(args: argparse.Namespace, dp: int, global_batch_si
                           slicing=slicing)
 
 
-def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int | None = None,
-                      plan=None) -> RunConfig:
-    """Validate the flags against each other and the world size; build the config dataclasses. With `plan` (a
-    Plan: --plan, checked against the flags by `apply_plan`), the model, parallel and pipeline configs are the
-    plan's own objects and the flags give the rest.
-
-    vocab_size: the vocabulary (from the tokenizer); defaults to --vocab-size, padded like Megatron."""
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags' own values and the Megatron choices this implementation refuses, before any config is built."""
     check_flag_values(args, FLAG_CLASSES)
     _check_megatron_choices(args)
     if args.fp16 and args.bf16:
         raise UsageError("--fp16 and --bf16 are mutually exclusive")
     if getattr(args, "model_type", "gpt") != "bert" and not getattr(args, "bert_binary_head", True):
         raise UsageError("--bert-no-binary-head: applies to --model-type bert (a GPT has no sentence-order head)")
-    if plan is not None:
-        return configs_from_plan(args, world_size, vocab_size, plan)
-    tp = args.tensor_model_parallel_size
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                              sequence_parallel=args.sequence_parallel,
-                              rank_order="bpipe" if args.bpipe else "tp-dp-pp", gpus_per_node=args.gpus_per_node,
-                              unit_strategies=_unit_strategies(args, world_size))
-    dp = parallel.data_parallel_size(world_size)
-    batches = batch_schedule_from_args(args, args.micro_batch_size * dp)
-    gbs = batches.global_batch_size
-    pipeline = pipeline_config_from_args(args, dp, gbs, batches.sizes())
-    train_iters = training_length(args, batches)
+
+
+def model_config_from_args(args: argparse.Namespace, tp: int, vocab_size: int | None = None
+                           ) -> tuple[ModelConfig, int]:
+    """The model the flags describe, its vocabulary padded for tensor-parallel size `tp`, and the vocabulary before
+    padding (`vocab_size`: the tokenizer's; else --vocab-size)."""
     orig_vocab = vocab_size if vocab_size is not None else args.vocab_size
     if orig_vocab is None:
         raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)"
@@ -371,9 +360,34 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
         raise UsageError(f"--use-flash-attn (Megatron's older flag for --attention-backend flash) contradicts "
                          f"--attention-backend {args.attention_backend}")
     backend = "flash" if args.use_flash_attn else backend
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     model = from_flags(ModelConfig, args, vocab_size=padded_vocab_size(orig_vocab, args.make_vocab_size_divisible_by, tp),
-                       attention_backend=backend, params_dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-                       model_type=getattr(args, "model_type", "gpt"), **llama_settings(args))
+                       attention_backend=backend, params_dtype=dtype, model_type=getattr(args, "model_type", "gpt"),
+                       **llama_settings(args))
+    return model, orig_vocab
+
+
+def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int | None = None,
+                      plan=None) -> RunConfig:
+    """Validate the flags against each other and the world size; build the config dataclasses. With `plan` (a
+    Plan: --plan, checked against the flags by `apply_plan`), the model, parallel and pipeline configs are the
+    plan's own objects and the flags give the rest.
+
+    vocab_size: the vocabulary (from the tokenizer); defaults to --vocab-size, padded like Megatron."""
+    check_flags(args)
+    if plan is not None:
+        return configs_from_plan(args, world_size, vocab_size, plan)
+    tp = args.tensor_model_parallel_size
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                              sequence_parallel=args.sequence_parallel,
+                              rank_order="bpipe" if args.bpipe else "tp-dp-pp", gpus_per_node=args.gpus_per_node,
+                              unit_strategies=_unit_strategies(args, world_size))
+    dp = parallel.data_parallel_size(world_size)
+    batches = batch_schedule_from_args(args, args.micro_batch_size * dp)
+    gbs = batches.global_batch_size
+    pipeline = pipeline_config_from_args(args, dp, gbs, batches.sizes())
+    train_iters = training_length(args, batches)
+    model, orig_vocab = model_config_from_args(args, tp, vocab_size)
     check_layout(model, parallel)
     check_split_backward(pipeline, parallel, model)
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,

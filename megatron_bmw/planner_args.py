@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from .arguments import add_megatron_args, configs_from_args
+from .arguments import add_megatron_args, check_flags, configs_from_args, model_config_from_args
 from .errors import OneLineParser, UsageError
 from .paths import check_output_dir
 from .pipeline.slicing import choose_slices, stage_times_from_cost
@@ -314,8 +314,7 @@ def cost_settings(args, profiles: Profiles | None = None, plan=None) -> CostSett
     if args.cuda_launch_blocking or (engine.name == OURS and not profiles):
         from .models.op_count import unit_op_counts
 
-        model = plan.spec.model if plan is not None else \
-            configs_from_args(argparse.Namespace(**{**vars(args), **SERIAL_FLAGS}), 1).model
+        model = plan.spec.model if plan is not None else serial_model(args)[0]
         host.update(launch_blocking=args.cuda_launch_blocking,
                     host_ops=tuple((k, f, b) for k, (f, b) in unit_op_counts(model).items()))
     elif args.host_op_us is not None and engine.name == OURS:
@@ -328,7 +327,7 @@ def cost_settings(args, profiles: Profiles | None = None, plan=None) -> CostSett
 
 
 def run_search(args, progress: bool | None = None):
-    """The search of `autoconfig.py search` on parsed flags: (SearchResult, Profiles, the serial RunConfig)."""
+    """The search of `autoconfig.py search` on parsed flags: (SearchResult, Profiles, the vocabulary before padding)."""
     from .planner.search import SearchSettings, search
     from .planner.space import SearchSpace
 
@@ -341,16 +340,16 @@ def run_search(args, progress: bool | None = None):
     space = SearchSpace.parse(args.space).for_engine(engine_from_args(args).name)
     settings = memory_settings(args, profiles, cluster)
     world = args.world_size or cluster.num_gpus
-    one = configs_from_args(argparse.Namespace(**{**vars(args), **SERIAL_FLAGS}), 1)
+    model, orig_vocab = serial_model(args)
     if progress is None:
         progress = not args.no_progress and not args.json
-    result = search(one.model, one.orig_vocab_size, args.make_vocab_size_divisible_by, args.global_batch_size,
+    result = search(model, orig_vocab, args.make_vocab_size_divisible_by, args.global_batch_size,
                     cluster, profiles, space, cost_settings(args, profiles), settings,
                     SearchSettings(world_size=world, top_k=args.top_k, progress=progress))
     if result.best is None:
         raise UsageError(f"no plan fits: every layout of the space runs out of memory on cluster {cluster.name} "
                          "(try more GPUs, a smaller --global-batch-size, or relax --space)")
-    return result, profiles, one
+    return result, profiles, orig_vocab
 
 
 def write_plans(result, profiles: Profiles, orig_vocab_size: int, out_dir: str, top_k: int,
@@ -380,10 +379,8 @@ def write_plans(result, profiles: Profiles, orig_vocab_size: int, out_dir: str, 
     return paths
 
 
-# The model alone, as the search reads it from the flags: one rank, no layout.
-SERIAL_FLAGS = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
-                    unit_strategies=None, pipeline_schedule="1f1b",
-                    micro_batch_size=1, global_batch_size=None, num_layers_per_virtual_pipeline_stage=None,
-                    virtual_pipeline_model_parallel_size=None, pipeline_partition=None, bpipe=False,
-                    microbatch_slicing="0", recompute_units=None, recompute_granularity=None,
-                    recompute_activations=False, recompute_method=None, recompute_num_layers=None)
+def serial_model(args) -> tuple:
+    """The model alone, as the search reads it from the flags (one rank: the vocabulary padded for tp 1), and the
+    vocabulary before padding; the flags' own values checked first."""
+    check_flags(args)
+    return model_config_from_args(args, 1)

@@ -529,14 +529,12 @@ def synthetic_numbers(flags: list[str]) -> dict:
     """planner/allocation_trace.py for the run of `flags` (one GPU; the --plan's choices where given): the
     memory model's tensors in the schedule's order through the caching-allocator model, to set beside the
     recorded trace. {"error": ...} where it cannot be built."""
-    from megatron_bmw.arguments import apply_plan, build_parser, configs_from_args, parse_args
+    from megatron_bmw.arguments import run_config_from_argv
     from megatron_bmw.planner.allocation_trace import synthetic_allocator
     from megatron_bmw.planner.spec import RunSpec
 
     try:
-        parser = build_parser()
-        args = parse_args(flags, parser)
-        run = configs_from_args(args, 1, plan=apply_plan(args, flags, parser) if args.plan else None)
+        run = run_config_from_argv(flags, 1).run
         spec = RunSpec(run.model, 1, 1, 1, run.pipeline)
         got = synthetic_allocator(spec, iterations=2)
     except (UsageError, ValueError) as exc:
@@ -547,13 +545,13 @@ def synthetic_numbers(flags: list[str]) -> dict:
 
 def derived_terms(model: list[str], mbs: int, cluster: str, device_type: str):
     """planner/cuda_allowance.py's terms for `model` (flags) on one GPU of `device_type` (tp, dp, pp 1), bf16."""
-    from megatron_bmw.arguments import build_parser, configs_from_args, parse_args
+    from megatron_bmw.arguments import run_config_from_argv
     from megatron_bmw.planner.cluster import load_cluster
     from megatron_bmw.planner.cuda_allowance import allowance_terms
     from megatron_bmw.planner.memory_model import precision_from
 
     flags = ["--mock-data", *MODEL_FLAGS, *model, "--bf16", *_batch(mbs, mbs)]
-    cfg = configs_from_args(parse_args(flags, build_parser()), 1).model
+    cfg = run_config_from_argv(flags, 1).run.model
     device = load_cluster(cluster).device_type(device_type)
     return allowance_terms(device, cfg, 1, 1, 1, mbs, False, precision_from(cfg, False))
 

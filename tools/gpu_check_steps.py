@@ -362,11 +362,11 @@ class HeldBack:
 def _zero1_run(flags: list[str], group, bucket: int, hold: int = 0, hooks: bool = True) -> dict:
     from dataclasses import replace
 
-    from megatron_bmw.arguments import build_parser, configs_from_args, parse_args
+    from megatron_bmw.arguments import run_config_from_argv
     from megatron_bmw.parallel.state import ParallelState
     from megatron_bmw.training.loop import Trainer
 
-    run = configs_from_args(parse_args(flags, build_parser()), 1)
+    run = run_config_from_argv(flags, 1).run
     run = replace(run, optimizer=replace(run.optimizer, param_bucket_size=bucket))
     state = ParallelState.build(run.parallel, num_units=run.model.num_units)
     state.dp_group = group  # a one-rank group: the gathers and the gradient reduction run their collectives

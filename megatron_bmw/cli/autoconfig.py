@@ -76,12 +76,12 @@ def _search(args) -> int:
     check_output_file("--output", args.output)
     check_output_file("--timeline", args.timeline)
     check_output_dir("--output-dir", args.output_dir)
-    result, profiles, one = run_search(args)
+    result, profiles, orig_vocab = run_search(args)
     engine = engine_from_args(args)
-    plan = plan_from(result.best, result, profiles, one.orig_vocab_size, engine)
+    plan = plan_from(result.best, result, profiles, orig_vocab, engine)
     if args.output:
         plan.save(args.output)
-    written = write_plans(result, profiles, one.orig_vocab_size, args.output_dir, args.top_k, engine) \
+    written = write_plans(result, profiles, orig_vocab, args.output_dir, args.top_k, engine) \
         if args.output_dir else []
     if args.timeline:
         from ..planner.timeline import render_timeline

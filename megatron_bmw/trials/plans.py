@@ -22,7 +22,7 @@ def search_plans(flags: list[str], cluster: str, profile_paths: list[str], world
     if args.global_batch_size is None:
         raise UsageError("--from-search needs --global-batch-size")
     try:
-        result, profiles, one = cli.run_search(args, progress)
+        result, profiles, orig_vocab = cli.run_search(args, progress)
     except UsageError as exc:
         raise UsageError(f"--from-search: {exc}") from None
-    return cli.write_plans(result, profiles, one.orig_vocab_size, args.output_dir, top_k)
+    return cli.write_plans(result, profiles, orig_vocab, args.output_dir, top_k)
