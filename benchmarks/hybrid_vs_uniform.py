@@ -22,7 +22,6 @@ import os
 import sys
 import tempfile
 from dataclasses import replace
-from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -115,7 +114,8 @@ def _model_flags(gbs=SMALL_GBS):
 
 
 def measured(opts) -> None:
-    from megatron_bmw.planner_args import cluster_from_args
+    from megatron_bmw.config.planner import PlannerConfig
+    from megatron_bmw.planner_args import cluster_from
     from megatron_bmw.planner.profile_data import Profile, Profiles
     from megatron_bmw.planner.report import plan_from
     from megatron_bmw.trials.results import load_results
@@ -126,7 +126,7 @@ def measured(opts) -> None:
         _run([sys.executable, "tools/autoconfig.py", "profile", "--output", prof, *_model_flags(),
               "--profile-micro-batch-sizes", "1,2,4", "--profile-tp", "1,2,4"], "autoconfig.py profile")
     profiles = Profiles([Profile.load(prof)])
-    base = cluster_from_args(SimpleNamespace(cluster="local", world_size=WORLD, num_nodes=None), profiles)
+    base = cluster_from(PlannerConfig(cluster="local", world_size=WORLD), profiles)
     model = ModelConfig(**SMALL, max_position_embeddings=SMALL["seq_length"])
     cpu = MemorySettings(device="cpu")
     # the budget where the hybrid's predicted advantage is largest, among fractions of the uniform plan's peak

@@ -6,45 +6,23 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from typing import Callable
 
 from .arguments import add_megatron_args, check_flags, configs_from_args, model_config_from_args
+from .config import ModelConfig, RunConfig
+from .config.planner import ENGINE, PLANNER, TIMING, PlannerConfig
+from .config.schema import add_flags, from_flags, int_list
 from .errors import OneLineParser, UsageError
 from .paths import check_output_dir
 from .pipeline.slicing import choose_slices, stage_times_from_cost
 from .planner.cluster import BUILTIN, Cluster, load_cluster, local_cluster
 from .planner.cost_model import CostModel, CostSettings
 from .planner.cuda_allowance import DerivedAllowance
-from .planner.engine import ENGINES, OURS, EngineConfig, engine_from_flags
+from .planner.engine import OURS, EngineConfig, engine_from_flags
 from .planner.memory_model import MemorySettings
 from .planner.profile_data import Profile, Profiles
 from .planner.spec import spec_from_run_config
 
-
-
-def _ints(flag: str):
-    def parse(text: str) -> tuple[int, ...]:
-        try:
-            values = tuple(int(x) for x in text.split(","))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} expects comma-separated integers, got {text!r}") from None
-        if not values or min(values) < 1:
-            raise argparse.ArgumentTypeError(f"{flag} expects positive integers, got {text!r}")
-        return values
-
-    return parse
-
-
-def _positive(flag: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} expects an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {value}")
-        return value
-
-    return parse
 
 
 def add_model_type_args(p: argparse.ArgumentParser) -> None:
@@ -57,50 +35,9 @@ def add_model_type_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_planner_args(p: argparse.ArgumentParser, timed: bool) -> None:
+    """The planner's flags (config/planner.py); `timed`: with the cost model's (simulate, search)."""
     add_model_type_args(p)
-    g = p.add_argument_group("planner")
-    g.add_argument("--cluster", default="local", help=f"built-in ({', '.join(BUILTIN)}) or a YAML file")
-    g.add_argument("--num-nodes", type=_positive("--num-nodes"), default=None, help="resize a single-group cluster")
-    g.add_argument("--world-size", type=_positive("--world-size"), default=None, help="GPUs used (default: all of the cluster)")
-    g.add_argument("--profile", action="append", default=[],
-                   help="profile JSON (autoconfig.py profile), one or more (one per device type); else analytic")
-    g.add_argument("--rank-order", choices=["tp-dp-pp", "bpipe"], default="tp-dp-pp")
-    g.add_argument("--memory-device", choices=["cuda", "cpu"], default=None,
-                   help="kernel behaviour the activation count follows (default: cpu only for a local CPU profile)")
-    g.add_argument("--memory-workspace-gb", type=float, default=None,
-                   help="fixed allowance per GPU (default: the profile's memory_allowance, else on cuda derived per "
-                        "device type and layout: CUDA context, cuBLAS workspaces, NCCL buffers; 0 on cpu)")
-    g.add_argument("--memory-fragmentation", type=float, default=None,
-                   help="fractional allowance on top (default: the profile's memory_allowance, else on cuda the "
-                        "caching allocator's rounding of the layout's tensors; 0 on cpu)")
-    g = p.add_argument_group("engine (whose model states the memory counts; Megatron-LM's flag names)")
-    g.add_argument("--engine", choices=ENGINES, default=OURS,
-                   help="megatron_bmw (this runtime: fp32 main gradients), megatron-core (Megatron-LM) or deepspeed "
-                        "(ZeRO stage 0/1, fp16; --use-distributed-optimizer for stage 1)")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="megatron-core: the gradient buffer in fp32 (default: on for bf16, off for fp16)")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="megatron-core: 16-bit gradient buffer with bf16 (off by default)")
-    g.add_argument("--tp-comm-overlap", action="store_true",
-                   help="megatron-core with Transformer Engine: the sequence-parallel all-gathers and reduce-scatters "
-                        "overlap the GEMMs next to them (timed only where the cluster gives the SM count)")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
-    if timed:
-        g.add_argument("--achievable-fraction", type=float, default=None,
-                       help="of peak FLOP/s for analytic times (default: the device type's in the cluster file, "
-                            "else 0.5)")
-        g.add_argument("--bandwidth-fraction", type=float, default=0.8,
-                       help="of the memory bandwidth, for memory-bound work")
-        g.add_argument("--overlap-factor", type=float, default=None,
-                       help="slowdown of overlapped DP sync (default: the profile's overlap_factor, else 1.3)")
-        g.add_argument("--cuda-launch-blocking", action="store_true",
-                       help="the run sets CUDA_LAUNCH_BLOCKING=1: each unit's host time (its operators, counted on "
-                            "this CPU, x --host-op-us) adds to its device time (analytic times only)")
-        g.add_argument("--host-op-us", type=float, default=None,
-                       help="host time per dispatched operator (default: 80, measured for this runtime on an "
-                            "H100's host): our runtime's analytic units take at least their host time, and with "
-                            "--cuda-launch-blocking any engine's add it")
-        g.add_argument("--timeline", default=None, help="write the simulated timeline as a PNG")
+    add_flags(p, {}, [PlannerConfig], lambda group: group in (PLANNER, ENGINE) or (timed and group == TIMING))
 
 
 def build_autoconfig_parser() -> argparse.ArgumentParser:
@@ -138,8 +75,8 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
     p.set_defaults(mock_data=True, vocab_size=50257)
     g = p.add_argument_group("profiler")
     g.add_argument("--output", required=True, help="profile JSON to write")
-    g.add_argument("--profile-micro-batch-sizes", type=_ints("--profile-micro-batch-sizes"), default=(1, 2, 4))
-    g.add_argument("--profile-tp", type=_ints("--profile-tp"), default=(1,))
+    g.add_argument("--profile-micro-batch-sizes", type=int_list("--profile-micro-batch-sizes"), default=(1, 2, 4))
+    g.add_argument("--profile-tp", type=int_list("--profile-tp"), default=(1,))
     g.add_argument("--profile-repeats", type=int, default=5)
     g.add_argument("--profile-warmup", type=int, default=2)
     g.add_argument("--profile-rounds", type=int, default=1, help="sweeps over all entries (spreads samples in time)")
@@ -171,18 +108,18 @@ CUDA_WORKSPACE_GB = 1.5
 CUDA_FRAGMENTATION = 0.10
 
 
-def load_profiles(args) -> Profiles:
-    return Profiles([Profile.load(path) for path in args.profile])
+def load_profiles(paths: list[str]) -> Profiles:
+    return Profiles([Profile.load(path) for path in paths])
 
 
-def cluster_from_args(args, profiles: Profiles, placeholder_ok: bool = False) -> Cluster:
+def cluster_from(planner: PlannerConfig, profiles: Profiles, placeholder_ok: bool = False) -> Cluster:
     """The cluster of --cluster: `local` is this machine as a measured profile describes it; without one it is
     refused (its built-in figures are placeholders) unless `placeholder_ok` (trial predictions shown beside the
     measurements)."""
     measured = [p for ps in profiles.by_type.values() for p in ps if p.mode == "measured"]
-    if args.cluster == "local" and measured:
+    if planner.cluster == "local" and measured:
         profile = measured[0]
-        gpus = args.world_size or 2
+        gpus = planner.world_size or 2
         p2p = profile.link("p2p")
         if p2p is None:
             raise UsageError(f"--profile {profile.source}: no measured links (profiled with --no-links); "
@@ -192,17 +129,17 @@ def cluster_from_args(args, profiles: Profiles, placeholder_ok: bool = False) ->
         if cores is not None:  # and the host's memory: each rank's capacity is its share
             memory /= gpus
         return local_cluster(gpus, profile.device_type(memory), p2p, profile.link("allreduce"), cores)
-    if args.cluster == "local" and not placeholder_ok:  # plans on placeholder figures would look real and be wrong
+    if planner.cluster == "local" and not placeholder_ok:  # plans on placeholder figures would look real and be wrong
         raise UsageError("--cluster local: this machine has not been measured; run `python tools/autoconfig.py "
                          "profile --output prof.json <the same model flags>` and add --profile prof.json (or name a "
                          f"described cluster: {', '.join(b for b in BUILTIN if b != 'local')}, or a YAML file)")
-    return load_cluster(args.cluster, args.num_nodes)
+    return load_cluster(planner.cluster, planner.num_nodes)
 
 
-def engine_from_args(args) -> EngineConfig:
-    return engine_from_flags(getattr(args, "engine", None), getattr(args, "accumulate_allreduce_grads_in_fp32", False),
-                             getattr(args, "grad_reduce_in_bf16", False), getattr(args, "tp_comm_overlap", False),
-                             getattr(args, "gradient_accumulation_fusion", True))
+def engine_of(planner: PlannerConfig, gradient_accumulation_fusion: bool = True) -> EngineConfig:
+    """The engine whose memory the planner counts (`gradient_accumulation_fusion`: the run's flag)."""
+    return engine_from_flags(planner.engine, planner.accumulate_allreduce_grads_in_fp32, planner.grad_reduce_in_bf16,
+                             planner.tp_comm_overlap, gradient_accumulation_fusion)
 
 
 ENGINE_FLAGS = ("engine", "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16", "tp_comm_overlap",
@@ -221,7 +158,7 @@ def plan_from_args(args, argv: list[str], parser: argparse.ArgumentParser):
     given = given_flags(argv, parser)
     check_flags_against_plan(args, given, plan)
     engine_given = [given[d] for d in ENGINE_FLAGS if d in given]
-    mine = engine_from_args(args)
+    mine = engine_of(planner_config(args), args.gradient_accumulation_fusion)
     if engine_given and mine != plan.engine:
         raise UsageError(f"{' '.join(engine_given)}: engine {mine.describe()} disagrees with --plan {args.plan} "
                          f"(engine {plan.engine.describe()})")
@@ -239,11 +176,11 @@ def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.Ar
     raise KeyError(name)
 
 
-def planned_spec(args, plan, cluster: Cluster):
-    """The RunSpec of a --plan on `cluster`; --world-size given beside it must agree."""
-    spec, where = plan.spec, f"--plan {args.plan}"
-    if args.world_size is not None and args.world_size != spec.world_size:
-        raise UsageError(f"--world-size {args.world_size} disagrees with {where} ({spec.world_size} ranks: tp "
+def planned_spec(plan_path: str, plan, planner: PlannerConfig, cluster: Cluster):
+    """The RunSpec of the plan at `plan_path` on `cluster`; the planner's --world-size must agree."""
+    spec, where = plan.spec, f"--plan {plan_path}"
+    if planner.world_size is not None and planner.world_size != spec.world_size:
+        raise UsageError(f"--world-size {planner.world_size} disagrees with {where} ({spec.world_size} ranks: tp "
                          f"{spec.tp} x pp {spec.pp} x dp {spec.dp})")
     if spec.world_size > cluster.num_gpus:
         raise UsageError(f"{where} needs {spec.world_size} GPUs (tp {spec.tp} x pp {spec.pp} x dp {spec.dp}) but "
@@ -251,19 +188,19 @@ def planned_spec(args, plan, cluster: Cluster):
     return spec
 
 
-def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None,
+def memory_settings(planner: PlannerConfig, profiles: Profiles, cluster: Cluster | None = None,
                     engine: EngineConfig | None = None) -> MemorySettings:
-    """The flags' memory settings (`engine`: a plan's, else the flags'). On cuda the allowance is derived per
+    """The planner's memory settings (`engine`: a plan's, else the planner's). On cuda the allowance is derived per
     layout on the cluster's device types (cuda_allowance.py; no cluster: the default device), the profiles'
     measured CUDA memory replacing its terms; an explicit workspace or fragmentation (flags, else a calibrated
     profile) replaces the derived one. On the CPU: the flags, else a calibrated profile, else what a CPU profile
     measured a training process to hold beyond its tensors (host_memory), else none."""
-    device = args.memory_device
+    device = planner.memory_device
     if device is None:
         cpu = any(p.device.get("kind") == "cpu" for ps in profiles.by_type.values() for p in ps)
-        device = "cpu" if cpu and args.cluster == "local" else "cuda"
-    workspace = args.memory_workspace_gb
-    fragmentation = args.memory_fragmentation
+        device = "cpu" if cpu and planner.cluster == "local" else "cuda"
+    workspace = planner.memory_workspace_gb
+    fragmentation = planner.memory_fragmentation
     if workspace is None and profiles.memory_workspace_bytes is not None:  # calibrated
         workspace = profiles.memory_workspace_bytes / 2**30
     if fragmentation is None and profiles.memory_fragmentation is not None:
@@ -278,19 +215,25 @@ def memory_settings(args, profiles: Profiles, cluster: Cluster | None = None,
         derived = DerivedAllowance(devices, profiles.measured_cuda_memory(),
                                    None if workspace is None else workspace * 2**30, fragmentation)
     return MemorySettings(device=device, workspace_bytes=(workspace or 0.0) * 2**30, fragmentation=fragmentation or 0.0,
-                          engine=engine or engine_from_args(args), derived=derived)
+                          engine=engine or engine_of(planner), derived=derived)
 
 
-def spec_from_args(args, cluster: Cluster, profiles: Profiles, costs: CostSettings = CostSettings()):
-    world = args.world_size or cluster.num_gpus
-    if world < 1:
-        raise UsageError(f"--world-size must be >= 1, got {world}")
+def spec_from_flags(args, planner: PlannerConfig, cluster: Cluster, profiles: Profiles,
+                    costs: CostSettings = CostSettings()):
+    """The RunSpec the model flags (`args`) describe on `cluster`, with the planner's world size and rank order."""
+    world = planner.world_size or cluster.num_gpus
     if world > cluster.num_gpus:
         raise UsageError(f"--world-size {world} exceeds the {cluster.num_gpus} GPUs of cluster {cluster.name}")
-    cfg = configs_from_args(args, world)  # also checks --bpipe and --microbatch-slicing
-    if not cfg.pipeline.bpipe and args.rank_order != cfg.parallel.rank_order:
-        cfg.parallel.rank_order = args.rank_order
-    if cfg.pipeline.slicing == "auto":  # AutoPipe's slicer on the cost model's stage times
+    return spec_of_run(configs_from_args(args, world), world, planner.rank_order, cluster, profiles, costs)
+
+
+def spec_of_run(cfg: RunConfig, world: int, rank_order: str, cluster: Cluster, profiles: Profiles,
+                costs: CostSettings = CostSettings()):
+    """A run's RunSpec for the planner: its rank order (BPipe's pairs win) and, for --microbatch-slicing auto,
+    AutoPipe's slicer on the cost model's stage times."""
+    if not cfg.pipeline.bpipe and rank_order != cfg.parallel.rank_order:
+        cfg.parallel.rank_order = rank_order
+    if cfg.pipeline.slicing == "auto":
         plain = spec_from_run_config(replace(cfg, pipeline=replace(cfg.pipeline, slicing=0)), world)
         cost = CostModel(plain, cluster, profiles, costs)
         f, b, c = stage_times_from_cost(cost.compute_time, cost.transfer_time, plain.pp,
@@ -299,30 +242,32 @@ def spec_from_args(args, cluster: Cluster, profiles: Profiles, costs: CostSettin
     return spec_from_run_config(cfg, world)
 
 
-def cost_settings(args, profiles: Profiles | None = None, plan=None) -> CostSettings:
-    """The flags' cost settings (with `plan`: its model and engine); the overlap factor, when not given, from the
-    profiles (calibrated), else 1.3."""
-    overlap = args.overlap_factor
+def cost_settings(planner: PlannerConfig, profiles: Profiles | None = None, plan=None,
+                  model_of: Callable[[], ModelConfig] | None = None, engine: EngineConfig | None = None) -> CostSettings:
+    """The planner's cost settings for the model `model_of` gives, where the host's operators are counted (with
+    `plan`: its model and engine; else `engine`, by default the planner's); the overlap factor, when not given,
+    from the profiles (calibrated), else 1.3."""
+    overlap = planner.overlap_factor
     if overlap is None:
         overlap = (profiles.overlap_factor if profiles is not None else None) or CostSettings().overlap_factor
-    engine = engine_from_args(args) if plan is None else plan.engine
+    engine = plan.engine if plan is not None else engine or engine_of(planner)
     host = {}
-    if args.host_op_us is not None:
-        host["host_op_s"] = args.host_op_us * 1e-6
+    if planner.host_op_us is not None:
+        host["host_op_s"] = planner.host_op_us * 1e-6
     # the host's time per operator is measured for our runtime: its analytic unit times take at least it (or,
     # with blocking launches, add it); other engines' hosts are not measured, so only where asked for
-    if args.cuda_launch_blocking or (engine.name == OURS and not profiles):
+    if planner.cuda_launch_blocking or (engine.name == OURS and not profiles):
         from .models.op_count import unit_op_counts
 
-        model = plan.spec.model if plan is not None else serial_model(args)[0]
-        host.update(launch_blocking=args.cuda_launch_blocking,
+        model = plan.spec.model if plan is not None else model_of()
+        host.update(launch_blocking=planner.cuda_launch_blocking,
                     host_ops=tuple((k, f, b) for k, (f, b) in unit_op_counts(model).items()))
-    elif args.host_op_us is not None and engine.name == OURS:
+    elif planner.host_op_us is not None and engine.name == OURS:
         raise UsageError("--host-op-us applies to analytic unit times; a profile's times hold the host already")
-    elif args.host_op_us is not None:
+    elif planner.host_op_us is not None:
         raise UsageError(f"--host-op-us: engine {engine.name}'s host is not modelled (our runtime's is, and any "
                          "engine's with --cuda-launch-blocking)")
-    return CostSettings(achievable_fraction=args.achievable_fraction, bandwidth_fraction=args.bandwidth_fraction,
+    return CostSettings(achievable_fraction=planner.achievable_fraction, bandwidth_fraction=planner.bandwidth_fraction,
                         overlap_factor=overlap, engine=engine, **host)
 
 
@@ -335,16 +280,18 @@ def run_search(args, progress: bool | None = None):
         raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
     if args.global_batch_size is None:
         raise UsageError("search needs --global-batch-size")
-    profiles = load_profiles(args)
-    cluster = cluster_from_args(args, profiles)
-    space = SearchSpace.parse(args.space).for_engine(engine_from_args(args).name)
-    settings = memory_settings(args, profiles, cluster)
-    world = args.world_size or cluster.num_gpus
+    planner = planner_config(args)
+    profiles = load_profiles(planner.profile)
+    cluster = cluster_from(planner, profiles)
+    engine = engine_of(planner, args.gradient_accumulation_fusion)
+    space = SearchSpace.parse(args.space).for_engine(engine.name)
+    settings = memory_settings(planner, profiles, cluster, engine)
+    world = planner.world_size or cluster.num_gpus
     model, orig_vocab = serial_model(args)
     if progress is None:
         progress = not args.no_progress and not args.json
     result = search(model, orig_vocab, args.make_vocab_size_divisible_by, args.global_batch_size,
-                    cluster, profiles, space, cost_settings(args, profiles), settings,
+                    cluster, profiles, space, cost_settings(planner, profiles, model_of=lambda: model, engine=engine), settings,
                     SearchSettings(world_size=world, top_k=args.top_k, progress=progress))
     if result.best is None:
         raise UsageError(f"no plan fits: every layout of the space runs out of memory on cluster {cluster.name} "
@@ -377,6 +324,11 @@ def write_plans(result, profiles: Profiles, orig_vocab_size: int, out_dir: str, 
         if re.fullmatch(r"plan_\d+\.json", name) and name not in kept:
             os.remove(os.path.join(out_dir, name))
     return paths
+
+
+def planner_config(args) -> PlannerConfig:
+    """The planner's settings from autoconfig.py's parsed flags."""
+    return from_flags(PlannerConfig, args)
 
 
 def serial_model(args) -> tuple:

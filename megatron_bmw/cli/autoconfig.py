@@ -24,18 +24,25 @@ from ..planner.calibrate import calibrate, calibrated_profile_json, calibration_
 from ..planner.evaluate import estimate_memory, simulate_run
 from ..planner.report import estimate_json, extrapolation_note, memory_table, simulate_json
 from ..planner.files import write_json
-from ..planner_args import (build_autoconfig_parser, cluster_from_args, configs_from_args, cost_settings,
-                            engine_from_args, load_profiles, memory_settings, plan_from_args, planned_spec, run_search,
-                            spec_from_args, subcommand_parser, write_plans)
+from ..planner_args import (build_autoconfig_parser, cluster_from, configs_from_args, cost_settings, engine_of,
+                            load_profiles, memory_settings, plan_from_args, planned_spec, planner_config, run_search,
+                            serial_model, spec_from_flags, subcommand_parser, write_plans)
 from ..trials.results import load_results
 from ..trials.specs import TrialModel
 
 
+def _planner(args, plan):
+    """The planner's settings, profiles, cluster and engine (a plan's own, else the flags')."""
+    planner = planner_config(args)
+    profiles = load_profiles(planner.profile)
+    engine = plan.engine if plan else engine_of(planner, args.gradient_accumulation_fusion)
+    return planner, profiles, cluster_from(planner, profiles), engine
+
+
 def _estimate(args, plan) -> int:
-    profiles = load_profiles(args)
-    cluster = cluster_from_args(args, profiles)
-    spec = planned_spec(args, plan, cluster) if plan else spec_from_args(args, cluster, profiles)
-    settings = memory_settings(args, profiles, cluster, plan.engine if plan else None)
+    planner, profiles, cluster, engine = _planner(args, plan)
+    spec = planned_spec(args.plan, plan, planner, cluster) if plan else spec_from_flags(args, planner, cluster, profiles)
+    settings = memory_settings(planner, profiles, cluster, engine)
     memory = estimate_memory(spec, settings=settings)
     data = estimate_json(spec, memory, cluster, settings)
     print(json.dumps(data) if args.json else memory_table(data))
@@ -44,11 +51,11 @@ def _estimate(args, plan) -> int:
 
 def _simulate(args, plan) -> int:
     check_output_file("--timeline", args.timeline)
-    profiles = load_profiles(args)
-    cluster = cluster_from_args(args, profiles)
-    costs = cost_settings(args, profiles, plan)
-    spec = planned_spec(args, plan, cluster) if plan else spec_from_args(args, cluster, profiles, costs)
-    settings = memory_settings(args, profiles, cluster, plan.engine if plan else None)
+    planner, profiles, cluster, engine = _planner(args, plan)
+    costs = cost_settings(planner, profiles, plan, model_of=lambda: serial_model(args)[0], engine=engine)
+    spec = planned_spec(args.plan, plan, planner, cluster) if plan else \
+        spec_from_flags(args, planner, cluster, profiles, costs)
+    settings = memory_settings(planner, profiles, cluster, engine)
     ev = simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline))
     data = simulate_json(ev, cluster, settings)
     if args.timeline:
@@ -77,7 +84,7 @@ def _search(args) -> int:
     check_output_file("--timeline", args.timeline)
     check_output_dir("--output-dir", args.output_dir)
     result, profiles, orig_vocab = run_search(args)
-    engine = engine_from_args(args)
+    engine = engine_of(planner_config(args), args.gradient_accumulation_fusion)
     plan = plan_from(result.best, result, profiles, orig_vocab, engine)
     if args.output:
         plan.save(args.output)
@@ -146,7 +153,7 @@ def _calibrate(args) -> int:
     check_output_file("--output", args.output)
     overlap = args.overlap_factor
     if overlap is None:
-        overlap = load_profiles(args).overlap_factor or CostSettings().overlap_factor
+        overlap = load_profiles(args.profile).overlap_factor or CostSettings().overlap_factor
     costs = CostSettings(achievable_fraction=args.achievable_fraction, overlap_factor=overlap)
     print(run_calibrate(args.results, args.cluster, args.profile, args.output, costs))
     return 0

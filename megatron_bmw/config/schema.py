@@ -104,10 +104,12 @@ def add_flags(parser, groups: dict[str, Any], classes, wanted: Callable[[str], b
                 group = groups[fl.group] = parser.add_argument_group(fl.group)
             kwargs: dict[str, Any] = {"dest": fl.dest or f.name}
             default = fl.default if fl.default is not UNSET else _field_default(f)
-            if fl.action is not None:
+            if fl.action in ("store_true", "store_false"):
                 kwargs["action"] = fl.action
                 if default is not None and fl.action == "store_true" and default is not False:
                     kwargs["default"] = default
+            elif fl.action is not None:  # append
+                kwargs.update(action=fl.action, default=default)
             else:
                 kwargs["default"] = default
                 kwargs["type"] = fl.type or _value_type(f)
@@ -159,3 +161,35 @@ def from_flags(cls, values, **given: Any):
 def flag_names(cls) -> dict[str, str]:
     """field name -> its flag, for messages that name a field's flag."""
     return {f.name: fl.name for f, fl in declared(cls)}
+
+
+def positive_int(flag_name: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= 1, refused at parse time naming the flag."""
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag_name} expects an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag_name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def int_list(flag_name: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated positive integers, refused at parse time naming the flag."""
+    def parse(text: str) -> tuple[int, ...]:
+        import argparse
+
+        try:
+            values = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag_name} expects comma-separated integers, got {text!r}") from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{flag_name} expects positive integers, got {text!r}")
+        return values
+
+    return parse

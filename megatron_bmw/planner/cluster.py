@@ -42,6 +42,7 @@ from importlib import resources
 
 import yaml
 
+from ..config.planner import BUILTIN_CLUSTERS
 from ..errors import UsageError
 from .files import read_text
 
@@ -229,8 +230,7 @@ class Cluster:
 
 
 # ---- loading -------------------------------------------------------------------------------------------------
-BUILTIN = ("a100-80g-ib", "a100-40g-ib", "h100-80g-ib", "rtx-titan-pcie", "aws-p3.8xlarge", "aws-g4dn.12xlarge",
-           "amp-heterogeneous", "local")
+BUILTIN = BUILTIN_CLUSTERS
 
 
 def builtin_names() -> tuple[str, ...]:

@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from ..arguments import parse_args
+from ..config.planner import PlannerConfig
 from ..errors import UsageError
 from .. import planner_args as cli
 from ..planner.cluster import Cluster, load_cluster, local_cluster
@@ -52,13 +53,12 @@ class TrialModel:
             costs = CostSettings(overlap_factor=profiles.overlap_factor or CostSettings().overlap_factor)
         return cls(cluster, profiles, costs)
 
-    def _ns(self, world: int) -> argparse.Namespace:
-        return argparse.Namespace(cluster=self.cluster, num_nodes=None, world_size=world, memory_device=None,
-                                  memory_workspace_gb=None, memory_fragmentation=None)
+    def planner(self, world: int) -> PlannerConfig:
+        return PlannerConfig(cluster=self.cluster, world_size=world)
 
     def cluster_for(self, world: int, profiles: Profiles | None = None) -> Cluster:
         profiles = self.profiles if profiles is None else profiles
-        cluster = cli.cluster_from_args(self._ns(world), profiles, placeholder_ok=True)
+        cluster = cli.cluster_from(self.planner(world), profiles, placeholder_ok=True)
         if cluster.num_gpus < world and self.cluster == "local":  # the analytic local machine, grown to the trial
             group = load_cluster("local").groups[0]
             cluster = local_cluster(world, group.device, group.intra_node, cores=group.cores_per_node)
@@ -67,17 +67,16 @@ class TrialModel:
         return cluster
 
     def memory_settings(self) -> MemorySettings:
-        return self.memory or cli.memory_settings(self._ns(1), self.profiles, self.cluster_for(1))
+        return self.memory or cli.memory_settings(self.planner(1), self.profiles, self.cluster_for(1))
 
     def spec(self, record: dict) -> RunSpec:
         """The RunSpec of a trial record (its plan, or its flags on its world size)."""
         if record.get("plan"):
             return Plan.from_json(record["plan"], f"plan of trial {record['id']}").spec
         world = int(record["world_size"])
-        args = parse_args([*record["argv"], "--world-size", str(world)], _simulate_parser())
-        args.cluster, args.num_nodes = self.cluster, None
+        args = parse_args(record["argv"], _simulate_parser())
         _resolve_vocab(args)
-        return cli.spec_from_args(args, self.cluster_for(world), self.profiles, self.costs)
+        return cli.spec_from_flags(args, self.planner(world), self.cluster_for(world), self.profiles, self.costs)
 
     def predict(self, record: dict) -> dict:
         """{iteration_time_s, stages: [{peak_bytes, allowance_bytes, capacity_bytes}], fits}."""

@@ -1,10 +1,10 @@
 """The derived CUDA allowance: each term by hand, their precedence, and the profile's measured terms."""
 
-import argparse
 
 import pytest
 
 from megatron_bmw.config import ModelConfig
+from megatron_bmw.config.planner import PlannerConfig
 from megatron_bmw.planner.cluster import load_cluster
 from megatron_bmw.planner.cuda_allowance import (DerivedAllowance, MeasuredCudaMemory, allocator_fraction,
                                                  allowance_terms, block_overhead, cublas_workspace_bytes, segment_tails,
@@ -69,8 +69,7 @@ def test_terms_and_measured_ones_first():
 
 
 def _ns(**kw):
-    base = dict(memory_device=None, cluster="a100-80g-ib", memory_workspace_gb=None, memory_fragmentation=None)
-    return argparse.Namespace(**{**base, **kw})
+    return PlannerConfig(**{"cluster": "a100-80g-ib", **kw})
 
 
 def test_precedence_flags_profile_derived():

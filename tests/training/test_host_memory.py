@@ -57,7 +57,7 @@ def test_measured_for_real_in_this_process():
 
 
 def test_profile_field_and_the_cpu_allowance():
-    from megatron_bmw.planner_args import build_autoconfig_parser, memory_settings
+    from megatron_bmw.planner_args import build_autoconfig_parser, memory_settings, planner_config
 
     data = {"format": 1, "device": {"name": "cpu-1-thread", "kind": "cpu"}, "dtype": "fp32",
             "model": {"hidden_size": 16, "num_attention_heads": 2, "ffn_hidden_size": 64, "seq_length": 8,
@@ -73,7 +73,7 @@ def test_profile_field_and_the_cpu_allowance():
 
     def settings(*flags):
         args = parser.parse_args(["estimate", "--cluster", "local", *flags])
-        return memory_settings(args, Profiles([prof]))
+        return memory_settings(planner_config(args), Profiles([prof]))
 
     got = settings()
     assert (got.device, got.workspace_bytes, got.fragmentation) == ("cpu", 9e7, 0.25)

@@ -1,0 +1,76 @@
+"""The planner's settings beside a run's model flags (tools/autoconfig.py estimate, simulate, search): the cluster,
+the profiles, the memory allowance, the engine whose memory is counted, and the cost model's knobs. Each field
+declares its flag (schema.flag); the planner's functions take this object, never the parsed flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schema import flag, positive_int
+
+ENGINES = ("megatron_bmw", "megatron-core", "deepspeed")
+BUILTIN_CLUSTERS = ("a100-80g-ib", "a100-40g-ib", "h100-80g-ib", "rtx-titan-pcie", "aws-p3.8xlarge",
+                    "aws-g4dn.12xlarge", "amp-heterogeneous", "local")  # planner/clusters/<name>.yaml
+OURS = "megatron_bmw"
+PLANNER, ENGINE, TIMING = "planner", "engine (whose model states the memory counts; Megatron-LM's flag names)", "timing"
+
+
+@dataclass
+class PlannerConfig:
+    cluster: str = flag("--cluster", group=PLANNER, default="local",
+                        help=f"built-in ({', '.join(BUILTIN_CLUSTERS)}) or a YAML file")
+    num_nodes: int | None = flag("--num-nodes", group=PLANNER, default=None, type=positive_int("--num-nodes"),
+                                 help="resize a single-group cluster")
+    world_size: int | None = flag("--world-size", group=PLANNER, default=None, type=positive_int("--world-size"),
+                                  help="GPUs used (default: all of the cluster)")
+    profile: list[str] = flag("--profile", group=PLANNER, default_factory=list, action="append",
+                              help="profile JSON (autoconfig.py profile), one or more (one per device type); else "
+                                   "analytic")
+    rank_order: str = flag("--rank-order", group=PLANNER, default="tp-dp-pp", choices=("tp-dp-pp", "bpipe"))
+    memory_device: str | None = flag(
+        "--memory-device", group=PLANNER, default=None, choices=("cuda", "cpu"),
+        help="kernel behaviour the activation count follows (default: cpu only for a local CPU profile)")
+    memory_workspace_gb: float | None = flag(
+        "--memory-workspace-gb", group=PLANNER, default=None,
+        help="fixed allowance per GPU (default: the profile's memory_allowance, else on cuda derived per device type "
+             "and layout: CUDA context, cuBLAS workspaces, NCCL buffers; 0 on cpu)")
+    memory_fragmentation: float | None = flag(
+        "--memory-fragmentation", group=PLANNER, default=None,
+        help="fractional allowance on top (default: the profile's memory_allowance, else on cuda the caching "
+             "allocator's rounding of the layout's tensors; 0 on cpu)")
+    engine: str = flag("--engine", group=ENGINE, default=OURS, choices=ENGINES,
+                       help="megatron_bmw (this runtime: fp32 main gradients), megatron-core (Megatron-LM) or "
+                            "deepspeed (ZeRO stage 0/1, fp16; --use-distributed-optimizer for stage 1)")
+    accumulate_allreduce_grads_in_fp32: bool = flag(
+        "--accumulate-allreduce-grads-in-fp32", group=ENGINE, default=False, action="store_true",
+        help="megatron-core: the gradient buffer in fp32 (default: on for bf16, off for fp16)")
+    grad_reduce_in_bf16: bool = flag("--grad-reduce-in-bf16", group=ENGINE, default=False, action="store_true",
+                                     help="megatron-core: 16-bit gradient buffer with bf16 (off by default)")
+    tp_comm_overlap: bool = flag(
+        "--tp-comm-overlap", group=ENGINE, default=False, action="store_true",
+        help="megatron-core with Transformer Engine: the sequence-parallel all-gathers and reduce-scatters overlap the "
+             "GEMMs next to them (timed only where the cluster gives the SM count)")
+    json: bool = flag("--json", group=ENGINE, default=False, action="store_true", help="print one JSON object")
+    # what simulate and search time (not estimate)
+    achievable_fraction: float | None = flag(
+        "--achievable-fraction", group=TIMING, default=None,
+        help="of peak FLOP/s for analytic times (default: the device type's in the cluster file, else 0.5)")
+    bandwidth_fraction: float = flag("--bandwidth-fraction", group=TIMING, default=0.8,
+                                     help="of the memory bandwidth, for memory-bound work")
+    overlap_factor: float | None = flag(
+        "--overlap-factor", group=TIMING, default=None,
+        help="slowdown of overlapped DP sync (default: the profile's overlap_factor, else 1.3)")
+    cuda_launch_blocking: bool = flag(
+        "--cuda-launch-blocking", group=TIMING, default=False, action="store_true",
+        help="the run sets CUDA_LAUNCH_BLOCKING=1: each unit's host time (its operators, counted on this CPU, x "
+             "--host-op-us) adds to its device time (analytic times only)")
+    host_op_us: float | None = flag(
+        "--host-op-us", group=TIMING, default=None,
+        help="host time per dispatched operator (default: 80, measured for this runtime on an H100's host): our "
+             "runtime's analytic units take at least their host time, and with --cuda-launch-blocking any engine's "
+             "add it")
+    timeline: str | None = flag("--timeline", group=TIMING, default=None,
+                                help="write the simulated timeline as a PNG")
+
+    def __post_init__(self) -> None:
+        self.profile = list(self.profile)
