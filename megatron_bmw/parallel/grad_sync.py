@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .state import ParallelState, group_size
+from .groups import group_size
+from .state import ParallelState
 from .wgrad_accum import set_sinks
 
 

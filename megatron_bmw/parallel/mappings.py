@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .state import group_rank, group_size
+from .groups import group_rank, group_size
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:

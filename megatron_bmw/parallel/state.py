@@ -16,14 +16,6 @@ from .placement import Uniform
 from .random import RNGTracker
 
 
-def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
 @dataclass
 class ParallelState:
     layout: RankLayout
