@@ -106,6 +106,7 @@ def _search(args) -> int:
 
 def _profile(args) -> int:
     from ..planner.analytic import ProfileSettings, analytic_profile
+    from ..training.loop import Trainer
     from ..training.profiler import run_profile
 
     check_output_file("--output", args.output)
@@ -133,7 +134,7 @@ def _profile(args) -> int:
     else:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        profile = run_profile(cfg.model, settings, cfg.parallel.sequence_parallel, run=cfg)
+        profile = run_profile(cfg.model, settings, cfg.parallel.sequence_parallel, run=cfg, trainer_class=Trainer)
         if args.device_type:
             profile.device["type"] = args.device_type
     profile.save(args.output)
