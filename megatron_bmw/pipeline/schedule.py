@@ -273,9 +273,6 @@ class Schedule:
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.kind in COMPUTE_KINDS]
 
-    def comm_actions(self, rank: int) -> list[Action]:
-        return [a for a in self.actions[rank] if a.kind in COMM_KINDS]
-
     def transfer_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.kind in TRANSFER_KINDS]
 
