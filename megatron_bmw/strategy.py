@@ -146,7 +146,3 @@ def local_slice(src: UnitStrategy, dst: UnitStrategy) -> bool:
         if not (s0 <= d0 and d1 <= s1):
             return False
     return True
-
-
-def is_uniform(strategies) -> bool:
-    return strategies is None or len(set(strategies)) <= 1

@@ -18,17 +18,13 @@ import sys
 from ..arguments import parse_args
 from ..errors import UsageError, exit_on_usage_error
 from ..paths import check_output_dir, check_output_file
-from ..planner.cluster import load_cluster
 from ..planner.cost_model import CostSettings
-from ..planner.calibrate import calibrate, calibrated_profile_json, calibration_table
 from ..planner.evaluate import estimate_memory, simulate_run
 from ..planner.report import estimate_json, extrapolation_note, memory_table, simulate_json
-from ..planner.files import write_json
-from ..planner_args import (build_autoconfig_parser, cluster_from, configs_from_args, cost_settings, engine_of,
-                            load_profiles, memory_settings, plan_from_args, planned_spec, planner_config, run_search,
-                            serial_model, spec_from_flags, subcommand_parser, write_plans)
-from ..trials.results import load_results
-from ..trials.specs import TrialModel
+from ..planner_args import (build_autoconfig_parser, cluster_from, cost_settings, engine_of, load_profiles,
+                            memory_settings, plan_from_args, planned_spec, planner_config, run_search, serial_model,
+                            spec_from_flags, subcommand_parser, write_plans)
+from .profile_commands import profile_command, run_calibrate
 
 
 def _planner(args, plan):
@@ -111,44 +107,6 @@ def _search(args) -> int:
     return 0
 
 
-def _profile(args) -> int:
-    from ..planner.analytic import ProfileSettings, analytic_profile
-    from ..training.profiler import run_profile
-
-    check_output_file("--output", args.output)
-    cfg = configs_from_args(args, args.tensor_model_parallel_size)
-    for tp in args.profile_tp:
-        try:
-            cfg.model.check_tensor_parallel(tp)
-        except UsageError as exc:
-            raise UsageError(str(exc).replace(f"--tensor-model-parallel-size {tp}", f"--profile-tp {tp}")) from None
-    settings = ProfileSettings(micro_batch_sizes=args.profile_micro_batch_sizes, tp_sizes=args.profile_tp,
-                               warmup=args.profile_warmup, repeats=args.profile_repeats, threads=args.threads,
-                               links=not args.no_links, rounds=args.profile_rounds,
-                               statistic=args.profile_statistic,
-                               gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", True))
-    if args.analytic:
-        if not args.cluster:
-            raise UsageError("--analytic needs --cluster to name the device type's peak FLOP/s")
-        cluster = load_cluster(args.cluster)
-        types = {g.device.name: g.device for g in cluster.groups}
-        name = args.device_type or next(iter(types))
-        if name not in types:
-            raise UsageError(f"--device-type {name} is not in cluster {cluster.name} ({', '.join(types)})")
-        profile = analytic_profile(cfg.model, types[name], settings,
-                                   CostSettings(achievable_fraction=args.achievable_fraction).fraction(types[name]))
-    else:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        profile = run_profile(cfg.model, settings, cfg.parallel.sequence_parallel, run=cfg)
-        if args.device_type:
-            profile.device["type"] = args.device_type
-    profile.save(args.output)
-    print(f"profile of {len(profile.units)} unit timings ({profile.mode}, {profile.device.get('name')}) "
-          f"written to {args.output}")
-    return 0
-
-
 def _calibrate(args) -> int:
     check_output_file("--output", args.output)
     overlap = args.overlap_factor
@@ -174,15 +132,4 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "plan", None):
         raise UsageError(f"--plan: {args.command} does not read a plan file (estimate and simulate do; "
                          "search writes one with --output)")
-    return {"profile": _profile, "search": _search, "calibrate": _calibrate}[args.command](args)
-
-
-def run_calibrate(results_path: str, cluster: str, profile_paths: list[str], output: str,
-                  costs: CostSettings = CostSettings()) -> str:
-    """The `calibrate` subcommand: fit, write the profile, return the text to print."""
-    model = TrialModel.from_paths(cluster, profile_paths, costs)
-    out = calibrate(load_results(results_path), model, costs)
-    data = calibrated_profile_json(out, results_path)
-    write_json(output, data, "--output", "profile")
-    return (calibration_table(out) + f"\nprofile written to {output}: autoconfig.py search --profile {output} "
-            f"(it carries the overlap factor and the memory allowance; flags given beside it win)")
+    return {"profile": profile_command, "search": _search, "calibrate": _calibrate}[args.command](args)

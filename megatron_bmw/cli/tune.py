@@ -26,14 +26,17 @@ import sys
 import time
 from dataclasses import dataclass, fields
 
+from ..arguments import parse_args
 from ..errors import OneLineParser, UsageError, exit_on_usage_error
 from ..paths import check_output_dir
 from ..planner.files import write_json
+from ..planner_args import build_autoconfig_parser
 from ..trials.cli import run_trial
 from ..trials.grid import Trial, expand, load_plans, parse_flag_tokens
 from ..trials.report import plot, table
 from ..trials.results import FINAL, Results
 from ..trials.runner import LaunchConfig, Runner
+from .profile_commands import profile_command, run_calibrate
 
 
 def build_parser() -> OneLineParser:
@@ -182,11 +185,10 @@ class Tuner:
             if self.opts.cluster != "local":
                 raise UsageError(f"--cluster {self.opts.cluster}: give --profile (a profile of its devices, "
                                  "autoconfig.py profile on one of them); tune profiles this machine only")
-            from .autoconfig import main as autoconfig
-
             print(f"[tune] no --profile: profiling this machine into {path}", flush=True)
             tps = ",".join(str(t) for t in (1, 2, 4, 8) if t <= self.world and self.world % t == 0)
-            autoconfig(["profile", *self.search_flags(), "--profile-tp", tps, "--output", path])
+            argv = ["profile", *self.search_flags(), "--profile-tp", tps, "--output", path]
+            profile_command(parse_args(argv, build_autoconfig_parser()))
         return [path]
 
     def search(self, round_: int, profiles: list[str], top_k: int) -> list[Trial]:
@@ -252,7 +254,6 @@ class Tuner:
 
     def calibrate(self, round_: int, profiles: list[str]) -> list[str]:
         from ..planner.cost_model import CostSettings
-        from .autoconfig import run_calibrate
 
         ok = [m for b in self.trials if (m := self.measured(b)) and m["status"] == "ok"]
         if len(ok) < 2:

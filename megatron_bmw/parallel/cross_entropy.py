@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .state import ParallelState, group_size
+from .groups import group_size
+from .state import ParallelState
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:

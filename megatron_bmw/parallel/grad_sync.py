@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .state import ParallelState, group_size
+from .groups import group_size
 from .wgrad_accum import set_sinks
 
 
@@ -36,9 +36,10 @@ class _Bucket:
 
 
 class GradSync:
-    def __init__(self, params: list[nn.Parameter], state: ParallelState, bucket_size: int = 40_000_000,
+    def __init__(self, params: list[nn.Parameter], state, bucket_size: int = 40_000_000,
                  overlap: bool = False, fusion: bool = True) -> None:
-        """fusion: linear layers add their weight gradients into `main_grad` themselves (wgrad_accum.py)."""
+        """state: the ParallelState (its device, dp, tp and embedding groups); fusion: linear layers add their
+        weight gradients into `main_grad` themselves (wgrad_accum.py)."""
         self.state = state
         self.overlap = overlap and state.dp_group is not None  # a one-rank group reduces too (a GPU check)
         self.params = [p for p in params if p.requires_grad]

@@ -3,7 +3,7 @@
 
 Membership: the stage's ranks and each rank's position `local` come from the base layout RankLayout(1, N, pp,
 order): local is that layout's dp coordinate. A unit's tp and dp groups are the stage ranks at the local indices
-strategy.tp_groups() / dp_groups(). Each unit gets a ParallelState view (`UnitState`) whose tp group and dp group
+strategy.tp_groups() / dp_groups(). Each unit gets a ParallelView (`UnitState`) whose tp group and dp group
 are its strategy's, so the tensor-parallel layers work unchanged per unit.
 
 Data: every rank of a stage holds the whole stage micro-batch (micro-batch size x N samples, what dp ranks 0..N-1
@@ -38,7 +38,7 @@ from .layout import RankLayout
 from .random import TP_RNG
 from .relayout import relayout
 from .placement import Uniform
-from .state import ParallelState
+from .view import ParallelView
 
 PARAM_FLAGS = ("tensor_model_parallel", "partition_dim", "sequence_parallel", "shared_embedding", "counts_in_norm",
                "shared_embedding_copy", "embedding_or_output")
@@ -66,8 +66,8 @@ class UnitRNG:
 
 
 @dataclass
-class UnitState(ParallelState):
-    """A ParallelState as one unit sees it: its strategy's tp and dp groups and coordinates."""
+class UnitState(ParallelView):
+    """A ParallelView as one unit sees it: its strategy's tp and dp groups and coordinates."""
 
     strategy: UnitStrategy = field(default_factory=lambda: UnitStrategy(1, 1))
     local: int = 0
@@ -129,13 +129,13 @@ class Hybrid(Uniform):
     def names(self) -> list[str]:
         return [str(s) for s in self.strategies]
 
-    def unit_state(self, state: ParallelState, index: int) -> UnitState:
+    def unit_state(self, state: ParallelView, index: int) -> UnitState:
         return self.view(state, index)
 
     def check(self, cfg) -> None:
         check_hybrid(self, cfg)
 
-    def chunks(self, cfg, state: ParallelState, units: dict, chunk_units: list[list[int]], make_chunk=None) -> list:
+    def chunks(self, cfg, state: ParallelView, units: dict, chunk_units: list[list[int]], make_chunk=None) -> list:
         """HybridModel chunks: each unit's parameters reduce over its own dp group; sharded units wrapped by FSDP2."""
         names = unit_names(cfg.num_layers)
         for i in (i for c in chunk_units for i in c):
@@ -152,27 +152,27 @@ class Hybrid(Uniform):
         mark_norm_counting(chunks, self)
         return chunks
 
-    def loader(self, state: ParallelState, micro_batch_size: int) -> tuple[int, int, int]:
+    def loader(self, state: ParallelView, micro_batch_size: int) -> tuple[int, int, int]:
         """Every rank of a stage loads the stage micro-batch: what dp ranks 0..N-1 of a uniform run would."""
         return micro_batch_size * self.width, 1, 0
 
-    def hidden_shape(self, cfg, state: ParallelState, micro_batch_size: int) -> tuple[int, int, int]:
+    def hidden_shape(self, cfg, state: ParallelView, micro_batch_size: int) -> tuple[int, int, int]:
         """The whole stage micro-batch (the engine divides it by the dp of the unit before a chunk)."""
         return (cfg.seq_length, micro_batch_size * self.width, cfg.hidden_size)
 
-    def loss_divisor(self, state: ParallelState) -> int:
+    def loss_divisor(self, state: ParallelView) -> int:
         return self.loss_replicas()
 
     def trainable(self, named: list) -> list:
         return local_params(named)
 
-    def grad_sync(self, params: list, state: ParallelState, overlap: bool = False, fusion: bool = True):
+    def grad_sync(self, params: list, state: ParallelView, overlap: bool = False, fusion: bool = True):
         return HybridGradSync(params, state)  # unfused: FSDP's units take their gradients through autograd
 
     def activation_params(self, chunks: list):
         return lambda: unsharded_storages(chunks)
 
-    def checkpoint_shard(self, state: ParallelState) -> tuple[int, int, bool]:
+    def checkpoint_shard(self, state: ParallelView) -> tuple[int, int, bool]:
         """Every rank of a stage holds its own shards: each writes mp_rank_<position in stage>_<stage>."""
         return self.local, self.width, True
 
@@ -193,10 +193,10 @@ class Hybrid(Uniform):
         except (ImportError, AttributeError):
             pass
 
-    def view(self, state: ParallelState, index: int) -> UnitState:
-        """The ParallelState unit `index` is built with."""
+    def view(self, state: ParallelView, index: int) -> UnitState:
+        """The ParallelView unit `index` is built with."""
         s = self.strategies[index]
-        kw = {f.name: getattr(state, f.name) for f in fields(ParallelState)}
+        kw = {f.name: getattr(state, f.name) for f in fields(ParallelView)}
         kw.update(tp_group=self.groups[s][0], dp_group=self.groups[s][1], sequence_parallel=False,
                   rng=UnitRNG(state.rng, s.coords(self.local)[0]))
         return UnitState(**kw, strategy=s, local=self.local)
@@ -334,7 +334,7 @@ class HybridGradSync:
     dp group; sharded ones (their local handles from `local_params`) take FSDP2's reduce-scattered sum; the tied
     embedding copy is summed over the embedding group as in a uniform run."""
 
-    def __init__(self, params: list[torch.Tensor], state: ParallelState, bucket_size: int = 40_000_000) -> None:
+    def __init__(self, params: list[torch.Tensor], state: ParallelView, bucket_size: int = 40_000_000) -> None:
         from .grad_sync import _Bucket, weak_grad_hooks
         from .wgrad_accum import set_sinks
 

@@ -16,10 +16,10 @@ from torch import nn
 from .init import shard
 from .deferred_wgrad import linear
 from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
-from .state import ParallelState
+from .view import ParallelView
 
 
-def _param(full: torch.Tensor, state: ParallelState, dim: int | None, dtype: torch.dtype,
+def _param(full: torch.Tensor, state: ParallelView, dim: int | None, dtype: torch.dtype,
            stride: int = 1) -> nn.Parameter:
     p = nn.Parameter(shard(full, dim, state.tp_rank, state.tp_size, stride).to(device=state.device, dtype=dtype))
     p.tensor_model_parallel = dim is not None and state.tp_size > 1
@@ -38,7 +38,7 @@ def counted_once(param: torch.Tensor, tp_rank: int) -> bool:
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             state: ParallelState) -> torch.Tensor:
+                             state: ParallelView) -> torch.Tensor:
     """Linear on the tensor-parallel input: all-gathered over the sequence with SP (saving only this rank's part;
     the backward gathers it again), else copied to tp. Its weight gradient may be deferred (deferred_wgrad)."""
     if state.sequence_parallel and state.tp_size > 1:
@@ -49,7 +49,7 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (output features). Output stays split unless gather_output."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, state: ParallelState,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, state: ParallelView,
                  gather_output: bool = False, dtype: torch.dtype = torch.float32, stride: int = 1) -> None:
         """stride: the output rows are `stride` blocks each split over tp (SwiGLU's [gate; up])."""
         super().__init__()
@@ -67,7 +67,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = X A^T + b with A split by columns (input features); the input arrives split."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, state: ParallelState,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, state: ParallelView,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.state = state
@@ -87,7 +87,7 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary; ids outside this rank's range contribute zeros."""
 
-    def __init__(self, weight: torch.Tensor, state: ParallelState, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, weight: torch.Tensor, state: ParallelView, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.state = state
         self.weight = _param(weight, state, 0, dtype)
@@ -103,6 +103,6 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(out, self.state.tp_group)
 
 
-def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, state: ParallelState) -> torch.Tensor:
+def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, state: ParallelView) -> torch.Tensor:
     """Logits split over the vocabulary: [s, b, h] x [v/t, h] -> [s, b, v/t]."""
     return sequence_parallel_linear(hidden, weight, None, state)

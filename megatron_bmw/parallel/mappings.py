@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .state import group_rank, group_size
+from .groups import group_rank, group_size
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -73,17 +73,6 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return gather_along(g, -1, ctx.group), None
-
-
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -138,10 +127,6 @@ def copy_to_tp(x, group):
 
 def reduce_from_tp(x, group):
     return _ReduceFromTP.apply(x, group)
-
-
-def scatter_to_tp(x, group):
-    return _ScatterToTP.apply(x, group)
 
 
 def gather_from_tp(x, group):

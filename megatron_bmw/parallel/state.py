@@ -1,10 +1,11 @@
-"""One object holding this rank's place in the parallel layout and its process groups."""
+"""One object holding this rank's place in the parallel layout and its process groups: ParallelState builds the
+groups (a hybrid placement's too), owns and destroys them; what it records is view.py's ParallelView."""
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,44 +13,12 @@ import torch.distributed as dist
 from ..config import ParallelConfig
 from ..device import choose_backend, default_device, set_device
 from .layout import RankLayout
-from .placement import Uniform
-from .random import RNGTracker
-
-
-def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+from .view import ParallelView
 
 
 @dataclass
-class ParallelState:
-    layout: RankLayout
-    rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    tp_group: object = None
-    dp_group: object = None
-    pp_group: object = None
-    mp_group: object = None
-    embedding_group: object = None
-    pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, by stage
-    sequence_parallel: bool = False
-    rng: RNGTracker = field(default_factory=RNGTracker)
-    # NCCL only: one group per direction of each neighbouring pipeline pair, keyed (src, dst) global ranks, so a
-    # communicator carries one direction and per-channel FIFO order is enough to rule out cross-direction cycles.
-    p2p_groups: dict = field(default_factory=dict)
-    # NCCL with the bpipe rank order: one group per direction of each BPipe pair (stage s, stage p-1-s), keyed
-    # (src, dst) global ranks, so evicted activations never share a communicator with stage-to-stage traffic.
-    transfer_groups: dict = field(default_factory=dict)
-    # where the units live on the stage's ranks (parallel/placement.py): Megatron's, or per-unit strategies
-    units: Uniform = field(default_factory=Uniform)
-    owned_groups: list = field(default_factory=list, repr=False)  # every group build() made: destroy() ends them
-
-    def __post_init__(self) -> None:
-        if self.rng.device != self.device:
-            self.rng = RNGTracker(self.device)
+class ParallelState(ParallelView):
+    """A ParallelView whose process groups `build` makes (a hybrid placement's too) and `destroy` ends."""
 
     @classmethod
     def serial(cls, device: torch.device | str = "cpu") -> "ParallelState":
@@ -104,46 +73,6 @@ class ParallelState:
         self.owned_groups = []
         self.p2p_groups, self.transfer_groups = {}, {}
         self.units.destroy()
-
-    def p2p_group(self, src: int, dst: int):
-        """Process group for point-to-point traffic from global rank src to dst (None: the default group)."""
-        return self.p2p_groups.get((src, dst))
-
-    def transfer_group(self, src: int, dst: int):
-        """Process group for BPipe transfers from global rank src to dst (None: the default group)."""
-        return self.transfer_groups.get((src, dst))
-
-    @property
-    def tp_rank(self) -> int:
-        return self.layout.coords(self.rank)[0]
-
-    @property
-    def dp_rank(self) -> int:
-        return self.layout.coords(self.rank)[1]
-
-    @property
-    def pp_rank(self) -> int:
-        return self.layout.coords(self.rank)[2]
-
-    @property
-    def tp_size(self) -> int:
-        return self.layout.tp
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp
-
-    @property
-    def pp_size(self) -> int:
-        return self.layout.pp
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
 
 
 def _live_groups() -> list:

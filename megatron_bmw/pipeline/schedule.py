@@ -143,10 +143,6 @@ class Action:
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS
 
-    @property
-    def is_comm(self) -> bool:
-        return self.kind in COMM_KINDS
-
     def label(self, show_chunk: bool = True) -> str:
         """Short text such as F3, B3.1 (chunk 1), F3a (half 0), W3 (weight gradient), SA3>2 (send activation to
         rank 2), EV3>5. An input-gradient BACKWARD_INPUT shows as B, like a whole BACKWARD."""
@@ -272,12 +268,6 @@ class Schedule:
 
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.kind in COMPUTE_KINDS]
-
-    def comm_actions(self, rank: int) -> list[Action]:
-        return [a for a in self.actions[rank] if a.kind in COMM_KINDS]
-
-    def transfer_actions(self, rank: int) -> list[Action]:
-        return [a for a in self.actions[rank] if a.kind in TRANSFER_KINDS]
 
     def copy(self, actions: list[list[Action]] | None = None) -> Schedule:
         """Same schedule with new (or copied) action lists; actions are immutable and shared."""

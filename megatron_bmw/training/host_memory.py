@@ -36,15 +36,14 @@ def _release() -> None:
         pass
 
 
-def _rise(run: RunConfig, then: Callable | None = None) -> tuple[float | None, object]:
+def _rise(run: RunConfig, trainer_class: Callable, then: Callable | None = None) -> tuple[float | None, object]:
     """The resident peak's rise over STEPS iterations of `run` from here (None without /proc), and `then(trainer)`
     after it was read (None without `then`)."""
     from ..parallel.state import ParallelState
-    from .loop import Trainer
 
     _release()
     mark = ResidentPeak()
-    trainer = Trainer(run, ParallelState.build(run.parallel, device="cpu", num_units=run.model.num_units))
+    trainer = trainer_class(run, ParallelState.build(run.parallel, device="cpu", num_units=run.model.num_units))
     for _ in range(STEPS):
         trainer.train_step()
     grown = mark.growth()
@@ -77,13 +76,16 @@ def _counted(run: RunConfig) -> float:
     return m.params_bytes + m.grads_bytes + m.optimizer_bytes + m.activation_bytes + m.transient_bytes
 
 
-def measure_host_memory(run: RunConfig, micro_batch_size: int, then: Callable | None = None) -> tuple[dict, list]:
+def measure_host_memory(run: RunConfig, micro_batch_size: int, trainer_class: Callable,
+                        then: Callable | None = None) -> tuple[dict, list]:
     """{"runtime_bytes", "fraction"} for the profile of `run`'s model at `micro_batch_size` ({} where /proc is not
     there), and `then(trainer)` of the second one-layer and the two-layer runs (other measures on the same
-    trainers: optimizer_time.py). Call it in a process that has not trained yet: the runtime's first use is part
-    of what it reads."""
+    trainers: optimizer_time.py). trainer_class: training/loop.Trainer, passed in (the loop imports the profiler,
+    which imports this module). Call it in a process that has not trained yet: the runtime's first use is part of
+    what it reads."""
     one, two = cut_run(run, 1, micro_batch_size), cut_run(run, 2, micro_batch_size)
-    (first, _), (again, a), (deeper, b) = _rise(one), _rise(one, then), _rise(two, then)
+    (first, _), (again, a), (deeper, b) = (_rise(one, trainer_class), _rise(one, trainer_class, then),
+                                           _rise(two, trainer_class, then))
     if first is None or again is None or deeper is None:
         return {}, [a, b]
     per_byte = max(1.0, (deeper - again) / (_counted(two) - _counted(one)))

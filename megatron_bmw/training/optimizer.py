@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.layers import counted_once
-from ..parallel.state import ParallelState, group_rank, group_size
+from ..parallel.groups import group_rank, group_size
+from ..parallel.state import ParallelState
 from ..config import OptimizerConfig
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .param_gather import ParamGather, ShardLayout

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.state import group_size
+from ..parallel.groups import group_size
 
 @dataclass(frozen=True)
 class Bucket:

@@ -357,11 +357,16 @@ def _merge_ranks(results: list[dict]) -> list[UnitTiming]:
 
 
 def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(),
-                sequence_parallel: bool = False, run: RunConfig | None = None) -> Profile:
+                sequence_parallel: bool = False, run: RunConfig | None = None,
+                trainer_class: Callable | None = None) -> Profile:
     """Measure everything on this machine. tp=1 runs in this process; larger degrees in spawned processes.
     With `run` (the run's whole configuration) on the CPU, first what a training process holds beyond the
-    counted tensors (host_memory.py) and its optimizer step (optimizer_time.py)."""
+    counted tensors (host_memory.py) and its optimizer step (optimizer_time.py), on trainers of `trainer_class`
+    (training/loop.Trainer, passed in: the loop imports this module)."""
     from ..parallel.state import ParallelState
+
+    if run is not None and trainer_class is None:
+        raise ValueError("run_profile: a profile with `run` needs `trainer_class` (training/loop.Trainer)")
 
     previous = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
@@ -379,7 +384,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
         if run is not None and not cuda:  # before anything else runs: the runtime's first use is measured
             progress(0, "measuring what a training process holds beyond its tensors, and its optimizer step")
             host, timed_steps = measure_host_memory(replace(run, model=model), max(settings.micro_batch_sizes),
-                                                    then=step_seconds)
+                                                    trainer_class, then=step_seconds)
             step = fit_optimizer_step(timed_steps, model.dtype_bytes)
         units: list[UnitTiming] = []
         overhead: dict = {}

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_bmw.planner.profile_data import Profile, Profiles
 from megatron_bmw.training import host_memory
-from megatron_bmw.training.loop import build_trainer
+from megatron_bmw.training.loop import Trainer, build_trainer
 
 GPT = ["--mock-data", "--vocab-size", "64", "--num-layers", "3", "--hidden-size", "16", "--num-attention-heads", "2",
        "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "1", "--global-batch-size", "2",
@@ -23,16 +23,13 @@ def test_terms_from_the_resident_rises(monkeypatch):
     """The one-layer cut run twice, then the two-layer one, each after the previous one's memory went back:
     fraction from the difference of the last two against the memory model's, runtime from the first less the
     second as counted with it."""
-    from megatron_bmw.training import loop
-
     run, runs, releases = _run(), [], []
 
-    class Spy(loop.Trainer):
+    class Spy(Trainer):
         def __init__(self, run, *args, **kwargs):
             super().__init__(run, *args, **kwargs)
             runs.append(self)
 
-    monkeypatch.setattr(loop, "Trainer", Spy)
     monkeypatch.setattr(host_memory, "_release", lambda: releases.append(len(runs)))
     one, two = (host_memory._counted(host_memory.cut_run(run, n, 2)) for n in (1, 2))
     for rises, per_byte in (([90e6 + 1.2 * one, 1.2 * one, 1.2 * two], 1.2),
@@ -40,7 +37,7 @@ def test_terms_from_the_resident_rises(monkeypatch):
         steps = iter(rises)
         monkeypatch.setattr(host_memory, "ResidentPeak", lambda: SimpleNamespace(growth=lambda: next(steps)))
         runs.clear()
-        got, after = host_memory.measure_host_memory(run, 2, then=lambda t: t.run.model.num_layers)
+        got, after = host_memory.measure_host_memory(run, 2, Spy, then=lambda t: t.run.model.num_layers)
         assert after == [1, 2]  # `then` on the second one-layer and the two-layer trainers
         assert [(r.run.model.num_layers, r.run.pipeline.micro_batch_size, r.run.pipeline.num_microbatches,
                  len(r.step_times)) for r in runs] == [(1, 2, 2, 3), (1, 2, 2, 3), (2, 2, 2, 3)]
@@ -50,7 +47,7 @@ def test_terms_from_the_resident_rises(monkeypatch):
 
 
 def test_measured_for_real_in_this_process():
-    got, after = host_memory.measure_host_memory(_run(), 1)
+    got, after = host_memory.measure_host_memory(_run(), 1, Trainer)
     assert after == [None, None]
     assert set(got) == {"runtime_bytes", "fraction"}  # this process trained before: the runtime is mostly paid
     assert all(v >= 0 and math.isfinite(v) for v in got.values())

@@ -8,7 +8,7 @@ import pytest
 from megatron_bmw.planner.cost_model import optimizer_step_bytes, optimizer_step_seconds
 from megatron_bmw.planner.profile_data import Profile
 from megatron_bmw.training import optimizer_time
-from megatron_bmw.training.loop import build_trainer
+from megatron_bmw.training.loop import Trainer, build_trainer
 
 GPT = ["--mock-data", "--vocab-size", "64", "--num-layers", "3", "--hidden-size", "16", "--num-attention-heads", "2",
        "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "1", "--global-batch-size", "2",
@@ -28,7 +28,7 @@ def test_measured_for_real_on_the_host_memory_trainers():
     from megatron_bmw.training.host_memory import measure_host_memory
 
     run = build_trainer(GPT).run
-    _, points = measure_host_memory(run, 1, then=optimizer_time.step_seconds)
+    _, points = measure_host_memory(run, 1, Trainer, then=optimizer_time.step_seconds)
     assert [p for p, _ in points][0] < points[1][0] and all(t > 0 for _, t in points)
     got = optimizer_time.fit_optimizer_step(points, run.model.dtype_bytes)
     assert got == {} or (got["bytes_per_s"] > 0 and got["fixed_s"] >= 0 and math.isfinite(got["bytes_per_s"]))
