@@ -11,6 +11,15 @@ torch.set_num_threads(1)
 
 from tests.tiers import FAST  # noqa: E402
 
+if FAST:  # matplotlib builds its font cache on first use by starting fc-list: here, before processes are refused
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import font_manager  # noqa: F401
+    except ImportError:  # plots are optional
+        pass
+
 
 _THREADS: dict[int, dict[str, int]] = {}
 
