@@ -221,12 +221,15 @@ def _check(opts) -> None:
         raise UsageError(f"--script {opts.script}: no such file")
     if opts.plot is not None and os.path.isdir(opts.plot):
         raise UsageError(f"--plot {opts.plot}: is a directory, expected a PNG file name")
-    for flag, path in (("--plot", opts.plot), ("--results", opts.results), ("--log-dir", opts.log_dir)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            raise UsageError(f"{flag} {path}: folder {folder} does not exist (or is not a folder)")
     if opts.report_only and not os.path.isfile(opts.results):
         raise UsageError(f"--results {opts.results}: no such file (nothing to report)")
+    for flag, path in (("--plot", opts.plot), ("--results", opts.results), ("--log-dir", opts.log_dir)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):  # created, as the other outputs' folders are
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as exc:
+                raise UsageError(f"{flag} {path}: cannot create folder {folder} ({exc.strerror})") from None
     if opts.warmup_iters < 0:
         raise UsageError("--warmup-iters must be >= 0")
     if opts.warmup_iters >= opts.trial_iters:

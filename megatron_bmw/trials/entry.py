@@ -4,7 +4,8 @@
 
 The line is ` trial memory | rank R | stage S | peak allocated B | peak reserved B | device used B` (CUDA:
 torch's peak allocation and reservation, and the device's used memory, which adds the context and other
-processes; CPU: the model states plus the activation store's peak, when the run keeps a store).
+processes) or ` ... | peak allocated B | peak rss B` (CPU: the model states plus the activation store's peak, when
+the run keeps a store; and the process's peak resident memory, all it held).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def memory_line(trainer) -> str:
     if st.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(st.device)
         fields += [f"peak reserved {int(torch.cuda.max_memory_reserved(st.device))}", f"device used {total - free}"]
+    else:
+        import resource
+
+        fields.append(f"peak rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}")  # Linux: KiB
     return f" trial memory | rank {st.rank} | stage {st.pp_rank} | " + " | ".join(fields)
 
 

@@ -28,15 +28,22 @@ def _size(nbytes: float | None) -> str:
     return f"{nbytes / GiB:.2f}G" if nbytes >= GiB else f"{nbytes / 2**20:.1f}M"
 
 
+def _rss(r: dict) -> float | None:
+    """A CPU trial's largest peak resident memory over its stages (trials/entry.py)."""
+    values = [s.get("peak_rss") for s in (r.get("stage_memory") or {}).values() if s.get("peak_rss")]
+    return max(values) if values else None
+
+
 def table(records: list[dict], predictions: dict[str, float]) -> str:
     rows = measured_rows(records)
     width = max([len(_label(r)) for r in records] + [6])
+    rss = any(_rss(r) for r in rows)
     lines = [f"{'#':>3} {'trial':<12} {'layout':<{width}} {'iter s':>9} {'tokens/s':>10} {'pred s':>9} "
-             f"{'error':>7} {'peak mem':>9}"]
+             f"{'error':>7} {'peak alloc':>10}" + (f" {'peak RSS':>9}" if rss else "")]
     for i, r in enumerate(rows, 1):
         pred = predictions.get(r["id"])
         err = f"{100 * (pred / r['median_iteration_s'] - 1):+6.1f}%" if pred else f"{'-':>7}"
-        mem = f"{_size(r.get('peak_memory_bytes')):>9}"
+        mem = f"{_size(r.get('peak_memory_bytes')):>10}" + (f" {_size(_rss(r)):>9}" if rss else "")
         lines.append(f"{i:>3} {r['id']:<12} {_label(r):<{width}} {r['median_iteration_s']:9.4f} "
                      f"{r.get('tokens_per_s') or 0:10.0f} {(f'{pred:9.4f}' if pred else f'{chr(45):>9}')} "
                      f"{err} {mem}")
@@ -44,6 +51,9 @@ def table(records: list[dict], predictions: dict[str, float]) -> str:
     for r in sorted(others, key=lambda r: r.get("status", "")):
         reason = (r.get("reason") or "").replace("\n", " ")
         lines.append(f"{'-':>3} {r['id']:<12} {_label(r):<{width}} {r.get('status', '?'):>9}  {reason[:100]}")
+    lines.append("peak alloc: the largest rank's peak tensor bytes (CUDA: torch's peak allocation; CPU: model states, "
+                 "plus saved activations where the run tracks them)" + ("; peak RSS: its process's peak resident "
+                                                                        "memory" if rss else ""))
     counts = {}
     for r in records:
         counts[r.get("status")] = counts.get(r.get("status"), 0) + 1

@@ -136,7 +136,7 @@ def test_bad_sweep_inputs_named_in_one_line(tmp_path, monkeypatch, capsys):
         (["--nproc-per-node", "abc"], "argument --nproc-per-node: invalid int value: 'abc'"),
         (["--kill-grace", "-5", *run], "--kill-grace must be >= 0 seconds"),
         (["--trial-timeout", "0", *run], "--trial-timeout must be > 0 seconds"),
-        (["--plot", "no/dir/x.png", "--report-only", "--results", "garbage.jsonl"], "--plot no/dir/x.png: folder"),
+        (["--plot", "a_file/x.png", "--report-only", "--results", "garbage.jsonl"], "--plot a_file/x.png: cannot create"),
         (["--plot", ".", "--report-only", "--results", "garbage.jsonl"], "--plot .: is a directory"),
         (["--grid", "empty.yaml", *run], "--grid empty.yaml: empty"),
         (["--grid", "empty_axis.yaml", *run], "the axis --micro-batch-size has no values"),
@@ -144,8 +144,8 @@ def test_bad_sweep_inputs_named_in_one_line(tmp_path, monkeypatch, capsys):
         (["--report-only", "--results", "garbage.jsonl"], "--results garbage.jsonl: line 2 is not a JSON record"),
         (["--report-only", "--results", "missing.jsonl"], "--results missing.jsonl: no such file"),
         ([*run, "--script", "nope.py"], "--script nope.py: no such file"),
-        ([*run, "--results", "a_file/r.jsonl"], "--results a_file/r.jsonl: folder"),
-        ([*run, "--log-dir", "a_file/logs"], "--log-dir a_file/logs: folder"),
+        ([*run, "--results", "a_file/r.jsonl"], "--results a_file/r.jsonl: cannot create folder"),
+        ([*run, "--log-dir", "a_file/logs"], "--log-dir a_file/logs: cannot create folder"),
     ]:
         assert message in _one_error_line(main, argv, capsys), argv
 
@@ -169,12 +169,12 @@ def test_a_results_line_cut_by_a_kill_is_skipped_and_not_glued_to(tmp_path, caps
 def test_dry_run_lists_without_running(tmp_path, capsys):
     from megatron_bmw.trials.cli import main
 
-    results = tmp_path / "r.jsonl"
+    results = tmp_path / "new" / "r.jsonl"  # its folder is created, as the other outputs' are
     main(["--nproc-per-node", "2", *MODEL.split(), "--pipeline-model-parallel-size", "1,2,4", "--dry-run",
           "--results", str(results)])
     out = capsys.readouterr().out
     assert "3 trials: 1 infeasible" in out and "infeasible: world size 2" in out
-    assert not results.exists()
+    assert not results.exists() and results.parent.is_dir()
 
 
 @pytest.mark.slow
