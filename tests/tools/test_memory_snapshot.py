@@ -47,3 +47,28 @@ def test_the_tool_prints_the_peaks_and_bad_input_is_one_line(tmp_path, capsys):
         assert info.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+class _Poison:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_snapshot_runs_nothing(tmp_path):
+    """A snapshot is plain data: a pickle naming a global (here os.system, run by a crafted __reduce__) is one line,
+    exit 2, before anything in it runs."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "ran"
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[_Poison(str(marker))]]}))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "memory_snapshot.py"), str(path)],
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "names the global posix.system" in lines[0] and str(path) in lines[0]
+    assert not marker.exists()
