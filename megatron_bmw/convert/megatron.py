@@ -36,6 +36,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..pipeline.partition import default_partition, parse_partition, rank_chunks, virtual_stage_units
+from ..safe_load import Foreign
 from ..units import owns_output_weight, unit_names
 from .checkpoint_files import check_uniform_layout
 from .gpt2 import POSITION_EMBEDDING, merge_shards, padded_vocab_size, shard_state_dict
@@ -569,6 +570,9 @@ def read_ours(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int
     a = args_dict(first.get("args"))
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = {k: a[k] for k in names if k in a and k != "params_dtype"}
+    if isinstance(cfg.get("model_type"), Foreign):  # megatron.core's ModelType enum: Megatron-LM's own args
+        raise UsageError(f"{where} holds Megatron-LM's args (model_type {type(cfg['model_type']).__name__} "
+                         f"{cfg['model_type'].value}); use --direction megatron-to-ours")
     if cfg.get("model_type", "gpt") != "gpt":
         raise UsageError(f"{where} holds a {str(cfg['model_type']).upper()} model; only GPT checkpoints convert to "
                          "Megatron-LM")
