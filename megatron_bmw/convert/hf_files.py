@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import OneLineParser, UsageError
+from ..safe_load import load_file
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -40,7 +41,8 @@ def check_sizes(args: argparse.Namespace) -> None:
 def read_hf_dir(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json dict, state dict) of a local Hugging Face model directory.
 
-    Weights come from model.safetensors or pytorch_model.bin (or their sharded index files).
+    Weights come from model.safetensors (or its sharded index) where present, else pytorch_model.bin (or its index),
+    read as data.
     """
     if not os.path.isdir(hf_dir):
         raise UsageError(f"--hf-dir {hf_dir} is not a directory")
@@ -57,13 +59,16 @@ def read_hf_dir(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     files = _weight_files(hf_dir)
     sd: dict[str, torch.Tensor] = {}
     for path in files:
+        if not path.endswith(".safetensors"):  # a pickle: read as data, no global outside safe_load's allow-list
+            weights = load_file(path, "--hf-dir")
+            if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+                raise UsageError(f"--hf-dir: {path} does not hold a state dict of tensors")
+            sd.update(weights)
+            continue
         try:
-            if path.endswith(".safetensors"):
-                from safetensors.torch import load_file  # installed with transformers
+            from safetensors.torch import load_file as load_safetensors  # installed with transformers
 
-                sd.update(load_file(path))
-            else:
-                sd.update(torch.load(path, map_location="cpu", weights_only=True))
+            sd.update(load_safetensors(path))
         except Exception as exc:  # noqa: BLE001 - any unreadable file is a user error
             raise UsageError(f"--hf-dir: cannot read {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
     return config, sd
