@@ -1,10 +1,12 @@
 """Every converter reads checkpoint files as data: a checkpoint whose pickle would run a command (a __reduce__ that
 touches a marker file) is refused by each entry point, in each input format, in one line with exit code 2, and the
-marker never appears. The tools run as subprocesses, as a user runs them."""
+marker never appears. Each tool runs as a subprocess, as a user runs it (slow tier), and in this process through its
+main (fast tier: a process may not start there)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pickle
@@ -18,7 +20,7 @@ import torch
 from megatron_bmw.config import ModelConfig
 from megatron_bmw.convert.checkpoint_files import save_release
 from megatron_bmw.convert.mcore_dist import ours_to_mcore, write_mcore
-from megatron_bmw.convert.megatron import ours_chunk_to_megatron
+from megatron_bmw.convert.megatron_names import ours_chunk_to_megatron
 from megatron_bmw.models.chunk import ModelChunk, build_units
 from megatron_bmw.parallel.state import ParallelState
 
@@ -46,16 +48,34 @@ class Poison:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _run(tool: str, *argv: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
-    return subprocess.run([sys.executable, tool, *argv], capture_output=True, text=True, timeout=180, env=env,
-                          cwd=ROOT)
+MODES = ["main", pytest.param("process", marks=pytest.mark.slow)]
+_TOOLS: dict[str, object] = {}
 
 
-def _assert_refused(proc: subprocess.CompletedProcess, marker, poisoned: str, *not_written) -> None:
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+def _run(mode: str, capsys, tool: str, *argv: str) -> tuple[int, str]:
+    """(exit code, stderr) of `tool argv`: a subprocess, or the tool's main in this process."""
+    if mode == "process":
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("RANK", None)
+        proc = subprocess.run([sys.executable, tool, *argv], capture_output=True, text=True, timeout=180, env=env,
+                              cwd=ROOT)
+        return proc.returncode, proc.stderr
+    if tool not in _TOOLS:
+        spec = importlib.util.spec_from_file_location(f"poisoned_{os.path.basename(tool)[:-3]}", tool)
+        _TOOLS[tool] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_TOOLS[tool])
+    capsys.readouterr()
+    try:
+        code = _TOOLS[tool].main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def _assert_refused(result: tuple[int, str], marker, poisoned: str, *not_written) -> None:
+    code, stderr = result
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1, stderr
     assert lines[0].startswith("error: ") and "posix.system" in lines[0] and poisoned in lines[0], lines[0]
     assert "nothing in" in lines[0] and "was run" in lines[0]
     assert not marker.exists(), "the poisoned pickle ran"
@@ -110,7 +130,7 @@ def clean(tmp_path_factory):
 
 
 def _copy(clean, name: str, tmp_path) -> str:
-    return shutil.copytree(clean / name, tmp_path / name)
+    return str(shutil.copytree(clean / name, tmp_path / name))
 
 
 def _rank_file(ckpt: str) -> str:
@@ -141,48 +161,50 @@ def _poison_dist(ckpt: str, which: str, marker) -> str:
 # tools/checkpoint/convert_megatron.py
 
 
-@pytest.mark.parametrize("zipped", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_megatron_to_ours_refuses_a_poisoned_megatron_checkpoint(clean, tmp_path, zipped):
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("zipped", [True, False])
+def test_megatron_to_ours_refuses_a_poisoned_megatron_checkpoint(clean, tmp_path, capsys, mode, zipped):
     ckpt = _copy(clean, "megatron_torch", tmp_path)
     marker, path = tmp_path / "ran", _rank_file(ckpt)
     _poison_torch_file(path, marker, zipped)
-    proc = _run(MEGATRON_TOOL, "--direction", "megatron-to-ours", "--load-dir", ckpt, "--save-dir",
-                str(tmp_path / "out"))
-    _assert_refused(proc, marker, path, tmp_path / "out")
+    result = _run(mode, capsys, MEGATRON_TOOL, "--direction", "megatron-to-ours", "--load-dir", ckpt, "--save-dir",
+                  str(tmp_path / "out"))
+    _assert_refused(result, marker, path, tmp_path / "out")
 
 
-def test_ours_to_megatron_refuses_a_poisoned_checkpoint_of_ours(clean, tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_ours_to_megatron_refuses_a_poisoned_checkpoint_of_ours(clean, tmp_path, capsys, mode):
     ckpt = _copy(clean, "ours_torch", tmp_path)
     marker, path = tmp_path / "ran", _rank_file(ckpt)
     _poison_torch_file(path, marker)
-    proc = _run(MEGATRON_TOOL, "--direction", "ours-to-megatron", "--load-dir", ckpt, "--save-dir",
-                str(tmp_path / "out"))
-    _assert_refused(proc, marker, path, tmp_path / "out")
+    result = _run(mode, capsys, MEGATRON_TOOL, "--direction", "ours-to-megatron", "--load-dir", ckpt, "--save-dir",
+                  str(tmp_path / "out"))
+    _assert_refused(result, marker, path, tmp_path / "out")
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("source,direction", [("megatron_dist", "megatron-to-ours"),
                                               ("ours_dist", "ours-to-megatron")])
 @pytest.mark.parametrize("which", ["common.pt", ".metadata"])
-def test_torch_dist_sources_are_refused_poisoned(clean, tmp_path, source, direction, which):
+def test_torch_dist_sources_are_refused_poisoned(clean, tmp_path, capsys, mode, source, direction, which):
     """megatron-core's torch_dist (-> ours) and ours (-> Megatron-LM): a poisoned common.pt, or a poisoned .metadata
     (which torch.distributed.checkpoint itself reads with pickle.load)."""
     ckpt = _copy(clean, source, tmp_path)
     marker = tmp_path / "ran"
     path = _poison_dist(ckpt, which, marker)
-    proc = _run(MEGATRON_TOOL, "--direction", direction, "--load-dir", ckpt, "--save-dir", str(tmp_path / "out"))
-    _assert_refused(proc, marker, path, tmp_path / "out")
+    result = _run(mode, capsys, MEGATRON_TOOL, "--direction", direction, "--load-dir", ckpt, "--save-dir",
+                  str(tmp_path / "out"))
+    _assert_refused(result, marker, path, tmp_path / "out")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("source,direction", [("megatron_torch", "megatron-to-ours"),
                                               ("megatron_dist", "megatron-to-ours"),
-                                              ("ours_dist", "ours-to-megatron")])
-def test_the_clean_sources_convert(clean, tmp_path, source, direction):
+                                              ("ours_torch", "ours-to-megatron"), ("ours_dist", "ours-to-megatron")])
+def test_the_clean_sources_convert(clean, tmp_path, capsys, source, direction):
     """The same checkpoints unpoisoned convert (what the tests above refuse is the poison alone)."""
-    proc = _run(MEGATRON_TOOL, "--direction", direction, "--load-dir", str(clean / source), "--save-dir",
-                str(tmp_path / "out"))
-    assert proc.returncode == 0, proc.stderr
+    code, stderr = _run("main", capsys, MEGATRON_TOOL, "--direction", direction, "--load-dir", str(clean / source),
+                        "--save-dir", str(tmp_path / "out"))
+    assert code == 0, stderr
     assert os.path.isfile(tmp_path / "out" / "latest_checkpointed_iteration.txt")
 
 
@@ -190,24 +212,25 @@ def test_the_clean_sources_convert(clean, tmp_path, source, direction):
 # tools/checkpoint/convert_hf_*.py
 
 
-@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow),
-                                  pytest.param("bert", marks=pytest.mark.slow)])
-def test_hf_export_refuses_a_poisoned_checkpoint_of_ours(clean, tmp_path, name):
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_hf_export_refuses_a_poisoned_checkpoint_of_ours(clean, tmp_path, capsys, mode, name):
     ckpt = _copy(clean, "ours_torch", tmp_path)
     marker, path = tmp_path / "ran", _rank_file(ckpt)
     _poison_torch_file(path, marker)
-    proc = _run(HF_TOOLS[name], "--direction", "megatron-to-hf", "--load", ckpt, "--hf-dir", str(tmp_path / "hf"))
-    _assert_refused(proc, marker, path, tmp_path / "hf")
+    result = _run(mode, capsys, HF_TOOLS[name], "--direction", "megatron-to-hf", "--load", ckpt, "--hf-dir",
+                  str(tmp_path / "hf"))
+    _assert_refused(result, marker, path, tmp_path / "hf")
 
 
-@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow),
-                                  pytest.param("bert", marks=pytest.mark.slow)])
-def test_hf_import_refuses_a_poisoned_pytorch_model_bin(tmp_path, name):
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_hf_import_refuses_a_poisoned_pytorch_model_bin(tmp_path, capsys, mode, name):
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps(HF_CONFIGS[name]))
     marker = tmp_path / "ran"
     torch.save({"wte.weight": torch.zeros(2, 2), "extra": Poison(str(marker))}, hf_dir / "pytorch_model.bin")
-    proc = _run(HF_TOOLS[name], "--direction", "hf-to-megatron", "--hf-dir", str(hf_dir), "--save",
-                str(tmp_path / "out"))
-    _assert_refused(proc, marker, str(hf_dir / "pytorch_model.bin"), tmp_path / "out")
+    result = _run(mode, capsys, HF_TOOLS[name], "--direction", "hf-to-megatron", "--hf-dir", str(hf_dir), "--save",
+                  str(tmp_path / "out"))
+    _assert_refused(result, marker, str(hf_dir / "pytorch_model.bin"), tmp_path / "out")

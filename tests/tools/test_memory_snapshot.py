@@ -57,18 +57,25 @@ class _Poison:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_crafted_snapshot_runs_nothing(tmp_path):
+@pytest.mark.parametrize("mode", ["main", pytest.param("process", marks=pytest.mark.slow)])
+def test_a_crafted_snapshot_runs_nothing(tmp_path, capsys, mode):
     """A snapshot is plain data: a pickle naming a global (here os.system, run by a crafted __reduce__) is one line,
-    exit 2, before anything in it runs."""
+    exit 2, before anything in it runs; in this process and as a command."""
     import subprocess
     import sys
 
     marker = tmp_path / "ran"
     path = tmp_path / "snap.pickle"
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[_Poison(str(marker))]]}))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "memory_snapshot.py"), str(path)],
-                          capture_output=True, text=True, timeout=120)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    if mode == "process":
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "memory_snapshot.py"), str(path)],
+                              capture_output=True, text=True, timeout=120)
+        code, err = proc.returncode, proc.stderr
+    else:
+        with pytest.raises(SystemExit) as info:
+            _tool().main([str(path)])
+        code, err = info.value.code, capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
     assert "names the global posix.system" in lines[0] and str(path) in lines[0]
     assert not marker.exists()
