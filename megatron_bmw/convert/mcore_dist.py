@@ -6,7 +6,7 @@ layer as a leading axis of the global tensor ([num_layers, ...]; layer i at offs
 Engine names (`self_attention.linear_qkv.layer_norm_weight` for the input norm, also with the local layer spec),
 the embedding, final norm and (untied) `output_layer.weight` as they are, beside a
 `metadata.json` naming the backends and a `common.pt`. Our torch_dist keys are `model.<unit>.<tensor>`. The
-per-layer names are convert/megatron.py's; this module only stacks and unstacks layers and reads and writes
+per-layer names are convert/megatron_names.py's; this module only stacks and unstacks layers and reads and writes
 the directories. `_extra_state` entries (None without FP8) are not written; megatron-core loads without them when
 they are left out of the state dict it asks for.
 """
@@ -22,7 +22,7 @@ import torch
 
 from ..errors import UsageError
 from ..safe_load import dcp_reader
-from .megatron import EXTRA_STATE, megatron_chunk_to_ours, ours_chunk_to_megatron
+from .megatron_names import EXTRA_STATE, megatron_chunk_to_ours, ours_chunk_to_megatron
 
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}
@@ -167,7 +167,7 @@ def payload_from_ours_dist(iter_dir: str, common: Mapping, where: str = "torch_d
 
 def payload_from_mcore_dist(iter_dir: str, common: Mapping, where: str = "torch_dist checkpoint") -> dict:
     """A megatron-core torch_dist iteration directory (with its common.pt) -> a read_megatron payload."""
-    from .megatron import args_dict
+    from .megatron_args import args_dict
 
     args = dict(args_dict(common.get("args")), **_SERIAL, virtual_pipeline_model_parallel_size=None)
     keep = {k: v for k, v in common.items() if k in ("iteration", "checkpoint_version")}
@@ -179,7 +179,7 @@ def mcore_dist_from_payload(payload: Mapping) -> tuple[dict[str, torch.Tensor], 
     """A write_megatron payload of tp 1 pp 1 -> (megatron-core's torch_dist tensors, its common.pt dict)."""
     import argparse
 
-    from .megatron import args_dict
+    from .megatron_args import args_dict
 
     common = {k: v for k, v in payload.items() if not k.startswith("model")}
     args = args_dict(common["args"])

@@ -36,10 +36,9 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error
-from megatron_bmw.convert.megatron import (
-    MEGATRON_SPECS, Layout, Model, Target, megatron_stage_layers, read_megatron, read_ours, retarget, write_megatron,
-    write_ours,
-)
+from megatron_bmw.convert.megatron import read_megatron, read_ours, write_megatron, write_ours
+from megatron_bmw.convert.megatron_layout import Layout, Model, Target, megatron_stage_layers, retarget
+from megatron_bmw.convert.megatron_names import MEGATRON_SPECS
 from megatron_bmw.convert.mcore_dist import (
     mcore_dist_from_payload, payload_from_mcore_dist, payload_from_ours_dist, write_mcore,
 )
