@@ -136,7 +136,8 @@ def int_or_none(value: Any) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-CARRIED_ARGS = ("seed", "micro_batch_size", "global_batch_size", "tokenizer_type", "data_parallel_size")
+CARRIED_ARGS = ("seed", "micro_batch_size", "global_batch_size", "tokenizer_type", "data_parallel_size",
+                "vocab_file", "merge_file")  # the tokenizer's files: a Hugging Face export writes them beside the model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -205,6 +206,6 @@ def megatron_args(model: Model, layout: Layout, spec: str, tokenizer_type: str |
         bert_binary_head=False, iteration=iteration_number(model),
         consumed_train_samples=model.consumed_train_samples or 0,
         consumed_valid_samples=model.consumed_valid_samples or 0, skipped_train_samples=0,
-        **{k: model.extra_args[k] for k in ("seed", "micro_batch_size", "global_batch_size")
+        **{k: model.extra_args[k] for k in ("seed", "micro_batch_size", "global_batch_size", "vocab_file", "merge_file")
            if k in model.extra_args},
     )
