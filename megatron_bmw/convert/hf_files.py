@@ -28,6 +28,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="pipeline stages to split into, Megatron's default partition (default 1)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this times tp (default 128)")
+    p.add_argument("--check-logits", action="store_true",
+                   help="after converting, run one random token batch through our model (from the checkpoint, one "
+                        "process, fp32) and the transformers model of the Hugging Face folder, print the largest "
+                        "logit difference, and exit 1 when it is beyond --check-logits-tolerance")
+    p.add_argument("--check-logits-tolerance", type=float, default=1e-3,
+                   help="largest absolute logit difference --check-logits accepts (default 1e-3)")
     return p
 
 
@@ -36,6 +42,8 @@ def check_sizes(args: argparse.Namespace) -> None:
                         ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    if not args.check_logits_tolerance >= 0:
+        raise UsageError(f"--check-logits-tolerance must be >= 0, got {args.check_logits_tolerance}")
 
 
 def read_hf_dir(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -103,7 +111,8 @@ def layout_flags(args: dict[str, Any]) -> str:
 
 def run_direction(args: argparse.Namespace, to_megatron: Callable[..., dict[str, Any]],
                   to_hf: Callable[[str, str], None], run_with: Callable[[dict[str, Any]], str] | None = None) -> int:
-    """The conversion --direction names; `run_with(args)` gives the line saying how to train the converted model."""
+    """The conversion --direction names; `run_with(args)` gives the line saying how to train the converted model.
+    With --check-logits the converted pair's logits are compared (logit_check.py): beyond the tolerance, exit 1."""
     if args.direction == "hf-to-megatron":
         if not args.save:
             raise UsageError("--save is required for --direction hf-to-megatron")
@@ -121,8 +130,14 @@ def run_direction(args: argparse.Namespace, to_megatron: Callable[..., dict[str,
             what = "is not a directory" if not os.path.isdir(args.hf_dir) else "is not empty"
             raise UsageError(f"--hf-dir {args.hf_dir} {what}; choose a new directory (the export would overwrite "
                              "what is there)")
+        check_sizes(args)
         to_hf(args.load, args.hf_dir)
         print(f"wrote {args.hf_dir}")
+    if args.check_logits:
+        from .logit_check import check_logits
+
+        check_logits(args.save if args.direction == "hf-to-megatron" else args.load, args.hf_dir,
+                     args.check_logits_tolerance)
     return 0
 
 
