@@ -234,3 +234,18 @@ def test_hf_import_refuses_a_poisoned_pytorch_model_bin(tmp_path, capsys, mode, 
     result = _run(mode, capsys, HF_TOOLS[name], "--direction", "hf-to-megatron", "--hf-dir", str(hf_dir), "--save",
                   str(tmp_path / "out"))
     _assert_refused(result, marker, str(hf_dir / "pytorch_model.bin"), tmp_path / "out")
+
+
+def test_safetensors_are_read_where_present(tmp_path, capsys):
+    """A Hugging Face folder with model.safetensors converts from it: a (poisoned) pytorch_model.bin beside it is
+    never opened."""
+    transformers = pytest.importorskip("transformers")
+    hf_dir = tmp_path / "hf"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**{k: v for k, v in HF_CONFIGS["gpt2"].items()
+                                                            if k != "model_type"})).save_pretrained(hf_dir)
+    marker = tmp_path / "ran"
+    torch.save({"extra": Poison(str(marker))}, hf_dir / "pytorch_model.bin")
+    code, stderr = _run("main", capsys, HF_TOOLS["gpt2"], "--direction", "hf-to-megatron", "--hf-dir", str(hf_dir),
+                        "--save", str(tmp_path / "out"), "--make-vocab-size-divisible-by", "8")
+    assert code == 0, stderr
+    assert not marker.exists() and os.path.isfile(tmp_path / "out" / "latest_checkpointed_iteration.txt")
