@@ -20,6 +20,7 @@ import torch
 
 from ..errors import UsageError
 from ..pipeline.partition import default_partition, rank_chunks
+from ..safe_load import Foreign, load_file
 from ..training.checkpointing import MODEL_FILE, RELEASE, TRACKER, is_dist_checkpoint, mp_rank_dir_name
 from ..units import owns_output_weight, unit_names
 from .tp_shards import merge_shards, shard_state_dict
@@ -98,16 +99,19 @@ def _iteration_dir(load: str) -> str:
 
 
 def _read(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise UsageError(f"--load: missing {path}")
-    try:
-        # a training checkpoint also holds RNG and optimizer state: read it as --load does
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is a user error
-        raise UsageError(f"--load: cannot read {path}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
+    """A checkpoint file as data (safe_load: no global outside its allow-list runs); mapped, not read, so the
+    optimizer and RNG state a training checkpoint also holds cost no memory."""
+    ckpt = load_file(path, "--load", mmap=True)
     if not isinstance(ckpt, dict) or "args" not in ckpt:
         raise UsageError(f"--load: {path} is not a megatron_bmw checkpoint (no 'args')")
+    if isinstance(_arg(ckpt["args"], "model_type"), Foreign):  # megatron.core's ModelType enum: Megatron-LM's args
+        raise UsageError(f"--load: {path} is a Megatron-LM checkpoint; convert it first with "
+                         "tools/checkpoint/convert_megatron.py --direction megatron-to-ours")
     return ckpt
+
+
+def _arg(args: Any, key: str) -> Any:
+    return args.get(key) if isinstance(args, Mapping) else getattr(args, key, None)
 
 
 def _chunks(payload: Mapping[str, Any], path: str) -> list[dict]:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import OneLineParser, UsageError
+from ..safe_load import load_file
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -27,6 +28,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="pipeline stages to split into, Megatron's default partition (default 1)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this times tp (default 128)")
+    p.add_argument("--check-logits", action="store_true",
+                   help="after converting, run one random token batch through our model (from the checkpoint, one "
+                        "process, fp32) and the transformers model of the Hugging Face folder, print the largest "
+                        "logit difference, and exit 1 when it is beyond --check-logits-tolerance")
+    p.add_argument("--check-logits-tolerance", type=float, default=1e-3,
+                   help="largest absolute logit difference --check-logits accepts (default 1e-3)")
     return p
 
 
@@ -35,12 +42,15 @@ def check_sizes(args: argparse.Namespace) -> None:
                         ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    if not args.check_logits_tolerance >= 0:
+        raise UsageError(f"--check-logits-tolerance must be >= 0, got {args.check_logits_tolerance}")
 
 
 def read_hf_dir(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json dict, state dict) of a local Hugging Face model directory.
 
-    Weights come from model.safetensors or pytorch_model.bin (or their sharded index files).
+    Weights come from model.safetensors (or its sharded index) where present, else pytorch_model.bin (or its index),
+    read as data.
     """
     if not os.path.isdir(hf_dir):
         raise UsageError(f"--hf-dir {hf_dir} is not a directory")
@@ -57,13 +67,16 @@ def read_hf_dir(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     files = _weight_files(hf_dir)
     sd: dict[str, torch.Tensor] = {}
     for path in files:
+        if not path.endswith(".safetensors"):  # a pickle: read as data, no global outside safe_load's allow-list
+            weights = load_file(path, "--hf-dir")
+            if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+                raise UsageError(f"--hf-dir: {path} does not hold a state dict of tensors")
+            sd.update(weights)
+            continue
         try:
-            if path.endswith(".safetensors"):
-                from safetensors.torch import load_file  # installed with transformers
+            from safetensors.torch import load_file as load_safetensors  # installed with transformers
 
-                sd.update(load_file(path))
-            else:
-                sd.update(torch.load(path, map_location="cpu", weights_only=True))
+            sd.update(load_safetensors(path))
         except Exception as exc:  # noqa: BLE001 - any unreadable file is a user error
             raise UsageError(f"--hf-dir: cannot read {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
     return config, sd
@@ -98,7 +111,8 @@ def layout_flags(args: dict[str, Any]) -> str:
 
 def run_direction(args: argparse.Namespace, to_megatron: Callable[..., dict[str, Any]],
                   to_hf: Callable[[str, str], None], run_with: Callable[[dict[str, Any]], str] | None = None) -> int:
-    """The conversion --direction names; `run_with(args)` gives the line saying how to train the converted model."""
+    """The conversion --direction names; `run_with(args)` gives the line saying how to train the converted model.
+    With --check-logits the converted pair's logits are compared (logit_check.py): beyond the tolerance, exit 1."""
     if args.direction == "hf-to-megatron":
         if not args.save:
             raise UsageError("--save is required for --direction hf-to-megatron")
@@ -116,8 +130,14 @@ def run_direction(args: argparse.Namespace, to_megatron: Callable[..., dict[str,
             what = "is not a directory" if not os.path.isdir(args.hf_dir) else "is not empty"
             raise UsageError(f"--hf-dir {args.hf_dir} {what}; choose a new directory (the export would overwrite "
                              "what is there)")
+        check_sizes(args)
         to_hf(args.load, args.hf_dir)
         print(f"wrote {args.hf_dir}")
+    if args.check_logits:
+        from .logit_check import check_logits
+
+        check_logits(args.save if args.direction == "hf-to-megatron" else args.load, args.hf_dir,
+                     args.check_logits_tolerance)
     return 0
 
 

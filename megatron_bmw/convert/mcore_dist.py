@@ -6,7 +6,7 @@ layer as a leading axis of the global tensor ([num_layers, ...]; layer i at offs
 Engine names (`self_attention.linear_qkv.layer_norm_weight` for the input norm, also with the local layer spec),
 the embedding, final norm and (untied) `output_layer.weight` as they are, beside a
 `metadata.json` naming the backends and a `common.pt`. Our torch_dist keys are `model.<unit>.<tensor>`. The
-per-layer names are convert/megatron.py's; this module only stacks and unstacks layers and reads and writes
+per-layer names are convert/megatron_names.py's; this module only stacks and unstacks layers and reads and writes
 the directories. `_extra_state` entries (None without FP8) are not written; megatron-core loads without them when
 they are left out of the state dict it asks for.
 """
@@ -21,7 +21,8 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import UsageError
-from .megatron import EXTRA_STATE, megatron_chunk_to_ours, ours_chunk_to_megatron
+from ..safe_load import dcp_reader
+from .megatron_names import EXTRA_STATE, megatron_chunk_to_ours, ours_chunk_to_megatron
 
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}
@@ -81,18 +82,23 @@ def mcore_to_ours(flat: Mapping[str, torch.Tensor], tied: bool) -> dict[str, tor
     return megatron_chunk_to_ours(unstacked, 0, "megatron-core torch_dist checkpoint")
 
 
-def _read_dcp(path: str, prefix: str | tuple[str, ...] = "") -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP directory whose key starts with `prefix`, read in this one process."""
+def _read_dcp(path: str, prefix: str | tuple[str, ...] = "", where: str = "torch_dist checkpoint"
+              ) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP directory whose key starts with `prefix`, read in this one process; its `.metadata`
+    (a pickle) read as data (safe_load.dcp_reader), `where` starting a refusal's line."""
     import torch.distributed.checkpoint as dcp
 
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise UsageError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata)")
     try:
-        meta = dcp.FileSystemReader(path).read_metadata()
-        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+        reader = dcp_reader(path, where)
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype)
+                 for k, m in reader.read_metadata().state_dict_metadata.items()
                  if k.startswith(prefix) and hasattr(m, "size") and hasattr(m, "properties")}
         if state:
-            dcp.load(state, checkpoint_id=path, no_dist=True)
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except UsageError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a truncated or foreign directory is a user error
         reason = (str(exc).strip().splitlines() or [""])[-1][:200]
         raise UsageError(f"{path}: cannot read this torch_dist checkpoint ({type(exc).__name__}: {reason})") from None
@@ -102,16 +108,16 @@ def _read_dcp(path: str, prefix: str | tuple[str, ...] = "") -> dict[str, torch.
     return state
 
 
-def read_ours(iter_dir: str) -> dict[str, torch.Tensor]:
+def read_ours(iter_dir: str, where: str = "torch_dist checkpoint") -> dict[str, torch.Tensor]:
     """Model weights of one of our torch_dist iteration directories, as our full state dict."""
-    return {"units." + k[len(OURS_PREFIX):]: t for k, t in _read_dcp(iter_dir, OURS_PREFIX).items()}
+    return {"units." + k[len(OURS_PREFIX):]: t for k, t in _read_dcp(iter_dir, OURS_PREFIX, where).items()}
 
 
-def read_mcore(path: str) -> dict[str, torch.Tensor]:
+def read_mcore(path: str, where: str = "torch_dist checkpoint") -> dict[str, torch.Tensor]:
     """The model tensors of a megatron-core torch_dist directory (optimizer state and RNG objects left out)."""
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise UsageError(f"{path}: not a megatron-core distributed checkpoint (no metadata.json)")
-    return _read_dcp(path, MCORE_MODEL_PREFIXES)
+    return _read_dcp(path, MCORE_MODEL_PREFIXES, where)
 
 
 def write_mcore(path: str, flat: Mapping[str, torch.Tensor], common: dict | None = None) -> None:
@@ -149,23 +155,23 @@ def _ours_order(name: str) -> tuple:
     return (0,) if name.startswith("units.embedding.") else (2,)
 
 
-def payload_from_ours_dist(iter_dir: str, common: Mapping) -> dict:
+def payload_from_ours_dist(iter_dir: str, common: Mapping, where: str = "torch_dist checkpoint") -> dict:
     """Our torch_dist iteration directory (with its common.pt payload) -> a read_ours payload."""
     args = dict(common.get("args") or {}, **_SERIAL, virtual_pipeline_model_parallel_size=1)
     args.pop("pipeline_partition", None)
     keep = {k: v for k, v in common.items() if k in ("iteration", "consumed_train_samples", "consumed_valid_samples",
                                                      "checkpoint_version")}
-    model = read_ours(iter_dir)
+    model = read_ours(iter_dir, where)
     return dict(keep, args=args, model={k: model[k] for k in sorted(model, key=_ours_order)})
 
 
-def payload_from_mcore_dist(iter_dir: str, common: Mapping) -> dict:
+def payload_from_mcore_dist(iter_dir: str, common: Mapping, where: str = "torch_dist checkpoint") -> dict:
     """A megatron-core torch_dist iteration directory (with its common.pt) -> a read_megatron payload."""
-    from .megatron import args_dict
+    from .megatron_args import args_dict
 
     args = dict(args_dict(common.get("args")), **_SERIAL, virtual_pipeline_model_parallel_size=None)
     keep = {k: v for k, v in common.items() if k in ("iteration", "checkpoint_version")}
-    model = unstack_layers(read_mcore(iter_dir))
+    model = unstack_layers(read_mcore(iter_dir, where))
     return dict(keep, args=args, model={k: model[k] for k in sorted(model, key=_mcore_order)})
 
 
@@ -173,7 +179,7 @@ def mcore_dist_from_payload(payload: Mapping) -> tuple[dict[str, torch.Tensor], 
     """A write_megatron payload of tp 1 pp 1 -> (megatron-core's torch_dist tensors, its common.pt dict)."""
     import argparse
 
-    from .megatron import args_dict
+    from .megatron_args import args_dict
 
     common = {k: v for k, v in payload.items() if not k.startswith("model")}
     args = args_dict(common["args"])

@@ -13,6 +13,7 @@ import sys
 
 from ..errors import UsageError
 from ..planner.caching_allocator import ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE
+from ..safe_load import Refused, unpickle
 
 MAX_ENTRIES = 100_000  # trace entries kept (Megatron's trace_alloc_max_entries)
 
@@ -41,12 +42,18 @@ def write_snapshot(path: str, cuda) -> bool:
 
 
 def read_snapshot(path: str) -> dict:
+    """A snapshot as data: it holds dicts, lists, strings and numbers only, so a pickle naming any global (a class,
+    a function: what a crafted file runs) is refused before anything in it runs."""
     try:
         with open(path, "rb") as f:
-            snap = pickle.load(f)
+            snap = unpickle(f)
     except OSError as exc:
         raise UsageError(f"{path}: cannot read the memory snapshot ({exc.strerror})") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, ValueError):
+    except Refused as exc:
+        raise UsageError(f"{path}: names the global {exc.name}, which a memory snapshot never holds (plain data "
+                         "only); refused, nothing in it was run") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, ValueError, KeyError,
+            TypeError):
         raise UsageError(f"{path}: not a memory snapshot (torch.cuda.memory._snapshot pickle)") from None
     if not isinstance(snap, dict) or "segments" not in snap:
         raise UsageError(f"{path}: not a memory snapshot (no segments)")

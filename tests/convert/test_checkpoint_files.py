@@ -190,3 +190,21 @@ def test_unreadable_layouts_are_one_line(tmp_path):
     save_release(str(tmp_path / "h"), full, {"num_layers": 2, "unit_strategies": ["tp2", "dp2"]})
     with pytest.raises(UsageError, match="--unit-strategies"):
         load_full(str(tmp_path / "h"))
+
+
+def test_a_megatron_lm_checkpoint_is_named_as_such(tmp_path):
+    """Megatron-LM's args hold megatron.core's ModelType enum (read as an inert stand-in): the HF export says to
+    convert it with convert_megatron.py first."""
+    import argparse
+
+    from tests.convert.test_megatron import ModelType, megatron_enums
+
+    d = tmp_path / "m" / "iter_0000003" / "mp_rank_00"
+    d.mkdir(parents=True)
+    with megatron_enums():
+        torch.save({"args": argparse.Namespace(num_layers=2, model_type=ModelType.encoder_or_decoder),
+                    "model": {"embedding.word_embeddings.weight": torch.zeros(4, 2)}}, d / "model_optim_rng.pt")
+    (tmp_path / "m" / "latest_checkpointed_iteration.txt").write_text("3")
+    with pytest.raises(UsageError, match="is a Megatron-LM checkpoint; convert it first with "
+                                         "tools/checkpoint/convert_megatron.py --direction megatron-to-ours"):
+        load_full(str(tmp_path / "m"))

@@ -8,6 +8,7 @@ weights must give the reference forward's logits, and every round trip and resha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import importlib.util
@@ -102,15 +103,36 @@ def _tokens() -> torch.Tensor:
 # Megatron checkpoints, written by this file's own mapping
 
 
-class AttnBackend(enum.Enum):  # pickled into args as from a package the converter does not have
+class AttnBackend(enum.Enum):  # Megatron pickles its enums into args: the converter reads them as stand-ins
     auto = 5
 
 
-def _fake_megatron_enum():
-    mod = types.ModuleType("fake_megatron_core_enums")
-    AttnBackend.__module__ = mod.__name__
-    mod.AttnBackend = AttnBackend
-    return mod
+class ModelType(enum.Enum):
+    encoder_or_decoder = 1
+
+
+_MEGATRON_ENUMS = {"megatron.core.transformer.enums": AttnBackend, "megatron.core.enums": ModelType}
+
+
+@contextlib.contextmanager
+def megatron_enums():
+    """Megatron's enum modules, as pickle finds them while a test writes a checkpoint (under Megatron-LM's own
+    names); the modules that were there (megatron-core may be installed) are put back after."""
+    names = ["megatron", "megatron.core", "megatron.core.transformer", *_MEGATRON_ENUMS]
+    saved = {n: sys.modules.get(n) for n in names}
+    try:
+        for n in names:
+            sys.modules[n] = types.ModuleType(n)
+        for module, cls in _MEGATRON_ENUMS.items():
+            cls.__module__ = module
+            setattr(sys.modules[module], cls.__name__, cls)
+        yield
+    finally:
+        for n, module in saved.items():
+            if module is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = module
 
 
 def _megatron_args(tp, pp, vp, spec, untied, **overrides):
@@ -124,7 +146,7 @@ def _megatron_args(tp, pp, vp, spec, untied, **overrides):
         transformer_impl=spec, num_experts=None, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         consumed_train_samples=ITERATION * 8, consumed_valid_samples=24, params_dtype=torch.float32, fp16=False,
         bf16=False, iteration=ITERATION, seed=1234, micro_batch_size=2, global_batch_size=8,
-        attention_backend=AttnBackend.auto,
+        attention_backend=AttnBackend.auto, model_type=ModelType.encoder_or_decoder,
     )
     for k, v in overrides.items():
         setattr(args, k, v)
@@ -199,8 +221,7 @@ def write_megatron_checkpoint(root, w, tp=2, pp=2, stage_layers=(2, 2), spec="tr
     starts = [sum(stage_layers[:k]) for k in range(len(stage_layers))]
     args = _megatron_args(tp, pp, vp, spec, untied, **arg_overrides)
     it_dir = os.path.join(root, f"iter_{ITERATION:07d}")
-    sys.modules["fake_megatron_core_enums"] = _fake_megatron_enum()
-    try:
+    with megatron_enums():
         for r in range(pp):
             for t in range(tp):
                 chunks = []
@@ -220,8 +241,6 @@ def write_megatron_checkpoint(root, w, tp=2, pp=2, stage_layers=(2, 2), spec="tr
                 d = os.path.join(it_dir, f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{r:03d}")
                 os.makedirs(d)
                 torch.save(payload, os.path.join(d, "model_optim_rng.pt"))
-    finally:
-        del sys.modules["fake_megatron_core_enums"]
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(ITERATION))
     return str(root)
@@ -714,8 +733,7 @@ def write_llama_checkpoint(root, w, spec, tp, pp, stage_layers, **overrides) -> 
                           **case)
     starts = [sum(stage_layers[:k]) for k in range(pp)]
     it_dir = os.path.join(root, f"iter_{ITERATION:07d}")
-    sys.modules["fake_megatron_core_enums"] = _fake_megatron_enum()
-    try:
+    with megatron_enums():
         for r in range(pp):
             for t in range(tp):
                 layers = list(range(starts[r], starts[r] + stage_layers[r]))
@@ -724,8 +742,6 @@ def write_llama_checkpoint(root, w, spec, tp, pp, stage_layers, **overrides) -> 
                 os.makedirs(d)
                 torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model},
                            os.path.join(d, "model_optim_rng.pt"))
-    finally:
-        del sys.modules["fake_megatron_core_enums"]
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(ITERATION))
     return str(root)

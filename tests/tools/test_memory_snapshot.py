@@ -47,3 +47,35 @@ def test_the_tool_prints_the_peaks_and_bad_input_is_one_line(tmp_path, capsys):
         assert info.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+class _Poison:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("mode", ["main", pytest.param("process", marks=pytest.mark.slow)])
+def test_a_crafted_snapshot_runs_nothing(tmp_path, capsys, mode):
+    """A snapshot is plain data: a pickle naming a global (here os.system, run by a crafted __reduce__) is one line,
+    exit 2, before anything in it runs; in this process and as a command."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "ran"
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[_Poison(str(marker))]]}))
+    if mode == "process":
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "memory_snapshot.py"), str(path)],
+                              capture_output=True, text=True, timeout=120)
+        code, err = proc.returncode, proc.stderr
+    else:
+        with pytest.raises(SystemExit) as info:
+            _tool().main([str(path)])
+        code, err = info.value.code, capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "names the global posix.system" in lines[0] and str(path) in lines[0]
+    assert not marker.exists()

@@ -23,11 +23,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import pickle
 import re
 import shutil
 import sys
-import types
 from typing import Any
 
 import torch
@@ -38,14 +36,14 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error
-from megatron_bmw.convert.megatron import (
-    MEGATRON_SPECS, Layout, Model, Target, megatron_stage_layers, read_megatron, read_ours, retarget, write_megatron,
-    write_ours,
-)
+from megatron_bmw.convert.megatron import read_megatron, read_ours, write_megatron, write_ours
+from megatron_bmw.convert.megatron_layout import Layout, Model, Target, megatron_stage_layers, retarget
+from megatron_bmw.convert.megatron_names import MEGATRON_SPECS
 from megatron_bmw.convert.mcore_dist import (
     mcore_dist_from_payload, payload_from_mcore_dist, payload_from_ours_dist, write_mcore,
 )
 from megatron_bmw.pipeline.partition import default_partition
+from megatron_bmw.safe_load import load_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
@@ -93,42 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
 # Reading checkpoint directories
 
 
-class _Missing:
-    """Stands in for a class whose package is not installed here (Megatron pickles e.g. its enums into `args`)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return type(name, (_Missing,), {"__module__": f"missing.{module}"})
-
-
-def _pickle_load(f: Any, **kwargs: Any) -> Any:  # torch.load's path for files of the pre-1.6 format
-    return _Unpickler(f, **kwargs).load()
-
-
-_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=_pickle_load, __name__="convert_megatron_pickle")
-
-
 def _torch_load(path: str, where: str) -> Any:
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE, mmap=True)
-        except RuntimeError as exc:  # mmap needs the zip format of torch >= 1.6
-            if "mmap" not in str(exc):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
-    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file is a user error
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise UsageError(f"{where}: cannot read {path}: {type(exc).__name__}: {first}") from None
+    """A checkpoint file as data (safe_load: Megatron's classes as inert stand-ins, any other global refused in one
+    line before anything in the file runs), mapped rather than read where torch's zip format allows."""
+    return load_file(path, where, mmap=True)
 
 
 def read_tracker(load_dir: str) -> int | str:
@@ -191,13 +157,14 @@ def _dist_payload(it_dir: str) -> dict:
     common_path = os.path.join(it_dir, DIST_COMMON)
     if not os.path.isfile(common_path):
         raise UsageError(f"--load-dir: {it_dir} is a torch_dist checkpoint without {DIST_COMMON}")
-    common = _torch_load(common_path, f"--load-dir: torch_dist checkpoint {it_dir}")
+    where = f"--load-dir: torch_dist checkpoint {it_dir}"
+    common = _torch_load(common_path, where)
     if not isinstance(common, dict):
         raise UsageError(f"--load-dir: {common_path} holds a {type(common).__name__}, not a dict")
     if os.path.isfile(os.path.join(it_dir, "metadata.json")):
-        return payload_from_mcore_dist(it_dir, common)
+        return payload_from_mcore_dist(it_dir, common, where)
     if common.get("checkpoint_format") == "torch_dist":
-        return payload_from_ours_dist(it_dir, common)
+        return payload_from_ours_dist(it_dir, common, where)
     raise UsageError(f"--load-dir: {it_dir} is neither a megatron-core torch_dist checkpoint (no metadata.json) "
                      "nor one of ours")
 
