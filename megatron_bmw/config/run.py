@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import UsageError
 from .schema import flag
 
 from .data import DataConfig
@@ -30,5 +31,7 @@ class RunConfig:
 def padded_vocab_size(orig_vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's padding: the vocabulary rounded up to a multiple of make_vocab_size_divisible_by x tp. The one
     padding rule (the model, the planner, the plan file, the converters and the tokenizers use it)."""
+    if divisible_by < 1:
+        raise UsageError(f"--make-vocab-size-divisible-by must be >= 1, got {divisible_by}")
     multiple = divisible_by * tp
     return -(-orig_vocab_size // multiple) * multiple

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..config import padded_vocab_size
 from ..errors import UsageError
 from .tp_shards import merge_shards, partition_dim, shard_state_dict  # noqa: F401 - part of this module's API
 
@@ -102,8 +103,7 @@ def hf_to_ours(hf_sd: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any], 
     sd = {k: v for k, v in hf_sd.items() if not k.endswith(("position_ids", "token_type_ids"))}
     L, h, heads = hf_config["num_hidden_layers"], hf_config["hidden_size"], hf_config["num_attention_heads"]
     vocab = hf_config["vocab_size"]
-    multiple = make_vocab_size_divisible_by * tp
-    padded = -(-vocab // multiple) * multiple
+    padded = padded_vocab_size(vocab, make_vocab_size_divisible_by, tp)
     tied = hf_config.get("tie_word_embeddings", True)
 
     def take(name: str) -> torch.Tensor:

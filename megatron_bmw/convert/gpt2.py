@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
+from ..config import padded_vocab_size
 from ..errors import UsageError
 from .hf_files import HFTensors
 from .tp_shards import merge_shards, partition_dim, refuse_llama, shard_state_dict  # noqa: F401 - part of this module's API
@@ -41,14 +42,6 @@ POSITION_EMBEDDING = "units.embedding.position_embeddings"  # a bare nn.Paramete
 
 # ----------------------------------------------------------------------------------------------------------------
 # Vocabulary padding
-
-
-def padded_vocab_size(orig: int, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> int:
-    """Round `orig` up to a multiple of `make_vocab_size_divisible_by * tp` (Megatron's padding)."""
-    if make_vocab_size_divisible_by < 1:
-        raise UsageError(f"--make-vocab-size-divisible-by must be >= 1, got {make_vocab_size_divisible_by}")
-    multiple = make_vocab_size_divisible_by * tp
-    return -(-orig // multiple) * multiple
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

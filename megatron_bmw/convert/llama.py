@@ -25,7 +25,8 @@ import torch
 from ..config import ModelConfig
 from ..errors import UsageError
 from .hf_files import HFTensors
-from .gpt2 import _pad_rows, padded_vocab_size
+from ..config import padded_vocab_size
+from .gpt2 import _pad_rows
 from .tp_shards import merge_shards, shard_state_dict  # noqa: F401 - part of this module's API
 
 MODEL_TYPES = ("llama", "mistral")

@@ -20,7 +20,8 @@ from ..config import ModelConfig
 from ..errors import UsageError
 from ..pipeline.partition import default_partition, parse_partition, rank_chunks, virtual_stage_units
 from ..units import owns_output_weight, unit_names
-from .gpt2 import POSITION_EMBEDDING, merge_shards, padded_vocab_size, shard_state_dict
+from ..config import padded_vocab_size
+from .gpt2 import POSITION_EMBEDDING, merge_shards, shard_state_dict
 from .megatron_names import OUTPUT_WEIGHT, WORD_EMBEDDING
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -42,16 +42,6 @@ class Tokenizer(ABC):
     def detokenize(self, ids: list[int]) -> str: ...
 
 
-def vocab_size_with_padding(
-    orig_vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
-) -> int:
-    """Round the vocabulary up to a multiple of `make_vocab_size_divisible_by * tensor_model_parallel_size`."""
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    if multiple <= 0:
-        raise UsageError("--make-vocab-size-divisible-by: must be positive")
-    return -(-orig_vocab_size // multiple) * multiple
-
-
 def _require_file(path: str | None, flag: str, what: str) -> str:
     if not path:
         raise UsageError(f"{flag}: required for {what}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import ModelConfig, ParallelConfig, PipelineConfig
+from ..config import ModelConfig, ParallelConfig, PipelineConfig, padded_vocab_size
 from ..config.codec import check_section, shown as _shown
 from ..errors import UsageError
 from ..strategy import parse_unit_strategies
@@ -178,7 +178,7 @@ def _check_vocab(f: _Fields, data: dict, model: dict, tp: int) -> None:
     multiple = f.integer(data, "make_vocab_size_divisible_by", "make_vocab_size_divisible_by", 1, 128)
     orig = f.integer(data, "orig_vocab_size", "orig_vocab_size", 2, None, optional=True)
     if orig is not None:
-        padded = -(-orig // (multiple * tp)) * multiple * tp
+        padded = padded_vocab_size(orig, multiple, tp)
         if padded != model["vocab_size"]:
             f.fail("model.vocab_size", f"{model['vocab_size']} is not orig_vocab_size {orig} padded to a multiple of "
                    f"make_vocab_size_divisible_by {multiple} x tp {tp} ({padded})")

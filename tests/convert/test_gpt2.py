@@ -14,8 +14,9 @@ import torch
 
 from megatron_bmw.config import ModelConfig, ParallelConfig
 from megatron_bmw.errors import UsageError
+from megatron_bmw.config import padded_vocab_size
 from megatron_bmw.convert.gpt2 import (
-    hf_to_megatron, megatron_to_hf, merge_shards, padded_vocab_size, partition_dim, shard_state_dict,
+    hf_to_megatron, megatron_to_hf, merge_shards, partition_dim, shard_state_dict,
 )
 from megatron_bmw.models.chunk import ModelChunk, build_units
 from megatron_bmw.parallel.state import ParallelState

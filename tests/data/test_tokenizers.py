@@ -7,12 +7,11 @@ import sys
 
 import pytest
 
-from megatron_bmw.config import DataConfig
+from megatron_bmw.config import DataConfig, padded_vocab_size
 from megatron_bmw.data.tokenizers import (
     GPT2BPETokenizer,
     NullTokenizer,
     build_tokenizer,
-    vocab_size_with_padding,
 )
 from megatron_bmw.errors import UsageError
 
@@ -20,10 +19,10 @@ from .conftest import make_lines
 
 
 def test_vocab_padding():
-    assert vocab_size_with_padding(50257, 128, 1) == 50304
-    assert vocab_size_with_padding(50257, 128, 8) == 51200
-    assert vocab_size_with_padding(256, 128, 2) == 256
-    assert vocab_size_with_padding(1, 1, 1) == 1
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert padded_vocab_size(50257, 128, 8) == 51200
+    assert padded_vocab_size(256, 128, 2) == 256
+    assert padded_vocab_size(1, 1, 1) == 1
 
 
 def test_null_tokenizer_follows_megatron():
