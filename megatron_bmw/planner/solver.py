@@ -31,13 +31,13 @@ from ..units import unit_kind, unit_names
 from .cluster import Cluster
 from .cost_model import CostModel, CostSettings, optimizer_step_seconds
 from .evaluate import stage_capacity
-from .memory_model import (MemorySettings, layer_checkpoints, layer_transient_extra,
-                           unit_activation_bytes, unit_param_count, unit_transient_bytes, unit_wgrad_bytes)
+from .memory_model import MemorySettings, layer_checkpoints, layer_transient_extra, unit_param_count
 from .overlap import gather_lead, overlapped_end, reduce_end
 from .partitioners import amp_partition, choose_options, galvatron_walk, minmax_partition
 from .profile_data import Profiles
 from .space import Layout, SearchSpace, zero_bubble
 from .spec import RunSpec
+from .unit_activations import unit_activation_bytes, unit_transient_bytes, unit_wgrad_bytes
 
 _INF = math.inf
 _SEND = Action(Kind.SEND_ACT, 0, 0, 1)
