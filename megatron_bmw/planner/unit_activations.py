@@ -81,134 +81,173 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         raise UsageError(f"recomputation must be none, selective or full, not {recompute!r}")
     if device not in DEVICE_KINDS:
         raise UsageError(f"device kind must be cuda or cpu, not {device!r}")
-    sp = sp and tp > 1
-    s, b, h, f, v = model.seq_length, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
-    e = model.dtype_bytes
-    heads = model.num_attention_heads // tp
-    s_local = s // tp if sp else s
-    hidden_local = s_local * b * h
-    mask_size = _BOOL if device == "cuda" else e
-    stat_size = _FP32 if device == "cuda" else e
-    out: list[SavedTensor] = []
-
-    def add(name: str, numel: int, itemsize: int) -> None:
-        out.append(SavedTensor(name, numel, itemsize))
-
-    def layernorm() -> None:
-        if model.apply_layernorm_1p:  # the norm keeps the weight + 1 it computed
-            add("norm weight + 1", h, e)
-        if model.normalization != "RMSNorm":
-            add("layernorm input", hidden_local, e)
-            add("layernorm statistics", 2 * s_local * b, stat_size)
-        elif device == "cuda":  # the fused kernel keeps its input and the fp32 reciprocal RMS
-            add("rmsnorm input", hidden_local, e)
-            add("rmsnorm statistics (fp32)", s_local * b, _FP32)
-        else:  # the composite path computes in fp32: input (upcast), reciprocal RMS, normalized input
-            add("rmsnorm input (fp32)", hidden_local, _FP32)
-            add("rmsnorm statistics (fp32)", s_local * b, _FP32)
-            add("rmsnorm normalized input (fp32)", hidden_local, _FP32)
-
-    def lm_loss(divisor: str, divisors: int) -> None:  # final LayerNorm, logits, vocab-parallel cross entropy
-        layernorm()
-        add("logits input", hidden_local, e)
-        add("softmax (fp32)", s * b * (v // tp), _FP32)
-        add("local targets", s * b, _INT64)
-        add("out-of-vocabulary-shard mask", s * b, _BOOL)
-        add("loss mask", s * b, _FP32)
-        add(divisor, divisors, _FP32)
-
-    def hidden_dropout() -> None:
-        if model.hidden_dropout > 0:
-            add("dropout mask", hidden_local, mask_size)
-
-    bert = model.model_type == "bert"
+    saved = _Saved(model, micro_batch_size, tp, sp and tp > 1, device)
     if kind == "embedding":
-        add("token ids", b * s, _INT64)
-        if tp > 1:
-            add("out-of-vocabulary-shard mask", b * s, _BOOL)
-        if model.position_embedding_type == "learned_absolute":
-            add("position ids", s, _INT64)
-        if model.num_tokentypes:
-            add("token-type ids", b * s, _INT64)
-        hidden_dropout()
-        return out
-    if kind == "head" and bert:
-        layernorm()
-        add("lm dense input", hidden_local, e)
-        add("lm gelu input", hidden_local, e)
-        lm_loss("loss divisors", 2)
-        if model.bert_binary_head:
-            if sp:
-                add("pooler input (gathered first token)", b * h, e)
-            add("pooler output (tanh)", b * h, e)
-            add("sentence-order log-probabilities (fp32)", 2 * b, _FP32)
-            add("sentence-order labels", b, _INT64)
-            add("sentence-order loss weight", 1, _FP32)
-        return out
-    if kind == "head":
-        lm_loss("loss divisor", 1)
-        return out
-    if recompute == "full":
-        add("unit input (full recomputation)", hidden_local, e)
-        return out
-    layernorm()
-    if kind == "mlp":
-        add("fc1 input", hidden_local, e)
-        if model.swiglu:  # fc1's output holds [gate; up]; silu keeps the gate, the product keeps silu(gate) and up
-            add("fc1 output (gate and up)", 2 * s * b * (f // tp), e)
-            add("silu output", s * b * (f // tp), e)
-            add("swiglu output (fc2 input)", s * b * (f // tp), e)
-        else:
-            add("gelu input", s * b * (f // tp), e)
-            add("gelu output", s * b * (f // tp), e)
-        hidden_dropout()
-        return out
-    add("qkv input", hidden_local, e)
-    local_h = s * b * h // tp
-    score = b * heads * s * s
-    p_attn = model.attention_dropout
-    math_path = model.flash_attention and device == "cpu" and p_attn > 0
+        _embedding_saved(saved)
+    elif kind == "head" and model.model_type == "bert":
+        _bert_head_saved(saved)
+    elif kind == "head":
+        saved.lm_loss("loss divisor", 1)
+    elif recompute == "full":
+        saved.add("unit input (full recomputation)", saved.hidden_local, saved.e)
+    elif kind == "mlp":
+        _mlp_saved(saved)
+    else:
+        _attention_saved(saved, recompute)
+    return saved.out
+
+
+class _Saved:
+    """The tensors one unit saves, in the order it saves them, with the sizes they are counted in."""
+
+    def __init__(self, model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, device: str) -> None:
+        self.model, self.tp, self.sp, self.device = model, tp, sp, device
+        self.s, self.b, self.h, self.e = model.seq_length, micro_batch_size, model.hidden_size, model.dtype_bytes
+        self.s_local = self.s // tp if sp else self.s
+        self.hidden_local = self.s_local * self.b * self.h
+        self.mask_size = _BOOL if device == "cuda" else self.e
+        self.stat_size = _FP32 if device == "cuda" else self.e
+        self.out: list[SavedTensor] = []
+
+    def add(self, name: str, numel: int, itemsize: int) -> None:
+        self.out.append(SavedTensor(name, numel, itemsize))
+
+    def layernorm(self) -> None:
+        """What a LayerNorm or RMSNorm over the hidden state keeps."""
+        model, e, rows = self.model, self.e, self.s_local * self.b
+        if model.apply_layernorm_1p:  # the norm keeps the weight + 1 it computed
+            self.add("norm weight + 1", self.h, e)
+        if model.normalization != "RMSNorm":
+            self.add("layernorm input", self.hidden_local, e)
+            self.add("layernorm statistics", 2 * rows, self.stat_size)
+        elif self.device == "cuda":  # the fused kernel keeps its input and the fp32 reciprocal RMS
+            self.add("rmsnorm input", self.hidden_local, e)
+            self.add("rmsnorm statistics (fp32)", rows, _FP32)
+        else:  # the composite path computes in fp32: input (upcast), reciprocal RMS, normalized input
+            self.add("rmsnorm input (fp32)", self.hidden_local, _FP32)
+            self.add("rmsnorm statistics (fp32)", rows, _FP32)
+            self.add("rmsnorm normalized input (fp32)", self.hidden_local, _FP32)
+
+    def lm_loss(self, divisor: str, divisors: int) -> None:
+        """The final LayerNorm, the logits and the vocab-parallel cross entropy."""
+        tokens = self.s * self.b
+        self.layernorm()
+        self.add("logits input", self.hidden_local, self.e)
+        self.add("softmax (fp32)", tokens * (self.model.vocab_size // self.tp), _FP32)
+        self.add("local targets", tokens, _INT64)
+        self.add("out-of-vocabulary-shard mask", tokens, _BOOL)
+        self.add("loss mask", tokens, _FP32)
+        self.add(divisor, divisors, _FP32)
+
+    def hidden_dropout(self) -> None:
+        """The mask of the dropout on the hidden state, if any."""
+        if self.model.hidden_dropout > 0:
+            self.add("dropout mask", self.hidden_local, self.mask_size)
+
+
+def _embedding_saved(saved: _Saved) -> None:
+    """The embedding: token (and position, token-type) ids, the vocabulary shard's mask, the dropout mask."""
+    model, tokens = saved.model, saved.b * saved.s
+    saved.add("token ids", tokens, _INT64)
+    if saved.tp > 1:
+        saved.add("out-of-vocabulary-shard mask", tokens, _BOOL)
+    if model.position_embedding_type == "learned_absolute":
+        saved.add("position ids", saved.s, _INT64)
+    if model.num_tokentypes:
+        saved.add("token-type ids", tokens, _INT64)
+    saved.hidden_dropout()
+
+
+def _bert_head_saved(saved: _Saved) -> None:
+    """BERT's head: the final LayerNorm, the LM head and its loss, and the binary (sentence-order) head."""
+    b, h, e = saved.b, saved.h, saved.e
+    saved.layernorm()
+    saved.add("lm dense input", saved.hidden_local, e)
+    saved.add("lm gelu input", saved.hidden_local, e)
+    saved.lm_loss("loss divisors", 2)
+    if saved.model.bert_binary_head:
+        if saved.sp:
+            saved.add("pooler input (gathered first token)", b * h, e)
+        saved.add("pooler output (tanh)", b * h, e)
+        saved.add("sentence-order log-probabilities (fp32)", 2 * b, _FP32)
+        saved.add("sentence-order labels", b, _INT64)
+        saved.add("sentence-order loss weight", 1, _FP32)
+
+
+def _mlp_saved(saved: _Saved) -> None:
+    """An MLP unit without full recomputation: its norm, fc1's input, the activation's tensors, the dropout."""
+    e, local_f = saved.e, saved.s * saved.b * (saved.model.ffn_hidden_size // saved.tp)
+    saved.layernorm()
+    saved.add("fc1 input", saved.hidden_local, e)
+    if saved.model.swiglu:  # fc1's output holds [gate; up]; silu keeps the gate, the product keeps silu(gate) and up
+        saved.add("fc1 output (gate and up)", 2 * local_f, e)
+        saved.add("silu output", local_f, e)
+        saved.add("swiglu output (fc2 input)", local_f, e)
+    else:
+        saved.add("gelu input", local_f, e)
+        saved.add("gelu output", local_f, e)
+    saved.hidden_dropout()
+
+
+def _attention_saved(saved: _Saved, recompute: str | None) -> None:
+    """An attention unit without full recomputation: its norm, the QKV input, the q/k norms and rope, the core
+    (`_attention_core_saved`), the context and the dropout."""
+    model, s, b, tp = saved.model, saved.s, saved.b, saved.tp
+    saved.layernorm()
+    saved.add("qkv input", saved.hidden_local, saved.e)
+    local_h = s * b * saved.h // tp
     # the unfused core's batched matmul copies a strided q; the fused kernel and a checkpoint keep q as it is
     core_inputs = _core_inputs(model, local_h, tp, query_copied=recompute != "selective" and not model.flash_attention)
     if model.qk_layernorm:
-        qk = _qk_norm_saved(model, local_h, tp, b * heads * s, device)
-        out.extend(qk)
+        saved.out.extend(_qk_norm_saved(model, local_h, tp, b * (model.num_attention_heads // tp) * s, saved.device))
     if model.position_embedding_type == "rope":  # cos and sin, computed for the queries and again for the keys
-        add("rotary cos and sin (fp32)", 4 * s * model.rotary_dim, _FP32)
+        saved.add("rotary cos and sin (fp32)", 4 * s * model.rotary_dim, _FP32)
+    _attention_core_saved(saved, recompute, core_inputs, local_h)
+    saved.add("context (output projection input)", local_h, saved.e)
+    saved.hidden_dropout()
+    if model.qk_layernorm:  # one storage: the QKV output the norms' inputs and the values are views of
+        out = saved.out
+        first = next((i for i, t in enumerate(out) if t.name == "qkv output"), len(out))
+        saved.out = out[:first + 1] + [t for t in out[first + 1:] if t.name != "qkv output"]
+
+
+def _attention_core_saved(saved: _Saved, recompute: str | None, core_inputs: list[SavedTensor], local_h: int) -> None:
+    """The attention core: its inputs, and what selective recomputation, the unfused core, SDPA's math fallback
+    or the fused kernel keep beside them."""
+    model, s, b, e, device = saved.model, saved.s, saved.b, saved.e, saved.device
+    bert = model.model_type == "bert"
+    heads = model.num_attention_heads // saved.tp
+    score = b * heads * s * s
+    p_attn = model.attention_dropout
+    math_path = model.flash_attention and device == "cpu" and p_attn > 0
     if recompute == "selective":
-        out.extend(core_inputs)
+        saved.out.extend(core_inputs)
         if bert:  # an input of the recomputed core
-            add("padding mask (bool)", b * s, _BOOL)
+            saved.add("padding mask (bool)", b * s, _BOOL)
     elif not model.flash_attention:
-        out.extend(core_inputs)
-        add("softmax output", score, e)
+        saved.out.extend(core_inputs)
+        saved.add("softmax output", score, e)
         if p_attn > 0:
-            add("attention dropout mask", score, _BOOL if device == "cuda" else e)
-            add("attention probabilities", score, e)
+            saved.add("attention dropout mask", score, _BOOL if device == "cuda" else e)
+            saved.add("attention probabilities", score, e)
     elif math_path:  # SDPA's math fallback: scaled q and k, v (a copy when 16-bit inputs are upcast), 3 s^2 terms
         c = _FP32
         if e == c:
-            out.append(core_inputs[-1])  # the values (or the QKV output they are a view of)
+            saved.out.append(core_inputs[-1])  # the values (or the QKV output they are a view of)
         else:
-            add("v (fp32 copy)", local_h, c)
-        add("scaled q", local_h, c)
-        add("scaled k", local_h, c)
-        add("softmax output", score, c)
-        add("attention dropout noise", score, c)
-        add("attention probabilities", score, c)
+            saved.add("v (fp32 copy)", local_h, c)
+        saved.add("scaled q", local_h, c)
+        saved.add("scaled k", local_h, c)
+        saved.add("softmax output", score, c)
+        saved.add("attention dropout noise", score, c)
+        saved.add("attention probabilities", score, c)
     else:  # the kernel's output is laid out like q, so the projection's input is a view of it
-        out.extend(core_inputs)
-        add("log-sum-exp (fp32)", b * heads * s, _FP32)
+        saved.out.extend(core_inputs)
+        saved.add("log-sum-exp (fp32)", b * heads * s, _FP32)
         if model.qk_layernorm or (model.position_embedding_type == "rope" and model.rotary_dim < model.head_dim):
-            add("attention output (q laid out by head: the context is a copy)", local_h, e)
+            saved.add("attention output (q laid out by head: the context is a copy)", local_h, e)
         if bert:
-            add("padding mask (additive, for the kernel)", b * s, e)
-    add("context (output projection input)", local_h, e)
-    hidden_dropout()
-    if model.qk_layernorm:  # one storage: the QKV output the norms' inputs and the values are views of
-        first = next((i for i, t in enumerate(out) if t.name == "qkv output"), len(out))
-        out = out[:first + 1] + [t for t in out[first + 1:] if t.name != "qkv output"]
-    return out
+            saved.add("padding mask (additive, for the kernel)", b * s, e)
 
 
 def _qk_norm_saved(model: ModelConfig, local_h: int, tp: int, q_rows: int, device: str) -> list[SavedTensor]:
