@@ -5,7 +5,7 @@ Per unit and recomputation choice the solver knows the forward and backward seco
 (the cost model), the bytes one micro-batch leaves saved and the transient bytes rebuilt in its backward (the
 memory model), and the model-state bytes. The schedule says how many micro-batches each rank holds at its peak
 (pipeline/holding.py). Then, Galvatron-BMW style: per rank, a knapsack over its units' choices minimises time
-under the rank's memory (choose_options), and partitions are walked from the memory-balanced one toward the
+under the rank's memory (option_knapsack.py), and partitions are walked from the memory-balanced one toward the
 time-balanced one (galvatron_walk), with AutoPipe's min-max and AMP's layer-assignment DP as starts. The
 estimate is AMP's pipeline formula (zero-bubble: its variant with the backward split, `_pipeline_time`); the search
 simulates the finalists exactly. A zero-bubble schedule's ranks hold micro-batches whole (until B) and as what W
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from itertools import accumulate
 
 import numpy as np
@@ -33,7 +32,8 @@ from .cost_model import CostModel, CostSettings, optimizer_step_seconds
 from .evaluate import stage_capacity
 from .memory_model import MemorySettings, layer_checkpoints, layer_transient_extra, unit_param_count
 from .overlap import gather_lead, overlapped_end, reduce_end
-from .partitioners import amp_partition, choose_options, galvatron_walk, minmax_partition
+from .option_knapsack import choose_grouped
+from .partitioners import amp_partition, galvatron_walk, minmax_partition
 from .profile_data import Profiles
 from .space import Layout, SearchSpace, zero_bubble
 from .spec import RunSpec
@@ -608,59 +608,6 @@ class LayoutProblem:
             galvatron_walk(list(mem_start), stage_time, stage_memory, budgets, time_peak, max_steps=24)
         best = [v for v in seen.values() if v is not None]
         return min(best, key=lambda s: s.estimate) if best else None
-
-
-def choose_grouped(options: list[list[tuple[float, float, float]]], room: float):
-    """choose_options, with identical units (a rank's attention units, its MLP units) merged into one item whose
-    choices are how many of them take each option (Pareto-pruned): the same optimum, a much smaller DP."""
-    groups: dict[tuple, list[int]] = {}
-    for u, opts in enumerate(options):
-        groups.setdefault(tuple(opts), []).append(u)
-    if all(len(units) == 1 for units in groups.values()):
-        return choose_options(options, room)
-    items, mixes = [], []
-    for opts, units in groups.items():
-        item, counts = _group_front(opts, len(units))
-        items.append(item)
-        mixes.append((units, counts))
-    got = choose_options(items, room)
-    if got is None:
-        return None
-    picked, total, peak = got
-    choice = [0] * len(options)
-    for (units, counts_list), k in zip(mixes, picked):
-        it = iter(units)
-        for j, n in enumerate(counts_list[k]):
-            for _ in range(n):
-                choice[next(it)] = j
-    return choice, total, peak
-
-
-@lru_cache(maxsize=1 << 16)
-def _group_front(opts: tuple[tuple[float, float, float], ...], n: int) -> tuple[tuple, tuple]:
-    """n identical units with options `opts` as one item: per undominated mix, its (time, memory, transient)
-    and how many units take each option."""
-    combos = []
-    for counts in _compositions(n, len(opts)):
-        used = [opts[j] for j, c in enumerate(counts) if c]
-        combos.append((sum(c * o[0] for c, o in zip(counts, opts)), sum(c * o[1] for c, o in zip(counts, opts)),
-                       max(o[2] for o in used), counts))
-    front, best_time = [], _INF
-    for c in sorted(combos, key=lambda x: (x[1], x[2], x[0])):  # least memory first
-        if c[0] < best_time:
-            front.append(c)
-            best_time = c[0]
-    return tuple((t, m, tr) for t, m, tr, _ in front), tuple(c[3] for c in front)  # cached: immutable
-
-
-def _compositions(n: int, k: int):
-    """Every way to write n as k non-negative counts."""
-    if k == 1:
-        yield (n,)
-        return
-    for first in range(n + 1):
-        for rest in _compositions(n - first, k - 1):
-            yield (first,) + rest
 
 
 def lower_bound(problem: LayoutProblem) -> float:

@@ -11,10 +11,10 @@ from megatron_bmw.pipeline.holding import holding_events, resident_peaks
 from megatron_bmw.planner.cluster import parse_cluster
 from megatron_bmw.planner.cost_model import CostSettings
 from megatron_bmw.planner.memory_model import MemorySettings
-from megatron_bmw.planner.partitioners import choose_options
+from megatron_bmw.planner.option_knapsack import choose_grouped, choose_options
 from megatron_bmw.planner.profile_data import Profiles
-from megatron_bmw.planner.solver import (LayoutProblem, ScheduleShapes, Variant, choose_grouped, could_fit,
-                                         interleaved_peak_mixes, split_peak_mixes)
+from megatron_bmw.planner.solver import (LayoutProblem, ScheduleShapes, Variant, could_fit, interleaved_peak_mixes,
+                                         split_peak_mixes)
 from megatron_bmw.planner.space import Layout, SearchSpace
 from megatron_bmw.config import PipelineConfig
 
