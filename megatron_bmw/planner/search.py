@@ -40,7 +40,8 @@ from .hybrid_search import HybridProblem, HybridSolution, hybrid_layouts, summar
 from .memory_model import MemorySettings
 from .partitioners import autopipe_refine, hill_climb
 from .profile_data import Profiles
-from .solver import LayoutProblem, ScheduleShapes, Solution, Variant, could_fit, lower_bound
+from .schedule_shapes import ScheduleShapes
+from .solver import LayoutProblem, Solution, Variant, could_fit, lower_bound
 from .space import Layout, SearchSpace, layouts, tp_degrees, zero_bubble
 from .spec import RunSpec
 from ..units import unit_kind, unit_names

@@ -18,7 +18,7 @@ from megatron_bmw.planner.hybrid_search import HybridProblem, hybrid_layouts, su
 from megatron_bmw.planner.memory_model import MemorySettings
 from megatron_bmw.planner.plan import Plan
 from megatron_bmw.planner.search import search
-from megatron_bmw.planner.solver import ScheduleShapes
+from megatron_bmw.planner.schedule_shapes import ScheduleShapes
 from megatron_bmw.planner.space import SearchSpace
 from megatron_bmw.planner.unit_activations import unit_activation_bytes
 from megatron_bmw.strategy import galvatron_space_size, parse_strategy, stage_strategies
