@@ -90,50 +90,78 @@ class LayoutProblem:
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
                  uniform: str | None | bool = False) -> None:
         self.layout, self.variant, self.model, self.space, self.shapes = layout, variant, model, space, shapes
-        self.memory = memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.mbs, variant.sp)
+        self.memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.mbs, variant.sp)
         self.uniform = uniform  # False: per-unit choices; else this one choice for every transformer unit
-        lay = layout
-        self.stages = lay.pp * lay.virtual
+        self.stages = layout.pp * layout.virtual
         self.names = unit_names(model.num_layers)
-        n = len(self.names)
-        blocks = stage_blocks(model.num_layers, space.sublayer)  # (another engine's stages hold whole layers)
-        start = block_units(blocks, even_partition(len(blocks), self.stages)) if len(blocks) >= self.stages \
-            else even_partition(n, self.stages)
-        base = Solution(lay, variant, start, None, 0.0, [], [], [], []).spec(model)
-        place_key = (lay.tp, lay.pp, lay.dp, base.rank_order)
-        placement = shapes.placements.setdefault(place_key, {})
-        self.cost = CostModel(base, cluster, profiles, costs, placement)
-        if "capacity" not in placement:
-            placement["capacity"] = [stage_capacity(base, cluster, r) for r in range(lay.pp)]
-        self.capacity = placement["capacity"]
-        self.counts = shapes.counts(lay, variant.bpipe)
-        self.zero_bubble = zero_bubble(lay.schedule)
-        self.zb_credit = shapes.zero_bubble_credit(lay.schedule, lay.pp, lay.m) if self.zero_bubble else 0.0
+        self.cost, self.capacity = self._placement(cluster, profiles, costs)
+        self.counts = shapes.counts(layout, variant.bpipe)
+        self.zero_bubble = zero_bubble(layout.schedule)
+        self.zb_credit = shapes.zero_bubble_credit(layout.schedule, layout.pp, layout.m) if self.zero_bubble else 0.0
         self._short = None  # a zero-bubble schedule of m < p, compiled once for the estimate
-        sp = variant.sp and lay.tp > 1
         # per unit kind (units of a kind share their rows): allowed choices, and per choice (forward, backward)
         # per rank, saved bytes and transient bytes
         kinds = [unit_kind(nm) for nm in self.names]
-        allowed = {}
+        allowed = self._allowed_choices(kinds)
+        self.choices: list[tuple[str | None, ...]] = [allowed[k] for k in kinds]
+        self.times: list[list[list[tuple[float, float]]]]  # [rank][unit][choice]
+        self.wtimes: list[list[float]]  # [rank][unit]: W, part of the backward (zero-bubble only)
+        self.times, self.wtimes = self._unit_times(kinds, allowed, profiles)
+        self.saved: list[list[float]]  # [unit][choice]: one micro-batch's saved bytes
+        self.wsaved: list[float]  # [unit]: what B keeps for W (zero-bubble only)
+        self.transient: list[list[float]]  # [unit][choice]: what its backward holds beside the saved bytes
+        self.saved, self.wsaved, self.transient = self._unit_bytes(kinds, allowed)
+        self.params, self.static = self._model_states(kinds)
+        self.p2p = self.cost.transfer_time(0, 1, _SEND) if layout.pp > 1 else 0.0
+        self.embedding_sync = self.cost.embedding_sync_time()
+        self._knap = shapes.knapsacks  # shared: the same units and room give the same choice in any layout
+        self._ranks: dict[tuple, tuple | None] = {}  # interleaved ranks' choices by their chunks
+        self._mix_tables: dict[int, np.ndarray] = {}  # per rank, its mixes as one array (_heaviest)
+        self._plans: dict[tuple, tuple | None] = {}  # every rank's plan by its chunks (evaluate)
+        self._syncs: dict[tuple, tuple[float, float]] = {}  # and its synchronisation (_sync_time)
+        self._over: list[tuple[float, float]] | None = None
+
+    # ---- the layout's unit tables -----------------------------------------------------------------------------
+    def _placement(self, cluster: Cluster, profiles: Profiles, costs: CostSettings) -> tuple[CostModel, list[float]]:
+        """The layout's cost model (devices and links shared by the layouts of its placement), ranks' capacities."""
+        lay, model, shapes = self.layout, self.model, self.shapes
+        blocks = stage_blocks(model.num_layers, self.space.sublayer)  # (another engine's stages hold whole layers)
+        start = block_units(blocks, even_partition(len(blocks), self.stages)) if len(blocks) >= self.stages \
+            else even_partition(len(self.names), self.stages)
+        base = Solution(lay, self.variant, start, None, 0.0, [], [], [], []).spec(model)
+        place_key = (lay.tp, lay.pp, lay.dp, base.rank_order)
+        placement = shapes.placements.setdefault(place_key, {})
+        cost = CostModel(base, cluster, profiles, costs, placement)
+        if "capacity" not in placement:
+            placement["capacity"] = [stage_capacity(base, cluster, r) for r in range(lay.pp)]
+        return cost, placement["capacity"]
+
+    def _allowed_choices(self, kinds: list[str]) -> dict[str, tuple[str | None, ...]]:
+        """Per unit kind, the recomputation choices the space (or the one `uniform` choice) allows it."""
+        uniform, allowed = self.uniform, {}
         for kind in set(kinds):
             if kind not in ("attention", "mlp"):
                 allowed[kind] = (None,)
             elif uniform is not False:  # one choice for every layer; selective leaves MLP units alone
                 allowed[kind] = (None,) if kind == "mlp" and uniform == "selective" else (uniform,)
             else:
-                allowed[kind] = tuple(c for c in (None, "selective", "full") if c in space.recompute
+                allowed[kind] = tuple(c for c in (None, "selective", "full") if c in self.space.recompute
                                       and (kind == "attention" or c != "selective")) or (None,)
-        self.choices: list[tuple[str | None, ...]] = [allowed[k] for k in kinds]
+        return allowed
+
+    def _unit_times(self, kinds: list[str], allowed: dict, profiles: Profiles):
+        """Per rank, per unit, per choice: (forward, backward) seconds; and per rank, per unit, its W (zero-bubble)."""
+        lay, memo = self.layout, self.shapes.unit_times
+        sp = self.variant.sp and lay.tp > 1
         per_unit = any(u.unit is not None for ps in profiles.by_type.values() for p in ps for u in p.units)
-        self.times: list[list[list[tuple[float, float]]]] = []  # [rank][unit][choice]
-        self.wtimes: list[list[float]] = []  # [rank][unit]: W, part of the backward (zero-bubble only)
+        times: list[list[list[tuple[float, float]]]] = []
+        wtimes: list[list[float]] = []
         by_device: dict[tuple, list] = {}
-        memo = shapes.unit_times
         for r in range(lay.pp):
             dev = self.cost.devices[r]
             link = self.cost.tp_link(r) if lay.tp > 1 else None
             place = (dev.name, None if link is None else (link.bandwidth, link.latency), lay.tp, sp, lay.mbs,
-                     model.vocab_size)
+                     self.model.vocab_size)
             if place not in by_device:
                 rows: dict = {}
                 for i, kind in enumerate(kinds):
@@ -147,7 +175,7 @@ class LayoutProblem:
                             row.append(memo[mkey])
                         rows[key] = row
                 by_device[place] = [rows[(k, i if per_unit else None)] for i, k in enumerate(kinds)]
-            self.times.append(by_device[place])
+            times.append(by_device[place])
             if self.zero_bubble:
                 factor = self.cost.static_factor[r]
                 if (place, factor) not in by_device:
@@ -159,7 +187,13 @@ class LayoutProblem:
                         work, wait = memo[wkey]
                         row.append(work * factor + wait)
                     by_device[(place, factor)] = row
-                self.wtimes.append(by_device[(place, factor)])
+                wtimes.append(by_device[(place, factor)])
+        return times, wtimes
+
+    def _unit_bytes(self, kinds: list[str], allowed: dict):
+        """Per unit: per choice the bytes one micro-batch leaves saved, what B keeps for W, per choice the transient."""
+        lay, model, memory, shapes = self.layout, self.model, self.memory, self.shapes
+        sp = self.variant.sp and lay.tp > 1
 
         def saved(kind, c):
             key = (kind, c, lay.mbs, lay.tp, sp, memory.device, model.vocab_size)
@@ -169,29 +203,24 @@ class LayoutProblem:
             return shapes.saved_bytes[key]
 
         # an engine that checkpoints whole layers keeps one input per fully recomputed layer (memory_model.py)
-        layered = uniform == "full" and not space.sublayer and layer_checkpoints(memory.engine)
+        layered = self.uniform == "full" and not self.space.sublayer and layer_checkpoints(memory.engine)
         kind_saved = {k: [0.0 if layered and k == "mlp" else saved(k, c) for c in allowed[k]] for k in allowed}
         kind_transient = {k: [float(unit_transient_bytes(k, model, lay.mbs, lay.tp, sp, c, memory.device)
                                     + (layer_transient_extra(model, lay.mbs, lay.tp, sp, memory.device)
                                        if layered and k == "mlp" else 0))
                               for c in allowed[k]] for k in allowed}
-        self.saved: list[list[float]] = [kind_saved[k] for k in kinds]
-        self.wsaved: list[float] = [float(unit_wgrad_bytes(k, model, lay.mbs, lay.tp, sp)) for k in kinds] \
-            if self.zero_bubble else [0.0] * n
-        self.transient: list[list[float]] = [kind_transient[k] for k in kinds]
-        precision = memory.precision(model, variant.zero1)
+        wsaved = [float(unit_wgrad_bytes(k, model, lay.mbs, lay.tp, sp)) for k in kinds] \
+            if self.zero_bubble else [0.0] * len(kinds)
+        return [kind_saved[k] for k in kinds], wsaved, [kind_transient[k] for k in kinds]
+
+    def _model_states(self, kinds: list[str]) -> tuple[list[int], list[float]]:
+        """Per unit: its parameters on one tensor-parallel rank, and their model-state bytes (ZeRO-1's shard)."""
+        lay, model = self.layout, self.model
+        precision = self.memory.precision(model, self.variant.zero1)
         per_param = precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(lay.dp)
         own_output = model.untie_embeddings_and_output_weights or lay.pp > 1
-        self.params = [unit_param_count(k, model, lay.tp, output_weight=own_output) for k in kinds]
-        self.static = [p * per_param for p in self.params]
-        self.p2p = self.cost.transfer_time(0, 1, _SEND) if lay.pp > 1 else 0.0
-        self.embedding_sync = self.cost.embedding_sync_time()
-        self._knap = shapes.knapsacks  # shared: the same units and room give the same choice in any layout
-        self._ranks: dict[tuple, tuple | None] = {}  # interleaved ranks' choices by their chunks
-        self._mix_tables: dict[int, np.ndarray] = {}  # per rank, its mixes as one array (_heaviest)
-        self._plans: dict[tuple, tuple | None] = {}  # every rank's plan by its chunks (evaluate)
-        self._syncs: dict[tuple, tuple[float, float]] = {}  # and its synchronisation (_sync_time)
-        self._over: list[tuple[float, float]] | None = None
+        params = [unit_param_count(k, model, lay.tp, output_weight=own_output) for k in kinds]
+        return params, [p * per_param for p in params]
 
     # ---- one partition --------------------------------------------------------------------------------------
     def _rank_keys(self, partition: tuple[int, ...]) -> list[tuple]:
