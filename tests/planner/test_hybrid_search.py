@@ -9,7 +9,8 @@ import pytest
 from megatron_bmw.config import ModelConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.planner.cluster import Link, load_cluster
-from megatron_bmw.planner.cost_model import CostSettings, allgather_time, allreduce_time
+from megatron_bmw.planner.comm_cost import allgather_time, allreduce_time
+from megatron_bmw.planner.cost_model import CostSettings
 from megatron_bmw.planner.evaluate import simulate_run
 from megatron_bmw.planner.hybrid_cost import StageCosts
 from megatron_bmw.planner.hybrid_dp import exhaustive, stage_dp
