@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 from .schedule import (TRANSFER_KINDS, Action, DeadlockError, Kind, Schedule, ScheduleError,
                        gc_paused)
@@ -63,11 +64,45 @@ def _zero_transfer(src: int, dst: int, action: Action) -> float:
     return 0.0
 
 
-_COMPUTE, _SEND, _RECV, _OTHER = 0, 1, 2, 3
-# BPipe transfer posts, then synthetic waits the compiler adds (they record nothing in the timeline).
-_EVICT, _ACCEPT, _RETURN, _LOAD = 4, 5, 6, 7
-_EVICT_DONE, _RETURN_DONE, _LOAD_WAIT, _HEADER = 8, 9, 10, 11
-_RECORDED = 8  # ops below this code are schedule actions
+class _Op(IntEnum):
+    """What a compiled op does: a schedule action, then (from EVICT_DONE on) the waits the compiler adds for BPipe's
+    transfers, which record nothing in the timeline."""
+
+    COMPUTE = 0  # FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
+    SEND = 1  # SEND_ACT, SEND_GRAD: a zero-time post
+    RECV = 2  # RECV_ACT, RECV_GRAD: a zero-time post
+    OTHER = 3  # any other action: recorded, takes no time
+    EVICT = 4  # BPipe's transfer posts
+    ACCEPT = 5
+    RETURN = 6
+    LOAD = 7
+    EVICT_DONE = 8  # the evictor waits for its evicted data to be on the acceptor
+    RETURN_DONE = 9  # the acceptor waits for the data it returns to be back on the evictor
+    LOAD_WAIT = 10  # a backward waits for its loaded activations
+    HEADER = 11  # the evictor announces a (chunk, whole/half) class: its first forward of it has ended
+
+
+_SYNTHETIC = _Op.EVICT_DONE  # ops from this code on are the compiler's waits, not schedule actions
+
+
+class _Post(IntEnum):
+    """The events of one BPipe transfer (one key's saved activations moved out and back), one per op that posts."""
+
+    EVICT = 0
+    ACCEPT = 1
+    RETURN = 2
+    LOAD = 3
+
+
+class _Move(IntEnum):
+    """The two moves of one BPipe transfer, each as long as bpipe_time says."""
+
+    EVICT = 0  # evictor -> acceptor
+    RETURN = 1  # acceptor -> evictor
+
+
+_POSTS, _MOVES = len(_Post), len(_Move)  # per transfer: BPipe events posted, moves timed
+_CLASSES = 2  # per chunk, the classes an evictor announces: whole and half (sliced) micro-batches
 _EPS = 1e-12
 
 
@@ -83,7 +118,7 @@ class CompiledSchedule:
     """
 
     schedule: Schedule
-    ops: list[list[tuple[int, Action, int, int, int]]]
+    ops: list[list[tuple[_Op, Action, int, int, int]]]
     num_tensors: int
     num_transfers: int = 0
     derived: dict = field(default_factory=dict)  # what callers derive from the schedule once (e.g. its holds)
@@ -108,7 +143,7 @@ def _transfer_id(schedule: Schedule, evictor: int, a: Action) -> int:
 
 def _header_id(evictor: int, a: Action, v: int) -> int:
     """Event: the evictor's first forward of the action's (chunk, whole/half) class has ended."""
-    return (evictor * v + a.chunk) * 2 + (a.half is not None)
+    return (evictor * v + a.chunk) * _CLASSES + (a.half is not None)
 
 
 def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
@@ -126,7 +161,7 @@ def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
     for entry in rank_ops:
         op, a = entry[0], entry[1]
         kind = a.kind
-        if due and op != _SEND and op != _RECV:
+        if due and op != _Op.SEND and op != _Op.RECV:
             out.extend(due)
             due.clear()
         if kind in TRANSFER_KINDS:
@@ -134,10 +169,10 @@ def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
                 raise ScheduleError(f"rank {rank}: {a.label(v > 1)} has bad peer {a.peer!r}")
             tid = _transfer_id(schedule, rank if kind is Kind.EVICT or kind is Kind.LOAD else a.peer, a)
             if kind is Kind.EVICT:
-                out.append((_EVICT, a, tid, a.peer, -1))
-                pending.append((_EVICT_DONE, a, tid, a.peer, -1))
+                out.append((_Op.EVICT, a, tid, a.peer, -1))
+                pending.append((_Op.EVICT_DONE, a, tid, a.peer, -1))
             elif kind is Kind.LOAD:
-                out.append((_LOAD, a, tid, a.peer, -1))
+                out.append((_Op.LOAD, a, tid, a.peer, -1))
                 loaded[a.key] = tid
             elif kind is Kind.ACCEPT:
                 cls = (a.chunk, a.half is not None)
@@ -145,20 +180,20 @@ def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
                 if cls not in accepted:
                     accepted.add(cls)
                     header = _header_id(a.peer, a, v)
-                out.append((_ACCEPT, a, tid, a.peer, header))
+                out.append((_Op.ACCEPT, a, tid, a.peer, header))
             else:
-                out.append((_RETURN, a, tid, a.peer, -1))
-                pending.append((_RETURN_DONE, a, tid, a.peer, -1))
+                out.append((_Op.RETURN, a, tid, a.peer, -1))
+                pending.append((_Op.RETURN_DONE, a, tid, a.peer, -1))
             continue
-        if op == _COMPUTE and (kind is Kind.BACKWARD or kind is Kind.BACKWARD_INPUT) and a.key in loaded:
-            out.append((_LOAD_WAIT, a, loaded.pop(a.key), -1, -1))
+        if op == _Op.COMPUTE and (kind is Kind.BACKWARD or kind is Kind.BACKWARD_INPUT) and a.key in loaded:
+            out.append((_Op.LOAD_WAIT, a, loaded.pop(a.key), -1, -1))
         out.append(entry)
-        if op == _COMPUTE:
+        if op == _Op.COMPUTE:
             if kind is Kind.FORWARD:
                 cls = (a.chunk, a.half is not None)
                 if cls in evicted_classes and cls not in announced:
                     announced.add(cls)
-                    out.append((_HEADER, a, _header_id(rank, a, v), -1, -1))
+                    out.append((_Op.HEADER, a, _header_id(rank, a, v), -1, -1))
             due.extend(pending)
             pending.clear()
     out.extend(due)
@@ -166,43 +201,43 @@ def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
     return out
 
 
-def _compile_rank(schedule: Schedule, rank: int, acts: list[Action]) -> list[tuple[int, Action, int, int, int]]:
+def _compile_rank(schedule: Schedule, rank: int, acts: list[Action]) -> list[tuple[_Op, Action, int, int, int]]:
     m, v = schedule.num_microbatches, schedule.virtual_stages
     tensor, tensor_id, rank_of = schedule.tensor, schedule.tensor_id, schedule.rank_of
     forward, backward = Kind.FORWARD, Kind.BACKWARD
     backward_input, weight = Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
     send_act, send_grad, recv_act, recv_grad = Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD
-    rank_ops: list[tuple[int, Action, int, int, int]] = []
+    rank_ops: list[tuple[_Op, Action, int, int, int]] = []
     append = rank_ops.append
     for a in acts:
         kind, chunk, mb, half = a.kind, a.chunk, a.microbatch, a.half
         if not (0 <= chunk < v and 0 <= mb < m and half in (None, 0, 1)):
             raise ScheduleError(f"rank {rank}: {a.label(v > 1)} is out of range (m={m}, v={v}, half None/0/1)")
         if kind is weight:  # a deferred weight gradient: local, no tensor in or out
-            append((_COMPUTE, a, -1, -1, -1))
+            append((_Op.COMPUTE, a, -1, -1, -1))
         elif kind is forward or kind is backward or kind is backward_input:
             grad = kind is not forward
             need = tensor(rank, chunk, mb, half, grad, False)
             out = tensor(rank, chunk, mb, half, grad, True)
             produced = tensor_id(out) if out is not None and rank_of(out[1] + (-1 if grad else 1)) == rank else -1
             if need is None:
-                append((_COMPUTE, a, -1, -1, produced))
+                append((_Op.COMPUTE, a, -1, -1, produced))
             else:
-                append((_COMPUTE, a, tensor_id(need), rank_of(need[1]), produced))
+                append((_Op.COMPUTE, a, tensor_id(need), rank_of(need[1]), produced))
         elif kind is send_act or kind is send_grad:
             t = tensor(rank, chunk, mb, half, kind is send_grad, True)
             if t is None:
                 raise ScheduleError(f"rank {rank}: {a.label(v > 1)} sends from the "
                                     f"{'first' if kind is send_grad else 'last'} virtual stage")
-            append((_SEND, a, tensor_id(t), -1 if a.peer is None else a.peer, -1))
+            append((_Op.SEND, a, tensor_id(t), -1 if a.peer is None else a.peer, -1))
         elif kind is recv_act or kind is recv_grad:
             t = tensor(rank, chunk, mb, half, kind is recv_grad, False)
             if t is None:
                 raise ScheduleError(f"rank {rank}: {a.label(v > 1)} receives into the "
                                     f"{'last' if kind is recv_grad else 'first'} virtual stage")
-            append((_RECV, a, tensor_id(t), -1, -1))
+            append((_Op.RECV, a, tensor_id(t), -1, -1))
         else:
-            append((_OTHER, a, -1, -1, -1))
+            append((_Op.OTHER, a, -1, -1, -1))
     return rank_ops
 
 
@@ -242,11 +277,14 @@ def _run(
     produced_at: list[float | None] = [None] * n_tensors
     waiting = [-1] * n_tensors  # rank blocked on the tensor
     zero_transfer = transfer_time is _zero_transfer
-    # BPipe events: at[4 * transfer + j] for j = EVICT, ACCEPT, RETURN, LOAD posts; then one per header.
+    # BPipe events: at[_POSTS * transfer + post] for each _Post of a transfer; then one per (evictor, chunk, class)
+    # header. Their moves: time[_MOVES * transfer + move] for each _Move.
     n_x = compiled.num_transfers
-    x_at: list[float | None] = [None] * (4 * n_x + 2 * len(ops) * compiled.schedule.virtual_stages) if n_x else []
+    headers = _POSTS * n_x  # the first header event
+    events = headers + _CLASSES * len(ops) * compiled.schedule.virtual_stages
+    x_at: list[float | None] = [None] * events if n_x else []
     x_wait = [-1] * len(x_at)
-    x_time = [0.0] * (2 * n_x) if n_x else []  # duration of the evict (2t) and return (2t + 1) move
+    x_time = [0.0] * (_MOVES * n_x) if n_x else []  # durations of each transfer's moves
 
     index = [0] * p
     clock = [0.0] * p
@@ -264,6 +302,7 @@ def _run(
     made_by = [-1] * n_tensors if record else []
     x_after: list[Cause] = [(-1, -1)] * len(x_at) if record else []
     load_cause: list[tuple[float, Cause] | None] = [None] * p
+    compute, send, recv, evict = _Op.COMPUTE, _Op.SEND, _Op.RECV, _Op.EVICT  # local: the loop's every op tests them
 
     while ready:
         rank = ready.popleft()
@@ -274,7 +313,7 @@ def _run(
         line = timeline[rank]
         while i < n:
             op, a, tid, peer, produced = rank_ops[i]
-            if op == _COMPUTE:
+            if op == compute:
                 start = t
                 if tid >= 0:
                     if peer == rank:
@@ -328,8 +367,8 @@ def _run(
                     if waiting[produced] >= 0:
                         ready.append(waiting[produced])
                         waiting[produced] = -1
-            elif op < _EVICT:
-                if op == _SEND:
+            elif op < evict:
+                if op == send:
                     send_at[tid] = t
                     send_rank[tid] = rank
                     send_action[tid] = a
@@ -338,7 +377,7 @@ def _run(
                     if waiting[tid] >= 0:
                         ready.append(waiting[tid])
                         waiting[tid] = -1
-                elif op == _RECV:
+                elif op == recv:
                     recv_at[tid] = t
                     if record:
                         recv_after[tid] = ncomp[rank] - 1
@@ -346,46 +385,47 @@ def _run(
                     line.append((a, t, t))
             else:
                 # BPipe: `need` is the event this op waits for (None: nothing), `post` the event it sets.
-                base = 4 * tid
+                base = _POSTS * tid
                 post = need = -1
-                if op == _EVICT:
-                    post = base
-                    x_time[2 * tid] = bpipe_time(rank, peer, a)
-                elif op == _ACCEPT:
-                    post, need = base + 1, (4 * n_x + produced if produced >= 0 else -1)
-                elif op == _LOAD:
-                    post = base + 3
-                elif op == _RETURN or op == _EVICT_DONE:
-                    need = base if op == _RETURN else base + 1
-                elif op == _RETURN_DONE or op == _LOAD_WAIT:
-                    need = base + 3 if op == _RETURN_DONE else base + 2
+                if op == _Op.EVICT:
+                    post = base + _Post.EVICT
+                    x_time[_MOVES * tid + _Move.EVICT] = bpipe_time(rank, peer, a)
+                elif op == _Op.ACCEPT:
+                    post, need = base + _Post.ACCEPT, (headers + produced if produced >= 0 else -1)
+                elif op == _Op.LOAD:
+                    post = base + _Post.LOAD
+                elif op == _Op.RETURN or op == _Op.EVICT_DONE:
+                    need = base + _Post.EVICT if op == _Op.RETURN else base + _Post.ACCEPT
+                elif op == _Op.RETURN_DONE or op == _Op.LOAD_WAIT:
+                    need = base + _Post.LOAD if op == _Op.RETURN_DONE else base + _Post.RETURN
                 if need >= 0:
                     ready_at = x_at[need]
                     if ready_at is None:
                         x_wait[need] = rank
                         break
-                    if op == _RETURN or op == _EVICT_DONE:  # the evicted data has reached the acceptor
-                        if x_at[base + 1] is None:
+                    if op == _Op.RETURN or op == _Op.EVICT_DONE:  # the evicted data has reached the acceptor
+                        if x_at[base + _Post.ACCEPT] is None:
                             raise ScheduleError(f"rank {rank}: {a.label(show_chunk)} comes before its ACCEPT")
-                        moved_from = max(x_at[base], x_at[base + 1])
-                        ready_at = moved_from + x_time[2 * tid]
-                        if record and op == _EVICT_DONE:
+                        moved_from = max(x_at[base + _Post.EVICT], x_at[base + _Post.ACCEPT])
+                        ready_at = moved_from + x_time[_MOVES * tid + _Move.EVICT]
+                        if record and op == _Op.EVICT_DONE:
                             moves[rank].append((a, moved_from, ready_at))
-                    elif op == _RETURN_DONE or op == _LOAD_WAIT:  # the data is back on the evictor
-                        moved_from = max(x_at[base + 2], x_at[base + 3])
-                        ready_at = moved_from + x_time[2 * tid + 1]
-                        if record and op == _RETURN_DONE:
+                    elif op == _Op.RETURN_DONE or op == _Op.LOAD_WAIT:  # the data is back on the evictor
+                        moved_from = max(x_at[base + _Post.RETURN], x_at[base + _Post.LOAD])
+                        ready_at = moved_from + x_time[_MOVES * tid + _Move.RETURN]
+                        if record and op == _Op.RETURN_DONE:
                             moves[rank].append((a, moved_from, ready_at))
                         elif record:
-                            by = x_after[base + 2] if x_at[base + 2] >= x_at[base + 3] else x_after[base + 3]
+                            returned, loaded = base + _Post.RETURN, base + _Post.LOAD
+                            by = x_after[returned] if x_at[returned] >= x_at[loaded] else x_after[loaded]
                             load_cause[rank] = (ready_at, by)
                     if ready_at > t:
                         t = ready_at
-                if op == _RETURN:
-                    post = base + 2
-                    x_time[2 * tid + 1] = bpipe_time(rank, peer, a)
-                elif op == _HEADER:
-                    post = 4 * n_x + tid
+                if op == _Op.RETURN:
+                    post = base + _Post.RETURN
+                    x_time[_MOVES * tid + _Move.RETURN] = bpipe_time(rank, peer, a)
+                elif op == _Op.HEADER:
+                    post = headers + tid
                 if post >= 0:
                     x_at[post] = t
                     if record:
@@ -393,7 +433,7 @@ def _run(
                     if x_wait[post] >= 0:
                         ready.append(x_wait[post])
                         x_wait[post] = -1
-                if record and op < _RECORDED:
+                if record and op < _SYNTHETIC:
                     line.append((a, t, t))
             i += 1
         index[rank] = i
