@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 from .schedule import (TRANSFER_KINDS, Action, DeadlockError, Kind, Schedule, ScheduleError,
                        gc_paused)
@@ -64,9 +63,10 @@ def _zero_transfer(src: int, dst: int, action: Action) -> float:
     return 0.0
 
 
-class _Op(IntEnum):
-    """What a compiled op does: a schedule action, then (from EVICT_DONE on) the waits the compiler adds for BPipe's
-    transfers, which record nothing in the timeline."""
+class _Op:
+    """What a compiled op does (its code, an int): a schedule action, then (from EVICT_DONE on) the waits the compiler
+    adds for BPipe's transfers, which record nothing in the timeline. Plain int constants, not an IntEnum: the
+    replay tests them at every op, and an enum's attribute costs a lookup each time."""
 
     COMPUTE = 0  # FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
     SEND = 1  # SEND_ACT, SEND_GRAD: a zero-time post
@@ -85,7 +85,7 @@ class _Op(IntEnum):
 _SYNTHETIC = _Op.EVICT_DONE  # ops from this code on are the compiler's waits, not schedule actions
 
 
-class _Post(IntEnum):
+class _Post:
     """The events of one BPipe transfer (one key's saved activations moved out and back), one per op that posts."""
 
     EVICT = 0
@@ -94,14 +94,14 @@ class _Post(IntEnum):
     LOAD = 3
 
 
-class _Move(IntEnum):
+class _Move:
     """The two moves of one BPipe transfer, each as long as bpipe_time says."""
 
     EVICT = 0  # evictor -> acceptor
     RETURN = 1  # acceptor -> evictor
 
 
-_POSTS, _MOVES = len(_Post), len(_Move)  # per transfer: BPipe events posted, moves timed
+_POSTS, _MOVES = 4, 2  # per transfer: its events (_Post) and its moves (_Move)
 _CLASSES = 2  # per chunk, the classes an evictor announces: whole and half (sliced) micro-batches
 _EPS = 1e-12
 
@@ -118,7 +118,7 @@ class CompiledSchedule:
     """
 
     schedule: Schedule
-    ops: list[list[tuple[_Op, Action, int, int, int]]]
+    ops: list[list[tuple[int, Action, int, int, int]]]
     num_tensors: int
     num_transfers: int = 0
     derived: dict = field(default_factory=dict)  # what callers derive from the schedule once (e.g. its holds)
@@ -201,13 +201,13 @@ def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
     return out
 
 
-def _compile_rank(schedule: Schedule, rank: int, acts: list[Action]) -> list[tuple[_Op, Action, int, int, int]]:
+def _compile_rank(schedule: Schedule, rank: int, acts: list[Action]) -> list[tuple[int, Action, int, int, int]]:
     m, v = schedule.num_microbatches, schedule.virtual_stages
     tensor, tensor_id, rank_of = schedule.tensor, schedule.tensor_id, schedule.rank_of
     forward, backward = Kind.FORWARD, Kind.BACKWARD
     backward_input, weight = Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
     send_act, send_grad, recv_act, recv_grad = Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD
-    rank_ops: list[tuple[_Op, Action, int, int, int]] = []
+    rank_ops: list[tuple[int, Action, int, int, int]] = []
     append = rank_ops.append
     for a in acts:
         kind, chunk, mb, half = a.kind, a.chunk, a.microbatch, a.half
@@ -302,7 +302,7 @@ def _run(
     made_by = [-1] * n_tensors if record else []
     x_after: list[Cause] = [(-1, -1)] * len(x_at) if record else []
     load_cause: list[tuple[float, Cause] | None] = [None] * p
-    compute, send, recv, evict = _Op.COMPUTE, _Op.SEND, _Op.RECV, _Op.EVICT  # local: the loop's every op tests them
+    compute, send, recv, evict = _Op.COMPUTE, _Op.SEND, _Op.RECV, _Op.EVICT  # locals: every op tests them
 
     while ready:
         rank = ready.popleft()
