@@ -266,44 +266,69 @@ def _run(
     record: bool,
     bpipe_time: Callable[[int, int, Action], float] = _zero_transfer,
 ) -> Replay:
-    ops = compiled.ops
-    p = len(ops)
-    show_chunk = compiled.schedule.virtual_stages > 1
-    n_tensors = compiled.num_tensors
-    send_at: list[float | None] = [None] * n_tensors
-    send_rank = [-1] * n_tensors
-    send_action: list[Action | None] = [None] * n_tensors
-    recv_at: list[float | None] = [None] * n_tensors
-    produced_at: list[float | None] = [None] * n_tensors
-    waiting = [-1] * n_tensors  # rank blocked on the tensor
+    state = _State(compiled, record)
+    _walk(state, compute_time, transfer_time, record, bpipe_time)
+    return _result(state, compiled, record)
+
+
+class _State:
+    """A replay under way: per tensor when it was sent, received or made, and which rank waits for it; per BPipe
+    event when it was posted and which rank waits for it; per rank how far it got, its clock and busy time. With
+    `record`, the timeline, each compute's cause, the transfers and moves, and after which compute each post came."""
+
+    __slots__ = ("ops", "show_chunk", "send_at", "send_rank", "send_action", "recv_at", "produced_at", "waiting",
+                 "headers", "x_at", "x_wait", "x_time", "index", "clock", "busy", "timeline", "ready", "ncomp",
+                 "last_end", "causes", "transfers", "moves", "send_after", "recv_after", "made_by", "x_after",
+                 "load_cause")
+
+    def __init__(self, compiled: CompiledSchedule, record: bool) -> None:
+        ops = self.ops = compiled.ops
+        p = len(ops)
+        self.show_chunk = compiled.schedule.virtual_stages > 1
+        n_tensors = compiled.num_tensors
+        self.send_at: list[float | None] = [None] * n_tensors
+        self.send_rank = [-1] * n_tensors
+        self.send_action: list[Action | None] = [None] * n_tensors
+        self.recv_at: list[float | None] = [None] * n_tensors
+        self.produced_at: list[float | None] = [None] * n_tensors
+        self.waiting = [-1] * n_tensors  # rank blocked on the tensor
+        # BPipe events: at[_POSTS * transfer + post] for each _Post of a transfer; then one per (evictor, chunk,
+        # class) header. Their moves: time[_MOVES * transfer + move] for each _Move.
+        n_x = compiled.num_transfers
+        self.headers = _POSTS * n_x  # the first header event
+        events = self.headers + _CLASSES * p * compiled.schedule.virtual_stages
+        self.x_at: list[float | None] = [None] * events if n_x else []
+        self.x_wait = [-1] * len(self.x_at)
+        self.x_time = [0.0] * (_MOVES * n_x) if n_x else []  # durations of each transfer's moves
+        self.index = [0] * p
+        self.clock = [0.0] * p
+        self.busy = [0.0] * p
+        self.timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+        self.ready = deque(range(p))
+        # With `record`: computes so far per rank, and for every post (tensor, BPipe event) the compute before it.
+        self.ncomp = [0] * p
+        self.last_end = [0.0] * p
+        self.causes: list[list[Cause]] = [[] for _ in range(p)]
+        self.transfers: list[tuple[int, int, Action, float, float]] = []
+        self.moves: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+        self.send_after = [-1] * n_tensors if record else []
+        self.recv_after = [-1] * n_tensors if record else []
+        self.made_by = [-1] * n_tensors if record else []
+        self.x_after: list[Cause] = [(-1, -1)] * len(self.x_at) if record else []
+        self.load_cause: list[tuple[float, Cause] | None] = [None] * p
+
+
+def _walk(state: _State, compute_time: Callable[[int, Action], float],
+          transfer_time: Callable[[int, int, Action], float], record: bool,
+          bpipe_time: Callable[[int, int, Action], float]) -> None:
+    """Run the ready ranks' ops in order, each rank until it waits for a tensor or an event, until none is ready."""
+    ops, ready, index, clock, busy = state.ops, state.ready, state.index, state.clock, state.busy
+    timeline = state.timeline
+    send_at, send_rank, send_action, recv_at = state.send_at, state.send_rank, state.send_action, state.recv_at
+    produced_at, waiting, send_after, recv_after = state.produced_at, state.waiting, state.send_after, state.recv_after
+    ncomp, show_chunk = state.ncomp, state.show_chunk
     zero_transfer = transfer_time is _zero_transfer
-    # BPipe events: at[_POSTS * transfer + post] for each _Post of a transfer; then one per (evictor, chunk, class)
-    # header. Their moves: time[_MOVES * transfer + move] for each _Move.
-    n_x = compiled.num_transfers
-    headers = _POSTS * n_x  # the first header event
-    events = headers + _CLASSES * len(ops) * compiled.schedule.virtual_stages
-    x_at: list[float | None] = [None] * events if n_x else []
-    x_wait = [-1] * len(x_at)
-    x_time = [0.0] * (_MOVES * n_x) if n_x else []  # durations of each transfer's moves
-
-    index = [0] * p
-    clock = [0.0] * p
-    busy = [0.0] * p
-    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    ready = deque(range(p))
-    # With `record`: computes so far per rank, and for every post (tensor, BPipe event) the compute before it.
-    ncomp = [0] * p
-    last_end = [0.0] * p
-    causes: list[list[Cause]] = [[] for _ in range(p)]
-    transfers: list[tuple[int, int, Action, float, float]] = []
-    moves: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    send_after = [-1] * n_tensors if record else []
-    recv_after = [-1] * n_tensors if record else []
-    made_by = [-1] * n_tensors if record else []
-    x_after: list[Cause] = [(-1, -1)] * len(x_at) if record else []
-    load_cause: list[tuple[float, Cause] | None] = [None] * p
     compute, send, recv, evict = _Op.COMPUTE, _Op.SEND, _Op.RECV, _Op.EVICT  # locals: every op tests them
-
     while ready:
         rank = ready.popleft()
         rank_ops = ops[rank]
@@ -315,6 +340,7 @@ def _run(
             op, a, tid, peer, produced = rank_ops[i]
             if op == compute:
                 start = t
+                arrival = sent = posted = None
                 if tid >= 0:
                     if peer == rank:
                         arrival = produced_at[tid]
@@ -339,28 +365,7 @@ def _run(
                 end = start + compute_time(rank, a)
                 busy[rank] += end - start
                 if record:
-                    k = ncomp[rank]
-                    best_t, best = last_end[rank], (rank, k - 1)
-                    if tid >= 0:
-                        if peer == rank:
-                            cand = (rank, made_by[tid])
-                        else:
-                            cand = (peer, send_after[tid]) if sent >= posted else (rank, recv_after[tid])
-                            transfers.append((peer, rank, send_action[tid], sent if sent > posted else posted, arrival))
-                        if arrival > best_t + _EPS or (arrival > best_t - _EPS and cand[0] > best[0]):
-                            best_t, best = arrival, cand
-                    pending_load = load_cause[rank]
-                    if pending_load is not None:
-                        load_cause[rank] = None
-                        if pending_load[0] > best_t + _EPS or (pending_load[0] > best_t - _EPS
-                                                              and pending_load[1][0] > best[0]):
-                            best = pending_load[1]
-                    causes[rank].append(best)
-                    ncomp[rank] = k + 1
-                    last_end[rank] = end
-                    line.append((a, start, end))
-                    if produced >= 0:
-                        made_by[produced] = k
+                    _record_compute(state, rank, a, tid, peer, produced, start, end, arrival, sent, posted)
                 t = end
                 if produced >= 0:
                     produced_at[produced] = end
@@ -384,69 +389,117 @@ def _run(
                 if record:
                     line.append((a, t, t))
             else:
-                # BPipe: `need` is the event this op waits for (None: nothing), `post` the event it sets.
-                base = _POSTS * tid
-                post = need = -1
-                if op == _Op.EVICT:
-                    post = base + _Post.EVICT
-                    x_time[_MOVES * tid + _Move.EVICT] = bpipe_time(rank, peer, a)
-                elif op == _Op.ACCEPT:
-                    post, need = base + _Post.ACCEPT, (headers + produced if produced >= 0 else -1)
-                elif op == _Op.LOAD:
-                    post = base + _Post.LOAD
-                elif op == _Op.RETURN or op == _Op.EVICT_DONE:
-                    need = base + _Post.EVICT if op == _Op.RETURN else base + _Post.ACCEPT
-                elif op == _Op.RETURN_DONE or op == _Op.LOAD_WAIT:
-                    need = base + _Post.LOAD if op == _Op.RETURN_DONE else base + _Post.RETURN
-                if need >= 0:
-                    ready_at = x_at[need]
-                    if ready_at is None:
-                        x_wait[need] = rank
-                        break
-                    if op == _Op.RETURN or op == _Op.EVICT_DONE:  # the evicted data has reached the acceptor
-                        if x_at[base + _Post.ACCEPT] is None:
-                            raise ScheduleError(f"rank {rank}: {a.label(show_chunk)} comes before its ACCEPT")
-                        moved_from = max(x_at[base + _Post.EVICT], x_at[base + _Post.ACCEPT])
-                        ready_at = moved_from + x_time[_MOVES * tid + _Move.EVICT]
-                        if record and op == _Op.EVICT_DONE:
-                            moves[rank].append((a, moved_from, ready_at))
-                    elif op == _Op.RETURN_DONE or op == _Op.LOAD_WAIT:  # the data is back on the evictor
-                        moved_from = max(x_at[base + _Post.RETURN], x_at[base + _Post.LOAD])
-                        ready_at = moved_from + x_time[_MOVES * tid + _Move.RETURN]
-                        if record and op == _Op.RETURN_DONE:
-                            moves[rank].append((a, moved_from, ready_at))
-                        elif record:
-                            returned, loaded = base + _Post.RETURN, base + _Post.LOAD
-                            by = x_after[returned] if x_at[returned] >= x_at[loaded] else x_after[loaded]
-                            load_cause[rank] = (ready_at, by)
-                    if ready_at > t:
-                        t = ready_at
-                if op == _Op.RETURN:
-                    post = base + _Post.RETURN
-                    x_time[_MOVES * tid + _Move.RETURN] = bpipe_time(rank, peer, a)
-                elif op == _Op.HEADER:
-                    post = headers + tid
-                if post >= 0:
-                    x_at[post] = t
-                    if record:
-                        x_after[post] = (rank, ncomp[rank] - 1)
-                    if x_wait[post] >= 0:
-                        ready.append(x_wait[post])
-                        x_wait[post] = -1
-                if record and op < _SYNTHETIC:
-                    line.append((a, t, t))
+                after = _bpipe_op(state, rank, op, a, tid, peer, produced, t, record, bpipe_time)
+                if after is None:  # the event it waits for is not posted yet
+                    break
+                t = after
             i += 1
         index[rank] = i
         clock[rank] = t
 
-    stuck = [r for r in range(p) if index[r] < len(ops[r])]
+
+def _record_compute(state: _State, rank: int, a: Action, tid: int, peer: int, produced: int, start: float, end: float,
+                    arrival: float | None, sent: float | None, posted: float | None) -> None:
+    """Record a compute: its span, and its cause (the compute before it, its input's post or its loaded data's)."""
+    k = state.ncomp[rank]
+    best_t, best = state.last_end[rank], (rank, k - 1)
+    if tid >= 0:
+        if peer == rank:
+            cand = (rank, state.made_by[tid])
+        else:
+            cand = (peer, state.send_after[tid]) if sent >= posted else (rank, state.recv_after[tid])
+            state.transfers.append((peer, rank, state.send_action[tid], sent if sent > posted else posted, arrival))
+        if arrival > best_t + _EPS or (arrival > best_t - _EPS and cand[0] > best[0]):
+            best_t, best = arrival, cand
+    pending_load = state.load_cause[rank]
+    if pending_load is not None:
+        state.load_cause[rank] = None
+        if pending_load[0] > best_t + _EPS or (pending_load[0] > best_t - _EPS and pending_load[1][0] > best[0]):
+            best = pending_load[1]
+    state.causes[rank].append(best)
+    state.ncomp[rank] = k + 1
+    state.last_end[rank] = end
+    state.timeline[rank].append((a, start, end))
+    if produced >= 0:
+        state.made_by[produced] = k
+
+
+def _bpipe_op(state: _State, rank: int, op: int, a: Action, tid: int, peer: int, produced: int, t: float,
+              record: bool, bpipe_time: Callable[[int, int, Action], float]) -> float | None:
+    """A BPipe op at `t`: wait for the event it needs, then post its own; the rank's time after it (None: waits)."""
+    x_at, x_time = state.x_at, state.x_time
+    base = _POSTS * tid
+    post = need = -1  # the events it posts and waits for
+    if op == _Op.EVICT:
+        post = base + _Post.EVICT
+        x_time[_MOVES * tid + _Move.EVICT] = bpipe_time(rank, peer, a)
+    elif op == _Op.ACCEPT:
+        post, need = base + _Post.ACCEPT, (state.headers + produced if produced >= 0 else -1)
+    elif op == _Op.LOAD:
+        post = base + _Post.LOAD
+    elif op == _Op.RETURN or op == _Op.EVICT_DONE:
+        need = base + _Post.EVICT if op == _Op.RETURN else base + _Post.ACCEPT
+    elif op == _Op.RETURN_DONE or op == _Op.LOAD_WAIT:
+        need = base + _Post.LOAD if op == _Op.RETURN_DONE else base + _Post.RETURN
+    if need >= 0:
+        ready_at = x_at[need]
+        if ready_at is None:
+            state.x_wait[need] = rank
+            return None
+        if op != _Op.ACCEPT:  # a transfer's data waited for: moved to the acceptor, or back on the evictor
+            ready_at = _moved(state, rank, op, a, tid, record)
+        if ready_at > t:
+            t = ready_at
+    if op == _Op.RETURN:
+        post = base + _Post.RETURN
+        x_time[_MOVES * tid + _Move.RETURN] = bpipe_time(rank, peer, a)
+    elif op == _Op.HEADER:
+        post = state.headers + tid
+    if post >= 0:
+        x_at[post] = t
+        if record:
+            state.x_after[post] = (rank, state.ncomp[rank] - 1)
+        if state.x_wait[post] >= 0:
+            state.ready.append(state.x_wait[post])
+            state.x_wait[post] = -1
+    if record and op < _SYNTHETIC:
+        state.timeline[rank].append((a, t, t))
+    return t
+
+
+def _moved(state: _State, rank: int, op: int, a: Action, tid: int, record: bool) -> float:
+    """When the data a RETURN or EVICT_DONE (evicted) or a RETURN_DONE or LOAD_WAIT (returned) waits for arrives."""
+    x_at, base = state.x_at, _POSTS * tid
+    if op == _Op.RETURN or op == _Op.EVICT_DONE:  # the evicted data has reached the acceptor
+        if x_at[base + _Post.ACCEPT] is None:
+            raise ScheduleError(f"rank {rank}: {a.label(state.show_chunk)} comes before its ACCEPT")
+        moved_from = max(x_at[base + _Post.EVICT], x_at[base + _Post.ACCEPT])
+        ready_at = moved_from + state.x_time[_MOVES * tid + _Move.EVICT]
+        if record and op == _Op.EVICT_DONE:
+            state.moves[rank].append((a, moved_from, ready_at))
+        return ready_at
+    moved_from = max(x_at[base + _Post.RETURN], x_at[base + _Post.LOAD])  # the data is back on the evictor
+    ready_at = moved_from + state.x_time[_MOVES * tid + _Move.RETURN]
+    if record and op == _Op.RETURN_DONE:
+        state.moves[rank].append((a, moved_from, ready_at))
+    elif record:
+        returned, loaded = base + _Post.RETURN, base + _Post.LOAD
+        by = state.x_after[returned] if x_at[returned] >= x_at[loaded] else state.x_after[loaded]
+        state.load_cause[rank] = (ready_at, by)
+    return ready_at
+
+
+def _result(state: _State, compiled: CompiledSchedule, record: bool) -> Replay:
+    """The Replay of a finished walk; a DeadlockError naming where the ranks that cannot go on stopped."""
+    ops, index, clock, moves = state.ops, state.index, state.clock, state.moves
+    stuck = [r for r in range(len(ops)) if index[r] < len(ops[r])]
     if stuck:
-        detail = ", ".join(f"rank {r} at {ops[r][index[r]][1].label(show_chunk)}" for r in stuck)
+        detail = ", ".join(f"rank {r} at {ops[r][index[r]][1].label(state.show_chunk)}" for r in stuck)
         raise DeadlockError(f"deadlock: {len(stuck)} rank(s) cannot progress: {detail}")
     for rank_moves in moves:
         rank_moves.sort(key=lambda x: x[1])
-    return Replay(compiled.schedule, timeline, max(clock) if clock else 0.0, busy, causes if record else [],
-                  transfers, moves if record else [])
+    return Replay(compiled.schedule, state.timeline, max(clock) if clock else 0.0, state.busy,
+                  state.causes if record else [], state.transfers, moves if record else [])
 
 
 def unit_times(forward: float = 1.0, backward: float = 2.0) -> Callable[[int, Action], float]:
