@@ -185,7 +185,7 @@ class CostModel(CommCosts):
         self._wshare: dict[tuple, float] = {}
         # CPU ranks sharing cores: per stage {node: its ranks there}, cores per node, the static factor per stage
         self.shares_cores = cluster.shares_cores
-        self.action_factors: dict[tuple[int, Action], float] | None = None  # set by simulate_sharing_cores
+        self.action_factors: dict[tuple[int, Action], float] | None = None  # core_sharing.py sets it
         if self.shares_cores:
             if "sharing" not in placement:
                 placement["sharing"] = stage_sharing(cluster, [self.gpus(s) for s in range(p)])
