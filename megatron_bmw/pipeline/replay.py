@@ -63,11 +63,46 @@ def _zero_transfer(src: int, dst: int, action: Action) -> float:
     return 0.0
 
 
-_COMPUTE, _SEND, _RECV, _OTHER = 0, 1, 2, 3
-# BPipe transfer posts, then synthetic waits the compiler adds (they record nothing in the timeline).
-_EVICT, _ACCEPT, _RETURN, _LOAD = 4, 5, 6, 7
-_EVICT_DONE, _RETURN_DONE, _LOAD_WAIT, _HEADER = 8, 9, 10, 11
-_RECORDED = 8  # ops below this code are schedule actions
+class _Op:
+    """What a compiled op does (its code, an int): a schedule action, then (from EVICT_DONE on) the waits the compiler
+    adds for BPipe's transfers, which record nothing in the timeline. Plain int constants, not an IntEnum: the
+    replay tests them at every op, and an enum's attribute costs a lookup each time."""
+
+    COMPUTE = 0  # FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
+    SEND = 1  # SEND_ACT, SEND_GRAD: a zero-time post
+    RECV = 2  # RECV_ACT, RECV_GRAD: a zero-time post
+    OTHER = 3  # any other action: recorded, takes no time
+    EVICT = 4  # BPipe's transfer posts
+    ACCEPT = 5
+    RETURN = 6
+    LOAD = 7
+    EVICT_DONE = 8  # the evictor waits for its evicted data to be on the acceptor
+    RETURN_DONE = 9  # the acceptor waits for the data it returns to be back on the evictor
+    LOAD_WAIT = 10  # a backward waits for its loaded activations
+    HEADER = 11  # the evictor announces a (chunk, whole/half) class: its first forward of it has ended
+
+
+_SYNTHETIC = _Op.EVICT_DONE  # ops from this code on are the compiler's waits, not schedule actions
+
+
+class _Post:
+    """The events of one BPipe transfer (one key's saved activations moved out and back), one per op that posts."""
+
+    EVICT = 0
+    ACCEPT = 1
+    RETURN = 2
+    LOAD = 3
+
+
+class _Move:
+    """The two moves of one BPipe transfer, each as long as bpipe_time says."""
+
+    EVICT = 0  # evictor -> acceptor
+    RETURN = 1  # acceptor -> evictor
+
+
+_POSTS, _MOVES = 4, 2  # per transfer: its events (_Post) and its moves (_Move)
+_CLASSES = 2  # per chunk, the classes an evictor announces: whole and half (sliced) micro-batches
 _EPS = 1e-12
 
 
@@ -108,7 +143,7 @@ def _transfer_id(schedule: Schedule, evictor: int, a: Action) -> int:
 
 def _header_id(evictor: int, a: Action, v: int) -> int:
     """Event: the evictor's first forward of the action's (chunk, whole/half) class has ended."""
-    return (evictor * v + a.chunk) * 2 + (a.half is not None)
+    return (evictor * v + a.chunk) * _CLASSES + (a.half is not None)
 
 
 def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
@@ -126,7 +161,7 @@ def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
     for entry in rank_ops:
         op, a = entry[0], entry[1]
         kind = a.kind
-        if due and op != _SEND and op != _RECV:
+        if due and op != _Op.SEND and op != _Op.RECV:
             out.extend(due)
             due.clear()
         if kind in TRANSFER_KINDS:
@@ -134,10 +169,10 @@ def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
                 raise ScheduleError(f"rank {rank}: {a.label(v > 1)} has bad peer {a.peer!r}")
             tid = _transfer_id(schedule, rank if kind is Kind.EVICT or kind is Kind.LOAD else a.peer, a)
             if kind is Kind.EVICT:
-                out.append((_EVICT, a, tid, a.peer, -1))
-                pending.append((_EVICT_DONE, a, tid, a.peer, -1))
+                out.append((_Op.EVICT, a, tid, a.peer, -1))
+                pending.append((_Op.EVICT_DONE, a, tid, a.peer, -1))
             elif kind is Kind.LOAD:
-                out.append((_LOAD, a, tid, a.peer, -1))
+                out.append((_Op.LOAD, a, tid, a.peer, -1))
                 loaded[a.key] = tid
             elif kind is Kind.ACCEPT:
                 cls = (a.chunk, a.half is not None)
@@ -145,20 +180,20 @@ def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
                 if cls not in accepted:
                     accepted.add(cls)
                     header = _header_id(a.peer, a, v)
-                out.append((_ACCEPT, a, tid, a.peer, header))
+                out.append((_Op.ACCEPT, a, tid, a.peer, header))
             else:
-                out.append((_RETURN, a, tid, a.peer, -1))
-                pending.append((_RETURN_DONE, a, tid, a.peer, -1))
+                out.append((_Op.RETURN, a, tid, a.peer, -1))
+                pending.append((_Op.RETURN_DONE, a, tid, a.peer, -1))
             continue
-        if op == _COMPUTE and (kind is Kind.BACKWARD or kind is Kind.BACKWARD_INPUT) and a.key in loaded:
-            out.append((_LOAD_WAIT, a, loaded.pop(a.key), -1, -1))
+        if op == _Op.COMPUTE and (kind is Kind.BACKWARD or kind is Kind.BACKWARD_INPUT) and a.key in loaded:
+            out.append((_Op.LOAD_WAIT, a, loaded.pop(a.key), -1, -1))
         out.append(entry)
-        if op == _COMPUTE:
+        if op == _Op.COMPUTE:
             if kind is Kind.FORWARD:
                 cls = (a.chunk, a.half is not None)
                 if cls in evicted_classes and cls not in announced:
                     announced.add(cls)
-                    out.append((_HEADER, a, _header_id(rank, a, v), -1, -1))
+                    out.append((_Op.HEADER, a, _header_id(rank, a, v), -1, -1))
             due.extend(pending)
             pending.clear()
     out.extend(due)
@@ -179,30 +214,30 @@ def _compile_rank(schedule: Schedule, rank: int, acts: list[Action]) -> list[tup
         if not (0 <= chunk < v and 0 <= mb < m and half in (None, 0, 1)):
             raise ScheduleError(f"rank {rank}: {a.label(v > 1)} is out of range (m={m}, v={v}, half None/0/1)")
         if kind is weight:  # a deferred weight gradient: local, no tensor in or out
-            append((_COMPUTE, a, -1, -1, -1))
+            append((_Op.COMPUTE, a, -1, -1, -1))
         elif kind is forward or kind is backward or kind is backward_input:
             grad = kind is not forward
             need = tensor(rank, chunk, mb, half, grad, False)
             out = tensor(rank, chunk, mb, half, grad, True)
             produced = tensor_id(out) if out is not None and rank_of(out[1] + (-1 if grad else 1)) == rank else -1
             if need is None:
-                append((_COMPUTE, a, -1, -1, produced))
+                append((_Op.COMPUTE, a, -1, -1, produced))
             else:
-                append((_COMPUTE, a, tensor_id(need), rank_of(need[1]), produced))
+                append((_Op.COMPUTE, a, tensor_id(need), rank_of(need[1]), produced))
         elif kind is send_act or kind is send_grad:
             t = tensor(rank, chunk, mb, half, kind is send_grad, True)
             if t is None:
                 raise ScheduleError(f"rank {rank}: {a.label(v > 1)} sends from the "
                                     f"{'first' if kind is send_grad else 'last'} virtual stage")
-            append((_SEND, a, tensor_id(t), -1 if a.peer is None else a.peer, -1))
+            append((_Op.SEND, a, tensor_id(t), -1 if a.peer is None else a.peer, -1))
         elif kind is recv_act or kind is recv_grad:
             t = tensor(rank, chunk, mb, half, kind is recv_grad, False)
             if t is None:
                 raise ScheduleError(f"rank {rank}: {a.label(v > 1)} receives into the "
                                     f"{'last' if kind is recv_grad else 'first'} virtual stage")
-            append((_RECV, a, tensor_id(t), -1, -1))
+            append((_Op.RECV, a, tensor_id(t), -1, -1))
         else:
-            append((_OTHER, a, -1, -1, -1))
+            append((_Op.OTHER, a, -1, -1, -1))
     return rank_ops
 
 
@@ -231,40 +266,69 @@ def _run(
     record: bool,
     bpipe_time: Callable[[int, int, Action], float] = _zero_transfer,
 ) -> Replay:
-    ops = compiled.ops
-    p = len(ops)
-    show_chunk = compiled.schedule.virtual_stages > 1
-    n_tensors = compiled.num_tensors
-    send_at: list[float | None] = [None] * n_tensors
-    send_rank = [-1] * n_tensors
-    send_action: list[Action | None] = [None] * n_tensors
-    recv_at: list[float | None] = [None] * n_tensors
-    produced_at: list[float | None] = [None] * n_tensors
-    waiting = [-1] * n_tensors  # rank blocked on the tensor
+    state = _State(compiled, record)
+    _walk(state, compute_time, transfer_time, record, bpipe_time)
+    return _result(state, compiled, record)
+
+
+class _State:
+    """A replay under way: per tensor when it was sent, received or made, and which rank waits for it; per BPipe
+    event when it was posted and which rank waits for it; per rank how far it got, its clock and busy time. With
+    `record`, the timeline, each compute's cause, the transfers and moves, and after which compute each post came."""
+
+    __slots__ = ("ops", "show_chunk", "send_at", "send_rank", "send_action", "recv_at", "produced_at", "waiting",
+                 "headers", "x_at", "x_wait", "x_time", "index", "clock", "busy", "timeline", "ready", "ncomp",
+                 "last_end", "causes", "transfers", "moves", "send_after", "recv_after", "made_by", "x_after",
+                 "load_cause")
+
+    def __init__(self, compiled: CompiledSchedule, record: bool) -> None:
+        ops = self.ops = compiled.ops
+        p = len(ops)
+        self.show_chunk = compiled.schedule.virtual_stages > 1
+        n_tensors = compiled.num_tensors
+        self.send_at: list[float | None] = [None] * n_tensors
+        self.send_rank = [-1] * n_tensors
+        self.send_action: list[Action | None] = [None] * n_tensors
+        self.recv_at: list[float | None] = [None] * n_tensors
+        self.produced_at: list[float | None] = [None] * n_tensors
+        self.waiting = [-1] * n_tensors  # rank blocked on the tensor
+        # BPipe events: at[_POSTS * transfer + post] for each _Post of a transfer; then one per (evictor, chunk,
+        # class) header. Their moves: time[_MOVES * transfer + move] for each _Move.
+        n_x = compiled.num_transfers
+        self.headers = _POSTS * n_x  # the first header event
+        events = self.headers + _CLASSES * p * compiled.schedule.virtual_stages
+        self.x_at: list[float | None] = [None] * events if n_x else []
+        self.x_wait = [-1] * len(self.x_at)
+        self.x_time = [0.0] * (_MOVES * n_x) if n_x else []  # durations of each transfer's moves
+        self.index = [0] * p
+        self.clock = [0.0] * p
+        self.busy = [0.0] * p
+        self.timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+        self.ready = deque(range(p))
+        # With `record`: computes so far per rank, and for every post (tensor, BPipe event) the compute before it.
+        self.ncomp = [0] * p
+        self.last_end = [0.0] * p
+        self.causes: list[list[Cause]] = [[] for _ in range(p)]
+        self.transfers: list[tuple[int, int, Action, float, float]] = []
+        self.moves: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+        self.send_after = [-1] * n_tensors if record else []
+        self.recv_after = [-1] * n_tensors if record else []
+        self.made_by = [-1] * n_tensors if record else []
+        self.x_after: list[Cause] = [(-1, -1)] * len(self.x_at) if record else []
+        self.load_cause: list[tuple[float, Cause] | None] = [None] * p
+
+
+def _walk(state: _State, compute_time: Callable[[int, Action], float],
+          transfer_time: Callable[[int, int, Action], float], record: bool,
+          bpipe_time: Callable[[int, int, Action], float]) -> None:
+    """Run the ready ranks' ops in order, each rank until it waits for a tensor or an event, until none is ready."""
+    ops, ready, index, clock, busy = state.ops, state.ready, state.index, state.clock, state.busy
+    timeline = state.timeline
+    send_at, send_rank, send_action, recv_at = state.send_at, state.send_rank, state.send_action, state.recv_at
+    produced_at, waiting, send_after, recv_after = state.produced_at, state.waiting, state.send_after, state.recv_after
+    ncomp, show_chunk = state.ncomp, state.show_chunk
     zero_transfer = transfer_time is _zero_transfer
-    # BPipe events: at[4 * transfer + j] for j = EVICT, ACCEPT, RETURN, LOAD posts; then one per header.
-    n_x = compiled.num_transfers
-    x_at: list[float | None] = [None] * (4 * n_x + 2 * len(ops) * compiled.schedule.virtual_stages) if n_x else []
-    x_wait = [-1] * len(x_at)
-    x_time = [0.0] * (2 * n_x) if n_x else []  # duration of the evict (2t) and return (2t + 1) move
-
-    index = [0] * p
-    clock = [0.0] * p
-    busy = [0.0] * p
-    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    ready = deque(range(p))
-    # With `record`: computes so far per rank, and for every post (tensor, BPipe event) the compute before it.
-    ncomp = [0] * p
-    last_end = [0.0] * p
-    causes: list[list[Cause]] = [[] for _ in range(p)]
-    transfers: list[tuple[int, int, Action, float, float]] = []
-    moves: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    send_after = [-1] * n_tensors if record else []
-    recv_after = [-1] * n_tensors if record else []
-    made_by = [-1] * n_tensors if record else []
-    x_after: list[Cause] = [(-1, -1)] * len(x_at) if record else []
-    load_cause: list[tuple[float, Cause] | None] = [None] * p
-
+    compute, send, recv, evict = _Op.COMPUTE, _Op.SEND, _Op.RECV, _Op.EVICT  # locals: every op tests them
     while ready:
         rank = ready.popleft()
         rank_ops = ops[rank]
@@ -274,8 +338,9 @@ def _run(
         line = timeline[rank]
         while i < n:
             op, a, tid, peer, produced = rank_ops[i]
-            if op == _COMPUTE:
+            if op == compute:
                 start = t
+                arrival = sent = posted = None
                 if tid >= 0:
                     if peer == rank:
                         arrival = produced_at[tid]
@@ -300,36 +365,15 @@ def _run(
                 end = start + compute_time(rank, a)
                 busy[rank] += end - start
                 if record:
-                    k = ncomp[rank]
-                    best_t, best = last_end[rank], (rank, k - 1)
-                    if tid >= 0:
-                        if peer == rank:
-                            cand = (rank, made_by[tid])
-                        else:
-                            cand = (peer, send_after[tid]) if sent >= posted else (rank, recv_after[tid])
-                            transfers.append((peer, rank, send_action[tid], sent if sent > posted else posted, arrival))
-                        if arrival > best_t + _EPS or (arrival > best_t - _EPS and cand[0] > best[0]):
-                            best_t, best = arrival, cand
-                    pending_load = load_cause[rank]
-                    if pending_load is not None:
-                        load_cause[rank] = None
-                        if pending_load[0] > best_t + _EPS or (pending_load[0] > best_t - _EPS
-                                                              and pending_load[1][0] > best[0]):
-                            best = pending_load[1]
-                    causes[rank].append(best)
-                    ncomp[rank] = k + 1
-                    last_end[rank] = end
-                    line.append((a, start, end))
-                    if produced >= 0:
-                        made_by[produced] = k
+                    _record_compute(state, rank, a, tid, peer, produced, start, end, arrival, sent, posted)
                 t = end
                 if produced >= 0:
                     produced_at[produced] = end
                     if waiting[produced] >= 0:
                         ready.append(waiting[produced])
                         waiting[produced] = -1
-            elif op < _EVICT:
-                if op == _SEND:
+            elif op < evict:
+                if op == send:
                     send_at[tid] = t
                     send_rank[tid] = rank
                     send_action[tid] = a
@@ -338,75 +382,124 @@ def _run(
                     if waiting[tid] >= 0:
                         ready.append(waiting[tid])
                         waiting[tid] = -1
-                elif op == _RECV:
+                elif op == recv:
                     recv_at[tid] = t
                     if record:
                         recv_after[tid] = ncomp[rank] - 1
                 if record:
                     line.append((a, t, t))
             else:
-                # BPipe: `need` is the event this op waits for (None: nothing), `post` the event it sets.
-                base = 4 * tid
-                post = need = -1
-                if op == _EVICT:
-                    post = base
-                    x_time[2 * tid] = bpipe_time(rank, peer, a)
-                elif op == _ACCEPT:
-                    post, need = base + 1, (4 * n_x + produced if produced >= 0 else -1)
-                elif op == _LOAD:
-                    post = base + 3
-                elif op == _RETURN or op == _EVICT_DONE:
-                    need = base if op == _RETURN else base + 1
-                elif op == _RETURN_DONE or op == _LOAD_WAIT:
-                    need = base + 3 if op == _RETURN_DONE else base + 2
-                if need >= 0:
-                    ready_at = x_at[need]
-                    if ready_at is None:
-                        x_wait[need] = rank
-                        break
-                    if op == _RETURN or op == _EVICT_DONE:  # the evicted data has reached the acceptor
-                        if x_at[base + 1] is None:
-                            raise ScheduleError(f"rank {rank}: {a.label(show_chunk)} comes before its ACCEPT")
-                        moved_from = max(x_at[base], x_at[base + 1])
-                        ready_at = moved_from + x_time[2 * tid]
-                        if record and op == _EVICT_DONE:
-                            moves[rank].append((a, moved_from, ready_at))
-                    elif op == _RETURN_DONE or op == _LOAD_WAIT:  # the data is back on the evictor
-                        moved_from = max(x_at[base + 2], x_at[base + 3])
-                        ready_at = moved_from + x_time[2 * tid + 1]
-                        if record and op == _RETURN_DONE:
-                            moves[rank].append((a, moved_from, ready_at))
-                        elif record:
-                            by = x_after[base + 2] if x_at[base + 2] >= x_at[base + 3] else x_after[base + 3]
-                            load_cause[rank] = (ready_at, by)
-                    if ready_at > t:
-                        t = ready_at
-                if op == _RETURN:
-                    post = base + 2
-                    x_time[2 * tid + 1] = bpipe_time(rank, peer, a)
-                elif op == _HEADER:
-                    post = 4 * n_x + tid
-                if post >= 0:
-                    x_at[post] = t
-                    if record:
-                        x_after[post] = (rank, ncomp[rank] - 1)
-                    if x_wait[post] >= 0:
-                        ready.append(x_wait[post])
-                        x_wait[post] = -1
-                if record and op < _RECORDED:
-                    line.append((a, t, t))
+                after = _bpipe_op(state, rank, op, a, tid, peer, produced, t, record, bpipe_time)
+                if after is None:  # the event it waits for is not posted yet
+                    break
+                t = after
             i += 1
         index[rank] = i
         clock[rank] = t
 
-    stuck = [r for r in range(p) if index[r] < len(ops[r])]
+
+def _record_compute(state: _State, rank: int, a: Action, tid: int, peer: int, produced: int, start: float, end: float,
+                    arrival: float | None, sent: float | None, posted: float | None) -> None:
+    """Record a compute: its span, and its cause (the compute before it, its input's post or its loaded data's)."""
+    k = state.ncomp[rank]
+    best_t, best = state.last_end[rank], (rank, k - 1)
+    if tid >= 0:
+        if peer == rank:
+            cand = (rank, state.made_by[tid])
+        else:
+            cand = (peer, state.send_after[tid]) if sent >= posted else (rank, state.recv_after[tid])
+            state.transfers.append((peer, rank, state.send_action[tid], sent if sent > posted else posted, arrival))
+        if arrival > best_t + _EPS or (arrival > best_t - _EPS and cand[0] > best[0]):
+            best_t, best = arrival, cand
+    pending_load = state.load_cause[rank]
+    if pending_load is not None:
+        state.load_cause[rank] = None
+        if pending_load[0] > best_t + _EPS or (pending_load[0] > best_t - _EPS and pending_load[1][0] > best[0]):
+            best = pending_load[1]
+    state.causes[rank].append(best)
+    state.ncomp[rank] = k + 1
+    state.last_end[rank] = end
+    state.timeline[rank].append((a, start, end))
+    if produced >= 0:
+        state.made_by[produced] = k
+
+
+def _bpipe_op(state: _State, rank: int, op: int, a: Action, tid: int, peer: int, produced: int, t: float,
+              record: bool, bpipe_time: Callable[[int, int, Action], float]) -> float | None:
+    """A BPipe op at `t`: wait for the event it needs, then post its own; the rank's time after it (None: waits)."""
+    x_at, x_time = state.x_at, state.x_time
+    base = _POSTS * tid
+    post = need = -1  # the events it posts and waits for
+    if op == _Op.EVICT:
+        post = base + _Post.EVICT
+        x_time[_MOVES * tid + _Move.EVICT] = bpipe_time(rank, peer, a)
+    elif op == _Op.ACCEPT:
+        post, need = base + _Post.ACCEPT, (state.headers + produced if produced >= 0 else -1)
+    elif op == _Op.LOAD:
+        post = base + _Post.LOAD
+    elif op == _Op.RETURN or op == _Op.EVICT_DONE:
+        need = base + _Post.EVICT if op == _Op.RETURN else base + _Post.ACCEPT
+    elif op == _Op.RETURN_DONE or op == _Op.LOAD_WAIT:
+        need = base + _Post.LOAD if op == _Op.RETURN_DONE else base + _Post.RETURN
+    if need >= 0:
+        ready_at = x_at[need]
+        if ready_at is None:
+            state.x_wait[need] = rank
+            return None
+        if op != _Op.ACCEPT:  # a transfer's data waited for: moved to the acceptor, or back on the evictor
+            ready_at = _moved(state, rank, op, a, tid, record)
+        if ready_at > t:
+            t = ready_at
+    if op == _Op.RETURN:
+        post = base + _Post.RETURN
+        x_time[_MOVES * tid + _Move.RETURN] = bpipe_time(rank, peer, a)
+    elif op == _Op.HEADER:
+        post = state.headers + tid
+    if post >= 0:
+        x_at[post] = t
+        if record:
+            state.x_after[post] = (rank, state.ncomp[rank] - 1)
+        if state.x_wait[post] >= 0:
+            state.ready.append(state.x_wait[post])
+            state.x_wait[post] = -1
+    if record and op < _SYNTHETIC:
+        state.timeline[rank].append((a, t, t))
+    return t
+
+
+def _moved(state: _State, rank: int, op: int, a: Action, tid: int, record: bool) -> float:
+    """When the data a RETURN or EVICT_DONE (evicted) or a RETURN_DONE or LOAD_WAIT (returned) waits for arrives."""
+    x_at, base = state.x_at, _POSTS * tid
+    if op == _Op.RETURN or op == _Op.EVICT_DONE:  # the evicted data has reached the acceptor
+        if x_at[base + _Post.ACCEPT] is None:
+            raise ScheduleError(f"rank {rank}: {a.label(state.show_chunk)} comes before its ACCEPT")
+        moved_from = max(x_at[base + _Post.EVICT], x_at[base + _Post.ACCEPT])
+        ready_at = moved_from + state.x_time[_MOVES * tid + _Move.EVICT]
+        if record and op == _Op.EVICT_DONE:
+            state.moves[rank].append((a, moved_from, ready_at))
+        return ready_at
+    moved_from = max(x_at[base + _Post.RETURN], x_at[base + _Post.LOAD])  # the data is back on the evictor
+    ready_at = moved_from + state.x_time[_MOVES * tid + _Move.RETURN]
+    if record and op == _Op.RETURN_DONE:
+        state.moves[rank].append((a, moved_from, ready_at))
+    elif record:
+        returned, loaded = base + _Post.RETURN, base + _Post.LOAD
+        by = state.x_after[returned] if x_at[returned] >= x_at[loaded] else state.x_after[loaded]
+        state.load_cause[rank] = (ready_at, by)
+    return ready_at
+
+
+def _result(state: _State, compiled: CompiledSchedule, record: bool) -> Replay:
+    """The Replay of a finished walk; a DeadlockError naming where the ranks that cannot go on stopped."""
+    ops, index, clock, moves = state.ops, state.index, state.clock, state.moves
+    stuck = [r for r in range(len(ops)) if index[r] < len(ops[r])]
     if stuck:
-        detail = ", ".join(f"rank {r} at {ops[r][index[r]][1].label(show_chunk)}" for r in stuck)
+        detail = ", ".join(f"rank {r} at {ops[r][index[r]][1].label(state.show_chunk)}" for r in stuck)
         raise DeadlockError(f"deadlock: {len(stuck)} rank(s) cannot progress: {detail}")
     for rank_moves in moves:
         rank_moves.sort(key=lambda x: x[1])
-    return Replay(compiled.schedule, timeline, max(clock) if clock else 0.0, busy, causes if record else [],
-                  transfers, moves if record else [])
+    return Replay(compiled.schedule, state.timeline, max(clock) if clock else 0.0, state.busy,
+                  state.causes if record else [], state.transfers, moves if record else [])
 
 
 def unit_times(forward: float = 1.0, backward: float = 2.0) -> Callable[[int, Action], float]:

@@ -28,10 +28,10 @@ from ..pipeline.schedule import Kind
 from ..units import owns_output_weight, unit_kind, unit_names
 from .caching_allocator import ALLOC, FREE, replay
 from .engine import OURS
-from .memory_model import (MemorySettings, chunk_unit_indices, precision_from, shared_output_grad_bytes,
-                           unit_saved_tensors, unit_transient_bytes)
+from .memory_model import MemorySettings, chunk_unit_indices, precision_from, shared_output_grad_bytes
 from .overlap import BUCKET_ELEMS
 from .spec import RunSpec
+from .unit_activations import unit_saved_tensors, unit_transient_bytes
 
 
 def unit_param_numels(kind: str, model: ModelConfig, tp: int = 1, output_weight: bool = True) -> list[int]:

@@ -10,8 +10,9 @@ from ..errors import UsageError
 from .cluster import DeviceType
 from .flops import unit_forward_flops
 from .kernel_time import device_kernels, unit_kernel_times
-from .memory_model import UNIT_KINDS, unit_activation_bytes
+from .memory_model import UNIT_KINDS
 from .profile_data import Profile, UnitTiming, model_signature
+from .unit_activations import unit_activation_bytes
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ from dataclasses import dataclass, replace
 from ..config import ModelConfig
 from .cluster import DeviceType
 from .engine import PrecisionConfig
-from .memory_model import MemorySettings, unit_saved_tensors
+from .memory_model import MemorySettings
+from .unit_activations import unit_saved_tensors
 
 MiB, GiB = 2**20, 2**30
 DEFAULT_CONTEXT_BYTES = 0.5 * GiB

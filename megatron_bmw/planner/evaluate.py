@@ -9,7 +9,8 @@ from ..pipeline.holding import holding_events
 from ..pipeline.replay import CompiledSchedule
 from ..pipeline.schedule import Schedule
 from .cluster import Cluster
-from .cost_model import CostModel, CostSettings, simulate_sharing_cores
+from .core_sharing import simulate_sharing_cores
+from .cost_model import CostModel, CostSettings
 from .memory_model import (MemorySettings, RankMemory, chunk_saved_bytes, chunk_wgrad_bytes, precision_from,
                            rank_memory)
 from .profile_data import Profile, Profiles

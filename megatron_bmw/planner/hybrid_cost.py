@@ -22,7 +22,8 @@ from ..pipeline.schedule import Action
 from ..strategy import UnitStrategy, local_slice
 from ..units import owns_output_weight, unit_kind, unit_names
 from .cluster import Cluster, Link
-from .cost_model import CostModel, CostSettings, allreduce_parts, allreduce_time, optimizer_step_seconds
+from .comm_cost import allreduce_parts, allreduce_time
+from .cost_model import CostModel, CostSettings, optimizer_step_seconds
 from .hybrid_memory import local_batch, spec_strategies
 from .memory_model import chunk_unit_indices, unit_param_count
 from .profile_data import Profiles

@@ -18,7 +18,8 @@ from ..pipeline.schedule import Schedule
 from ..strategy import UnitStrategy
 from ..units import owns_output_weight, unit_kind, unit_names
 from .memory_model import (MemorySettings, PrecisionConfig, RankMemory, activation_walk, chunk_unit_indices,
-                           shared_output_grad_bytes, unit_activation_bytes, unit_param_count, unit_transient_bytes)
+                           shared_output_grad_bytes, unit_param_count)
+from .unit_activations import unit_activation_bytes, unit_transient_bytes
 
 
 def local_batch(strategy: UnitStrategy, micro_batch_size: int) -> int:

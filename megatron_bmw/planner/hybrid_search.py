@@ -28,7 +28,8 @@ from .hybrid_memory import unit_memory
 from .memory_model import MemorySettings
 from .partitioners import galvatron_walk, minmax_partition
 from .profile_data import Profiles
-from .solver import ScheduleShapes, Solution, Variant, block_units, even_partition, stage_blocks
+from .schedule_shapes import ScheduleShapes
+from .solver import Solution, Variant, block_units, even_partition, stage_blocks
 from .space import Layout, SearchSpace
 from .spec import RunSpec
 

@@ -1,60 +1,23 @@
 """Memory per pipeline rank: model states, activations held by the schedule, and an allowance.
 
-Activations are counted tensor by tensor from what OUR units save for backward (models/gpt.py), so the model
-can be checked byte for byte against saved-tensor hooks (tests/planner/test_memory_model.py). Notation:
-s sequence, b micro-batch, h hidden, a heads, f ffn, v padded vocabulary, t tensor-parallel size, e bytes per
-element of the parameter dtype; with sequence parallelism the hidden state between units has s/t rows.
-
-Per unit, no recomputation (flash = fused SDPA kernel, unfused = explicit softmax):
-  attention  LN input s'bh e, LN statistics 2 s'b, QKV input (the LN output; with SP only its sequence part,
-             re-gathered in backward) s'bh e, QKV output 3sbh/t e (kept through the q/k/v views), the core
-             (below), the context copy sbh/t e fed to the output projection, and the dropout mask s'bh.
-    unfused core: softmax output ab s^2/t e (computed in fp32, kept in e, as Megatron's fused kernel), and
-             with attention dropout its mask and the dropped probabilities in e.
-    flash core: the log-sum-exp abs/t x 4 (its output, laid out like q, is the context itself).
-  mlp        LN input and statistics, FC1 input s'bh e, GeLU input and output 2 sbf/t e, dropout mask s'bh.
-  embedding  token ids (int64; with t > 1 the masked local ids and the out-of-range mask), position ids and
-             the dropout mask s'bh.
-  head       LN input and statistics, the logits' input s'bh e, the fp32 softmax sbv/t x 4 of the vocab-parallel
-             cross entropy, its local targets (int64) and out-of-range mask, the loss mask and the divisor.
-BERT (model_type "bert", models/bert.py) adds to the embedding the token-type ids (int64), to a flash attention
-unit the padding mask the kernel takes as an additive bias, b s e, and has its own head: the final LayerNorm
-(input and statistics), the LM head's dense input s'bh e, GeLU input s'bh e, LayerNorm (input and statistics),
-the logits' input s'bh e, the vocab-parallel cross entropy as GPT's, the loss mask and the two loss divisors;
-with the binary head the pooler's input bh e (with SP only: the gathered first token; else it is a view of the
-dense input), its tanh output bh e, and the sentence-order log-probabilities 2b x 4, labels (int64) and weight.
-Llama-family units (models/gpt.py): RMSNorm keeps its input and the fp32 reciprocal RMS on "cuda" (the fused
-kernel); on "cpu" the composite computes in fp32 and keeps the upcast input, the reciprocal RMS and the normalized
-input, all fp32. Rope keeps cos and sin for queries and keys (4 s r x 4, r the rotated dims) and makes new rotated
-q and k (v stays a view of the QKV output); with rope over part of the head, the fused kernel's output is laid
-out by head and the projection's input is a copy of it. Grouped queries: k and v repeated over each group's
-heads (sbh/t e each) and q copied out of the grouped rows (a view, keeping the whole QKV output, where a rank holds
-one group and the core takes q as it is). SwiGLU keeps fc1's output (gate and up, 2 sbf/t e), silu(gate) and
-the product (sbf/t e each) where GeLU keeps its input and output. Biases change no saved tensor.
-Selective recomputation keeps the attention unit minus its core (BERT: plus the core's input padding mask, b s
-bool); full recomputation keeps the unit's input. Engines that checkpoint whole layers (Megatron-LM, DeepSpeed:
-`layer_checkpoints`) keep one input per fully recomputed layer, the attention unit's, and the MLP's backward then
-holds the rebuilt layer (`layer_transient_extra`).
+A unit's activations per micro-batch, tensor by tensor as OUR units save them, are unit_activations.py's; here
+they are added up over a rank's units and the micro-batches the schedule has it hold (pipeline/holding.py).
+Engines that checkpoint whole layers (Megatron-LM, DeepSpeed: `layer_checkpoints`) keep one input per fully
+recomputed layer, the attention unit's, and the MLP's backward then holds the rebuilt layer
+(`layer_transient_extra`).
 The engine frees a stage's output once it is sent (Megatron's deallocate_output_tensor), so between units
 nothing is held beyond what the next unit saves. Where the tied output weight is the embedding's own Parameter
 (embedding and head on one rank) its gradient cannot go straight into main_grad: autograd holds the logits' part,
 v/t x h in the parameter dtype, from the head's backward to the embedding's (`shared_output_grad_bytes`).
 Zero-bubble schedules split a backward into B (input gradients) and W (the linear layers' weight gradients,
-parallel/deferred_wgrad.py). B frees what the unit saved except what W needs, which it keeps until W: per linear
-layer its input and its output gradient (attention: QKV input s'bh, QKV gradient 3sbh/t, context sbh/t,
-projection gradient sbh; MLP: fc1 input s'bh, fc1 gradient sbf/t (2 sbf/t SwiGLU), fc2 input sbf/t, fc2
-gradient sbh; head: logits input s'bh and gradient sbv/t; all in e; the row-parallel layers' output gradients
-cover the whole sequence). Recomputation changes none of it: B rebuilds the inputs and W keeps them.
+parallel/deferred_wgrad.py). B frees what the unit saved except what W needs (unit_activations.py), which it
+keeps until W. Recomputation changes none of it: B rebuilds the inputs and W keeps them.
 
-This is Korthikanti et al. 2022 (sbh(34 + 5as/h) bytes per layer in fp16, 34 sbh/t with SP): their 34 sbh is
-our 13 sbh (attention with its LayerNorm) + 21 sbh (MLP with its LayerNorm), their 5as^2b our unfused core
-with dropout (flash keeps no s^2 term). We also count the LayerNorm statistics and integer ids (they ignore
-them), and full recomputation at sub-layer granularity keeps two inputs per layer (one per unit), i.e. 4 sbh
-in fp16 instead of their 2 sbh.
-
-Device kinds: on "cuda" a dropout mask is bool (1 byte) and LayerNorm statistics are fp32; on "cpu" dropout
-keeps its scaled noise in the tensor's dtype and LayerNorm statistics are in that dtype, and SDPA with
-dropout falls back to a math path (q, k, v copies and three s^2 tensors, in fp32 for 16-bit inputs).
+The count is Korthikanti et al. 2022's (sbh(34 + 5as/h) bytes per layer in fp16, 34 sbh/t with SP;
+unit_activations.korthikanti_layer_bytes): their 34 sbh is our 13 sbh (attention with its LayerNorm) + 21 sbh
+(MLP with its LayerNorm), their 5as^2b our unfused core with dropout (flash keeps no s^2 term). We also count
+the LayerNorm statistics and integer ids (they ignore them), and full recomputation at sub-layer granularity
+keeps two inputs per layer (one per unit), i.e. 4 sbh in fp16 instead of their 2 sbh.
 """
 
 from __future__ import annotations
@@ -67,290 +30,11 @@ from ..errors import UsageError
 from ..pipeline.holding import bytes_size, holding_events, peak
 from ..pipeline.partition import rank_chunks
 from ..pipeline.schedule import Schedule
-from ..units import RECOMPUTE, UNIT_KINDS, owns_output_weight, unit_kind, unit_names
+from ..units import UNIT_KINDS, owns_output_weight, unit_kind, unit_names  # noqa: F401 - UNIT_KINDS re-exported
 from .engine import OURS, EngineConfig, PrecisionConfig  # noqa: F401 - PrecisionConfig is re-exported
-
-DEVICE_KINDS = ("cuda", "cpu")
-_INT64, _BOOL, _FP32 = 8, 1, 4
-
-
-@dataclass(frozen=True)
-class SavedTensor:
-    """One tensor a unit keeps for backward (per micro-batch, per rank)."""
-
-    name: str
-    numel: int
-    itemsize: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
-
-def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                       recompute: str | None = None, device: str = "cuda") -> list[SavedTensor]:
-    """The tensors one unit of `kind` saves for backward for one micro-batch on one tensor-parallel rank."""
-    if kind not in UNIT_KINDS:
-        raise ValueError(f"unknown unit kind {kind!r}")
-    if recompute not in RECOMPUTE:
-        raise UsageError(f"recomputation must be none, selective or full, not {recompute!r}")
-    if device not in DEVICE_KINDS:
-        raise UsageError(f"device kind must be cuda or cpu, not {device!r}")
-    sp = sp and tp > 1
-    s, b, h, f, v = model.seq_length, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
-    e = model.dtype_bytes
-    heads = model.num_attention_heads // tp
-    s_local = s // tp if sp else s
-    hidden_local = s_local * b * h
-    mask_size = _BOOL if device == "cuda" else e
-    stat_size = _FP32 if device == "cuda" else e
-    out: list[SavedTensor] = []
-
-    def add(name: str, numel: int, itemsize: int) -> None:
-        out.append(SavedTensor(name, numel, itemsize))
-
-    def layernorm() -> None:
-        if model.apply_layernorm_1p:  # the norm keeps the weight + 1 it computed
-            add("norm weight + 1", h, e)
-        if model.normalization != "RMSNorm":
-            add("layernorm input", hidden_local, e)
-            add("layernorm statistics", 2 * s_local * b, stat_size)
-        elif device == "cuda":  # the fused kernel keeps its input and the fp32 reciprocal RMS
-            add("rmsnorm input", hidden_local, e)
-            add("rmsnorm statistics (fp32)", s_local * b, _FP32)
-        else:  # the composite path computes in fp32: input (upcast), reciprocal RMS, normalized input
-            add("rmsnorm input (fp32)", hidden_local, _FP32)
-            add("rmsnorm statistics (fp32)", s_local * b, _FP32)
-            add("rmsnorm normalized input (fp32)", hidden_local, _FP32)
-
-    def lm_loss(divisor: str, divisors: int) -> None:  # final LayerNorm, logits, vocab-parallel cross entropy
-        layernorm()
-        add("logits input", hidden_local, e)
-        add("softmax (fp32)", s * b * (v // tp), _FP32)
-        add("local targets", s * b, _INT64)
-        add("out-of-vocabulary-shard mask", s * b, _BOOL)
-        add("loss mask", s * b, _FP32)
-        add(divisor, divisors, _FP32)
-
-    def hidden_dropout() -> None:
-        if model.hidden_dropout > 0:
-            add("dropout mask", hidden_local, mask_size)
-
-    bert = model.model_type == "bert"
-    if kind == "embedding":
-        add("token ids", b * s, _INT64)
-        if tp > 1:
-            add("out-of-vocabulary-shard mask", b * s, _BOOL)
-        if model.position_embedding_type == "learned_absolute":
-            add("position ids", s, _INT64)
-        if model.num_tokentypes:
-            add("token-type ids", b * s, _INT64)
-        hidden_dropout()
-        return out
-    if kind == "head" and bert:
-        layernorm()
-        add("lm dense input", hidden_local, e)
-        add("lm gelu input", hidden_local, e)
-        lm_loss("loss divisors", 2)
-        if model.bert_binary_head:
-            if sp:
-                add("pooler input (gathered first token)", b * h, e)
-            add("pooler output (tanh)", b * h, e)
-            add("sentence-order log-probabilities (fp32)", 2 * b, _FP32)
-            add("sentence-order labels", b, _INT64)
-            add("sentence-order loss weight", 1, _FP32)
-        return out
-    if kind == "head":
-        lm_loss("loss divisor", 1)
-        return out
-    if recompute == "full":
-        add("unit input (full recomputation)", hidden_local, e)
-        return out
-    layernorm()
-    if kind == "mlp":
-        add("fc1 input", hidden_local, e)
-        if model.swiglu:  # fc1's output holds [gate; up]; silu keeps the gate, the product keeps silu(gate) and up
-            add("fc1 output (gate and up)", 2 * s * b * (f // tp), e)
-            add("silu output", s * b * (f // tp), e)
-            add("swiglu output (fc2 input)", s * b * (f // tp), e)
-        else:
-            add("gelu input", s * b * (f // tp), e)
-            add("gelu output", s * b * (f // tp), e)
-        hidden_dropout()
-        return out
-    add("qkv input", hidden_local, e)
-    local_h = s * b * h // tp
-    score = b * heads * s * s
-    p_attn = model.attention_dropout
-    math_path = model.flash_attention and device == "cpu" and p_attn > 0
-    # the unfused core's batched matmul copies a strided q; the fused kernel and a checkpoint keep q as it is
-    core_inputs = _core_inputs(model, local_h, tp, query_copied=recompute != "selective" and not model.flash_attention)
-    if model.qk_layernorm:
-        qk = _qk_norm_saved(model, local_h, tp, b * heads * s, device)
-        out.extend(qk)
-    if model.position_embedding_type == "rope":  # cos and sin, computed for the queries and again for the keys
-        add("rotary cos and sin (fp32)", 4 * s * model.rotary_dim, _FP32)
-    if recompute == "selective":
-        out.extend(core_inputs)
-        if bert:  # an input of the recomputed core
-            add("padding mask (bool)", b * s, _BOOL)
-    elif not model.flash_attention:
-        out.extend(core_inputs)
-        add("softmax output", score, e)
-        if p_attn > 0:
-            add("attention dropout mask", score, _BOOL if device == "cuda" else e)
-            add("attention probabilities", score, e)
-    elif math_path:  # SDPA's math fallback: scaled q and k, v (a copy when 16-bit inputs are upcast), 3 s^2 terms
-        c = _FP32
-        if e == c:
-            out.append(core_inputs[-1])  # the values (or the QKV output they are a view of)
-        else:
-            add("v (fp32 copy)", local_h, c)
-        add("scaled q", local_h, c)
-        add("scaled k", local_h, c)
-        add("softmax output", score, c)
-        add("attention dropout noise", score, c)
-        add("attention probabilities", score, c)
-    else:  # the kernel's output is laid out like q, so the projection's input is a view of it
-        out.extend(core_inputs)
-        add("log-sum-exp (fp32)", b * heads * s, _FP32)
-        if model.qk_layernorm or (model.position_embedding_type == "rope" and model.rotary_dim < model.head_dim):
-            add("attention output (q laid out by head: the context is a copy)", local_h, e)
-        if bert:
-            add("padding mask (additive, for the kernel)", b * s, e)
-    add("context (output projection input)", local_h, e)
-    hidden_dropout()
-    if model.qk_layernorm:  # one storage: the QKV output the norms' inputs and the values are views of
-        first = next((i for i, t in enumerate(out) if t.name == "qkv output"), len(out))
-        out = out[:first + 1] + [t for t in out[first + 1:] if t.name != "qkv output"]
-    return out
-
-
-def _qk_norm_saved(model: ModelConfig, local_h: int, tp: int, q_rows: int, device: str) -> list[SavedTensor]:
-    """What the per-head query and key norms keep (before rope): their inputs (k, and q unless copied out of
-    grouped rows, are views of the QKV output), statistics per head row, and as for the hidden norms the fp32
-    upcast and normalized tensors of the composite RMSNorm on "cpu"; with 1p each norm's weight + 1."""
-    e = model.dtype_bytes
-    per = model.num_attention_heads // model.query_groups
-    kv_local, k_rows = local_h // per, q_rows // per
-    qkv = SavedTensor("qkv output", local_h * model.qkv_rows // model.hidden_size, e)
-    q_copied = per > 1 and model.query_groups // tp > 1
-    out = []
-    if model.apply_layernorm_1p:
-        out.append(SavedTensor("q/k norm weights + 1", 2 * model.head_dim, e))
-    rms, cpu = model.normalization == "RMSNorm", device == "cpu"
-    if rms and cpu:
-        if e == _FP32:
-            out += [qkv] + ([SavedTensor("query (norm input)", local_h, e)] if q_copied else [])
-        else:
-            out += [SavedTensor("q/k norm inputs (fp32)", local_h + kv_local, _FP32)]
-        out += [SavedTensor("q/k rms statistics (fp32)", q_rows + k_rows, _FP32),
-                SavedTensor("q/k normalized (fp32)", local_h + kv_local, _FP32)]
-        return out
-    out += [qkv] + ([SavedTensor("query (norm input)", local_h, e)] if q_copied else [])
-    stats = 1 if rms else 2  # the fused RMSNorm's reciprocal RMS; LayerNorm's mean and reciprocal std
-    out.append(SavedTensor("q/k norm statistics", stats * (q_rows + k_rows), _FP32 if device == "cuda" else e))
-    return out
-
-
-def _core_inputs(model: ModelConfig, local_h: int, tp: int, query_copied: bool) -> list[SavedTensor]:
-    """The storages behind the attention core's q, k and v (what the core, or selective recomputation, keeps).
-
-    Without groups or rope they are views of the QKV output. Rope makes new rotated q and k (v stays a view of
-    the QKV output); groups repeat k and v over each group's query heads and copy q out of the grouped rows,
-    unless the rank holds one group (then q is a view of the QKV output, kept whole, where the core takes q as it
-    is: `query_copied` False)."""
-    e = model.dtype_bytes
-    per = model.num_attention_heads // model.query_groups
-    qkv_local = local_h * model.qkv_rows // model.hidden_size
-    new_qk = model.position_embedding_type == "rope" or model.qk_layernorm  # q and k are new tensors
-    if per > 1:
-        one_group_view = model.query_groups // tp == 1 and not new_qk and not query_copied
-        query = SavedTensor("qkv output (the query is a view of it)", qkv_local, e) if one_group_view \
-            else SavedTensor("query", local_h, e)
-        return [query, SavedTensor("keys repeated over the group", local_h, e),
-                SavedTensor("values repeated over the group", local_h, e)]
-    if new_qk:
-        return [SavedTensor("query (normed or rotated)", local_h, e), SavedTensor("keys (normed or rotated)", local_h, e),
-                SavedTensor("qkv output", qkv_local, e)]
-    return [SavedTensor("qkv output", qkv_local, e)]  # q, k and v are views of it
-
-
-def unit_wgrad_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1,
-                       sp: bool = False) -> list[SavedTensor]:
-    """What one unit keeps from a split backward's B until its W (parallel/deferred_wgrad.py): per linear layer
-    its saved input and its output gradient; the rest of what it saved is freed at B's end. The same whatever
-    the recomputation (B rebuilds the inputs and W keeps them) and device."""
-    if kind not in UNIT_KINDS:
-        raise ValueError(f"unknown unit kind {kind!r}")
-    sp = sp and tp > 1
-    s, b, h, e = model.seq_length, micro_batch_size, model.hidden_size, model.dtype_bytes
-    hidden_local = (s // tp if sp else s) * b * h  # a column-parallel input: this rank's sequence part with SP
-    if kind == "embedding":
-        return []
-    if kind == "head":  # the output layer (BERT's LM dense, pooler and sentence-order head are not deferred)
-        return [SavedTensor("logits input", hidden_local, e),
-                SavedTensor("logits gradient", s * b * (model.vocab_size // tp), e)]
-    if kind == "attention":
-        return [SavedTensor("qkv input", hidden_local, e),
-                SavedTensor("qkv output gradient", s * b * model.qkv_rows // tp, e),
-                SavedTensor("context (projection input)", s * b * h // tp, e),
-                SavedTensor("projection output gradient (before the reduction)", s * b * h, e)]
-    return [SavedTensor("fc1 input", hidden_local, e),
-            SavedTensor("fc1 output gradient", s * b * model.fc1_rows // tp, e),
-            SavedTensor("fc2 input", s * b * model.ffn_hidden_size // tp, e),
-            SavedTensor("fc2 output gradient (before the reduction)", s * b * h, e)]
-
-
-def unit_wgrad_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False) -> int:
-    return sum(t.nbytes for t in unit_wgrad_tensors(kind, model, micro_batch_size, tp, sp))
-
-
-_SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
-               "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head",
-               "position_embedding_type", "rotary_percent", "normalization", "swiglu", "num_query_groups",
-               "qk_layernorm", "apply_layernorm_1p")
-_saved_memo: dict[tuple, int] = {}
-
-
-def unit_activation_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                          recompute: str | None = None, device: str = "cuda") -> int:
-    key = (kind, micro_batch_size, tp, sp, recompute, device) + tuple(getattr(model, k) for k in _SAVED_KEYS)
-    got = _saved_memo.get(key)
-    if got is None:
-        if len(_saved_memo) > 100_000:
-            _saved_memo.clear()
-        got = _saved_memo[key] = sum(t.nbytes for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp,
-                                                                           recompute, device))
-    return got
-
-
-def bytes_by_dtype(tensors: list[SavedTensor]) -> dict[int, int]:
-    """Saved bytes grouped by element size (8 int64, 4 fp32, 2 bf16/fp16, 1 bool)."""
-    out: dict[int, int] = {}
-    for t in tensors:
-        out[t.itemsize] = out.get(t.itemsize, 0) + t.nbytes
-    return out
-
-
-def layer_activation_bytes(model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                           recompute: str | None = None, device: str = "cuda") -> int:
-    """One transformer layer (attention + MLP unit), one micro-batch, one rank."""
-    return sum(unit_activation_bytes(k, model, micro_batch_size, tp, sp, recompute, device)
-               for k in ("attention", "mlp"))
-
-
-def korthikanti_layer_bytes(model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                            recompute: str | None = None) -> float:
-    """Korthikanti et al. 2022, activations per layer in bytes for fp16 (reference only)."""
-    s, b, h, a, t = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads, tp
-    if recompute == "full":
-        return 2 * s * b * h / (t if sp else 1)
-    if recompute == "selective":
-        return 34 * s * b * h / t if sp else s * b * h * (10 + 24 / t)
-    if sp:
-        return s * b * h * (34 + 5 * a * s / h) / t
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+from .unit_activations import DEVICE_KINDS, unit_activation_bytes, unit_transient_bytes, unit_wgrad_bytes
+# re-exported: callers outside the planner import them from here (tests/models, tests/parallel)
+from .unit_activations import unit_backward_bytes, unit_saved_tensors  # noqa: F401
 
 
 # ---- parameters and model states ------------------------------------------------------------------------------
@@ -552,37 +236,6 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
         peak_inflight_microbatches=inflight,
         chunk_activation_bytes=chunk_bytes,
     )
-
-
-def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False) -> int:
-    """The largest gradient buffers a unit's backward allocates beside what it saved (Galvatron's backward peak):
-    the head's gradient of the logits cast for the output matmul (the fp32 gradient takes the saved softmax's
-    place), the attention's gradient
-    of the scores and probabilities (unfused; the fused kernel's gradient of q, k, v), the MLP's gradients of
-    the GeLU output and input, the embedding's hidden-state gradient."""
-    s, b, h, f, v = model.seq_length, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
-    e = model.dtype_bytes
-    if kind == "head":
-        return s * b * (v // tp) * (0 if e == _FP32 else e)
-    if kind == "attention":
-        heads = model.num_attention_heads // tp
-        return b * heads * s * s * (_FP32 + e) if not model.flash_attention else 3 * s * b * (h // tp) * e
-    if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's
-        return (4 if model.swiglu else 2) * s * b * (f // tp) * e
-    if kind == "embedding":
-        return (s // tp if sp and tp > 1 else s) * b * h * e
-    raise ValueError(f"unknown unit kind {kind!r}")
-
-
-def unit_transient_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int, sp: bool,
-                         recompute: str | None, device: str) -> int:
-    """What one unit's backward holds beside the saved activations: the activations recomputation rebuilds
-    (one unit's, or one attention core's) and its gradient buffers."""
-    rebuilt = 0
-    if recompute is not None:
-        rebuilt = unit_activation_bytes(kind, model, micro_batch_size, tp, sp, None, device) \
-            - unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device)
-    return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp)
 
 
 def shared_output_grad_bytes(model: ModelConfig, tp: int, pp: int, names: list[str], engine: EngineConfig) -> int:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from .cluster import Cluster
 from .engine import EngineConfig
 from .evaluate import Evaluation, stage_capacity
-from .memory_model import MemorySettings, RankMemory, layer_activation_bytes, total_parameters
+from .memory_model import MemorySettings, RankMemory, total_parameters
 from .spec import RunSpec
+from .unit_activations import layer_activation_bytes
 
 GiB = 2**30
 

@@ -40,7 +40,8 @@ from .hybrid_search import HybridProblem, HybridSolution, hybrid_layouts, summar
 from .memory_model import MemorySettings
 from .partitioners import autopipe_refine, hill_climb
 from .profile_data import Profiles
-from .solver import LayoutProblem, ScheduleShapes, Solution, Variant, could_fit, lower_bound
+from .schedule_shapes import ScheduleShapes
+from .solver import LayoutProblem, Solution, Variant, could_fit, lower_bound
 from .space import Layout, SearchSpace, layouts, tp_degrees, zero_bubble
 from .spec import RunSpec
 from ..units import unit_kind, unit_names
@@ -138,30 +139,76 @@ def _search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch
             profiles: Profiles | None, space: SearchSpace, costs: CostSettings, memory: MemorySettings,
             settings: SearchSettings) -> SearchResult:
     started = time.time()
-    profiles = profiles or Profiles()
-    world = settings.world_size or cluster.num_gpus
+    run = _Run(model, orig_vocab, divisible_by, cluster, profiles or Profiles(), space, costs, memory, settings)
+    world, todo = _uniform_layouts(run, global_batch)
+    # layouts = solved + pruned + infeasible; candidates (a layout with its options: SP, ZeRO-1, recomputation
+    # mode, BPipe) likewise add up, their "solved" counting those the solver ran
+    stats = run.stats
+    stats.update({"layouts": len(todo), "solved": 0, "pruned": 0, "infeasible": 0, "candidates": 0,
+                  "candidates_solved": 0, "candidates_pruned": 0, "candidates_infeasible": 0, "simulated": 0})
+    if "uniform" not in space.strategy:
+        todo = []
+    outcome: dict[tuple, str] = {}  # layout -> "solved", "pruned" or "infeasible"
+    problems = _uniform_candidates(run, todo, outcome)
+    if "hybrid" in space.strategy:  # Galvatron-BMW: tp 1 at the top, every unit its own strategy per stage
+        hybrid, layouts_hybrid = _hybrid_candidates(run, world, global_batch, outcome)
+        problems += hybrid
+        stats["layouts"] = len(todo) + layouts_hybrid
+    problems.sort(key=lambda x: x[0])  # stable: ties keep the order they were made in
+    solutions = _solve_in_bound_order(run, problems, outcome)
+    for state in outcome.values():
+        stats[state] += 1
+    stats["estimate_s"] = time.time() - started  # reported only: no clock decides anything
+    profiled = run.profiles.largest_micro_batch()
+    if profiled is not None:
+        stats["profiled_micro_batch"] = profiled
+    if not solutions:
+        return SearchResult([], stats, model, global_batch, cluster, divisible_by)
+    ranked = _rank_finalists(run, solutions)
+    stats["elapsed_s"] = time.time() - started
+    return SearchResult(ranked[:max(settings.top_k, 1)], stats, model, global_batch, cluster, divisible_by)
+
+
+@dataclass
+class _Run:
+    """What the steps of one search read: its inputs, the tables its layouts share, and its counts."""
+
+    model: ModelConfig
+    orig_vocab: int
+    divisible_by: int
+    cluster: Cluster
+    profiles: Profiles
+    space: SearchSpace
+    costs: CostSettings
+    memory: MemorySettings
+    settings: SearchSettings
+    shapes: ScheduleShapes = field(default_factory=ScheduleShapes)
+    stats: dict = field(default_factory=dict)
+
+
+def _uniform_layouts(run: _Run, global_batch: int) -> tuple[int, list[Layout]]:
+    """The GPUs used and the space's layouts (degrees, micro-batching, schedule); a UsageError where none is."""
+    model, cluster, space = run.model, run.cluster, run.space
+    world = run.settings.world_size or cluster.num_gpus
     if world < 1 or world > cluster.num_gpus:
         raise UsageError(f"--world-size {world}: cluster {cluster.name} has {cluster.num_gpus} GPUs")
     if global_batch < 1:
         raise UsageError(f"--global-batch-size must be >= 1, got {global_batch}")
     node = min(g.gpus_per_node for g in cluster.groups)
     tps = [t for t in tp_degrees(model, node, world)
-           if padded_model(model, orig_vocab, divisible_by, t).vocab_size % t == 0]
+           if padded_model(model, run.orig_vocab, run.divisible_by, t).vocab_size % t == 0]
     todo = layouts(space, model, world, global_batch, tps)
     if not todo and "uniform" in space.strategy:
         raise UsageError("the search space holds no layout: check --space, --global-batch-size and the world size")
-    shapes = ScheduleShapes()
+    return world, todo
+
+
+def _uniform_candidates(run: _Run, todo: list[Layout], outcome: dict) -> list[tuple[float, LayoutProblem]]:
+    """Each layout with each recomputation mode, SP and ZeRO-1 choice that could fit, with its lower bound."""
+    space, stats = run.space, run.stats
     uniform_modes: list = [False] if space.per_unit_recompute else list(space.recompute)
     bpipe = space.bpipe == (True,)
-    # layouts = solved + pruned + infeasible; candidates (a layout with its options: SP, ZeRO-1, recomputation
-    # mode, BPipe) likewise add up, their "solved" counting those the solver ran
-    stats = {"layouts": len(todo), "solved": 0, "pruned": 0, "infeasible": 0, "candidates": 0,
-             "candidates_solved": 0, "candidates_pruned": 0, "candidates_infeasible": 0, "simulated": 0}
-
     problems = []
-    if "uniform" not in space.strategy:
-        todo = []
-    outcome: dict[tuple, str] = {}  # layout -> "solved", "pruned" or "infeasible"
     for lay in todo:
         outcome[("uniform", lay)] = "infeasible"
     for lay in todo:
@@ -172,28 +219,39 @@ def _search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch
             for sp in (s for s in space.sp if not s or lay.tp > 1):
                 for zero1 in (z for z in space.zero1 if not z or lay.dp > 1):
                     base = Variant(sp, zero1, bpipe and lay.pp >= 4)
-                    prob = _problem(lay, base, model, orig_vocab, divisible_by, cluster, profiles, space, costs,
-                                    memory, shapes, mode)
+                    prob = _problem(lay, base, run.model, run.orig_vocab, run.divisible_by, run.cluster,
+                                    run.profiles, space, run.costs, run.memory, run.shapes, mode)
                     stats["candidates"] += 1
                     if prob is not None:
                         problems.append((lower_bound(prob), prob))
                     else:
                         stats["candidates_infeasible"] += 1
-    if "hybrid" in space.strategy:  # Galvatron-BMW: tp 1 at the top, every unit its own strategy per stage
-        if model.model_type != "gpt" and "uniform" not in space.strategy:
-            raise UsageError("--space strategy=hybrid: per-unit strategies run GPT models only")
-        hybrid = hybrid_layouts(space, model, world, global_batch) if model.model_type == "gpt" else []
-        if not hybrid and "uniform" not in space.strategy:
-            raise UsageError("the search space holds no hybrid layout: check --space and --global-batch-size")
-        got = _hybrid_problems(hybrid, model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,
-                               shapes)
-        for lay in hybrid:
-            outcome[("hybrid", lay)] = "infeasible"
-        stats["candidates"] += len(hybrid)
-        stats["candidates_infeasible"] += len(hybrid) - len(got)
-        problems += got
-        stats["layouts"] = len(todo) + len(hybrid)
-    problems.sort(key=lambda x: x[0])  # stable: ties keep the order they were made in
+    return problems
+
+
+def _hybrid_candidates(run: _Run, world: int, global_batch: int,
+                       outcome: dict) -> tuple[list[tuple[float, HybridProblem]], int]:
+    """Galvatron-BMW's layouts that could fit, with their lower bounds; and how many hybrid layouts there are."""
+    model, space, stats = run.model, run.space, run.stats
+    if model.model_type != "gpt" and "uniform" not in space.strategy:
+        raise UsageError("--space strategy=hybrid: per-unit strategies run GPT models only")
+    hybrid = hybrid_layouts(space, model, world, global_batch) if model.model_type == "gpt" else []
+    if not hybrid and "uniform" not in space.strategy:
+        raise UsageError("the search space holds no hybrid layout: check --space and --global-batch-size")
+    got = _hybrid_problems(hybrid, model, run.orig_vocab, run.divisible_by, run.cluster, run.profiles, space,
+                           run.costs, run.memory, run.shapes)
+    for lay in hybrid:
+        outcome[("hybrid", lay)] = "infeasible"
+    stats["candidates"] += len(hybrid)
+    stats["candidates_infeasible"] += len(hybrid) - len(got)
+    return got, len(hybrid)
+
+
+def _solve_in_bound_order(run: _Run, problems: list[tuple[float, LayoutProblem | HybridProblem]],
+                          outcome: dict) -> list[Solution]:
+    """Solve the candidates by their lower bounds, skipping those the k-th best estimate or a smaller micro-batch
+    rules out."""
+    settings, stats = run.settings, run.stats
     progress = _Progress(settings.progress, stats["candidates"])  # counts candidates, as the summary does
     progress.done = stats["candidates_infeasible"]
     solutions: list[Solution] = []
@@ -214,16 +272,7 @@ def _search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch
                 outcome[key] = "pruned"
             progress.step(f"best {best:.4g} s")
             continue
-        if isinstance(prob, HybridProblem):
-            got = prob.solve()
-            stats["candidates_solved"] += 1
-            found = [got] if got is not None else []
-        else:
-            made = stats["candidates"]
-            found = _solve_with_savers(prob, space, model, orig_vocab, divisible_by, cluster, profiles, costs,
-                                       memory, shapes, stats)
-            progress.total += stats["candidates"] - made  # BPipe variants: made and solved here
-            progress.done += stats["candidates"] - made
+        found = _solve_candidate(run, prob, progress)
         if not found:
             too_big[family] = min(too_big.get(family, _INF), lay.mbs)
         else:
@@ -235,15 +284,28 @@ def _search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch
         if len(estimates) >= settings.top_k:
             kth_best = sorted(estimates)[settings.top_k - 1]
         progress.step(f"best {best:.4g} s")
-    for state in outcome.values():
-        stats[state] += 1
-    stats["estimate_s"] = time.time() - started  # reported only: no clock decides anything
-    profiled = profiles.largest_micro_batch()
-    if profiled is not None:
-        stats["profiled_micro_batch"] = profiled
-    if not solutions:
-        return SearchResult([], stats, model, global_batch, cluster, divisible_by)
+    return solutions
 
+
+def _solve_candidate(run: _Run, prob: LayoutProblem | HybridProblem, progress: _Progress) -> list[Solution]:
+    """A hybrid candidate's solution, or a uniform one's with those of its memory savers (made and counted here)."""
+    stats = run.stats
+    if isinstance(prob, HybridProblem):
+        got = prob.solve()
+        stats["candidates_solved"] += 1
+        return [got] if got is not None else []
+    made = stats["candidates"]
+    found = _solve_with_savers(prob, run.space, run.model, run.orig_vocab, run.divisible_by, run.cluster,
+                               run.profiles, run.costs, run.memory, run.shapes, stats)
+    progress.total += stats["candidates"] - made  # BPipe variants: made and solved here
+    progress.done += stats["candidates"] - made
+    return found
+
+
+def _rank_finalists(run: _Run, solutions: list[Solution]) -> list[Ranked]:
+    """The best estimates simulated exactly (the fastest refined), else the next solutions until one fits; ranked."""
+    settings, space = run.settings, run.space
+    cluster, profiles, costs, memory, stats = run.cluster, run.profiles, run.costs, run.memory, run.stats
     solutions.sort(key=lambda s: s.estimate)
     count = max(settings.finalists, 2 * settings.top_k)
     finalists = [s for s in solutions if s.estimate <= solutions[0].estimate * (1 + settings.estimate_margin)][:count]
@@ -271,8 +333,7 @@ def _search(model: ModelConfig, orig_vocab: int, divisible_by: int, global_batch
                 ranked.append(got)
                 break
     ranked.sort(key=lambda r: r.time)
-    stats["elapsed_s"] = time.time() - started
-    return SearchResult(ranked[:max(settings.top_k, 1)], stats, model, global_batch, cluster, divisible_by)
+    return ranked
 
 
 def _hybrid_problems(hybrid: list[Layout], model, orig_vocab, divisible_by, cluster, profiles, space, costs, memory,

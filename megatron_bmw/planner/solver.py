@@ -5,39 +5,38 @@ Per unit and recomputation choice the solver knows the forward and backward seco
 (the cost model), the bytes one micro-batch leaves saved and the transient bytes rebuilt in its backward (the
 memory model), and the model-state bytes. The schedule says how many micro-batches each rank holds at its peak
 (pipeline/holding.py). Then, Galvatron-BMW style: per rank, a knapsack over its units' choices minimises time
-under the rank's memory (choose_options), and partitions are walked from the memory-balanced one toward the
+under the rank's memory (option_knapsack.py), and partitions are walked from the memory-balanced one toward the
 time-balanced one (galvatron_walk), with AutoPipe's min-max and AMP's layer-assignment DP as starts. The
 estimate is AMP's pipeline formula (zero-bubble: its variant with the backward split, `_pipeline_time`); the search
 simulates the finalists exactly. A zero-bubble schedule's ranks hold micro-batches whole (until B) and as what W
-needs (until W): both counts come from the schedule (ScheduleShapes.counts).
+needs (until W): both counts come from the schedule (schedule_shapes.py, ScheduleShapes.counts).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from itertools import accumulate
 
 import numpy as np
 
 from ..config import ModelConfig, PipelineConfig
-from ..pipeline.bpipe import mu_opt
-from ..pipeline.generators import compute_schedule, generate, interleaved_1f1b
-from ..pipeline.holding import holding_events
+from ..pipeline.generators import generate
 from ..pipeline.replay import compile_schedule, replay
 from ..pipeline.schedule import Action, Kind
 from ..units import unit_kind, unit_names
 from .cluster import Cluster
 from .cost_model import CostModel, CostSettings, optimizer_step_seconds
 from .evaluate import stage_capacity
-from .memory_model import (MemorySettings, layer_checkpoints, layer_transient_extra,
-                           unit_activation_bytes, unit_param_count, unit_transient_bytes, unit_wgrad_bytes)
+from .memory_model import MemorySettings, layer_checkpoints, layer_transient_extra, unit_param_count
+from .option_knapsack import choose_grouped
 from .overlap import gather_lead, overlapped_end, reduce_end
-from .partitioners import amp_partition, choose_options, galvatron_walk, minmax_partition
+from .partitioners import amp_partition, galvatron_walk
 from .profile_data import Profiles
+from .schedule_shapes import ScheduleShapes
 from .space import Layout, SearchSpace, zero_bubble
 from .spec import RunSpec
+from .unit_activations import unit_activation_bytes, unit_transient_bytes, unit_wgrad_bytes
 
 _INF = math.inf
 _SEND = Action(Kind.SEND_ACT, 0, 0, 1)
@@ -84,129 +83,6 @@ def even_partition(n_units: int, stages: int) -> tuple[int, ...]:
     return tuple(base + (1 if k >= stages - extra else 0) for k in range(stages))
 
 
-class ScheduleShapes:
-    """What a search computes once and every layout reuses: per (pp, m, v, schedule, bpipe) what each rank holds
-    at its peaks; unit times per (device, link, degrees, choice); saved bytes."""
-
-    def __init__(self) -> None:
-        self._cache: dict[tuple, list[list[list[float]]]] = {}
-        self._credit: dict[tuple, float] = {}
-        self.unit_times: dict[tuple, tuple[float, float]] = {}
-        self.saved_bytes: dict[tuple, float] = {}
-        self.placements: dict[tuple, dict] = {}  # (tp, pp, dp, rank order) -> devices, links, capacity
-        self._minmax: dict[tuple, list[int]] = {}
-        self.knapsacks: dict[tuple, tuple | None] = {}  # LayoutProblem._choice_for
-
-    def minmax(self, costs, stages: int) -> list[int]:
-        """minmax_partition (exact), memoised: layouts of one placement share their unit times."""
-        key = (stages, tuple(map(tuple, costs)) if isinstance(costs, tuple) else tuple(costs))
-        if key not in self._minmax:
-            self._minmax[key] = minmax_partition(costs, stages)
-        return list(self._minmax[key])
-
-    def minmax_memory(self, static: list[float], saved: list[float], counts: list[float]) -> list[int]:
-        """The near-balanced memory split (minmax_partition, exact=False) of blocks holding `static` bytes and
-        `saved` bytes per micro-batch, stage k holding counts[k] micro-batches; memoised."""
-        key = (tuple(static), tuple(saved), tuple(counts))
-        if key not in self._minmax:
-            rows = {c: [s + c * a for s, a in zip(static, saved)] for c in set(counts)}  # one list per count
-            self._minmax[key] = minmax_partition([rows[c] for c in counts], len(counts), exact=False)
-        return list(self._minmax[key])
-
-    def counts(self, layout: Layout, bpipe: bool) -> list[list[list[float]]]:
-        """Per rank, the per-chunk micro-batch counts it may hold at its peak: one vector for 1F1B and GPipe;
-        for interleaving every mix it holds that no other mix holds chunk by chunk, since with unequal chunks
-        the heaviest moment may hold fewer micro-batches of a heavier mix."""
-        pp, m, v = layout.pp, layout.m, layout.virtual
-        if zero_bubble(layout.schedule):  # per rank [held whole, held for W] at each of its peaks
-            key = (layout.schedule, pp, min(m, 3 * pp))
-            if key not in self._cache:
-                self._cache[key] = split_peak_mixes(layout.schedule, pp, key[2])
-            return self._cache[key]
-        if v == 1:  # the schedules' own peaks: GPipe holds all, 1F1B p - r
-            plain = [[[float(m if layout.schedule == "gpipe" else min(pp - r, m))]] for r in range(pp)]
-        else:
-            key = (pp, min(m, 3 * pp), v)  # the mixes repeat beyond 3p micro-batches
-            if key not in self._cache:
-                self._cache[key] = interleaved_peak_mixes(pp, m, v)
-            plain = self._cache[key]
-        if not bpipe:
-            return plain
-        # BPipe holds both ranks of a transferring pair at mu_opt, mostly the evictor's chunks (the exact schedule
-        # is checked for the finalists)
-        limit = mu_opt(pp, v)
-        out = []
-        for r in range(pp):
-            evictor = max((r, pp - 1 - r), key=lambda q: sum(plain[q][0]))
-            total = sum(plain[evictor][0])
-            out.append(plain[r] if total <= limit else [[c * limit / total for c in mix] for mix in plain[evictor]])
-        return out
-
-
-    def zero_bubble_credit(self, schedule: str, pp: int, m: int) -> float:
-        """n in the zero-bubble estimate (LayoutProblem._pipeline_time): how many bubbles of min(f, b, w) the
-        schedule's W's fill, from one replay with equal stages and f = b = w = 1; ZB-H1's is min(m, p) - 1. Beyond
-        3p micro-batches the schedule repeats."""
-        key = (schedule, pp, min(m, 3 * pp))
-        if schedule == "zb-h1":  # closed form (tests check it against the replay)
-            return float(min(m, pp) - 1)
-        if key not in self._credit:
-            self._credit[key] = replayed_credit(schedule, pp, key[2])
-        return self._credit[key]
-
-
-def replayed_credit(schedule: str, pp: int, m: int) -> float:
-    """ScheduleShapes.zero_bubble_credit by replaying the schedule."""
-    span = replay(generate(schedule, pp, m), lambda r, a: 2.0 if a.kind is Kind.BACKWARD else 1.0,
-                  record=False).makespan
-    return 2 * pp + 3 * (m - 1) + 1 - span
-
-
-def split_peak_mixes(schedule: str, p: int, m: int) -> list[list[list[float]]]:
-    """Per rank of a schedule with split backwards (one chunk per rank), the [held whole, held for W] counts after
-    each change (pipeline/holding.py's rule), without those another holds slot by slot."""
-    sched = compute_schedule(schedule, p, m)
-    out = []
-    for rank in range(p):
-        whole = wgrad = 0.0
-        mixes = set()
-        for h in holding_events(sched.actions[rank], rank):
-            if h.wgrad:
-                wgrad += h.share
-            else:
-                whole += h.share
-            mixes.add((whole, wgrad))
-        kept: list[tuple] = []
-        for mix in sorted(mixes, key=lambda x: (-sum(x), x)):
-            if not any(all(a >= b for a, b in zip(other, mix)) for other in kept):
-                kept.append(mix)
-        out.append([list(mix) for mix in kept])
-    return out
-
-
-def interleaved_peak_mixes(p: int, m: int, v: int) -> list[list[list[float]]]:
-    """Per rank, the per-chunk counts it holds after each forward starts (pipeline/holding.py's rule), without
-    those another mix holds chunk by chunk: whatever the chunks' sizes, the heaviest moment is one of them.
-    After warm-up the pattern repeats every p micro-batches, so a schedule of 3p of them has every mix a longer
-    one has."""
-    short = m if m <= 3 * p else 3 * p
-    sched = interleaved_1f1b(p, short, v)
-    out = []
-    for rank in range(p):
-        per, mixes = [0.0] * v, set()
-        for h in holding_events(sched.actions[rank], rank):
-            per[h.chunk] += h.share
-            if h.share > 0:
-                mixes.add(tuple(per))
-        ranked = sorted(mixes, key=lambda x: (-sum(x), x))
-        kept: list[tuple] = []  # a mix another holds chunk by chunk is never the heaviest
-        for mix in ranked:
-            if not any(all(a >= b for a, b in zip(other, mix)) for other in kept):
-                kept.append(mix)
-        out.append([list(mix) for mix in kept])
-    return out
-
-
 class LayoutProblem:
     """Unit costs and memory of one layout and variant, and its solver."""
 
@@ -214,50 +90,78 @@ class LayoutProblem:
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
                  uniform: str | None | bool = False) -> None:
         self.layout, self.variant, self.model, self.space, self.shapes = layout, variant, model, space, shapes
-        self.memory = memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.mbs, variant.sp)
+        self.memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.mbs, variant.sp)
         self.uniform = uniform  # False: per-unit choices; else this one choice for every transformer unit
-        lay = layout
-        self.stages = lay.pp * lay.virtual
+        self.stages = layout.pp * layout.virtual
         self.names = unit_names(model.num_layers)
-        n = len(self.names)
-        blocks = stage_blocks(model.num_layers, space.sublayer)  # (another engine's stages hold whole layers)
-        start = block_units(blocks, even_partition(len(blocks), self.stages)) if len(blocks) >= self.stages \
-            else even_partition(n, self.stages)
-        base = Solution(lay, variant, start, None, 0.0, [], [], [], []).spec(model)
-        place_key = (lay.tp, lay.pp, lay.dp, base.rank_order)
-        placement = shapes.placements.setdefault(place_key, {})
-        self.cost = CostModel(base, cluster, profiles, costs, placement)
-        if "capacity" not in placement:
-            placement["capacity"] = [stage_capacity(base, cluster, r) for r in range(lay.pp)]
-        self.capacity = placement["capacity"]
-        self.counts = shapes.counts(lay, variant.bpipe)
-        self.zero_bubble = zero_bubble(lay.schedule)
-        self.zb_credit = shapes.zero_bubble_credit(lay.schedule, lay.pp, lay.m) if self.zero_bubble else 0.0
+        self.cost, self.capacity = self._placement(cluster, profiles, costs)
+        self.counts = shapes.counts(layout, variant.bpipe)
+        self.zero_bubble = zero_bubble(layout.schedule)
+        self.zb_credit = shapes.zero_bubble_credit(layout.schedule, layout.pp, layout.m) if self.zero_bubble else 0.0
         self._short = None  # a zero-bubble schedule of m < p, compiled once for the estimate
-        sp = variant.sp and lay.tp > 1
         # per unit kind (units of a kind share their rows): allowed choices, and per choice (forward, backward)
         # per rank, saved bytes and transient bytes
         kinds = [unit_kind(nm) for nm in self.names]
-        allowed = {}
+        allowed = self._allowed_choices(kinds)
+        self.choices: list[tuple[str | None, ...]] = [allowed[k] for k in kinds]
+        self.times: list[list[list[tuple[float, float]]]]  # [rank][unit][choice]
+        self.wtimes: list[list[float]]  # [rank][unit]: W, part of the backward (zero-bubble only)
+        self.times, self.wtimes = self._unit_times(kinds, allowed, profiles)
+        self.saved: list[list[float]]  # [unit][choice]: one micro-batch's saved bytes
+        self.wsaved: list[float]  # [unit]: what B keeps for W (zero-bubble only)
+        self.transient: list[list[float]]  # [unit][choice]: what its backward holds beside the saved bytes
+        self.saved, self.wsaved, self.transient = self._unit_bytes(kinds, allowed)
+        self.params, self.static = self._model_states(kinds)
+        self.p2p = self.cost.transfer_time(0, 1, _SEND) if layout.pp > 1 else 0.0
+        self.embedding_sync = self.cost.embedding_sync_time()
+        self._knap = shapes.knapsacks  # shared: the same units and room give the same choice in any layout
+        self._ranks: dict[tuple, tuple | None] = {}  # interleaved ranks' choices by their chunks
+        self._mix_tables: dict[int, np.ndarray] = {}  # per rank, its mixes as one array (_heaviest)
+        self._plans: dict[tuple, tuple | None] = {}  # every rank's plan by its chunks (evaluate)
+        self._syncs: dict[tuple, tuple[float, float]] = {}  # and its synchronisation (_sync_time)
+        self._over: list[tuple[float, float]] | None = None
+
+    # ---- the layout's unit tables -----------------------------------------------------------------------------
+    def _placement(self, cluster: Cluster, profiles: Profiles, costs: CostSettings) -> tuple[CostModel, list[float]]:
+        """The layout's cost model (devices and links shared by the layouts of its placement), ranks' capacities."""
+        lay, model, shapes = self.layout, self.model, self.shapes
+        blocks = stage_blocks(model.num_layers, self.space.sublayer)  # (another engine's stages hold whole layers)
+        start = block_units(blocks, even_partition(len(blocks), self.stages)) if len(blocks) >= self.stages \
+            else even_partition(len(self.names), self.stages)
+        base = Solution(lay, self.variant, start, None, 0.0, [], [], [], []).spec(model)
+        place_key = (lay.tp, lay.pp, lay.dp, base.rank_order)
+        placement = shapes.placements.setdefault(place_key, {})
+        cost = CostModel(base, cluster, profiles, costs, placement)
+        if "capacity" not in placement:
+            placement["capacity"] = [stage_capacity(base, cluster, r) for r in range(lay.pp)]
+        return cost, placement["capacity"]
+
+    def _allowed_choices(self, kinds: list[str]) -> dict[str, tuple[str | None, ...]]:
+        """Per unit kind, the recomputation choices the space (or the one `uniform` choice) allows it."""
+        uniform, allowed = self.uniform, {}
         for kind in set(kinds):
             if kind not in ("attention", "mlp"):
                 allowed[kind] = (None,)
             elif uniform is not False:  # one choice for every layer; selective leaves MLP units alone
                 allowed[kind] = (None,) if kind == "mlp" and uniform == "selective" else (uniform,)
             else:
-                allowed[kind] = tuple(c for c in (None, "selective", "full") if c in space.recompute
+                allowed[kind] = tuple(c for c in (None, "selective", "full") if c in self.space.recompute
                                       and (kind == "attention" or c != "selective")) or (None,)
-        self.choices: list[tuple[str | None, ...]] = [allowed[k] for k in kinds]
+        return allowed
+
+    def _unit_times(self, kinds: list[str], allowed: dict, profiles: Profiles):
+        """Per rank, per unit, per choice: (forward, backward) seconds; and per rank, per unit, its W (zero-bubble)."""
+        lay, memo = self.layout, self.shapes.unit_times
+        sp = self.variant.sp and lay.tp > 1
         per_unit = any(u.unit is not None for ps in profiles.by_type.values() for p in ps for u in p.units)
-        self.times: list[list[list[tuple[float, float]]]] = []  # [rank][unit][choice]
-        self.wtimes: list[list[float]] = []  # [rank][unit]: W, part of the backward (zero-bubble only)
+        times: list[list[list[tuple[float, float]]]] = []
+        wtimes: list[list[float]] = []
         by_device: dict[tuple, list] = {}
-        memo = shapes.unit_times
         for r in range(lay.pp):
             dev = self.cost.devices[r]
             link = self.cost.tp_link(r) if lay.tp > 1 else None
             place = (dev.name, None if link is None else (link.bandwidth, link.latency), lay.tp, sp, lay.mbs,
-                     model.vocab_size)
+                     self.model.vocab_size)
             if place not in by_device:
                 rows: dict = {}
                 for i, kind in enumerate(kinds):
@@ -271,7 +175,7 @@ class LayoutProblem:
                             row.append(memo[mkey])
                         rows[key] = row
                 by_device[place] = [rows[(k, i if per_unit else None)] for i, k in enumerate(kinds)]
-            self.times.append(by_device[place])
+            times.append(by_device[place])
             if self.zero_bubble:
                 factor = self.cost.static_factor[r]
                 if (place, factor) not in by_device:
@@ -283,7 +187,13 @@ class LayoutProblem:
                         work, wait = memo[wkey]
                         row.append(work * factor + wait)
                     by_device[(place, factor)] = row
-                self.wtimes.append(by_device[(place, factor)])
+                wtimes.append(by_device[(place, factor)])
+        return times, wtimes
+
+    def _unit_bytes(self, kinds: list[str], allowed: dict):
+        """Per unit: per choice the bytes one micro-batch leaves saved, what B keeps for W, per choice the transient."""
+        lay, model, memory, shapes = self.layout, self.model, self.memory, self.shapes
+        sp = self.variant.sp and lay.tp > 1
 
         def saved(kind, c):
             key = (kind, c, lay.mbs, lay.tp, sp, memory.device, model.vocab_size)
@@ -293,29 +203,24 @@ class LayoutProblem:
             return shapes.saved_bytes[key]
 
         # an engine that checkpoints whole layers keeps one input per fully recomputed layer (memory_model.py)
-        layered = uniform == "full" and not space.sublayer and layer_checkpoints(memory.engine)
+        layered = self.uniform == "full" and not self.space.sublayer and layer_checkpoints(memory.engine)
         kind_saved = {k: [0.0 if layered and k == "mlp" else saved(k, c) for c in allowed[k]] for k in allowed}
         kind_transient = {k: [float(unit_transient_bytes(k, model, lay.mbs, lay.tp, sp, c, memory.device)
                                     + (layer_transient_extra(model, lay.mbs, lay.tp, sp, memory.device)
                                        if layered and k == "mlp" else 0))
                               for c in allowed[k]] for k in allowed}
-        self.saved: list[list[float]] = [kind_saved[k] for k in kinds]
-        self.wsaved: list[float] = [float(unit_wgrad_bytes(k, model, lay.mbs, lay.tp, sp)) for k in kinds] \
-            if self.zero_bubble else [0.0] * n
-        self.transient: list[list[float]] = [kind_transient[k] for k in kinds]
-        precision = memory.precision(model, variant.zero1)
+        wsaved = [float(unit_wgrad_bytes(k, model, lay.mbs, lay.tp, sp)) for k in kinds] \
+            if self.zero_bubble else [0.0] * len(kinds)
+        return [kind_saved[k] for k in kinds], wsaved, [kind_transient[k] for k in kinds]
+
+    def _model_states(self, kinds: list[str]) -> tuple[list[int], list[float]]:
+        """Per unit: its parameters on one tensor-parallel rank, and their model-state bytes (ZeRO-1's shard)."""
+        lay, model = self.layout, self.model
+        precision = self.memory.precision(model, self.variant.zero1)
         per_param = precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(lay.dp)
         own_output = model.untie_embeddings_and_output_weights or lay.pp > 1
-        self.params = [unit_param_count(k, model, lay.tp, output_weight=own_output) for k in kinds]
-        self.static = [p * per_param for p in self.params]
-        self.p2p = self.cost.transfer_time(0, 1, _SEND) if lay.pp > 1 else 0.0
-        self.embedding_sync = self.cost.embedding_sync_time()
-        self._knap = shapes.knapsacks  # shared: the same units and room give the same choice in any layout
-        self._ranks: dict[tuple, tuple | None] = {}  # interleaved ranks' choices by their chunks
-        self._mix_tables: dict[int, np.ndarray] = {}  # per rank, its mixes as one array (_heaviest)
-        self._plans: dict[tuple, tuple | None] = {}  # every rank's plan by its chunks (evaluate)
-        self._syncs: dict[tuple, tuple[float, float]] = {}  # and its synchronisation (_sync_time)
-        self._over: list[tuple[float, float]] | None = None
+        params = [unit_param_count(k, model, lay.tp, output_weight=own_output) for k in kinds]
+        return params, [p * per_param for p in params]
 
     # ---- one partition --------------------------------------------------------------------------------------
     def _rank_keys(self, partition: tuple[int, ...]) -> list[tuple]:
@@ -608,59 +513,6 @@ class LayoutProblem:
             galvatron_walk(list(mem_start), stage_time, stage_memory, budgets, time_peak, max_steps=24)
         best = [v for v in seen.values() if v is not None]
         return min(best, key=lambda s: s.estimate) if best else None
-
-
-def choose_grouped(options: list[list[tuple[float, float, float]]], room: float):
-    """choose_options, with identical units (a rank's attention units, its MLP units) merged into one item whose
-    choices are how many of them take each option (Pareto-pruned): the same optimum, a much smaller DP."""
-    groups: dict[tuple, list[int]] = {}
-    for u, opts in enumerate(options):
-        groups.setdefault(tuple(opts), []).append(u)
-    if all(len(units) == 1 for units in groups.values()):
-        return choose_options(options, room)
-    items, mixes = [], []
-    for opts, units in groups.items():
-        item, counts = _group_front(opts, len(units))
-        items.append(item)
-        mixes.append((units, counts))
-    got = choose_options(items, room)
-    if got is None:
-        return None
-    picked, total, peak = got
-    choice = [0] * len(options)
-    for (units, counts_list), k in zip(mixes, picked):
-        it = iter(units)
-        for j, n in enumerate(counts_list[k]):
-            for _ in range(n):
-                choice[next(it)] = j
-    return choice, total, peak
-
-
-@lru_cache(maxsize=1 << 16)
-def _group_front(opts: tuple[tuple[float, float, float], ...], n: int) -> tuple[tuple, tuple]:
-    """n identical units with options `opts` as one item: per undominated mix, its (time, memory, transient)
-    and how many units take each option."""
-    combos = []
-    for counts in _compositions(n, len(opts)):
-        used = [opts[j] for j, c in enumerate(counts) if c]
-        combos.append((sum(c * o[0] for c, o in zip(counts, opts)), sum(c * o[1] for c, o in zip(counts, opts)),
-                       max(o[2] for o in used), counts))
-    front, best_time = [], _INF
-    for c in sorted(combos, key=lambda x: (x[1], x[2], x[0])):  # least memory first
-        if c[0] < best_time:
-            front.append(c)
-            best_time = c[0]
-    return tuple((t, m, tr) for t, m, tr, _ in front), tuple(c[3] for c in front)  # cached: immutable
-
-
-def _compositions(n: int, k: int):
-    """Every way to write n as k non-negative counts."""
-    if k == 1:
-        yield (n,)
-        return
-    for first in range(n + 1):
-        for rest in _compositions(n - first, k - 1):
-            yield (first,) + rest
 
 
 def lower_bound(problem: LayoutProblem) -> float:

@@ -8,7 +8,8 @@ from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.pipeline.schedule import Action, Kind
 from megatron_bmw.planner.cluster import Link, load_cluster, parse_cluster
-from megatron_bmw.planner.cost_model import CostModel, CostSettings, allgather_time, allreduce_time
+from megatron_bmw.planner.comm_cost import allgather_time, allreduce_time
+from megatron_bmw.planner.cost_model import CostModel, CostSettings
 from megatron_bmw.planner.evaluate import simulate_run
 from megatron_bmw.planner.flops import unit_forward_flops
 from megatron_bmw.planner.elementwise import unit_elementwise_bytes

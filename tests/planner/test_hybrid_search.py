@@ -9,17 +9,19 @@ import pytest
 from megatron_bmw.config import ModelConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.planner.cluster import Link, load_cluster
-from megatron_bmw.planner.cost_model import CostSettings, allgather_time, allreduce_time
+from megatron_bmw.planner.comm_cost import allgather_time, allreduce_time
+from megatron_bmw.planner.cost_model import CostSettings
 from megatron_bmw.planner.evaluate import simulate_run
 from megatron_bmw.planner.hybrid_cost import StageCosts
 from megatron_bmw.planner.hybrid_dp import exhaustive, stage_dp
 from megatron_bmw.planner.hybrid_memory import unit_memory
 from megatron_bmw.planner.hybrid_search import HybridProblem, hybrid_layouts, summarize
-from megatron_bmw.planner.memory_model import MemorySettings, unit_activation_bytes
+from megatron_bmw.planner.memory_model import MemorySettings
 from megatron_bmw.planner.plan import Plan
 from megatron_bmw.planner.search import search
-from megatron_bmw.planner.solver import ScheduleShapes
+from megatron_bmw.planner.schedule_shapes import ScheduleShapes
 from megatron_bmw.planner.space import SearchSpace
+from megatron_bmw.planner.unit_activations import unit_activation_bytes
 from megatron_bmw.strategy import galvatron_space_size, parse_strategy, stage_strategies
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=128,

@@ -13,15 +13,13 @@ from megatron_bmw.planner.memory_model import (
     MemorySettings,
     PrecisionConfig,
     StageLayout,
-    korthikanti_layer_bytes,
-    layer_activation_bytes,
     rank_memory,
     shared_output_grad_bytes,
     total_parameters,
     unit_kind,
     unit_param_count,
-    unit_saved_tensors,
 )
+from megatron_bmw.planner.unit_activations import korthikanti_layer_bytes, layer_activation_bytes, unit_saved_tensors
 from megatron_bmw.units import recompute_from_flags
 from megatron_bmw.training.saved_bytes import measure_saved
 from tests.dist_harness import run_distributed
@@ -249,7 +247,7 @@ def _wgrad_mismatches(state: ParallelState, tp: int, sp: bool) -> list[str]:
     """What a split backward's B leaves for its W (the deferred layers' stash: inputs and output gradients, each
     storage once) against the memory model, unit by unit; returns the differences."""
     from megatron_bmw.parallel import deferred_wgrad
-    from megatron_bmw.planner.memory_model import unit_wgrad_bytes
+    from megatron_bmw.planner.unit_activations import unit_wgrad_bytes
 
     bad = []
     g = torch.Generator().manual_seed(1)

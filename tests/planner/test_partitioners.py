@@ -7,8 +7,9 @@ import random
 import pytest
 
 from megatron_bmw.errors import UsageError
-from megatron_bmw.planner.partitioners import (amp_partition, autopipe_refine, choose_options, galvatron_walk,
-                                               hill_climb, minmax_partition)
+from megatron_bmw.planner.option_knapsack import choose_options
+from megatron_bmw.planner.partitioners import (amp_partition, autopipe_refine, galvatron_walk, hill_climb,
+                                               minmax_partition)
 
 
 def _compositions(n, p):

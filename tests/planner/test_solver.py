@@ -11,10 +11,10 @@ from megatron_bmw.pipeline.holding import holding_events, resident_peaks
 from megatron_bmw.planner.cluster import parse_cluster
 from megatron_bmw.planner.cost_model import CostSettings
 from megatron_bmw.planner.memory_model import MemorySettings
-from megatron_bmw.planner.partitioners import choose_options
+from megatron_bmw.planner.option_knapsack import choose_grouped, choose_options
 from megatron_bmw.planner.profile_data import Profiles
-from megatron_bmw.planner.solver import (LayoutProblem, ScheduleShapes, Variant, choose_grouped, could_fit,
-                                         interleaved_peak_mixes, split_peak_mixes)
+from megatron_bmw.planner.schedule_shapes import ScheduleShapes, interleaved_peak_mixes, split_peak_mixes
+from megatron_bmw.planner.solver import LayoutProblem, Variant, could_fit
 from megatron_bmw.planner.space import Layout, SearchSpace
 from megatron_bmw.config import PipelineConfig
 
@@ -138,7 +138,7 @@ def test_zero_bubble_estimate_on_equal_stages(p, m):
     from megatron_bmw.planner.simulator import simulate
 
     prob = _problem(1.0, pp=p, m=m, schedule="zb-h1")
-    from megatron_bmw.planner.solver import replayed_credit
+    from megatron_bmw.planner.schedule_shapes import replayed_credit
 
     assert ScheduleShapes().zero_bubble_credit("zb-h1", p, m) == replayed_credit("zb-h1", p, m) == min(m, p) - 1
     for f, b, w in ((1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (0.8, 1.0, 1.2), (1.5, 0.5, 1.0), (0.5, 1.5, 0.3)):
