@@ -11,13 +11,9 @@ max(1, busy ranks / cores) over its span on the timeline. GPU clusters (no cores
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
 
 from ..pipeline.schedule import Action
 from .cluster import Cluster
-
-if TYPE_CHECKING:
-    from .cost_model import CostModel
 
 
 def stage_sharing(cluster: Cluster, stage_gpus: list[list[int]]
@@ -37,8 +33,8 @@ def stage_sharing(cluster: Cluster, stage_gpus: list[list[int]]
     return stage_nodes, cores, static
 
 
-def sharing_factors(cost: CostModel, computes: list[list[tuple[Action, float, float]]]) -> dict:
-    """Per (rank, action): the mean of max(1, busy ranks / cores) over the action's span on its node(s), the
+def sharing_factors(cost, computes: list[list[tuple[Action, float, float]]]) -> dict:
+    """(`cost`: the run's CostModel.) Per (rank, action): the mean of max(1, busy ranks / cores) over the action's span on its node(s), the
     busy ranks counted from the timeline `computes` (each compute action's ranks, weighted by the share of its span
     they spend on the CPU at its current factor)."""
     current = cost.action_factors or {}
@@ -85,7 +81,7 @@ def sharing_factors(cost: CostModel, computes: list[list[tuple[Action, float, fl
     return out
 
 
-def simulate_sharing_cores(cost: CostModel, run, rounds: int = 4):
+def simulate_sharing_cores(cost, run, rounds: int = 4):
     """`run()` simulates with cost.compute_time; where ranks share cores, replay `rounds` more times, each
     compute stretched by its factor from the previous timeline (damped: the geometric mean with the previous
     factor). Returns the last simulation."""

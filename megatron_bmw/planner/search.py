@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from ..config import ModelConfig
+from ..config import ModelConfig, padded_vocab_size
 from ..errors import UsageError
 from ..pipeline.build import build_schedule
 from ..pipeline.replay import compile_schedule
@@ -92,8 +92,7 @@ class SearchResult:
 
 
 def padded_model(model: ModelConfig, orig_vocab: int, divisible_by: int, tp: int) -> ModelConfig:
-    multiple = divisible_by * tp
-    return replace(model, vocab_size=-(-orig_vocab // multiple) * multiple)
+    return replace(model, vocab_size=padded_vocab_size(orig_vocab, divisible_by, tp))
 
 
 def model_flops(model: ModelConfig, samples: int) -> float:
