@@ -131,7 +131,7 @@ def evaluate(data: dict, batch_scaling: str, memory: MemorySettings, engine: str
     for t in data["trials"]:
         m = GLOBAL_BATCH // (t["dp"] * t["mbs"])
         pipe = PipelineConfig(micro_batch_size=t["mbs"], num_microbatches=m, partition=partition(t["boundaries"]))
-        spec = RunSpec(MODEL, t["tp"], t["pp"], t["dp"], pipe, overlap_grad_reduce=OVERLAP)
+        spec = RunSpec.of(MODEL, t["tp"], t["pp"], t["dp"], pipe, overlap_grad_reduce=OVERLAP)
         ev = simulate_run(spec, cluster, profiles, CostSettings(), memory, memory_over_time=False)
         held = [0.0] * (t["pp"] - 1) + [deepspeed_held_bytes(spec) if engine == "deepspeed" else 0.0]
         need = max((x.peak_bytes + held[s]) / stage_capacity(spec, cluster, s) for s, x in enumerate(ev.memory))

@@ -130,7 +130,7 @@ def run_spec(row: dict, setup: dict) -> RunSpec:
     recompute = recompute_from_flags("full", "uniform", None, row["layers"], ranks)
     pipe = PipelineConfig(micro_batch_size=row["mbs"], num_microbatches=row["gbs"] // (row["dp"] * row["mbs"]),
                           partition=tuple(units), recompute=recompute)
-    return RunSpec(model, row["tp"], row["pp"], row["dp"], pipe, distributed_optimizer=True, overlap_grad_reduce=False)
+    return RunSpec.of(model, row["tp"], row["pp"], row["dp"], pipe, distributed_optimizer=True, overlap_grad_reduce=False)
 
 
 def cluster_of(setup: dict, nodes: int) -> Cluster:

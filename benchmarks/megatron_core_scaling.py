@@ -98,7 +98,7 @@ def model_of(row: tuple) -> ModelConfig:
 def stated_spec(row: tuple) -> RunSpec:
     """The published layout with what the table implies and no more: micro-batch 1, 1F1B, no recomputation."""
     _, _, _, _, tp, pp, dp, _, batch, _ = row
-    return RunSpec(padded_model(model_of(row), VOCAB, 128, tp), tp, pp, dp,
+    return RunSpec.of(padded_model(model_of(row), VOCAB, 128, tp), tp, pp, dp,
                    PipelineConfig(micro_batch_size=1, num_microbatches=batch // dp), sequence_parallel=tp > 1,
                    distributed_optimizer=True, overlap_grad_reduce=dp > 1, overlap_param_gather=dp > 1)
 

@@ -103,7 +103,7 @@ def published_spec(model: ModelConfig, tp: int, pp: int, gpus: int, batch: int) 
         start += size
     recompute = recompute_from_flags("full", "uniform", None, model.num_layers, ranks)
     pipe = PipelineConfig(micro_batch_size=1, num_microbatches=batch // dp, partition=tuple(parts), recompute=recompute)
-    return RunSpec(padded_model(model, VOCAB, 128, tp), tp, pp, dp, pipe, sequence_parallel=False,
+    return RunSpec.of(padded_model(model, VOCAB, 128, tp), tp, pp, dp, pipe, sequence_parallel=False,
                    overlap_grad_reduce=dp > 1)
 
 

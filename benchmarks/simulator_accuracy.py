@@ -288,7 +288,7 @@ def measure(model: ModelConfig, cases: list[Case], warmup: int, rounds: int, per
 
 # ---- predictions -----------------------------------------------------------------------------------------------
 def predict(model: ModelConfig, case: Case, profile: Profile) -> dict:
-    spec = RunSpec(model=model, tp=case.tp, pp=case.pp, dp=1, pipeline=case.pipeline())
+    spec = RunSpec.of(model=model, tp=case.tp, pp=case.pp, dp=1, pipeline=case.pipeline())
     cluster = local_cluster(2, profile.device_type(float(profile.device.get("memory_bytes") or 8 * 2**30)),
                             profile.link("p2p"), profile.link("allreduce"))
     settings = MemorySettings(device="cpu")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from .config import ZERO_BUBBLE, BatchSchedule, ParallelConfig, RunConfig, padded_vocab_size
+from .config import ZERO_BUBBLE, BatchSchedule, RunConfig, padded_vocab_size
 from .errors import UsageError
 from .pipeline.slicing import check_slicing
 from .run_parts import check_layout, check_split_backward, check_strategies_fit, training_configs, training_length
@@ -22,9 +22,7 @@ def configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> Ru
     if world_size != s.world_size:
         raise UsageError(f"--plan {args.plan}: planned for {s.world_size} ranks (tp {s.tp} x pp {s.pp} x dp {s.dp}), "
                          f"launched with {world_size}")
-    parallel = ParallelConfig(tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp,
-                              sequence_parallel=s.sp, rank_order=s.rank_order, gpus_per_node=args.gpus_per_node,
-                              unit_strategies=tuple(s.unit_strategies) if s.unit_strategies else None)
+    parallel = replace(s.parallel, gpus_per_node=args.gpus_per_node)
     orig_vocab = next((v for v in (vocab_size, args.vocab_size, plan.orig_vocab_size) if v is not None), None)
     if orig_vocab is None:
         raise UsageError("--vocab-size is required with --mock-data (or give a tokenizer with --tokenizer-type)")

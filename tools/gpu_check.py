@@ -535,7 +535,7 @@ def synthetic_numbers(flags: list[str]) -> dict:
 
     try:
         run = run_config_from_argv(flags, 1).run
-        spec = RunSpec(run.model, 1, 1, 1, run.pipeline)
+        spec = RunSpec.of(run.model, 1, 1, 1, run.pipeline)
         got = synthetic_allocator(spec, iterations=2)
     except (UsageError, ValueError) as exc:
         return {"error": str(exc)}

@@ -70,7 +70,7 @@ class StageCosts:
             units = self.model.num_units
             split = tuple(units // self.pp + (k < units % self.pp) for k in range(self.pp))
             pipe = PipelineConfig(micro_batch_size=local_batch(s, self.mbs), num_microbatches=1, partition=split)
-            spec = RunSpec(model=self.model, tp=s.tp, pp=self.pp, dp=s.dp, pipeline=pipe)
+            spec = RunSpec.of(model=self.model, tp=s.tp, pp=self.pp, dp=s.dp, pipeline=pipe)
             placement = {"links": {("tp", self.stage): self.tp_link(s), ("dp", self.stage): self.dp_link(s)}}
             if self._devices is not None:
                 placement["devices"] = self._devices

@@ -44,7 +44,7 @@ class HybridSolution(Solution):
         lay = self.layout
         pipe = PipelineConfig(micro_batch_size=lay.mbs, num_microbatches=lay.m, schedule=lay.schedule,
                               partition=self.partition, recompute=self.recompute)
-        return RunSpec(model=model, tp=1, pp=lay.pp, dp=lay.dp, pipeline=pipe, unit_strategies=self.strategies)
+        return RunSpec.of(model=model, tp=1, pp=lay.pp, dp=lay.dp, pipeline=pipe, unit_strategies=self.strategies)
 
 
 def hybrid_strategies(model: ModelConfig, width: int, max_tp: int | None = None) -> list[UnitStrategy]:
@@ -72,7 +72,7 @@ class HybridProblem:
         node = min(g.gpus_per_node for g in cluster.groups)
         self.strategies = strategies or hybrid_strategies(model, lay.dp, node)
         self.index = {s: k for k, s in enumerate(self.strategies)}
-        base = RunSpec(model=model, tp=1, pp=lay.pp, dp=lay.dp,
+        base = RunSpec.of(model=model, tp=1, pp=lay.pp, dp=lay.dp,
                        pipeline=PipelineConfig(micro_batch_size=lay.mbs, num_microbatches=lay.m,
                                                partition=even_partition(model.num_units, lay.pp)))
         self.capacity = [stage_capacity(base, cluster, r) for r in range(lay.pp)]

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from ..config import ModelConfig, PipelineConfig
+from ..config import ModelConfig, ParallelConfig, PipelineConfig
+from ..config.codec import to_data
 from ..errors import UsageError
 from .engine import OURS, EngineConfig
 from .files import read_json, write_json
 from .plan_fields import check_plan_fields
 from .spec import RunSpec
 
+_NOT_PLANNED = ("gpus_per_node",)  # where ranks sit is the cluster's
 FORMAT = "megatron_bmw-plan"
 VERSION = 1
 
@@ -48,9 +50,7 @@ class Plan:
             "format": FORMAT, "version": VERSION,
             "model": s.model.to_json(), "orig_vocab_size": self.orig_vocab_size,
             "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by,
-            "parallel": {"tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp,
-                         "data_parallel_size": s.dp, "sequence_parallel": s.sp, "rank_order": s.rank_order,
-                         **({"unit_strategies": list(s.unit_strategies)} if s.unit_strategies else {})},
+            "parallel": {**to_data(s.parallel, exclude=_NOT_PLANNED), "data_parallel_size": s.dp},
             "pipeline": s.pipeline.to_json(),
             "training": {"global_batch_size": self.global_batch_size, "distributed_optimizer": s.distributed_optimizer,
                          "overlap_grad_reduce": s.overlap_grad_reduce, "overlap_param_gather": s.overlap_param_gather,
@@ -76,14 +76,11 @@ class Plan:
         par, tr = data["parallel"], data["training"]
         model = ModelConfig(**_known(data["model"], ModelConfig, where, "model"))
         pipeline = PipelineConfig.from_json(data["pipeline"], model.num_units, where)
-        spec = RunSpec(model=model, tp=par["tensor_model_parallel_size"], pp=par["pipeline_model_parallel_size"],
-                       dp=par["data_parallel_size"], pipeline=pipeline,
-                       sequence_parallel=par.get("sequence_parallel", False),
-                       rank_order=par.get("rank_order", "tp-dp-pp"),
+        parallel = ParallelConfig(**{k: v for k, v in par.items() if k != "data_parallel_size"})
+        spec = RunSpec(model=model, parallel=parallel, pipeline=pipeline, dp=par["data_parallel_size"],
                        distributed_optimizer=tr.get("distributed_optimizer", False),
                        overlap_grad_reduce=tr.get("overlap_grad_reduce", False),
-                       overlap_param_gather=tr.get("overlap_param_gather", False),
-                       unit_strategies=par.get("unit_strategies"))
+                       overlap_param_gather=tr.get("overlap_param_gather", False))
         gbs = tr["global_batch_size"]
         return cls(spec=spec, global_batch_size=gbs, orig_vocab_size=data.get("orig_vocab_size"),
                    make_vocab_size_divisible_by=data.get("make_vocab_size_divisible_by", 128),

@@ -73,7 +73,7 @@ class Solution:
         pipe = PipelineConfig(micro_batch_size=lay.mbs, num_microbatches=lay.m, schedule=lay.schedule,
                               virtual_stages=lay.virtual, partition=self.partition, recompute=self.recompute,
                               bpipe=var.bpipe, slicing=slicing)
-        return RunSpec(model=model, tp=lay.tp, pp=lay.pp, dp=lay.dp, pipeline=pipe, sequence_parallel=var.sp,
+        return RunSpec.of(model=model, tp=lay.tp, pp=lay.pp, dp=lay.dp, pipeline=pipe, sequence_parallel=var.sp,
                        rank_order="bpipe" if var.bpipe else "tp-dp-pp", distributed_optimizer=var.zero1,
                        overlap_grad_reduce=lay.dp > 1, overlap_param_gather=var.zero1 and lay.dp > 1)
 

@@ -35,7 +35,7 @@ def _spec(pp=1, virtual=1, mbs=2, recompute=None, dp=1, dist=False):
     pipe = PipelineConfig(micro_batch_size=mbs, num_microbatches=4, virtual_stages=virtual,
                           schedule="interleaved" if virtual > 1 else "1f1b",
                           recompute=None if recompute is None else (None,) + (recompute,) * (units - 2) + (None,))
-    return RunSpec(GPT, 1, pp, dp, pipe, distributed_optimizer=dist)
+    return RunSpec.of(GPT, 1, pp, dp, pipe, distributed_optimizer=dist)
 
 
 @pytest.mark.parametrize("kw", [{}, {"pp": 2}, {"pp": 2, "virtual": 2}, {"recompute": "full"},
@@ -76,6 +76,6 @@ def test_iterations_repeat_the_schedule():
 def test_what_it_does_not_model_is_refused():
     with pytest.raises(UsageError, match="our runtime"):
         rank_trace(_spec(), settings=MemorySettings(engine=EngineConfig("megatron-core")))
-    bpipe = RunSpec(GPT, 1, 4, 1, PipelineConfig(micro_batch_size=1, num_microbatches=8, bpipe=True))
+    bpipe = RunSpec.of(GPT, 1, 4, 1, PipelineConfig(micro_batch_size=1, num_microbatches=8, bpipe=True))
     with pytest.raises(UsageError, match="BPipe"):
         rank_trace(bpipe)

@@ -38,7 +38,7 @@ def _cpu_cluster(ranks: int, cores: int | None):
 def _spec(tp=1, pp=1, dp=4, mbs=1, m=4, schedule="1f1b") -> RunSpec:
     partition = {1: (10,), 2: (5, 5), 4: (3, 2, 2, 3)}[pp]
     pipe = PipelineConfig(micro_batch_size=mbs, num_microbatches=m, partition=partition, schedule=schedule)
-    return RunSpec(model=MODEL, tp=tp, pp=pp, dp=dp, pipeline=pipe)
+    return RunSpec.of(model=MODEL, tp=tp, pp=pp, dp=dp, pipeline=pipe)
 
 
 def _time(spec: RunSpec, cores: int | None, profile: Profile | None = None) -> float:
@@ -105,7 +105,7 @@ def test_tensor_parallel_entries_split_into_work_and_waiting():
 
 def test_gpu_clusters_are_unaffected():
     cluster = load_cluster("a100-80g-ib")
-    spec = RunSpec(model=MODEL, tp=2, pp=2, dp=2, pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=8,
+    spec = RunSpec.of(model=MODEL, tp=2, pp=2, dp=2, pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=8,
                                                                            partition=(5, 5)))
     ev = simulate_run(spec, cluster)
     assert ev.cost.static_factor == [1.0, 1.0] and ev.cost.action_factors is None

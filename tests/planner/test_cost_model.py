@@ -29,7 +29,7 @@ def _spec(**kw) -> RunSpec:
     pipe.update({k: kw.pop(k) for k in list(kw) if k in pipe})
     base = dict(model=MODEL, tp=1, pp=2, dp=1, pipeline=PipelineConfig(**pipe))
     base.update(kw)
-    return RunSpec(**base)
+    return RunSpec.of(**base)
 
 
 def test_weight_gradient_accumulation_follows_the_engine():

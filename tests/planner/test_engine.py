@@ -78,7 +78,7 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_s
 
 
 def _plan(engine: EngineConfig) -> Plan:
-    spec = RunSpec(MODEL, tp=1, pp=1, dp=1, pipeline=PipelineConfig(micro_batch_size=1, num_microbatches=2))
+    spec = RunSpec.of(MODEL, tp=1, pp=1, dp=1, pipeline=PipelineConfig(micro_batch_size=1, num_microbatches=2))
     return Plan(spec, global_batch_size=2, orig_vocab_size=100, make_vocab_size_divisible_by=128, engine=engine)
 
 

@@ -214,9 +214,9 @@ def test_uniform_strategies_simulate_as_the_uniform_layout(cluster):
     ms = MemorySettings(device="cpu")
     for pp, part in ((1, (6,)), (2, (3, 3))):
         n = 4 // pp
-        uniform = RunSpec(model=model, tp=2, pp=pp, dp=n // 2, overlap_grad_reduce=n > 2,
+        uniform = RunSpec.of(model=model, tp=2, pp=pp, dp=n // 2, overlap_grad_reduce=n > 2,
                           pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=8 // n, partition=part))
-        hybrid = RunSpec(model=model, tp=1, pp=pp, dp=n, overlap_grad_reduce=True,
+        hybrid = RunSpec.of(model=model, tp=1, pp=pp, dp=n, overlap_grad_reduce=True,
                          unit_strategies=("tp2-dp2" if n == 4 else "tp2",) * model.num_units,
                          pipeline=PipelineConfig(micro_batch_size=1, num_microbatches=8 // n, partition=part))
         a, b = simulate_run(uniform, c, memory_settings=ms), simulate_run(hybrid, c, memory_settings=ms)

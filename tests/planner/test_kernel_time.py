@@ -78,7 +78,7 @@ def test_the_cost_model_uses_it_where_the_device_gives_its_sms():
     device = cluster.groups[0].device
     assert device.sm_count == 108
     model = ModelConfig(**{**GPT3_LAYER, "num_layers": 2})
-    spec = RunSpec(model=model, tp=8, pp=1, dp=1, pipeline=PipelineConfig(micro_batch_size=1, num_microbatches=4))
+    spec = RunSpec.of(model=model, tp=8, pp=1, dp=1, pipeline=PipelineConfig(micro_batch_size=1, num_microbatches=4))
     shaped = CostModel(spec, cluster)._analytic("mlp", 8, device)
     flat = CostModel(spec, cluster)._analytic("mlp", 8, replace(device, sm_count=None))
     assert shaped[0] > flat[0]  # thin tp-8 shards at micro-batch 1 reach less than the large-GEMM rate
@@ -124,7 +124,7 @@ def test_a_tp1_profile_entry_is_split_over_tp_ranks_by_the_shard_shapes():
     prof = Profile(device={"name": device.name, "kind": "cuda", "sm_count": 108}, dtype="bf16",
                    model=model_signature(model), units=[UnitTiming(k, 1, 1, 1e-2, 2e-2)
                                                        for k in ("embedding", "attention", "mlp", "head")])
-    spec = RunSpec(model=model, tp=8, pp=1, dp=1, pipeline=PipelineConfig(micro_batch_size=1, num_microbatches=4))
+    spec = RunSpec.of(model=model, tp=8, pp=1, dp=1, pipeline=PipelineConfig(micro_batch_size=1, num_microbatches=4))
     (fw, _), (bw, _), comm_in = CostModel(spec, cluster, prof)._compute_parts("mlp", device, None)
     ratio = shape_ratio("mlp", model, 1, 8, model, 1, KernelDevice(1.0, 1.0, 108))
     assert not comm_in and (fw, bw) == pytest.approx((1e-2 * ratio[0], 2e-2 * ratio[1]))

@@ -19,7 +19,7 @@ RECOMPUTE = (None, "selective", "full", None, None, "full", "full", None, None, 
 def _plan() -> Plan:
     pipe = PipelineConfig(micro_batch_size=2, num_microbatches=4, schedule="1f1b", partition=(4, 6),
                           recompute=RECOMPUTE, slicing=1)
-    spec = RunSpec(MODEL, tp=2, pp=2, dp=2, pipeline=pipe, sequence_parallel=True, distributed_optimizer=True,
+    spec = RunSpec.of(MODEL, tp=2, pp=2, dp=2, pipeline=pipe, sequence_parallel=True, distributed_optimizer=True,
                    overlap_grad_reduce=True)
     return Plan(spec, global_batch_size=16, orig_vocab_size=100, make_vocab_size_divisible_by=32, devices=["a100-80g"] * 8,
                 cluster={"name": "a100-80g-ib"}, prediction={"iteration_time_s": 1.5, "stages": []})
@@ -216,7 +216,7 @@ def test_megatron_choices_are_checked_beside_a_plan(tmp_path):
 
 def test_a_plans_unit_strategies_are_checked_as_the_flags_are(tmp_path):
     model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32)
-    spec = RunSpec(model, tp=1, pp=1, dp=4, pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=1),
+    spec = RunSpec.of(model, tp=1, pp=1, dp=4, pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=1),
                    unit_strategies=("tp4", "dp4", "dp4", "dp4", "dp4", "dp4"))
     path = tmp_path / "plan.json"
     Plan(spec, global_batch_size=8, orig_vocab_size=128).save(str(path))

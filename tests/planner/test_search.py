@@ -57,7 +57,7 @@ def _exhaustive(model, gbs, cluster, space):
             for part in _compositions(n, lay.pp * lay.virtual):
                 for rc in itertools.product(*choices):
                     pipe = PipelineConfig(lay.mbs, lay.m, lay.schedule, lay.virtual, part, rc if any(rc) else None)
-                    spec = RunSpec(m, lay.tp, lay.pp, lay.dp, pipe, sp, distributed_optimizer=zero1,
+                    spec = RunSpec.of(m, lay.tp, lay.pp, lay.dp, pipe, sp, distributed_optimizer=zero1,
                                    overlap_grad_reduce=lay.dp > 1)
                     ev = simulate_run(spec, cluster, None, COSTS, MEM)
                     fits = all(x.peak_bytes <= stage_capacity(spec, cluster, s) for s, x in enumerate(ev.memory))

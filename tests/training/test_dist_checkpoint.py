@@ -303,9 +303,9 @@ def _plans_case(rank, world_size, tmp):
     model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
                         max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
                         attention_backend="unfused")
-    specs = {"a": RunSpec(model=model, tp=2, pp=2, dp=1, sequence_parallel=True,
+    specs = {"a": RunSpec.of(model=model, tp=2, pp=2, dp=1, sequence_parallel=True,
                           pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=8)),
-             "b": RunSpec(model=model, tp=1, pp=2, dp=2, distributed_optimizer=True,
+             "b": RunSpec.of(model=model, tp=1, pp=2, dp=2, distributed_optimizer=True,
                           pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=4, partition=(4, 6)))}
     paths = {k: os.path.join(tmp, f"plan_{k}.json") for k in specs}
     if rank == 0:

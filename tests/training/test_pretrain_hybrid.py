@@ -46,7 +46,7 @@ def _plan(path, world):
     model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
                         max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
                         attention_backend="unfused", untie_embeddings_and_output_weights=True)
-    spec = RunSpec(model=model, tp=1, pp=1, dp=world, pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=1),
+    spec = RunSpec.of(model=model, tp=1, pp=1, dp=world, pipeline=PipelineConfig(micro_batch_size=2, num_microbatches=1),
                    unit_strategies=tuple(PP1.split(",")))
     Plan(spec=spec, global_batch_size=8, orig_vocab_size=128, make_vocab_size_divisible_by=4).save(path)
 
