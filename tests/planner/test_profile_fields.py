@@ -136,6 +136,16 @@ def test_bad_unit_times_are_named(tmp_path, capsys, edit, needle):
     ({"mode": "bogus"}, "mode must be measured or analytic, got 'bogus'"),
     ({"device": {"name": "gpu-test", "memory_bytes": 0}}, "device.memory_bytes must be a number > 0, got 0"),
     ({"device": "gpu-test"}, "device must be a mapping"),
+    ({"load": 3}, "load must be a mapping, got 3"),
+    ({"load": {"cores": 2, "start": [1, 1, 1], "end": [1, 1, 1], "seconds": 5}}, "missing field 'load.own'"),
+    ({"load": {"cores": 0, "start": [1, 1, 1], "end": [1, 1, 1], "seconds": 5, "own": 1}},
+     "load.cores must be an integer >= 1, got 0"),
+    ({"load": {"cores": 2, "start": [1, 1], "end": [1, 1, 1], "seconds": 5, "own": 1}},
+     "load.start must be the 1, 5 and 15-minute load averages, got [1, 1]"),
+    ({"load": {"cores": 2, "start": [1, 1, 1], "end": [1, None, 1], "seconds": 5, "own": 1}},
+     "load.end[1] must be a number >= 0, got None"),
+    ({"load": {"cores": 2, "start": [1, 1, 1], "end": [1, 1, 1], "seconds": -5, "own": 1}},
+     "load.seconds must be a number >= 0, got -5"),
 ])
 def test_malformed_sections_are_named(tmp_path, change, message):
     with pytest.raises(UsageError) as err:
