@@ -190,8 +190,8 @@ def search_json(result) -> dict:
             "stats": result.stats, "cluster": result.cluster.name}
 
 
-TABLE_FOOTER = ("columns: # = rank; iter s = simulated iteration time; tokens/s; MFU = model FLOPs (no recomputation) / "
-                "(time x the devices' peak; - on CPU ranks: no trustworthy peak); "
+TABLE_FOOTER = ("columns: # = rank; iter s = simulated iteration time; tokens/s; MFU = model FLOPs (no "
+                "recomputation) / (time x the devices' peak; - on CPU ranks: no trustworthy peak); "
                 "tp, pp, dp; mbs = micro-batch size; m = micro-batches per iteration; schedule (vN: virtual stages); "
                 "SP = sequence parallel; Z1 = ZeRO-1 (distributed optimizer); BP = BPipe; K = sliced micro-batches; "
                 "rc = recomputed units; mem/cap = the fullest stage's peak memory over its capacity; notes = how much "
