@@ -8,7 +8,8 @@
              calibrate the profile on every trial measured so far -> the next round's profile
     until the search's pick was measured already (the pick is stable), or --max-trials / --max-minutes is spent.
 
-The pick is the measured fastest trial; its plan is written as <output-dir>/plan.json, with the report
+The pick is the measured fastest trial; its plan is written as <output-dir>/plan.json with the prediction of the
+calibrated profile (the report's "pred now", which `pretrain_gpt.py --plan` checks against), with the report
 (<output-dir>/report.txt and report.png: predicted, after calibration, against measured) and the calibrated
 profile. Everything lives in --output-dir: a killed tune run again with the same command resumes (measured
 repeats are kept in <output-dir>/trials.jsonl, as grid_search.py keeps its results).
@@ -320,8 +321,8 @@ class Tuner:
                              f"see the logs in {os.path.join(self.out, 'logs')}")
         best = min(ok, key=lambda r: r["median_iteration_s"])
         plan_path = os.path.join(self.out, "plan.json")
-        shutil.copyfile(best["plan_path"], plan_path)
         model = TrialModel.from_paths(self.opts.cluster, profiles)
+        calibrated = self.write_plan(best, model, profiles, plan_path)
         predicted = {}
         for r in ok:
             try:
@@ -340,13 +341,38 @@ class Tuner:
         lines.append(f"noise: repeats spread {100 * statistics.median(spreads):.1f}% (median), "
                      f"{100 * max(spreads):.1f}% (largest) over {len(ok)} trials")
         lines.append(f"pick: {best['id']} {best.get('label', '')}: {best['median_iteration_s']:.4f} s/iteration; "
-                     f"plan written to {plan_path}; profile {profiles[0]}")
+                     f"plan written to {plan_path} ({calibrated}); profile {profiles[0]}")
         report = "\n".join(lines)
         with open(os.path.join(self.out, "report.txt"), "w") as f:
             f.write(report + "\n")
         print(report)
         print(plot(rows, predicted, os.path.join(self.out, "report.png")))
         return 0
+
+    def write_plan(self, best: dict, model, profiles: list[str], path: str) -> str:
+        """The pick's plan as plan.json, its prediction that of the calibrated profile (the report's "pred now",
+        which the plan check of `pretrain_gpt.py --plan` compares the run with), where the plan the search wrote
+        holds the prediction of the profile it was found on (round 1's: uncalibrated). What the prediction is."""
+        from ..planner.evaluate import simulate_run
+        from ..planner.plan import Plan
+        from ..planner.report import evaluation_prediction
+
+        try:
+            plan = Plan.from_json(best["plan"], f"plan of trial {best['id']}")
+            cluster = model.cluster_for(plan.spec.world_size)
+            ev = simulate_run(plan.spec, cluster, model.profiles, model.costs, model.memory_settings(),
+                              memory_over_time=False)
+        except UsageError as exc:
+            shutil.copyfile(best["plan_path"], path)
+            return f"the search's prediction: the calibrated profile does not simulate it ({exc})"
+        then = plan.prediction.get("iteration_time_s")
+        plan.prediction = evaluation_prediction(ev, cluster, plan.spec)
+        plan.profiles = model.profiles.identity()
+        plan.search = {**plan.search, "tune": {
+            "profile": profiles[0], "measured_s": best["median_iteration_s"], "predicted_when_searched_s": then,
+            "trials": sum(1 for b in self.trials if (m := self.measured(b)) and m["status"] == "ok")}}
+        plan.save(path)
+        return f"predicted {plan.prediction['iteration_time_s']:.4f} s by the calibrated profile"
 
 
 @exit_on_usage_error
