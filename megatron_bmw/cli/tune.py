@@ -1,12 +1,14 @@
 """`autoconfig.py tune`: from a model to a measured best plan in one command, closing the planner's loop.
 
     profile (this machine, when no --profile is given)
-    round k: search with the current profile -> its top-k plans
-             measure the plans not yet measured as short real trials (grid_search's runner: torchrun or srun,
-             per-trial timeout, OOM/crash/hang recorded), in interleaved repeats (A B C A B C ...), the median
-             over repeats, a trial repeated once more when its repeats spread too far
+    round k: search with the current profile -> its ranked plans; the contenders are its top-k and every plan
+             predicted within the predictions' error of its pick (the closest rivals)
+             measure the contenders not yet measured (at most top-k a round) as short real trials (grid_search's
+             runner: torchrun or srun, per-trial timeout, OOM/crash/hang recorded), in interleaved repeats
+             (A B C A B C ...), the median over repeats, a trial repeated once more when its repeats spread too far
              calibrate the profile on every trial measured so far -> the next round's profile
-    until the search's pick was measured already (the pick is stable), or --max-trials / --max-minutes is spent.
+    until every contender was measured already (the pick is stable, and no untried plan is predicted within the
+    error of it), or --max-trials / --max-minutes is spent.
 
 The pick is the measured fastest trial; its plan is written as <output-dir>/plan.json with the prediction of the
 calibrated profile (the report's "pred now", which `pretrain_gpt.py --plan` checks against), with the report
@@ -38,6 +40,8 @@ from ..trials.report import plot, table
 from ..trials.results import FINAL, Results
 from ..trials.runner import LaunchConfig, Runner
 from .profile_commands import profile_command, run_calibrate
+
+ERROR_FLOOR = 0.12  # the least error a plan's prediction is given: the search's estimate margin (SearchSettings)
 
 
 def build_parser() -> OneLineParser:
@@ -107,6 +111,19 @@ def _check(opts) -> None:
         raise UsageError(f"--script {opts.script}: no such file")
     if opts.launcher == "srun" and "SLURM_JOB_ID" not in os.environ:
         raise UsageError("--launcher srun runs inside a SLURM allocation (sbatch/salloc)")
+
+
+def predicted(t: Trial) -> float | None:
+    """A trial's plan's predicted iteration time."""
+    return (t.plan.get("prediction") or {}).get("iteration_time_s") if t.plan else None
+
+
+def contenders(ranked: list[Trial], top_k: int, margin: float) -> list[Trial]:
+    """The plans a round measures, best predicted first: the search's top k, and every plan beyond them whose
+    prediction is within `margin` (the predictions' error) of the pick's: its closest rivals."""
+    best = predicted(ranked[0]) if ranked else None
+    rivals = [t for t in ranked[top_k:] if best and (predicted(t) or math.inf) <= best * (1 + margin)]
+    return ranked[:top_k] + rivals
 
 
 def aggregate(base: str, records: list[dict]) -> dict | None:
@@ -200,6 +217,30 @@ class Tuner:
                              self.opts.space, folder, progress=False)
         return [t for t in expand([], self.fixed, self.world, load_plans(paths))]
 
+    def ranked(self, round_: int, profiles: list[str]) -> list[Trial]:
+        """The search's plans, best predicted first, failed ones left out: enough of them that the top-k and the
+        rivals beyond every plan measured so far are among them."""
+        failed = self._failed()  # searched past: plans that failed are replaced by the next ones
+        return [t for t in self.search(round_, profiles, self.opts.top_k + len(self.trials))
+                if Trial.id.fget(t) not in failed]
+
+    def margin(self, profiles: list[str]) -> float:
+        """The error of the predictions: the median |predicted / measured - 1| of `profiles` over the trials
+        measured so far (after calibration, the error left), never below ERROR_FLOOR."""
+        from ..trials.specs import TrialModel
+
+        ok = [m for b in self.trials if (m := self.measured(b)) and m["status"] == "ok"]
+        if not ok:
+            return ERROR_FLOOR
+        model = TrialModel.from_paths(self.opts.cluster, profiles)
+        errors = []
+        for r in ok:
+            try:
+                errors.append(abs(model.predict(r)["iteration_time_s"] / r["median_iteration_s"] - 1))
+            except UsageError:
+                pass
+        return max(ERROR_FLOOR, statistics.median(errors)) if errors else ERROR_FLOOR
+
     def measured(self, base: str) -> dict | None:
         reps = [self.results.latest[k] for k in self.results.latest if k.rsplit(".", 1)[0] == base]
         return aggregate(base, reps)
@@ -280,28 +321,34 @@ class Tuner:
     def _failed(self) -> set[str]:
         return {b for b in self.trials if (m := self.measured(b)) is not None and m["status"] != "ok"}
 
+    def _contenders(self, round_: int, profiles: list[str]) -> tuple[list[Trial], float]:
+        """The round's contenders (the search's top-k and its closest rivals) and the margin that chose them."""
+        margin = self.margin(profiles)
+        return contenders(self.ranked(round_, profiles), self.opts.top_k, margin), margin
+
     def _loop(self) -> int:
         profiles = self.profile()
         why = None
         for round_ in range(1, self.opts.max_rounds + 1):
-            failed = self._failed()  # searched past: plans that failed are replaced by the next ones
-            proposed = [t for t in self.search(round_, profiles, self.opts.top_k + len(failed))
-                        if Trial.id.fget(t) not in failed][:self.opts.top_k]
+            proposed, margin = self._contenders(round_, profiles)
             for t in proposed:
-                self.proposed.setdefault(Trial.id.fget(t), (round_, (t.plan.get("prediction") or {})
-                                                            .get("iteration_time_s")))
+                self.proposed.setdefault(Trial.id.fget(t), (round_, predicted(t)))
             new = [t for t in proposed if Trial.id.fget(t) not in self.trials]
+            top = min(self.opts.top_k, len(proposed))
             if not new:
-                why = f"round {round_}: the search's top {len(proposed)} were all measured (the pick is stable)"
+                why = (f"round {round_}: the search's top {top} were all measured, and no untried plan is predicted "
+                       f"within {100 * margin:.1f}% (the predictions' error) of its pick (the pick is stable)")
                 break
             budget = self.out_of_budget()
             if budget:
                 why = budget
                 break
-            new = new[:self.opts.max_trials - len(self.trials)]
+            new = new[:min(self.opts.top_k, self.opts.max_trials - len(self.trials))]
             for t in new:
                 self.trials[Trial.id.fget(t)] = t
-            print(f"[tune] round {round_}: measuring {len(new)} plan(s) of the search's top {len(proposed)}",
+            rivals = sum(1 for t in new if proposed.index(t) >= top)
+            print(f"[tune] round {round_}: measuring {len(new)} plan(s): {len(new) - rivals} of the search's top "
+                  f"{top}, {rivals} more predicted within {100 * margin:.1f}% (the predictions' error) of its pick",
                   flush=True)
             self.measure(new)
             self.write_measured()
