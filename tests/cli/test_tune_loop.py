@@ -1,7 +1,8 @@
 """autoconfig.py tune's loop in one process (fast tier): the trials are measured by a stand-in for the trial runner
-whose iteration time is a function of the plan's layout. What the loop decides: the plan file it writes carries the
-calibrated prediction, and it spends its trial budget on the plans predicted within the predictions' error of the
-pick before it stops."""
+whose iteration time is a function of the plan's layout, and the micro-batch sizes tune profiles are timed by a
+stand-in too. What the loop decides: the plan file it writes carries the calibrated prediction, it profiles the
+micro-batch sizes of the plans it is about to measure, and it spends its trial budget on the plans predicted
+within the predictions' error of the pick before it stops."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import re
 import pytest
 
 from megatron_bmw.cli import tune
+from megatron_bmw.planner.profile_data import Profile, UnitTiming
 from megatron_bmw.trials.cli import _record
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -25,9 +27,10 @@ def default_truth(lay: dict) -> float:
 
 @pytest.fixture
 def loop(tmp_path, monkeypatch):
-    """Fake trials (their times from `state["truth"]`), the calls recorded."""
+    """Fake trials (their times from `state["truth"]`), fake profiling (linear in the micro-batch size from the
+    profile's largest size), the calls recorded."""
     monkeypatch.chdir(tmp_path)
-    state = {"truth": default_truth, "runs": []}
+    state = {"truth": default_truth, "runs": [], "profiled": []}
 
     def run_trial(rep, runner, opts, results, log_dir):
         seconds = state["truth"](rep.layout)
@@ -37,7 +40,18 @@ def loop(tmp_path, monkeypatch):
         results.append(rec)
         return rec
 
+    def measure(args, base, need):
+        state["profiled"].append({tp: sorted(sizes) for tp, sizes in need.items()})
+        units = []
+        for tp, sizes in need.items():
+            top = {u.kind: u for u in base.units if u.tp == tp and u.micro_batch_size == 4 and u.recompute is None}
+            for b in sizes:
+                units += [UnitTiming(k, tp, b, u.forward_s * b / 4, u.backward_s * b / 4, u.saved_bytes)
+                          for k, u in top.items()]
+        return units
+
     monkeypatch.setattr(tune, "run_trial", run_trial)
+    monkeypatch.setattr(tune, "measure_micro_batches", measure)
     return state
 
 
@@ -71,6 +85,29 @@ def test_the_plan_file_carries_the_calibrated_prediction(loop, capsys):
     assert plan["profiles"][0]["source"] == plan["search"]["tune"]["profile"] != PROFILE
     assert plan["prediction"]["stages"] and plan["prediction"]["mfu"] is None  # CPU ranks: no peak
     assert f"predicted {now:.4f} s by the calibrated profile" in capsys.readouterr().out
+
+
+def test_the_micro_batch_sizes_it_measures_are_profiled_first(loop, capsys):
+    """The profile timed micro-batch 1, 2, 4; a global batch of 32 on 2 ranks makes 8, 16 and 32 the search's
+    favourites, extrapolated. Tune profiles the sizes of the plans it is about to measure (only those, at the tp
+    they run), searches again, and measures no plan at a size its profile did not time."""
+    given = open(PROFILE).read()
+    assert _tune("--global-batch-size", "32", "--top-k", "2", "--max-trials", "4") == 0
+    assert loop["profiled"] and all(sizes for step in loop["profiled"] for sizes in step.values())
+    extended = Profile.load("out/profile_0.json")
+    timed = {(u.tp, u.micro_batch_size) for u in extended.units if u.kind == "mlp"}
+    assert {1, 2, 4} < {b for tp, b in timed if tp == 1}  # the given sizes kept, new ones added
+    assert loop["runs"] and all((1, lay["micro_batch_size"]) in timed for lay in loop["runs"])
+    assert all(tp == 1 for step in loop["profiled"] for tp in step)  # the profile has no tp 2 entries to extend
+    assert open(PROFILE).read() == given  # the given file untouched: the extended one is tune's
+    assert extended.device["extends"] == [os.path.abspath(PROFILE)]
+    out = capsys.readouterr().out
+    assert "[tune] profiling micro-batch sizes" in out and "extrapolated" not in out
+    # a resumed tune reads the extended profile and measures nothing again
+    profiled = len(loop["profiled"])
+    runs = len(loop["runs"])
+    assert _tune("--global-batch-size", "32", "--top-k", "2", "--max-trials", "4") == 0
+    assert len(loop["runs"]) == runs and len(loop["profiled"]) == profiled
 
 
 def test_the_trial_budget_goes_to_the_closest_rivals_before_it_stops(loop, capsys):
@@ -108,3 +145,17 @@ def test_contenders_are_the_top_k_and_the_plans_within_the_margin():
     assert tune.contenders(ranked, 2, 0.12) == ranked[:3]
     assert tune.contenders(ranked, 1, 0.25) == ranked[:4]
     assert tune.contenders(ranked, 4, 0.0) == ranked[:4] and tune.contenders([], 3, 0.1) == []
+
+
+def test_the_added_sizes_are_timed_as_the_profile_timed_its_own():
+    """measure_micro_batches (what tune's stand-in replaces above) times the asked sizes at the asked tp on this
+    machine, units only, in this process at tp 1, with the profile's threads."""
+    from megatron_bmw.arguments import parse_args
+    from megatron_bmw.cli.profile_commands import measure_micro_batches
+    from megatron_bmw.planner_args import build_autoconfig_parser
+
+    args = parse_args(["profile", *MODEL, "--global-batch-size", "8", "--output", "-"], build_autoconfig_parser())
+    units = measure_micro_batches(args, Profile.load(PROFILE), {1: {3}})
+    assert {(u.kind, u.tp, u.micro_batch_size) for u in units if u.recompute is None} == {
+        (k, 1, 3) for k in ("embedding", "attention", "mlp", "head")}
+    assert all(u.forward_s > 0 and u.backward_s > 0 for u in units)
