@@ -54,6 +54,25 @@ def profile_command(args) -> int:
     return 0
 
 
+def measure_micro_batches(args, base, need: dict[int, set[int]]) -> list:
+    """Unit timings of the model of `args` at the micro-batch sizes `need` (tp degree -> sizes) on this machine,
+    timed as `base` (a measured profile of the same model: its threads, statistic and sequence parallelism) timed
+    its own: tune adds the sizes its plans run to its profile. Only the units (no links, engine overhead, host
+    memory or optimizer step: the profile has those already)."""
+    from ..planner.analytic import ProfileSettings
+    from ..training.profiler import run_profile
+
+    cfg = configs_from_args(args, args.tensor_model_parallel_size)
+    units = []
+    for tp, sizes in sorted(need.items()):
+        settings = ProfileSettings(micro_batch_sizes=tuple(sorted(sizes)), tp_sizes=(tp,),
+                                   threads=int(base.device.get("threads") or 1), links=False, overhead=False,
+                                   statistic=base.device.get("statistic", "median"),
+                                   gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", True))
+        units += run_profile(cfg.model, settings, bool(base.device.get("sequence_parallel"))).units
+    return units
+
+
 def run_calibrate(results_path: str, cluster: str, profile_paths: list[str], output: str,
                   costs: CostSettings = CostSettings()) -> str:
     """The `calibrate` subcommand: fit, write the profile, return the text to print."""

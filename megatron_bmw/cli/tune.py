@@ -1,17 +1,23 @@
 """`autoconfig.py tune`: from a model to a measured best plan in one command, closing the planner's loop.
 
     profile (this machine, when no --profile is given)
-    round k: search with the current profile -> its top-k plans
-             measure the plans not yet measured as short real trials (grid_search's runner: torchrun or srun,
-             per-trial timeout, OOM/crash/hang recorded), in interleaved repeats (A B C A B C ...), the median
-             over repeats, a trial repeated once more when its repeats spread too far
+    round k: search with the current profile -> its ranked plans; the contenders are its top-k and every plan
+             predicted within the predictions' error of its pick (the closest rivals)
+             a contender's micro-batch size the profile did not time (at its tp) is profiled first, and the
+             search runs again on the extended profile (local cluster: the profile is of this machine)
+             measure the contenders not yet measured (at most top-k a round) as short real trials (grid_search's
+             runner: torchrun or srun, per-trial timeout, OOM/crash/hang recorded), in interleaved repeats
+             (A B C A B C ...), the median over repeats, a trial repeated once more when its repeats spread too far
              calibrate the profile on every trial measured so far -> the next round's profile
-    until the search's pick was measured already (the pick is stable), or --max-trials / --max-minutes is spent.
+    until every contender was measured already (the pick is stable, and no untried plan is predicted within the
+    error of it), or --max-trials / --max-minutes is spent.
 
-The pick is the measured fastest trial; its plan is written as <output-dir>/plan.json, with the report
+The pick is the measured fastest trial; its plan is written as <output-dir>/plan.json with the prediction of the
+calibrated profile (the report's "pred now", which `pretrain_gpt.py --plan` checks against), with the report
 (<output-dir>/report.txt and report.png: predicted, after calibration, against measured) and the calibrated
 profile. Everything lives in --output-dir: a killed tune run again with the same command resumes (measured
-repeats are kept in <output-dir>/trials.jsonl, as grid_search.py keeps its results).
+repeats are kept in <output-dir>/trials.jsonl, as grid_search.py keeps its results; the profile tune measured,
+with the micro-batch sizes it added, in <output-dir>/profile_0.json).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from ..trials.grid import Trial, expand, load_plans, parse_flag_tokens
 from ..trials.report import plot, table
 from ..trials.results import FINAL, Results
 from ..trials.runner import LaunchConfig, Runner
-from .profile_commands import profile_command, run_calibrate
+from .profile_commands import measure_micro_batches, profile_command, run_calibrate
+
+ERROR_FLOOR = 0.12  # the least error a plan's prediction is given: the search's estimate margin (SearchSettings)
 
 
 def build_parser() -> OneLineParser:
@@ -108,6 +116,19 @@ def _check(opts) -> None:
         raise UsageError("--launcher srun runs inside a SLURM allocation (sbatch/salloc)")
 
 
+def predicted(t: Trial) -> float | None:
+    """A trial's plan's predicted iteration time."""
+    return (t.plan.get("prediction") or {}).get("iteration_time_s") if t.plan else None
+
+
+def contenders(ranked: list[Trial], top_k: int, margin: float) -> list[Trial]:
+    """The plans a round measures, best predicted first: the search's top k, and every plan beyond them whose
+    prediction is within `margin` (the predictions' error) of the pick's: its closest rivals."""
+    best = predicted(ranked[0]) if ranked else None
+    rivals = [t for t in ranked[top_k:] if best and (predicted(t) or math.inf) <= best * (1 + margin)]
+    return ranked[:top_k] + rivals
+
+
 def aggregate(base: str, records: list[dict]) -> dict | None:
     """One trial's record from its repeats' records (None before any finished): the median over the ok repeats'
     medians, their spread (max - min over median); a failure of any repeat is the trial's status."""
@@ -145,6 +166,7 @@ class Tuner:
         self.results = Results(os.path.join(self.out, "trials.jsonl"), "--output-dir")
         self.trials: dict[str, Trial] = {}  # base id -> trial, in the order measured
         self.proposed: dict[str, tuple[int, float | None]] = {}  # base id -> (round, predicted time then)
+        self.base: list[str] = []  # the profile(s) every calibration starts from (profile())
         self.start = time.monotonic()
         self.runner = Runner(LaunchConfig(opts.launcher, opts.nproc_per_node, opts.nnodes, opts.python, opts.script,
                                           opts.trial_timeout, opts.kill_grace))
@@ -178,9 +200,12 @@ class Tuner:
         return Trial(flags=self.fixed, world_size=self.world).argv()
 
     def profile(self) -> list[str]:
-        if self.opts.profile:
-            return list(self.opts.profile)
         path = os.path.join(self.out, "profile_0.json")
+        if self.opts.profile:
+            given = [os.path.abspath(p) for p in self.opts.profile]
+            if os.path.isfile(path) and _read_device(path).get("extends") == given:
+                return [path]  # the given profile with the micro-batch sizes this tune added (extend())
+            return list(self.opts.profile)
         if not os.path.isfile(path):
             if self.opts.cluster != "local":
                 raise UsageError(f"--cluster {self.opts.cluster}: give --profile (a profile of its devices, "
@@ -198,6 +223,86 @@ class Tuner:
         paths = search_plans(self.search_flags(), self.opts.cluster, profiles, self.world, top_k,
                              self.opts.space, folder, progress=False)
         return [t for t in expand([], self.fixed, self.world, load_plans(paths))]
+
+    def ranked(self, round_: int, profiles: list[str]) -> list[Trial]:
+        """The search's plans, best predicted first, failed ones left out: enough of them that the top-k and the
+        rivals beyond every plan measured so far are among them."""
+        failed = self._failed()  # searched past: plans that failed are replaced by the next ones
+        return [t for t in self.search(round_, profiles, self.opts.top_k + len(self.trials))
+                if Trial.id.fget(t) not in failed]
+
+    def margin(self, profiles: list[str]) -> float:
+        """The error of the predictions: the median |predicted / measured - 1| of `profiles` over the trials
+        measured so far (after calibration, the error left), never below ERROR_FLOOR."""
+        from ..trials.specs import TrialModel
+
+        ok = [m for b in self.trials if (m := self.measured(b)) and m["status"] == "ok"]
+        if not ok:
+            return ERROR_FLOOR
+        model = TrialModel.from_paths(self.opts.cluster, profiles)
+        errors = []
+        for r in ok:
+            try:
+                errors.append(abs(model.predict(r)["iteration_time_s"] / r["median_iteration_s"] - 1))
+            except UsageError:
+                pass
+        return max(ERROR_FLOOR, statistics.median(errors)) if errors else ERROR_FLOOR
+
+    # -- micro-batch sizes the profile did not time ----------------------------------------------------------------
+    def unprofiled(self, trials: list[Trial], profiles: list[str]) -> dict[int, set[int]]:
+        """tp degree -> the micro-batch sizes `trials` run that the profile(s) did not time at it (their unit
+        times would be interpolated or extrapolated): the trial's tp where the profile timed that tp, and tp 1
+        (a tp > 1 unit on shared CPU cores, and a tp the profile lacks, are priced from it)."""
+        from ..planner.profile_data import Profile
+
+        profs = [Profile.load(p) for p in profiles]
+        need: dict[int, set[int]] = {}
+        for t in trials:
+            lay = t.layout or {}
+            if not lay or t.skip_reason or (t.plan or {}).get("parallel", {}).get("unit_strategies"):
+                continue  # hybrid plans time units at their strategies' own sizes
+            tp, b = lay["tp"], lay["micro_batch_size"]  # (a sliced half is priced as half the whole's time)
+            for degree in sorted({1, tp}):
+                timed = [{u.micro_batch_size for u in p.units if u.kind in ("attention", "mlp") and u.tp == degree
+                          and u.recompute is None} for p in profs]
+                if degree > 1 and not any(timed):
+                    continue
+                if any(b not in sizes for sizes in timed):
+                    need.setdefault(degree, set()).add(b)
+        return need
+
+    def extend(self, need: dict[int, set[int]]) -> str | None:
+        """Profile the micro-batch sizes `need` on this machine into the base profile (written as profile_0.json);
+        None when done, else why it cannot be (the sizes stay interpolated or extrapolated)."""
+        from ..planner.profile_data import Profile, model_signature
+        from ..planner_args import configs_from_args
+
+        if self.opts.cluster != "local":
+            return f"--cluster {self.opts.cluster}: its devices are not this machine's"
+        if len(self.base) != 1:
+            return f"{len(self.base)} --profile files: tune extends one profile"
+        base = Profile.load(self.base[0])
+        args = parse_args(["profile", *self.search_flags(), "--output", "-"], build_autoconfig_parser())
+        model = configs_from_args(args, 1).model
+        if base.mode != "measured" or base.model != model_signature(model):
+            return f"--profile {self.base[0]} is not a measured profile of this model"
+        if base.calibration:
+            return f"--profile {self.base[0]} is calibrated: its times are fitted, new timings would not be"
+        what = ", ".join(f"{','.join(map(str, sorted(sizes)))} at tp {tp}" for tp, sizes in sorted(need.items()))
+        print(f"[tune] profiling micro-batch sizes {what}: the plans to measure run them, the profile timed "
+              "others", flush=True)
+        started = time.monotonic()
+        units = measure_micro_batches(args, base, need)
+        fresh = {(u.kind, u.tp, u.micro_batch_size, u.unit, u.recompute) for u in units}
+        base.units = [u for u in base.units if (u.kind, u.tp, u.micro_batch_size, u.unit, u.recompute)
+                      not in fresh] + units
+        if "extends" not in base.device and self.opts.profile:
+            base.device = {**base.device, "extends": [os.path.abspath(p) for p in self.opts.profile]}
+        path = os.path.join(self.out, "profile_0.json")
+        base.save(path)
+        self.base = [path]
+        print(f"[tune] profiled in {time.monotonic() - started:.0f} s into {path}", flush=True)
+        return None
 
     def measured(self, base: str) -> dict | None:
         reps = [self.results.latest[k] for k in self.results.latest if k.rsplit(".", 1)[0] == base]
@@ -253,6 +358,8 @@ class Tuner:
         return path
 
     def calibrate(self, round_: int, profiles: list[str]) -> list[str]:
+        """The base profile fitted to every trial measured so far, as profile_<round>.json (from the base, not the
+        last fit: a profile extended by new micro-batch sizes is fitted whole); `profiles` where it cannot be."""
         from ..planner.cost_model import CostSettings
 
         ok = [m for b in self.trials if (m := self.measured(b)) and m["status"] == "ok"]
@@ -261,7 +368,7 @@ class Tuner:
             return profiles
         path = os.path.join(self.out, f"profile_{round_}.json")
         try:
-            text = run_calibrate(self.write_measured(), self.opts.cluster, profiles, path, CostSettings())
+            text = run_calibrate(self.write_measured(), self.opts.cluster, self.base, path, CostSettings())
         except UsageError as exc:
             print(f"[tune] round {round_}: calibration failed ({exc}); the profile stays", flush=True)
             return profiles
@@ -279,28 +386,51 @@ class Tuner:
     def _failed(self) -> set[str]:
         return {b for b in self.trials if (m := self.measured(b)) is not None and m["status"] != "ok"}
 
+    def _contenders(self, round_: int, profiles: list[str]) -> tuple[list[Trial], list[str], float]:
+        """The round's contenders on a profile that timed their micro-batch sizes (extended and searched again
+        where it did not, as often as the new sizes bring others in), the profiles, the margin."""
+        ranked = self.ranked(round_, profiles)
+        margin = self.margin(profiles)
+        for _ in range(4):  # each pass adds sizes; the space has few
+            chosen = contenders(ranked, self.opts.top_k, margin)
+            need = self.unprofiled(chosen, profiles)
+            if not need:
+                break
+            why = self.extend(need)
+            if why:
+                sizes = sorted({b for bs in need.values() for b in bs})
+                print(f"[tune] round {round_}: micro-batch size(s) {', '.join(map(str, sizes))} not profiled "
+                      f"({why}): their unit times are interpolated or extrapolated", flush=True)
+                break
+            profiles = self.calibrate(round_ - 1, self.base) if round_ > 1 else list(self.base)
+            ranked = self.ranked(round_, profiles)
+            margin = self.margin(profiles)
+        return contenders(ranked, self.opts.top_k, margin), profiles, margin
+
     def _loop(self) -> int:
-        profiles = self.profile()
+        self.base = self.profile()
+        profiles = list(self.base)
         why = None
         for round_ in range(1, self.opts.max_rounds + 1):
-            failed = self._failed()  # searched past: plans that failed are replaced by the next ones
-            proposed = [t for t in self.search(round_, profiles, self.opts.top_k + len(failed))
-                        if Trial.id.fget(t) not in failed][:self.opts.top_k]
+            proposed, profiles, margin = self._contenders(round_, profiles)
             for t in proposed:
-                self.proposed.setdefault(Trial.id.fget(t), (round_, (t.plan.get("prediction") or {})
-                                                            .get("iteration_time_s")))
+                self.proposed.setdefault(Trial.id.fget(t), (round_, predicted(t)))
             new = [t for t in proposed if Trial.id.fget(t) not in self.trials]
+            top = min(self.opts.top_k, len(proposed))
             if not new:
-                why = f"round {round_}: the search's top {len(proposed)} were all measured (the pick is stable)"
+                why = (f"round {round_}: the search's top {top} were all measured, and no untried plan is predicted "
+                       f"within {100 * margin:.1f}% (the predictions' error) of its pick (the pick is stable)")
                 break
             budget = self.out_of_budget()
             if budget:
                 why = budget
                 break
-            new = new[:self.opts.max_trials - len(self.trials)]
+            new = new[:min(self.opts.top_k, self.opts.max_trials - len(self.trials))]
             for t in new:
                 self.trials[Trial.id.fget(t)] = t
-            print(f"[tune] round {round_}: measuring {len(new)} plan(s) of the search's top {len(proposed)}",
+            rivals = sum(1 for t in new if proposed.index(t) >= top)
+            print(f"[tune] round {round_}: measuring {len(new)} plan(s): {len(new) - rivals} of the search's top "
+                  f"{top}, {rivals} more predicted within {100 * margin:.1f}% (the predictions' error) of its pick",
                   flush=True)
             self.measure(new)
             self.write_measured()
@@ -320,8 +450,8 @@ class Tuner:
                              f"see the logs in {os.path.join(self.out, 'logs')}")
         best = min(ok, key=lambda r: r["median_iteration_s"])
         plan_path = os.path.join(self.out, "plan.json")
-        shutil.copyfile(best["plan_path"], plan_path)
         model = TrialModel.from_paths(self.opts.cluster, profiles)
+        calibrated = self.write_plan(best, model, profiles, plan_path)
         predicted = {}
         for r in ok:
             try:
@@ -340,13 +470,48 @@ class Tuner:
         lines.append(f"noise: repeats spread {100 * statistics.median(spreads):.1f}% (median), "
                      f"{100 * max(spreads):.1f}% (largest) over {len(ok)} trials")
         lines.append(f"pick: {best['id']} {best.get('label', '')}: {best['median_iteration_s']:.4f} s/iteration; "
-                     f"plan written to {plan_path}; profile {profiles[0]}")
+                     f"plan written to {plan_path} ({calibrated}); profile {profiles[0]}")
         report = "\n".join(lines)
         with open(os.path.join(self.out, "report.txt"), "w") as f:
             f.write(report + "\n")
         print(report)
         print(plot(rows, predicted, os.path.join(self.out, "report.png")))
         return 0
+
+    def write_plan(self, best: dict, model, profiles: list[str], path: str) -> str:
+        """The pick's plan as plan.json, its prediction that of the calibrated profile (the report's "pred now",
+        which the plan check of `pretrain_gpt.py --plan` compares the run with), where the plan the search wrote
+        holds the prediction of the profile it was found on (round 1's: uncalibrated). What the prediction is."""
+        from ..planner.evaluate import simulate_run
+        from ..planner.plan import Plan
+        from ..planner.report import evaluation_prediction
+
+        try:
+            plan = Plan.from_json(best["plan"], f"plan of trial {best['id']}")
+            cluster = model.cluster_for(plan.spec.world_size)
+            ev = simulate_run(plan.spec, cluster, model.profiles, model.costs, model.memory_settings(),
+                              memory_over_time=False)
+        except UsageError as exc:
+            shutil.copyfile(best["plan_path"], path)
+            return f"the search's prediction: the calibrated profile does not simulate it ({exc})"
+        then = plan.prediction.get("iteration_time_s")
+        plan.prediction = evaluation_prediction(ev, cluster, plan.spec)
+        plan.profiles = model.profiles.identity()
+        plan.search = {**plan.search, "tune": {
+            "profile": profiles[0], "measured_s": best["median_iteration_s"], "predicted_when_searched_s": then,
+            "trials": sum(1 for b in self.trials if (m := self.measured(b)) and m["status"] == "ok")}}
+        plan.save(path)
+        return f"predicted {plan.prediction['iteration_time_s']:.4f} s by the calibrated profile"
+
+
+def _read_device(path: str) -> dict:
+    """A profile file's device section, {} where it has none."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data.get("device") or {} if isinstance(data, dict) else {}
 
 
 @exit_on_usage_error

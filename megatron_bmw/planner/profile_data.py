@@ -15,6 +15,7 @@ JSON layout (format 1):
    "stream": {"<micro-batch size>": {"depth", "stream_s", "units_s"}, ...},  # optional, tp 1 on a GPU
    "host_memory": {"runtime_bytes", "fraction"},  # optional, a CPU profile
    "optimizer": {"bytes_per_s", "fixed_s"},     # optional, a CPU profile
+   "load": {"cores", "start", "end", "seconds", "own"},  # optional: the machine's load while it was measured
    "calibration": {...}}                        # optional: what `autoconfig.py calibrate` fitted it on
 "overlap_factor" and "memory_allowance" (written by `autoconfig.py calibrate`) are what search, estimate and
 simulate use unless --overlap-factor, --memory-workspace-gb or --memory-fragmentation say otherwise; a profile
@@ -32,6 +33,10 @@ the synchronised timings over-count a run, which overlaps each unit's launches w
 tensors, a fixed part (the runtime's first use) and a fraction of the counted bytes (the C allocator's); a CPU
 plan's allowance, as "cuda_memory" gives a GPU's. "optimizer" (a CPU profile, training/optimizer_time.py): the
 rate and the fixed part of this machine's optimizer step, which the profile's device type then steps at.
+"load" (written by `autoconfig.py profile`): os.getloadavg() at the start and the end of the profiling ("start",
+"end": the 1, 5 and 15-minute load averages), its "seconds", the "cores" of the machine and the threads the profiling
+itself kept busy ("own"); load_per_core() reads the other work's share of the cores from it, and a plan's check
+(training/plan_check.py) names a run whose machine was markedly busier or idler than its profile's.
 "device.type" names the cluster device type the profile is for (default: device.name); a unit entry with
 "unit" (its index in [embedding, attn_0, mlp_0, ..., head]) times that unit alone (per-layer profiles), one
 without times every unit of its kind. An entry with "recompute" (full, or selective for attention) times the unit
@@ -58,6 +63,7 @@ FORMAT = 1
 MEASURED_CUDA_KEYS = ("context_bytes", "nccl_bytes_per_communicator", "allocator_fraction")
 HOST_MEMORY_KEYS = ("runtime_bytes", "fraction")
 OPTIMIZER_KEYS = ("bytes_per_s", "fixed_s")
+LOAD_KEYS = ("cores", "start", "end", "seconds", "own")
 MODEL_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
               "attention_backend", "hidden_dropout", "attention_dropout")
 # the model and layer kind (GPT or BERT, Llama-family settings); a profile written before they existed timed GPT-2
@@ -68,6 +74,36 @@ LAYER_DEFAULTS = {"model_type": "gpt", "position_embedding_type": "learned_absol
 
 def model_signature(model: ModelConfig) -> dict:
     return {k: getattr(model, k) for k in MODEL_KEYS + tuple(LAYER_DEFAULTS)}
+
+
+def load_now() -> list[float] | None:
+    """This machine's 1, 5 and 15-minute load averages (runnable and waiting tasks), None where the system gives
+    none."""
+    try:
+        return [round(x, 3) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def load_record(start: list[float] | None, seconds: float, own: float) -> dict | None:
+    """The load a measurement ran under (its start reading, this moment's, how long it ran, the threads it kept
+    busy itself), None where the system gives no load averages."""
+    end = load_now()
+    if start is None or end is None:
+        return None
+    return {"cores": os.cpu_count() or 1, "start": list(start), "end": end, "seconds": round(seconds, 3),
+            "own": own}
+
+
+def load_per_core(record: dict | None) -> float | None:
+    """Other work's runnable tasks per core while a measurement ran: the mean of the 1-minute load averages at its
+    start and end, less what the measurement's own busy threads added to the end one (a constant load of n raises
+    the 1-minute average by n x (1 - exp(-t / 60 s)) in t seconds), over the cores. None without a record."""
+    if not record:
+        return None
+    rise = record.get("own", 0.0) * (1.0 - math.exp(-record.get("seconds", 0.0) / 60.0))
+    others = (record["start"][0] + max(0.0, record["end"][0] - rise)) / 2
+    return others / record["cores"]
 
 
 @dataclass
@@ -100,6 +136,7 @@ class Profile:
     stream: dict = field(default_factory=dict)  # micro-batch size (str) -> {depth, stream_s, units_s} (GPU)
     host_memory: dict = field(default_factory=dict)  # {runtime_bytes, fraction} (CPU)
     optimizer: dict = field(default_factory=dict)  # {bytes_per_s, fixed_s} (CPU)
+    machine_load: dict = field(default_factory=dict)  # "load": {cores, start, end, seconds, own} (load_per_core)
 
     # ---- lookup ------------------------------------------------------------------------------------------------
     def tps(self, kind: str) -> set[int]:
@@ -214,6 +251,8 @@ class Profile:
             data["host_memory"] = self.host_memory
         if self.optimizer:
             data["optimizer"] = self.optimizer
+        if self.machine_load:
+            data["load"] = self.machine_load
         return data
 
     def save(self, path: str) -> None:
@@ -232,7 +271,7 @@ class Profile:
         try:
             units = [_unit_timing(u, i, where) for i, u in enumerate(data["units"])]
             for key in ("device", "model", "links", "overhead", "calibration", "memory_allowance", "cuda_memory",
-                        "stream", "host_memory", "optimizer"):
+                        "stream", "host_memory", "optimizer", "load"):
                 if data.get(key) is not None and not isinstance(data[key], dict):
                     raise UsageError(f"--profile {where}: {key} must be a mapping, got {data[key]!r}")
             mode = data.get("mode", "measured")
@@ -276,11 +315,12 @@ class Profile:
                     least = 1e-300 if key == "bytes_per_s" else 0.0
                     if _optional(got.get(key), f"{section}.{key}", where, least) is None and got:
                         raise KeyError(f"{section}.{key}")
+            load = _load(data.get("load") or {}, where)
             return cls(device=data["device"], dtype=data["dtype"], model=model, units=units,
                        links=links, overhead=overhead, mode=mode,
                        overlap_factor=overlap, memory_workspace_bytes=workspace, memory_fragmentation=fragmentation,
                        calibration=dict(calibration), cuda_memory=dict(cuda_memory), stream=dict(stream),
-                       host_memory=dict(host), optimizer=dict(step))
+                       host_memory=dict(host), optimizer=dict(step), machine_load=load)
         except KeyError as exc:
             raise UsageError(f"--profile {where}: missing field {exc}") from None
         except (TypeError, AttributeError) as exc:
@@ -294,6 +334,35 @@ def _optional(value, name: str, where: str, least: float) -> float | None:
         shown = "> 0" if 0 < least < 1e-200 else f">= {least:g}"
         raise UsageError(f"--profile {where}: {name} must be a number {shown}, got {value!r}")
     return float(value)
+
+
+def _load(load: dict, where: str) -> dict:
+    """The "load" section checked: cores an integer >= 1, start and end three load averages >= 0, seconds and own
+    numbers >= 0."""
+    if not load:
+        return {}
+    for key in LOAD_KEYS:
+        if key not in load:
+            raise KeyError(f"load.{key}")
+    cores = load["cores"]
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+        raise UsageError(f"--profile {where}: load.cores must be an integer >= 1, got {cores!r}")
+    for key in ("start", "end"):
+        got = load[key]
+        if not isinstance(got, list) or len(got) != 3:
+            raise UsageError(f"--profile {where}: load.{key} must be the 1, 5 and 15-minute load averages, got {got!r}")
+        for i, value in enumerate(got):
+            _number(value, f"load.{key}[{i}]", where)
+    for key in ("seconds", "own"):
+        _number(load[key], f"load.{key}", where)
+    return dict(load)
+
+
+def _number(value, name: str, where: str) -> float:
+    """A number >= 0 that must be there."""
+    if value is None:
+        raise UsageError(f"--profile {where}: {name} must be a number >= 0, got None")
+    return _optional(value, name, where, 0.0)
 
 
 def _unit_timing(entry, i: int, where: str) -> UnitTiming:
@@ -388,7 +457,8 @@ class Profiles:
     def identity(self) -> list[dict]:
         """What a plan records of the profiles it was made with."""
         return [{"device_type": t, "mode": p.mode, "device": p.device.get("name"), "dtype": p.dtype,
-                 "source": p.source} for t, ps in sorted(self.by_type.items()) for p in ps]
+                 "source": p.source, **({"load": p.machine_load} if p.machine_load else {})}
+                for t, ps in sorted(self.by_type.items()) for p in ps]
 
 
 def _interpolate(points: list[tuple[int, float, float]], x: float) -> tuple[float, float]:

@@ -123,23 +123,39 @@ def memory_table(data: dict) -> str:
 
 
 # ---- search ------------------------------------------------------------------------------------------------------
+def device_peak(spec: RunSpec, cluster: Cluster) -> float | None:
+    """The peak FLOP/s of the devices a plan runs on, for its MFU; None where there is no trustworthy one: CPU
+    ranks, which share their node's cores (a CPU device type's peak, the best rate a CPU profile measured on its
+    MLP units, is neither the machine's peak nor a bound on what other units and micro-batch sizes reach)."""
+    if cluster.shares_cores:
+        return None
+    return sum(cluster.device(g).peak(spec.model.params_dtype) for g in range(spec.world_size))
+
+
 def prediction(ranked, cluster: Cluster) -> dict:
-    """What a plan promises: time, throughput, MFU (model FLOPs, no recomputation) and memory per stage."""
+    """What a plan promises: time, throughput, MFU (model FLOPs, no recomputation, over the devices' peak; None
+    on CPU ranks: device_peak) and memory per stage."""
+    return evaluation_prediction(ranked.evaluation, cluster, ranked.spec)
+
+
+def evaluation_prediction(ev: Evaluation, cluster: Cluster, spec: RunSpec | None = None) -> dict:
+    """prediction() of a simulated plan (the search's ranked plan, or a plan simulated again on another
+    profile: tune's calibrated prediction)."""
     from .search import model_flops
 
-    ev, spec = ranked.evaluation, ranked.spec
+    spec = spec or ev.spec
     sim, pl = ev.simulation, spec.pipeline
     t = sim.iteration_time
     samples = spec.dp * pl.micro_batch_size * pl.num_microbatches
     flops = model_flops(spec.model, samples)
-    peak = sum(cluster.device(g).peak(spec.model.params_dtype) for g in range(spec.world_size))
+    peak = device_peak(spec, cluster)
     stages = [{"stage": s, "peak_bytes": m.peak_bytes, "allowance_bytes": m.allowance_bytes,
                "static_bytes": m.static_bytes, "activation_bytes": m.activation_bytes,
                "capacity_bytes": stage_capacity(spec, cluster, s), "busy_s": sim.busy[s],
                "forward_s": sum(ev.cost.chunk_forward[s]), "backward_s": sum(ev.cost.chunk_backward[s])}
               for s, m in enumerate(ev.memory)]
     return {"iteration_time_s": t, "pipeline_time_s": sim.pipeline_time, "tokens_per_s": samples * spec.model.seq_length / t,
-            "tflops_per_gpu": flops / t / spec.world_size / 1e12, "mfu": flops / t / peak,
+            "tflops_per_gpu": flops / t / spec.world_size / 1e12, "mfu": flops / t / peak if peak else None,
             "bubble_fraction": sim.bubble_fraction, "stages": stages}
 
 
@@ -175,7 +191,8 @@ def search_json(result) -> dict:
             "stats": result.stats, "cluster": result.cluster.name}
 
 
-TABLE_FOOTER = ("columns: # = rank; iter s = simulated iteration time; tokens/s; MFU = model FLOPs (no recomputation) / peak; "
+TABLE_FOOTER = ("columns: # = rank; iter s = simulated iteration time; tokens/s; MFU = model FLOPs (no "
+                "recomputation) / (time x the devices' peak; - on CPU ranks: no trustworthy peak); "
                 "tp, pp, dp; mbs = micro-batch size; m = micro-batches per iteration; schedule (vN: virtual stages); "
                 "SP = sequence parallel; Z1 = ZeRO-1 (distributed optimizer); BP = BPipe; K = sliced micro-batches; "
                 "rc = recomputed units; mem/cap = the fullest stage's peak memory over its capacity; notes = how much "
@@ -220,7 +237,8 @@ def search_table(result) -> str:
                 notes.append(f"{label} -{100 * r.gains[key] / (r.time + r.gains[key]):.1f}%")
         flag = lambda b: "y" if b else "-"  # noqa: E731
         tp = "hyb" if lay["unit_strategies"] else lay["tp"]  # per-unit strategies: in the notes
-        lines.append(f"{i:>2} {r.time:8.4f} {p['tokens_per_s']:10.0f} {100 * p['mfu']:5.1f}% {tp:>3} "
+        mfu = f"{100 * p['mfu']:5.1f}%" if p["mfu"] is not None else f"{'-':>6}"
+        lines.append(f"{i:>2} {r.time:8.4f} {p['tokens_per_s']:10.0f} {mfu} {tp:>3} "
                      f"{lay['pp']:>3} {lay['dp']:>4} {lay['micro_batch_size']:>4} {lay['num_microbatches']:>5} "
                      f"{sched:<13} {flag(lay['sequence_parallel']):>2} {flag(lay['zero1']):>2} {flag(lay['bpipe']):>2} "
                      f"{lay['slicing']:>2} {lay['recomputed_units']:>4} {100 * mem:7.1f}%  {'; '.join(notes)}")

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import torch
 import torch.distributed as dist
 
+from ..planner.profile_data import load_per_core, load_record
+
 GiB, MiB = 2**30, 2**20
+LOAD_MARGIN = 0.5  # other work's runnable tasks per core, run against profile, before the check names the load
 
 
 def _size(nbytes: float) -> str:
@@ -26,7 +30,37 @@ def warmup_iterations(iterations: int) -> int:
     return min(5, max(1, iterations // 4)) if iterations > 1 else 0
 
 
-def plan_check_lines(trainer, plan) -> list[str]:
+def load_line(plan, start: list[float] | None, seconds: float, own: float) -> str | None:
+    """One line when this machine's other work, per core, differed by more than LOAD_MARGIN between the run (the
+    load averages at `start` and now, over `seconds`, less the run's `own` busy threads on this node) and the
+    plan's profile (its "load" record, profile_data.load_per_core): a CPU plan on a busy machine ran 2-3x its
+    prediction with no word why. None where the plan's profiles recorded no load, or they agree."""
+    profiled = next((p["load"] for p in getattr(plan, "profiles", None) or []
+                     if isinstance(p, dict) and isinstance(p.get("load"), dict)), None)
+    run = load_record(start, seconds, own)
+    try:
+        ours, theirs = load_per_core(run), load_per_core(profiled)
+    except (KeyError, IndexError, TypeError):  # a hand-edited plan's record: no word rather than a failed run
+        return None
+    if ours is None or theirs is None or abs(ours - theirs) <= LOAD_MARGIN:
+        return None
+    what = ("busier than when its profile was measured: expect the run slower than predicted" if ours > theirs else
+            "idler than when its profile was measured: expect the run faster than predicted")
+    return (f" plan check | load: other work kept {ours:.2f} tasks per core runnable during this run (1-minute load "
+            f"average {run['start'][0]:.2f} at its start, {run['end'][0]:.2f} at its end, {run['cores']} cores), "
+            f"{theirs:.2f} during its profile's: the machine was {what}")
+
+
+def own_threads() -> int:
+    """The threads this run keeps busy on this node: its ranks here (torchrun's LOCAL_WORLD_SIZE, else every rank)
+    times each one's torch threads."""
+    ranks = os.environ.get("LOCAL_WORLD_SIZE")
+    if not ranks:
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+    return int(ranks) * torch.get_num_threads()
+
+
+def plan_check_lines(trainer, plan, load_start: list[float] | None = None, seconds: float = 0.0) -> list[str]:
     """Lines for rank 0 (every rank must call this: it reduces over ranks). Iteration time: the median over
     the iterations after the warm-up (warmup_iterations, and the iterations the activation store tracked),
     slowest rank.
@@ -35,7 +69,9 @@ def plan_check_lines(trainer, plan) -> list[str]:
     rise of the process's peak resident memory from before the model was built (what the process really held:
     the runtime's first use, the C allocator's cache, communication buffers and batches included) against the
     whole peak, allowance included, beside the tensors the run tracks (model states plus the activation store's
-    peak, against the prediction of those two)."""
+    peak, against the prediction of those two).
+    Load (`load_start`: the load averages `seconds` ago, when the run started): a line when the machine was markedly
+    busier or idler than when the plan's profile was measured (load_line)."""
     st = trainer.state
     times = trainer.step_times
     warm = warmup_iterations(len(times))
@@ -72,4 +108,8 @@ def plan_check_lines(trainer, plan) -> list[str]:
             line += (f" | tracked tensors {_size(tracked[s])} against model states + activations {_size(states)} "
                      f"({100 * (tracked[s] / states - 1):+.1f}%)")
         lines.append(line + f" | capacity {_size(stage['capacity_bytes'])}")
+    if load_start is not None:
+        load = load_line(plan, load_start, seconds, own_threads())
+        if load:
+            lines.append(load)
     return lines

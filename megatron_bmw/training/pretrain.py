@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from ..device import choose_backend
 from ..errors import UsageError, exit_on_usage_error
 from ..fused import HAVE_APEX, HAVE_TE
 from ..parallel.state import ParallelState, init_distributed
+from ..planner.profile_data import load_now
 from ..paths import check_output_dir, check_output_file
 from ..pipeline.slicing import num_sliced
 from . import memory_history
@@ -59,6 +61,7 @@ def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
     if plan is not None:
         print_first(state, f"> running plan {parsed.plan_path} (predicted {plan.prediction.get('iteration_time_s', 0):.4f} s "
                            "per iteration)")
+    load_start, started = load_now(), time.monotonic()  # the plan check sets the machine's load beside the profile's
     trainer = Trainer(run, state, tokenizer, track_memory=plan is not None)
     if state.dp_rank == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, {state.pp_rank}): "
@@ -79,7 +82,7 @@ def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
                                                         label=f"iteration {trainer.iteration} on {split} set"))
     trainer.finish()
     if plan is not None:
-        trainer.plan_check = plan_check_lines(trainer, plan)
+        trainer.plan_check = plan_check_lines(trainer, plan, load_start, time.monotonic() - started)
         print_first(state, "\n".join(trainer.plan_check))
     return trainer
 

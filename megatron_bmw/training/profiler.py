@@ -30,7 +30,7 @@ from ..models.chunk import synthetic_batch as _batch
 from ..device import choose_backend, ping_pong, set_device, synchronize, timed
 from ..planner.analytic import ProfileSettings
 from ..planner.memory_model import UNIT_KINDS
-from ..planner.profile_data import Profile, UnitTiming, model_signature
+from ..planner.profile_data import Profile, UnitTiming, load_now, load_record, model_signature
 from . import cuda_memory
 from .host_memory import measure_host_memory
 from .optimizer_time import fit_optimizer_step, step_seconds
@@ -368,6 +368,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
     if run is not None and trainer_class is None:
         raise ValueError("run_profile: a profile with `run` needs `trainer_class` (training/loop.Trainer)")
 
+    load_start = load_now()  # the machine's load the profile is taken under (profile_data.load_per_core)
     previous = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
     steps = len(settings.tp_sizes) + bool(settings.links)
@@ -424,6 +425,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
             progress(len(settings.tp_sizes), "timing point-to-point and all-reduce links on 2 processes")
         links = _spawn(2, model, settings, 0, False)[0]["links"] if settings.links else {}
         progress(steps, "done")
+        load = load_record(load_start, time.monotonic() - start, settings.threads)
     finally:
         torch.set_num_threads(previous)
     name = torch.cuda.get_device_name(0) if cuda else f"cpu-{settings.threads}-thread"
@@ -439,7 +441,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
                                        measured["steady"]) if measured else {}
     return Profile(device=info, dtype=model.params_dtype, model=model_signature(model), units=units,
                    links=links, overhead=overhead, mode="measured", cuda_memory=terms, stream=stream,
-                   host_memory=host, optimizer=step)
+                   host_memory=host, optimizer=step, machine_load=load or {})
 
 
 def _host_memory() -> int:

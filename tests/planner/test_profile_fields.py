@@ -136,6 +136,16 @@ def test_bad_unit_times_are_named(tmp_path, capsys, edit, needle):
     ({"mode": "bogus"}, "mode must be measured or analytic, got 'bogus'"),
     ({"device": {"name": "gpu-test", "memory_bytes": 0}}, "device.memory_bytes must be a number > 0, got 0"),
     ({"device": "gpu-test"}, "device must be a mapping"),
+    ({"load": 3}, "load must be a mapping, got 3"),
+    ({"load": {"cores": 2, "start": [1, 1, 1], "end": [1, 1, 1], "seconds": 5}}, "missing field 'load.own'"),
+    ({"load": {"cores": 0, "start": [1, 1, 1], "end": [1, 1, 1], "seconds": 5, "own": 1}},
+     "load.cores must be an integer >= 1, got 0"),
+    ({"load": {"cores": 2, "start": [1, 1], "end": [1, 1, 1], "seconds": 5, "own": 1}},
+     "load.start must be the 1, 5 and 15-minute load averages, got [1, 1]"),
+    ({"load": {"cores": 2, "start": [1, 1, 1], "end": [1, None, 1], "seconds": 5, "own": 1}},
+     "load.end[1] must be a number >= 0, got None"),
+    ({"load": {"cores": 2, "start": [1, 1, 1], "end": [1, 1, 1], "seconds": -5, "own": 1}},
+     "load.seconds must be a number >= 0, got -5"),
 ])
 def test_malformed_sections_are_named(tmp_path, change, message):
     with pytest.raises(UsageError) as err:
@@ -162,3 +172,30 @@ def test_a_gpu_profiles_stream_scales_every_unit_time():
         assert prof.unit_time("mlp", tp, 1, model, recompute=rc) == pytest.approx((want[0] / 2, want[1] / 2))
     assert prof.unit_time("mlp", 1, 2, model) == pytest.approx((2e-3, 4e-3))  # a stream slower than the sum: 1
     assert prof.achieved_flops() == pytest.approx(2 * plain.achieved_flops())  # the best MLP was at micro-batch 1
+
+
+def test_cpu_plans_show_no_mfu_against_a_profiles_measured_rate(tmp_path, capsys):
+    """A CPU profile's device peak is the best rate it measured on its MLP units, and CPU ranks share the node's
+    cores: no peak to take MFU against. Its micro-batch 2 timed slow (a busy moment), the linear extrapolation to 4
+    runs faster per sample than anything measured, which showed as MFU 153%: the plan says null, the table '-'. A
+    cluster file's stated peak still gives the MFU."""
+    units = [UnitTiming(k, 1, b, (1e-3 if k in ("attention", "mlp") else 1e-5) * (1 + 0.1 * (b - 1)),
+                        (2e-3 if k in ("attention", "mlp") else 2e-5) * (1 + 0.1 * (b - 1))).__dict__
+             for b in (1, 2) for k in ("embedding", "attention", "mlp", "head")]
+    cpu = _write(tmp_path, _profile(units=units, device={"name": "cpu-1-thread", "kind": "cpu", "threads": 1,
+                                                         "cores": 2, "memory_bytes": 2**34},
+                                    links={"p2p": {"bandwidth_Bps": 1e9, "latency_s": 1e-5}}), "cpu.json")
+    flags = [*FLAGS, "--space", "tp=1", "--space", "pp=1", "--space", "mbs=4", "--no-progress", "--world-size", "2"]
+    assert main(["search", "--cluster", "local", "--profile", cpu, *flags, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plans"][0]
+    assert plan["layout"]["micro_batch_size"] == 4 and plan["prediction"]["mfu"] is None
+    assert plan["prediction"]["tflops_per_gpu"] > 0
+    assert main(["search", "--cluster", "local", "--profile", cpu, *flags]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[0] == "1" and row[3] == "-", row  # #, iter s, tokens/s, MFU
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER)
+    gpu = _write(tmp_path, _profile(units=units), "gpu.json")
+    assert main(["search", "--cluster", str(cluster), "--profile", gpu, *flags, "--json"]) == 0
+    mfu = json.loads(capsys.readouterr().out)["plans"][0]["prediction"]["mfu"]
+    assert mfu is not None and 0 < mfu < 1

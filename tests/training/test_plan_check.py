@@ -81,3 +81,35 @@ def test_bpipe_ranks_keep_their_engine_when_tracking_stops():
         assert len(set(ids)) == (1 if transfers else 2)
     assert any(t for _, _, t, _ in tracked) and not all(t for _, _, t, _ in tracked)
     assert tracked[-1][0] == pytest.approx(plain[-1][0], rel=1e-6)
+
+
+def _load(start, end, seconds=60.0, own=1, cores=2):
+    return {"cores": cores, "start": [start, start, start], "end": [end, end, end], "seconds": seconds, "own": own}
+
+
+def test_the_check_names_a_load_unlike_the_profiles(monkeypatch):
+    """A CPU plan on a busy machine ran 2-3x its prediction with no word: the check sets other work's runnable
+    tasks per core during the run (its load averages less its own ranks' threads) beside its profile's, in one line
+    where they differ by more than 0.5; none where they agree or the profile recorded no load."""
+    import os
+
+    from megatron_bmw.training import plan_check
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(plan_check, "own_threads", lambda: 2)
+    quiet = SimpleNamespace(prediction={"iteration_time_s": 1.0, "stages": []},
+                            profiles=[{"device_type": "cpu", "load": _load(0.1, 1.0)}])  # 0.1 + 0.37 over 2 cores
+    trainer = SimpleNamespace(state=SimpleNamespace(device=__import__("torch").device("cpu"), pp_size=1, pp_rank=0),
+                              step_times=[1.0] * 8, tracked_iterations=0, memory_in_use=lambda: 0.0)
+    monkeypatch.setattr(os, "getloadavg", lambda: (6.0, 5.0, 4.0))  # the end of a run on a busy machine
+    lines = plan_check_lines(trainer, quiet, [4.0, 4.0, 4.0], 30.0)
+    assert len(lines) == 2 and lines[1].startswith(" plan check | load: other work kept 2.30 tasks per core"), lines
+    assert "0.12 during its profile's: the machine was busier than when its profile was measured" in lines[1]
+    assert "expect the run slower than predicted" in lines[1]
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 0.5, 0.2))  # its own two ranks' rise, nothing else
+    assert len(plan_check_lines(trainer, quiet, [0.2, 0.2, 0.2], 30.0)) == 1
+    busy = SimpleNamespace(prediction=quiet.prediction, profiles=[{"load": _load(4.0, 4.0)}])
+    assert "idler than when its profile was measured" in plan_check_lines(trainer, busy, [0.2, 0.2, 0.2], 30.0)[1]
+    unrecorded = SimpleNamespace(prediction=quiet.prediction, profiles=[{"device_type": "cpu"}])
+    assert len(plan_check_lines(trainer, unrecorded, [4.0, 4.0, 4.0], 30.0)) == 1
+    assert len(plan_check_lines(trainer, quiet)) == 1  # no start reading: no load line

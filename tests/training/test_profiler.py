@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -113,3 +114,28 @@ def test_analytic_profile_round_trip(tmp_path):
     path.write_text("{")
     with pytest.raises(UsageError, match="not valid JSON"):
         Profile.load(str(path))
+
+
+def test_a_profile_records_the_load_it_was_taken_under(monkeypatch, tmp_path):
+    """os.getloadavg() at the start and the end, the seconds between, the cores and the profiling's own threads:
+    a plan's check sets a run's load beside it (plan_check.load_line). Read back from the file and into a plan's
+    record of its profiles."""
+    import os
+
+    from megatron_bmw.planner.analytic import ProfileSettings
+    from megatron_bmw.planner.profile_data import Profiles, load_per_core
+    from megatron_bmw.training.profiler import run_profile
+
+    readings = iter([(0.5, 0.4, 0.3), (2.5, 1.0, 0.5)])
+    monkeypatch.setattr(os, "getloadavg", lambda: next(readings))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    prof = run_profile(MODEL, ProfileSettings(micro_batch_sizes=(1,), warmup=0, repeats=1, links=False,
+                                              overhead=False))
+    load = prof.machine_load
+    assert (load["cores"], load["start"], load["end"], load["own"]) == (2, [0.5, 0.4, 0.3], [2.5, 1.0, 0.5], 1)
+    assert load["seconds"] >= 0
+    path = str(tmp_path / "p.json")
+    prof.save(path)
+    again = Profile.load(path)
+    assert again.machine_load == load and Profiles([again]).identity()[0]["load"] == load
+    assert load_per_core(load) == pytest.approx((0.5 + 2.5 - (1 - math.exp(-load["seconds"] / 60))) / 2 / 2)
