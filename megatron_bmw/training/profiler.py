@@ -363,8 +363,6 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
     With `run` (the run's whole configuration) on the CPU, first what a training process holds beyond the
     counted tensors (host_memory.py) and its optimizer step (optimizer_time.py), on trainers of `trainer_class`
     (training/loop.Trainer, passed in: the loop imports this module)."""
-    from ..parallel.state import ParallelState
-
     if run is not None and trainer_class is None:
         raise ValueError("run_profile: a profile with `run` needs `trainer_class` (training/loop.Trainer)")
 
@@ -397,26 +395,8 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
             progress(k, f"timing the units at tp {tp}, micro-batch sizes "
                         f"{','.join(map(str, settings.micro_batch_sizes))}")
             if tp == 1:
-                state = ParallelState.serial(device)
-                if cuda:
-                    torch.cuda.init()  # the allocator's statistics refuse a device CUDA has not set up yet
-                    torch.cuda.reset_peak_memory_stats(device)
-                    before = cuda_memory.reading(torch.cuda, device)
-                timed = time_units(model, state, settings.micro_batch_sizes, settings.warmup, settings.repeats,
-                                   statistic=settings.statistic, rounds=settings.rounds,
-                                   fusion=settings.gradient_accumulation_fusion)
-                if cuda:
-                    measured = {"before": before, "after": cuda_memory.reading(torch.cuda, device),
-                                "steady": steady_microbatches(model, state, max(settings.micro_batch_sizes),
-                                                              fusion=settings.gradient_accumulation_fusion,
-                                                              cuda=torch.cuda)}
-                    stream = time_stream(model, state, timed, fusion=settings.gradient_accumulation_fusion,
-                                         warmup=settings.warmup, repeats=settings.repeats,
-                                         statistic=settings.statistic)
+                timed, measured, stream, overhead = _time_in_this_process(model, settings, device)
                 units += timed
-                if settings.overhead:
-                    overhead = time_engine_overhead(state, repeats=max(5, settings.repeats * settings.rounds),
-                                                    statistic=settings.statistic)
             else:
                 ranks = _spawn(tp, model, settings, tp, sequence_parallel)
                 tp_readings += [r["cuda_memory"] for r in ranks if "cuda_memory" in r]
@@ -442,6 +422,33 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
     return Profile(device=info, dtype=model.params_dtype, model=model_signature(model), units=units,
                    links=links, overhead=overhead, mode="measured", cuda_memory=terms, stream=stream,
                    host_memory=host, optimizer=step, machine_load=load or {})
+
+
+def _time_in_this_process(model: ModelConfig, settings: ProfileSettings, device) -> tuple[list, dict, dict, dict]:
+    """tp 1's measurements: the unit times; on a GPU the allocator's readings and the streamed units; the engine's
+    overhead where asked."""
+    from ..parallel.state import ParallelState
+
+    cuda = device.type == "cuda"
+    state = ParallelState.serial(device)
+    if cuda:
+        torch.cuda.init()  # the allocator's statistics refuse a device CUDA has not set up yet
+        torch.cuda.reset_peak_memory_stats(device)
+        before = cuda_memory.reading(torch.cuda, device)
+    fusion = settings.gradient_accumulation_fusion
+    timed = time_units(model, state, settings.micro_batch_sizes, settings.warmup, settings.repeats,
+                       statistic=settings.statistic, rounds=settings.rounds, fusion=fusion)
+    measured, stream, overhead = {}, {}, {}
+    if cuda:
+        measured = {"before": before, "after": cuda_memory.reading(torch.cuda, device),
+                    "steady": steady_microbatches(model, state, max(settings.micro_batch_sizes), fusion=fusion,
+                                                  cuda=torch.cuda)}
+        stream = time_stream(model, state, timed, fusion=fusion, warmup=settings.warmup, repeats=settings.repeats,
+                             statistic=settings.statistic)
+    if settings.overhead:
+        overhead = time_engine_overhead(state, repeats=max(5, settings.repeats * settings.rounds),
+                                        statistic=settings.statistic)
+    return timed, measured, stream, overhead
 
 
 def _host_memory() -> int:
