@@ -112,7 +112,6 @@ def test_a_full_disk_under_torchs_zip_writer_is_one_line_and_leaves_no_debris(tm
     import errno
 
     from megatron_bmw.errors import RunError
-    from megatron_bmw.training import checkpointing
 
     state = ParallelState.serial()
     model = _model()
@@ -124,7 +123,7 @@ def test_a_full_disk_under_torchs_zip_writer_is_one_line_and_leaves_no_debris(tm
         except OSError:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1010752 vs 1010640")
 
-    monkeypatch.setattr(checkpointing.torch, "save", full)
+    monkeypatch.setattr(torch, "save", full)
     with pytest.raises(RunError, match="iteration 20 .No space left on device.; the previous checkpoint is kept"):
         save_checkpoint(str(tmp_path), 20, state, _payload(model, state, 20), None)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000010", "latest_checkpointed_iteration.txt"]

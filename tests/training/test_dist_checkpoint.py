@@ -192,7 +192,7 @@ def test_other_model_refused_in_one_line(tmp_path):
 
 _KILL_CHILD = """
 import os, sys, time
-import megatron_bmw.training.dist_checkpoint as dc
+import megatron_bmw.training.checkpoint_dir as cd
 from megatron_bmw.training.loop import build_trainer
 where, marker = sys.argv[1], sys.argv[2]
 calls = []
@@ -202,11 +202,11 @@ def hang(*a, **k):
         open(marker, "w").close()
         time.sleep(600)
 if where == "publish":
-    orig_move = dc._move_into_place
+    orig_move = cd.move_into_place
     def move(*a, **k):
         hang()
         return orig_move(*a, **k)
-    dc._move_into_place = move
+    cd.move_into_place = move
 else:
     from torch.distributed.checkpoint import filesystem
     orig_write = filesystem.FileSystemWriter.write_data

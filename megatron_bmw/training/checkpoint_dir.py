@@ -1,0 +1,248 @@
+"""Megatron's checkpoint directory, the same for every format: the tracker, the iteration folders and the atomic
+save. A format (`torch`: checkpointing.TorchFormat; `torch_dist`: dist_checkpoint.DistFormat) writes and reads one
+iteration's files; everything around them is here, once.
+
+    <dir>/latest_checkpointed_iteration.txt        the iteration number (or "release")
+    <dir>/iter_0000010/...                         the format's files
+
+`save`: every file goes into `iter_XXXXXXX.tmp-<token>` first; once every rank has written its files
+(parallel/agree.py: a full disk on any rank stops all of them, the temporary folder removed), rank 0 renames the
+folder into place and then replaces the tracker, so a crash at any point leaves the previous checkpoint and tracker
+intact. Re-saving an existing iteration moves the
+old folder to `iter_XXXXXXX.old-<token>` for the instant of the swap; loading falls back to it if the swap was cut
+short. The next successful save removes what crashed saves left; every published iteration is kept (as Megatron).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RunError, UsageError
+from ..parallel.agree import agree
+from ..parallel.state import ParallelState
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+TORCH_FORMAT = "torch"
+DIST_FORMAT = "torch_dist"
+DIST_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's index: what marks a torch_dist iteration
+
+
+@dataclass(frozen=True)
+class IterationDir:
+    """One iteration of the checkpoint directory `root` (--save or --load), whose files are in `path` (a temporary
+    folder while it is being saved)."""
+
+    root: str
+    iteration: int | str
+    path: str
+
+    @property
+    def where(self) -> str:
+        """How a load's error lines begin."""
+        return f"--load {self.root}"
+
+    def failed(self, exc: BaseException) -> RunError:
+        """The one line for a save whose files could not be written (`exc`: the disk's error, or what carried it)."""
+        cause = _os_error(exc) or exc
+        why = getattr(cause, "strerror", None) or (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        return RunError(f"--save {self.root}: cannot write the checkpoint of iteration {self.iteration} ({why}); "
+                        "the previous checkpoint is kept")
+
+
+class CheckpointFormat(Protocol):
+    """How one format writes and reads an iteration's files, for one rank's model chunks and optimizer."""
+
+    name: str
+
+    def write(self, target: IterationDir, payload: dict, rng_state: dict | None, save_optim: bool) -> list[str]:
+        """Write into target.path (collective; a failed write raises target.failed(...) on every rank, agreed); the
+        files this rank wrote, relative to target.path."""
+
+    def read(self, source: IterationDir, load_optim: bool, model_args: dict | None) -> dict:
+        """Load source.path into the model and the optimizer (collective; an error on any rank stops every rank
+        with one line); the payload."""
+
+
+# -- names and the tracker -------------------------------------------------------------------------------------------
+def iteration_dir_name(iteration: int | str) -> str:
+    return RELEASE if iteration == RELEASE else f"iter_{int(iteration):07d}"
+
+
+def read_tracker(ckpt_dir: str) -> int | str | None:
+    """The iteration the tracker names, "release", or None when there is no tracker file."""
+    path = os.path.join(ckpt_dir, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace").strip()
+    if text == RELEASE:
+        return RELEASE
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--load {ckpt_dir}: {TRACKER} holds {text!r}, not an iteration number or 'release'") from None
+
+
+def inside_checkpoint(path: str) -> str | None:
+    """What marks `path` as a folder inside a checkpoint (an iteration's shard folders or torch_dist metadata, a
+    shard's file), or None."""
+    if not os.path.isdir(path):
+        return None
+    for entry in sorted(os.listdir(path)):
+        if entry in (DIST_METADATA_FILE, "model_optim_rng.pt") or \
+                (entry.startswith("mp_rank_") and os.path.isdir(os.path.join(path, entry))):
+            return entry
+    return None
+
+
+def is_dist_checkpoint(iter_dir: str) -> bool:
+    """torch_dist iterations hold a .metadata file: how --load tells the formats apart without importing
+    torch.distributed.checkpoint."""
+    return os.path.isfile(os.path.join(iter_dir, DIST_METADATA_FILE))
+
+
+def format_of(root: str, iter_dir: str) -> str:
+    """The format an iteration folder was saved in, from its file names."""
+    if is_dist_checkpoint(iter_dir):
+        return DIST_FORMAT
+    if os.path.isdir(iter_dir) and not any(e.startswith("mp_rank_") for e in os.listdir(iter_dir)):
+        shards = sorted(e for e in os.listdir(iter_dir) if e.endswith(".distcp"))
+        if shards:
+            raise UsageError(f"--load {root}: {iter_dir} holds torch_dist shards ({shards[0]}, ...) but no "
+                             f"{DIST_METADATA_FILE} (an incomplete copy?)")
+    return TORCH_FORMAT
+
+
+def resolve_iteration_dir(load_dir: str, iteration: int | str) -> str:
+    path = os.path.join(load_dir, iteration_dir_name(iteration))
+    if os.path.isdir(path):
+        return path
+    backups = sorted(glob.glob(f"{path}.old-*"), key=os.path.getmtime)
+    if backups:
+        return backups[-1]  # a re-save of this iteration was cut short between its two renames
+    raise UsageError(f"--load {load_dir}: the tracker names iteration {iteration}, but {path} does not exist")
+
+
+# -- the atomic save ---------------------------------------------------------------------------------------------------
+def save(fmt: CheckpointFormat, state: ParallelState, save_dir: str, iteration: int | str, payload: dict,
+         rng_state: dict | None = None, save_optim: bool = True) -> str:
+    """Save `iteration` in `fmt` (every rank calls it): the format's files, the rename, the tracker. Returns the
+    iteration folder."""
+    token = _shared_token(state)
+    name = iteration_dir_name(iteration)
+    target = IterationDir(save_dir, iteration, os.path.join(save_dir, f"{name}.tmp-{token}"))
+    rank = world()[0]
+    try:
+        fmt.write(target, payload, rng_state, save_optim)
+        agree(_publish, target, os.path.join(save_dir, name), token)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(target.path, ignore_errors=True)
+        raise
+    return os.path.join(save_dir, name)
+
+
+def _publish(target: IterationDir, final_dir: str, token: str) -> None:
+    """Rank 0: the iteration folder into place, then the tracker."""
+    if world()[0] != 0:
+        return
+    try:
+        _fsync_dir(target.path)
+        move_into_place(target.path, final_dir, token)
+        _write_tracker(target.root, target.iteration, token)
+    except OSError as exc:
+        raise target.failed(exc) from None
+    clear_debris(target.root)
+
+
+def save_synced(obj, path: str) -> None:
+    """torch.save, then fsync: the file's bytes are on disk before the rename publishes them."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def clear_debris(save_dir: str) -> None:
+    """Remove what crashed saves left (rank 0, after publishing a checkpoint)."""
+    for pattern in ("iter_*.tmp-*", "iter_*.old-*", "release.tmp-*", "release.old-*"):
+        for debris in glob.glob(os.path.join(save_dir, pattern)):
+            shutil.rmtree(debris, ignore_errors=True)
+
+
+def move_into_place(tmp_dir: str, final_dir: str, token: str) -> None:
+    if os.path.exists(final_dir):
+        backup = f"{final_dir}.old-{token}"
+        os.rename(final_dir, backup)
+        os.rename(tmp_dir, final_dir)
+        shutil.rmtree(backup)
+    else:
+        os.rename(tmp_dir, final_dir)
+    _fsync_dir(os.path.dirname(final_dir))
+
+
+def _write_tracker(save_dir: str, iteration: int | str, token: str) -> None:
+    tmp = os.path.join(save_dir, f"{TRACKER}.tmp-{token}")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, TRACKER))
+    _fsync_dir(save_dir)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+# -- ranks -----------------------------------------------------------------------------------------------------------
+def world() -> tuple[int, int]:
+    """(this rank, the world size); (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _shared_token(state: ParallelState) -> str:
+    """A random name part every rank agrees on."""
+    value = torch.tensor([int.from_bytes(os.urandom(7), "little")], dtype=torch.int64)
+    if world()[1] > 1:
+        value = value.to(state.device)
+        dist.broadcast(value, src=0)
+    return f"{int(value.item()):016x}"
+
+
+def gather_first(obj) -> list | None:
+    """Every rank's `obj` on rank 0 (None elsewhere)."""
+    rank, size = world()
+    if size == 1:
+        return [obj]
+    out = [None] * size if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
