@@ -3,8 +3,9 @@
     <dir>/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt    payload + optimizer state
     <dir>/iter_0000010/mp_rank_TT[_PPP]/distrib_optim.pt      per-parameter optimizer state (ZeRO-1 only)
 
-DP rank 0 of each (tp, pp) writes its files (a hybrid layout: every rank of a stage its own shard). The tracker,
-the temporary folder and the rename are checkpoint_dir.py's. `save_checkpoint` and `load_checkpoint` are the format on its own, for tools and tests: their
+DP rank 0 of each (tp, pp) writes its files (a hybrid layout: every rank of a stage its own shard); the files are
+read as data (safe_load.py). The tracker, the temporary folder, the checksums and the rename are
+checkpoint_dir.py's. `save_checkpoint` and `load_checkpoint` are the format on its own, for tools and tests: their
 payloads hold the model ("model", or "model0", "model1", ... per virtual stage).
 """
 
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import os
 
-import torch
+import torch  # noqa: F401 - tests/training/test_faults.py fills the disk through checkpointing.torch.save
 
 from ..errors import UsageError
 from ..parallel.agree import agree
 from ..parallel.state import ParallelState
+from ..safe_load import load_file
 from .checkpoint_dir import (RELEASE, TORCH_FORMAT, TRACKER, IterationDir,  # noqa: F401 - TRACKER for convert/
                              is_dist_checkpoint, read_tracker, resolve_iteration_dir, save, save_synced)
 from .optimizer import MixedPrecisionOptimizer
@@ -269,13 +271,8 @@ def _saved_strategies(where: str, iter_dir: str) -> list[str] | None:
 
 
 def _read(where: str, path: str, needs: str | None = None) -> dict:
-    """torch.load a checkpoint file that must hold a dict (with key `needs`); anything else is one error line."""
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
-        reason = (str(exc).strip().splitlines() or [""])[0]
-        raise UsageError(f"{where}: cannot read {path} (truncated or not a checkpoint: "
-                         f"{type(exc).__name__}: {reason})") from None
+    """A checkpoint file as data (safe_load) that must hold a dict (with key `needs`); anything else is one line."""
+    data = load_file(path, where)
     if not isinstance(data, dict) or (needs is not None and needs not in data):
         what = f"a {type(data).__name__}" if not isinstance(data, dict) else f"a dict without {needs!r}"
         raise UsageError(f"{where}: {path} holds {what}, not a megatron_bmw checkpoint")

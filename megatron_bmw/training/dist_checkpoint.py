@@ -15,8 +15,9 @@ writes over the ranks. A load reads only the chunks a rank needs, so any tp/pp/d
 ZeRO/hybrid layout reads any other's (training/dist_chunks.py places the chunks). The tied output weight of
 a last pipeline stage is not saved: it loads from the word embedding.
 
-The temporary folder, the rename and the tracker are checkpoint_dir.py's; rank 0 adds common.pt once DCP has written
-the shards and .metadata.
+Everything is read as data: common.pt through safe_load.py, .metadata (which DCP itself unpickles) through
+dist_chunks.SafeReader's allow-list. The temporary folder, the rename and the tracker are checkpoint_dir.py's;
+rank 0 adds common.pt once DCP has written the shards and .metadata.
 """
 
 from __future__ import annotations
@@ -28,17 +29,17 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import UsageError
 from ..parallel.agree import agree
 from ..parallel.state import ParallelState
+from ..safe_load import load_file
 from . import checkpoint_dir
 from .checkpoint_dir import (DIST_FORMAT as FORMAT, DIST_METADATA_FILE as METADATA_FILE, IterationDir, gather_first,
                              save_synced, world)
 from .checkpointing import check_model, load_error
-from .dist_chunks import LoadPlanner, SavePlanner, Slices, local_of, piece_slices, slices_of
+from .dist_chunks import LoadPlanner, RefusedGlobal, SafeReader, SavePlanner, Slices, local_of, piece_slices, slices_of
 from .optimizer import MOMENTS, MixedPrecisionOptimizer
 
 COMMON_FILE = "common.pt"
@@ -155,7 +156,7 @@ class DistFormat:
             error = None
             try:
                 with _single_process_quiet():
-                    dcp.load(tensors, checkpoint_id=source.path, planner=LoadPlanner(),
+                    dcp.load(tensors, storage_reader=SafeReader(source.path), planner=LoadPlanner(),
                              no_dist=not dist.is_initialized())
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
                 why = load_error(exc, -1, f"cannot read the tensors in {source.path} ({{}})")
@@ -259,26 +260,23 @@ def _write_common(target: IterationDir, common: dict) -> None:
 
 def read_common(source: IterationDir) -> dict:
     path = os.path.join(source.path, COMMON_FILE)
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - missing, truncated or foreign
-        raise _unreadable(source, path, exc) from None
+    data = load_file(path, source.where)  # missing, truncated, foreign or refused: one line
     if not isinstance(data, dict) or data.get("checkpoint_format") != FORMAT:
         raise UsageError(f"{source.where}: {path} is not a megatron_bmw torch_dist common file")
     return data
 
 
 def read_metadata(source: IterationDir):
-    """DCP's index of the tensors."""
+    """DCP's index of the tensors, read as data (dist_chunks.SafeReader)."""
+    path = os.path.join(source.path, METADATA_FILE)
     try:
-        return FileSystemReader(source.path).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - truncated or foreign
-        raise _unreadable(source, os.path.join(source.path, METADATA_FILE), exc) from None
-
-
-def _unreadable(source: IterationDir, path: str, exc: Exception) -> UsageError:
-    reason = (str(exc).strip().splitlines() or [""])[0]
-    return UsageError(f"{source.where}: cannot read {path} ({type(exc).__name__}: {reason})")
+        return SafeReader(source.path).read_metadata()
+    except RefusedGlobal as exc:
+        raise UsageError(f"{source.where}: {path} names the global {exc.name}, which a torch_dist index never needs; "
+                         "refused (nothing in the file was run)") from None
+    except Exception as exc:  # noqa: BLE001 - missing, truncated or foreign
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise UsageError(f"{source.where}: cannot read {path} ({type(exc).__name__}: {reason})") from None
 
 
 def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chunks: list,
