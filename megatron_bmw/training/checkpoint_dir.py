@@ -1,16 +1,22 @@
-"""Megatron's checkpoint directory, the same for every format: the tracker, the iteration folders and the atomic
-save. A format (`torch`: checkpointing.TorchFormat; `torch_dist`: dist_checkpoint.DistFormat) writes and reads one
-iteration's files; everything around them is here, once.
+"""Megatron's checkpoint directory, the same for every format: the tracker, the iteration folders, the atomic save
+and the verified read. A format (`torch`: checkpointing.TorchFormat; `torch_dist`: dist_checkpoint.DistFormat)
+writes and reads one iteration's files; everything around them is here, once.
 
     <dir>/latest_checkpointed_iteration.txt        the iteration number (or "release")
     <dir>/iter_0000010/...                         the format's files
+    <dir>/iter_0000010/.../checksums.json          size and digest of the files beside it (checksums.py)
 
-`save`: every file goes into `iter_XXXXXXX.tmp-<token>` first; once every rank has written its files
-(parallel/agree.py: a full disk on any rank stops all of them, the temporary folder removed), rank 0 renames the
-folder into place and then replaces the tracker, so a crash at any point leaves the previous checkpoint and tracker
-intact. Re-saving an existing iteration moves the
+`save`: every file goes into `iter_XXXXXXX.tmp-<token>` first; once every rank has written and hashed its files
+(parallel/agree.py: a full disk on any rank stops all of them, the temporary folder removed), rank 0 writes a
+checksums.json into each folder that holds some (`torch`: each mp_rank_* folder, so the iteration folder still
+holds only those; `torch_dist`: the iteration folder), renames the folder into place and then replaces the tracker,
+so a crash at any point leaves the previous checkpoint and tracker intact. Re-saving an existing iteration moves the
 old folder to `iter_XXXXXXX.old-<token>` for the instant of the swap; loading falls back to it if the swap was cut
 short. The next successful save removes what crashed saves left; every published iteration is kept (as Megatron).
+
+`read`: the files each rank is to read are compared with their checksums.json first (a checkpoint without, older or
+Megatron-LM's, loads unverified); a file that differs, or that cannot be read, is `Damaged`, which every rank
+raises together, and the rank that met it prints its line (training/checkpointer.py).
 """
 
 from __future__ import annotations
@@ -27,12 +33,18 @@ import torch.distributed as dist
 from ..errors import RunError, UsageError
 from ..parallel.agree import agree
 from ..parallel.state import ParallelState
+from . import checksums
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 TORCH_FORMAT = "torch"
 DIST_FORMAT = "torch_dist"
 DIST_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's index: what marks a torch_dist iteration
+
+
+class Damaged(UsageError):
+    """A checkpoint file that is not as it was saved (its checksum or size differs, it is missing, truncated or
+    refused): one line."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +78,13 @@ class CheckpointFormat(Protocol):
         """Write into target.path (collective; a failed write raises target.failed(...) on every rank, agreed); the
         files this rank wrote, relative to target.path."""
 
+    def own_files(self, iter_dir: str, load_optim: bool) -> list[str]:
+        """The files this rank verifies before `read` (relative to iter_dir): the ones it reads, each by one rank
+        where several ranks read it."""
+
     def read(self, source: IterationDir, load_optim: bool, model_args: dict | None) -> dict:
-        """Load source.path into the model and the optimizer (collective; an error on any rank stops every rank
-        with one line); the payload."""
+        """Load source.path into the model and the optimizer (collective; a damaged file raises Damaged on every
+        rank); the payload."""
 
 
 # -- names and the tracker -------------------------------------------------------------------------------------------
@@ -116,8 +132,8 @@ def format_of(root: str, iter_dir: str) -> str:
     if os.path.isdir(iter_dir) and not any(e.startswith("mp_rank_") for e in os.listdir(iter_dir)):
         shards = sorted(e for e in os.listdir(iter_dir) if e.endswith(".distcp"))
         if shards:
-            raise UsageError(f"--load {root}: {iter_dir} holds torch_dist shards ({shards[0]}, ...) but no "
-                             f"{DIST_METADATA_FILE} (an incomplete copy?)")
+            raise Damaged(f"--load {root}: {iter_dir} holds torch_dist shards ({shards[0]}, ...) but no "
+                          f"{DIST_METADATA_FILE} (an incomplete copy?)")
     return TORCH_FORMAT
 
 
@@ -128,21 +144,22 @@ def resolve_iteration_dir(load_dir: str, iteration: int | str) -> str:
     backups = sorted(glob.glob(f"{path}.old-*"), key=os.path.getmtime)
     if backups:
         return backups[-1]  # a re-save of this iteration was cut short between its two renames
-    raise UsageError(f"--load {load_dir}: the tracker names iteration {iteration}, but {path} does not exist")
+    raise Damaged(f"--load {load_dir}: the tracker names iteration {iteration}, but {path} does not exist")
 
 
 # -- the atomic save ---------------------------------------------------------------------------------------------------
 def save(fmt: CheckpointFormat, state: ParallelState, save_dir: str, iteration: int | str, payload: dict,
          rng_state: dict | None = None, save_optim: bool = True) -> str:
-    """Save `iteration` in `fmt` (every rank calls it): the format's files, the rename, the tracker. Returns the
-    iteration folder."""
+    """Save `iteration` in `fmt` (every rank calls it): the format's files, checksums.json, the rename, the tracker.
+    Returns the iteration folder."""
     token = _shared_token(state)
     name = iteration_dir_name(iteration)
     target = IterationDir(save_dir, iteration, os.path.join(save_dir, f"{name}.tmp-{token}"))
     rank = world()[0]
     try:
-        fmt.write(target, payload, rng_state, save_optim)
-        agree(_publish, target, os.path.join(save_dir, name), token)
+        written = fmt.write(target, payload, rng_state, save_optim)
+        digests = gather_first(agree(_digests, target, written))
+        agree(_publish, target, os.path.join(save_dir, name), token, digests)
     except BaseException:
         if rank == 0:
             shutil.rmtree(target.path, ignore_errors=True)
@@ -150,11 +167,25 @@ def save(fmt: CheckpointFormat, state: ParallelState, save_dir: str, iteration: 
     return os.path.join(save_dir, name)
 
 
-def _publish(target: IterationDir, final_dir: str, token: str) -> None:
-    """Rank 0: the iteration folder into place, then the tracker."""
+def _digests(target: IterationDir, written: list[str]) -> dict[str, dict]:
+    """This rank's files' sizes and digests (read back from the page cache, in which they still are)."""
+    try:
+        return {rel: checksums.digest(os.path.join(target.path, rel)) for rel in written}
+    except OSError as exc:
+        raise target.failed(exc) from None
+
+
+def _publish(target: IterationDir, final_dir: str, token: str, digests: list[dict] | None) -> None:
+    """Rank 0: each folder's checksums.json, then the iteration folder into place, then the tracker."""
     if world()[0] != 0:
         return
+    folders: dict[str, dict] = {}
+    for per_rank in digests:
+        for rel, d in per_rank.items():
+            folders.setdefault(os.path.dirname(rel), {})[os.path.basename(rel)] = d
     try:
+        for folder, entries in folders.items():
+            checksums.record(os.path.join(target.path, folder), entries)
         _fsync_dir(target.path)
         move_into_place(target.path, final_dir, token)
         _write_tracker(target.root, target.iteration, token)
@@ -219,6 +250,60 @@ def _os_error(exc: BaseException) -> OSError | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+# -- the verified read -----------------------------------------------------------------------------------------------
+def read(fmt: CheckpointFormat, source: IterationDir, load_optim: bool = True, model_args: dict | None = None) -> dict:
+    """`fmt.read` of `source` once every rank has compared its files with checksums.json."""
+    agree_damage(verify, fmt, source, load_optim)
+    return fmt.read(source, load_optim, model_args)
+
+
+def verify(fmt: CheckpointFormat, source: IterationDir, load_optim: bool = True) -> None:
+    """Compare this rank's files with their folders' checksums.json (no collectives); a difference is Damaged."""
+    saved: dict[str, dict | None] = {}
+    for rel in fmt.own_files(source.path, load_optim):
+        folder, name = os.path.split(rel)
+        if folder not in saved:
+            try:
+                saved[folder] = checksums.recorded(os.path.join(source.path, folder))
+            except ValueError as exc:
+                sums = os.path.join(folder, checksums.FILE)
+                raise Damaged(f"{source.where}: cannot read {os.path.join(source.path, sums)} ({exc})") from None
+        entry = (saved[folder] or {}).get(name)
+        why = None if entry is None else checksums.differs(os.path.join(source.path, rel), entry)
+        if why is not None:
+            raise Damaged(f"{source.where}: {os.path.join(source.path, rel)} is damaged ({why})")
+
+
+def agree_damage(fn, *args):
+    """agree(fn, *args), except that a Damaged on any rank raises that Damaged (the lowest rank's) on every rank,
+    unprinted: the caller prints it once."""
+
+    def run():
+        try:
+            return fn(*args), None
+        except Damaged as exc:
+            if world()[1] == 1:
+                raise
+            return None, (world()[0], str(exc))
+
+    result, damage = agree(run)
+    if world()[1] > 1:
+        every: list = [None] * world()[1]
+        dist.all_gather_object(every, damage)
+        damage = next((d for d in every if d is not None), None)
+    if damage is not None:
+        raise _AgreedDamage(*damage)
+    return result
+
+
+class _AgreedDamage(Damaged):
+    """Damaged as every rank raises it: `rank` found it (and prints it, if it stops the run)."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 # -- ranks -----------------------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 loads whatever format the tracked iteration was saved in.
 
 The formats (checkpoint_dir.CheckpointFormat) are checkpointing.TorchFormat (`torch`, Megatron's per-rank files)
-and dist_checkpoint.DistFormat (`torch_dist`, any layout); the tracker and the atomic save are checkpoint_dir.py's.
-Here: which format, and the tracker's iteration.
+and dist_checkpoint.DistFormat (`torch_dist`, any layout); the tracker, the atomic save, the checksums and the
+verified read are checkpoint_dir.py's. Here: which format, and the tracker's iteration. A damaged iteration (a file
+whose checksum or size differs, or that is missing or unreadable) stops --load with one line naming the file.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from ..errors import Reported, UsageError, say
 from ..parallel.agree import agree
 from ..parallel.state import ParallelState
 from . import checkpoint_dir
-from .checkpoint_dir import (DIST_FORMAT, RELEASE, TORCH_FORMAT, TRACKER, CheckpointFormat, IterationDir, format_of,
-                             inside_checkpoint, read_tracker, resolve_iteration_dir)
+from .checkpoint_dir import (DIST_FORMAT, RELEASE, TORCH_FORMAT, TRACKER, CheckpointFormat, Damaged, IterationDir,
+                             agree_damage, format_of, inside_checkpoint, read_tracker, resolve_iteration_dir, world)
 from .checkpointing import TorchFormat
 from .optimizer import MixedPrecisionOptimizer
 
@@ -52,19 +53,33 @@ class Checkpointer:
 
     def load(self, load_dir: str, load_optim: bool = True, model_args: dict | None = None) -> Loaded | None:
         """The tracker's iteration, loaded (the optimizer's state only with `load_optim`, never from a release);
-        None, with Megatron's warning, when `load_dir` has no tracker."""
+        None, with Megatron's warning, when `load_dir` has no tracker. A damaged iteration is an error naming the
+        file."""
         iteration = agree(_tracked, load_dir)
         if iteration is None:
             self._say(f"WARNING: could not find the metadata file {os.path.join(load_dir, TRACKER)}\n"
                       "    will not load any checkpoints and will start from random")
             return None
-        source, name = agree(_source, load_dir, iteration)
-        payload = self.format(name).read(source, load_optim and iteration != RELEASE, model_args)
+        try:
+            source, name = agree_damage(_source, load_dir, iteration)
+            payload = checkpoint_dir.read(self.format(name), source, load_optim and iteration != RELEASE, model_args)
+        except Damaged as exc:
+            raise _refused(exc) from None
         return Loaded(iteration, name, payload)
 
     def _say(self, text: str) -> None:
         if self.state.rank == 0:
             print(text, flush=True)
+
+
+def _refused(exc: Damaged) -> Exception:
+    """The damaged iteration's line, printed once, by the rank that met it (as parallel/agree.py prints)."""
+    if world()[1] == 1:
+        return exc
+    rank = getattr(exc, "rank", world()[0])
+    if rank == world()[0]:
+        say(f"rank {rank}: {exc}")
+    return Reported(UsageError.exit_code)
 
 
 def _tracked(load_dir: str) -> int | str | None:

@@ -19,8 +19,8 @@ from ..errors import UsageError
 from ..parallel.agree import agree
 from ..parallel.state import ParallelState
 from ..safe_load import load_file
-from .checkpoint_dir import (RELEASE, TORCH_FORMAT, TRACKER, IterationDir,  # noqa: F401 - TRACKER for convert/
-                             is_dist_checkpoint, read_tracker, resolve_iteration_dir, save, save_synced)
+from .checkpoint_dir import (RELEASE, TORCH_FORMAT, TRACKER, Damaged, IterationDir, agree_damage,  # noqa: F401 - TRACKER for convert/
+                             is_dist_checkpoint, read, read_tracker, resolve_iteration_dir, save, save_synced)
 from .optimizer import MixedPrecisionOptimizer
 
 MODEL_FILE = "model_optim_rng.pt"
@@ -83,9 +83,15 @@ class TorchFormat:
         return written
 
     # -- load ---------------------------------------------------------------------------------------------------------
+    def own_files(self, iter_dir: str, load_optim: bool) -> list[str]:
+        mp, _, writes = self._shard()
+        if not writes:  # another rank reads the same files and verifies them
+            return []
+        return [os.path.join(mp, MODEL_FILE)] + ([os.path.join(mp, DISTRIB_OPTIM_FILE)] if load_optim else [])
+
     def read(self, source: IterationDir, load_optim: bool, model_args: dict | None) -> dict:
         """Every rank reads its own files (no collectives until they agree)."""
-        return agree(self._read_files, source, load_optim, model_args)
+        return agree_damage(self._read_files, source, load_optim, model_args)
 
     def _read_files(self, source: IterationDir, load_optim: bool, model_args: dict | None) -> dict:
         state, where, iter_dir = self.state, source.where, source.path
@@ -102,7 +108,7 @@ class TorchFormat:
             if other is not None and other != (state.tp_size, state.pp_size):
                 raise _mismatch(where, other, state)
             gone = "" if os.path.isdir(os.path.join(iter_dir, mp)) else f" (its shard directory {mp} is gone)"
-            raise UsageError(f"{where}: checkpoint file {path} is missing{gone}")
+            raise Damaged(f"{where}: checkpoint file {path} is missing{gone}")
         payload = _read(where, path)
         theirs = _arg(payload, "unit_strategies")
         if (list(theirs or []) or None) != _strategies(state):
@@ -198,9 +204,18 @@ def check_model(where: str, payload: dict, model_args: dict, why: str = "another
 
 
 def load_error(exc: BaseException, fallback_line: int = 0, unmatched: str = "{}") -> str:
-    """One line for weights that do not fit the model, from torch's load_state_dict message (torch format) or
-    torch.distributed.checkpoint's (torch_dist): the first tensor of another shape with both shapes, else the first
-    missing (or unexpected) tensor, else line `fallback_line` of the message, put into `unmatched`."""
+    """One line for weights that do not fit the model (model_misfit), else line `fallback_line` of the message, put
+    into `unmatched`."""
+    misfit = model_misfit(exc)
+    if misfit is not None:
+        return misfit
+    return unmatched.format((str(exc).strip().splitlines() or [type(exc).__name__])[fallback_line][:300])
+
+
+def model_misfit(exc: BaseException) -> str | None:
+    """From torch's load_state_dict message (torch format) or torch.distributed.checkpoint's (torch_dist): the first
+    tensor of another shape with both shapes, else the first missing (or unexpected) tensor; None for any other
+    error."""
     import re
 
     text = str(exc)
@@ -224,7 +239,7 @@ def load_error(exc: BaseException, fallback_line: int = 0, unmatched: str = "{}"
     if unexpected:
         return (f"the checkpoint has tensor {unexpected.group(1)}, which this model does not (another model or "
                 "architecture?)")
-    return unmatched.format((text.strip().splitlines() or [type(exc).__name__])[fallback_line][:300])
+    return None
 
 
 def _sizes_of(payload: dict, state: ParallelState) -> tuple[int, int]:
@@ -271,11 +286,14 @@ def _saved_strategies(where: str, iter_dir: str) -> list[str] | None:
 
 
 def _read(where: str, path: str, needs: str | None = None) -> dict:
-    """A checkpoint file as data (safe_load) that must hold a dict (with key `needs`); anything else is one line."""
-    data = load_file(path, where)
+    """A checkpoint file as data (safe_load) that must hold a dict (with key `needs`); anything else is Damaged."""
+    try:
+        data = load_file(path, where)
+    except UsageError as exc:
+        raise Damaged(str(exc)) from None
     if not isinstance(data, dict) or (needs is not None and needs not in data):
         what = f"a {type(data).__name__}" if not isinstance(data, dict) else f"a dict without {needs!r}"
-        raise UsageError(f"{where}: {path} holds {what}, not a megatron_bmw checkpoint")
+        raise Damaged(f"{where}: {path} holds {what}, not a megatron_bmw checkpoint")
     return data
 
 
@@ -290,7 +308,7 @@ def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, payload
 def load_checkpoint(load_dir: str, state: ParallelState, optimizer: MixedPrecisionOptimizer | None = None,
                     load_optim: bool = True, iteration: int | str | None = None,
                     model_args: dict | None = None) -> dict | None:
-    """This rank's payload (and the optimizer's state, into `optimizer`); with `model_args` (this run's
+    """This rank's payload (and the optimizer's state, into `optimizer`), verified; with `model_args` (this run's
     saved arguments) a checkpoint of another architecture is refused first, naming the setting.
 
     Returns None when `load_dir` has no tracker file and no `iteration` was asked for. Without the optimizer
@@ -305,4 +323,4 @@ def load_checkpoint(load_dir: str, state: ParallelState, optimizer: MixedPrecisi
         raise UsageError(f"--load {load_dir}: {source.path} is a torch_dist checkpoint; this reads the legacy torch "
                          "format (convert it with pretrain_gpt.py --load DIR --ckpt-convert-format torch "
                          "--ckpt-convert-save OUT)")
-    return TorchFormat(state, None, optimizer).read(source, load_optim and iteration != RELEASE, model_args)
+    return read(TorchFormat(state, None, optimizer), source, load_optim and iteration != RELEASE, model_args)

@@ -4,6 +4,7 @@
     <dir>/iter_0000010/.metadata                   DCP's index of every tensor's chunks
     <dir>/iter_0000010/__R_0.distcp                what rank R wrote
     <dir>/iter_0000010/common.pt                   iteration, args, LR schedule, loss scaler, every rank's RNG
+    <dir>/iter_0000010/checksums.json              size and digest of each of them (checkpoint_dir.py)
 
 Keys name tensors globally: `model.<unit>.<tensor>` (units are named over the whole model: embedding, attn_i,
 mlp_i, head) and `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<unit>.<tensor>`. Every tensor is stored in
@@ -16,8 +17,8 @@ ZeRO/hybrid layout reads any other's (training/dist_chunks.py places the chunks)
 a last pipeline stage is not saved: it loads from the word embedding.
 
 Everything is read as data: common.pt through safe_load.py, .metadata (which DCP itself unpickles) through
-dist_chunks.SafeReader's allow-list. The temporary folder, the rename and the tracker are checkpoint_dir.py's;
-rank 0 adds common.pt once DCP has written the shards and .metadata.
+dist_chunks.SafeReader's allow-list. The temporary folder, the checksums, the rename and the tracker are
+checkpoint_dir.py's; rank 0 adds common.pt once DCP has written the shards and .metadata.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from ..parallel.agree import agree
 from ..parallel.state import ParallelState
 from ..safe_load import load_file
 from . import checkpoint_dir
-from .checkpoint_dir import (DIST_FORMAT as FORMAT, DIST_METADATA_FILE as METADATA_FILE, IterationDir, gather_first,
-                             save_synced, world)
-from .checkpointing import check_model, load_error
+from .checkpoint_dir import (DIST_FORMAT as FORMAT, DIST_METADATA_FILE as METADATA_FILE, Damaged, IterationDir,
+                             agree_damage, gather_first, save_synced, world)
+from .checkpointing import check_model, model_misfit
 from .dist_chunks import LoadPlanner, RefusedGlobal, SafeReader, SavePlanner, Slices, local_of, piece_slices, slices_of
 from .optimizer import MOMENTS, MixedPrecisionOptimizer
 
@@ -147,11 +148,18 @@ class DistFormat:
         return tensors
 
     # -- load ---------------------------------------------------------------------------------------------------------
+    def own_files(self, iter_dir: str, load_optim: bool) -> list[str]:
+        """common.pt and .metadata (every rank reads them), and this rank's share of the shards: between them the
+        ranks verify every shard once."""
+        rank, size = world()
+        shards = sorted(e for e in os.listdir(iter_dir) if e.endswith(".distcp"))
+        return [COMMON_FILE, METADATA_FILE] + shards[rank::size]
+
     def read(self, source: IterationDir, load_optim: bool, model_args: dict | None) -> dict:
         """The common payload; its "rng_state" is this rank's streams when the layout is the same, else absent
         ("rng_layout_changed" says so)."""
         opt = self.optimizer
-        common, tensors, targets, entries = agree(self._plan, source, opt if load_optim else None, model_args)
+        common, tensors, targets, entries = agree_damage(self._plan, source, opt if load_optim else None, model_args)
         with torch.no_grad():
             error = None
             try:
@@ -159,9 +167,8 @@ class DistFormat:
                     dcp.load(tensors, storage_reader=SafeReader(source.path), planner=LoadPlanner(),
                              no_dist=not dist.is_initialized())
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
-                why = load_error(exc, -1, f"cannot read the tensors in {source.path} ({{}})")
-                error = UsageError(f"{source.where}: {why}")
-            agree(_raise, error)
+                error = _read_failed(source, exc)
+            agree_damage(_raise, error)
             for src, *extra in targets.values():
                 for t in extra:
                     t.detach().copy_(src)
@@ -260,9 +267,12 @@ def _write_common(target: IterationDir, common: dict) -> None:
 
 def read_common(source: IterationDir) -> dict:
     path = os.path.join(source.path, COMMON_FILE)
-    data = load_file(path, source.where)  # missing, truncated, foreign or refused: one line
+    try:
+        data = load_file(path, source.where)
+    except UsageError as exc:  # missing, truncated, foreign or refused
+        raise Damaged(str(exc)) from None
     if not isinstance(data, dict) or data.get("checkpoint_format") != FORMAT:
-        raise UsageError(f"{source.where}: {path} is not a megatron_bmw torch_dist common file")
+        raise Damaged(f"{source.where}: {path} is not a megatron_bmw torch_dist common file")
     return data
 
 
@@ -272,11 +282,20 @@ def read_metadata(source: IterationDir):
     try:
         return SafeReader(source.path).read_metadata()
     except RefusedGlobal as exc:
-        raise UsageError(f"{source.where}: {path} names the global {exc.name}, which a torch_dist index never needs; "
-                         "refused (nothing in the file was run)") from None
+        raise Damaged(f"{source.where}: {path} names the global {exc.name}, which a torch_dist index never needs; "
+                      "refused (nothing in the file was run)") from None
     except Exception as exc:  # noqa: BLE001 - missing, truncated or foreign
         reason = (str(exc).strip().splitlines() or [""])[0]
-        raise UsageError(f"{source.where}: cannot read {path} ({type(exc).__name__}: {reason})") from None
+        raise Damaged(f"{source.where}: cannot read {path} ({type(exc).__name__}: {reason})") from None
+
+
+def _read_failed(source: IterationDir, exc: BaseException) -> UsageError:
+    """Weights that do not fit this model, or shards that cannot be read (Damaged)."""
+    misfit = model_misfit(exc)
+    if misfit is not None:
+        return UsageError(f"{source.where}: {misfit}")
+    last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
+    return Damaged(f"{source.where}: cannot read the tensors in {source.path} ({last})")
 
 
 def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chunks: list,

@@ -1,21 +1,30 @@
-"""Checkpoints read as data: a poisoned file in either format is refused in one line before anything in it runs."""
+"""Checkpoints read as data, verified per file: a poisoned file in either format is refused in one line before
+anything in it runs; a flipped byte in any file a checkpoint wrote is named."""
 
 import contextlib
 import io
+import json
 import os
 import pickle
+import shutil
 
 import pytest
 import torch
 
-from megatron_bmw.errors import UsageError
+from megatron_bmw.errors import Reported, UsageError
+from megatron_bmw.training import checksums
 from megatron_bmw.training.loop import build_trainer
+from tests.dist_harness import run_distributed
+from tests.training.test_pretrain import _cli
 
 BASE = ["--mock-data", "--vocab-size", "128", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads",
         "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
         "--log-interval", "1", "--eval-iters", "0", "--make-vocab-size-divisible-by", "4",
         "--attention-backend", "unfused"]
 GPT = BASE + ["--train-iters", "4"]
+FILES = {"torch": ["mp_rank_00/model_optim_rng.pt", "mp_rank_00/distrib_optim.pt"],
+         "torch_dist": ["__0_0.distcp", ".metadata", "common.pt"]}
+SUMS = {"torch": "mp_rank_00/checksums.json", "torch_dist": "checksums.json"}  # beside the files they cover
 
 
 class _Poison:
@@ -52,6 +61,14 @@ def _refused(ckpt: str, *extra: str) -> str:
     return message
 
 
+def _flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
 def _poison(path: str, marker: str) -> None:
     """Replace a checkpoint file by a pickle that would run `touch marker` when unpickled."""
     if path.endswith(".metadata"):
@@ -64,9 +81,14 @@ def _poison(path: str, marker: str) -> None:
 @pytest.mark.parametrize("fmt,rel", [("torch", "mp_rank_00/model_optim_rng.pt"), ("torch_dist", "common.pt"),
                                      ("torch_dist", ".metadata")])
 def test_a_poisoned_file_is_refused_in_one_line_and_nothing_runs(tmp_path, fmt, rel):
+    """An older checkpoint (no checksums.json): the reader refuses the global; with checksums.json the checksum
+    names the file first. Either way the pickle never runs."""
     ckpt, marker = _saved(tmp_path, fmt), str(tmp_path / "ran")
     path = os.path.join(ckpt, "iter_0000004", rel)
     _poison(path, marker)
+    message = _refused(ckpt)
+    assert f"{path} is damaged (" in message, message
+    os.remove(os.path.join(ckpt, "iter_0000004", SUMS[fmt]))
     message = _refused(ckpt)
     assert path in message and "global posix.system" in message and "refused" in message, message
     assert not os.path.exists(marker)
@@ -84,7 +106,88 @@ def test_a_metadata_naming_a_pickled_object_is_refused(tmp_path):
     metadata.state_dict_metadata["model.embedding.word_embeddings.weight"] = BytesStorageMetadata()
     with open(path, "wb") as f:
         pickle.dump(metadata, f)
+    os.remove(os.path.join(ckpt, "iter_0000004", SUMS["torch_dist"]))
     message = _refused(ckpt)
     assert message == (f"--load {ckpt}: {path} names the global torch.distributed.checkpoint.metadata."
                        "BytesStorageMetadata, which a torch_dist index never needs; refused (nothing in the file was "
                        "run)")
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_checksums_cover_every_file_and_a_flipped_byte_is_named(tmp_path, fmt):
+    ckpt = _saved(tmp_path, fmt)
+    it = os.path.join(ckpt, "iter_0000004")
+    folder = os.path.join(it, os.path.dirname(SUMS[fmt]))
+    recorded = json.load(open(os.path.join(folder, "checksums.json")))["files"]
+    assert sorted(recorded) == sorted(os.path.basename(f) for f in FILES[fmt])
+    for name, entry in recorded.items():
+        assert entry == checksums.digest(os.path.join(folder, name))
+    clean = str(tmp_path / "clean")
+    shutil.copytree(ckpt, clean)
+    for rel in FILES[fmt]:
+        shutil.rmtree(ckpt)
+        shutil.copytree(clean, ckpt)
+        _flip(os.path.join(it, rel))
+        message = _refused(ckpt)
+        assert message == (f"--load {ckpt}: {os.path.join(it, rel)} is damaged ({checksums.algorithm()} checksum "
+                           "differs)"), message
+    with open(os.path.join(it, SUMS[fmt]), "w") as f:
+        f.write("{not json")
+    assert f"cannot read {os.path.join(it, SUMS[fmt])} (not a checksum file" in _refused(ckpt)
+
+
+def test_an_older_checkpoint_without_checksums_loads_and_digests_this_machine_lacks_are_skipped(tmp_path):
+    ckpt = _saved(tmp_path, "torch")
+    it = os.path.join(ckpt, "iter_0000004")
+    sums = json.load(open(os.path.join(it, SUMS["torch"])))
+    os.remove(os.path.join(it, SUMS["torch"]))
+    assert _load(ckpt)[0].iteration == 4
+    entry = sums["files"]["model_optim_rng.pt"]
+    assert checksums.differs(os.path.join(it, "mp_rank_00/model_optim_rng.pt"), {"bytes": entry["bytes"],
+                                                                                 "blake3": "00"}) is None
+    assert checksums.differs(os.path.join(it, "mp_rank_00/model_optim_rng.pt"), {"bytes": 1}) == \
+        f"{entry['bytes']} bytes, 1 were saved"
+
+
+PP2 = [a if a != "1" else "2" for a in BASE] + ["--train-iters", "4", "--pipeline-model-parallel-size", "2"]
+
+
+def _damaged_stage(rank, world_size, ckpt):
+    """pp2: stage 1's file of iteration 4 is damaged; (exit code or iteration, what this rank printed)."""
+    err, out = io.StringIO(), io.StringIO()
+    argv = PP2 + ["--load", ckpt]
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            result = build_trainer(argv).iteration
+        except Reported as exc:
+            result = -exc.exit_code
+    return result, err.getvalue(), out.getvalue()
+
+
+def _save_pp2(rank, world_size, ckpt):
+    trainer = build_trainer(PP2 + ["--save", ckpt, "--save-interval", "2"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+
+
+@pytest.mark.slow
+def test_a_damaged_stage_stops_every_rank_with_one_line(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(2, _save_pp2, ckpt)
+    path = os.path.join(ckpt, "iter_0000004", "mp_rank_00_001", "model_optim_rng.pt")
+    _flip(path)
+    (r0, err0, _), (r1, err1, _) = run_distributed(2, _damaged_stage, ckpt)
+    assert (r0, r1, err0) == (-2, -2, "")
+    assert err1.strip() == (f"error: rank 1: --load {ckpt}: {path} is damaged ({checksums.algorithm()} checksum "
+                            "differs)")
+
+
+@pytest.mark.slow
+def test_the_command_line_exits_2_on_a_damaged_file(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    base = BASE + ["--lr-decay-iters", "6"]
+    assert _cli(base + ["--train-iters", "4", "--save", ckpt, "--save-interval", "2"]).returncode == 0
+    _flip(os.path.join(ckpt, "iter_0000004", "mp_rank_00", "model_optim_rng.pt"))
+    out = _cli(base + ["--train-iters", "6", "--load", ckpt])
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "model_optim_rng.pt is damaged" in out.stderr

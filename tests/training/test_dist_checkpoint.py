@@ -168,9 +168,11 @@ def test_other_model_refused_in_one_line(tmp_path):
     msg = _error_of(small + ["--train-iters", "4", "--load", ckpt, "--swiglu"])
     assert msg == (f"--load {ckpt}: checkpoint has swiglu = False, this run True (another model; a torch_dist "
                    "checkpoint reshards the layout only)")
-    # a truncated .metadata is named, as a truncated common file is (probe, session 12: an UnpicklingError)
+    # a truncated .metadata is named, as a truncated common file is (probe, session 12: an UnpicklingError); as an
+    # older checkpoint, without checksums.json (which would name it first: test_checkpoint_integrity.py)
     cut = str(tmp_path / "cut")
     shutil.copytree(ckpt, cut)
+    os.remove(os.path.join(cut, "iter_0000003", "checksums.json"))
     metadata = os.path.join(cut, "iter_0000003", ".metadata")
     with open(metadata, "rb") as f:
         head = f.read(100)
