@@ -239,6 +239,7 @@ def add_megatron_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--load-fallback", action="store_true", help="a damaged tracked checkpoint loads the previous one")
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
                    help="on --load, use this run's LR schedule flags instead of the checkpoint's")
@@ -661,6 +662,7 @@ def _training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool
         load=args.load, save_interval=args.save_interval, save_optim=not args.no_save_optim,
         save_rng=not args.no_save_rng, load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
         finetune=args.finetune, ckpt_format=args.ckpt_format,
+        load_fallback=args.load_fallback,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         ckpt_convert_format=args.ckpt_convert_format, ckpt_convert_save=args.ckpt_convert_save,

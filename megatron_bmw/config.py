@@ -389,6 +389,7 @@ class TrainConfig:
     save_rng: bool = True
     load_optim: bool = True
     load_rng: bool = True
+    load_fallback: bool = False  # --load-fallback: a damaged tracked checkpoint loads the previous one instead
     finetune: bool = False
     ckpt_format: str = "torch"  # what --save writes: torch (Megatron's legacy) or torch_dist (layout-free)
     override_opt_param_scheduler: bool = False  # on --load: this run's LR schedule, not the checkpoint's

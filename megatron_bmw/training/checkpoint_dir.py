@@ -16,13 +16,14 @@ short. The next successful save removes what crashed saves left; every published
 
 `read`: the files each rank is to read are compared with their checksums.json first (a checkpoint without, older or
 Megatron-LM's, loads unverified); a file that differs, or that cannot be read, is `Damaged`, which every rank
-raises together, and the rank that met it prints its line (training/checkpointer.py).
+raises together, so the caller may try an earlier iteration (training/checkpointer.py, --load-fallback).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,11 +41,16 @@ RELEASE = "release"
 TORCH_FORMAT = "torch"
 DIST_FORMAT = "torch_dist"
 DIST_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's index: what marks a torch_dist iteration
+_ITERATION = re.compile(r"iter_(\d{7})")
 
 
 class Damaged(UsageError):
     """A checkpoint file that is not as it was saved (its checksum or size differs, it is missing, truncated or
-    refused): one line."""
+    refused): one line, plus `detail` (the file and why) for --load-fallback's line."""
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail or message.split(": ", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,7 @@ def format_of(root: str, iter_dir: str) -> str:
         shards = sorted(e for e in os.listdir(iter_dir) if e.endswith(".distcp"))
         if shards:
             raise Damaged(f"--load {root}: {iter_dir} holds torch_dist shards ({shards[0]}, ...) but no "
-                          f"{DIST_METADATA_FILE} (an incomplete copy?)")
+                          f"{DIST_METADATA_FILE} (an incomplete copy?)", f"{DIST_METADATA_FILE} is missing")
     return TORCH_FORMAT
 
 
@@ -144,7 +150,16 @@ def resolve_iteration_dir(load_dir: str, iteration: int | str) -> str:
     backups = sorted(glob.glob(f"{path}.old-*"), key=os.path.getmtime)
     if backups:
         return backups[-1]  # a re-save of this iteration was cut short between its two renames
-    raise Damaged(f"--load {load_dir}: the tracker names iteration {iteration}, but {path} does not exist")
+    raise Damaged(f"--load {load_dir}: the tracker names iteration {iteration}, but {path} does not exist",
+                  "its folder does not exist")
+
+
+def earlier_iterations(load_dir: str, before: int | str) -> list[int]:
+    """The saved iterations before `before`, latest first (none before a release)."""
+    if before == RELEASE or not os.path.isdir(load_dir):
+        return []
+    found = (_ITERATION.fullmatch(e) for e in os.listdir(load_dir))
+    return sorted((int(m.group(1)) for m in found if m and int(m.group(1)) < int(before)), reverse=True)
 
 
 # -- the atomic save ---------------------------------------------------------------------------------------------------
@@ -269,16 +284,17 @@ def verify(fmt: CheckpointFormat, source: IterationDir, load_optim: bool = True)
                 saved[folder] = checksums.recorded(os.path.join(source.path, folder))
             except ValueError as exc:
                 sums = os.path.join(folder, checksums.FILE)
-                raise Damaged(f"{source.where}: cannot read {os.path.join(source.path, sums)} ({exc})") from None
+                raise Damaged(f"{source.where}: cannot read {os.path.join(source.path, sums)} ({exc})",
+                              f"{sums}: {exc}") from None
         entry = (saved[folder] or {}).get(name)
         why = None if entry is None else checksums.differs(os.path.join(source.path, rel), entry)
         if why is not None:
-            raise Damaged(f"{source.where}: {os.path.join(source.path, rel)} is damaged ({why})")
+            raise Damaged(f"{source.where}: {os.path.join(source.path, rel)} is damaged ({why})", f"{rel}: {why}")
 
 
 def agree_damage(fn, *args):
     """agree(fn, *args), except that a Damaged on any rank raises that Damaged (the lowest rank's) on every rank,
-    unprinted: the caller prints it once."""
+    unprinted: the caller decides (an earlier iteration, or the error)."""
 
     def run():
         try:
@@ -286,7 +302,7 @@ def agree_damage(fn, *args):
         except Damaged as exc:
             if world()[1] == 1:
                 raise
-            return None, (world()[0], str(exc))
+            return None, (world()[0], str(exc), exc.detail)
 
     result, damage = agree(run)
     if world()[1] > 1:
@@ -301,8 +317,8 @@ def agree_damage(fn, *args):
 class _AgreedDamage(Damaged):
     """Damaged as every rank raises it: `rank` found it (and prints it, if it stops the run)."""
 
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, rank: int, message: str, detail: str) -> None:
+        super().__init__(message, detail)
         self.rank = rank
 
 

@@ -3,8 +3,9 @@ loads whatever format the tracked iteration was saved in.
 
 The formats (checkpoint_dir.CheckpointFormat) are checkpointing.TorchFormat (`torch`, Megatron's per-rank files)
 and dist_checkpoint.DistFormat (`torch_dist`, any layout); the tracker, the atomic save, the checksums and the
-verified read are checkpoint_dir.py's. Here: which format, and the tracker's iteration. A damaged iteration (a file
-whose checksum or size differs, or that is missing or unreadable) stops --load with one line naming the file.
+verified read are checkpoint_dir.py's. Here: which format and which iteration. A damaged iteration (a file whose
+checksum or size differs, or that is missing or unreadable) stops --load with one line naming the file; with
+--load-fallback the latest earlier iteration in the folder is loaded instead, and the run says so in one line.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from ..parallel.agree import agree
 from ..parallel.state import ParallelState
 from . import checkpoint_dir
 from .checkpoint_dir import (DIST_FORMAT, RELEASE, TORCH_FORMAT, TRACKER, CheckpointFormat, Damaged, IterationDir,
-                             agree_damage, format_of, inside_checkpoint, read_tracker, resolve_iteration_dir, world)
+                             agree_damage, earlier_iterations, format_of, inside_checkpoint, iteration_dir_name,
+                             read_tracker, resolve_iteration_dir, world)
 from .checkpointing import TorchFormat
 from .optimizer import MixedPrecisionOptimizer
 
@@ -51,34 +53,48 @@ class Checkpointer:
         Returns the iteration folder."""
         return checkpoint_dir.save(self.format(fmt), self.state, save_dir, iteration, payload, rng_state, save_optim)
 
-    def load(self, load_dir: str, load_optim: bool = True, model_args: dict | None = None) -> Loaded | None:
+    def load(self, load_dir: str, load_optim: bool = True, model_args: dict | None = None,
+             fallback: bool = False) -> Loaded | None:
         """The tracker's iteration, loaded (the optimizer's state only with `load_optim`, never from a release);
         None, with Megatron's warning, when `load_dir` has no tracker. A damaged iteration is an error naming the
-        file."""
+        file; with `fallback` the latest earlier one is loaded instead."""
         iteration = agree(_tracked, load_dir)
         if iteration is None:
             self._say(f"WARNING: could not find the metadata file {os.path.join(load_dir, TRACKER)}\n"
                       "    will not load any checkpoints and will start from random")
             return None
-        try:
-            source, name = agree_damage(_source, load_dir, iteration)
-            payload = checkpoint_dir.read(self.format(name), source, load_optim and iteration != RELEASE, model_args)
-        except Damaged as exc:
-            raise _refused(exc) from None
-        return Loaded(iteration, name, payload)
+        while True:
+            try:
+                source, name = agree_damage(_source, load_dir, iteration)
+                payload = checkpoint_dir.read(self.format(name), source, load_optim and iteration != RELEASE,
+                                              model_args)
+                return Loaded(iteration, name, payload)
+            except Damaged as exc:
+                earlier = earlier_iterations(load_dir, iteration)
+                if not (fallback and earlier):
+                    raise _refused(exc, load_dir, earlier, fallback) from None
+                self._say(f" > --load-fallback: {iteration_dir_name(iteration)} is damaged ({exc.detail}); loading "
+                          f"{iteration_dir_name(earlier[0])}")
+                iteration = earlier[0]
 
     def _say(self, text: str) -> None:
         if self.state.rank == 0:
             print(text, flush=True)
 
 
-def _refused(exc: Damaged) -> Exception:
-    """The damaged iteration's line, printed once, by the rank that met it (as parallel/agree.py prints)."""
+def _refused(exc: Damaged, load_dir: str, earlier: list[int], fallback: bool) -> Exception:
+    """The damaged iteration's line, saying what --load-fallback would do; printed once, by the rank that met it
+    (as parallel/agree.py prints)."""
+    if fallback:
+        hint = f"; --load-fallback found no earlier checkpoint in {load_dir}"
+    else:
+        hint = f"; --load-fallback would load iteration {earlier[0]} instead" if earlier else ""
+    message = f"{exc}{hint}"
     if world()[1] == 1:
-        return exc
+        return Damaged(message, exc.detail)
     rank = getattr(exc, "rank", world()[0])
     if rank == world()[0]:
-        say(f"rank {rank}: {exc}")
+        say(f"rank {rank}: {message}")
     return Reported(UsageError.exit_code)
 
 

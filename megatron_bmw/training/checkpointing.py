@@ -108,7 +108,7 @@ class TorchFormat:
             if other is not None and other != (state.tp_size, state.pp_size):
                 raise _mismatch(where, other, state)
             gone = "" if os.path.isdir(os.path.join(iter_dir, mp)) else f" (its shard directory {mp} is gone)"
-            raise Damaged(f"{where}: checkpoint file {path} is missing{gone}")
+            raise Damaged(f"{where}: checkpoint file {path} is missing{gone}", f"{mp}/{MODEL_FILE} is missing")
         payload = _read(where, path)
         theirs = _arg(payload, "unit_strategies")
         if (list(theirs or []) or None) != _strategies(state):

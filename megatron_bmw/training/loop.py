@@ -254,7 +254,7 @@ class Trainer:
             return
         self.optimizer.finish_param_sync()  # a gather still running would overwrite the loaded weights
         load_optim = tr.load_optim and not tr.finetune
-        self.loaded = self.checkpoints.load(tr.load, load_optim, self._args_dict())
+        self.loaded = self.checkpoints.load(tr.load, load_optim, self._args_dict(), tr.load_fallback)
         if self.loaded is None:
             return
         if tr.finetune:

@@ -1,5 +1,6 @@
 """Checkpoints read as data, verified per file: a poisoned file in either format is refused in one line before
-anything in it runs; a flipped byte in any file a checkpoint wrote is named."""
+anything in it runs; a flipped byte in any file a checkpoint wrote is named; --load-fallback loads the previous
+iteration and says so."""
 
 import contextlib
 import io
@@ -110,7 +111,7 @@ def test_a_metadata_naming_a_pickled_object_is_refused(tmp_path):
     message = _refused(ckpt)
     assert message == (f"--load {ckpt}: {path} names the global torch.distributed.checkpoint.metadata."
                        "BytesStorageMetadata, which a torch_dist index never needs; refused (nothing in the file was "
-                       "run)")
+                       "run); --load-fallback would load iteration 2 instead")
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
@@ -130,10 +131,30 @@ def test_checksums_cover_every_file_and_a_flipped_byte_is_named(tmp_path, fmt):
         _flip(os.path.join(it, rel))
         message = _refused(ckpt)
         assert message == (f"--load {ckpt}: {os.path.join(it, rel)} is damaged ({checksums.algorithm()} checksum "
-                           "differs)"), message
+                           "differs); --load-fallback would load iteration 2 instead"), message
     with open(os.path.join(it, SUMS[fmt]), "w") as f:
         f.write("{not json")
     assert f"cannot read {os.path.join(it, SUMS[fmt])} (not a checksum file" in _refused(ckpt)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_load_fallback_loads_the_previous_iteration_and_says_so(tmp_path, fmt):
+    ckpt = _saved(tmp_path, fmt)
+    rel = FILES[fmt][0]
+    _flip(os.path.join(ckpt, "iter_0000004", rel))
+    trainer, out = _load(ckpt, "--load-fallback")
+    assert trainer.iteration == 2 and trainer.consumed_train == 8
+    assert (f" > --load-fallback: iter_0000004 is damaged ({rel}: {checksums.algorithm()} checksum differs); "
+            "loading iter_0000002") in out.splitlines()
+    assert f"  successfully loaded checkpoint from {ckpt} at iteration 2" in out.splitlines()
+    _flip(os.path.join(ckpt, "iter_0000002", rel))  # nothing intact is left
+    assert _refused(ckpt, "--load-fallback").endswith(f"; --load-fallback found no earlier checkpoint in {ckpt}")
+    shutil.rmtree(os.path.join(ckpt, "iter_0000004"))  # the tracker names a folder that is gone
+    shutil.rmtree(os.path.join(ckpt, "iter_0000002"))
+    shutil.copytree(os.path.join(_saved(tmp_path, fmt, "again"), "iter_0000002"), os.path.join(ckpt, "iter_0000002"))
+    trainer, out = _load(ckpt, "--load-fallback")
+    assert trainer.iteration == 2 and " > --load-fallback: iter_0000004 is damaged (its folder does not exist); " \
+                                      "loading iter_0000002" in out
 
 
 def test_an_older_checkpoint_without_checksums_loads_and_digests_this_machine_lacks_are_skipped(tmp_path):
@@ -152,10 +173,10 @@ def test_an_older_checkpoint_without_checksums_loads_and_digests_this_machine_la
 PP2 = [a if a != "1" else "2" for a in BASE] + ["--train-iters", "4", "--pipeline-model-parallel-size", "2"]
 
 
-def _damaged_stage(rank, world_size, ckpt):
+def _damaged_stage(rank, world_size, ckpt, fallback):
     """pp2: stage 1's file of iteration 4 is damaged; (exit code or iteration, what this rank printed)."""
     err, out = io.StringIO(), io.StringIO()
-    argv = PP2 + ["--load", ckpt]
+    argv = PP2 + ["--load", ckpt] + (["--load-fallback"] if fallback else [])
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         try:
             result = build_trainer(argv).iteration
@@ -171,23 +192,30 @@ def _save_pp2(rank, world_size, ckpt):
 
 
 @pytest.mark.slow
-def test_a_damaged_stage_stops_every_rank_with_one_line(tmp_path):
+def test_a_damaged_stage_stops_every_rank_once_or_every_rank_falls_back(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_distributed(2, _save_pp2, ckpt)
     path = os.path.join(ckpt, "iter_0000004", "mp_rank_00_001", "model_optim_rng.pt")
     _flip(path)
-    (r0, err0, _), (r1, err1, _) = run_distributed(2, _damaged_stage, ckpt)
+    (r0, err0, _), (r1, err1, _) = run_distributed(2, _damaged_stage, ckpt, False)
     assert (r0, r1, err0) == (-2, -2, "")
     assert err1.strip() == (f"error: rank 1: --load {ckpt}: {path} is damaged ({checksums.algorithm()} checksum "
-                            "differs)")
+                            "differs); --load-fallback would load iteration 2 instead")
+    (r0, err0, out0), (r1, err1, out1) = run_distributed(2, _damaged_stage, ckpt, True)
+    assert (r0, r1, err0, err1) == (2, 2, "", "")
+    assert " > --load-fallback: iter_0000004 is damaged (mp_rank_00_001/model_optim_rng.pt: " in out0
+    assert "--load-fallback" not in out1  # said once
 
 
 @pytest.mark.slow
-def test_the_command_line_exits_2_on_a_damaged_file(tmp_path):
+def test_the_command_line_exits_2_on_a_damaged_file_and_falls_back_with_the_flag(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     base = BASE + ["--lr-decay-iters", "6"]
     assert _cli(base + ["--train-iters", "4", "--save", ckpt, "--save-interval", "2"]).returncode == 0
     _flip(os.path.join(ckpt, "iter_0000004", "mp_rank_00", "model_optim_rng.pt"))
     out = _cli(base + ["--train-iters", "6", "--load", ckpt])
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert "model_optim_rng.pt is damaged" in out.stderr
+    assert "model_optim_rng.pt is damaged" in out.stderr and "--load-fallback would load iteration 2" in out.stderr
+    out = _cli(base + ["--train-iters", "6", "--load", ckpt, "--load-fallback"])
+    assert out.returncode == 0, out.stderr
+    assert "loading iter_0000002" in out.stdout and "at iteration 2" in out.stdout
