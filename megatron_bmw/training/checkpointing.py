@@ -257,10 +257,15 @@ def _saved_sizes(where: str, iter_dir: str, state: ParallelState) -> tuple[int, 
     return None
 
 
+# how a torch checkpoint reaches another layout: torch_dist loads into any (test_dist_checkpoint.py converts so)
+_CONVERT = ("to load it into this layout, convert it first: run with the saved layout and --ckpt-convert-format "
+            "torch_dist --ckpt-convert-save OUT, then --load OUT/torch_dist")
+
+
 def _mismatch(where: str, saved: tuple[int, int], state: ParallelState) -> UsageError:
     return UsageError(
         f"{where}: checkpoint was saved with tensor/pipeline parallel sizes ({saved[0]}, {saved[1]}), "
-        f"but this run uses ({state.tp_size}, {state.pp_size})"
+        f"but this run uses ({state.tp_size}, {state.pp_size}); {_CONVERT}"
     )
 
 
@@ -271,7 +276,7 @@ def _strategies(state: ParallelState) -> list[str] | None:
 def _strategies_mismatch(where: str, theirs, state: ParallelState) -> UsageError:
     said = lambda x: ",".join(x) if x else "none (a uniform layout)"  # noqa: E731
     return UsageError(f"{where}: checkpoint was saved with unit strategies {said(theirs)}, but this run "
-                      f"uses {said(_strategies(state))} (a hybrid checkpoint loads only into the same plan)")
+                      f"uses {said(_strategies(state))}; {_CONVERT}")
 
 
 def _saved_strategies(where: str, iter_dir: str) -> list[str] | None:

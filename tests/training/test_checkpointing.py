@@ -163,7 +163,8 @@ def test_parallel_size_mismatch_refused(tmp_path):
     for tp, pp in ((2, 1), (1, 2)):
         msg = (
             f"--load {tmp_path}: checkpoint was saved with tensor/pipeline parallel sizes (1, 1), "
-            f"but this run uses ({tp}, {pp})"
+            f"but this run uses ({tp}, {pp}); to load it into this layout, convert it first: run with the saved "
+            "layout and --ckpt-convert-format torch_dist --ckpt-convert-save OUT, then --load OUT/torch_dist"
         )
         with pytest.raises(UsageError) as err:
             load_checkpoint(str(tmp_path), _state(tp, pp))
