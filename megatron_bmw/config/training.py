@@ -121,6 +121,8 @@ class TrainConfig:
     save_rng: bool = flag("--no-save-rng", group=C, default=True, action="store_false")
     load_optim: bool = flag("--no-load-optim", group=C, default=True, action="store_false")
     load_rng: bool = flag("--no-load-rng", group=C, default=True, action="store_false")
+    load_fallback: bool = flag("--load-fallback", group=C, default=False, action="store_true",
+                               help="a damaged tracked checkpoint loads the previous one")
     finetune: bool = flag("--finetune", group=C, default=False, action="store_true")
     ckpt_format: str = flag(  # what --save writes: torch (Megatron's legacy) or torch_dist (layout-free)
         "--ckpt-format", group=C, default="torch",

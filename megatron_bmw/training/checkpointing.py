@@ -1,255 +1,164 @@
-"""Checkpoints in Megatron's directory layout, written atomically.
+"""The legacy `torch` format: Megatron's files per (tp, pp) rank.
 
-    <dir>/latest_checkpointed_iteration.txt        the iteration number (or "release")
     <dir>/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt    payload + optimizer state
     <dir>/iter_0000010/mp_rank_TT[_PPP]/distrib_optim.pt      per-parameter optimizer state (ZeRO-1 only)
 
-DP rank 0 of each (tp, pp) writes. Everything goes into `iter_XXXXXXX.tmp-<token>` first; once every rank
-has written (parallel/agree.py: a full disk on any rank stops all of them, the temporary directory removed)
-rank 0 renames it into place and then replaces the tracker file, so a crash at any point leaves the
-previous checkpoint and tracker intact. Re-saving an existing iteration moves the old directory to
-`iter_XXXXXXX.old-<token>` for the instant of the swap; loading falls back to it if the swap was cut short.
+DP rank 0 of each (tp, pp) writes its files (a hybrid layout: every rank of a stage its own shard); the files are
+read as data (safe_load.py). The tracker, the temporary folder, the checksums and the rename are
+checkpoint_dir.py's. `save_checkpoint` and `load_checkpoint` are the format on its own, for tools and tests: their
+payloads hold the model ("model", or "model0", "model1", ... per virtual stage).
 """
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
 
-import torch
-import torch.distributed as dist
+import torch  # noqa: F401 - tests/training/test_faults.py fills the disk through checkpointing.torch.save
 
-from ..errors import Reported, RunError, UsageError
+from ..errors import UsageError
 from ..parallel.agree import agree
 from ..parallel.state import ParallelState
+from ..safe_load import load_file
+from .checkpoint_dir import (RELEASE, TORCH_FORMAT, TRACKER, Damaged, IterationDir, agree_damage,  # noqa: F401 - TRACKER for convert/
+                             is_dist_checkpoint, read, read_tracker, resolve_iteration_dir, save, save_synced)
 from .optimizer import MixedPrecisionOptimizer
 
-TRACKER = "latest_checkpointed_iteration.txt"
-DIST_FORMAT = "torch_dist"
-DIST_METADATA_FILE = ".metadata"
 MODEL_FILE = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
-RELEASE = "release"
-
-
-def iteration_dir_name(iteration: int | str) -> str:
-    return RELEASE if iteration == RELEASE else f"iter_{int(iteration):07d}"
 
 
 def mp_rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def _mp_coords(state: ParallelState) -> tuple[int, int, bool]:
-    """(rank, size) naming the mp_rank_* directory, and whether this rank writes one (parallel/placement.py)."""
-    return state.units.checkpoint_shard(state)
+class TorchFormat:
+    """Megatron's per-rank files of this rank's model chunks (None: the payload holds the model) and optimizer."""
 
+    name = TORCH_FORMAT
 
-def checkpoint_file(ckpt_dir: str, iteration: int | str, state: ParallelState, name: str = MODEL_FILE) -> str:
-    """Where this rank's (tp, pp) file of `iteration` lives."""
-    mp = mp_rank_dir_name(_mp_coords(state)[0], state.pp_rank, state.pp_size)
-    return os.path.join(ckpt_dir, iteration_dir_name(iteration), mp, name)
+    def __init__(self, state: ParallelState, chunks: list | None = None,
+                 optimizer: MixedPrecisionOptimizer | None = None) -> None:
+        self.state, self.chunks, self.optimizer = state, chunks, optimizer
 
+    def _shard(self) -> tuple[str, int, bool]:
+        """(this rank's mp_rank_* folder, how many tp shards name them, whether this rank writes it)."""
+        mp_rank, mp_size, writes = self.state.units.checkpoint_shard(self.state)
+        return mp_rank_dir_name(mp_rank, self.state.pp_rank, self.state.pp_size), mp_size, writes
 
-def read_tracker(ckpt_dir: str) -> int | str | None:
-    """The iteration the tracker names, "release", or None when there is no tracker file."""
-    path = os.path.join(ckpt_dir, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb") as f:
-        text = f.read().decode("utf-8", errors="replace").strip()
-    if text == RELEASE:
-        return RELEASE
-    try:
-        return int(text)
-    except ValueError:
-        raise UsageError(f"--load {ckpt_dir}: {TRACKER} holds {text!r}, not an iteration number or 'release'") from None
+    # -- save ---------------------------------------------------------------------------------------------------------
+    def write(self, target: IterationDir, payload: dict, rng_state: dict | None, save_optim: bool) -> list[str]:
+        opt = self.optimizer
+        if opt is not None:
+            opt.finish_param_sync()  # the model's tensors hold the last step's weights
+        optim_sd = opt.state_dict() if opt is not None and save_optim else None  # collective under ZeRO
+        data = dict(payload)
+        if rng_state is not None:
+            data["rng_state"] = rng_state
+        if self.chunks is not None:
+            sd = self.state.units.state_dict
+            data.update({"model": sd(self.chunks[0])} if len(self.chunks) == 1 else
+                        {f"model{i}": sd(c) for i, c in enumerate(self.chunks)})
+        return agree(self._write_files, target, data, optim_sd)
 
-
-def inside_checkpoint(path: str) -> str | None:
-    """What marks `path` as a folder inside a checkpoint (an iteration's shard folders or torch_dist metadata, a
-    shard's file), or None."""
-    if not os.path.isdir(path):
-        return None
-    for entry in sorted(os.listdir(path)):
-        if entry in (DIST_METADATA_FILE, MODEL_FILE) or \
-                (entry.startswith("mp_rank_") and os.path.isdir(os.path.join(path, entry))):
-            return entry
-    return None
-
-
-def is_dist_checkpoint(iter_dir: str) -> bool:
-    """DCP directories (training/dist_checkpoint.py's torch_dist format) hold a .metadata file: how --load tells the
-    formats apart without importing torch.distributed.checkpoint."""
-    return os.path.isfile(os.path.join(iter_dir, DIST_METADATA_FILE))
-
-
-def checkpoint_format(load_dir: str) -> str | None:
-    """'torch_dist' or 'torch' for the checkpoint the tracker names; None without a tracker."""
-    iteration = read_tracker(load_dir)
-    if iteration is None:
-        return None
-    iter_dir = _resolve_iteration_dir(load_dir, iteration)
-    if is_dist_checkpoint(iter_dir):
-        return DIST_FORMAT
-    if os.path.isdir(iter_dir) and not any(e.startswith("mp_rank_") for e in os.listdir(iter_dir)):
-        shards = sorted(e for e in os.listdir(iter_dir) if e.endswith(".distcp"))
-        if shards:
-            raise UsageError(f"--load {load_dir}: {iter_dir} holds torch_dist shards ({shards[0]}, ...) but no "
-                             f"{DIST_METADATA_FILE} (an incomplete copy?)")
-    return "torch"
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _shared_token(state: ParallelState) -> str:
-    """A random name part every rank agrees on."""
-    value = torch.tensor([int.from_bytes(os.urandom(7), "little")], dtype=torch.int64)
-    if _world()[1] > 1:
-        value = value.to(state.device)
-        dist.broadcast(value, src=0)
-    return f"{int(value.item()):016x}"
-
-
-def save_checkpoint(
-    save_dir: str,
-    iteration: int,
-    state: ParallelState,
-    payload: dict,
-    optimizer: MixedPrecisionOptimizer | None = None,
-    save_optim: bool = True,
-) -> str:
-    """Save `payload` (+ the optimizer's state) as `iteration`. Every rank must call it. Returns the iteration dir."""
-    if optimizer is not None:
-        optimizer.finish_param_sync()  # the model's tensors in `payload` hold the last step's weights
-    optim_sd = optimizer.state_dict() if optimizer is not None and save_optim else None  # collective under ZeRO
-    token = _shared_token(state)
-    name = iteration_dir_name(iteration)
-    tmp_dir = os.path.join(save_dir, f"{name}.tmp-{token}")
-    final_dir = os.path.join(save_dir, name)
-    rank = _world()[0]
-
-    def failed(exc: Exception) -> RunError:
-        why = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return RunError(f"--save {save_dir}: cannot write the checkpoint of iteration {iteration} "
-                        f"({why}); the previous checkpoint is kept")
-
-    mp_rank, _, writes = _mp_coords(state)
-
-    def write() -> None:
+    def _write_files(self, target: IterationDir, data: dict, optim_sd: dict | None) -> list[str]:
+        mp, _, writes = self._shard()
         if not writes:
-            return
+            return []
+        written = []
         try:
-            mp_dir = os.path.join(tmp_dir, mp_rank_dir_name(mp_rank, state.pp_rank, state.pp_size))
-            os.makedirs(mp_dir, exist_ok=True)
-            data = dict(payload)
+            os.makedirs(os.path.join(target.path, mp), exist_ok=True)
             if optim_sd is not None:
-                if optimizer.distributed:
-                    _save_synced({"params": optim_sd.pop("params")}, os.path.join(mp_dir, DISTRIB_OPTIM_FILE))
+                if self.optimizer.distributed:
+                    written.append(os.path.join(mp, DISTRIB_OPTIM_FILE))
+                    save_synced({"params": optim_sd.pop("params")}, os.path.join(target.path, written[-1]))
                 data["optimizer"] = optim_sd
-            _save_synced(data, os.path.join(mp_dir, MODEL_FILE))
+            written.append(os.path.join(mp, MODEL_FILE))
+            save_synced(data, os.path.join(target.path, written[-1]))
         except OSError as exc:
-            raise failed(exc) from None
+            raise target.failed(exc) from None
         except RuntimeError as exc:  # torch.save's zip writer reports a full disk as a RuntimeError
-            cause = _write_error(exc)
-            if cause is None:
+            if not _disk_error(exc):
                 raise
-            raise failed(cause) from None
+            raise target.failed(exc) from None
+        return written
 
-    def publish() -> None:
-        if rank != 0:
+    # -- load ---------------------------------------------------------------------------------------------------------
+    def own_files(self, iter_dir: str, load_optim: bool) -> list[str]:
+        mp, _, writes = self._shard()
+        if not writes:  # another rank reads the same files and verifies them
+            return []
+        return [os.path.join(mp, MODEL_FILE)] + ([os.path.join(mp, DISTRIB_OPTIM_FILE)] if load_optim else [])
+
+    def read(self, source: IterationDir, load_optim: bool, model_args: dict | None) -> dict:
+        """Every rank reads its own files (no collectives until they agree)."""
+        return agree_damage(self._read_files, source, load_optim, model_args)
+
+    def _read_files(self, source: IterationDir, load_optim: bool, model_args: dict | None) -> dict:
+        state, where, iter_dir = self.state, source.where, source.path
+        mp, mp_size, _ = self._shard()
+        saved = _saved_layout(iter_dir)
+        if saved is not None and saved != (mp_size, state.pp_size) and not _part_of(iter_dir, mp_size, state.pp_size):
+            theirs = _saved_strategies(where, iter_dir)
+            if state.units.names() is not None or theirs:
+                raise _strategies_mismatch(where, theirs, state)
+            raise _mismatch(where, saved, state)
+        path = os.path.join(iter_dir, mp, MODEL_FILE)
+        if not os.path.isfile(path):
+            other = _saved_sizes(where, iter_dir, state)  # another layout's checkpoint, or a lost shard?
+            if other is not None and other != (state.tp_size, state.pp_size):
+                raise _mismatch(where, other, state)
+            gone = "" if os.path.isdir(os.path.join(iter_dir, mp)) else f" (its shard directory {mp} is gone)"
+            raise Damaged(f"{where}: checkpoint file {path} is missing{gone}", f"{mp}/{MODEL_FILE} is missing")
+        payload = _read(where, path)
+        theirs = _arg(payload, "unit_strategies")
+        if (list(theirs or []) or None) != _strategies(state):
+            raise _strategies_mismatch(where, theirs, state)
+        if _sizes_of(payload, state) != (state.tp_size, state.pp_size):
+            raise _mismatch(where, _sizes_of(payload, state), state)
+        if model_args is not None:
+            check_model(where, payload, model_args)
+        optim_sd = payload.pop("optimizer", None)
+        if self.optimizer is not None:
+            self._load_optimizer(where, os.path.join(iter_dir, mp), optim_sd, load_optim)
+        if self.chunks is not None:
+            self._load_model(where, payload)
+        return payload
+
+    def _load_optimizer(self, where: str, mp_dir: str, optim_sd: dict | None, load_optim: bool) -> None:
+        if not load_optim:
+            self.optimizer.reload_model_params()
             return
+        if optim_sd is None:
+            raise UsageError(f"{where}: {os.path.join(mp_dir, MODEL_FILE)} has no optimizer state; load with "
+                             "--no-load-optim")
+        distrib = os.path.join(mp_dir, DISTRIB_OPTIM_FILE)
+        if os.path.isfile(distrib):
+            optim_sd["params"] = _read(where, distrib, "params")["params"]
         try:
-            _move_into_place(tmp_dir, final_dir, token)
-            _write_tracker(save_dir, iteration, token)
-        except OSError as exc:
-            raise failed(exc) from None
-        clear_debris(save_dir)
+            self.optimizer.load_state_dict(optim_sd)
+        except ValueError as exc:
+            raise UsageError(f"{where}: optimizer state in {mp_dir} does not fit this model: {exc}") from exc
 
-    try:  # the agreements stand in for barriers: a full disk on any rank stops every rank with its line
-        agree(write)
-        agree(publish)
-    except (Reported, RunError):
-        if rank == 0:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return final_dir
+    def _load_model(self, where: str, payload: dict) -> None:
+        for i, chunk in enumerate(self.chunks):
+            key = "model" if len(self.chunks) == 1 else f"model{i}"
+            if key not in payload:
+                raise UsageError(f"{where}: checkpoint has no {key!r} (saved with another virtual pipeline size?)")
+            try:
+                self.state.units.load_state_dict(chunk, payload[key])
+            except RuntimeError as exc:
+                raise UsageError(f"{where}: {load_error(exc)}") from None
 
 
-def _write_error(exc: RuntimeError) -> BaseException | None:
-    """The disk error behind a RuntimeError of torch.save's zip writer (its own text for a failed write, or the
-    OSError it was raised while handling: "unexpected pos" after ENOSPC), else None."""
+def _disk_error(exc: RuntimeError) -> bool:
+    """Is this RuntimeError of torch.save's zip writer a disk error (its own text for a failed write, or the OSError
+    it was raised while handling: "unexpected pos" after ENOSPC)?"""
     seen = exc
     while seen is not None:
         if isinstance(seen, OSError):
-            return seen
+            return True
         seen = seen.__cause__ or seen.__context__
-    text = str(exc)
-    return exc if "PytorchStreamWriter failed writing" in text or "inline_container" in text else None
-
-
-def clear_debris(save_dir: str) -> None:
-    """Remove what crashed saves left (rank 0, after publishing a checkpoint)."""
-    for pattern in ("iter_*.tmp-*", "iter_*.old-*", "release.tmp-*", "release.old-*"):
-        for debris in glob.glob(os.path.join(save_dir, pattern)):
-            shutil.rmtree(debris, ignore_errors=True)
-
-
-def _save_synced(obj, path: str) -> None:
-    """torch.save, then fsync: the file's bytes are on disk before the rename publishes them."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _move_into_place(tmp_dir: str, final_dir: str, token: str) -> None:
-    if os.path.exists(final_dir):
-        backup = f"{final_dir}.old-{token}"
-        os.rename(final_dir, backup)
-        os.rename(tmp_dir, final_dir)
-        shutil.rmtree(backup)
-    else:
-        os.rename(tmp_dir, final_dir)
-    _fsync_dir(os.path.dirname(final_dir))
-
-
-def _write_tracker(save_dir: str, iteration: int | str, token: str) -> None:
-    tmp = os.path.join(save_dir, f"{TRACKER}.tmp-{token}")
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(save_dir, TRACKER))
-    _fsync_dir(save_dir)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _resolve_iteration_dir(load_dir: str, iteration: int | str) -> str:
-    path = os.path.join(load_dir, iteration_dir_name(iteration))
-    if os.path.isdir(path):
-        return path
-    backups = sorted(glob.glob(f"{path}.old-*"), key=os.path.getmtime)
-    if backups:
-        return backups[-1]  # a re-save of this iteration was cut short between its two renames
-    raise UsageError(f"--load {load_dir}: the tracker names iteration {iteration}, but {path} does not exist")
+    return "PytorchStreamWriter failed writing" in str(exc) or "inline_container" in str(exc)
 
 
 def _saved_layout(iter_dir: str) -> tuple[int, int] | None:
@@ -284,20 +193,29 @@ ARCHITECTURE = ("model_type", "num_layers", "num_attention_heads", "swiglu", "no
                 "bert_binary_head", "apply_residual_connection_post_layernorm", "orig_vocab_size")
 
 
-def check_model(load_dir: str, payload: dict, model_args: dict, why: str = "another model") -> None:
+def check_model(where: str, payload: dict, model_args: dict, why: str = "another model") -> None:
     """A checkpoint of another model type or architecture is refused with the first difference named (sizes
     show as a tensor's two shapes instead). `payload`: a checkpoint's, its "args" a dict or Megatron's Namespace."""
     for key in ARCHITECTURE:
         saved = _arg(payload, key)
         if saved is not None and model_args.get(key) is not None and saved != model_args[key]:
-            raise UsageError(f"--load {load_dir}: checkpoint has {key} = {saved!r}, this run {model_args[key]!r} "
+            raise UsageError(f"{where}: checkpoint has {key} = {saved!r}, this run {model_args[key]!r} "
                              f"({why})")
 
 
 def load_error(exc: BaseException, fallback_line: int = 0, unmatched: str = "{}") -> str:
-    """One line for weights that do not fit the model, from torch's load_state_dict message (torch format) or
-    torch.distributed.checkpoint's (torch_dist): the first tensor of another shape with both shapes, else the first
-    missing (or unexpected) tensor, else line `fallback_line` of the message, put into `unmatched`."""
+    """One line for weights that do not fit the model (model_misfit), else line `fallback_line` of the message, put
+    into `unmatched`."""
+    misfit = model_misfit(exc)
+    if misfit is not None:
+        return misfit
+    return unmatched.format((str(exc).strip().splitlines() or [type(exc).__name__])[fallback_line][:300])
+
+
+def model_misfit(exc: BaseException) -> str | None:
+    """From torch's load_state_dict message (torch format) or torch.distributed.checkpoint's (torch_dist): the first
+    tensor of another shape with both shapes, else the first missing (or unexpected) tensor; None for any other
+    error."""
     import re
 
     text = str(exc)
@@ -321,7 +239,7 @@ def load_error(exc: BaseException, fallback_line: int = 0, unmatched: str = "{}"
     if unexpected:
         return (f"the checkpoint has tensor {unexpected.group(1)}, which this model does not (another model or "
                 "architecture?)")
-    return unmatched.format((text.strip().splitlines() or [type(exc).__name__])[fallback_line][:300])
+    return None
 
 
 def _sizes_of(payload: dict, state: ParallelState) -> tuple[int, int]:
@@ -330,19 +248,24 @@ def _sizes_of(payload: dict, state: ParallelState) -> tuple[int, int]:
             _arg(payload, "pipeline_model_parallel_size", state.pp_size))
 
 
-def _saved_sizes(load_dir: str, iter_dir: str, state: ParallelState) -> tuple[int, int] | None:
+def _saved_sizes(where: str, iter_dir: str, state: ParallelState) -> tuple[int, int] | None:
     """(tp, pp) from the first shard present (read in full: only on the error path), None if none is."""
     for entry in sorted(os.listdir(iter_dir)):
         path = os.path.join(iter_dir, entry, MODEL_FILE)
         if entry.startswith("mp_rank_") and os.path.isfile(path):
-            return _sizes_of(_read(load_dir, path), state)
+            return _sizes_of(_read(where, path), state)
     return None
 
 
-def _mismatch(load_dir: str, saved: tuple[int, int], state: ParallelState) -> UsageError:
+# how a torch checkpoint reaches another layout: torch_dist loads into any (test_dist_checkpoint.py converts so)
+_CONVERT = ("to load it into this layout, convert it first: run with the saved layout and --ckpt-convert-format "
+            "torch_dist --ckpt-convert-save OUT, then --load OUT/torch_dist")
+
+
+def _mismatch(where: str, saved: tuple[int, int], state: ParallelState) -> UsageError:
     return UsageError(
-        f"--load {load_dir}: checkpoint was saved with tensor/pipeline parallel sizes ({saved[0]}, {saved[1]}), "
-        f"but this run uses ({state.tp_size}, {state.pp_size})"
+        f"{where}: checkpoint was saved with tensor/pipeline parallel sizes ({saved[0]}, {saved[1]}), "
+        f"but this run uses ({state.tp_size}, {state.pp_size}); {_CONVERT}"
     )
 
 
@@ -350,47 +273,48 @@ def _strategies(state: ParallelState) -> list[str] | None:
     return state.units.names()
 
 
-def _strategies_mismatch(load_dir: str, theirs, state: ParallelState) -> UsageError:
+def _strategies_mismatch(where: str, theirs, state: ParallelState) -> UsageError:
     said = lambda x: ",".join(x) if x else "none (a uniform layout)"  # noqa: E731
-    return UsageError(f"--load {load_dir}: checkpoint was saved with unit strategies {said(theirs)}, but this run "
-                      f"uses {said(_strategies(state))} (a hybrid checkpoint loads only into the same plan)")
+    return UsageError(f"{where}: checkpoint was saved with unit strategies {said(theirs)}, but this run "
+                      f"uses {said(_strategies(state))}; {_CONVERT}")
 
 
-def _saved_strategies(load_dir: str, iter_dir: str) -> list[str] | None:
+def _saved_strategies(where: str, iter_dir: str) -> list[str] | None:
     """The unit strategies a checkpoint was saved with (read from its first file), for a clear mismatch line."""
     for entry in sorted(os.listdir(iter_dir)):
         path = os.path.join(iter_dir, entry, MODEL_FILE)
         if entry.startswith("mp_rank_") and os.path.isfile(path):
-            args = _read(load_dir, path).get("args") or {}
+            args = _read(where, path).get("args") or {}
             got = args.get("unit_strategies") if isinstance(args, dict) else getattr(args, "unit_strategies", None)
             return list(got) if got else None
     return None
 
 
-def _read(load_dir: str, path: str, needs: str | None = None) -> dict:
-    """torch.load a checkpoint file that must hold a dict (with key `needs`); anything else is one error line."""
+def _read(where: str, path: str, needs: str | None = None) -> dict:
+    """A checkpoint file as data (safe_load) that must hold a dict (with key `needs`); anything else is Damaged."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
-        reason = (str(exc).strip().splitlines() or [""])[0]
-        raise UsageError(f"--load {load_dir}: cannot read {path} (truncated or not a checkpoint: "
-                         f"{type(exc).__name__}: {reason})") from None
+        data = load_file(path, where)
+    except UsageError as exc:
+        raise Damaged(str(exc)) from None
     if not isinstance(data, dict) or (needs is not None and needs not in data):
         what = f"a {type(data).__name__}" if not isinstance(data, dict) else f"a dict without {needs!r}"
-        raise UsageError(f"--load {load_dir}: {path} holds {what}, not a megatron_bmw checkpoint")
+        raise Damaged(f"{where}: {path} holds {what}, not a megatron_bmw checkpoint")
     return data
 
 
-def load_checkpoint(
-    load_dir: str,
-    state: ParallelState,
-    optimizer: MixedPrecisionOptimizer | None = None,
-    load_optim: bool = True,
-    iteration: int | str | None = None,
-    model_args: dict | None = None,
-) -> dict | None:
-    """Load this rank's payload (and the optimizer's state into `optimizer`); with `model_args` (this run's saved
-    arguments) a checkpoint of another architecture is refused first, naming the setting.
+# -- the format on its own (tools, tests) ------------------------------------------------------------------------------
+def save_checkpoint(save_dir: str, iteration: int, state: ParallelState, payload: dict,
+                    optimizer: MixedPrecisionOptimizer | None = None, save_optim: bool = True) -> str:
+    """Save `payload` (with the model in it) and the optimizer's state as `iteration`. Every rank must call it.
+    Returns the iteration folder."""
+    return save(TorchFormat(state, None, optimizer), state, save_dir, iteration, payload, save_optim=save_optim)
+
+
+def load_checkpoint(load_dir: str, state: ParallelState, optimizer: MixedPrecisionOptimizer | None = None,
+                    load_optim: bool = True, iteration: int | str | None = None,
+                    model_args: dict | None = None) -> dict | None:
+    """This rank's payload (and the optimizer's state, into `optimizer`), verified; with `model_args` (this run's
+    saved arguments) a checkpoint of another architecture is refused first, naming the setting.
 
     Returns None when `load_dir` has no tracker file and no `iteration` was asked for. Without the optimizer
     state (`load_optim=False`) the optimizer re-reads its master weights from the model at its next step.
@@ -399,48 +323,9 @@ def load_checkpoint(
         iteration = read_tracker(load_dir)
         if iteration is None:
             return None
-    iter_dir = _resolve_iteration_dir(load_dir, iteration)
-    if is_dist_checkpoint(iter_dir):
-        raise UsageError(f"--load {load_dir}: {iter_dir} is a torch_dist checkpoint; this reads the legacy torch "
+    source = IterationDir(load_dir, iteration, resolve_iteration_dir(load_dir, iteration))
+    if is_dist_checkpoint(source.path):
+        raise UsageError(f"--load {load_dir}: {source.path} is a torch_dist checkpoint; this reads the legacy torch "
                          "format (convert it with pretrain_gpt.py --load DIR --ckpt-convert-format torch "
                          "--ckpt-convert-save OUT)")
-    mp_rank, mp_size, _ = _mp_coords(state)
-    saved = _saved_layout(iter_dir)
-    if saved is not None and saved != (mp_size, state.pp_size) and not _part_of(iter_dir, mp_size, state.pp_size):
-        theirs = _saved_strategies(load_dir, iter_dir)
-        if state.units.names() is not None or theirs:
-            raise _strategies_mismatch(load_dir, theirs, state)
-        raise _mismatch(load_dir, saved, state)
-    mp_dir = os.path.join(iter_dir, mp_rank_dir_name(mp_rank, state.pp_rank, state.pp_size))
-    path = os.path.join(mp_dir, MODEL_FILE)
-    if not os.path.isfile(path):
-        other = _saved_sizes(load_dir, iter_dir, state)  # another layout's checkpoint, or a lost shard?
-        if other is not None and other != (state.tp_size, state.pp_size):
-            raise _mismatch(load_dir, other, state)
-        gone = "" if os.path.isdir(mp_dir) else f" (its shard directory {os.path.basename(mp_dir)} is gone)"
-        raise UsageError(f"--load {load_dir}: checkpoint file {path} is missing{gone}")
-    payload = _read(load_dir, path)
-    saved_args = _sizes_of(payload, state)
-    theirs = _arg(payload, "unit_strategies")
-    if (list(theirs or []) or None) != _strategies(state):
-        raise _strategies_mismatch(load_dir, theirs, state)
-    if saved_args != (state.tp_size, state.pp_size):
-        raise _mismatch(load_dir, saved_args, state)
-    if model_args is not None:
-        check_model(load_dir, payload, model_args)
-    optim_sd = payload.pop("optimizer", None)
-    if optimizer is None:
-        return payload
-    if not load_optim or iteration == RELEASE:
-        optimizer.reload_model_params()
-        return payload
-    if optim_sd is None:
-        raise UsageError(f"--load {load_dir}: {path} has no optimizer state; load with --no-load-optim")
-    distrib = os.path.join(mp_dir, DISTRIB_OPTIM_FILE)
-    if os.path.isfile(distrib):
-        optim_sd["params"] = _read(load_dir, distrib, "params")["params"]
-    try:
-        optimizer.load_state_dict(optim_sd)
-    except ValueError as exc:
-        raise UsageError(f"--load {load_dir}: optimizer state in {mp_dir} does not fit this model: {exc}") from exc
-    return payload
+    return read(TorchFormat(state, None, optimizer), source, load_optim and iteration != RELEASE, model_args)

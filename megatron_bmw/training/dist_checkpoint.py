@@ -4,6 +4,7 @@
     <dir>/iter_0000010/.metadata                   DCP's index of every tensor's chunks
     <dir>/iter_0000010/__R_0.distcp                what rank R wrote
     <dir>/iter_0000010/common.pt                   iteration, args, LR schedule, loss scaler, every rank's RNG
+    <dir>/iter_0000010/checksums.json              size and digest of each of them (checkpoint_dir.py)
 
 Keys name tensors globally: `model.<unit>.<tensor>` (units are named over the whole model: embedding, attn_i,
 mlp_i, head) and `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<unit>.<tensor>`. Every tensor is stored in
@@ -15,31 +16,31 @@ writes over the ranks. A load reads only the chunks a rank needs, so any tp/pp/d
 ZeRO/hybrid layout reads any other's (training/dist_chunks.py places the chunks). The tied output weight of
 a last pipeline stage is not saved: it loads from the word embedding.
 
-Atomic as the `torch` format: DCP writes into `iter_XXXXXXX.tmp-<token>`, rank 0 adds common.pt, renames the
-directory into place and then replaces the tracker (training/checkpointing.py's helpers).
+Everything is read as data: common.pt through safe_load.py, .metadata (which DCP itself unpickles) through
+dist_chunks.SafeReader's allow-list. The temporary folder, the checksums, the rename and the tracker are
+checkpoint_dir.py's; rank 0 adds common.pt once DCP has written the shards and .metadata.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import Reported, RunError, UsageError
+from ..errors import UsageError
 from ..parallel.agree import agree
 from ..parallel.state import ParallelState
-from .checkpointing import (DIST_FORMAT as FORMAT, DIST_METADATA_FILE as METADATA_FILE, RELEASE,  # noqa: F401
-                            _fsync_dir, _move_into_place, _resolve_iteration_dir, _shared_token, _world, _write_tracker,
-                            check_model, checkpoint_format, clear_debris, is_dist_checkpoint, iteration_dir_name,
-                            load_error, read_tracker)
-from .dist_chunks import LoadPlanner, SavePlanner, Slices, local_of, piece_slices, slices_of
+from ..safe_load import load_file
+from . import checkpoint_dir
+from .checkpoint_dir import (DIST_FORMAT as FORMAT, DIST_METADATA_FILE as METADATA_FILE, Damaged, IterationDir,
+                             agree_damage, gather_first, save_synced, world)
+from .checkpointing import check_model, model_misfit
+from .dist_chunks import LoadPlanner, RefusedGlobal, SafeReader, SavePlanner, Slices, local_of, piece_slices, slices_of
 from .optimizer import MOMENTS, MixedPrecisionOptimizer
 
 COMMON_FILE = "common.pt"
@@ -91,77 +92,159 @@ def _model_tensors(chunks: list, state: ParallelState) -> list[tuple[str, torch.
 def layout_of(state: ParallelState) -> dict:
     """What the RNG streams' meaning depends on: every rank keeps its coordinates when these agree."""
     return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "order": state.layout.order,
-            "world": _world()[1], "unit_strategies": state.units.names()}
+            "world": world()[1], "unit_strategies": state.units.names()}
 
 
-def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chunks: list,
-         optimizer: MixedPrecisionOptimizer | None = None, save_optim: bool = True, rng_state=None) -> str:
-    """Save as torch_dist (every rank calls it). `payload`: the common part (no model); `rng_state`: this
-    rank's RNG streams (gathered into common.pt). Returns the iteration directory."""
-    with_optim = optimizer is not None and save_optim
-    if optimizer is not None:
-        optimizer.finish_param_sync()  # the model's tensors hold the last step's weights
-    rngs = _gather_objects(rng_state)
-    token = _shared_token(state)
-    name = iteration_dir_name(iteration)
-    tmp_dir = os.path.join(save_dir, f"{name}.tmp-{token}")
-    final_dir = os.path.join(save_dir, name)
-    rank = _world()[0]
-    tensors = {}
-    for gname, t, copy, tp in _model_tensors(chunks, state):
-        if not copy:
-            tensors[MODEL + gname] = slices_of(t, local_of(t).detach(), *tp)
-    common = dict(payload, checkpoint_format=FORMAT, layout=layout_of(state), rng_state=rngs)
-    if with_optim:  # each rank its own pieces: ZeRO-1's flat ranges as boxes of the global tensors, no gather
-        units = _unit_states(chunks, state)
-        for (i, start, end), st in zip(optimizer.pieces(), optimizer.piece_state()):
-            p, pname = optimizer.params[i], optimizer.names[i]
+class DistFormat:
+    """torch_dist files of this rank's model chunks and optimizer."""
+
+    name = FORMAT
+
+    def __init__(self, state: ParallelState, chunks: list, optimizer: MixedPrecisionOptimizer | None = None) -> None:
+        self.state, self.chunks, self.optimizer = state, chunks, optimizer
+
+    # -- save ---------------------------------------------------------------------------------------------------------
+    def write(self, target: IterationDir, payload: dict, rng_state: dict | None, save_optim: bool) -> list[str]:
+        """DCP writes the shards and .metadata, then rank 0 common.pt: `payload` is the common part (no model),
+        `rng_state` this rank's RNG streams (gathered into common.pt)."""
+        opt = self.optimizer
+        if opt is not None:
+            opt.finish_param_sync()  # the model's tensors hold the last step's weights
+        common = dict(payload, checkpoint_format=FORMAT, layout=layout_of(self.state),
+                      rng_state=gather_first(rng_state) if rng_state is not None else None)
+        tensors = self._tensors(opt is not None and save_optim)
+        if opt is not None and save_optim:
+            common["optimizer"] = opt.state_meta()
+        error = None
+        try:
+            with _single_process_quiet():
+                dcp.save(tensors, checkpoint_id=target.path, planner=SavePlanner(), no_dist=not dist.is_initialized())
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
+            error = target.failed(exc)
+        agree(_raise, error)
+        agree(_write_common, target, common)
+        rank = world()[0]
+        shards = sorted(e for e in os.listdir(target.path) if e.startswith(f"__{rank}_") and e.endswith(".distcp"))
+        return shards + ([METADATA_FILE, COMMON_FILE] if rank == 0 else [])
+
+    def _tensors(self, with_optim: bool) -> dict[str, Slices]:
+        """Every tensor this rank saves, by global key; with the optimizer each rank its own pieces (ZeRO-1's flat
+        ranges as boxes of the global tensors, no gather)."""
+        state, opt = self.state, self.optimizer
+        tensors = {MODEL + gname: slices_of(t, local_of(t).detach(), *tp)
+                   for gname, t, copy, tp in _model_tensors(self.chunks, state) if not copy}
+        if not with_optim:
+            return tensors
+        units = _unit_states(self.chunks, state)
+        for (i, start, end), st in zip(opt.pieces(), opt.piece_state()):
+            p, pname = opt.params[i], opt.names[i]
             if getattr(p, "shared_embedding_copy", False):
                 continue
             tp = _tp_of(global_name(pname), units, state)
             for key, value in ((MASTER, st["master"]), *((k, st[k]) for k in MOMENTS)):
                 if value is not None:  # no master: fp32 weights without ZeRO are their own
-                    tensors[f"{OPTIM}{key}.{global_name(pname)}"] = _optim_slices(optimizer, p, start, end,
-                                                                                 value.detach(), tp)
-        common["optimizer"] = optimizer.state_meta()
+                    tensors[f"{OPTIM}{key}.{global_name(pname)}"] = _optim_slices(opt, p, start, end, value.detach(),
+                                                                                 tp)
+        return tensors
 
-    def failed(exc: BaseException) -> RunError:
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return RunError(f"--save {save_dir}: cannot write the checkpoint of iteration {iteration} "
-                        f"({why}); the previous checkpoint is kept")
+    # -- load ---------------------------------------------------------------------------------------------------------
+    def own_files(self, iter_dir: str, load_optim: bool) -> list[str]:
+        """common.pt and .metadata (every rank reads them), and this rank's share of the shards: between them the
+        ranks verify every shard once."""
+        rank, size = world()
+        shards = sorted(e for e in os.listdir(iter_dir) if e.endswith(".distcp"))
+        return [COMMON_FILE, METADATA_FILE] + shards[rank::size]
 
-    error = None
-    try:
-        with _single_process_quiet():
-            dcp.save(tensors, checkpoint_id=tmp_dir, planner=SavePlanner(), no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
-        if rank == 0:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        error = failed(exc)
-    agree(_raise, error)
+    def read(self, source: IterationDir, load_optim: bool, model_args: dict | None) -> dict:
+        """The common payload; its "rng_state" is this rank's streams when the layout is the same, else absent
+        ("rng_layout_changed" says so)."""
+        opt = self.optimizer
+        common, tensors, targets, entries = agree_damage(self._plan, source, opt if load_optim else None, model_args)
+        with torch.no_grad():
+            error = None
+            try:
+                with _single_process_quiet():
+                    dcp.load(tensors, storage_reader=SafeReader(source.path), planner=LoadPlanner(),
+                             no_dist=not dist.is_initialized())
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
+                error = _read_failed(source, exc)
+            agree_damage(_raise, error)
+            for src, *extra in targets.values():
+                for t in extra:
+                    t.detach().copy_(src)
+        if opt is not None:
+            if entries is not None:
+                opt.load_piece_state(common["optimizer"], entries)
+            else:
+                opt.reload_model_params()
+        return self._payload(common, model_args)
 
-    def publish() -> None:
-        if rank != 0:
-            return
-        try:
-            with open(os.path.join(tmp_dir, COMMON_FILE), "wb") as f:
-                torch.save(common, f)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp_dir)
-            _move_into_place(tmp_dir, final_dir, token)
-            _write_tracker(save_dir, iteration, token)
-        except OSError as exc:
-            raise failed(exc) from None
-        clear_debris(save_dir)
+    def _payload(self, common: dict, model_args: dict | None) -> dict:
+        out = {k: v for k, v in common.items() if k not in ("optimizer", "rng_state", "layout")}
+        rngs = common.get("rng_state")
+        if rngs is not None and common.get("layout") == layout_of(self.state):
+            out["rng_state"] = rngs[world()[0]]
+        out["rng_layout_changed"] = rngs is not None and "rng_state" not in out
+        out["saved_layout"] = common.get("layout")
+        was, now = (common.get("args") or {}).get("padded_vocab_size"), (model_args or {}).get("padded_vocab_size")
+        if model_args is not None and was not in (None, now) and world()[0] == 0:
+            what = f"padded rows beyond {was} start at zero" if now > was else f"its padded rows beyond {now} are dropped"
+            print(f" vocabulary padding: the checkpoint has {was} rows, this run {now} (Megatron pads to a multiple of "
+                  f"--make-vocab-size-divisible-by x tp): {what}", flush=True)
+        return out
 
-    try:
-        agree(publish)
-    except (Reported, RunError):
-        if rank == 0:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return final_dir
+    def _plan(self, source: IterationDir, optimizer: MixedPrecisionOptimizer | None, model_args: dict | None):
+        """(common payload, {key: Slices} to read, {key: further tensors to copy it into}, optimizer entries or
+        None); no collectives. `optimizer`: None unless its state is loaded."""
+        state, chunks = self.state, self.chunks
+        common = read_common(source)
+        if model_args is not None:
+            check_model(source.where, common, model_args,
+                        "another model; a torch_dist checkpoint reshards the layout only")
+        tensors, targets, first = {}, {}, {}
+        units = _unit_states(chunks, state)
+        metadata = read_metadata(source)
+        sizes = {k: md.size for k, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
+        rows = ((common.get("args") or {}).get("padded_vocab_size"), (model_args or {}).get("padded_vocab_size"))
+
+        def want(key: str, param: torch.Tensor, target: torch.Tensor, tp: tuple[int, int], piece=None) -> None:
+            if key in tensors:  # one rank holding a tensor twice reads it once, into the first
+                targets.setdefault(key, [first[key]]).append(target)
+                return
+            first[key] = target
+            s = slices_of(param, target.detach(), *tp) if piece is None else \
+                _optim_slices(optimizer, param, *piece, target.detach(), tp)
+            saved = sizes.get(key)
+            if saved is not None and rows[0] != rows[1] and _vocab_rows(s.shape, saved, rows):
+                s = _repad(s, saved)
+            tensors[key] = s
+
+        # fp32 weights that are their own masters read the saved fp32 masters where there are some (a bf16 or fp16
+        # checkpoint resumed in fp32 keeps full precision)
+        own = set() if optimizer is None else \
+            {id(optimizer.params[i]) for (i, _, _), st in zip(optimizer.pieces(), optimizer.piece_state())
+             if st["master"] is None}
+        for gname, t, _, tp in _model_tensors(chunks, state):
+            master = f"{OPTIM}{MASTER}.{gname}"
+            want(master if id(t) in own and master in sizes else MODEL + gname, t, local_of(t), tp)
+        if optimizer is None:
+            return common, tensors, targets, None
+        saved = common.get("optimizer")
+        if saved is None:
+            raise UsageError(f"{source.where}: the checkpoint has no optimizer state; load with --no-load-optim")
+        moments = MOMENTS if int(saved.get("step", 0)) > 0 else ()
+        entries = []
+        for i, start, end in optimizer.pieces():  # this rank's pieces only (ZeRO-1: flat ranges)
+            p, pname = optimizer.params[i], optimizer.names[i]
+            # fp32 weights without ZeRO are their own masters (not saved twice): the optimizer then takes the weights
+            keys = (MASTER, *moments) if f"{OPTIM}{MASTER}.{global_name(pname, p)}" in sizes else moments
+            shape = (end - start,) if optimizer.distributed else p.shape
+            e = {k: torch.empty(shape, dtype=torch.float32, device=p.device) for k in keys}
+            tp = _tp_of(global_name(pname), units, state)
+            for k in keys:
+                want(f"{OPTIM}{k}.{global_name(pname, p)}", p, e[k], tp, (start, end))
+            entries.append({"master": e.get(MASTER), **{k: e.get(k) for k in MOMENTS}})
+        return common, tensors, targets, entries
 
 
 @contextlib.contextmanager
@@ -172,69 +255,54 @@ def _single_process_quiet():
         yield
 
 
-def _gather_objects(obj) -> list | None:
-    if obj is None:
-        return None
-    rank, world = _world()
-    if world == 1:
-        return [obj]
-    out = [None] * world if rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
-def _unreadable(load_dir: str, path: str, exc: Exception) -> UsageError:
-    reason = (str(exc).strip().splitlines() or [""])[0]
-    return UsageError(f"--load {load_dir}: cannot read {path} ({type(exc).__name__}: {reason})")
-
-
-def read_common(load_dir: str, iter_dir: str) -> dict:
-    path = os.path.join(iter_dir, COMMON_FILE)
+def _write_common(target: IterationDir, common: dict) -> None:
+    """Rank 0: common.pt beside the shards."""
+    if world()[0] != 0:
+        return
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - missing, truncated or foreign
-        raise _unreadable(load_dir, path, exc) from None
+        save_synced(common, os.path.join(target.path, COMMON_FILE))
+    except OSError as exc:
+        raise target.failed(exc) from None
+
+
+def read_common(source: IterationDir) -> dict:
+    path = os.path.join(source.path, COMMON_FILE)
+    try:
+        data = load_file(path, source.where)
+    except UsageError as exc:  # missing, truncated, foreign or refused
+        raise Damaged(str(exc)) from None
     if not isinstance(data, dict) or data.get("checkpoint_format") != FORMAT:
-        raise UsageError(f"--load {load_dir}: {path} is not a megatron_bmw torch_dist common file")
+        raise Damaged(f"{source.where}: {path} is not a megatron_bmw torch_dist common file")
     return data
 
 
-def load(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrecisionOptimizer | None,
-         load_optim: bool = True, model_args: dict | None = None) -> dict:
-    """Load the tracker's torch_dist checkpoint into this rank's chunks (and the optimizer). Collective; an error
-    on any rank stops every rank with one line. Returns the common payload; its "rng_state" is this rank's
-    streams when the layout is the same, else absent ("rng_layout_changed" says so)."""
-    want_optim = optimizer is not None and load_optim
-    common, tensors, targets, entries = agree(_load_plan, load_dir, state, chunks, optimizer if want_optim else None,
-                                              model_args)
-    with torch.no_grad():
-        error = None
-        iter_dir = _resolve_iteration_dir(load_dir, read_tracker(load_dir))
-        try:
-            with _single_process_quiet():
-                dcp.load(tensors, checkpoint_id=iter_dir, planner=LoadPlanner(), no_dist=not dist.is_initialized())
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises every rank's failure on all
-            why = load_error(exc, -1, f"cannot read the tensors in {iter_dir} ({{}})")
-            error = UsageError(f"--load {load_dir}: {why}")
-        agree(_raise, error)
-        for src, *extra in targets.values():
-            for t in extra:
-                t.detach().copy_(src)
-    if optimizer is not None:
-        if entries is not None:
-            optimizer.load_piece_state(common["optimizer"], entries)
-        else:
-            optimizer.reload_model_params()
-    out = {k: v for k, v in common.items() if k not in ("optimizer", "rng_state", "layout")}
-    rngs = common.get("rng_state")
-    if rngs is not None and common.get("layout") == layout_of(state):
-        out["rng_state"] = rngs[_world()[0]]
-    out["rng_layout_changed"] = rngs is not None and "rng_state" not in out
-    out["saved_layout"] = common.get("layout")
-    saved_rows = (common.get("args") or {}).get("padded_vocab_size")
-    if model_args is not None and saved_rows not in (None, model_args.get("padded_vocab_size")):
-        out["vocab_repadded"] = (saved_rows, model_args.get("padded_vocab_size"))
-    return out
+def read_metadata(source: IterationDir):
+    """DCP's index of the tensors, read as data (dist_chunks.SafeReader)."""
+    path = os.path.join(source.path, METADATA_FILE)
+    try:
+        return SafeReader(source.path).read_metadata()
+    except RefusedGlobal as exc:
+        raise Damaged(f"{source.where}: {path} names the global {exc.name}, which a torch_dist index never needs; "
+                      "refused (nothing in the file was run)") from None
+    except Exception as exc:  # noqa: BLE001 - missing, truncated or foreign
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise Damaged(f"{source.where}: cannot read {path} ({type(exc).__name__}: {reason})") from None
+
+
+def _read_failed(source: IterationDir, exc: BaseException) -> UsageError:
+    """Weights that do not fit this model, or shards that cannot be read (Damaged)."""
+    misfit = model_misfit(exc)
+    if misfit is not None:
+        return UsageError(f"{source.where}: {misfit}")
+    last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
+    return Damaged(f"{source.where}: cannot read the tensors in {source.path} ({last})")
+
+
+def save(save_dir: str, iteration: int, state: ParallelState, payload: dict, chunks: list,
+         optimizer: MixedPrecisionOptimizer | None = None, save_optim: bool = True, rng_state=None) -> str:
+    """Save as torch_dist on its own (tools, tests; every rank calls it). Returns the iteration folder."""
+    return checkpoint_dir.save(DistFormat(state, chunks, optimizer), state, save_dir, iteration, payload, rng_state,
+                               save_optim)
 
 
 def _vocab_rows(mine: torch.Size, saved: torch.Size, rows: tuple) -> bool:
@@ -259,63 +327,3 @@ def _repad(s: Slices, saved: torch.Size) -> Slices:
 def _raise(error: Exception | None) -> None:
     if error is not None:
         raise error
-
-
-def _load_plan(load_dir: str, state: ParallelState, chunks: list, optimizer: MixedPrecisionOptimizer | None,
-               model_args: dict | None):
-    """(common payload, {key: Slices} to read, {key: further tensors to copy it into}, optimizer entries or None);
-    no collectives."""
-    iteration = read_tracker(load_dir)
-    iter_dir = _resolve_iteration_dir(load_dir, iteration)
-    common = read_common(load_dir, iter_dir)
-    if model_args is not None:
-        check_model(load_dir, common, model_args, "another model; a torch_dist checkpoint reshards the layout only")
-    tensors, targets, first = {}, {}, {}
-
-    units = _unit_states(chunks, state)
-
-    try:
-        metadata = FileSystemReader(iter_dir).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - truncated or foreign
-        raise _unreadable(load_dir, os.path.join(iter_dir, METADATA_FILE), exc) from None
-    sizes = {k: md.size for k, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
-    rows = ((common.get("args") or {}).get("padded_vocab_size"), (model_args or {}).get("padded_vocab_size"))
-
-    def want(key: str, param: torch.Tensor, target: torch.Tensor, tp: tuple[int, int], piece=None) -> None:
-        if key in tensors:  # one rank holding a tensor twice reads it once, into the first
-            targets.setdefault(key, [first[key]]).append(target)
-            return
-        first[key] = target
-        s = slices_of(param, target.detach(), *tp) if piece is None else \
-            _optim_slices(optimizer, param, *piece, target.detach(), tp)
-        saved = sizes.get(key)
-        if saved is not None and rows[0] != rows[1] and _vocab_rows(s.shape, saved, rows):
-            s = _repad(s, saved)
-        tensors[key] = s
-
-    # fp32 weights that are their own masters read the saved fp32 masters where there are some (a bf16 or fp16
-    # checkpoint resumed in fp32 keeps full precision)
-    own = set() if optimizer is None or iteration == RELEASE else \
-        {id(optimizer.params[i]) for (i, _, _), st in zip(optimizer.pieces(), optimizer.piece_state())
-         if st["master"] is None}
-    for gname, t, _, tp in _model_tensors(chunks, state):
-        master = f"{OPTIM}{MASTER}.{gname}"
-        want(master if id(t) in own and master in sizes else MODEL + gname, t, local_of(t), tp)
-    if optimizer is None or iteration == RELEASE:
-        return common, tensors, targets, None
-    saved = common.get("optimizer")
-    if saved is None:
-        raise UsageError(f"--load {load_dir}: the checkpoint has no optimizer state; load with --no-load-optim")
-    moments = MOMENTS if int(saved.get("step", 0)) > 0 else ()
-    entries = []
-    for i, start, end in optimizer.pieces():  # this rank's pieces only (ZeRO-1: flat ranges)
-        p, pname = optimizer.params[i], optimizer.names[i]
-        # fp32 weights without ZeRO are their own masters (not saved twice): the optimizer then takes the weights
-        keys = (MASTER, *moments) if f"{OPTIM}{MASTER}.{global_name(pname, p)}" in sizes else moments
-        shape = (end - start,) if optimizer.distributed else p.shape
-        e = {k: torch.empty(shape, dtype=torch.float32, device=p.device) for k in keys}
-        tp = _tp_of(global_name(pname), units, state)
-        for k in keys:
-            want(f"{OPTIM}{k}.{global_name(pname, p)}", p, e[k], tp, (start, end))
-        entries.append({"master": e.get(MASTER), **{k: e.get(k) for k in MOMENTS}})
-    return common, tensors, targets, entries

@@ -1,17 +1,23 @@
-"""Where a rank's tensors sit in the global tensors of a torch_dist checkpoint, and DCP's planners for them.
+"""Where a rank's tensors sit in the global tensors of a torch_dist checkpoint, and DCP's planners and reader for
+them.
 
 A `Slices` is a rank's part of one global tensor: chunks (global offset, local view). `slices_of` places a
 tensor-parallel shard (SwiGLU's stride-2 fc1 as two chunks) or an FSDP2 shard inside it; `piece_slices` places a
-ZeRO-1 flat range as boxes. DCP's planners read and write the chunks in place.
+ZeRO-1 flat range as boxes. DCP's planners read and write the chunks in place. `SafeReader` is DCP's file reader
+with the index (.metadata, a pickle DCP itself loads with pickle.load) read as data.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import pickle
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, \
+    TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -161,3 +167,49 @@ class LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
         return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_tensor(index)
+
+    def load_bytes(self, read_item, value) -> None:
+        """DCP unpickles a saved object with weights_only=False; our checkpoints hold tensors only."""
+        raise ValueError(f"{read_item.dest_index.fqn}: the checkpoint holds a pickled object where a tensor was saved; "
+                         "refused")
+
+
+# what DCP's index names: its metadata classes, and the torch values and paths in them
+_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
+    "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"), *((m, c) for m in ("pathlib", "pathlib._local")
+                                      for c in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))}
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A global outside the index's allow-list; `name` is it (module.name)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"refused global {name}")
+        self.name = name
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                     torch.dtype)):
+            return super().find_class(module, name)
+        raise RefusedGlobal(f"{module}.{name}")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, reading .metadata with an unpickler that builds DCP's metadata classes only (any other
+    global raises RefusedGlobal before anything in the file runs). The shards' tensors DCP reads with
+    weights_only=True itself."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP's Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

@@ -37,8 +37,8 @@ from ..models.bert import LOSS_NAMES, drain_reported
 from .batches import MicroBatches
 from .bert_batches import BertMicroBatches
 from . import memory_history
-from .checkpointing import (DIST_FORMAT, RELEASE, TRACKER, checkpoint_format, inside_checkpoint, load_checkpoint,
-                            load_error, read_tracker, save_checkpoint)
+from .checkpoint_dir import RELEASE, read_tracker
+from .checkpointer import Checkpointer, Loaded
 from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format_validation_log, num_zeros_in_grad,
                       params_norm, throughput_tflops, timestamp)
 from .lr_scheduler import LRScheduler
@@ -167,6 +167,8 @@ class Trainer:
                                                fusion=tr.gradient_accumulation_fusion)
         self.optimizer = build_optimizer(self.named_params, run.optimizer, state, modules=self.chunks)
         self.scheduler = LRScheduler(self.optimizer, run.lr)
+        self.checkpoints = Checkpointer(state, self.chunks, self.optimizer)
+        self.loaded: Loaded | None = None  # what --load read
         self.tracer = Tracer(state.rank, state.pp_rank) if tr.pipeline_trace else None
         # --plan's memory check: CUDA asks its allocator; the CPU counts the activation store's peak, whose
         # saved-tensor hooks cost host time, so (at one batch size) only over the warm-up iterations the time
@@ -213,15 +215,8 @@ class Trainer:
         return schedule, engine
 
     # -- checkpoints ---------------------------------------------------------------------------------------
-    def _model_state(self) -> dict:
-        sd = self.state.units.state_dict
-        if len(self.chunks) == 1:
-            return {"model": sd(self.chunks[0])}
-        return {f"model{i}": sd(c) for i, c in enumerate(self.chunks)}
-
     def save(self) -> None:
         tr = self.run.train
-        self.optimizer.finish_param_sync()
         payload = {
             "iteration": self.iteration,
             "consumed_train_samples": self.consumed_train,
@@ -232,16 +227,7 @@ class Trainer:
         }
         rng = get_rng_state(self.state.rng) if tr.save_rng else None
         start = time.time()
-        if tr.ckpt_format == DIST_FORMAT:
-            from . import dist_checkpoint  # torch.distributed.checkpoint takes a second to import: only when used
-
-            dist_checkpoint.save(tr.save, self.iteration, self.state, payload, self.chunks, self.optimizer,
-                                 save_optim=tr.save_optim, rng_state=rng)
-        else:
-            if rng is not None:
-                payload["rng_state"] = rng
-            payload.update(self._model_state())
-            save_checkpoint(tr.save, self.iteration, self.state, payload, self.optimizer, save_optim=tr.save_optim)
+        self.checkpoints.save(tr.save, self.iteration, payload, tr.ckpt_format, tr.save_optim, rng)
         print_first(self.state, f"  successfully saved checkpoint at iteration {self.iteration:7d} to {tr.save} "
                                 f"[ t {time.time() - start:.2f}s ]")
 
@@ -260,57 +246,21 @@ class Trainer:
             d["unit_strategies"] = self.state.units.names()
         return d
 
-    def _load_weights(self, load_optim: bool) -> dict:
-        """This rank's checkpoint file into the model chunks (and the optimizer); no collectives."""
-        tr = self.run.train
-        payload = load_checkpoint(tr.load, self.state, self.optimizer, load_optim=load_optim,
-                                  model_args=self._args_dict())
-        for i, chunk in enumerate(self.chunks):
-            key = "model" if len(self.chunks) == 1 else f"model{i}"
-            if key not in payload:
-                raise UsageError(f"--load {tr.load}: checkpoint has no {key!r} (saved with another virtual pipeline size?)")
-            try:
-                self.state.units.load_state_dict(chunk, payload[key])
-            except RuntimeError as exc:
-                raise UsageError(f"--load {tr.load}: {load_error(exc)}") from None
-        return payload
-
     def load(self) -> None:
+        """--load: the weights and optimizer (checkpointer.py), then where training resumes: the iteration, the
+        samples consumed, the LR schedule and the RNG streams (Megatron's rules for --finetune and a release)."""
         tr = self.run.train
         if tr.load is None:
             return
         self.optimizer.finish_param_sync()  # a gather still running would overwrite the loaded weights
-        tracked = read_tracker(tr.load)
-        if tracked is None:
-            if os.path.exists(tr.load) and not os.path.isdir(tr.load):
-                raise UsageError(f"--load {tr.load}: not a directory (give the checkpoint directory)")
-            inside = inside_checkpoint(tr.load)
-            if inside:
-                raise UsageError(f"--load {tr.load}: this folder is inside a checkpoint (it holds {inside}); give the "
-                                 f"checkpoint's top directory, which holds {TRACKER}")
-            print_first(self.state, f"WARNING: could not find the metadata file {os.path.join(tr.load, TRACKER)}\n"
-                                    "    will not load any checkpoints and will start from random")
+        load_optim = tr.load_optim and not tr.finetune
+        self.loaded = self.checkpoints.load(tr.load, load_optim, self._args_dict(), tr.load_fallback)
+        if self.loaded is None:
             return
-        release = tracked == RELEASE  # Megatron: a release checkpoint's weights only, from iteration 0
-        load_optim = tr.load_optim and not tr.finetune and not release
-        if agree(checkpoint_format, tr.load) == DIST_FORMAT:  # any layout's
-            from . import dist_checkpoint
-
-            payload = dist_checkpoint.load(tr.load, self.state, self.chunks, self.optimizer, load_optim,
-                                           model_args=self._args_dict())
-        else:  # a file one rank cannot read (e.g. a truncated stage) stops every rank here, with its error
-            payload = agree(self._load_weights, load_optim)
-        if not load_optim:
-            self.optimizer.reload_model_params()
-        if "vocab_repadded" in payload:
-            was, now = payload["vocab_repadded"]
-            what = (f"padded rows beyond {was} start at zero" if now > was
-                    else f"its padded rows beyond {now} are dropped")
-            print_first(self.state, f" vocabulary padding: the checkpoint has {was} rows, this run {now} "
-                                    f"(Megatron pads to a multiple of --make-vocab-size-divisible-by x tp): {what}")
         if tr.finetune:
             print_first(self.state, f" loaded weights from {tr.load} for finetuning (iteration reset to 0)")
             return
+        payload, release = self.loaded.payload, self.loaded.iteration == RELEASE  # a release: weights, iteration 0
         raw = payload.get("args")  # a dict here, an argparse.Namespace in Megatron-LM's checkpoints
         args = raw if isinstance(raw, dict) else vars(raw) if hasattr(raw, "__dict__") else {}
         saved_batch = int(args.get("global_batch_size") or tr.global_batch_size)
@@ -318,7 +268,7 @@ class Trainer:
         self.consumed_train = int(payload.get("consumed_train_samples",
                                               args.get("consumed_train_samples", self.iteration * saved_batch)))
         self.consumed_valid = int(payload.get("consumed_valid_samples", args.get("consumed_valid_samples", 0)))
-        if "opt_param_scheduler" in payload and load_optim:
+        if "opt_param_scheduler" in payload and load_optim and not release:
             agree(self.scheduler.load_state_dict, payload["opt_param_scheduler"], samples_per_iteration=saved_batch,
                   override=tr.override_opt_param_scheduler, use_checkpoint=tr.use_checkpoint_opt_param_scheduler,
                   where=f"--load {tr.load}")
@@ -337,10 +287,9 @@ class Trainer:
         tr = self.run.train
 
         def source() -> str:
-            fmt = checkpoint_format(tr.load)
-            if fmt is None:
+            if self.loaded is None:
                 raise UsageError(f"--ckpt-convert-format: --load {tr.load} holds no checkpoint to convert")
-            return fmt
+            return self.loaded.format
 
         source = agree(source)
         where = os.path.join(tr.ckpt_convert_save, tr.ckpt_convert_format)

@@ -58,7 +58,7 @@ def test_round_trip_layout_and_resume(tmp_path):
     assert out == str(tmp_path / "iter_0000010")
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "10"
     assert sorted(os.listdir(tmp_path)) == ["iter_0000010", "latest_checkpointed_iteration.txt"]
-    assert os.listdir(tmp_path / "iter_0000010" / "mp_rank_00") == ["model_optim_rng.pt"]
+    assert sorted(os.listdir(tmp_path / "iter_0000010" / "mp_rank_00")) == ["checksums.json", "model_optim_rng.pt"]
 
     model2 = _model(seed=1).to(torch.bfloat16)
     opt2 = build_optimizer(list(model2.named_parameters()), cfg, state)
@@ -112,7 +112,6 @@ def test_a_full_disk_under_torchs_zip_writer_is_one_line_and_leaves_no_debris(tm
     import errno
 
     from megatron_bmw.errors import RunError
-    from megatron_bmw.training import checkpointing
 
     state = ParallelState.serial()
     model = _model()
@@ -124,7 +123,7 @@ def test_a_full_disk_under_torchs_zip_writer_is_one_line_and_leaves_no_debris(tm
         except OSError:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1010752 vs 1010640")
 
-    monkeypatch.setattr(checkpointing.torch, "save", full)
+    monkeypatch.setattr(torch, "save", full)
     with pytest.raises(RunError, match="iteration 20 .No space left on device.; the previous checkpoint is kept"):
         save_checkpoint(str(tmp_path), 20, state, _payload(model, state, 20), None)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000010", "latest_checkpointed_iteration.txt"]
@@ -164,7 +163,8 @@ def test_parallel_size_mismatch_refused(tmp_path):
     for tp, pp in ((2, 1), (1, 2)):
         msg = (
             f"--load {tmp_path}: checkpoint was saved with tensor/pipeline parallel sizes (1, 1), "
-            f"but this run uses ({tp}, {pp})"
+            f"but this run uses ({tp}, {pp}); to load it into this layout, convert it first: run with the saved "
+            "layout and --ckpt-convert-format torch_dist --ckpt-convert-save OUT, then --load OUT/torch_dist"
         )
         with pytest.raises(UsageError) as err:
             load_checkpoint(str(tmp_path), _state(tp, pp))
@@ -205,26 +205,39 @@ def _distributed_layouts(rank, world_size, root):
 
 @pytest.mark.slow
 def test_distributed_layouts_on_disk(tmp_path):
+    """Megatron's file names per layout (the iteration folder holds only mp_rank_* folders), and in each of those a
+    checksums.json with the size and digest of each file beside it."""
+    import json
+
+    from megatron_bmw.training import checksums
+
     written = run_distributed(2, _distributed_layouts, str(tmp_path))[0]
-    tracker = "latest_checkpointed_iteration.txt"
-    assert written["tp2"] == sorted(
-        [tracker, "iter_0000007/mp_rank_00/model_optim_rng.pt", "iter_0000007/mp_rank_01/model_optim_rng.pt"]
-    )
-    assert written["pp2"] == sorted(
-        [tracker, "iter_0000007/mp_rank_00_000/model_optim_rng.pt", "iter_0000007/mp_rank_00_001/model_optim_rng.pt"]
-    )
-    assert written["zero"] == sorted(
-        [tracker, "iter_0000007/mp_rank_00/distrib_optim.pt", "iter_0000007/mp_rank_00/model_optim_rng.pt"]
-    )
+    expected = {
+        "tp2": ["mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"],
+        "pp2": ["mp_rank_00_000/model_optim_rng.pt", "mp_rank_00_001/model_optim_rng.pt"],
+        "zero": ["mp_rank_00/distrib_optim.pt", "mp_rank_00/model_optim_rng.pt"],
+    }
+    for name, files in expected.items():
+        folders = sorted({f.split("/")[0] for f in files})
+        assert written[name] == sorted(["latest_checkpointed_iteration.txt"] + [f"iter_0000007/{f}" for f in files]
+                                       + [f"iter_0000007/{d}/checksums.json" for d in folders]), name
+        for d in folders:
+            it = tmp_path / name / "iter_0000007" / d
+            recorded = json.load(open(it / "checksums.json"))["files"]
+            assert sorted(recorded) == [f.split("/")[1] for f in files if f.startswith(d + "/")]
+            assert all(entry == checksums.digest(str(it / f)) for f, entry in recorded.items())
 
 
-def _saved(tmp_path, distributed=False):
+def _saved(tmp_path, distributed=False, checksums=False):
+    """A checkpoint; without `checksums` as an older one (or Megatron-LM's), which only the reader checks."""
     state = ParallelState.serial()
     model = _model()
     opt = build_optimizer(list(model.named_parameters()),
                           OptimizerConfig(lr=1e-2, use_distributed_optimizer=distributed), state)
     _train(model, opt, 2)
     save_checkpoint(str(tmp_path), 5, state, _payload(model, state, 5), opt)
+    if not checksums:
+        os.remove(tmp_path / "iter_0000005" / "mp_rank_00" / "checksums.json")
     return state, opt, tmp_path / "iter_0000005" / "mp_rank_00"
 
 

@@ -168,9 +168,11 @@ def test_other_model_refused_in_one_line(tmp_path):
     msg = _error_of(small + ["--train-iters", "4", "--load", ckpt, "--swiglu"])
     assert msg == (f"--load {ckpt}: checkpoint has swiglu = False, this run True (another model; a torch_dist "
                    "checkpoint reshards the layout only)")
-    # a truncated .metadata is named, as a truncated common file is (probe, session 12: an UnpicklingError)
+    # a truncated .metadata is named, as a truncated common file is (probe, session 12: an UnpicklingError); as an
+    # older checkpoint, without checksums.json (which would name it first: test_checkpoint_integrity.py)
     cut = str(tmp_path / "cut")
     shutil.copytree(ckpt, cut)
+    os.remove(os.path.join(cut, "iter_0000003", "checksums.json"))
     metadata = os.path.join(cut, "iter_0000003", ".metadata")
     with open(metadata, "rb") as f:
         head = f.read(100)
@@ -192,7 +194,7 @@ def test_other_model_refused_in_one_line(tmp_path):
 
 _KILL_CHILD = """
 import os, sys, time
-import megatron_bmw.training.dist_checkpoint as dc
+import megatron_bmw.training.checkpoint_dir as cd
 from megatron_bmw.training.loop import build_trainer
 where, marker = sys.argv[1], sys.argv[2]
 calls = []
@@ -202,11 +204,11 @@ def hang(*a, **k):
         open(marker, "w").close()
         time.sleep(600)
 if where == "publish":
-    orig_move = dc._move_into_place
+    orig_move = cd.move_into_place
     def move(*a, **k):
         hang()
         return orig_move(*a, **k)
-    dc._move_into_place = move
+    cd.move_into_place = move
 else:
     from torch.distributed.checkpoint import filesystem
     orig_write = filesystem.FileSystemWriter.write_data
