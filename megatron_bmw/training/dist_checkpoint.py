@@ -35,12 +35,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..errors import UsageError
 from ..parallel.agree import agree
 from ..parallel.state import ParallelState
-from ..safe_load import load_file
+from ..safe_load import Refused, load_file
 from . import checkpoint_dir
 from .checkpoint_dir import (DIST_FORMAT as FORMAT, DIST_METADATA_FILE as METADATA_FILE, Damaged, IterationDir,
                              agree_damage, gather_first, save_synced, world)
 from .checkpointing import check_model, model_misfit
-from .dist_chunks import LoadPlanner, RefusedGlobal, SafeReader, SavePlanner, Slices, local_of, piece_slices, slices_of
+from .dist_chunks import LoadPlanner, SafeReader, SavePlanner, Slices, local_of, piece_slices, slices_of
 from .optimizer import MOMENTS, MixedPrecisionOptimizer
 
 COMMON_FILE = "common.pt"
@@ -281,7 +281,7 @@ def read_metadata(source: IterationDir):
     path = os.path.join(source.path, METADATA_FILE)
     try:
         return SafeReader(source.path).read_metadata()
-    except RefusedGlobal as exc:
+    except Refused as exc:
         raise Damaged(f"{source.where}: {path} names the global {exc.name}, which a torch_dist index never needs; "
                       "refused (nothing in the file was run)") from None
     except Exception as exc:  # noqa: BLE001 - missing, truncated or foreign

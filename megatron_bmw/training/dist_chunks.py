@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..safe_load import dcp_metadata_globals, unpickle
+
 
 class Slices:
     """Chunks (global offset, local view) of a tensor of global shape `shape` that this rank holds. DCP's planners
@@ -175,38 +177,18 @@ class LoadPlanner(DefaultLoadPlanner):
 
 
 # what DCP's index names: its metadata classes, and the torch values and paths in them
-_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
-    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
-    "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"), *((m, c) for m in ("pathlib", "pathlib._local")
-                                      for c in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))}
-
-
-class RefusedGlobal(pickle.UnpicklingError):
-    """A global outside the index's allow-list; `name` is it (module.name)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"refused global {name}")
-        self.name = name
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                     torch.dtype)):
-            return super().find_class(module, name)
-        raise RefusedGlobal(f"{module}.{name}")
+# DCP's index classes, less the bytes entries: DCP loads those with weights_only=False, and ours hold tensors only
+_INDEX_GLOBALS = {k: v for k, v in dcp_metadata_globals().items() if not k.endswith(".BytesStorageMetadata")}
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader, reading .metadata with an unpickler that builds DCP's metadata classes only (any other
-    global raises RefusedGlobal before anything in the file runs). The shards' tensors DCP reads with
+    """DCP's file reader, reading .metadata with safe_load's unpickler that builds DCP's metadata classes only (any
+    other global raises safe_load.Refused before anything in the file runs). The shards' tensors DCP reads with
     weights_only=True itself."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            metadata = unpickle(f, _INDEX_GLOBALS)
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP's Metadata")
         if getattr(metadata, "storage_meta", None) is None:

@@ -241,7 +241,8 @@ class Trainer:
                  global_batch_size=r.train.global_batch_size, seed=r.train.seed, pipeline_partition=self.partition,
                  params_dtype=str(r.model.torch_dtype), consumed_train_samples=self.consumed_train,
                  consumed_valid_samples=self.consumed_valid, train_iters=r.train.train_iters,
-                 train_samples=r.train.train_samples)
+                 train_samples=r.train.train_samples, tokenizer_type=r.data.tokenizer_type,
+                 tokenizer_model=r.data.tokenizer_model, vocab_file=r.data.vocab_file, merge_file=r.data.merge_file)
         if self.state.units.names() is not None:
             d["unit_strategies"] = self.state.units.names()
         return d
