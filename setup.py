@@ -14,6 +14,7 @@ setup(
         "tensorboard",
         "regex",
         "pyyaml",
+        "xxhash>=3",  # checkpoint checksums (training/checksums.py; SHA-256 without it)
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist>=3", "transformers", "tokenizers", "megatron-core==0.16.1"],
