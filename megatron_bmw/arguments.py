@@ -445,15 +445,18 @@ class ParsedRun:
 
 
 def run_config_from_argv(argv: list[str], world_size: int, model_type: str = "gpt",
-                         tokenizer_from: Callable[[DataConfig], Any] | None = None) -> ParsedRun:
+                         tokenizer_from: Callable[[DataConfig], Any] | None = None,
+                         vocab_size: int | None = None) -> ParsedRun:
     """The one way from a command line to a run: parse the flags (pretrain_gpt.py's, or pretrain_bert.py's), lay
-    --plan over them, build the tokenizer with `tokenizer_from` where the data names one, and build the configs."""
+    --plan over them, build the tokenizer with `tokenizer_from` where the data names one, and build the configs
+    (`vocab_size`: a tokenizer's the caller holds)."""
     parser = build_parser(f"pretrain_{model_type}.py", model_type)
     args = parse_args(argv, parser)
     plan = apply_plan(args, argv, parser) if args.plan else None
     tokenizer = tokenizer_from(data_config_from_args(args)) if tokenizer_from and args.tokenizer_type else None
-    run = configs_from_args(args, world_size, vocab_size=tokenizer.vocab_size if tokenizer is not None else None,
-                            plan=plan)
+    if tokenizer is not None:
+        vocab_size = tokenizer.vocab_size
+    run = configs_from_args(args, world_size, vocab_size=vocab_size, plan=plan)
     return ParsedRun(run, plan, args.plan, tokenizer, args.ignored_kernel_flags, args.ignored_logging_flags)
 
 

@@ -52,7 +52,7 @@ def mu_opt(p: int, v: int = 1) -> int:
 
 def bpipe_pairs(schedule: Schedule) -> dict[int, int]:
     """evictor rank -> acceptor rank, for the ranks whose peak exceeds mu_opt."""
-    p, limit = schedule.num_stages, mu_opt(schedule.num_stages, schedule.virtual_stages)
+    p, limit = schedule.pp, mu_opt(schedule.pp, schedule.virtual_stages)
     peaks = peak_inflight(schedule)
     pairs = {}
     for s, peak in enumerate(peaks):
@@ -78,7 +78,7 @@ def insert_bpipe(schedule: Schedule) -> Schedule:
         raise UsageError(f"--bpipe needs the 1f1b or interleaved schedule, not {schedule.name}")
     if any(a.kind in TRANSFER_KINDS for acts in schedule.actions for a in acts):
         raise ScheduleError("BPipe: the schedule already has transfers")
-    limit = mu_opt(schedule.num_stages, schedule.virtual_stages)
+    limit = mu_opt(schedule.pp, schedule.virtual_stages)
     pairs = bpipe_pairs(schedule)
     if not pairs:
         result = schedule.copy()

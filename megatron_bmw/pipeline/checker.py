@@ -28,7 +28,7 @@ def check(schedule: Schedule) -> None:
     """Raise ScheduleError describing the first problem found; return None if the schedule is sound."""
     with gc_paused():
         _check_shape(schedule)
-        for rank in range(schedule.num_stages):
+        for rank in range(schedule.pp):
             _check_compute(schedule, rank)
         _check_communication(schedule)
         _check_transfers(schedule)
@@ -52,7 +52,7 @@ def _fail(s: Schedule, rank: int, a: Action, problem: str) -> NoReturn:
 
 
 def _check_shape(s: Schedule) -> None:
-    p, m, v = s.num_stages, s.num_microbatches, s.virtual_stages
+    p, m, v = s.pp, s.num_microbatches, s.virtual_stages
     if p < 1 or m < 1 or v < 1:
         raise ScheduleError(f"bad schedule sizes p={p} m={m} v={v}")
     if len(s.actions) != p:

@@ -126,7 +126,7 @@ class CompiledSchedule:
 
 def compile_schedule(schedule: Schedule) -> CompiledSchedule:
     """Index a schedule's tensors once; pass the result to `replay` to skip this step."""
-    p = schedule.num_stages
+    p = schedule.pp
     if len(schedule.actions) != p:
         raise ScheduleError(f"schedule has {len(schedule.actions)} rank lists for {p} pipeline ranks")
     with gc_paused():
@@ -150,7 +150,7 @@ def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
     """Add the waits a BPipe transfer implies: the send of an EVICT/RETURN completes after the next compute
     (once that compute's SEND/RECV are posted); a backward waits for its LOAD; a first ACCEPT of a class
     waits for the header; the evictor announces it."""
-    p, v = schedule.num_stages, schedule.virtual_stages
+    p, v = schedule.pp, schedule.virtual_stages
     evicted_classes = {(a.chunk, a.half is not None) for _, a, *_ in rank_ops if a.kind is Kind.EVICT}
     announced: set[tuple[int, bool]] = set()
     accepted: set[tuple[int, bool]] = set()

@@ -164,7 +164,7 @@ class Schedule:
     """Per-rank action lists for one pipeline-parallel iteration."""
 
     name: str  # "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-h2" | "zbv"
-    num_stages: int  # p (pipeline ranks)
+    pp: int  # pipeline ranks (the number of stages is pp x virtual_stages)
     num_microbatches: int  # m
     virtual_stages: int  # v (model chunks per rank)
     actions: list[list[Action]] = field(default_factory=list)  # actions[rank] in execution order
@@ -179,19 +179,19 @@ class Schedule:
 
     @property
     def num_virtual_stages(self) -> int:
-        return self.num_stages * self.virtual_stages
+        return self.pp * self.virtual_stages
 
     # ---- tensor identity: the one place that says which virtual stage runs where and what flows -------------
     def stage_of(self, rank: int, chunk: int) -> int:
         """Virtual stage of model chunk `chunk` on pipeline rank `rank`."""
-        return stage_index(rank, chunk, self.num_stages, self.placement)
+        return stage_index(rank, chunk, self.pp, self.placement)
 
     def location(self, vstage: int) -> tuple[int, int]:
         """(rank, chunk) holding virtual stage `vstage`."""
-        return stage_location(vstage, self.num_stages, self.placement)
+        return stage_location(vstage, self.pp, self.placement)
 
     def rank_of(self, vstage: int) -> int:
-        return stage_location(vstage, self.num_stages, self.placement)[0]
+        return stage_location(vstage, self.pp, self.placement)[0]
 
     @property
     def loss_rank(self) -> int:
@@ -202,12 +202,12 @@ class Schedule:
                output: bool) -> Tensor | None:
         """The activation (or, with `grad`, gradient) that chunk `chunk` of `rank` consumes from a neighbouring
         virtual stage, or with `output` produces for one; None at the ends of the pipeline (data, loss)."""
-        vs = stage_index(rank, chunk, self.num_stages, self.placement)
+        vs = stage_index(rank, chunk, self.pp, self.placement)
         if output:
-            return None if vs == (0 if grad else self.num_stages * self.virtual_stages - 1) else \
+            return None if vs == (0 if grad else self.pp * self.virtual_stages - 1) else \
                 (grad, vs, microbatch, half)
         if grad:
-            return None if vs == self.num_stages * self.virtual_stages - 1 else (True, vs + 1, microbatch, half)
+            return None if vs == self.pp * self.virtual_stages - 1 else (True, vs + 1, microbatch, half)
         return None if vs == 0 else (False, vs - 1, microbatch, half)
 
     def input_tensor(self, rank: int, a: Action) -> Tensor | None:
@@ -272,12 +272,12 @@ class Schedule:
     def copy(self, actions: list[list[Action]] | None = None) -> Schedule:
         """Same schedule with new (or copied) action lists; actions are immutable and shared."""
         new = [list(a) for a in (self.actions if actions is None else actions)]
-        return Schedule(self.name, self.num_stages, self.num_microbatches, self.virtual_stages, new,
+        return Schedule(self.name, self.pp, self.num_microbatches, self.virtual_stages, new,
                         self.activation_limit, self.placement)
 
     def to_text(self, comm: bool = False) -> str:
         """One line per rank, e.g. 'rank 0: F0 F1 B0 F2 B1 B2'; `comm` adds SEND/RECV and BPipe transfers."""
-        width = len(str(max(self.num_stages - 1, 0)))
+        width = len(str(max(self.pp - 1, 0)))
         show_chunk = self.virtual_stages > 1
         lines = []
         for rank, acts in enumerate(self.actions):

@@ -36,7 +36,7 @@ def render_timeline(result: Replay) -> str:
                 row[slot] = label
         rows.append(row)
     cell = width + 1
-    name_width = len(f"rank {max(schedule.num_stages - 1, 0)}")
+    name_width = len(f"rank {max(schedule.pp - 1, 0)}")
     ruler = [" "] * (slots * cell)
     for slot in range(0, slots, 5):
         for i, ch in enumerate(str(slot)):
@@ -53,7 +53,7 @@ def describe(schedule: Schedule, result: Replay, show_comm: bool = False) -> str
     """Full text report: action order, timeline, makespan and bubble."""
     ideal = max(result.busy) if result.busy else 0.0
     parts = [
-        f"schedule {schedule.name}: p={schedule.num_stages} m={schedule.num_microbatches} v={schedule.virtual_stages}",
+        f"schedule {schedule.name}: p={schedule.pp} m={schedule.num_microbatches} v={schedule.virtual_stages}",
         "",
         "action order:" + (" (with communication)" if show_comm else ""),
         schedule.to_text(comm=show_comm),

@@ -75,7 +75,7 @@ def simulate(
     without `memory_over_time` the memory timeline is skipped (chunk_bytes then only sizes BPipe's moves)."""
     compiled = schedule if isinstance(schedule, CompiledSchedule) else compile_schedule(schedule)
     sched = compiled.schedule
-    p = sched.num_stages
+    p = sched.pp
     zero = [[0.0] * sched.virtual_stages for _ in range(p)]
     moved = chunk_bytes or zero
 
@@ -93,7 +93,6 @@ def simulate(
 
 
 def _analyse(sched, rep, chunk_bytes, static_bytes, finish, record_transfers, wgrad_bytes=None) -> Simulation:
-    p = sched.num_stages
     # every compute, a zero-bubble schedule's B and W included: replay's causes index them all
     computes = [[x for x in line if x[0].kind in COMPUTE_KINDS] for line in rep.timeline]
     ends = [max([acts[-1][2] if acts else 0.0] + [x[2] for x in rep.moves[r]]) for r, acts in enumerate(computes)]

@@ -545,12 +545,9 @@ class Trainer:
 def build_trainer(argv: list[str], tokenizer=None, model_type: str = "gpt") -> Trainer:
     """Parse flags (pretrain_gpt.py's, or pretrain_bert.py's with model_type "bert") and set up a Trainer inside an
     initialised process group (used by tests and tools)."""
-    from ..arguments import apply_plan, build_parser, configs_from_args, parse_args
+    from ..arguments import run_config_from_argv
 
-    parser = build_parser(model_type=model_type)
-    args = parse_args(argv, parser)
-    plan = apply_plan(args, argv, parser) if args.plan else None
-    run = configs_from_args(args, _world(), vocab_size=tokenizer.vocab_size if tokenizer else None, plan=plan)
+    run = run_config_from_argv(argv, _world(), model_type, vocab_size=tokenizer.vocab_size if tokenizer else None).run
     trainer = Trainer(run, ParallelState.build(run.parallel, num_units=run.model.num_units), tokenizer)
     trainer.load()
     return trainer

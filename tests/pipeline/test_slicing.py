@@ -55,7 +55,7 @@ def _comm(c):
 
 def _last_stage_start(schedule, f, b, c=0.0):
     result = replay(schedule, _times(f, b), _comm(c))
-    line = result.timeline[schedule.num_stages - 1]
+    line = result.timeline[schedule.pp - 1]
     return min(t for a, t, _ in line if a.kind is Kind.FORWARD), result.makespan
 
 
