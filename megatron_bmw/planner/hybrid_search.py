@@ -42,7 +42,7 @@ class HybridSolution(Solution):
 
     def spec(self, model: ModelConfig, slicing: int = 0) -> RunSpec:
         lay = self.layout
-        pipe = PipelineConfig(micro_batch_size=lay.mbs, num_microbatches=lay.m, schedule=lay.schedule,
+        pipe = PipelineConfig(micro_batch_size=lay.micro_batch_size, num_microbatches=lay.num_microbatches, schedule=lay.schedule,
                               partition=self.partition, recompute=self.recompute)
         return RunSpec.of(model=model, tp=1, pp=lay.pp, dp=lay.dp, pipeline=pipe, unit_strategies=self.strategies)
 
@@ -62,7 +62,7 @@ class HybridProblem:
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
                  strategies: list[UnitStrategy] | None = None, resolution: int = 512) -> None:
         self.layout, self.model, self.space, self.cluster = layout, model, space, cluster
-        self.memory = memory.for_layout(model, 1, layout.dp, layout.pp, layout.mbs, False)
+        self.memory = memory.for_layout(model, 1, layout.dp, layout.pp, layout.micro_batch_size, False)
         self.variant = Variant()
         self.resolution = resolution
         lay = layout
@@ -73,11 +73,11 @@ class HybridProblem:
         self.strategies = strategies or hybrid_strategies(model, lay.dp, node)
         self.index = {s: k for k, s in enumerate(self.strategies)}
         base = RunSpec.of(model=model, tp=1, pp=lay.pp, dp=lay.dp,
-                       pipeline=PipelineConfig(micro_batch_size=lay.mbs, num_microbatches=lay.m,
+                       pipeline=PipelineConfig(micro_batch_size=lay.micro_batch_size, num_microbatches=lay.num_microbatches,
                                                partition=even_partition(model.num_units, lay.pp)))
         self.capacity = [stage_capacity(base, cluster, r) for r in range(lay.pp)]
         self.counts = [shapes.counts(lay, False)[r][0][0] for r in range(lay.pp)]
-        self.stage_costs = [StageCosts(model, cluster, profiles, costs, lay.pp, lay.dp, lay.mbs, r)
+        self.stage_costs = [StageCosts(model, cluster, profiles, costs, lay.pp, lay.dp, lay.micro_batch_size, r)
                             for r in range(lay.pp)]
         self.per_unit = profiles is not None and any(u.unit is not None for ps in profiles.by_type.values()
                                                      for p in ps for u in p.units)
@@ -100,7 +100,7 @@ class HybridProblem:
 
     def _p2p_time(self) -> float:
         sc = self.stage_costs[0]
-        nbytes = sc.hidden_bytes(self.layout.mbs)
+        nbytes = sc.hidden_bytes(self.layout.micro_batch_size)
         a, b = self.stage_costs[0].ranks[0], self.stage_costs[1].ranks[0]
         return self.cluster.link(a, b).time(nbytes)
 
@@ -121,8 +121,8 @@ class HybridProblem:
                     continue
                 f, b = sc.unit_times(kind, s, c, i if self.per_unit else None, own_output)
                 sync = sc.sync_time(kind, s, own_output)
-                um = unit_memory(kind, self.model, s, lay.mbs, c, self.memory.device, own_output)
-                mine.append((k, lay.m * (f + b) + sync, um.state_bytes + cnt * um.saved_bytes, um.transient_bytes,
+                um = unit_memory(kind, self.model, s, lay.micro_batch_size, c, self.memory.device, own_output)
+                mine.append((k, lay.num_microbatches * (f + b) + sync, um.state_bytes + cnt * um.saved_bytes, um.transient_bytes,
                              f, b, sync, um.params, c))
             keep = [o for o in mine if not any(x is not o and x[1] <= o[1] and x[2] <= o[2] and x[3] <= o[3]
                                                and (x[1], x[2], x[3]) != (o[1], o[2], o[3]) for x in mine)]
@@ -152,7 +152,7 @@ class HybridProblem:
                        for u, opts in enumerate(options)]
         if only is not None:  # one strategy for every unit
             options = [[o for o in opts if o[0] == only] for opts in options]
-        m = self.layout.m
+        m = self.layout.num_microbatches
         rel = [[m * (f + b) for f, b in row] for row in self.relayout[rank]]
         enter_cost = [0.0] * self._n_s if enter is None else rel[enter]
         got = stage_dp([[o[:4] for o in opts] for opts in options], rel, enter_cost, self.room(rank),
@@ -223,7 +223,7 @@ class HybridProblem:
             enter = picked[-1][0]
             start += size
         fb = [f + b for f, b in zip(fwd, bwd)]
-        estimate = sum(fb) + (lay.m - 1) * max(fb) + 2 * (lay.pp - 1) * self.p2p
+        estimate = sum(fb) + (lay.num_microbatches - 1) * max(fb) + 2 * (lay.pp - 1) * self.p2p
         estimate += max(self._exposed(r, syncs[r], params[r]) for r in range(lay.pp))
         rc = tuple(recompute) if any(recompute) else None
         return HybridSolution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity,
@@ -240,7 +240,7 @@ class HybridProblem:
         """Perfect balance with every unit at its fastest option, no re-layouts, no synchronisation."""
         lay = self.layout
         total = sum(f + b for f, b in (t[0] for t in self.times[0]))
-        return total / lay.pp * (lay.m + lay.pp - 1)
+        return total / lay.pp * (lay.num_microbatches + lay.pp - 1)
 
     def could_fit(self) -> bool:
         """Every unit at its lightest option, the least-holding rank's count, all ranks' memory together."""
@@ -294,7 +294,7 @@ def hybrid_layouts(space: SearchSpace, model: ModelConfig, world: int, global_ba
     from .space import layouts
     from dataclasses import replace
     sub = replace(space, tp=(1,), dp=None, schedule=tuple(s for s in space.schedule if s == "1f1b") or ("1f1b",))
-    return [lay for lay in layouts(sub, model, world, global_batch, [1]) if lay.virtual == 1]
+    return [lay for lay in layouts(sub, model, world, global_batch, [1]) if lay.virtual_stages == 1]
 
 
 def summarize(strategies, recompute=None, names=None) -> str:

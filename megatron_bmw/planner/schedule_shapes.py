@@ -49,7 +49,7 @@ class ScheduleShapes:
         """Per rank, the per-chunk micro-batch counts it may hold at its peak: one vector for 1F1B and GPipe;
         for interleaving every mix it holds that no other mix holds chunk by chunk, since with unequal chunks
         the heaviest moment may hold fewer micro-batches of a heavier mix."""
-        pp, m, v = layout.pp, layout.m, layout.virtual
+        pp, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
         if zero_bubble(layout.schedule):  # per rank [held whole, held for W] at each of its peaks
             key = (layout.schedule, pp, min(m, 3 * pp))
             if key not in self._cache:

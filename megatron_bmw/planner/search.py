@@ -260,8 +260,8 @@ def _solve_in_bound_order(run: _Run, problems: list[tuple[float, LayoutProblem |
     for bound, prob in problems:
         lay = prob.layout
         key = ("hybrid" if isinstance(prob, HybridProblem) else "uniform", lay)
-        family = (lay.tp, lay.pp, lay.dp, lay.schedule, lay.virtual, prob.variant.sp, prob.variant.zero1, prob.uniform)
-        if lay.mbs >= too_big.get(family, _INF):  # more micro-batches per rank only need more memory
+        family = (lay.tp, lay.pp, lay.dp, lay.schedule, lay.virtual_stages, prob.variant.sp, prob.variant.zero1, prob.uniform)
+        if lay.micro_batch_size >= too_big.get(family, _INF):  # more micro-batches per rank only need more memory
             stats["candidates_infeasible"] += 1
             progress.step(f"best {best:.4g} s")
             continue
@@ -273,7 +273,7 @@ def _solve_in_bound_order(run: _Run, problems: list[tuple[float, LayoutProblem |
             continue
         found = _solve_candidate(run, prob, progress)
         if not found:
-            too_big[family] = min(too_big.get(family, _INF), lay.mbs)
+            too_big[family] = min(too_big.get(family, _INF), lay.micro_batch_size)
         else:
             outcome[key] = "solved"
         for sol in found:
@@ -445,7 +445,7 @@ def _finalist(sol: Solution, sim: _Simulator, space: SearchSpace, settings: Sear
     part = tuple(sol.partition)
     start_time = sim.time(part)
     budget = settings.refine_evals if refine else 0
-    if sol.layout.virtual == 1 and sol.layout.pp > 1 and space.sublayer and budget > 0:
+    if sol.layout.virtual_stages == 1 and sol.layout.pp > 1 and space.sublayer and budget > 0:
         def evaluate(p):
             t = sim.time(tuple(p))
             if t == _INF:
@@ -477,11 +477,11 @@ def _finalist(sol: Solution, sim: _Simulator, space: SearchSpace, settings: Sear
     lay = sol.layout
     if isinstance(best_sol, HybridSolution):
         notes.append(summarize(best_sol.strategies))
-    elif True in space.slicing and lay.pp > 1 and lay.mbs % 2 == 0 and lay.schedule != "gpipe" \
+    elif True in space.slicing and lay.pp > 1 and lay.micro_batch_size % 2 == 0 and lay.schedule != "gpipe" \
             and not zero_bubble(lay.schedule):
         fwd = [sum(x) for x in ev.cost.chunk_forward]
         bwd = [sum(x) for x in ev.cost.chunk_backward]
-        k = choose_slices(fwd, bwd, prob.p2p, lay.m)
+        k = choose_slices(fwd, bwd, prob.p2p, lay.num_microbatches)
         if k:
             try:
                 sliced = sim.time(part, k)
@@ -502,8 +502,8 @@ def _finalist(sol: Solution, sim: _Simulator, space: SearchSpace, settings: Sear
                 kinds[c] = kinds.get(c, 0) + 1
         notes.append("recompute " + ", ".join(f"{n} {c}" for c, n in sorted(kinds.items())))
     profiled = sim.stats.get("profiled_micro_batch")
-    if profiled and lay.mbs > profiled:
-        notes.append(f"mbs {lay.mbs} extrapolated (profiled up to {profiled})")
+    if profiled and lay.micro_batch_size > profiled:
+        notes.append(f"mbs {lay.micro_batch_size} extrapolated (profiled up to {profiled})")
     return Ranked(ev.spec, ev, sol.estimate, True, notes, gains)
 
 

@@ -70,8 +70,8 @@ class Solution:
 
     def spec(self, model: ModelConfig, slicing: int = 0) -> RunSpec:
         lay, var = self.layout, self.variant
-        pipe = PipelineConfig(micro_batch_size=lay.mbs, num_microbatches=lay.m, schedule=lay.schedule,
-                              virtual_stages=lay.virtual, partition=self.partition, recompute=self.recompute,
+        pipe = PipelineConfig(micro_batch_size=lay.micro_batch_size, num_microbatches=lay.num_microbatches, schedule=lay.schedule,
+                              virtual_stages=lay.virtual_stages, partition=self.partition, recompute=self.recompute,
                               bpipe=var.bpipe, slicing=slicing)
         return RunSpec.of(model=model, tp=lay.tp, pp=lay.pp, dp=lay.dp, pipeline=pipe, sequence_parallel=var.sp,
                        rank_order="bpipe" if var.bpipe else "tp-dp-pp", distributed_optimizer=var.zero1,
@@ -90,14 +90,14 @@ class LayoutProblem:
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
                  uniform: str | None | bool = False) -> None:
         self.layout, self.variant, self.model, self.space, self.shapes = layout, variant, model, space, shapes
-        self.memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.mbs, variant.sp)
+        self.memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.micro_batch_size, variant.sp)
         self.uniform = uniform  # False: per-unit choices; else this one choice for every transformer unit
-        self.stages = layout.pp * layout.virtual
+        self.stages = layout.pp * layout.virtual_stages
         self.names = unit_names(model.num_layers)
         self.cost, self.capacity = self._placement(cluster, profiles, costs)
         self.counts = shapes.counts(layout, variant.bpipe)
         self.zero_bubble = zero_bubble(layout.schedule)
-        self.zb_credit = shapes.zero_bubble_credit(layout.schedule, layout.pp, layout.m) if self.zero_bubble else 0.0
+        self.zb_credit = shapes.zero_bubble_credit(layout.schedule, layout.pp, layout.num_microbatches) if self.zero_bubble else 0.0
         self._short = None  # a zero-bubble schedule of m < p, compiled once for the estimate
         # per unit kind (units of a kind share their rows): allowed choices, and per choice (forward, backward)
         # per rank, saved bytes and transient bytes
@@ -160,7 +160,7 @@ class LayoutProblem:
         for r in range(lay.pp):
             dev = self.cost.devices[r]
             link = self.cost.tp_link(r) if lay.tp > 1 else None
-            place = (dev.name, None if link is None else (link.bandwidth, link.latency), lay.tp, sp, lay.mbs,
+            place = (dev.name, None if link is None else (link.bandwidth, link.latency), lay.tp, sp, lay.micro_batch_size,
                      self.model.vocab_size)
             if place not in by_device:
                 rows: dict = {}
@@ -196,20 +196,20 @@ class LayoutProblem:
         sp = self.variant.sp and lay.tp > 1
 
         def saved(kind, c):
-            key = (kind, c, lay.mbs, lay.tp, sp, memory.device, model.vocab_size)
+            key = (kind, c, lay.micro_batch_size, lay.tp, sp, memory.device, model.vocab_size)
             if key not in shapes.saved_bytes:
-                shapes.saved_bytes[key] = float(unit_activation_bytes(kind, model, lay.mbs, lay.tp, sp, c,
+                shapes.saved_bytes[key] = float(unit_activation_bytes(kind, model, lay.micro_batch_size, lay.tp, sp, c,
                                                                       memory.device))
             return shapes.saved_bytes[key]
 
         # an engine that checkpoints whole layers keeps one input per fully recomputed layer (memory_model.py)
         layered = self.uniform == "full" and not self.space.sublayer and layer_checkpoints(memory.engine)
         kind_saved = {k: [0.0 if layered and k == "mlp" else saved(k, c) for c in allowed[k]] for k in allowed}
-        kind_transient = {k: [float(unit_transient_bytes(k, model, lay.mbs, lay.tp, sp, c, memory.device)
-                                    + (layer_transient_extra(model, lay.mbs, lay.tp, sp, memory.device)
+        kind_transient = {k: [float(unit_transient_bytes(k, model, lay.micro_batch_size, lay.tp, sp, c, memory.device)
+                                    + (layer_transient_extra(model, lay.micro_batch_size, lay.tp, sp, memory.device)
                                        if layered and k == "mlp" else 0))
                               for c in allowed[k]] for k in allowed}
-        wsaved = [float(unit_wgrad_bytes(k, model, lay.mbs, lay.tp, sp)) for k in kinds] \
+        wsaved = [float(unit_wgrad_bytes(k, model, lay.micro_batch_size, lay.tp, sp)) for k in kinds] \
             if self.zero_bubble else [0.0] * len(kinds)
         return [kind_saved[k] for k in kinds], wsaved, [kind_transient[k] for k in kinds]
 
@@ -383,9 +383,9 @@ class LayoutProblem:
         itself is replayed on the stage times."""
         lay = self.layout
         fb = [f + b for f, b in zip(fwd, bwd)]
-        if self.zero_bubble and lay.m < lay.pp:
+        if self.zero_bubble and lay.num_microbatches < lay.pp:
             if self._short is None:
-                self._short = compile_schedule(generate(lay.schedule, lay.pp, lay.m))
+                self._short = compile_schedule(generate(lay.schedule, lay.pp, lay.num_microbatches))
             kinds = {Kind.FORWARD: fwd, Kind.BACKWARD_WEIGHT: wgt}
             inputs = [b - w for b, w in zip(bwd, wgt)]
             return replay(self._short, lambda r, a: kinds.get(a.kind, inputs)[r], lambda s, d, a: self.p2p,
@@ -394,12 +394,12 @@ class LayoutProblem:
             n = len(fb)
             f_mean, w_mean = sum(fwd) / n, sum(wgt) / n
             b_mean = sum(bwd) / n - w_mean
-            return sum(fb) - sum(wgt) + (lay.m - 1) * max(fb) + w_mean \
+            return sum(fb) - sum(wgt) + (lay.num_microbatches - 1) * max(fb) + w_mean \
                 - self.zb_credit * min(f_mean, b_mean, w_mean) + 2 * (lay.pp - 1) * self.p2p
-        if lay.virtual == 1:
-            return sum(fb) + (lay.m - 1) * max(fb) + 2 * (lay.pp - 1) * self.p2p
+        if lay.virtual_stages == 1:
+            return sum(fb) + (lay.num_microbatches - 1) * max(fb) + 2 * (lay.pp - 1) * self.p2p
         per_rank = [sum(fb[k] for k in range(r, self.stages, lay.pp)) for r in range(lay.pp)]
-        return lay.m * max(per_rank) + (lay.pp - 1) * max(fb) + 2 * (self.stages - 1) * self.p2p
+        return lay.num_microbatches * max(per_rank) + (lay.pp - 1) * max(fb) + 2 * (self.stages - 1) * self.p2p
 
     def _sync_time(self, keys: list[tuple], plans: list, fwd: list[float], bwd: list[float]) -> float:
         """What the gradient synchronisation adds after the pipeline (CostModel.finish_times, overlap.py): per rank
@@ -488,8 +488,8 @@ class LayoutProblem:
 
         starts = [self.shapes.minmax(plain_time, self.stages),
                   self.shapes.minmax_memory(static, most, cnt), self.shapes.minmax_memory(static, least, cnt)]
-        if lay.virtual == 1 and len(by_table) > 1:  # on one device type AMP's objective is min-max plus a constant
-            starts.append(amp_partition(plain_time, self.stages, lay.m))
+        if lay.virtual_stages == 1 and len(by_table) > 1:  # on one device type AMP's objective is min-max plus a constant
+            starts.append(amp_partition(plain_time, self.stages, lay.num_microbatches))
         for s in starts:
             score(s)
         feasible = [k for k, v in seen.items() if v is not None]
@@ -522,8 +522,8 @@ def lower_bound(problem: LayoutProblem) -> float:
     total = sum(min(sum(t[i][0]) for t in tables) for i in range(len(problem.names)))
     backward = sum(min(t[i][0][1] for t in tables) for i in range(len(problem.names)))
     per_rank = total / lay.pp
-    start_up = 0.0 if problem.zero_bubble else (lay.pp - 1) / lay.virtual  # W's may fill every bubble
-    return per_rank * (lay.m + start_up) + least_sync(problem, backward / lay.pp) + problem.embedding_sync
+    start_up = 0.0 if problem.zero_bubble else (lay.pp - 1) / lay.virtual_stages  # W's may fill every bubble
+    return per_rank * (lay.num_microbatches + start_up) + least_sync(problem, backward / lay.pp) + problem.embedding_sync
 
 
 def least_sync(problem: LayoutProblem, backward: float) -> float:

@@ -133,10 +133,10 @@ class Layout:
     tp: int
     pp: int
     dp: int
-    mbs: int
-    m: int  # micro-batches per iteration
+    micro_batch_size: int
+    num_microbatches: int  # per iteration
     schedule: str
-    virtual: int = 1
+    virtual_stages: int = 1
 
 
 @lru_cache(maxsize=None)

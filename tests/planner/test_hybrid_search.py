@@ -145,7 +145,7 @@ def test_galvatron_space_for_8_gpus():
 def test_hybrid_problem_matches_simulation_and_round_trips(tmp_path):
     cluster = load_cluster("a100-80g-ib")
     model = replace(MODEL, num_layers=4)
-    lay = [x for x in hybrid_layouts(SearchSpace(), model, 4, 8) if x.pp == 2 and x.mbs == 1][0]
+    lay = [x for x in hybrid_layouts(SearchSpace(), model, 4, 8) if x.pp == 2 and x.micro_batch_size == 1][0]
     prob = HybridProblem(lay, model, cluster, None, SearchSpace(), CostSettings(), MemorySettings(), ScheduleShapes())
     sol = prob.solve()
     spec = sol.spec(model)
@@ -234,11 +234,11 @@ def test_stage_dp_on_model_rows_equals_exhaustive():
     """The DP on a real stage (a 1-layer GPT on 4 ranks: embedding, attention, MLP, head; every strategy and
     recomputation the cost and memory models give) finds what enumerating every combination finds."""
     model = replace(MODEL, num_layers=1, untie_embeddings_and_output_weights=True)
-    lay = [x for x in hybrid_layouts(SearchSpace(), model, 4, 8) if x.pp == 1 and x.mbs == 1][0]
+    lay = [x for x in hybrid_layouts(SearchSpace(), model, 4, 8) if x.pp == 1 and x.micro_batch_size == 1][0]
     prob = HybridProblem(lay, model, load_cluster("a100-80g-ib"), None, SearchSpace(), CostSettings(),
                          MemorySettings(), ScheduleShapes())
     options = [[o[:4] for o in prob.rows(0, i, True)] for i in range(model.num_units)]
-    relayout = [[lay.m * (f + b) for f, b in row] for row in prob.relayout[0]]
+    relayout = [[lay.num_microbatches * (f + b) for f, b in row] for row in prob.relayout[0]]
     enter = [0.0] * len(prob.strategies)
     heaviest = sum(max(o[2] for o in opts) for opts in options) + max(o[3] for opts in options for o in opts)
     lightest = sum(min(o[2] for o in opts) for opts in options)
@@ -251,7 +251,7 @@ def test_stage_dp_on_model_rows_equals_exhaustive():
 
 def test_single_strategy_plans_of_a_partition():
     model = replace(MODEL, num_layers=2)
-    lay = [x for x in hybrid_layouts(SearchSpace(), model, 4, 8) if x.pp == 1 and x.mbs == 1][0]
+    lay = [x for x in hybrid_layouts(SearchSpace(), model, 4, 8) if x.pp == 1 and x.micro_batch_size == 1][0]
     prob = HybridProblem(lay, model, load_cluster("a100-80g-ib"), None, SearchSpace(), CostSettings(),
                          MemorySettings(), ScheduleShapes())
     best = prob.solve()

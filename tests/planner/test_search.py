@@ -54,9 +54,9 @@ def _exhaustive(model, gbs, cluster, space):
         m = padded_model(model, 256, 8, lay.tp)
         for sp, zero1 in itertools.product((s for s in space.sp if not s or lay.tp > 1),
                                            (z for z in space.zero1 if not z or lay.dp > 1)):
-            for part in _compositions(n, lay.pp * lay.virtual):
+            for part in _compositions(n, lay.pp * lay.virtual_stages):
                 for rc in itertools.product(*choices):
-                    pipe = PipelineConfig(lay.mbs, lay.m, lay.schedule, lay.virtual, part, rc if any(rc) else None)
+                    pipe = PipelineConfig(lay.micro_batch_size, lay.num_microbatches, lay.schedule, lay.virtual_stages, part, rc if any(rc) else None)
                     spec = RunSpec.of(m, lay.tp, lay.pp, lay.dp, pipe, sp, distributed_optimizer=zero1,
                                    overlap_grad_reduce=lay.dp > 1)
                     ev = simulate_run(spec, cluster, None, COSTS, MEM)
