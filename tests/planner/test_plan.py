@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -9,7 +10,7 @@ from megatron_bmw.arguments import apply_plan, configs_from_args, parse_args
 from megatron_bmw.config import ModelConfig, PipelineConfig
 from megatron_bmw.errors import UsageError
 from megatron_bmw.planner.plan import Plan
-from megatron_bmw.planner.spec import RunSpec
+from megatron_bmw.planner.spec import RunSpec, spec_from_run_config
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32,
                     params_dtype="bf16")
@@ -248,3 +249,20 @@ def test_a_zero_bubble_plan_runs_as_planned_and_is_refused_where_the_flags_are(t
         else:
             with pytest.raises(UsageError, match=needle):
                 configs_from_args(args, 8, plan=apply_plan(args, argv))
+
+
+def test_a_plan_written_before_the_run_schema_still_loads_and_runs(tmp_path):
+    """tests/planner/data/plan_written_at_a4b9409.json: `autoconfig.py search` at commit a4b9409, before the
+    configs declared their flags and RunSpec held the ParallelConfig; it loads, and a run lays it over its flags."""
+    path = os.path.join(os.path.dirname(__file__), "data", "plan_written_at_a4b9409.json")
+    old = json.load(open(path))
+    plan = Plan.load(path)
+    assert (plan.spec.tp, plan.spec.pp, plan.spec.dp) == tuple(old["parallel"][k] for k in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"))
+    assert plan.spec.pipeline.micro_batch_size == old["pipeline"]["micro_batch_size"]
+    again = tmp_path / "again.json"
+    plan.save(str(again))
+    assert Plan.load(str(again)).spec == plan.spec
+    argv = ["--plan", path, "--mock-data", "--train-iters", "2", "--seq-length", "1024"]
+    run = configs_from_args(parse_args(argv), plan.spec.world_size, plan=plan)
+    assert spec_from_run_config(run, plan.spec.world_size) == plan.spec

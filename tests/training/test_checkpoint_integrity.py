@@ -219,3 +219,18 @@ def test_the_command_line_exits_2_on_a_damaged_file_and_falls_back_with_the_flag
     out = _cli(base + ["--train-iters", "6", "--load", ckpt, "--load-fallback"])
     assert out.returncode == 0, out.stderr
     assert "loading iter_0000002" in out.stdout and "at iteration 2" in out.stdout
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_checkpoint_written_before_safe_loading_still_loads(tmp_path, fmt):
+    """tests/training/data/written_at_a4b9409: a serial run of this file's model saved at iteration 2 by commit
+    a4b9409, which read checkpoints with weights_only=False and wrote no checksums: it loads as data, unverified,
+    and training goes on."""
+    source = os.path.join(os.path.dirname(__file__), "data", "written_at_a4b9409", fmt)
+    ckpt = str(tmp_path / fmt)
+    shutil.copytree(source, ckpt)
+    trainer, printed = _load(ckpt, "--use-checkpoint-opt_param-scheduler")  # it was saved for 2 iterations, not 4
+    assert trainer.iteration == 2 and f"successfully loaded checkpoint from {ckpt} at iteration 2" in printed
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    assert trainer.iteration == 4
