@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 from ..errors import UsageError
 from .schema import KEY
