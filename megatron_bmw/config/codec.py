@@ -8,7 +8,7 @@ import dataclasses
 import math
 
 from ..errors import UsageError
-from .schema import KEY
+from .schema import KEY, annotation_kinds
 
 
 def to_data(obj, exclude: tuple[str, ...] = ()) -> dict:
@@ -51,7 +51,7 @@ def check_section(cls, data, where: str, path: str, exclude: tuple[str, ...] = (
 def check_value(f: dataclasses.Field, value, where: str):
     """One field's value from a file, against its annotation and declared rules."""
     rules = f.metadata.get(KEY)
-    kinds = [k.strip() for k in str(f.type).split("|")]
+    kinds = annotation_kinds(f)
     if value is None:
         if "None" in kinds:
             return None

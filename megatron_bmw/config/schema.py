@@ -5,6 +5,7 @@ field name (`from_flags`). No torch, no argparse namespace beyond the entry poin
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Callable
@@ -84,12 +85,13 @@ def _field_default(f: dataclasses.Field) -> Any:
     return None
 
 
+def annotation_kinds(f: dataclasses.Field) -> list[str]:
+    """The kinds a field's annotation names, first the main one: 'int | None' -> ['int', 'None']."""
+    return [k.strip() for k in str(f.type).split("|")]
+
+
 def _value_type(f: dataclasses.Field) -> Callable:
-    text = str(f.type)
-    for name, kind in (("int", int), ("float", float)):
-        if text.split(" | ")[0].strip() == name:
-            return kind
-    return str
+    return {"int": int, "float": float}.get(annotation_kinds(f)[0], str)
 
 
 def add_flags(parser, groups: dict[str, Any], classes, wanted: Callable[[str], bool] = lambda group: True) -> None:
@@ -158,16 +160,9 @@ def from_flags(cls, values, **given: Any):
     return cls(**kwargs, **given)
 
 
-def flag_names(cls) -> dict[str, str]:
-    """field name -> its flag, for messages that name a field's flag."""
-    return {f.name: fl.name for f, fl in declared(cls)}
-
-
 def positive_int(flag_name: str) -> Callable[[str], int]:
     """An argparse type: an integer >= 1, refused at parse time naming the flag."""
     def parse(text: str) -> int:
-        import argparse
-
         try:
             value = int(text)
         except ValueError:
@@ -182,8 +177,6 @@ def positive_int(flag_name: str) -> Callable[[str], int]:
 def int_list(flag_name: str) -> Callable[[str], tuple[int, ...]]:
     """An argparse type: comma-separated positive integers, refused at parse time naming the flag."""
     def parse(text: str) -> tuple[int, ...]:
-        import argparse
-
         try:
             values = tuple(int(x) for x in text.split(","))
         except ValueError:
