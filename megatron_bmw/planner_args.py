@@ -222,6 +222,8 @@ def spec_from_flags(args, planner: PlannerConfig, cluster: Cluster, profiles: Pr
                     costs: CostSettings = CostSettings()):
     """The RunSpec the model flags (`args`) describe on `cluster`, with the planner's world size and rank order."""
     world = planner.world_size or cluster.num_gpus
+    if world < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world}")
     if world > cluster.num_gpus:
         raise UsageError(f"--world-size {world} exceeds the {cluster.num_gpus} GPUs of cluster {cluster.name}")
     return spec_of_run(configs_from_args(args, world), world, planner.rank_order, cluster, profiles, costs)
