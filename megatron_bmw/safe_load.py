@@ -100,8 +100,10 @@ def _reason(exc: Exception) -> str:
     named = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text)
     if named:  # weights_only's refusal (a legacy-format file's globals are not listed ahead of time)
         return f"it names the global {named.group(1)}, which a checkpoint never needs; refused, nothing in it was run"
-    if "Weights only load failed" in text:
-        return "it holds a pickle construct a checkpoint never needs; refused, nothing in it was run"
+    if "Weights only load failed" in text:  # a construct weights_only refuses, or bytes that are no pickle at all
+        detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+        why = detail.group(1).strip() if detail else "a construct a checkpoint never needs"
+        return f"truncated or not a checkpoint: the unpickler refused it ({why}); nothing in it was run"
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     return f"truncated or not a checkpoint: {type(exc).__name__}: {lines[0] if lines else ''}"
 
