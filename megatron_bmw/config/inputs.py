@@ -47,8 +47,9 @@ class FlagInputs:
         help="Galvatron-BMW hybrid: a strategy per unit over the world/pp ranks of a stage (tp2-dp2, dp2-tp2, sdp4, "
              "tp4, ...), comma separated over [embedding, attn_0, mlp_0, ..., head], or one for all; needs "
              "--tensor-model-parallel-size 1")
-    context_parallel_size: int = flag("--context-parallel-size", group=P, default=1,
-                                      help="1 only (no context parallelism)")
+    hierarchical_context_parallel_sizes: list[int] | None = flag(
+        "--hierarchical-context-parallel-sizes", group=P, default=None, nargs="+", type=int,
+        help="not built: refused (context parallelism is one level, --cp-comm-type p2p or a2a)")
     plan: str | None = flag("--plan", group=P, default=None,
                             help="run the plan file written by tools/autoconfig.py search (other flags must agree "
                                  "with it)")

@@ -21,6 +21,13 @@ class ParallelConfig:
     tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", group=P, default=1, minimum=1)
     pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", group=P, default=1, minimum=1)
     sequence_parallel: bool = flag("--sequence-parallel", group=P, default=False, action="store_true")
+    context_parallel_size: int = flag(
+        "--context-parallel-size", group=P, default=1, minimum=1,
+        help="split every sequence over N ranks (2N chunks, rank r holding chunks r and 2N-1-r); attention runs "
+             "over the cp group (--cp-comm-type)")
+    cp_comm_type: str = flag("--cp-comm-type", group=P, default="p2p", choices=("p2p", "a2a"),
+                             help="context-parallel attention: p2p passes K/V around a ring; a2a scatters heads "
+                                  "(all-to-all) and attends over the whole sequence")
     rank_order: str = flag(default="tp-dp-pp", domain=("tp-dp-pp", "bpipe"))  # bpipe: pairs (s, p-1-s) side by side
     gpus_per_node: int | None = flag("--gpus-per-node", group=P, default=None, minimum=1,
                                      help="node size for rank placement (default: the local world size)")
@@ -35,13 +42,13 @@ class ParallelConfig:
             self.sequence_parallel = False  # Megatron disables it for tp=1 as well
 
     def data_parallel_size(self, world_size: int) -> int:
-        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-        if world_size % mp:
+        tp, cp, pp = self.tensor_model_parallel_size, self.context_parallel_size, self.pipeline_model_parallel_size
+        if world_size % (tp * cp * pp):
+            with_cp = f" x --context-parallel-size {cp}" if cp > 1 else ""
             raise UsageError(
-                f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-                f"{self.tensor_model_parallel_size} x --pipeline-model-parallel-size {self.pipeline_model_parallel_size}"
-            )
-        return world_size // mp
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}{with_cp} x "
+                f"--pipeline-model-parallel-size {pp}")
+        return world_size // (tp * cp * pp)
 
 
 @dataclass

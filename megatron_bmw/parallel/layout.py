@@ -1,13 +1,16 @@
-"""Rank layout: global rank <-> (tp, dp, pp) coordinates.
+"""Rank layout: global rank <-> (tp, cp, dp, pp) coordinates.
 
-`tp-dp-pp`: tp fastest, then dp, then pp (Megatron-LM's order; the runtime's default).
-`bpipe` (with --bpipe): tp fastest, then pipeline stages in pair-adjacent order 0, p-1, 1, p-2, ... (so each BPipe pair
-(s, p-1-s) sits on neighbouring ranks), then dp.
+`tp-dp-pp`: tp fastest, then cp, then dp, then pp (Megatron-LM's tp-cp-dp-pp; the runtime's default; cp is 1
+unless --context-parallel-size).
+`bpipe` (with --bpipe): tp fastest, then cp, then pipeline stages in pair-adjacent order 0, p-1, 1, p-2, ... (so
+each BPipe pair (s, p-1-s) sits on neighbouring ranks), then dp.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from itertools import product
 
 from ..errors import UsageError
 
@@ -25,6 +28,7 @@ class RankLayout:
     dp: int
     pp: int
     order: str = "tp-dp-pp"
+    cp: int = 1
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -32,36 +36,63 @@ class RankLayout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
-    def rank(self, tp: int, dp: int, pp: int) -> int:
+    def rank(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
+        inner = tp + self.tp * cp
         if self.order == "tp-dp-pp":
-            return tp + self.tp * (dp + self.dp * pp)
-        return tp + self.tp * (pair_adjacent_slot(pp, self.pp) + self.pp * dp)
+            return inner + self.tp * self.cp * (dp + self.dp * pp)
+        return inner + self.tp * self.cp * (pair_adjacent_slot(pp, self.pp) + self.pp * dp)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        tp, _, dp, pp = self.all_coords(rank)
+        return tp, dp, pp
+
+    def all_coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(tp_rank, cp_rank, dp_rank, pp_rank) of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size}")
-        tp, rest = rank % self.tp, rank // self.tp
+        tp, cp, rest = rank % self.tp, rank // self.tp % self.cp, rank // (self.tp * self.cp)
         if self.order == "tp-dp-pp":
-            return tp, rest % self.dp, rest // self.dp
+            return tp, cp, rest % self.dp, rest // self.dp
         slot, dp = rest % self.pp, rest // self.pp
         stage = slot // 2 if slot % 2 == 0 else self.pp - 1 - slot // 2
-        return tp, dp, stage
+        return tp, cp, dp, stage
+
+    def _groups(self, vary: str) -> list[list[int]]:
+        """Every group of ranks that differ only in the coordinates named in `vary` (a subset of "tcdp")."""
+        sizes = {"t": self.tp, "c": self.cp, "d": self.dp, "p": self.pp}
+        fixed = [k for k in "pdct" if k not in vary]  # outer loops, pp slowest (the order groups are made in)
+        out = []
+        for outer in _product([range(sizes[k]) for k in fixed]):
+            at = dict(zip(fixed, outer))
+            members = []
+            for inner in _product([range(sizes[k]) for k in vary]):
+                at.update(zip(vary, inner))
+                members.append(self.rank(at["t"], at["d"], at["p"], at["c"]))
+            out.append(members)
+        return out
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        return self._groups("t")
+
+    def cp_groups(self) -> list[list[int]]:
+        return self._groups("c")
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        return self._groups("d")
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """Ranks that hold the same parameters: gradients are reduced (and ZeRO-1 shards) over dp x cp."""
+        return self._groups("dc")
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return self._groups("p")
 
     def mp_groups(self) -> list[list[int]]:
-        """Model-parallel groups: all tp x pp ranks holding one replica of the model."""
-        return [sorted(self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)) for d in range(self.dp)]
+        """Model-parallel groups: all tp x pp ranks holding one replica of the model (one per cp and dp rank)."""
+        return [sorted(g) for g in self._groups("pt")]
 
     def node_of(self, rank: int, gpus_per_node: int) -> int:
         """Node holding global `rank` when each node has `gpus_per_node` consecutive ranks."""
@@ -77,3 +108,8 @@ class RankLayout:
     def embedding_groups(self) -> list[list[int]]:
         """First and last pipeline stage of each pipeline (they share the tied word embedding)."""
         return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
+
+
+def _product(ranges: list) -> list[tuple[int, ...]]:
+    """Every combination, the last range fastest."""
+    return list(product(*ranges))

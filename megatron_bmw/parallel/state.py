@@ -34,7 +34,8 @@ class ParallelState(ParallelView):
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         dp = cfg.data_parallel_size(world)
-        layout = RankLayout(cfg.tensor_model_parallel_size, dp, cfg.pipeline_model_parallel_size, cfg.rank_order)
+        layout = RankLayout(cfg.tensor_model_parallel_size, dp, cfg.pipeline_model_parallel_size, cfg.rank_order,
+                            cfg.context_parallel_size)
         if device is None:
             device = default_device()
         state = cls(layout=layout, rank=rank, device=torch.device(device), sequence_parallel=cfg.sequence_parallel)
@@ -46,6 +47,8 @@ class ParallelState(ParallelView):
             ("pp_group", layout.pp_groups()),
             ("mp_group", layout.mp_groups()),
             ("embedding_group", layout.embedding_groups()),
+            ("cp_group", layout.cp_groups() if layout.cp > 1 else []),
+            ("dp_cp_group", layout.dp_cp_groups() if layout.cp > 1 else []),
         ):
             setattr(state, attr, _new_groups(groups, rank, new_group))
         state.pp_ranks = tuple(next(g for g in layout.pp_groups() if rank in g))

@@ -23,6 +23,8 @@ class ParallelView:
     pp_group: object = None
     mp_group: object = None
     embedding_group: object = None
+    cp_group: object = None  # ranks holding the other chunks of this rank's sequences (--context-parallel-size)
+    dp_cp_group: object = None  # dp x cp: where gradients are reduced and ZeRO-1 shards (None when cp is 1)
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, by stage
     sequence_parallel: bool = False
     rng: RNGTracker = field(default_factory=RNGTracker)
@@ -59,6 +61,19 @@ class ParallelView:
     @property
     def pp_rank(self) -> int:
         return self.layout.coords(self.rank)[2]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.layout.all_coords(self.rank)[1]
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def grad_group(self):
+        """The group gradients are averaged over (and ZeRO-1 shards over): dp, or dp x cp with context parallelism."""
+        return self.dp_cp_group if self.layout.cp > 1 else self.dp_group
 
     @property
     def tp_size(self) -> int:

@@ -57,3 +57,24 @@ def test_slurm_environment_mapping():
     assert slurm_environment({}) == {}
     assert first_host("node7,node8") == "node7"
     assert first_host("a[1-3],b2") == "a1"
+
+
+@pytest.mark.parametrize("order", ["tp-dp-pp", "bpipe"])
+def test_context_parallel_coordinates_and_groups(order):
+    layout = RankLayout(2, 2, 2, order, cp=2)
+    assert layout.world_size == 16
+    assert sorted(layout.rank(*_tdp(c)) for c in map(layout.all_coords, range(16))) == list(range(16))
+    for name, varies in (("cp", 1), ("dp", 2)):
+        for group in getattr(layout, f"{name}_groups")():
+            coords = [layout.all_coords(r) for r in group]
+            assert all(len({c[i] for c in coords}) == (1 if i != varies else 2) for i in range(4))
+    # tp fastest, then cp (Megatron's tp-cp-dp-pp): a cp group's ranks are tp apart
+    assert layout.cp_groups()[0] == [0, 2]
+    dp_cp = layout.dp_cp_groups()
+    assert all(len(g) == 4 for g in dp_cp) and sorted(r for g in dp_cp for r in g) == list(range(16))
+    assert sorted(r for g in layout.mp_groups() for r in g) == list(range(16))
+
+
+def _tdp(coords):
+    tp, cp, dp, pp = coords
+    return tp, dp, pp, cp
