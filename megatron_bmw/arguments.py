@@ -126,9 +126,6 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 
 def _check_megatron_choices(args) -> None:
     """Megatron flags whose other values select something this implementation does not have."""
-    if args.context_parallel_size != 1:  # the layout and groups carry cp; the model does not split sequences yet
-        raise UsageError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
-                         "implemented; only 1 is accepted")
     if args.hierarchical_context_parallel_sizes:
         raise UsageError("--hierarchical-context-parallel-sizes: hierarchical context parallelism (a2a+p2p) is not "
                          "built; use --context-parallel-size with --cp-comm-type p2p or a2a")

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..parallel.context_parallel import chunk_positions, split_sequence
 from ..parallel.init import ParamInit
 from ..parallel.state import ParallelState
 from ..units import unit_names
@@ -18,14 +19,30 @@ from .gpt import MLP, Attention, Embedding, Head, Unit
 ENDS = {"gpt": (Embedding, Head), "bert": (BertEmbedding, BertHead)}  # model type -> (embedding, head) units
 
 
-def synthetic_batch(model: ModelConfig, b: int, device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A micro-batch of `b` random samples for `model`'s units (profiling and counting them)."""
+def synthetic_batch(model: ModelConfig, b: int, device, seed: int = 0, cp: tuple[int, int] = (1, 0)
+                    ) -> dict[str, torch.Tensor]:
+    """A micro-batch of `b` random samples for `model`'s units (profiling and counting them); `cp`: (cp size,
+    cp rank) whose share of every sequence to keep."""
     if model.model_type == "bert":
         return {k: v.to(device) for k, v in bert_batch(model, b, seed, pad=False).items()}
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, model.vocab_size, (b, model.seq_length + 1), generator=g)
-    return {"tokens": tokens[:, :-1].clone().to(device), "labels": tokens[:, 1:].clone().to(device),
-            "loss_mask": torch.ones(b, model.seq_length, device=device)}
+    batch = {"tokens": tokens[:, :-1].clone(), "labels": tokens[:, 1:].clone(),
+             "loss_mask": torch.ones(b, model.seq_length)}
+    return {k: v.to(device) for k, v in cp_shard(batch, *cp).items()}
+
+
+def cp_shard(batch: dict[str, torch.Tensor], cp: int, cp_rank: int) -> dict[str, torch.Tensor]:
+    """A GPT micro-batch ([b, s] tensors) as context-parallel rank `cp_rank` of `cp` holds it: its chunks of every
+    sequence, their global `positions` ([b, s/cp]) and each sample's loss-token count over the whole sequence
+    (`loss_tokens`, so the head divides by the count of the whole sequence). Unchanged when cp is 1."""
+    if cp == 1:
+        return batch
+    b, s = batch["tokens"].shape
+    out = {k: split_sequence(v, 1, cp, cp_rank) for k, v in batch.items()}
+    out["positions"] = chunk_positions(s, cp, cp_rank).expand(b, -1).contiguous()
+    out["loss_tokens"] = batch["loss_mask"].sum(dim=1)
+    return out
 
 
 def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list[int] | None = None,

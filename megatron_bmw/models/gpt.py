@@ -2,7 +2,9 @@
 
 Between any two units flows the hidden state [seq, batch, hidden] (seq/tp with sequence parallelism), so a
 pipeline stage may end after any unit. Every unit has the signature `unit(hidden, batch) -> hidden`; the
-embedding ignores `hidden` and reads batch["tokens"], the head returns the micro-batch's mean loss.
+embedding ignores `hidden` and reads batch["tokens"], the head returns the micro-batch's mean loss. With context
+parallelism (--context-parallel-size C) a rank holds s/C rows of every sequence (models/chunk.py cp_shard: its
+global batch["positions"]); attention crosses the cp group (parallel/context_parallel.py), the rest is per row.
 A BERT (cfg.model_type "bert", models/bert.py) reuses Attention and MLP, attending over the batch's padding
 mask instead of causally, with its own embedding and head.
 """
@@ -17,6 +19,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..fused import layer_norm
+from ..parallel.context_parallel import context_attention
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.init import ParamInit
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallel_lm_logits
@@ -105,7 +108,8 @@ class Embedding(Unit):
         tokens = batch["tokens"]
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            positions = torch.arange(tokens.size(1), device=tokens.device)
+            positions = batch["positions"][0] if "positions" in batch else torch.arange(tokens.size(1),
+                                                                                         device=tokens.device)
             x = x + F.embedding(positions, self.position_embeddings).unsqueeze(0)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.state.sequence_parallel:
@@ -154,18 +158,29 @@ class Attention(Unit):
         k, v = (qkv[:, :, :, per + i].permute(1, 2, 0, 3) for i in (0, 1))  # [b, groups, s, d]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
+        positions = batch["positions"][0] if "positions" in batch else None  # a context-parallel rank's rows
         if self.rotary is not None:
-            angles = rotary_angles(s, *self.rotary, q.device)
+            angles = rotary_angles(s, *self.rotary, q.device, positions)
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
-        if per > 1:
-            k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
-        keep = None if self.causal else batch["padding_mask"].bool()[:, None, None, :]  # keys to attend to
-        if self.selective and self.training and torch.is_grad_enabled():
-            ctx = checkpoint(self.core_attention, self.state.rng, q, k, v, keep)
+        if positions is not None:  # the cp core takes grouped k and v
+            core, args = self.cp_attention, (q, k, v, positions)
         else:
-            ctx = self.core_attention(q, k, v, keep)
+            if per > 1:
+                k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
+            keep = None if self.causal else batch["padding_mask"].bool()[:, None, None, :]  # keys to attend to
+            core, args = self.core_attention, (q, k, v, keep)
+        if self.selective and self.training and torch.is_grad_enabled():
+            ctx = checkpoint(core, self.state.rng, *args)
+        else:
+            ctx = core(*args)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
         return (x if self.residual_post_ln else hidden) + self._dropout(self.proj(ctx), self.dropout)
+
+    def cp_attention(self, q, k, v, positions):
+        """Causal attention of this rank's rows over the whole sequence, across the context-parallel group."""
+        st = self.state
+        return context_attention(q, k, v, positions, st.cp_group, st.cp_ranks, 1.0 / math.sqrt(self.head_dim),
+                                 st.cp_comm_type)
 
     def core_attention(self, q, k, v, keep=None):
         p = self.attention_dropout if self.training else 0.0
@@ -240,6 +255,9 @@ class Head(Unit):
     def compute(self, hidden, batch):
         losses = vocab_parallel_cross_entropy(self.logits(hidden), batch["labels"].transpose(0, 1), self.state)
         mask = batch["loss_mask"].transpose(0, 1).float()
+        if "loss_tokens" in batch:  # context parallel: this rank's share of the whole sequences' mean, times cp
+            # (gradients are averaged over dp x cp; Megatron's scaling)
+            return (losses * mask).sum() * self.state.cp_size / batch["loss_tokens"].sum().clamp(min=1.0)
         if "sample_weights" in batch:  # hybrid strategies: this shard's share of the loss (parallel/hybrid.py)
             return (losses * mask * batch["sample_weights"].unsqueeze(0)).sum()
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)

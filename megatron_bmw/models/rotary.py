@@ -8,10 +8,13 @@ import torch
 
 
 def rotary_angles(seq_length: int, rotary_dim: int, base: float, factor: float | None,
-                  device: torch.device) -> torch.Tensor:
-    """[seq, rotary_dim] angles, the frequencies repeated over the two halves."""
+                  device: torch.device, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[seq, rotary_dim] angles, the frequencies repeated over the two halves; at `positions` ([seq] global
+    positions: a context-parallel rank's chunks) where given, else at 0 .. seq-1."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
-    positions = torch.arange(seq_length, dtype=torch.float32, device=device)
+    if positions is None:
+        positions = torch.arange(seq_length, dtype=torch.float32, device=device)
+    positions = positions.to(device=device, dtype=torch.float32)
     if factor is not None:
         positions = positions / factor
     angles = torch.outer(positions, inv_freq)

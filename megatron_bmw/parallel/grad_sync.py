@@ -41,7 +41,7 @@ class GradSync:
         """state: the ParallelState (its device, dp, tp and embedding groups); fusion: linear layers add their
         weight gradients into `main_grad` themselves (wgrad_accum.py)."""
         self.state = state
-        self.overlap = overlap and state.dp_group is not None  # a one-rank group reduces too (a GPU check)
+        self.overlap = overlap and state.grad_group is not None  # a one-rank group reduces too (a GPU check)
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
@@ -88,15 +88,15 @@ class GradSync:
             bucket = self._bucket_of[id(p)]
             bucket.pending -= 1
             if bucket.pending == 0:
-                bucket.handle = dist.all_reduce(bucket.buffer, group=self.state.dp_group, async_op=True)
+                bucket.handle = dist.all_reduce(bucket.buffer, group=self.state.grad_group, async_op=True)
 
     def finish(self) -> None:
         """Complete every reduction; afterwards each `main_grad` holds the final gradient."""
-        if self.state.dp_group is not None:
-            dp = group_size(self.state.dp_group)
+        if self.state.grad_group is not None:
+            dp = group_size(self.state.grad_group)
             for b in self.buckets:
                 if b.handle is None:
-                    b.handle = dist.all_reduce(b.buffer, group=self.state.dp_group, async_op=True)
+                    b.handle = dist.all_reduce(b.buffer, group=self.state.grad_group, async_op=True)
             for b in self.buckets:
                 b.handle.wait()
                 b.handle = None

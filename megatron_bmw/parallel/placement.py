@@ -46,7 +46,7 @@ class Uniform:
 
     def hidden_shape(self, cfg, state, micro_batch_size: int) -> tuple[int, int, int]:
         """[seq, batch, hidden] of the hidden state between pipeline stages."""
-        return _hidden_shape(cfg.seq_length, micro_batch_size, cfg.hidden_size, state.tp_size,
+        return _hidden_shape(cfg.seq_length // state.cp_size, micro_batch_size, cfg.hidden_size, state.tp_size,
                              state.sequence_parallel)
 
     def weigh(self, batch: dict) -> dict:
@@ -54,8 +54,9 @@ class Uniform:
         return batch
 
     def loss_divisor(self, state) -> int:
-        """What the data-parallel sum of the ranks' losses is divided by to give the mean loss."""
-        return state.dp_size
+        """What the sum of the ranks' losses over the gradient group (dp, or dp x cp) is divided by to give the mean
+        loss."""
+        return state.dp_size * state.cp_size
 
     # -- parameters, gradients, norms ------------------------------------------------------------------------
     def trainable(self, named: list) -> list:
@@ -74,7 +75,7 @@ class Uniform:
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def checkpoint_shard(self, state) -> tuple[int, int, bool]:
         """(rank, size) naming this rank's mp_rank_* directory, and whether this rank writes one."""
-        return state.tp_rank, state.tp_size, state.dp_rank == 0
+        return state.tp_rank, state.tp_size, state.dp_rank == 0 and state.cp_rank == 0
 
     def state_dict(self, chunk) -> dict:
         return chunk.state_dict()

@@ -38,7 +38,8 @@ class ParallelState(ParallelView):
                             cfg.context_parallel_size)
         if device is None:
             device = default_device()
-        state = cls(layout=layout, rank=rank, device=torch.device(device), sequence_parallel=cfg.sequence_parallel)
+        state = cls(layout=layout, rank=rank, device=torch.device(device), sequence_parallel=cfg.sequence_parallel,
+                    cp_comm_type=cfg.cp_comm_type)
         before = set(_live_groups())
         new_group = _group_maker(timeout_minutes)
         for attr, groups in (
@@ -52,6 +53,7 @@ class ParallelState(ParallelView):
         ):
             setattr(state, attr, _new_groups(groups, rank, new_group))
         state.pp_ranks = tuple(next(g for g in layout.pp_groups() if rank in g))
+        state.cp_ranks = tuple(next(g for g in layout.cp_groups() if rank in g))
         if cfg.unit_strategies is not None:
             from .hybrid import Hybrid
 

@@ -25,6 +25,8 @@ class ParallelView:
     embedding_group: object = None
     cp_group: object = None  # ranks holding the other chunks of this rank's sequences (--context-parallel-size)
     dp_cp_group: object = None  # dp x cp: where gradients are reduced and ZeRO-1 shards (None when cp is 1)
+    cp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's cp group, by cp rank
+    cp_comm_type: str = "p2p"  # how attention crosses the cp group (--cp-comm-type)
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, by stage
     sequence_parallel: bool = False
     rng: RNGTracker = field(default_factory=RNGTracker)

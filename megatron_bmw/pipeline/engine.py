@@ -119,8 +119,8 @@ class PipelineEngine:
         halves = {k: v.chunk(2, 0)[a.half] for k, v in batch.items()}
         if "loss_divisors" in batch or "sample_weights" in batch:  # the head's loss shares add up over halves
             return halves, 1.0
-        mask = batch["loss_mask"]
-        weight = (halves["loss_mask"].sum() / mask.sum().clamp(min=1)).item()
+        key = "loss_tokens" if "loss_tokens" in batch else "loss_mask"  # context parallel: whole-sequence counts
+        weight = (halves[key].sum() / batch[key].sum().clamp(min=1)).item()
         return halves, weight
 
     # -- execution -----------------------------------------------------------------------------------------
@@ -324,14 +324,14 @@ class PipelineEngine:
 
 
 def reduce_loss(result: RunResult, state: ParallelState, num_microbatches: int) -> float:
-    """Mean loss over micro-batches and data-parallel ranks, known on every rank."""
+    """Mean loss over micro-batches and data-parallel (and context-parallel) ranks, known on every rank."""
     t = torch.zeros(1, dtype=torch.float32, device=state.device)
     src = state.pp_ranks[result.loss_rank]
     if state.rank == src and result.loss_sum is not None:
         t += result.loss_sum.float() / num_microbatches
     if state.pp_group is not None:
         dist.broadcast(t, src=src, group=state.pp_group)
-    if state.dp_group is not None:
-        dist.all_reduce(t, group=state.dp_group)
+    if state.grad_group is not None:
+        dist.all_reduce(t, group=state.grad_group)
         t /= state.units.loss_divisor(state)
     return t.item()

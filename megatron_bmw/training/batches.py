@@ -1,7 +1,8 @@
 """Micro-batches for one iteration, taken from a dataset by consumed-sample count (Megatron's sampler order).
 
 Within a global batch, micro-batch i of data-parallel rank d holds samples
-consumed + (i * dp + d) * mb ... + mb - 1, so every layout sees the same global batch.
+consumed + (i * dp + d) * mb ... + mb - 1, so every layout sees the same global batch. With context parallelism
+the ranks of a cp group load the same samples and keep their chunks of each sequence (models/chunk.py cp_shard).
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ import numpy as np
 import torch
 
 from ..device import host_to_device
+from ..models.chunk import cp_shard
 
 
 class MicroBatches:
     def __init__(self, dataset, micro_batch_size: int, dp_size: int, dp_rank: int, device: torch.device,
-                 eod: int | None = None, eod_mask_loss: bool = False) -> None:
+                 eod: int | None = None, eod_mask_loss: bool = False, cp: tuple[int, int] = (1, 0)) -> None:
         self.dataset = dataset
         self.mb, self.dp, self.dp_rank = micro_batch_size, dp_size, dp_rank
         self.device = device
         self.eod = eod
         self.eod_mask_loss = eod_mask_loss
+        self.cp = cp  # (context-parallel size, this rank's cp rank)
 
     def iteration(self, consumed_samples: int, num_microbatches: int) -> "IterationBatches":
         return IterationBatches(self, consumed_samples, num_microbatches)
@@ -32,8 +35,8 @@ class MicroBatches:
         mask = torch.ones(tokens.shape, dtype=torch.float32)
         if self.eod_mask_loss and self.eod is not None:
             mask[tokens == self.eod] = 0.0
-        return {k: host_to_device(v, self.device) for k, v in
-                (("tokens", tokens), ("labels", labels), ("loss_mask", mask))}
+        batch = cp_shard({"tokens": tokens, "labels": labels, "loss_mask": mask}, *self.cp)
+        return {k: host_to_device(v, self.device) for k, v in batch.items()}
 
 
 class IterationBatches:

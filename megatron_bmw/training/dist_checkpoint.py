@@ -91,8 +91,9 @@ def _model_tensors(chunks: list, state: ParallelState) -> list[tuple[str, torch.
 
 def layout_of(state: ParallelState) -> dict:
     """What the RNG streams' meaning depends on: every rank keeps its coordinates when these agree."""
-    return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "order": state.layout.order,
-            "world": world()[1], "unit_strategies": state.units.names()}
+    out = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "order": state.layout.order,
+           "world": world()[1], "unit_strategies": state.units.names()}
+    return out if state.cp_size == 1 else {**out, "cp": state.cp_size}  # as before context parallelism where cp is 1
 
 
 class DistFormat:

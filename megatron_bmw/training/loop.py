@@ -325,7 +325,8 @@ class Trainer:
         batches = BertMicroBatches if bert else MicroBatches
         mbs, dp, dp_rank = st.units.loader(st, self.run.pipeline.micro_batch_size)
         self.train_data, self.valid_data, self.test_data = (
-            batches(d, mbs, dp, dp_rank, st.device, eod, tr.eod_mask_loss) if d is not None else None
+            batches(d, mbs, dp, dp_rank, st.device, eod, tr.eod_mask_loss, cp=(st.cp_size, st.cp_rank))
+            if d is not None else None
             for d in datasets)
         if self.train_data is None:
             raise UsageError("--split gives the training split no data")
@@ -356,9 +357,9 @@ class Trainer:
             t += reported.float().to(st.device) / m
         if st.pp_group is not None:
             dist.broadcast(t, src=src, group=st.pp_group)
-        if st.dp_group is not None:
-            dist.all_reduce(t, group=st.dp_group)
-            t /= st.dp_size
+        if st.grad_group is not None:
+            dist.all_reduce(t, group=st.grad_group)
+            t /= st.units.loss_divisor(st)
         names = LOSS_NAMES if self.run.model.bert_binary_head else LOSS_NAMES[:1]
         return dict(zip(names, t.tolist()))
 

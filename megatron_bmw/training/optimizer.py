@@ -98,12 +98,12 @@ class MixedPrecisionOptimizer:
         else:
             self.scaler = ConstantLossScaler(1.0)
 
-        dp = group_size(state.dp_group) if self.distributed else 1
+        dp = group_size(state.grad_group) if self.distributed else 1
         self._layout = ShardLayout([p.numel() for p in self.params], dp, cfg.param_bucket_size)
-        self._pieces = self._make_pieces(group_rank(state.dp_group) if self.distributed else 0)
+        self._pieces = self._make_pieces(group_rank(state.grad_group) if self.distributed else 0)
         self._gather = None
         if self.distributed:
-            self._gather = ParamGather(self.params, self._layout, state.dp_group, overlap=cfg.overlap_param_gather)
+            self._gather = ParamGather(self.params, self._layout, state.grad_group, overlap=cfg.overlap_param_gather)
             if cfg.overlap_param_gather:
                 if modules is None:
                     raise ValueError("overlap_param_gather needs the modules that use the parameters")
@@ -255,10 +255,10 @@ class MixedPrecisionOptimizer:
             dist.all_reduce(buf)
             sq, inf = buf.tolist()
             return inf > 0, sq**0.5
-        if self.state.dp_group is not None:
+        if self.state.grad_group is not None:
             # ZeRO: each DP rank saw only its shard; otherwise all DP ranks saw the same gradients.
             op = dist.ReduceOp.SUM if self.distributed else dist.ReduceOp.MAX
-            dist.all_reduce(buf, op=op, group=self.state.dp_group)
+            dist.all_reduce(buf, op=op, group=self.state.grad_group)
         if self.state.mp_group is not None:
             dist.all_reduce(buf, group=self.state.mp_group)
         sq, inf = buf.tolist()
@@ -304,7 +304,7 @@ class MixedPrecisionOptimizer:
                 src = m if key == "master" else st[key]
                 if src is not None:
                     buf[pc.shard_offset : pc.shard_offset + m.numel()].copy_(src.reshape(-1))
-            shards = _gather_shards(buf, self.state.dp_group)
+            shards = _gather_shards(buf, self.state.grad_group)
             flat[key] = None if shards is None else self._layout.unshard(shards)
         if flat["master"] is None:
             sd["params"] = None
