@@ -82,7 +82,8 @@ def context_attention(q, k, v, positions, group, ranks: tuple[int, ...], scale: 
     q: [b, n, s_loc, d]; k, v: [b, g, s_loc, d] with n = g * per (grouped-query attention, k and v not repeated:
     query head i reads kv head i // per); positions: int64 [s_loc], chunk_positions of this rank (the ring and
     the all-to-all rely on the chunk layout; the diagonal block is masked by these positions); group: the cp
-    ProcessGroup (None: the default group); ranks: its global ranks in cp-rank order; scale: the softmax scale.
+    ProcessGroup (None here is the default group when len(ranks) > 1; len(ranks) == 1 is plain causal attention
+    and never communicates); ranks: its global ranks in cp-rank order; scale: the softmax scale.
     Causal by global position. Returns [b, n, s_loc, d] in q's dtype, differentiable in q, k, v."""
     if comm_type not in ("p2p", "a2a"):
         raise UsageError(f"--cp-comm-type {comm_type}: not one of p2p, a2a")

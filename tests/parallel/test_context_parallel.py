@@ -167,3 +167,18 @@ def test_a_single_cp_rank_is_plain_causal_attention_with_the_same_saved_set():
         assert ((a.double() - w).abs().max() / w.abs().max()).item() < 2e-6
     with pytest.raises(UsageError, match="--cp-comm-type ring: not one of p2p, a2a"):
         context_attention(q, k, v, torch.arange(12), None, (0, 1), 0.25, comm_type="ring")
+
+
+def test_16_bit_inputs_keep_their_dtype_and_save_an_fp32_log_sum_exp():
+    q, k, v, do = _inputs(3, 1, 4, 1, 8, 8, torch.bfloat16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t,
+                                                  lambda t: t):
+        out = context_attention(q, k, v, torch.arange(8), None, (0,), 0.5)
+    out.backward(do)
+    assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
+    assert saved == [((1, 4, 8, 8), torch.bfloat16), ((1, 1, 8, 8), torch.bfloat16), ((1, 1, 8, 8), torch.bfloat16),
+                     ((1, 4, 8, 8), torch.bfloat16), ((1, 4, 8), torch.float32)]
+    ref = _reference(*(x.detach().double() for x in (q, k, v)), 0.5)
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
