@@ -1,0 +1,377 @@
+"""Context parallelism as Megatron-core does it: each sequence of length s is cut into 2C chunks (C the cp size) and
+cp rank r holds chunks r and 2C-1-r, in that order (its local sequence has s/C rows); with causal attention every
+rank then does the same work. Attention over the whole sequence is spread over the cp group two ways:
+
+- "p2p", a ring: C steps; at step i a rank attends its queries to the K/V block that started on cp rank
+  (r - i) mod C, while the next block travels (sent to r+1, received from r-1). Partial results are merged by
+  log-sum-exp in fp32. With the chunk layout a block from a lower rank is seen whole by every local query through
+  its first chunk only (its second chunk lies in the future of all of them), and a block from a higher rank is
+  seen whole by the local second chunk only: off the diagonal a step computes half a block, unmasked.
+  The backward runs a second ring: K/V travel again, and fp32 dK/dV accumulators travel one step behind them, so
+  each block's gradient is back on its owner after the full cycle; dQ accumulates locally.
+- "a2a", Ulysses: an all-to-all scatters the heads and gathers the sequence (q [b, n, s_loc, d] -> [b, n/C, s, d],
+  the rows in chunk order: rank 0's rows, then rank 1's, ...), the causal attention runs locally by the same
+  tiles, and an all-to-all brings the output back to [b, n, s_loc, d].
+
+What backward keeps (the planner's memory model counts exactly this; no tensor of size s^2 or s_loc^2 is saved):
+
+- p2p: the q, k, v given (q [b, n, s_loc, d], k and v [b, g, s_loc, d], their dtype), the output ([b, n, s_loc, d],
+  q's dtype) and the log-sum-exp (fp32 [b, n, s_loc]). (The positions are kept as a plain attribute, not saved.)
+- a2a: the same bytes in the other layout: q, k, v and the output after the all-to-all ([b, n/C, s, d] and
+  [b, g/C, s, d]) and the log-sum-exp (fp32 [b, n/C, s]). When g is not divisible by C, k and v are first
+  repeated to n heads, so they are kept at n/C heads ((n/g) times the bytes of the given k and v).
+- C == 1 (or a2a's local step): the same set, q, k, v, output and fp32 log-sum-exp.
+
+What is allocated while it runs (transient, freed by the return), with e the input's element size and
+kv = 2 * b * g * s_loc * d elements (one K/V block, K and V packed):
+
+- p2p forward: 2 K/V blocks in q's dtype (the one being attended and sent, the one arriving: kv * e each), the
+  fp32 output accumulator [b, n, s_loc, d] and log-sum-exp, and per step the fp32 scores and probabilities of
+  one tile [b, n, s_loc, s_loc] (half of that off the diagonal).
+- p2p backward: 2 K/V blocks (kv * e each), 3 fp32 dK/dV accumulators (kv * 4 each: the one being sent, the one
+  arriving, the one being filled), the fp32 dQ accumulator [b, n, s_loc, d] and D = rowsum(dO * O) (fp32
+  [b, n, s_loc]), and per step about four fp32 tiles [b, n, s_loc, s_loc] (scores, probabilities, dP, dS).
+- a2a: the all-to-all buffers (a contiguous copy and the received tensor of q, k, v, the output and, in backward,
+  their gradients), the fp32 accumulators at [b, n/C, s, d], and per tile the same [b, n/C, s_loc, s_loc] fp32
+  tiles as p2p's [b, n, s_loc, s_loc].
+
+Every isend/irecv is waited on before the function returns, and every rank posts the same transfers in the same
+order, so a rank never leaves a transfer its peer waits for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UsageError
+
+_KV_TAG, _DKV_TAG = 11, 12  # gloo matches a receive by (source, tag); NCCL ignores tags and keeps posting order
+
+
+def chunk_positions(seq_length: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """int64 [seq_length // cp]: the global positions this cp rank holds (chunk r then chunk 2cp-1-r)."""
+    if cp < 1 or not 0 <= cp_rank < cp:
+        raise ValueError(f"cp rank {cp_rank} of a context-parallel size {cp}")
+    if cp == 1:
+        return torch.arange(seq_length, dtype=torch.int64, device=device)
+    if seq_length % (2 * cp):
+        raise ValueError(f"sequence length {seq_length} is not divisible by 2 x the context-parallel size {cp}")
+    c = seq_length // (2 * cp)
+    first = torch.arange(cp_rank * c, (cp_rank + 1) * c, dtype=torch.int64, device=device)
+    second = torch.arange((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c, dtype=torch.int64, device=device)
+    return torch.cat([first, second])
+
+
+def split_sequence(t: torch.Tensor, dim: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """The rows of `t` along `dim` (the sequence dim) this cp rank holds, contiguous."""
+    if cp < 1 or not 0 <= cp_rank < cp:
+        raise ValueError(f"cp rank {cp_rank} of a context-parallel size {cp}")
+    if cp == 1:
+        return t.contiguous()
+    s = t.size(dim)
+    if s % (2 * cp):
+        raise ValueError(f"dimension {dim} of size {s} is not divisible by 2 x the context-parallel size {cp}")
+    c = s // (2 * cp)
+    return torch.cat([t.narrow(dim, cp_rank * c, c), t.narrow(dim, (2 * cp - 1 - cp_rank) * c, c)], dim=dim)
+
+
+def context_attention(q, k, v, positions, group, ranks: tuple[int, ...], scale: float, comm_type: str = "p2p"):
+    """Causal attention of this rank's queries over the whole sequence's keys, spread over the cp group.
+
+    q: [b, n, s_loc, d]; k, v: [b, g, s_loc, d] with n = g * per (grouped-query attention, k and v not repeated:
+    query head i reads kv head i // per); positions: int64 [s_loc], chunk_positions of this rank (the ring and
+    the all-to-all rely on the chunk layout; the diagonal block is masked by these positions); group: the cp
+    ProcessGroup (None here is the default group when len(ranks) > 1; len(ranks) == 1 is plain causal attention
+    and never communicates); ranks: its global ranks in cp-rank order; scale: the softmax scale.
+    Causal by global position. Returns [b, n, s_loc, d] in q's dtype, differentiable in q, k, v."""
+    if comm_type not in ("p2p", "a2a"):
+        raise UsageError(f"--cp-comm-type {comm_type}: not one of p2p, a2a")
+    _check_shapes(q, k, v, positions)
+    if len(ranks) == 1:
+        return _LocalAttention.apply(q, k, v, positions, 1, scale)
+    if comm_type == "p2p":
+        return ring_attention(q, k, v, positions, group, ranks, scale)
+    return _ulysses(q, k, v, positions, group, ranks, scale)
+
+
+def ring_attention(q, k, v, positions, group, ranks, scale: float, overlap: bool = True):
+    """context_attention's p2p ring; overlap=False waits for each transfer before computing (benchmarks)."""
+    return _RingAttention.apply(q, k, v, positions, group, tuple(ranks), scale, overlap)
+
+
+def _check_shapes(q, k, v, positions) -> None:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"q [b, n, s, d] and k, v [b, g, s, d] expected, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    b, n, s, d = q.shape
+    if (k.size(0), k.size(2), k.size(3)) != (b, s, d) or n % k.size(1):
+        raise ValueError(f"k, v {tuple(k.shape)} do not fit q {tuple(q.shape)} (n must be a multiple of g)")
+    if positions.shape != (s,):
+        raise ValueError(f"positions {tuple(positions.shape)}: one per local row ({s}) expected")
+
+
+# ---- the math of one tile: this rank's queries (some rows) against one K/V block (some rows) -------------------
+
+def _tile(r: int, src: int, rows: int) -> tuple[slice, slice, bool]:
+    """Which query rows of rank r's tile see which key rows of rank src's block, and whether a mask is needed.
+
+    Rank r holds chunks (r, 2C-1-r), each rows // 2 long. src == r: the diagonal, masked by position. src < r:
+    chunk src is before both of r's chunks, chunk 2C-1-src after both: every query sees the first half, whole.
+    src > r: chunk r is before both of src's chunks, chunk 2C-1-r after both: the second half sees everything."""
+    half = rows // 2
+    if src == r:
+        return slice(None), slice(None), True
+    if src < r:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in the dtype the attention math runs in: fp32 (float64 stays float64: the tests' exact reference)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _scores(q5, k, scale: float, mask):
+    """fp32 scores [b, g, per, sq, sk] of q5 [b, g, per, sq, d] against k [b, g, sk, d], masked to -inf."""
+    s = torch.einsum("bgpqd,bgkd->bgpqk", _wide(q5), _wide(k)).mul_(scale)
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf"))
+    return s
+
+
+def _tile_forward(q5, k, v, out, lse, scale: float, rows: slice, cols: slice, mask) -> None:
+    """Attend q5's `rows` to k/v's `cols` and merge into the fp32 accumulators out [.., sq, d], lse [.., sq]."""
+    s = _scores(q5[..., rows, :], k[..., cols, :], scale, mask)
+    blk_lse = torch.logsumexp(s, dim=-1)
+    p = s.sub_(blk_lse.unsqueeze(-1)).exp_()
+    blk_out = torch.einsum("bgpqk,bgkd->bgpqd", p, _wide(v[..., cols, :]))
+    out_r, lse_r = out[..., rows, :], lse[..., rows]
+    new = torch.logaddexp(lse_r, blk_lse)
+    out_r.mul_(torch.exp(lse_r - new).unsqueeze(-1)).add_(blk_out.mul_(torch.exp(blk_lse - new).unsqueeze(-1)))
+    lse_r.copy_(new)
+
+
+def _tile_backward(q5, k, v, do5, lse, delta, dq, dk, dv, scale: float, rows: slice, cols: slice, mask) -> None:
+    """Flash-attention backward of one tile with the final lse and delta = rowsum(dO * O); adds into the fp32
+    dq [.., sq, d], dk and dv [b, g, sk, d]."""
+    qf, kf, vf, dof = _wide(q5[..., rows, :]), _wide(k[..., cols, :]), _wide(v[..., cols, :]), do5[..., rows, :]
+    p = _scores(qf, kf, scale, mask).sub_(lse[..., rows].unsqueeze(-1)).exp_()
+    dv[..., cols, :] += torch.einsum("bgpqk,bgpqd->bgkd", p, dof)
+    ds = torch.einsum("bgpqd,bgkd->bgpqk", dof, vf).sub_(delta[..., rows].unsqueeze(-1)).mul_(p).mul_(scale)
+    dq[..., rows, :] += torch.einsum("bgpqk,bgkd->bgpqd", ds, kf)
+    dk[..., cols, :] += torch.einsum("bgpqk,bgpqd->bgkd", ds, qf)
+
+
+def _diagonal_mask(positions: torch.Tensor) -> torch.Tensor:
+    return positions.unsqueeze(1) >= positions.unsqueeze(0)
+
+
+def _as5(x: torch.Tensor, g: int) -> torch.Tensor:
+    """[b, n, s, d] -> [b, g, n // g, s, d]: query head i = j * per + t reads kv head j."""
+    b, n, s, d = x.shape
+    return x.reshape(b, g, n // g, s, d)
+
+
+def _accumulators(q5):
+    wide = torch.promote_types(q5.dtype, torch.float32)
+    out = torch.zeros(q5.shape, dtype=wide, device=q5.device)
+    lse = torch.full(q5.shape[:-1], float("-inf"), dtype=wide, device=q5.device)
+    return out, lse
+
+
+# ---- the ring ---------------------------------------------------------------------------------------------------
+
+class _Transfer:
+    """Send `send` to the next cp rank and receive a tensor like it from the previous one, both in flight until
+    wait() (which returns the received tensor; waiting twice is harmless)."""
+
+    def __init__(self, send: torch.Tensor, group, ranks: tuple[int, ...], r: int, tag: int) -> None:
+        c = len(ranks)
+        self.received = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, ranks[(r + 1) % c], group, tag),
+               dist.P2POp(dist.irecv, self.received, ranks[(r - 1) % c], group, tag)]
+        self._requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> torch.Tensor:
+        for req in self._requests:
+            req.wait()
+        self._requests = []
+        return self.received
+
+
+def _ring_forward(q, k, v, positions, group, ranks, scale: float, overlap: bool):
+    c, r, g = len(ranks), dist.get_rank(group), k.size(1)
+    q5 = _as5(q, g)
+    out, lse = _accumulators(q5)
+    mask = _diagonal_mask(positions)
+    kv = torch.stack([k, v])
+    for i in range(c):
+        src = (r - i) % c
+        incoming = _Transfer(kv, group, ranks, r, _KV_TAG) if i + 1 < c else None
+        if incoming is not None and not overlap:
+            incoming.wait()
+        rows, cols, masked = _tile(r, src, q.size(2))
+        _tile_forward(q5, kv[0], kv[1], out, lse, scale, rows, cols, mask if masked else None)
+        if incoming is not None:
+            kv = incoming.wait()
+    return out, lse
+
+
+def _ring_backward(do, q, k, v, out, lse, positions, group, ranks, scale: float, overlap: bool):
+    c, r, g = len(ranks), dist.get_rank(group), k.size(1)
+    q5, do5 = _as5(q, g), _wide(_as5(do, g))
+    delta = (do5 * _wide(_as5(out, g))).sum(-1)
+    lse5 = lse.view(q5.shape[:-1])
+    dq = torch.zeros(q5.shape, dtype=do5.dtype, device=q.device)
+    mask = _diagonal_mask(positions)
+    kv, behind = torch.stack([k, v]), None  # behind: the accumulator of this step's block, arriving from r-1
+    for i in range(c):
+        src = (r - i) % c
+        incoming = _Transfer(kv, group, ranks, r, _KV_TAG) if i + 1 < c else None
+        if incoming is not None and not overlap:
+            incoming.wait()
+        dkv = torch.zeros(kv.shape, dtype=do5.dtype, device=q.device)
+        rows, cols, masked = _tile(r, src, q.size(2))
+        _tile_backward(q5, kv[0], kv[1], do5, lse5, delta, dq, dkv[0], dkv[1], scale, rows, cols,
+                       mask if masked else None)
+        if behind is not None:
+            dkv += behind.wait()
+        behind = _Transfer(dkv, group, ranks, r, _DKV_TAG)  # to r+1; block src's own gradient arrives last
+        if not overlap:
+            behind.wait()
+        if incoming is not None:
+            kv = incoming.wait()
+    dkv = behind.wait()  # this rank's own block, summed over every rank's queries
+    return dq.view(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, positions, group, ranks, scale, overlap):
+        out, lse = _ring_forward(q, k, v, positions, group, ranks, scale, overlap)
+        out = out.view(q.shape).to(q.dtype)
+        lse = lse.view(q.shape[:-1])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.positions, ctx.group, ctx.ranks, ctx.scale, ctx.overlap = positions, group, ranks, scale, overlap
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(do, q, k, v, out, lse, ctx.positions, ctx.group, ctx.ranks, ctx.scale,
+                                    ctx.overlap)
+        return dq, dk, dv, None, None, None, None, None
+
+
+# ---- local attention by tiles (C == 1, and the a2a path's attention over the gathered sequence) -----------------
+
+def _local_forward(q, k, v, positions, tiles: int, scale: float):
+    """Causal attention of q [b, n, S, d] over k, v [b, g, S, d], S = tiles x rows, the rows in chunk order (tile j
+    holds cp rank j's rows, positions [S] theirs): fp32 out and lse, tile by tile."""
+    q5 = _as5(q, k.size(1))
+    out, lse = _accumulators(q5)
+    rows = q.size(2) // tiles
+    for i in range(tiles):
+        qi, oi, li = q5.narrow(3, i * rows, rows), out.narrow(3, i * rows, rows), lse.narrow(3, i * rows, rows)
+        for j in range(tiles):
+            kj, vj = k.narrow(2, j * rows, rows), v.narrow(2, j * rows, rows)
+            r_sel, c_sel, masked = _tile(i, j, rows)
+            mask = _diagonal_mask(positions.narrow(0, i * rows, rows)) if masked else None
+            _tile_forward(qi, kj, vj, oi, li, scale, r_sel, c_sel, mask)
+    return out, lse
+
+
+def _local_backward(do, q, k, v, out, lse, positions, tiles: int, scale: float):
+    g = k.size(1)
+    q5, do5 = _as5(q, g), _wide(_as5(do, g))
+    delta = (do5 * _wide(_as5(out, g))).sum(-1)
+    lse5 = lse.view(q5.shape[:-1])
+    dq = torch.zeros(q5.shape, dtype=do5.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=do5.dtype, device=q.device)
+    dv = torch.zeros_like(dk)
+    rows = q.size(2) // tiles
+    for i in range(tiles):
+        at = i * rows
+        qi, doi, dqi = q5.narrow(3, at, rows), do5.narrow(3, at, rows), dq.narrow(3, at, rows)
+        li, di = lse5.narrow(3, at, rows), delta.narrow(3, at, rows)
+        for j in range(tiles):
+            kj, vj = k.narrow(2, j * rows, rows), v.narrow(2, j * rows, rows)
+            dkj, dvj = dk.narrow(2, j * rows, rows), dv.narrow(2, j * rows, rows)
+            r_sel, c_sel, masked = _tile(i, j, rows)
+            mask = _diagonal_mask(positions.narrow(0, at, rows)) if masked else None
+            _tile_backward(qi, kj, vj, doi, li, di, dqi, dkj, dvj, scale, r_sel, c_sel, mask)
+    return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _LocalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, positions, tiles, scale):
+        out, lse = _local_forward(q, k, v, positions, tiles, scale)
+        out = out.view(q.shape).to(q.dtype)
+        lse = lse.view(q.shape[:-1])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.positions, ctx.tiles, ctx.scale = positions, tiles, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _local_backward(do, q, k, v, out, lse, ctx.positions, ctx.tiles, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+# ---- Ulysses: all-to-all over heads and sequence ------------------------------------------------------------------
+
+def _seq_to_heads(x: torch.Tensor, group, c: int) -> torch.Tensor:
+    """[b, h, s_loc, d] on each cp rank -> [b, h / c, c * s_loc, d]: this rank's heads, every rank's rows (in cp-rank
+    order)."""
+    b, h, s, d = x.shape
+    send = x.reshape(b, c, h // c, s, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // c, c * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group, c: int) -> torch.Tensor:
+    """The inverse of _seq_to_heads: [b, h / c, c * s_loc, d] -> [b, h, s_loc, d]."""
+    b, hc, cs, d = x.shape
+    send = x.reshape(b, hc, c, cs // c, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.transpose(0, 1).reshape(b, hc * c, cs // c, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, c):
+        ctx.group, ctx.c = group, c
+        return _seq_to_heads(x, group, c)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _heads_to_seq(dy, ctx.group, ctx.c), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, c):
+        ctx.group, ctx.c = group, c
+        return _heads_to_seq(x, group, c)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _seq_to_heads(dy, ctx.group, ctx.c), None, None
+
+
+def _ulysses(q, k, v, positions, group, ranks, scale: float):
+    c, n, g = len(ranks), q.size(1), k.size(1)
+    if n % c:
+        raise UsageError(f"--cp-comm-type a2a: the {n} attention heads per tensor-parallel rank are not divisible "
+                         f"by --context-parallel-size {c}")
+    if g % c:  # the kv heads cannot be scattered: give each query head its own copy
+        k, v = k.repeat_interleave(n // g, dim=1), v.repeat_interleave(n // g, dim=1)
+    s = c * q.size(2)
+    gathered = torch.cat([chunk_positions(s, c, j, device=positions.device) for j in range(c)])
+    qh, kh, vh = (_SeqToHeads.apply(x, group, c) for x in (q, k, v))
+    return _HeadsToSeq.apply(_LocalAttention.apply(qh, kh, vh, gathered, c, scale), group, c)
