@@ -98,7 +98,7 @@ CHANGED: dict[str, tuple[str, str]] = {}  # none since --ckpt-format torch_dist 
 # --eod-mask-loss), so the mean over the batch's tokens is the mean of the micro-batch means computed here
 IGNORED = ["--use-mcore-models", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
            "--empty-unused-memory-level", "--fp8-format", "--fp8-amax-history-len",
-           "--fp8-amax-compute-algo", "--fp8-param-gather", "--tiktoken-pattern",
+           "--fp8-amax-compute-algo", "--fp8-param-gather",
            "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers"]
 PROFILER = ["--profile", "--profile-step-start", "--profile-step-end"]
 
