@@ -17,7 +17,8 @@ setup(
         "xxhash>=3",  # checkpoint checksums (training/checksums.py; SHA-256 without it)
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist>=3", "transformers", "tokenizers", "megatron-core==0.16.1"],
+        "test": ["pytest", "pytest-xdist>=3", "transformers", "tokenizers", "megatron-core==0.16.1",
+                 "tiktoken"],  # TikTokenizer's tests compare the pure-Python BPE with it
         "plot": ["matplotlib"],
     },
 )

@@ -8,6 +8,9 @@ sentence becomes its own sequence, the document's sentences one document, in `{o
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
         --append-eod --workers 8
+
+(`--tokenizer-type TikTokenizer --tokenizer-model tokenizer.json --tiktoken-pattern v2` for Megatron's tiktoken
+vocabulary; its flags are DataConfig's.)
 """
 
 from __future__ import annotations
@@ -28,10 +31,14 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_bmw.config import DataConfig
+from megatron_bmw.config.schema import add_flags
 from megatron_bmw.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from megatron_bmw.data.sentences import split_sentences
 from megatron_bmw.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from megatron_bmw.errors import RunError, OneLineParser, UsageError, exit_on_usage_error
+
+
+TIKTOKEN_FIELDS = ("tiktoken_pattern", "tiktoken_num_special_tokens", "special_tokens")  # TikTokenizer's flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,10 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
     p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    p.add_argument("--tokenizer-model", help="SentencePiece .model file or Hugging Face tokenizer directory")
+    p.add_argument("--tokenizer-model", help="SentencePiece .model file, Hugging Face tokenizer directory or "
+                                             "TikTokenizer vocabulary (.json)")
     p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json, or a BERT WordPiece vocab.txt")
     p.add_argument("--merge-file", help="GPT-2 BPE merges.txt")
-    p.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
+    p.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size (TikTokenizer: its cut, as Megatron)")
+    add_flags(p, {}, [DataConfig], fields=TIKTOKEN_FIELDS)
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
     p.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (BERT's input)")
     p.add_argument("--keep-newlines", action="store_true",
@@ -143,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         vocab_size=args.vocab_size,
+        **{name: getattr(args, name) for name in TIKTOKEN_FIELDS},
     )
     tokenizer = build_tokenizer(cfg)
     dtype = optimal_dtype(tokenizer.vocab_size)

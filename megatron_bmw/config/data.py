@@ -42,6 +42,15 @@ class DataConfig:
     vocab_file: str | None = flag("--vocab-file", group=D, default=None)
     merge_file: str | None = flag("--merge-file", group=D, default=None)
     vocab_size: int | None = flag("--vocab-size", group=D, default=None)  # the tokenizer's, before padding
+    # TikTokenizer (data/tiktoken_bpe.py); Megatron's --tiktoken-special-tokens is its older spelling
+    tiktoken_pattern: str | None = flag("--tiktoken-pattern", group=D, default=None, choices=("v1", "v2"),
+                                        help="TikTokenizer's pre-tokenisation regex (default v2)")
+    tiktoken_num_special_tokens: int = flag("--tiktoken-num-special-tokens", group=D, default=1000, minimum=0,
+                                            help="TikTokenizer's special-token ids, before the ranks' (default 1000)")
+    special_tokens: list[str] | None = flag("--tokenizer-special-tokens", "--tiktoken-special-tokens", group=D,
+                                            default=None, nargs="+",
+                                            help="TikTokenizer's special tokens (default <unk> <s> </s> <mask> "
+                                                 "<pad> <cls> <sep>)")
     mock_data: bool = flag("--mock-data", group=D, default=False, action="store_true")
     # BERT samples (data/bert_dataset.py)
     mask_prob: float = flag("--mask-prob", group=B, default=0.15, above=0.0, below=1.0,

@@ -94,12 +94,13 @@ def _value_type(f: dataclasses.Field) -> Callable:
     return {"int": int, "float": float}.get(annotation_kinds(f)[0], str)
 
 
-def add_flags(parser, groups: dict[str, Any], classes, wanted: Callable[[str], bool] = lambda group: True) -> None:
-    """Add the flags `classes` declare in the `wanted` groups to `parser`, each into its argument group (created on
-    first use, kept in `groups`)."""
+def add_flags(parser, groups: dict[str, Any], classes, wanted: Callable[[str], bool] = lambda group: True,
+              fields: tuple[str, ...] | None = None) -> None:
+    """Add the flags `classes` declare in the `wanted` groups (and, given `fields`, on those fields only) to
+    `parser`, each into its argument group (created on first use, kept in `groups`)."""
     for cls in classes:
         for f, fl in declared(cls):
-            if not fl.names or not wanted(fl.group):
+            if not fl.names or not wanted(fl.group) or (fields is not None and f.name not in fields):
                 continue
             group = groups.get(fl.group)
             if group is None:

@@ -9,6 +9,8 @@
   vocabulary has `vocab_size + 1` entries and eod = `cfg.vocab_size`.
 - `BertWordPieceLowerCase` / `BertWordPieceCase`: BERT's WordPiece from a `vocab.txt` (data/wordpiece.py), with
   `cls`, `sep`, `pad`, `mask` ids; [BOS]/[EOS] appended when missing, as Megatron does; eod = [EOS].
+- `TikTokenizer`: Megatron's tiktoken vocabulary (a JSON list of base64 tokens; data/tiktoken_bpe.py) behind
+  `--tiktoken-num-special-tokens` special tokens; eod = `</s>`. tiktoken encodes when installed, else pure Python.
 """
 
 from __future__ import annotations
@@ -295,8 +297,57 @@ class BertWordPieceTokenizer(Tokenizer):
         return detokenize_pieces([self.inv_vocab[int(i)] for i in ids])
 
 
+class TikTokenizer(Tokenizer):
+    """Megatron-LM's TikTokenizer: special tokens take ids [0, n) (`<unk> <s> </s> <mask> <pad> <cls> <sep>` by
+    default, then `<SPECIAL_i>`), the vocabulary file's rank r id r + n; eod = eos = `</s>`, bos = `<s>`."""
+
+    def __init__(self, model_file: str | None, pattern: str | None = None, num_special_tokens: int = 1000,
+                 special_tokens: list[str] | None = None, vocab_size: int | None = None,
+                 use_tiktoken: bool | None = None) -> None:
+        from . import tiktoken_bpe as tb
+
+        path = _require_file(model_file, "--tokenizer-model", "TikTokenizer")
+        pattern = tb.DEFAULT_PATTERN if pattern is None else pattern
+        if pattern not in tb.PATTERNS:
+            raise UsageError(f"--tiktoken-pattern: unknown {pattern!r} (v1 or v2)")
+        self.special_tokens = tb.special_tokens(special_tokens, num_special_tokens)
+        tokens = tb.read_ranks(path)
+        self._vocab = tb.vocabulary_size(len(tokens), num_special_tokens, vocab_size)
+        self._bytes = [s.encode("utf-8") for s in self.special_tokens] + tokens[:self._vocab - num_special_tokens]
+        ranks = {t: i for i, t in enumerate(self._bytes) if i >= num_special_tokens}
+        name = os.path.basename(os.path.dirname(os.path.abspath(path))) or "tiktoken"
+        self._encoder = tb.build_encoder(ranks, self.special_tokens, tb.PATTERNS[pattern], name, use_tiktoken)
+        ids = {t: i for i, t in enumerate(self.special_tokens)}
+        self.unk, self.bos, self.eos, self.mask, self.pad, self.cls, self.sep = (ids[t] for t in tb.SPECIAL_TOKENS)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def eod(self) -> int:
+        return self.eos
+
+    @property
+    def uses_tiktoken(self) -> bool:
+        return hasattr(self._encoder, "encoding")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._encoder.encode(text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The ids' bytes joined (a special token as its text), then UTF-8 with replacement, as tiktoken decodes."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self._vocab:
+                raise UsageError(f"TikTokenizer: id {i} outside [0, {self._vocab})")
+            out.append(self._bytes[i])
+        return b"".join(out).decode("utf-8", errors="replace")
+
+
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer",
-                   "BertWordPieceLowerCase", "BertWordPieceCase")
+                   "BertWordPieceLowerCase", "BertWordPieceCase", "TikTokenizer")
 
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
@@ -304,6 +355,8 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     kind = cfg.tokenizer_type
     if kind is None:
         raise UsageError(f"--tokenizer-type: required (one of {', '.join(TOKENIZER_TYPES)})")
+    if cfg.special_tokens is not None and kind != "TikTokenizer":
+        raise UsageError(f"--tokenizer-special-tokens: taken by TikTokenizer only here, not {kind}")
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
@@ -314,4 +367,7 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
         return NullTokenizer(cfg.vocab_size)
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         return BertWordPieceTokenizer(cfg.vocab_file, lower_case=kind == "BertWordPieceLowerCase")
+    if kind == "TikTokenizer":
+        return TikTokenizer(cfg.tokenizer_model, cfg.tiktoken_pattern, cfg.tiktoken_num_special_tokens,
+                            cfg.special_tokens, cfg.vocab_size)
     raise UsageError(f"--tokenizer-type: unknown {kind!r} (one of {', '.join(TOKENIZER_TYPES)})")

@@ -287,7 +287,8 @@ def _resolve_vocab(args) -> None:
     """A tokenizer's vocabulary size for --vocab-size (pretrain_gpt.py builds the tokenizer; so do we, once)."""
     if args.vocab_size is not None or not args.tokenizer_type:
         return
-    key = (args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+    key = (args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
+           args.tiktoken_num_special_tokens)
     if key not in _VOCAB:
         from ..data.tokenizers import build_tokenizer
 

@@ -6,11 +6,17 @@ list a flag the script cannot pass as it is, and why)."""
 
 import os
 import shlex
+import sys
 
 import pytest
 
-from megatron_bmw.arguments import IGNORED_KERNEL_FLAGS, IGNORED_LOGGING_FLAGS, configs_from_args, parse_args
+from megatron_bmw.arguments import (IGNORED_KERNEL_FLAGS, IGNORED_LOGGING_FLAGS, configs_from_args, parse_args,
+                                    run_config_from_argv)
+from megatron_bmw.data.builder import build_gpt_datasets
+from megatron_bmw.data.tokenizers import TikTokenizer, build_tokenizer
 from megatron_bmw.errors import UsageError
+from tests.data.conftest import load_tool, make_lines, write_jsonl
+from tests.data.tiktoken_vocab import learn_ranks, write_vocab
 from tests.dist_harness import run_distributed
 from tests.training.test_pretrain import _cli, iteration_lines
 
@@ -98,7 +104,7 @@ CHANGED: dict[str, tuple[str, str]] = {}  # none since --ckpt-format torch_dist 
 # --eod-mask-loss), so the mean over the batch's tokens is the mean of the micro-batch means computed here
 IGNORED = ["--use-mcore-models", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
            "--empty-unused-memory-level", "--fp8-format", "--fp8-amax-history-len",
-           "--fp8-amax-compute-algo", "--fp8-param-gather", "--tiktoken-pattern",
+           "--fp8-amax-compute-algo", "--fp8-param-gather",
            "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers"]
 PROFILER = ["--profile", "--profile-step-start", "--profile-step-end"]
 
@@ -111,6 +117,39 @@ def script_argv(tmp, changed=CHANGED) -> list[str]:
         flag = line.split()[0]
         argv += (changed[flag][0] if flag in changed else line).split()
     return argv
+
+
+# The script's real-data DATA_ARGS_LIST (TOKENIZER_ARG and DATA_ARG given) in its order, with the tokenizer of
+# Megatron's tiktoken launch scripts (the script itself names HuggingFaceTokenizer there) and --vocab-size shrunk
+# like the mock branch's: the TikTokenizer vocabulary is cut to it, as Megatron cuts it
+REAL_DATA = """
+--data-path {data}
+--tokenizer-type TikTokenizer
+--tokenizer-model {vocab}
+--tiktoken-pattern v2
+--tiktoken-num-special-tokens 1000
+--data-cache-path {cache}
+--split '99,1,0'
+--no-create-attention-mask-in-dataloader
+--no-mmap-bin-files
+--num-workers 1
+--vocab-size 1300
+"""
+
+
+def real_data_argv(tmp) -> list[str]:
+    """script_argv with its mock DATA_ARGS_LIST replaced by REAL_DATA: a tiktoken vocabulary learned here and a
+    dataset tools/preprocess_data.py tokenized with the same tokenizer flags."""
+    vocab = write_vocab(tmp / "tokenizer.json", learn_ranks(make_lines(300), 150))
+    data = str(tmp / "corpus")
+    real = REAL_DATA.format(data=data + "_text_document", vocab=vocab, cache=tmp / "cache").split()
+    tokenizer = real[real.index("--tokenizer-type"):real.index("--data-cache-path")] + ["--vocab-size", "1300"]
+    src = write_jsonl(tmp / "corpus.jsonl", make_lines(200, seed=5))
+    preprocess = sys.modules.get("preprocess_data") or load_tool("preprocess_data")  # one module: workers pickle it
+    assert preprocess.main(["--input", str(src), "--output-prefix", data, *tokenizer, "--append-eod"]) == 0
+    argv = script_argv(tmp)
+    start, end = argv.index("--mock-data"), argv.index("--num-workers") + 2
+    return argv[:start] + real + argv[end:]
 
 
 def test_script_flags_parse(tmp_path):
@@ -132,6 +171,35 @@ def test_script_flags_parse(tmp_path):
         with pytest.raises(UsageError, match=flag):
             configs_from_args(parse_args(script_argv(tmp_path, {})), 1)
     shlex.split(SCRIPT)  # the text is one bash command line's worth of words
+
+
+def test_real_data_branch_builds_the_tiktokenizer(tmp_path):
+    """The real-data branch's flags build Megatron's TikTokenizer (special tokens first, the vocabulary cut to
+    --vocab-size, padded for the model) and its data: every id of a sample lies below the cut."""
+    parsed = run_config_from_argv(real_data_argv(tmp_path), 1, tokenizer_from=build_tokenizer)
+    tok, run = parsed.tokenizer, parsed.run
+    assert isinstance(tok, TikTokenizer) and (tok.vocab_size, tok.eod, tok.bos) == (1300, 2, 1)
+    assert run.data.tiktoken_pattern == "v2" and run.data.tiktoken_num_special_tokens == 1000
+    assert (run.orig_vocab_size, run.model.vocab_size) == (1300, 1408)  # padded to a multiple of 128
+    assert parsed.ignored_kernel_flags == ["--use-mcore-models", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
+                                           "--empty-unused-memory-level", "--fp8-format", "--fp8-amax-history-len",
+                                           "--fp8-amax-compute-algo", "--fp8-param-gather",
+                                           "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files",
+                                           "--num-workers"]
+    train, _, _ = build_gpt_datasets(run.data, 32, 1234, (16, 0, 0), check_vocab_size=tok.vocab_size)
+    samples = [train[i]["text"] for i in range(4)]
+    assert all(len(s) == 33 and 0 <= s.min() and s.max() < 1300 for s in samples)
+    assert any(tok.eod in s.tolist() for s in samples)
+
+
+@pytest.mark.slow
+def test_real_data_branch_trains(tmp_path):
+    """The real-data branch as pretrain_gpt.py's command line: four iterations on the TikTokenizer-made data."""
+    out = _cli(real_data_argv(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "> padded vocab (size: 1300) with 108 dummy tokens (new size: 1408)" in out.stdout
+    losses = [float(ln.split("lm loss: ")[1].split()[0]) for ln in iteration_lines(out.stdout)]
+    assert len(losses) == 4 and all(0 < x < 20 for x in losses)
 
 
 def _script_case(rank, world_size, argv):
