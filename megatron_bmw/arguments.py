@@ -378,10 +378,8 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     if plan is not None:
         return configs_from_plan(args, world_size, vocab_size, plan)
     tp = args.tensor_model_parallel_size
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                              sequence_parallel=args.sequence_parallel,
-                              rank_order="bpipe" if args.bpipe else "tp-dp-pp", gpus_per_node=args.gpus_per_node,
-                              unit_strategies=_unit_strategies(args, world_size))
+    parallel = from_flags(ParallelConfig, args, rank_order="bpipe" if args.bpipe else "tp-dp-pp",
+                          unit_strategies=_unit_strategies(args, world_size))
     dp = parallel.data_parallel_size(world_size)
     batches = batch_schedule_from_args(args, args.micro_batch_size * dp)
     gbs = batches.global_batch_size

@@ -45,7 +45,6 @@ def _refused(extra, needle, world=1):
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "0"],
      "--recompute-num-layers must be >= 1"),
     (["--position-embedding-type", "relative"], "--position-embedding-type relative: not supported"),
-    (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not implemented"),
     (["--decoupled-min-lr", "4.5e-5"], "--decoupled-min-lr needs --decoupled-lr"),
     (["--calculate-per-token-loss", "--eod-mask-loss"], "--calculate-per-token-loss: not supported with --eod"),
     (["--kv-channels", "16"], "--kv-channels 16: only hidden size / heads (8) is supported"),

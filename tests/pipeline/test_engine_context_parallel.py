@@ -82,7 +82,7 @@ CASES = {
         (1, 2, 2, 1, "1f1b", 3, {**GQA, "_partition": "2,4"}),  # cp2 x pp2, a stage ends after an attention unit
         (1, 2, 2, 2, "1f1b", 2, {**GPT2, "num_layers": 4}),  # interleaved
         (1, 2, 2, 1, "zb-h1", 3, {**GQA, "_partition": "2,4", "_recompute": MIXED}),
-        (1, 2, 2, 2, "zbv", 2, {**GQA}),
+        (1, 2, 2, 2, "zbv", 2, {**GQA, "_partition": "2,1,1,2"}),
         (1, 2, 2, 1, "1f1b", 4, {**GPT2, "_bpipe": True}),
         (1, 2, 2, 1, "1f1b", 3, {**GQA, "_slicing": 2}),
         (1, 4, 1, 1, "1f1b", 2, GQA),  # cp4
@@ -110,4 +110,4 @@ def test_context_parallel_equals_serial(ws):
     names = run_distributed(ws, _run_cases, cases)
     for i, (case, _, grads) in enumerate(cases):
         covered = {n for rank_names in names for n in rank_names[i]}
-        assert covered - {"units.head.output_weight"} == set(grads), case
+        assert set(grads) <= covered <= set(grads) | {"units.head.output_weight"}, case  # (the tied copy)

@@ -51,13 +51,15 @@ def test_context_parallel_layouts_train_alike_and_resume_into_another_cp(tmp_pat
     _same(resumed, serial[1][2:], "cp2-dp2 -> cp4")
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (_cp(3), "--seq-length 128 is not divisible by 2 x 3"),
-    (_cp(2) + ["--attention-dropout", "0.1"], "attention dropout"),
-    (_cp(8, "a2a"), "--cp-comm-type a2a"),
-    (["--hierarchical-context-parallel-sizes", "2", "2"], "--hierarchical-context-parallel-sizes"),
-    (_cp(2) + ["--unit-strategies", "dp2"], "--unit-strategies"),
+@pytest.mark.parametrize("world,extra,needle", [
+    (6, _cp(3), "--seq-length 128 is not divisible by 2 x 3"),
+    (2, _cp(2) + ["--attention-dropout", "0.1"], "attention dropout"),
+    (8, _cp(8, "a2a"), "--cp-comm-type a2a"),
+    (2, ["--hierarchical-context-parallel-sizes", "2", "2"], "--hierarchical-context-parallel-sizes"),
+    (2, _cp(2) + ["--unit-strategies", "dp1"], "--unit-strategies"),
+    (8, _cp(2) + _layout(4, 1) + ["--sequence-parallel", "--num-query-groups", "4", "--seq-length", "12", "--max-position-embeddings", "12"],
+     "do not split over tensor-parallel size 4"),
 ])
-def test_bad_context_parallel_flags_one_line(extra, needle):
+def test_bad_context_parallel_flags_one_line(world, extra, needle):
     with pytest.raises(UsageError, match=needle):
-        configs_from_args(parse_args(CP_MODEL + extra), 16)
+        configs_from_args(parse_args(CP_MODEL + extra), world)
