@@ -114,15 +114,16 @@ def rank_trace(spec: RunSpec, rank: int = 0, settings: MemorySettings = MemorySe
         buckets.append(size)
     for n in buckets:
         alloc(n * precision.grad_bytes)
-    states = precision.optimizer_bytes(spec.dp) * (spec.dp if spec.distributed_optimizer else 1)  # per parameter
+    shards = spec.grad_dp  # ZeRO-1 shards over dp x cp
+    states = precision.optimizer_bytes(shards) * (shards if spec.distributed_optimizer else 1)  # per parameter
     per_tensor = round(states / 4)  # fp32 tensors per parameter tensor (or per bucket's shard)
-    for n in ([-(-b // spec.dp) for b in buckets] if spec.distributed_optimizer else params):
+    for n in ([-(-b // shards) for b in buckets] if spec.distributed_optimizer else params):
         for _ in range(per_tensor):
             alloc(n * 4)
 
     def saved(i: int) -> list[int]:
         return [t.nbytes for t in unit_saved_tensors(unit_kind(names[i]), model, pl.micro_batch_size, tp, sp,
-                                                     layout.unit_recompute(i), settings.device)]
+                                                     layout.unit_recompute(i), settings.device, spec.cp)]
 
     held: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
     shared_grad = shared_output_grad_bytes(model, tp, spec.pp, [names[i] for i in units], settings.engine)
@@ -135,7 +136,8 @@ def rank_trace(spec: RunSpec, rank: int = 0, settings: MemorySettings = MemorySe
                 output_grad = None
                 for i, unit_blocks in zip(reversed(chunks[a.chunk]), reversed(blocks)):
                     transient = unit_transient_bytes(unit_kind(names[i]), model, pl.micro_batch_size, tp, sp,
-                                                     layout.unit_recompute(i), settings.device)
+                                                     layout.unit_recompute(i), settings.device, spec.cp,
+                                                     spec.cp_comm_type)
                     extra = alloc(transient) if transient else None
                     if names[i] == "head" and shared_grad:
                         output_grad = alloc(shared_grad)

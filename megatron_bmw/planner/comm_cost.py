@@ -8,7 +8,8 @@ Each rank reduces its gradients over data parallel in buckets (our runtime all-r
 its own gradient bytes, reduce-scattered under its distributed optimizer: grad_reduction), after the pipeline or,
 with --overlap-grad-reduce, each as soon as its gradients are ready (overlap.py; overlapped compute and
 communication both slowed by the overlap factor, Galvatron's 1.3); it sums the sequence-parallel gradients over
-tensor parallel, and the first and last stage all-reduce the tied embedding; then the optimizer steps
+tensor parallel, and the first and last stage all-reduce the tied embedding (with context parallelism the
+data-parallel group is dp x cp: the cp ranks hold the same parameters); then the optimizer steps
 (memory-bound, cost_model.py) and, with ZeRO-1, the parameters are all-gathered (hidden behind the next first
 forwards with --overlap-param-gather).
 """
@@ -66,7 +67,23 @@ class CommCosts:
         return self._group_link("tp", stage, (self.layout.rank(t, 0, stage) for t in range(self.spec.tp)))
 
     def dp_link(self, stage: int) -> Link:
-        return self._group_link("dp", stage, (self.layout.rank(0, d, stage) for d in range(self.spec.dp)))
+        """The gradients' group: dp x cp ranks of the stage."""
+        return self._group_link("dp", stage, (self.layout.rank(0, d, stage, c) for d in range(self.spec.dp)
+                                              for c in range(self.spec.cp)))
+
+    def cp_link(self, stage: int, ring: bool = True) -> Link:
+        """The context-parallel group's link: with `ring`, what each rank gets sending to its ring neighbour while
+        every tp/cp/dp rank of the stage sends at once (Cluster.concurrent_link: a node's ranks share its NICs);
+        else the group's slowest link (the all-to-alls)."""
+        spec = self.spec
+        if not ring:
+            return self._group_link("cp", stage, (self.layout.rank(0, 0, stage, c) for c in range(spec.cp)))
+        key = ("cp-ring", stage)
+        if key not in self._p2p:
+            self._p2p[key] = self.cluster.concurrent_link(
+                [(self.layout.rank(t, d, stage, c), self.layout.rank(t, d, stage, (c + 1) % spec.cp))
+                 for d in range(spec.dp) for c in range(spec.cp) for t in range(spec.tp)])
+        return self._p2p[key]
 
     def p2p_link(self, src: int, dst: int) -> Link:
         """Slowest of the links joining the tensor-/data-parallel replicas of two pipeline stages, all sending at
@@ -74,8 +91,8 @@ class CommCosts:
         key = (src, dst)
         if key not in self._p2p:
             self._p2p[key] = self.cluster.concurrent_link(
-                [(self.layout.rank(t, d, src), self.layout.rank(t, d, dst))
-                 for d in range(self.spec.dp) for t in range(self.spec.tp)])
+                [(self.layout.rank(t, d, src, c), self.layout.rank(t, d, dst, c))
+                 for d in range(self.spec.dp) for c in range(self.spec.cp) for t in range(self.spec.tp)])
         return self._p2p[key]
 
     # ---- tensor-parallel collectives ------------------------------------------------------------------------------
@@ -90,7 +107,7 @@ class CommCosts:
         if tp == 1:
             return (0.0, 0.0), (0.0, 0.0)
         link = self.tp_link(stage)
-        m = self.spec.model.seq_length * self.spec.pipeline.micro_batch_size * self.spec.model.hidden_size \
+        m = self.unit_model.seq_length * self.spec.pipeline.micro_batch_size * self.spec.model.hidden_size \
             * self.spec.model.dtype_bytes
         ar = allreduce_parts(m, tp, link)
         ag = ((tp - 1) / tp * m / link.bandwidth, (tp - 1) * link.latency)
@@ -110,7 +127,7 @@ class CommCosts:
             return (add(ag, ag), add(ag, ag, ag)) if sp else (ar, ar)
         if kind == "embedding":
             return ar, (ag if sp else zero)
-        small = allreduce_parts(self.spec.model.seq_length * self.spec.pipeline.micro_batch_size * 4, tp, link)
+        small = allreduce_parts(self.unit_model.seq_length * self.spec.pipeline.micro_batch_size * 4, tp, link)
         return add(ag if sp else zero, small, small, small), (add(ag, ag) if sp else ar)
 
     def _overlapped_sp(self, kind: str, stage: int, one: tuple[float, float]):
@@ -122,7 +139,7 @@ class CommCosts:
         kd = self.kernel_device(self.devices[stage])
         if kd is None or c <= 0:
             return None
-        first, last = unit_edge_shapes(kind, self.spec.model, self.spec.pipeline.micro_batch_size, self.spec.tp)
+        first, last = unit_edge_shapes(kind, self.unit_model, self.spec.pipeline.micro_batch_size, self.spec.tp)
         added = unit_overlap_cost(first, last, self.spec.model.dtype_bytes, c, self.spec.tp, kd)
         return tuple((one[0] * a / c, one[1] * a / c) for a in added)
 
@@ -197,11 +214,11 @@ class CommCosts:
         return allreduce_time(nbytes, 2, self.cluster.link(first, last))
 
     def optimizer_gather_time(self, rank: int) -> float:
-        """ZeRO-1: the updated parameters are all-gathered over data parallel."""
+        """ZeRO-1: the updated parameters are all-gathered over data parallel (dp x cp)."""
         if not self.spec.distributed_optimizer:
             return 0.0
         nbytes = self.params[rank] * self.spec.model.dtype_bytes
-        return allgather_time(nbytes, self.spec.dp, self.dp_link(rank))
+        return allgather_time(nbytes, self.spec.grad_dp, self.dp_link(rank))
 
     def dp_reduce_seconds(self, rank: int) -> Callable[[float], float]:
         """Seconds to reduce a bucket of `elements` gradients over data parallel (grad_reduction; dp_sync_time)."""
@@ -210,14 +227,14 @@ class CommCosts:
         parts = allgather_parts if scatter else allreduce_parts
 
         def seconds(elements: float) -> float:
-            bw, lat = parts(nbytes * elements, self.spec.dp, link)
+            bw, lat = parts(nbytes * elements, self.spec.grad_dp, link)
             return bw * k + lat
         return seconds
 
     def gather_seconds(self, rank: int) -> Callable[[float], float]:
         """Seconds to all-gather `elements` updated parameters over data parallel (ZeRO-1)."""
         link, nbytes = self.dp_link(rank), self.spec.model.dtype_bytes
-        return lambda elements: allgather_time(elements * nbytes, self.spec.dp, link)
+        return lambda elements: allgather_time(elements * nbytes, self.spec.grad_dp, link)
 
     def finish_times(self, pipeline_end: list[float], spans: list[RankSpans]) -> list[float]:
         """Per rank, when its iteration ends, given when its pipeline work ends and its chunks' spans (overlap.py):
@@ -229,7 +246,7 @@ class CommCosts:
         out = []
         for rank, end in enumerate(pipeline_end):
             t = end
-            if spec.dp > 1:
+            if spec.grad_dp > 1:
                 if self._bucketed:
                     chunks = [(s, e, [(n, b) for n, _, b in units])
                               for (s, e), units in zip(spans[rank].last_grad, self.grad_units(rank))]
@@ -247,7 +264,7 @@ class CommCosts:
     def param_gather_time(self, rank: int, spans: RankSpans) -> float:
         """ZeRO-1's all-gather after the step, or with --overlap-param-gather what of it the next iteration's first
         forwards on this rank do not hide."""
-        if not self.spec.distributed_optimizer or self.spec.dp == 1:
+        if not self.spec.distributed_optimizer or self.spec.grad_dp == 1:
             return 0.0
         if not self.spec.overlap_param_gather:
             return self.optimizer_gather_time(rank)

@@ -20,6 +20,9 @@ comm_cost.py's, whose CommCosts is part of CostModel; the optimizer step after t
 
 CPU ranks that share cores (a cluster group with cores_per_node, e.g. gloo ranks on this machine) stretch their
 work: core_sharing.py.
+
+Context parallelism (cp > 1): a unit is timed on the rank's s/cp tokens (RunSpec.rank_model), its attention core
+as 1/cp of the whole sequence's with the ring's or the all-to-alls' exposed time (cp_cost.py, `cp_attention_parts`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ..pipeline.schedule import Action, Kind
 from .cluster import Cluster, DeviceType, Link
 from .comm_cost import CommCosts
 from .core_sharing import stage_sharing
+from .cp_cost import a2a_times, core_times, cp_core_times, ring_times
 from .engine import OURS, EngineConfig
 from .elementwise import unit_elementwise_bytes
 from .flops import core_attention_share, unit_forward_flops, unit_weight_grad_flops
@@ -158,11 +162,12 @@ class CostModel(CommCosts):
         """`placement`: a dict shared by cost models of one placement (tp, pp, dp, rank order on one cluster), which
         then work out each stage's device and links once."""
         if spec.world_size > cluster.num_gpus:
-            raise UsageError(f"the layout needs {spec.world_size} GPUs (tp {spec.tp} x pp {spec.pp} x dp {spec.dp}) "
+            raise UsageError(f"the layout needs {spec.world_size} GPUs ({spec.describe_degrees()}) "
                              f"but cluster {cluster.name} has {cluster.num_gpus}")
         if isinstance(profiles, Profile):
             profiles = Profiles([profiles])
         self.spec, self.cluster, self.profiles, self.settings = spec, cluster, profiles or Profiles(), settings
+        self.unit_model = spec.rank_model()  # what one context-parallel rank computes (the model at cp 1)
         if settings.launch_blocking and self.profiles:
             raise UsageError("--cuda-launch-blocking models blocking launches on analytic unit times; a profile's "
                              "times are what its run did: profile with CUDA_LAUNCH_BLOCKING=1 set instead")
@@ -255,7 +260,7 @@ class CostModel(CommCosts):
 
     # ---- placement ---------------------------------------------------------------------------------------------
     def gpus(self, stage: int) -> list[int]:
-        return [self.layout.rank(t, d, stage) for d in range(self.spec.dp) for t in range(self.spec.tp)]
+        return self.spec.stage_ranks(stage)
 
     def _stage_device(self, stage: int) -> DeviceType:
         """The slowest device type holding the stage (data-parallel replicas wait for it)."""
@@ -273,7 +278,7 @@ class CostModel(CommCosts):
         achievable rate with backward = 2 x forward; plus the elementwise kernels' bytes at memory bandwidth
         (elementwise.py) and, in backward, the engine's accumulation of each weight gradient (a measured profile
         includes both)."""
-        model, b = self.spec.model, self.spec.pipeline.micro_batch_size
+        model, b = self.unit_model, self.spec.pipeline.micro_batch_size
         kd = self.kernel_device(device)
         if kd is not None:
             fwd, bwd = unit_kernel_times(kind, model, b, tp, kd)
@@ -313,14 +318,14 @@ class CostModel(CommCosts):
         for degree in (tp, 1):
             for prof in profiles:
                 kd = prof.kernel_device(self.kernel_device(device))
-                timed = prof.unit_time(kind, degree, b, self.spec.model, index, kd, recompute)
+                timed = prof.unit_time(kind, degree, b, self.unit_model, index, kd, recompute)
                 if timed is not None:
                     shard = (degree / tp,) * 2
                     if degree != tp and kd is not None:  # a tp=1 timing split by the kernel model's shard shapes
-                        shard = shape_ratio(kind, self.spec.model, b, tp, self.spec.model, degree, kd) or shard
+                        shard = shape_ratio(kind, self.unit_model, b, tp, self.unit_model, degree, kd) or shard
                     f, g = timed[0] * shard[0], timed[1] * shard[1]
                     if self.shares_cores and degree > 1 and prof.device.get("kind") == "cpu":
-                        one = prof.unit_time(kind, 1, b, self.spec.model, index, recompute=recompute)
+                        one = prof.unit_time(kind, 1, b, self.unit_model, index, recompute=recompute)
                         if one is not None:
                             c = max(1.0, degree * int(prof.device.get("threads") or 1) / prof.cores())
                             fw, bw = min(f / c, one[0] / degree), min(g / c, one[1] / degree)
@@ -340,7 +345,7 @@ class CostModel(CommCosts):
         key = (kind, device.name, device.sm_count)
         got = self._wshare.get(key)
         if got is None:
-            model, b, tp = self.spec.model, self.spec.pipeline.micro_batch_size, self.spec.tp
+            model, b, tp = self.unit_model, self.spec.pipeline.micro_batch_size, self.spec.tp
             kd = self.kernel_device(device)
             if kd is not None:
                 w, total = unit_weight_grad_time(kind, model, b, tp, kd), unit_kernel_times(kind, model, b, tp, kd)[1]
@@ -375,6 +380,12 @@ class CostModel(CommCosts):
             fw, fl, bw, bl = fw + a, fl + b, bw + c, bl + d
             if timed is not None and recompute == "full":  # the recomputed forward's collectives
                 bw, bl = bw + a, bl + b
+        core_again = None  # context parallelism: the attention core's forward, as selective recomputation reruns it
+        if kind == "attention" and self.spec.cp > 1:
+            (xf, xl), (xb, xbl), core_again = self.cp_attention_parts(device, stage)
+            fw, fl, bw, bl = fw + xf, fl + xl, bw + xb, bl + xbl
+            if timed is not None and recompute:  # the profile's recomputed forward ran the local core
+                bw, bl = bw + xf, bl + xl
         if (self.settings.host_ops is not None and not self.settings.launch_blocking and not self.profiles
                 and device.sm_count is not None):
             # launches run ahead of the GPU (a device type with SMs), but no faster than the host issues them: a
@@ -383,10 +394,33 @@ class CostModel(CommCosts):
             fw, bw = fw + max(0.0, hf - fw - fl), bw + max(0.0, hb - bw - bl)
         if timed is None and recompute == "full":
             bw, bl = bw + fw, bl + fl
+        elif timed is None and recompute == "selective" and core_again is not None:
+            bw, bl = bw + core_again[0], bl + core_again[1]
         elif timed is None and recompute == "selective" and kind == "attention":
             share = core_attention_share(self.spec.model)
             bw, bl = bw + fw * share, bl + fl * share
         return (fw, fl), (bw, bl)
+
+    def cp_attention_parts(self, device: DeviceType, stage: int):
+        """Context parallelism's attention beyond the local sequence's unit times (cp_cost.py): ((forward work,
+        exposed exchange), (backward work, exposed exchange), (the core's forward work, its exposed exchange): what
+        selective recomputation runs again). The work is the context-parallel core (1/cp of the whole sequence's
+        causal core) less the local sequence's core the unit times hold."""
+        key = ("cp-attention", device.name, stage)
+        got = self._wshare.get(key)
+        if got is None:
+            spec, b = self.spec, self.spec.pipeline.micro_batch_size
+            kd = self.kernel_device(device)
+            rate = device.peak(self.dtype) * self.settings.fraction(device)
+            local = core_times(self.unit_model, b, spec.tp, kd, rate)
+            core = cp_core_times(spec.model, b, spec.tp, spec.cp, kd, rate)
+            if spec.cp_comm_type == "a2a":
+                comm = a2a_times(spec.model, b, spec.tp, spec.cp, self.cp_link(stage, ring=False))
+            else:
+                comm = ring_times(spec.model, b, spec.tp, spec.cp, self.cp_link(stage), core)
+            got = self._wshare[key] = ((core[0] - local[0], comm[0]), (core[1] - local[1], comm[1]),
+                                       (core[0], comm[0]))
+        return got
 
     # ---- per action --------------------------------------------------------------------------------------------
     def compute_time(self, rank: int, action: Action) -> float:
@@ -440,7 +474,7 @@ class CostModel(CommCosts):
         return sum(unit_param_count(unit_kind(n), model, self.spec.tp, own_output) for n in names)
 
     def optimizer_step_time(self, rank: int) -> float:
-        return optimizer_step_seconds(self.params[rank], self.spec.dp, self.spec.distributed_optimizer,
+        return optimizer_step_seconds(self.params[rank], self.spec.grad_dp, self.spec.distributed_optimizer,
                                       self.spec.model.dtype_bytes, self.devices[rank],
                                       self.settings.bandwidth_fraction)
 

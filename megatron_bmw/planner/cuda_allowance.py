@@ -89,9 +89,10 @@ def cublas_workspace_bytes(device: DeviceType | None) -> float:
     return 2 * 4 * MiB + 8 * 16 * 1024 + lt
 
 
-def nccl_communicators(tp: int, dp: int, pp: int, tied_embedding: bool) -> list[tuple[int, bool]]:
-    """(ranks, point-to-point) of every NCCL communicator one rank of the layout joins (term 3)."""
-    comms = [(n, False) for n in (tp * dp * pp, tp, dp, pp, tp * pp) if n > 1]
+def nccl_communicators(tp: int, dp: int, pp: int, tied_embedding: bool, cp: int = 1) -> list[tuple[int, bool]]:
+    """(ranks, point-to-point) of every NCCL communicator one rank of the layout joins (term 3); with context
+    parallelism the cp group (its attention's exchange) and the gradients' dp x cp group in the dp group's place."""
+    comms = [(n, False) for n in (tp * cp * dp * pp, tp, cp, dp * cp, pp, tp * pp) if n > 1]
     if pp > 1:
         if tied_embedding:
             comms.append((2, False))
@@ -155,12 +156,12 @@ def segment_tails(counts: dict[int, int]) -> int:
 
 
 def held_tensor_bytes(model: ModelConfig, tp: int, pp: int, micro_batch_size: int, sp: bool,
-                      precision: PrecisionConfig) -> list[tuple[int, int]]:
+                      precision: PrecisionConfig, cp: int = 1) -> list[tuple[int, int]]:
     """(bytes, count) of the allocations of the layers of a first pipeline rank at its peak (see term 4)."""
     layers = -(-model.num_layers // pp)
     out = []
     for kind in ("attention", "mlp"):
-        for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp, None, "cuda"):
+        for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp, None, "cuda", cp):
             out.append((t.nbytes, pp * layers))
     h, f = model.hidden_size, model.ffn_hidden_size
     fp32_tensors = round((precision.optimizer_bytes(1) - (4 if precision.grad_bytes < 4 else 0)) / 4)
@@ -188,18 +189,18 @@ def allocator_fraction(held: list[tuple[int, int]]) -> float:
 
 
 def allowance_terms(device: DeviceType | None, model: ModelConfig, tp: int, dp: int, pp: int, micro_batch_size: int,
-                    sp: bool, precision: PrecisionConfig, measured: MeasuredCudaMemory = MeasuredCudaMemory()
-                    ) -> AllowanceTerms:
+                    sp: bool, precision: PrecisionConfig, measured: MeasuredCudaMemory = MeasuredCudaMemory(),
+                    cp: int = 1) -> AllowanceTerms:
     """The four terms for one rank of the layout on `device` (None: the defaults), measured ones first."""
     context = measured.context_bytes
     if context is None:
         context = device.cuda_context_bytes if device is not None and device.cuda_context_bytes is not None \
             else DEFAULT_CONTEXT_BYTES
     channels = device.nccl_channels if device is not None and device.nccl_channels else DEFAULT_NCCL_CHANNELS
-    comms = nccl_communicators(tp, dp, pp, not model.untie_embeddings_and_output_weights)
+    comms = nccl_communicators(tp, dp, pp, not model.untie_embeddings_and_output_weights, cp)
     fraction = measured.allocator_fraction
     if fraction is None:
-        fraction = allocator_fraction(held_tensor_bytes(model, tp, pp, micro_batch_size, sp, precision))
+        fraction = allocator_fraction(held_tensor_bytes(model, tp, pp, micro_batch_size, sp, precision, cp))
     return AllowanceTerms(context=float(context), cublas=CUBLAS_STREAMS * cublas_workspace_bytes(device),
                           nccl=nccl_bytes(comms, channels, measured.nccl_bytes_per_communicator),
                           fragmentation=fraction, communicators=len(comms))
@@ -216,17 +217,17 @@ class DerivedAllowance:
     fragmentation: float | None = None
 
     def terms(self, settings: MemorySettings, model: ModelConfig, tp: int, dp: int, pp: int, micro_batch_size: int,
-              sp: bool) -> list[AllowanceTerms]:
+              sp: bool, cp: int = 1) -> list[AllowanceTerms]:
         precision = settings.precision(model, False)
-        return [allowance_terms(d, model, tp, dp, pp, micro_batch_size, sp, precision, self.measured)
+        return [allowance_terms(d, model, tp, dp, pp, micro_batch_size, sp, precision, self.measured, cp)
                 for d in (self.devices or (None,))]
 
     def settings(self, settings: MemorySettings, model: ModelConfig, tp: int, dp: int, pp: int,
-                 micro_batch_size: int, sp: bool) -> MemorySettings:
-        key = (settings.engine, tp, dp, pp, micro_batch_size, sp, repr(model))
+                 micro_batch_size: int, sp: bool, cp: int = 1) -> MemorySettings:
+        key = (settings.engine, tp, dp, pp, micro_batch_size, sp, cp, repr(model))
         got = _memo.get(key)
         if got is None or got[0] is not self:
-            terms = self.terms(settings, model, tp, dp, pp, micro_batch_size, sp)
+            terms = self.terms(settings, model, tp, dp, pp, micro_batch_size, sp, cp)
             workspace = self.workspace_bytes if self.workspace_bytes is not None \
                 else max(t.workspace for t in terms)
             fragmentation = self.fragmentation if self.fragmentation is not None \

@@ -39,7 +39,8 @@ def estimate_memory(spec: RunSpec, schedule: Schedule | None = None,
 
 def layout_settings(spec: RunSpec, settings: MemorySettings) -> MemorySettings:
     """`settings` with the allowance of the spec's layout (a derived CUDA allowance depends on it)."""
-    return settings.for_layout(spec.model, spec.tp, spec.dp, spec.pp, spec.pipeline.micro_batch_size, spec.sp)
+    return settings.for_layout(spec.model, spec.tp, spec.dp, spec.pp, spec.pipeline.micro_batch_size, spec.sp,
+                               spec.cp)
 
 
 @dataclass
@@ -86,6 +87,4 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
 
 def stage_capacity(spec: RunSpec, cluster: Cluster, stage: int) -> float:
     """Memory of the smallest device holding the stage."""
-    layout = spec.rank_layout()
-    gpus = (layout.rank(t, d, stage) for d in range(spec.dp) for t in range(spec.tp))
-    return min(device.memory_bytes for device in cluster.devices_of(gpus))
+    return min(device.memory_bytes for device in cluster.devices_of(spec.stage_ranks(stage)))

@@ -45,3 +45,9 @@ def core_attention_share(model: ModelConfig) -> float:
     s, h = model.seq_length, model.hidden_size
     core = 4.0 * s * h
     return core / (2.0 * h * (model.qkv_rows + h) + core)
+
+
+def core_attention_flops(model: ModelConfig, micro_batch_size: int, tp: int = 1) -> float:
+    """Forward FLOPs of the softmax(QK^T)V core of one attention unit per tensor-parallel rank (the scores and the
+    context: 4 s^2 b h / t, as unit_forward_flops counts them)."""
+    return 4.0 * model.seq_length * model.seq_length * micro_batch_size * model.hidden_size / tp

@@ -150,6 +150,13 @@ def _unit_parts(kind: str, model: ModelConfig, micro_batch_size: int, tp: int,
     return parts
 
 
+def attention_core_times(model: ModelConfig, micro_batch_size: int, tp: int, dev: KernelDevice) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core alone (the fused kernel, or the unfused products) of one
+    attention unit on one tensor-parallel rank."""
+    core = _unit_parts("attention", model, micro_batch_size, tp, dev)[1]
+    return core[0], core[1]
+
+
 def unit_kernel_times(kind: str, model: ModelConfig, micro_batch_size: int, tp: int,
                       dev: KernelDevice) -> tuple[float, float]:
     """(forward, backward) seconds of the matrix work of one unit on one tensor-parallel rank."""

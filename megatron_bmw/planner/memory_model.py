@@ -18,6 +18,10 @@ unit_activations.korthikanti_layer_bytes): their 34 sbh is our 13 sbh (attention
 (MLP with its LayerNorm), their 5as^2b our unfused core with dropout (flash keeps no s^2 term). We also count
 the LayerNorm statistics and integer ids (they ignore them), and full recomputation at sub-layer granularity
 keeps two inputs per layer (one per unit), i.e. 4 sbh in fp16 instead of their 2 sbh.
+
+Context parallelism (StageLayout.cp = C): every unit holds its activations for the rank's s/C tokens
+(unit_activations.py, the context-parallel core's contract there); the model states are those of C = 1 (the
+parameters are replicated over cp), except that ZeRO-1 shards the optimizer state over dp x cp ranks.
 """
 
 from __future__ import annotations
@@ -96,12 +100,12 @@ class MemorySettings:
         return self.engine.precision(model.params_dtype, distributed_optimizer)
 
     def for_layout(self, model: ModelConfig, tp: int, dp: int, pp: int, micro_batch_size: int,
-                   sp: bool) -> MemorySettings:
+                   sp: bool, cp: int = 1) -> MemorySettings:
         """These settings with the allowance of one layout: the derived one (cuda_allowance.py) where there is
         one, else unchanged."""
         if self.derived is None:
             return self
-        return self.derived.settings(self, model, tp, dp, pp, micro_batch_size, sp)
+        return self.derived.settings(self, model, tp, dp, pp, micro_batch_size, sp, cp)
 
 
 @dataclass
@@ -138,6 +142,13 @@ class StageLayout:
     partition: tuple[int, ...]  # units per virtual stage
     recompute: tuple[str | None, ...] | None = None  # per unit of the model (PipelineConfig.recompute)
     placement: str = "interleaved"  # where the virtual stages sit (PipelineConfig.placement)
+    cp: int = 1  # context-parallel size: each rank holds s/cp tokens of every sequence
+    cp_comm: str = "p2p"  # the context-parallel attention's exchange (ParallelConfig.cp_comm_type)
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Ranks ZeRO-1 shards the optimizer state over: the gradient-reduction group, dp x cp."""
+        return self.dp * self.cp
 
     def unit_recompute(self, index: int) -> str | None:
         return self.recompute[index] if self.recompute is not None else None
@@ -165,11 +176,12 @@ def _layer_paired(layout: StageLayout, names: list[str], chunk: list[int], i: in
             and layout.unit_recompute(i - 1) == "full")
 
 
-def layer_transient_extra(model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, device: str) -> int:
+def layer_transient_extra(model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, device: str,
+                          cp: int = 1) -> int:
     """What a whole-layer checkpoint's backward holds beyond its MLP unit's own transient: the MLP's input
     (rebuilt, not kept) and the attention unit's rebuilt activations, alive while the MLP's backward runs."""
     def saved(kind: str, recompute: str | None) -> int:
-        return unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device)
+        return unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device, cp)
     return saved("mlp", "full") + saved("attention", None) - saved("attention", "full")
 
 
@@ -182,7 +194,7 @@ def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
     sp = layout.sequence_parallel and layout.tp > 1
     layered = layer_checkpoints(settings.engine)
     return [float(sum(unit_activation_bytes(unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp,
-                                            layout.unit_recompute(i), settings.device)
+                                            layout.unit_recompute(i), settings.device, layout.cp)
                       for i in chunk if not (layered and _layer_paired(layout, names, chunk, i))))
             for chunk in chunk_unit_indices(layout, rank)]
 
@@ -191,7 +203,7 @@ def chunk_wgrad_bytes(layout: StageLayout, model: ModelConfig, rank: int) -> lis
     """Per model chunk of `rank`, what one micro-batch keeps from a split backward's B until its W."""
     names = unit_names(model.num_layers)
     sp = layout.sequence_parallel and layout.tp > 1
-    return [float(sum(unit_wgrad_bytes(unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp)
+    return [float(sum(unit_wgrad_bytes(unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp, layout.cp)
                       for i in chunk)) for chunk in chunk_unit_indices(layout, rank)]
 
 
@@ -224,12 +236,13 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
     if activation_peak is not None:
         act = activation_peak
     transient = _backward_transient(layout, model, rank, settings)
-    static = params * (precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(layout.dp))
+    shards = layout.optimizer_shards
+    static = params * (precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(shards))
     allowance = settings.workspace_bytes + settings.fragmentation * (static + act + transient)
     return RankMemory(
         params_bytes=params * precision.param_bytes,
         grads_bytes=params * precision.grad_bytes,
-        optimizer_bytes=params * precision.optimizer_bytes(layout.dp),
+        optimizer_bytes=params * precision.optimizer_bytes(shards),
         activation_bytes=act,
         transient_bytes=transient,
         allowance_bytes=allowance,
@@ -257,11 +270,11 @@ def _backward_transient(layout: StageLayout, model: ModelConfig, rank: int, sett
     sp = layout.sequence_parallel and layout.tp > 1
     b, tp = layout.micro_batch_size, layout.tp
     layered = layer_checkpoints(settings.engine)
-    extra = layer_transient_extra(model, b, tp, sp, settings.device) if layered else 0
+    extra = layer_transient_extra(model, b, tp, sp, settings.device, layout.cp) if layered else 0
     chunks = chunk_unit_indices(layout, rank)
     held = shared_output_grad_bytes(model, tp, layout.pp, [names[i] for c in chunks for i in c], settings.engine)
     return float(held + max(unit_transient_bytes(unit_kind(names[i]), model, b, tp, sp, layout.unit_recompute(i),
-                                                 settings.device)
+                                                 settings.device, layout.cp, layout.cp_comm)
                             + (extra if layered and _layer_paired(layout, names, chunk, i) else 0)
                             for chunk in chunks for i in chunk))
 

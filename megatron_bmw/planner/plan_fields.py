@@ -114,8 +114,8 @@ def check_plan_fields(data: dict, where: str) -> None:
             raise UsageError(f"{where}: unknown {'top-level' if not name else name} key {extra[0]!r}")
     model, parallel, pipeline = _check_model(f, data), _check_parallel(f, data), f.section(data, "pipeline")
     training = f.section(data, "training")
-    tp, pp, dp = parallel
-    _check_tensor_split(f, model, tp, parallel_sp=data["parallel"].get("sequence_parallel", False))
+    tp, pp, dp, cp = parallel
+    _check_tensor_split(f, model, tp, parallel_sp=data["parallel"].get("sequence_parallel", False), cp=cp)
     _check_vocab(f, data, model, tp)
     _check_pipeline(f, pipeline, model["num_layers"], pp)
     gbs = f.integer(training, "global_batch_size", "training.global_batch_size", 1)
@@ -138,9 +138,10 @@ def check_plan_fields(data: dict, where: str) -> None:
     devices = f.kind(data, "devices", "devices", list, "a list of device type names", [])
     if not all(isinstance(d, str) for d in devices):
         f.fail("devices", "must be a list of device type names")
-    if devices and len(devices) != tp * pp * dp:  # (empty: not recorded)
-        f.fail("devices", f"names {len(devices)} devices, but the plan runs on tp {tp} x pp {pp} x dp {dp} = "
-               f"{tp * pp * dp} ranks")
+    if devices and len(devices) != tp * cp * pp * dp:  # (empty: not recorded)
+        with_cp = f" x cp {cp}" if cp > 1 else ""
+        f.fail("devices", f"names {len(devices)} devices, but the plan runs on tp {tp}{with_cp} x pp {pp} x dp {dp} = "
+               f"{tp * cp * pp * dp} ranks")
     for key in ("cluster", "prediction", "search"):
         f.kind(data, key, key, dict, "a mapping", {})
     profiles = f.kind(data, "profiles", "profiles", list, "a list of mappings", [])
@@ -164,14 +165,18 @@ def _check_model(f: _Fields, data: dict) -> dict:
     return m
 
 
-def _check_parallel(f: _Fields, data: dict) -> tuple[int, int, int]:
+def _check_parallel(f: _Fields, data: dict) -> tuple[int, int, int, int]:
     p = f.section(data, "parallel")
     values = check_section(ParallelConfig, p, f.where, "parallel", exclude=("gpus_per_node",),
                            extra=("data_parallel_size",))
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         f.integer(p, key, f"parallel.{key}", 1)  # required here, though the config has a default
+    cp = values.get("context_parallel_size", 1)
+    if cp > 1 and p.get("unit_strategies") is not None:
+        f.fail("parallel.context_parallel_size", f"is {cp}, but per-unit strategies (parallel.unit_strategies) run "
+               "whole sequences")
     return values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"], \
-        f.integer(p, "data_parallel_size", "parallel.data_parallel_size", 1)
+        f.integer(p, "data_parallel_size", "parallel.data_parallel_size", 1), cp
 
 
 def _check_vocab(f: _Fields, data: dict, model: dict, tp: int) -> None:
@@ -184,14 +189,20 @@ def _check_vocab(f: _Fields, data: dict, model: dict, tp: int) -> None:
                    f"make_vocab_size_divisible_by {multiple} x tp {tp} ({padded})")
 
 
-def _check_tensor_split(f: _Fields, model: dict, tp: int, parallel_sp) -> None:
+def _check_tensor_split(f: _Fields, model: dict, tp: int, parallel_sp, cp: int = 1) -> None:
     ffn = model.get("ffn_hidden_size") or 4 * model["hidden_size"]
     for key, value in (("num_attention_heads", model["num_attention_heads"]), ("hidden_size", model["hidden_size"]),
                        ("ffn_hidden_size", ffn), ("vocab_size", model["vocab_size"])):
         if value % tp:
             f.fail(f"model.{key}", f"{value} does not split over parallel.tensor_model_parallel_size {tp}")
-    if parallel_sp is True and tp > 1 and model["seq_length"] % tp:
-        f.fail("parallel.sequence_parallel", f"model.seq_length {model['seq_length']} does not split over "
+    if cp > 1 and model["seq_length"] % (2 * cp):
+        f.fail("parallel.context_parallel_size", f"{cp}: model.seq_length {model['seq_length']} does not split into "
+               f"2 x {cp} chunks")
+    if cp > 1 and model.get("model_type", "gpt") != "gpt":
+        f.fail("parallel.context_parallel_size", f"{cp}: context parallelism splits causal (GPT) sequences")
+    if parallel_sp is True and tp > 1 and (model["seq_length"] // cp) % tp:
+        f.fail("parallel.sequence_parallel", f"model.seq_length {model['seq_length']}"
+               f"{f' / parallel.context_parallel_size {cp}' if cp > 1 else ''} does not split over "
                f"parallel.tensor_model_parallel_size {tp}")
 
 

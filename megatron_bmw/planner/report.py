@@ -40,8 +40,9 @@ def estimate_json(spec: RunSpec, memory: list[RankMemory], cluster: Cluster | No
     out = {
         "parameters_total": total_parameters(spec.model),
         "activation_bytes_per_layer": layer_activation_bytes(spec.model, spec.pipeline.micro_batch_size, spec.tp, spec.sp,
-                                                             _layer_recompute(spec), settings.device),
-        "layout": {"tp": spec.tp, "pp": spec.pp, "dp": spec.dp, "virtual": spec.pipeline.virtual_stages,
+                                                             _layer_recompute(spec), settings.device, spec.cp),
+        "layout": {"tp": spec.tp, "cp": spec.cp, "cp_comm_type": spec.cp_comm_type, "pp": spec.pp, "dp": spec.dp,
+                   "virtual": spec.pipeline.virtual_stages,
                    "micro_batch_size": spec.pipeline.micro_batch_size, "num_microbatches": spec.pipeline.num_microbatches,
                    "schedule": spec.pipeline.schedule, "partition": list(spec.pipeline.partition),
                    "sequence_parallel": spec.sp, "bpipe": spec.pipeline.bpipe,
@@ -52,18 +53,19 @@ def estimate_json(spec: RunSpec, memory: list[RankMemory], cluster: Cluster | No
         out["cluster"] = cluster.name
         out["fits"] = all(s["fits"] for s in stages)
     precision = settings.precision(spec.model, spec.distributed_optimizer)
-    out["engine"] = {**settings.engine.to_json(), "state_bytes_per_parameter": precision.state_bytes(spec.dp)}
+    out["engine"] = {**settings.engine.to_json(), "state_bytes_per_parameter": precision.state_bytes(spec.grad_dp)}
     out["allowance"] = _allowance_json(spec, settings)
     return out
 
 
 def _allowance_json(spec: RunSpec, settings: MemorySettings) -> dict:
     """Where the allowance came from: its derived terms (cuda_allowance.py) or the fixed settings."""
-    resolved = settings.for_layout(spec.model, spec.tp, spec.dp, spec.pp, spec.pipeline.micro_batch_size, spec.sp)
+    resolved = settings.for_layout(spec.model, spec.tp, spec.dp, spec.pp, spec.pipeline.micro_batch_size, spec.sp,
+                                   spec.cp)
     out = {"workspace_bytes": resolved.workspace_bytes, "fragmentation": resolved.fragmentation}
     if settings.derived is not None:
         terms = settings.derived.terms(settings, spec.model, spec.tp, spec.dp, spec.pp,
-                                       spec.pipeline.micro_batch_size, spec.sp)
+                                       spec.pipeline.micro_batch_size, spec.sp, spec.cp)
         out["derived"] = [t.to_json() for t in terms]
     return out
 
@@ -111,7 +113,8 @@ def memory_table(data: dict) -> str:
         lines.append(line)
     lay = data["layout"]
     lines.append(f"parameters {data['parameters_total']:,}; activations per layer and micro-batch "
-                 f"{data['activation_bytes_per_layer'] / 2**20:.2f} MiB; tp {lay['tp']} pp {lay['pp']} dp {lay['dp']} "
+                 f"{data['activation_bytes_per_layer'] / 2**20:.2f} MiB; tp {lay['tp']}{_cp_text(lay)} pp {lay['pp']} "
+                 f"dp {lay['dp']} "
                  f"v {lay['virtual']}, {lay['schedule']}, {lay['num_microbatches']} micro-batches of "
                  f"{lay['micro_batch_size']}, partition {','.join(map(str, lay['partition']))}")
     if "fits" in data:
@@ -120,6 +123,11 @@ def memory_table(data: dict) -> str:
         lines.append(f"iteration {data['iteration_time_s']:.4f} s (pipeline {data['pipeline_time_s']:.4f} s), "
                      f"bubble {100 * data['bubble_fraction']:.1f}%, master stage {data['master_stage']}")
     return "\n".join(lines)
+
+
+def _cp_text(lay: dict) -> str:
+    """" cp 2 (p2p)" where a layout splits sequences, else nothing."""
+    return f" cp {lay['cp']} ({lay['cp_comm_type']})" if lay.get("cp", 1) > 1 else ""
 
 
 # ---- search ------------------------------------------------------------------------------------------------------
@@ -161,7 +169,8 @@ def evaluation_prediction(ev: Evaluation, cluster: Cluster, spec: RunSpec | None
 
 def _layout(spec: RunSpec) -> dict:
     pl = spec.pipeline
-    return {"tp": spec.tp, "pp": spec.pp, "dp": spec.dp, "micro_batch_size": pl.micro_batch_size,
+    return {"tp": spec.tp, "cp": spec.cp, "cp_comm_type": spec.cp_comm_type, "pp": spec.pp, "dp": spec.dp,
+            "micro_batch_size": pl.micro_batch_size,
             "num_microbatches": pl.num_microbatches, "schedule": pl.schedule, "virtual": pl.virtual_stages,
             "sequence_parallel": spec.sp, "zero1": spec.distributed_optimizer, "bpipe": pl.bpipe,
             "slicing": pl.slicing, "partition": list(pl.partition),
@@ -193,7 +202,7 @@ def search_json(result) -> dict:
 
 TABLE_FOOTER = ("columns: # = rank; iter s = simulated iteration time; tokens/s; MFU = model FLOPs (no "
                 "recomputation) / (time x the devices' peak; - on CPU ranks: no trustworthy peak); "
-                "tp, pp, dp; mbs = micro-batch size; m = micro-batches per iteration; schedule (vN: virtual stages); "
+                "tp, cp (context parallel), pp, dp; mbs = micro-batch size; m = micro-batches per iteration; schedule (vN: virtual stages); "
                 "SP = sequence parallel; Z1 = ZeRO-1 (distributed optimizer); BP = BPipe; K = sliced micro-batches; "
                 "rc = recomputed units; mem/cap = the fullest stage's peak memory over its capacity; notes = how much "
                 "slower than #1, what slicing / partition refinement / BPipe saved, what is recomputed, and a micro-batch "
@@ -219,7 +228,8 @@ def summary_line(st: dict) -> str:
 
 def search_table(result) -> str:
     """The ranked plans: time, throughput, MFU, the layout, the worst stage's memory against its device, notes."""
-    head = (f"{'#':>2} {'iter s':>8} {'tokens/s':>10} {'MFU':>6} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>4} {'m':>5} "
+    head = (f"{'#':>2} {'iter s':>8} {'tokens/s':>10} {'MFU':>6} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'mbs':>4} "
+            f"{'m':>5} "
             f"{'schedule':<13} {'SP':>2} {'Z1':>2} {'BP':>2} {'K':>2} {'rc':>4} {'mem/cap':>8}  notes")
     lines = [head]
     best = result.ranked[0].time if result.ranked else 0.0
@@ -238,7 +248,7 @@ def search_table(result) -> str:
         flag = lambda b: "y" if b else "-"  # noqa: E731
         tp = "hyb" if lay["unit_strategies"] else lay["tp"]  # per-unit strategies: in the notes
         mfu = f"{100 * p['mfu']:5.1f}%" if p["mfu"] is not None else f"{'-':>6}"
-        lines.append(f"{i:>2} {r.time:8.4f} {p['tokens_per_s']:10.0f} {mfu} {tp:>3} "
+        lines.append(f"{i:>2} {r.time:8.4f} {p['tokens_per_s']:10.0f} {mfu} {tp:>3} {lay['cp']:>3} "
                      f"{lay['pp']:>3} {lay['dp']:>4} {lay['micro_batch_size']:>4} {lay['num_microbatches']:>5} "
                      f"{sched:<13} {flag(lay['sequence_parallel']):>2} {flag(lay['zero1']):>2} {flag(lay['bpipe']):>2} "
                      f"{lay['slicing']:>2} {lay['recomputed_units']:>4} {100 * mem:7.1f}%  {'; '.join(notes)}")

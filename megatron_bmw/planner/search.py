@@ -215,8 +215,8 @@ def _uniform_candidates(run: _Run, todo: list[Layout], outcome: dict) -> list[tu
         if split and bpipe and lay.pp >= 4:
             continue
         for mode in uniform_modes:
-            for sp in (s for s in space.sp if not s or lay.tp > 1):
-                for zero1 in (z for z in space.zero1 if not z or lay.dp > 1):
+            for sp in (s for s in space.sp if not s or (lay.tp > 1 and seq_splits(run.model, lay))):
+                for zero1 in (z for z in space.zero1 if not z or lay.dp * lay.cp > 1):
                     base = Variant(sp, zero1, bpipe and lay.pp >= 4)
                     prob = _problem(lay, base, run.model, run.orig_vocab, run.divisible_by, run.cluster,
                                     run.profiles, space, run.costs, run.memory, run.shapes, mode)
@@ -226,6 +226,12 @@ def _uniform_candidates(run: _Run, todo: list[Layout], outcome: dict) -> list[tu
                     else:
                         stats["candidates_infeasible"] += 1
     return problems
+
+
+def seq_splits(model: ModelConfig, lay: Layout) -> bool:
+    """Whether sequence parallelism splits the rank's s/cp tokens over tp (a context-parallel layout's condition;
+    at cp 1 the run's own check applies)."""
+    return lay.cp == 1 or (model.seq_length // lay.cp) % lay.tp == 0
 
 
 def _hybrid_candidates(run: _Run, world: int, global_batch: int,
@@ -260,7 +266,8 @@ def _solve_in_bound_order(run: _Run, problems: list[tuple[float, LayoutProblem |
     for bound, prob in problems:
         lay = prob.layout
         key = ("hybrid" if isinstance(prob, HybridProblem) else "uniform", lay)
-        family = (lay.tp, lay.pp, lay.dp, lay.schedule, lay.virtual_stages, prob.variant.sp, prob.variant.zero1, prob.uniform)
+        family = (lay.tp, lay.cp, lay.pp, lay.dp, lay.schedule, lay.virtual_stages, prob.variant.sp, prob.variant.zero1,
+                  prob.uniform)
         if lay.micro_batch_size >= too_big.get(family, _INF):  # more micro-batches per rank only need more memory
             stats["candidates_infeasible"] += 1
             progress.step(f"best {best:.4g} s")

@@ -73,9 +73,10 @@ class Solution:
         pipe = PipelineConfig(micro_batch_size=lay.micro_batch_size, num_microbatches=lay.num_microbatches, schedule=lay.schedule,
                               virtual_stages=lay.virtual_stages, partition=self.partition, recompute=self.recompute,
                               bpipe=var.bpipe, slicing=slicing)
+        grad_dp = lay.dp * lay.cp  # the gradients' group
         return RunSpec.of(model=model, tp=lay.tp, pp=lay.pp, dp=lay.dp, pipeline=pipe, sequence_parallel=var.sp,
-                       rank_order="bpipe" if var.bpipe else "tp-dp-pp", distributed_optimizer=var.zero1,
-                       overlap_grad_reduce=lay.dp > 1, overlap_param_gather=var.zero1 and lay.dp > 1)
+                          rank_order="bpipe" if var.bpipe else "tp-dp-pp", distributed_optimizer=var.zero1,
+                          overlap_grad_reduce=grad_dp > 1, overlap_param_gather=var.zero1 and grad_dp > 1, cp=lay.cp)
 
 
 def even_partition(n_units: int, stages: int) -> tuple[int, ...]:
@@ -90,7 +91,8 @@ class LayoutProblem:
                  space: SearchSpace, costs: CostSettings, memory: MemorySettings, shapes: ScheduleShapes,
                  uniform: str | None | bool = False) -> None:
         self.layout, self.variant, self.model, self.space, self.shapes = layout, variant, model, space, shapes
-        self.memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.micro_batch_size, variant.sp)
+        self.memory = memory.for_layout(model, layout.tp, layout.dp, layout.pp, layout.micro_batch_size, variant.sp,
+                                        layout.cp)
         self.uniform = uniform  # False: per-unit choices; else this one choice for every transformer unit
         self.stages = layout.pp * layout.virtual_stages
         self.names = unit_names(model.num_layers)
@@ -129,7 +131,7 @@ class LayoutProblem:
         start = block_units(blocks, even_partition(len(blocks), self.stages)) if len(blocks) >= self.stages \
             else even_partition(len(self.names), self.stages)
         base = Solution(lay, self.variant, start, None, 0.0, [], [], [], []).spec(model)
-        place_key = (lay.tp, lay.pp, lay.dp, base.rank_order)
+        place_key = (lay.tp, lay.pp, lay.dp, base.rank_order, lay.cp)
         placement = shapes.placements.setdefault(place_key, {})
         cost = CostModel(base, cluster, profiles, costs, placement)
         if "capacity" not in placement:
@@ -160,8 +162,9 @@ class LayoutProblem:
         for r in range(lay.pp):
             dev = self.cost.devices[r]
             link = self.cost.tp_link(r) if lay.tp > 1 else None
+            cp_link = self.cost.cp_link(r) if lay.cp > 1 else None
             place = (dev.name, None if link is None else (link.bandwidth, link.latency), lay.tp, sp, lay.micro_batch_size,
-                     self.model.vocab_size)
+                     self.model.vocab_size, lay.cp, None if cp_link is None else (cp_link.bandwidth, cp_link.latency))
             if place not in by_device:
                 rows: dict = {}
                 for i, kind in enumerate(kinds):
@@ -196,20 +199,21 @@ class LayoutProblem:
         sp = self.variant.sp and lay.tp > 1
 
         def saved(kind, c):
-            key = (kind, c, lay.micro_batch_size, lay.tp, sp, memory.device, model.vocab_size)
+            key = (kind, c, lay.micro_batch_size, lay.tp, sp, memory.device, model.vocab_size, lay.cp)
             if key not in shapes.saved_bytes:
                 shapes.saved_bytes[key] = float(unit_activation_bytes(kind, model, lay.micro_batch_size, lay.tp, sp, c,
-                                                                      memory.device))
+                                                                      memory.device, lay.cp))
             return shapes.saved_bytes[key]
 
         # an engine that checkpoints whole layers keeps one input per fully recomputed layer (memory_model.py)
         layered = self.uniform == "full" and not self.space.sublayer and layer_checkpoints(memory.engine)
         kind_saved = {k: [0.0 if layered and k == "mlp" else saved(k, c) for c in allowed[k]] for k in allowed}
-        kind_transient = {k: [float(unit_transient_bytes(k, model, lay.micro_batch_size, lay.tp, sp, c, memory.device)
-                                    + (layer_transient_extra(model, lay.micro_batch_size, lay.tp, sp, memory.device)
-                                       if layered and k == "mlp" else 0))
+        kind_transient = {k: [float(unit_transient_bytes(k, model, lay.micro_batch_size, lay.tp, sp, c, memory.device,
+                                                         lay.cp)
+                                    + (layer_transient_extra(model, lay.micro_batch_size, lay.tp, sp, memory.device,
+                                                             lay.cp) if layered and k == "mlp" else 0))
                               for c in allowed[k]] for k in allowed}
-        wsaved = [float(unit_wgrad_bytes(k, model, lay.micro_batch_size, lay.tp, sp)) for k in kinds] \
+        wsaved = [float(unit_wgrad_bytes(k, model, lay.micro_batch_size, lay.tp, sp, lay.cp)) for k in kinds] \
             if self.zero_bubble else [0.0] * len(kinds)
         return [kind_saved[k] for k in kinds], wsaved, [kind_transient[k] for k in kinds]
 
@@ -217,7 +221,7 @@ class LayoutProblem:
         """Per unit: its parameters on one tensor-parallel rank, and their model-state bytes (ZeRO-1's shard)."""
         lay, model = self.layout, self.model
         precision = self.memory.precision(model, self.variant.zero1)
-        per_param = precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(lay.dp)
+        per_param = precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(lay.dp * lay.cp)
         own_output = model.untie_embeddings_and_output_weights or lay.pp > 1
         params = [unit_param_count(k, model, lay.tp, output_weight=own_output) for k in kinds]
         return params, [p * per_param for p in params]
@@ -436,9 +440,9 @@ class LayoutProblem:
         hide, the optimizer step; ZeRO-1's gather lead: a first forward starting at s waits max(0, lead - s))."""
         lay = self.layout
         params = sum(n for chunk in units for n, _ in chunk)
-        step = optimizer_step_seconds(params, lay.dp, self.variant.zero1, self.model.dtype_bytes,
+        step = optimizer_step_seconds(params, lay.dp * lay.cp, self.variant.zero1, self.model.dtype_bytes,
                                       self.cost.devices[0], self.cost.settings.bandwidth_fraction)
-        if lay.dp == 1:
+        if lay.dp * lay.cp == 1:
             return step, 0.0
         spans, t = [], 0.0
         for b in reversed(chunk_backward):  # chunk v-1's last backward first, chunk 0's ends the pipeline
@@ -533,9 +537,9 @@ def least_sync(problem: LayoutProblem, backward: float) -> float:
     (for an overlap factor <= 2); ZeRO-1's gather may be hidden entirely."""
     lay, cost = problem.layout, problem.cost
     params = sum(problem.params) / lay.pp
-    step = optimizer_step_seconds(params, lay.dp, problem.variant.zero1, problem.model.dtype_bytes,
+    step = optimizer_step_seconds(params, lay.dp * lay.cp, problem.variant.zero1, problem.model.dtype_bytes,
                                   cost.devices[0], cost.settings.bandwidth_fraction)
-    if lay.dp == 1:
+    if lay.dp * lay.cp == 1:
         return step
     sync = cost.dp_reduce_seconds(0)(params)
     factor = min(cost.settings.overlap_factor, 2.0)
@@ -547,7 +551,8 @@ def could_fit(problem: LayoutProblem, zero1: bool) -> bool:
     least the fewest micro-batches any rank holds of every unit's smallest saved bytes."""
     lay, ms = problem.layout, problem.memory
     per_param = problem.memory.precision(problem.model, zero1)
-    static = sum(problem.params) * (per_param.param_bytes + per_param.grad_bytes + per_param.optimizer_bytes(lay.dp))
+    static = sum(problem.params) * (per_param.param_bytes + per_param.grad_bytes
+                                    + per_param.optimizer_bytes(lay.dp * lay.cp))
     least = min(max(min(mix) for mix in mixes) for mixes in problem.counts) * sum(min(s) for s in problem.saved)
     room = sum((c - ms.workspace_bytes) / (1 + ms.fragmentation) for c in problem.capacity)
     return static + least <= room

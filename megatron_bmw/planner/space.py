@@ -15,7 +15,9 @@ from ..pipeline.schedule import Kind
 SEARCHED = tuple(x for x in SCHEDULES if x != "zbv")  # the V placement is simulated, not searched
 ENGINE_SCHEDULES = {"megatron-core": ("1f1b", "interleaved"), "deepspeed": ("1f1b",)}
 _BOOL = {"on": (True,), "off": (False,), "both": (False, True), "true": (True,), "false": (False,)}
-_HELP = (f"tp, pp, dp, mbs (lists of integers); schedule ({', '.join(SEARCHED)}: zero-bubble ones only where the "
+CP_MIN_SEQ = 8192  # shorter sequences are not split by default: cp 1 only
+_HELP = (f"tp, cp, pp, dp, mbs (lists of integers; cp by default 1 below {CP_MIN_SEQ} tokens, else the powers of two "
+         "dividing the world that split the sequence into 2 cp chunks); schedule ({', '.join(SEARCHED)}: zero-bubble ones only where the "
          "simulator says they win under the memory limit); virtual (chunks per rank); "
          "sp, zero1, bpipe, slicing (on, off, both); recompute (none, selective, full: the choices allowed per "
          "unit); recompute-granularity (unit or uniform); partition (unit or layer: where stages may end); strategy "
@@ -25,6 +27,7 @@ _HELP = (f"tp, pp, dp, mbs (lists of integers); schedule ({', '.join(SEARCHED)}:
 @dataclass(frozen=True)
 class SearchSpace:
     tp: tuple[int, ...] | None = None  # None: every degree that divides the model and fits in a node
+    cp: tuple[int, ...] | None = None  # None: cp_degrees' default (1 below CP_MIN_SEQ tokens)
     pp: tuple[int, ...] | None = None
     dp: tuple[int, ...] | None = None
     mbs: tuple[int, ...] | None = None  # None: every divisor of the per-replica batch
@@ -75,17 +78,20 @@ class SearchSpace:
         for name, values, what in (("bpipe", self.bpipe, "BPipe"), ("slicing", self.slicing, "micro-batch slicing")):
             if False not in values:
                 raise UsageError(f"--space {name}=on: engine {engine} has no {what}")
+        if self.cp is not None and max(self.cp) > 1:
+            raise UsageError(f"--space cp={','.join(map(str, self.cp))}: context parallelism is planned for this "
+                             f"runtime (--engine megatron_bmw), not engine {engine}")
         sp = self.sp
         if engine == "deepspeed":
             if False not in sp:
                 raise UsageError(f"--space sp=on: engine {engine} has no sequence parallelism")
             sp = (False,)
         return replace(self, schedule=schedule, bpipe=(False,), slicing=(False,), per_unit_recompute=False,
-                       sublayer=False, strategy=("uniform",), sp=sp)
+                       sublayer=False, strategy=("uniform",), sp=sp, cp=(1,))
 
 
 def _parse_dim(key: str, values: list[str], item: str) -> dict:
-    if key in ("tp", "pp", "dp", "mbs", "virtual"):
+    if key in ("tp", "cp", "pp", "dp", "mbs", "virtual"):
         try:
             ints = tuple(int(v) for v in values)
         except ValueError:
@@ -137,6 +143,7 @@ class Layout:
     num_microbatches: int  # per iteration
     schedule: str
     virtual_stages: int = 1
+    cp: int = 1  # context-parallel size: world = tp x cp x pp x dp
 
 
 @lru_cache(maxsize=None)
@@ -168,33 +175,60 @@ def tp_degrees(model: ModelConfig, gpus_per_node: int, world: int) -> list[int]:
     return out
 
 
+def cp_degrees(space: SearchSpace, model: ModelConfig, world: int) -> list[int]:
+    """Context-parallel sizes the search tries: the space's, where they split the sequence into 2 cp chunks;
+    by default 1 for sequences shorter than CP_MIN_SEQ tokens (splitting them only adds exchanges), else every
+    power of two that divides the world and splits the sequence into 2 cp chunks. Causal GPT models only."""
+    if space.cp is not None:
+        wanted = [c for c in space.cp if c == 1 or (model.model_type == "gpt" and model.seq_length % (2 * c) == 0)]
+        return [c for c in wanted if world % c == 0]
+    if model.seq_length < CP_MIN_SEQ or model.model_type != "gpt":
+        return [1]
+    out, c = [], 1
+    while c <= world:
+        if world % c == 0 and (c == 1 or model.seq_length % (2 * c) == 0):
+            out.append(c)
+        c *= 2
+    return out
+
+
 def layouts(space: SearchSpace, model: ModelConfig, world: int, global_batch: int, tps: list[int]) -> list[Layout]:
-    """Every (tp, pp, dp, mbs, schedule, virtual) of the space; pipeline stages need one unit each at least. A
+    """Every (tp, cp, pp, dp, mbs, schedule, virtual) of the space; pipeline stages need one unit each at least. A
     schedule that splits backwards but lays out several chunks per rank (not the search's round-robin) is left
     out."""
     out = []
-    most = model.num_units if space.sublayer else model.num_layers  # stages the partition can make
     for tp in tps:
         if space.tp is not None and tp not in space.tp:
             continue
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if (space.pp is not None and pp not in space.pp) or (space.dp is not None and dp not in space.dp):
+        for cp in cp_degrees(space, model, world):
+            if (world // tp) % cp == 0:
+                out += _degree_layouts(space, model, world // (tp * cp), global_batch, tp, cp)
+    return out
+
+
+def _degree_layouts(space: SearchSpace, model: ModelConfig, ranks: int, global_batch: int, tp: int,
+                    cp: int) -> list[Layout]:
+    """layouts' (pp, dp, mbs, schedule, virtual) for one tp and cp over their `ranks` = world / (tp cp) replicas."""
+    out = []
+    most = model.num_units if space.sublayer else model.num_layers  # stages the partition can make
+    for pp in divisors(ranks):
+        dp = ranks // pp
+        if (space.pp is not None and pp not in space.pp) or (space.dp is not None and dp not in space.dp):
+            continue
+        if pp > most or global_batch % dp:
+            continue
+        for mbs in divisors(global_batch // dp):
+            if space.mbs is not None and mbs not in space.mbs:
                 continue
-            if pp > most or global_batch % dp:
-                continue
-            for mbs in divisors(global_batch // dp):
-                if space.mbs is not None and mbs not in space.mbs:
-                    continue
-                m = global_batch // (dp * mbs)
-                for schedule in space.schedule:
-                    if schedule == "interleaved":
-                        if pp == 1 or m % pp:
-                            continue
-                        out += [Layout(tp, pp, dp, mbs, m, schedule, v) for v in space.virtual
-                                if v > 1 and pp * v <= most]
-                    elif (schedule == "gpipe" or zero_bubble(schedule)) and pp == 1:
-                        continue  # one stage: GPipe and zero-bubble are 1F1B
-                    elif schedule in ("1f1b", "gpipe") or zero_bubble(schedule):
-                        out.append(Layout(tp, pp, dp, mbs, m, schedule))
+            m = global_batch // (dp * mbs)
+            for schedule in space.schedule:
+                if schedule == "interleaved":
+                    if pp == 1 or m % pp:
+                        continue
+                    out += [Layout(tp, pp, dp, mbs, m, schedule, v, cp) for v in space.virtual
+                            if v > 1 and pp * v <= most]
+                elif (schedule == "gpipe" or zero_bubble(schedule)) and pp == 1:
+                    continue  # one stage: GPipe and zero-bubble are 1F1B
+                elif schedule in ("1f1b", "gpipe") or zero_bubble(schedule):
+                    out.append(Layout(tp, pp, dp, mbs, m, schedule, 1, cp))
     return out

@@ -31,14 +31,16 @@ class RunSpec:
     def of(cls, model: ModelConfig, tp: int, pp: int, dp: int, pipeline: PipelineConfig,
            sequence_parallel: bool = False, rank_order: str = "tp-dp-pp", distributed_optimizer: bool = False,
            overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-           unit_strategies: tuple[str, ...] | None = None) -> RunSpec:
+           unit_strategies: tuple[str, ...] | None = None, cp: int = 1, cp_comm_type: str = "p2p") -> RunSpec:
         """A candidate by its degrees (the planner's spelling): Galvatron-BMW's unit strategies (tp 1, each unit its
-        own strategy over the stage's dp ranks) or None for the uniform Megatron layout."""
-        if min(tp, pp) < 1:
+        own strategy over the stage's dp ranks) or None for the uniform Megatron layout; `cp` ranks split every
+        sequence (context parallelism, `cp_comm_type` its attention's exchange)."""
+        if min(tp, pp, cp) < 1:
             raise UsageError("parallel degrees must be >= 1")
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   sequence_parallel=sequence_parallel, rank_order=rank_order,
-                                  unit_strategies=unit_strategies)
+                                  unit_strategies=unit_strategies, context_parallel_size=cp,
+                                  cp_comm_type=cp_comm_type)
         return cls(model, parallel, pipeline, dp, distributed_optimizer, overlap_grad_reduce, overlap_param_gather)
 
     def __post_init__(self) -> None:
@@ -52,6 +54,7 @@ class RunSpec:
             par = replace(par, unit_strategies=tuple(str(s) for s in parsed))
         if self.pipeline.bpipe:
             par = replace(par, rank_order="bpipe")
+        _check_context_parallel(self.model, par)
         object.__setattr__(self, "parallel", par)
         pl = self.pipeline
         partition = parse_partition(pl.partition, self.model.num_layers, self.pp, pl.virtual_stages)
@@ -79,8 +82,41 @@ class RunSpec:
         return self.parallel.unit_strategies
 
     @property
+    def cp(self) -> int:
+        """Context-parallel size: ranks that split every sequence (each holds s/cp tokens of it)."""
+        return self.parallel.context_parallel_size
+
+    @property
+    def cp_comm_type(self) -> str:
+        return self.parallel.cp_comm_type
+
+    @property
+    def grad_dp(self) -> int:
+        """Ranks holding the same parameters: gradients are reduced, and ZeRO-1 shards, over dp x cp."""
+        return self.dp * self.cp
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    def describe_degrees(self) -> str:
+        """"tp 2 x cp 2 x pp 4 x dp 2" (cp only where > 1): the layout's degrees in messages."""
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        return f"tp {self.tp}{cp} x pp {self.pp} x dp {self.dp}"
+
+    def rank_model(self) -> ModelConfig:
+        """The model as one context-parallel rank computes its units: its s/cp tokens of every sequence, attention
+        by the context-parallel core (no s^2 tensor whatever the backend: "flash"). The model itself at cp 1. What
+        the core costs beyond the local sequence's (each rank does 1/cp of the whole causal attention) and its
+        exchange are the cost model's (cost_model.CostModel.cp_core_parts)."""
+        if self.cp == 1:
+            return self.model
+        return replace(self.model, seq_length=self.model.seq_length // self.cp, attention_backend="flash")
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """Every global rank of pipeline stage `stage` (its tp, cp and dp coordinates)."""
+        layout = self.rank_layout()
+        return [layout.rank(t, d, stage, c) for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     @property
     def global_batch_size(self) -> int:
@@ -93,16 +129,36 @@ class RunSpec:
     def stage_layout(self) -> StageLayout:
         pl = self.pipeline
         return StageLayout(self.tp, self.dp, self.pp, self.sp, pl.micro_batch_size, pl.partition, pl.recompute,
-                           pl.placement)
+                           pl.placement, self.cp, self.cp_comm_type)
 
     def rank_layout(self) -> RankLayout:
-        return RankLayout(self.tp, self.dp, self.pp, self.rank_order)
+        return RankLayout(self.tp, self.dp, self.pp, self.rank_order, self.cp)
 
     def hidden_bytes(self, half: bool = False) -> float:
-        """Bytes of the hidden state one tensor-parallel rank sends between pipeline stages."""
-        s, b, h = hidden_shape(self.model.seq_length, self.pipeline.micro_batch_size, self.model.hidden_size, self.tp,
-                               self.sp)
+        """Bytes of the hidden state one tensor-parallel rank sends between pipeline stages (its s/cp tokens)."""
+        s, b, h = hidden_shape(self.model.seq_length // self.cp, self.pipeline.micro_batch_size,
+                               self.model.hidden_size, self.tp, self.sp)
         return s * b * h * self.model.dtype_bytes / (2 if half else 1)
+
+
+def _check_context_parallel(model: ModelConfig, par: ParallelConfig) -> None:
+    """What context parallelism plans: causal GPT sequences split into 2 cp chunks (rank r holds chunks r and
+    2cp-1-r, balancing the causal attention), one layout for every unit."""
+    cp = par.context_parallel_size
+    if cp == 1:
+        return
+    if par.unit_strategies is not None:
+        raise UsageError(f"context-parallel size {cp} does not combine with per-unit strategies (--unit-strategies)")
+    if model.model_type != "gpt":
+        raise UsageError(f"context-parallel size {cp}: context parallelism splits causal (GPT) sequences, not "
+                         f"{model.model_type.upper()}'s")
+    if model.seq_length % (2 * cp):
+        raise UsageError(f"--seq-length {model.seq_length} does not split into 2 x --context-parallel-size {cp} "
+                         f"chunks")
+    tp = par.tensor_model_parallel_size
+    if par.sequence_parallel and tp > 1 and (model.seq_length // cp) % tp:
+        raise UsageError(f"--seq-length {model.seq_length} / --context-parallel-size {cp} does not split over "
+                         f"--tensor-model-parallel-size {tp} (sequence parallelism)")
 
 
 def spec_from_run_config(cfg: RunConfig, world_size: int) -> RunSpec:

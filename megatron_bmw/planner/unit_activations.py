@@ -33,6 +33,14 @@ out by head and the projection's input is a copy of it. Grouped queries: k and v
 heads (sbh/t e each) and q copied out of the grouped rows (a view, keeping the whole QKV output, where a rank holds
 one group and the core takes q as it is). SwiGLU keeps fc1's output (gate and up, 2 sbf/t e), silu(gate) and
 the product (sbf/t e each) where GeLU keeps its input and output. Biases change no saved tensor.
+Context parallelism (cp = C > 1; the runtime's contract, models/gpt.py with parallel/context_parallel.py): every
+unit holds what it holds for the rank's local sequence s/C (s is s/C everywhere above; with SP the hidden state
+between units has s/(C t) rows). Attention differs: rope's cos and sin are taken at the rank's global positions
+(the same shapes, s/C x r); k and v are NOT repeated over a group's heads (the core takes the grouped k, v); the
+core is the context-parallel attention, which saves exactly the q, k, v it is given (the rotated q and k, v a view
+of the QKV output; without rope or q/k norms all three views of the QKV output), its output o [b, a/t, s/C, d] in e
+and the log-sum-exp b a/t s/C x 4, nothing of size s^2 whatever the attention backend; the context copy fed to
+the projection stays. Its transient buffers (in flight, not saved) are `cp_attention_buffers`'.
 Selective recomputation keeps the attention unit minus its core (BERT: plus the core's input padding mask, b s
 bool); full recomputation keeps the unit's input.
 Zero-bubble schedules split a backward into B (input gradients) and W (the linear layers' weight gradients,
@@ -73,15 +81,17 @@ class SavedTensor:
 
 
 def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                       recompute: str | None = None, device: str = "cuda") -> list[SavedTensor]:
-    """The tensors one unit of `kind` saves for backward for one micro-batch on one tensor-parallel rank."""
+                       recompute: str | None = None, device: str = "cuda", cp: int = 1) -> list[SavedTensor]:
+    """The tensors one unit of `kind` saves for backward for one micro-batch on one tensor-parallel rank (of
+    context-parallel size `cp`: its s/cp tokens)."""
+    _check_cp(model, cp)
     if kind not in UNIT_KINDS:
         raise ValueError(f"unknown unit kind {kind!r}")
     if recompute not in RECOMPUTE:
         raise UsageError(f"recomputation must be none, selective or full, not {recompute!r}")
     if device not in DEVICE_KINDS:
         raise UsageError(f"device kind must be cuda or cpu, not {device!r}")
-    saved = _Saved(model, micro_batch_size, tp, sp and tp > 1, device)
+    saved = _Saved(model, micro_batch_size, tp, sp and tp > 1, device, cp)
     if kind == "embedding":
         _embedding_saved(saved)
     elif kind == "head" and model.model_type == "bert":
@@ -100,9 +110,10 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
 class _Saved:
     """The tensors one unit saves, in the order it saves them, with the sizes they are counted in."""
 
-    def __init__(self, model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, device: str) -> None:
-        self.model, self.tp, self.sp, self.device = model, tp, sp, device
-        self.s, self.b, self.h, self.e = model.seq_length, micro_batch_size, model.hidden_size, model.dtype_bytes
+    def __init__(self, model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, device: str, cp: int = 1) -> None:
+        self.model, self.tp, self.sp, self.device, self.cp = model, tp, sp, device, cp
+        # s: the rank's local sequence (context parallelism splits it over cp ranks)
+        self.s, self.b, self.h, self.e = model.seq_length // cp, micro_batch_size, model.hidden_size, model.dtype_bytes
         self.s_local = self.s // tp if sp else self.s
         self.hidden_local = self.s_local * self.b * self.h
         self.mask_size = _BOOL if device == "cuda" else self.e
@@ -197,7 +208,8 @@ def _attention_saved(saved: _Saved, recompute: str | None) -> None:
     saved.add("qkv input", saved.hidden_local, saved.e)
     local_h = s * b * saved.h // tp
     # the unfused core's batched matmul copies a strided q; the fused kernel and a checkpoint keep q as it is
-    core_inputs = _core_inputs(model, local_h, tp, query_copied=recompute != "selective" and not model.flash_attention)
+    core_inputs = _cp_core_inputs(model, local_h) if saved.cp > 1 else \
+        _core_inputs(model, local_h, tp, query_copied=recompute != "selective" and not model.flash_attention)
     if model.qk_layernorm:
         saved.out.extend(_qk_norm_saved(model, local_h, tp, b * (model.num_attention_heads // tp) * s, saved.device))
     if model.position_embedding_type == "rope":  # cos and sin, computed for the queries and again for the keys
@@ -220,7 +232,12 @@ def _attention_core_saved(saved: _Saved, recompute: str | None, core_inputs: lis
     score = b * heads * s * s
     p_attn = model.attention_dropout
     math_path = model.flash_attention and device == "cpu" and p_attn > 0
-    if recompute == "selective":
+    if saved.cp > 1:  # the context-parallel core: its inputs, its output and the log-sum-exp; no s^2 term
+        saved.out.extend(core_inputs)
+        if recompute != "selective":
+            saved.add("context-parallel attention output", local_h, e)
+            saved.add("log-sum-exp (fp32)", b * heads * s, _FP32)
+    elif recompute == "selective":
         saved.out.extend(core_inputs)
         if bert:  # an input of the recomputed core
             saved.add("padding mask (bool)", b * s, _BOOL)
@@ -277,6 +294,43 @@ def _qk_norm_saved(model: ModelConfig, local_h: int, tp: int, q_rows: int, devic
     return out
 
 
+def _cp_core_inputs(model: ModelConfig, local_h: int) -> list[SavedTensor]:
+    """What the context-parallel core is given and keeps: q, k and v as views of the QKV output, or with rope (or
+    q/k norms) the new q and k (k grouped: not repeated over the group's heads) beside the QKV output v is a view
+    of."""
+    e = model.dtype_bytes
+    qkv = SavedTensor("qkv output", local_h * model.qkv_rows // model.hidden_size, e)
+    if model.position_embedding_type != "rope" and not model.qk_layernorm:
+        return [qkv]
+    per = model.num_attention_heads // model.query_groups
+    return [SavedTensor("query (normed or rotated)", local_h, e),
+            SavedTensor("keys (normed or rotated, grouped)", local_h // per, e), qkv]
+
+
+def _check_cp(model: ModelConfig, cp: int) -> None:
+    if cp < 1 or model.seq_length % cp:
+        raise UsageError(f"context-parallel size {cp} does not split the sequence of {model.seq_length} tokens")
+
+
+def cp_attention_buffers(model: ModelConfig, micro_batch_size: int, tp: int, cp: int,
+                         comm_type: str = "p2p") -> tuple[int, int]:
+    """(forward, backward) bytes the context-parallel attention core holds in flight beside what it saves, on one
+    rank: THE numbers to adjust to the kernel (parallel/context_parallel.py). Local sequence s/C, g/t key-value
+    heads, block = K and V of one chunk pair = 2 b g/t s/C d elements.
+      p2p (ring): forward 2 blocks of K/V in flight (the one attended, the one arriving) in e; backward 2 K/V
+          blocks in e, 2 dK/dV accumulator blocks in fp32 and the dQ accumulator b a/t s/C d in fp32.
+      a2a: the all-to-all's re-laid q, k, v and output (the same bytes as the local ones: a/(tC) heads over s)
+          forward; backward those and the re-laid dq, dk, dv."""
+    if cp <= 1:
+        return 0, 0
+    s, b, d, e = model.seq_length // cp, micro_batch_size, model.head_dim, model.dtype_bytes
+    q = b * (model.num_attention_heads // tp) * s * d
+    block = 2 * b * max(1, model.query_groups // tp) * s * d
+    if comm_type == "a2a":
+        return (2 * q + block) * e, 2 * (q + block) * e + q * e
+    return 2 * block * e, 2 * block * e + 2 * block * _FP32 + q * _FP32
+
+
 def _core_inputs(model: ModelConfig, local_h: int, tp: int, query_copied: bool) -> list[SavedTensor]:
     """The storages behind the attention core's q, k and v (what the core, or selective recomputation, keeps).
 
@@ -301,14 +355,14 @@ def _core_inputs(model: ModelConfig, local_h: int, tp: int, query_copied: bool) 
 
 
 def unit_wgrad_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1,
-                       sp: bool = False) -> list[SavedTensor]:
+                       sp: bool = False, cp: int = 1) -> list[SavedTensor]:
     """What one unit keeps from a split backward's B until its W (parallel/deferred_wgrad.py): per linear layer
     its saved input and its output gradient; the rest of what it saved is freed at B's end. The same whatever
     the recomputation (B rebuilds the inputs and W keeps them) and device."""
     if kind not in UNIT_KINDS:
         raise ValueError(f"unknown unit kind {kind!r}")
     sp = sp and tp > 1
-    s, b, h, e = model.seq_length, micro_batch_size, model.hidden_size, model.dtype_bytes
+    s, b, h, e = model.seq_length // cp, micro_batch_size, model.hidden_size, model.dtype_bytes
     hidden_local = (s // tp if sp else s) * b * h  # a column-parallel input: this rank's sequence part with SP
     if kind == "embedding":
         return []
@@ -326,8 +380,9 @@ def unit_wgrad_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
             SavedTensor("fc2 output gradient (before the reduction)", s * b * h, e)]
 
 
-def unit_wgrad_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False) -> int:
-    return sum(t.nbytes for t in unit_wgrad_tensors(kind, model, micro_batch_size, tp, sp))
+def unit_wgrad_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
+                     cp: int = 1) -> int:
+    return sum(t.nbytes for t in unit_wgrad_tensors(kind, model, micro_batch_size, tp, sp, cp))
 
 
 _SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
@@ -338,14 +393,14 @@ _saved_memo: dict[tuple, int] = {}
 
 
 def unit_activation_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                          recompute: str | None = None, device: str = "cuda") -> int:
-    key = (kind, micro_batch_size, tp, sp, recompute, device) + tuple(getattr(model, k) for k in _SAVED_KEYS)
+                          recompute: str | None = None, device: str = "cuda", cp: int = 1) -> int:
+    key = (kind, micro_batch_size, tp, sp, recompute, device, cp) + tuple(getattr(model, k) for k in _SAVED_KEYS)
     got = _saved_memo.get(key)
     if got is None:
         if len(_saved_memo) > 100_000:
             _saved_memo.clear()
         got = _saved_memo[key] = sum(t.nbytes for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp,
-                                                                           recompute, device))
+                                                                           recompute, device, cp))
     return got
 
 
@@ -358,9 +413,9 @@ def bytes_by_dtype(tensors: list[SavedTensor]) -> dict[int, int]:
 
 
 def layer_activation_bytes(model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                           recompute: str | None = None, device: str = "cuda") -> int:
+                           recompute: str | None = None, device: str = "cuda", cp: int = 1) -> int:
     """One transformer layer (attention + MLP unit), one micro-batch, one rank."""
-    return sum(unit_activation_bytes(k, model, micro_batch_size, tp, sp, recompute, device)
+    return sum(unit_activation_bytes(k, model, micro_batch_size, tp, sp, recompute, device, cp)
                for k in ("attention", "mlp"))
 
 
@@ -377,14 +432,21 @@ def korthikanti_layer_bytes(model: ModelConfig, micro_batch_size: int, tp: int =
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
 
-def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False) -> int:
+def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
+                        cp: int = 1, cp_comm: str = "p2p") -> int:
     """The largest gradient buffers a unit's backward allocates beside what it saved (Galvatron's backward peak):
     the head's gradient of the logits cast for the output matmul (the fp32 gradient takes the saved softmax's
     place), the attention's gradient
     of the scores and probabilities (unfused; the fused kernel's gradient of q, k, v), the MLP's gradients of
-    the GeLU output and input, the embedding's hidden-state gradient."""
-    s, b, h, f, v = model.seq_length, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    the GeLU output and input, the embedding's hidden-state gradient. Under context parallelism (cp > 1) the local
+    s/cp tokens', and the context-parallel core's: the gradients of the grouped q, k, v it was given beside its
+    in-flight buffers (cp_attention_buffers)."""
+    s, b, h, f, v = model.seq_length // cp, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
     e = model.dtype_bytes
+    if kind == "attention" and cp > 1:
+        local_h = s * b * (h // tp)
+        grads = (local_h + 2 * local_h * model.query_groups // model.num_attention_heads) * e
+        return grads + max(cp_attention_buffers(model, micro_batch_size, tp, cp, cp_comm))
     if kind == "head":
         return s * b * (v // tp) * (0 if e == _FP32 else e)
     if kind == "attention":
@@ -398,11 +460,11 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
 
 
 def unit_transient_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int, sp: bool,
-                         recompute: str | None, device: str) -> int:
+                         recompute: str | None, device: str, cp: int = 1, cp_comm: str = "p2p") -> int:
     """What one unit's backward holds beside the saved activations: the activations recomputation rebuilds
     (one unit's, or one attention core's) and its gradient buffers."""
     rebuilt = 0
     if recompute is not None:
-        rebuilt = unit_activation_bytes(kind, model, micro_batch_size, tp, sp, None, device) \
-            - unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device)
-    return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp)
+        rebuilt = unit_activation_bytes(kind, model, micro_batch_size, tp, sp, None, device, cp) \
+            - unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device, cp)
+    return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp, cp, cp_comm)
