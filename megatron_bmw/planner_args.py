@@ -226,27 +226,7 @@ def spec_from_flags(args, planner: PlannerConfig, cluster: Cluster, profiles: Pr
         raise UsageError(f"--world-size must be >= 1, got {world}")
     if world > cluster.num_gpus:
         raise UsageError(f"--world-size {world} exceeds the {cluster.num_gpus} GPUs of cluster {cluster.name}")
-    return spec_of_run(_run_config(args, world), world, planner.rank_order, cluster, profiles, costs)
-
-
-def _run_config(args, world: int) -> RunConfig:
-    """The flags' RunConfig for the planner. --context-parallel-size N plans a run the runtime does not start yet
-    (arguments.py refuses cp > 1 until the model splits sequences): the flags are read as the run of one cp rank
-    (world / N ranks, cp 1, its tp x pp x dp: the same data-parallel size and batches) and the cp size is set
-    after; the planner's own checks of it are RunSpec's."""
-    cp = args.context_parallel_size
-    if cp == 1:
-        return configs_from_args(args, world)
-    if world % cp:
-        raise UsageError(f"world size {world} is not divisible by --context-parallel-size {cp}")
-    args.context_parallel_size = 1
-    try:
-        cfg = configs_from_args(args, world // cp)
-    finally:
-        args.context_parallel_size = cp
-    cfg.parallel.context_parallel_size = cp
-    cfg.parallel.cp_comm_type = args.cp_comm_type
-    return cfg
+    return spec_of_run(configs_from_args(args, world), world, planner.rank_order, cluster, profiles, costs)
 
 
 def spec_of_run(cfg: RunConfig, world: int, rank_order: str, cluster: Cluster, profiles: Profiles,

@@ -12,6 +12,7 @@ mask instead of causally, with its own embedding and head.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -108,8 +109,9 @@ class Embedding(Unit):
         tokens = batch["tokens"]
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            positions = batch["positions"][0] if "positions" in batch else torch.arange(tokens.size(1),
-                                                                                         device=tokens.device)
+            # a context-parallel rank's global positions: one row's own copy (the lookup keeps its indices)
+            positions = batch["positions"][0].clone() if "positions" in batch else torch.arange(tokens.size(1),
+                                                                                                 device=tokens.device)
             x = x + F.embedding(positions, self.position_embeddings).unsqueeze(0)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.state.sequence_parallel:
@@ -162,8 +164,8 @@ class Attention(Unit):
         if self.rotary is not None:
             angles = rotary_angles(s, *self.rotary, q.device, positions)
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
-        if positions is not None:  # the cp core takes grouped k and v
-            core, args = self.cp_attention, (q, k, v, positions)
+        if positions is not None:  # the cp core takes grouped k and v (positions: the batch's, never saved)
+            core, args = partial(self.cp_attention, positions=positions), (q, k, v)
         else:
             if per > 1:
                 k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)

@@ -323,3 +323,48 @@ def test_split_backward_store_matches_holding_walk(rc):
         walk.append(level)
     assert live == walk
     assert engine.store.peak_bytes == max(walk) and wgrad[0] != saved[0]
+
+
+def _cp_mismatches(state: ParallelState, tp: int, cp: int, sp: bool) -> list[str]:
+    """As _mismatches, on a context-parallel rank (its chunks of the sequence; no attention dropout under cp)."""
+    from megatron_bmw.models.chunk import cp_shard
+
+    bad = []
+    variants = [v for v in _variants(tp) if v[3] == 0.0 and v[5].get("num_query_groups", 4) % tp == 0]
+    for dtype, backend, rc, hd, _, extra in variants:
+        cfg = _cfg(attention_backend=backend, params_dtype=dtype, hidden_dropout=hd, attention_dropout=0.0, **extra)
+        recompute = recompute_from_flags(rc, None, None, cfg.num_layers, [list(range(cfg.num_units))])
+        units = build_units(cfg, state, 1, recompute=recompute)
+        params = [p for u in units.values() for p in u.parameters()] + [units["embedding"].word_embeddings.weight]
+        choice = dict(zip(units, recompute or (None,) * cfg.num_units))
+        batch = cp_shard(_batch(MBS), cp, state.cp_rank)
+        seq = SEQ // cp // (tp if sp else 1)
+        for name, unit in units.items():
+            hidden = None if name == "embedding" else torch.randn(seq, MBS, 24, dtype=dtype, requires_grad=True)
+            saved, _ = measure_saved(lambda: unit(hidden, batch), params)
+            predicted = sum(t.nbytes for t in unit_saved_tensors(unit_kind(name), cfg, MBS, tp, sp, choice[name], "cpu",
+                                                                 cp))
+            if predicted != saved.total:
+                bad.append(f"cp={cp} tp={tp} sp={sp} {state.cp_comm_type} {dtype} {backend} {rc} hd={hd} {extra} "
+                           f"{name}: predicted {predicted}, measured {saved.total}")
+    return bad
+
+
+def _cp_body(rank, world_size, layouts):
+    out = []
+    for tp, cp, sp, comm in layouts:
+        state = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                                   sequence_parallel=sp, cp_comm_type=comm))
+        out += _cp_mismatches(state, tp, cp, sp)
+        state.destroy()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layouts", [
+    (2, [(1, 2, False, "p2p"), (1, 2, False, "a2a")]),
+    (4, [(2, 2, True, "p2p"), (1, 4, False, "p2p"), (2, 2, False, "a2a")]),
+])
+def test_saved_bytes_context_parallel_exact(world, layouts):
+    """The memory model byte for byte against what a context-parallel rank's units save (p2p ring and a2a)."""
+    assert run_distributed(world, _cp_body, layouts) == [[]] * world
