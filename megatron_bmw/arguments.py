@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig,
                      PipelineConfig, RunConfig, TrainConfig, padded_vocab_size)
 from .config.inputs import FlagInputs
 from .config.schema import add_flags, check_flag_values, from_flags
@@ -60,9 +60,9 @@ CKPT_FORMATS_HERE = ("torch", "torch_dist")  # written and read here
 
 
 # Every class whose fields declare Megatron flags (config/schema.py): the parser is generated from them
-FLAG_CLASSES = (ModelConfig, RunConfig, ParallelConfig, PipelineConfig, BatchSchedule, TrainConfig, OptimizerConfig,
-                LRConfig, DataConfig, FlagInputs)
-GROUPS = ("model", "parallelism", "training", "optimizer and learning rate", "data", "checkpointing",
+FLAG_CLASSES = (ModelConfig, MoEConfig, RunConfig, ParallelConfig, PipelineConfig, BatchSchedule, TrainConfig,
+                OptimizerConfig, LRConfig, DataConfig, FlagInputs)
+GROUPS = ("model", "mixture of experts", "parallelism", "training", "optimizer and learning rate", "data", "checkpointing",
           "logging and evaluation")
 
 
@@ -126,6 +126,9 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 
 def _check_megatron_choices(args) -> None:
     """Megatron flags whose other values select something this implementation does not have."""
+    if args.num_experts or args.expert_model_parallel_size > 1:  # the configs carry MoE; the runtime does not yet
+        raise UsageError("--num-experts: mixtures of experts are not implemented yet" if args.num_experts else
+                         "--expert-model-parallel-size: needs --num-experts (not implemented yet)")
     if args.hierarchical_context_parallel_sizes:
         raise UsageError("--hierarchical-context-parallel-sizes: hierarchical context parallelism (a2a+p2p) is not "
                          "built; use --context-parallel-size with --cp-comm-type p2p or a2a")
@@ -361,9 +364,10 @@ def model_config_from_args(args: argparse.Namespace, tp: int, vocab_size: int | 
                          f"--attention-backend {args.attention_backend}")
     backend = "flash" if args.use_flash_attn else backend
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    moe = from_flags(MoEConfig, args) if getattr(args, "num_experts", None) else None
     model = from_flags(ModelConfig, args, vocab_size=padded_vocab_size(orig_vocab, args.make_vocab_size_divisible_by, tp),
                        attention_backend=backend, params_dtype=dtype, model_type=getattr(args, "model_type", "gpt"),
-                       **llama_settings(args))
+                       moe=moe, **llama_settings(args))
     return model, orig_vocab
 
 

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import UsageError
 from ..units import DTYPE_BYTES, num_units
+from .moe import MoEConfig
 from .schema import check_ranges, flag
 
 MODEL_TYPES = ("gpt", "bert")
@@ -94,8 +95,12 @@ class ModelConfig:
     apply_layernorm_1p: bool = flag("--apply-layernorm-1p", group=M, default=False, action="store_true",
                                     help="norm weights stored zero-centred (gamma - 1) and applied as weight + 1")
 
+    moe: MoEConfig | None = None  # experts in place of the MLP of some layers (config/moe.py); None: dense
+
     def __post_init__(self) -> None:
         check_ranges(self)
+        if isinstance(self.moe, dict):  # read back from a plan file
+            self.moe = MoEConfig(**self.moe)
         self.params_dtype = dtype_name(self.params_dtype)
         if self.model_type not in MODEL_TYPES:
             raise UsageError(f"unknown model type {self.model_type!r} (use {' or '.join(MODEL_TYPES)})")
@@ -203,4 +208,13 @@ class ModelConfig:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether transformer layer `layer` holds experts in place of its MLP."""
+        return self.moe is not None and self.moe.layers(self.num_layers)[layer]
+
+    @property
+    def moe_ffn_hidden_size(self) -> int:
+        """Each expert's FFN size."""
+        return self.moe.ffn_hidden_size or self.ffn_hidden_size
 

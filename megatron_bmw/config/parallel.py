@@ -28,6 +28,12 @@ class ParallelConfig:
     cp_comm_type: str = flag("--cp-comm-type", group=P, default="p2p", choices=("p2p", "a2a"),
                              help="context-parallel attention: p2p passes K/V around a ring; a2a scatters heads "
                                   "(all-to-all) and attends over the whole sequence")
+    expert_model_parallel_size: int = flag(
+        "--expert-model-parallel-size", group=P, default=1, minimum=1,
+        help="ranks the experts of an MoE layer are spread over (carved from tp x cp x dp, as Megatron's)")
+    expert_tensor_parallel_size: int | None = flag(
+        "--expert-tensor-parallel-size", group=P, default=None, minimum=1,
+        help="tensor-parallel size inside each expert (default --tensor-model-parallel-size)")
     rank_order: str = flag(default="tp-dp-pp", domain=("tp-dp-pp", "bpipe"))  # bpipe: pairs (s, p-1-s) side by side
     gpus_per_node: int | None = flag("--gpus-per-node", group=P, default=None, minimum=1,
                                      help="node size for rank placement (default: the local world size)")
@@ -40,6 +46,8 @@ class ParallelConfig:
         check_ranges(self)
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             self.sequence_parallel = False  # Megatron disables it for tp=1 as well
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
         tp, cp, pp = self.tensor_model_parallel_size, self.context_parallel_size, self.pipeline_model_parallel_size
