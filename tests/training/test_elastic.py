@@ -3,72 +3,24 @@ auto; one agent is killed with its ranks (a node lost); the other's ranks fail f
 world that is left, they re-plan for 2 ranks, resume from the last torch_dist checkpoint and finish with exit 0,
 their losses those of an uninterrupted run."""
 
-import os
 import re
-import signal
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
+from benchmarks.elastic_restart import agent_command, free_port, kill_node, start_agent
 from tests.dist_harness import run_distributed
 from tests.training.test_pretrain import LOG_RE, iteration_lines
 from tests.training.test_replan import CPU_CLUSTER, GPT, _train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEADLINE_S = 150  # the whole scenario on a loaded 2-core machine (it takes about 30 s)
-# the agents' rendezvous: a dead agent is dropped after 2 missed 1 s heartbeats, a round closes 2 s after the first
-# node that is enough (--nnodes 1:2) has joined
-RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=90"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def elastic_agent(log_path: str, port: int, is_host: bool, argv: list[str]) -> subprocess.Popen:
-    """One torchrun agent ('a node') of 2 ranks, in a session of its own."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-           "--rdzv-conf", f"is_host={int(is_host)},{RDZV_CONF}", "--max-restarts", "2", "--monitor-interval", "0.2",
-           os.path.join(ROOT, "pretrain_gpt.py"), *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    """One torchrun agent ('a node') of 2 ranks, its output into `log_path`."""
     with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (torchrun starts its ranks in sessions of their own, so a process group
-    does not hold them)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_node(proc: subprocess.Popen) -> None:
-    """SIGKILL an agent and every process below it, as a node that dies takes them all."""
-    for pid in descendants(proc.pid) + [proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
+        return start_agent(agent_command(port, is_host, 2, argv), log)
 
 
 def _wait_for(condition, what: str, deadline: float, procs) -> None:
@@ -110,7 +62,7 @@ def test_a_lost_node_restarts_the_other_on_2_ranks_with_a_new_plan(tmp_path):
     iters, kill_after = 40, 8
     argv = elastic_argv(tmp_path, iters, save_interval=5)
     logs = [str(tmp_path / "agent_host.log"), str(tmp_path / "agent_lost.log")]
-    port = _free_port()
+    port = free_port()
     deadline = time.monotonic() + DEADLINE_S
     host = lost = None
     try:
