@@ -3,7 +3,8 @@ ranks re-plans and continues from its torch_dist checkpoint. The global batch, t
 come from the flags and do not change with the layout: only the speed does.
 
 Every rank checks the search's inputs (profile, cluster, space) before the process group exists, so bad input is
-one line and exit code 2 as for any flag. Then rank 0 searches and broadcasts the plan as JSON bytes (no pickle);
+one line and exit code 2 as for any flag. Then rank 0 searches and broadcasts the plan as JSON bytes (no pickle;
+over a gloo group of its own, whose timeout leaves the search time where --distributed-timeout-minutes may not);
 a search that fails (no layout fits this world) is broadcast as its one line instead, and every rank stops with
 code 2. Rank 0 prints the plan in one block, beside the plan the checkpoint ran (`--load`/latest_plan.json) where
 there is one, and writes it to `--save`/latest_plan.json.
@@ -11,6 +12,7 @@ there is one, and writes it to `--save`/latest_plan.json.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -40,34 +42,36 @@ from .plan_summary import plan_block
 
 PLAN_FILE = "latest_plan.json"  # beside the checkpoint: the plan the run that saved it ran
 MAX_DOUBLINGS = 10  # a world that fits nothing: how far up (x 2**k) to look for one that does
+SEARCH_WAIT_MIN = 30.0  # how long the other ranks wait for rank 0's search
 _ERROR, _FAILED = "error:", "failed:"
 
 
-@dataclass
+@dataclass(frozen=True)
 class SearchInputs:
     """What the search runs on, read and checked on every rank before the process group exists."""
 
     request: PlanRequest
     planner: PlannerConfig
     profiles: Profiles
-    cluster: Cluster
+    cluster: Cluster  # sized for the request's world
     engine: EngineConfig
     space: SearchSpace
     memory: MemorySettings
     costs: CostSettings
 
-    def cluster_for(self, world: int) -> Cluster:
-        """The cluster holding `world` ranks: the local one sized to them, a described one resized if it is one
-        group of nodes."""
-        if self.planner.cluster == "local":
-            return cluster_from(PlannerConfig(cluster="local", world_size=world), self.profiles)
-        cluster = load_cluster(self.planner.cluster)
-        if cluster.num_gpus >= world:
-            return cluster
-        if len(cluster.groups) == 1:
-            return cluster.with_nodes(math.ceil(world / cluster.groups[0].gpus_per_node))
-        raise UsageError(f"--plan-cluster {self.planner.cluster}: {cluster.num_gpus} GPUs in node groups of "
-                         f"several kinds, the run has {world} ranks (describe the cluster it runs on)")
+
+def cluster_for(planner: PlannerConfig, profiles: Profiles, world: int) -> Cluster:
+    """The cluster holding `world` ranks: the local one sized to them, a described one resized if it is one group of
+    nodes."""
+    if planner.cluster == "local":
+        return cluster_from(PlannerConfig(cluster="local", world_size=world), profiles)
+    cluster = load_cluster(planner.cluster)
+    if cluster.num_gpus >= world:
+        return cluster
+    if len(cluster.groups) == 1:
+        return cluster.with_nodes(math.ceil(world / cluster.groups[0].gpus_per_node))
+    raise UsageError(f"--plan-cluster {planner.cluster}: {cluster.num_gpus} GPUs in node groups of several kinds, the "
+                     f"run has {world} ranks (describe the cluster it runs on)")
 
 
 def search_inputs(request: PlanRequest) -> SearchInputs:
@@ -83,11 +87,10 @@ def search_inputs(request: PlanRequest) -> SearchInputs:
         profiles = load_profiles(planner.profile)
         engine = engine_of(planner, request.gradient_accumulation_fusion)
         space = SearchSpace.parse(auto.plan_space).for_engine(engine.name)
-        inputs = SearchInputs(request, planner, profiles, None, engine, space, None, None)
-        inputs.cluster = inputs.cluster_for(request.world_size)
-        inputs.memory = memory_settings(planner, profiles, inputs.cluster, engine)
-        inputs.costs = cost_settings(planner, profiles, model_of=lambda: request.model, engine=engine)
-        return inputs
+        cluster = cluster_for(planner, profiles, request.world_size)
+        return SearchInputs(request, planner, profiles, cluster, engine, space,
+                            memory_settings(planner, profiles, cluster, engine),
+                            cost_settings(planner, profiles, model_of=lambda: request.model, engine=engine))
     except UsageError as exc:
         raise UsageError(_our_flags(str(exc))) from None
 
@@ -101,7 +104,7 @@ def search_plan(inputs: SearchInputs, world: int) -> Plan | None:
     """The search's best plan for `world` ranks; None where no layout of the space fits."""
     r = inputs.request
     result = search(r.model, r.orig_vocab_size, r.make_vocab_size_divisible_by, r.global_batch_size,
-                    inputs.cluster_for(world), inputs.profiles, inputs.space, inputs.costs, inputs.memory,
+                    cluster_for(inputs.planner, inputs.profiles, world), inputs.profiles, inputs.space, inputs.costs, inputs.memory,
                     SearchSettings(world_size=world, top_k=1))
     if result.best is None:
         return None
@@ -146,6 +149,9 @@ def agreed_plan(request: PlanRequest) -> Plan:
     init_distributed(request.distributed_backend, request.distributed_timeout_minutes)
     rank = dist.get_rank()
     started = time.monotonic()
+    # the others wait for rank 0's search (a minute at a thousand GPUs) longer than a collective may take
+    wait = datetime.timedelta(minutes=max(request.distributed_timeout_minutes, SEARCH_WAIT_MIN))
+    group = dist.new_group(backend="gloo", timeout=wait)
     text, failure = "", None
     if rank == 0:
         try:
@@ -154,7 +160,10 @@ def agreed_plan(request: PlanRequest) -> Plan:
             text = f"{_ERROR}{exc}"
         except Exception as exc:  # noqa: BLE001 - a bug: the others stop, rank 0 raises it with its traceback
             text, failure = f"{_FAILED}{type(exc).__name__}", exc
-    text = broadcast_text(text)
+    try:
+        text = broadcast_text(text, group)
+    finally:
+        dist.destroy_process_group(group)
     if failure is not None:
         raise failure
     if text.startswith((_ERROR, _FAILED)):
@@ -193,17 +202,16 @@ def previous_plan(path: str | None) -> tuple[Plan | None, str | None]:
         return None, f"WARNING: the earlier plan is unreadable, not compared ({exc})"
 
 
-def broadcast_text(text: str, src: int = 0) -> str:
-    """`text` of rank `src` on every rank: its length, then its UTF-8 bytes as a uint8 tensor (no pickle)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    data = text.encode() if dist.get_rank() == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src)
-    if dist.get_rank() == src:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else \
-            torch.empty(0, dtype=torch.uint8, device=device)
-    else:
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    if buf.numel():
-        dist.broadcast(buf, src)
-    return bytes(buf.cpu().numpy().tobytes()).decode()
+def broadcast_text(text: str, group=None, src: int = 0) -> str:
+    """`text` of rank `src` on every rank of the gloo `group`: its length, then its UTF-8 bytes as a uint8 tensor
+    (no pickle)."""
+    mine = dist.get_rank() == src
+    data = text.encode() if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src, group=group)
+    n = int(size.item())
+    if n == 0:
+        return ""
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, src, group=group)
+    return buf.numpy().tobytes().decode()
