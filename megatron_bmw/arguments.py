@@ -10,7 +10,7 @@ from typing import Any, Callable
 from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                      PipelineConfig, RunConfig, TrainConfig, padded_vocab_size)
 from .config.inputs import FlagInputs
-from .config.planner import AUTO, AutoPlanConfig, PlanRequest
+from .config.planner import AUTO, AUTO_GROUP, AutoPlanConfig, PlanRequest
 from .config.schema import add_flags, check_flag_values, from_flags
 from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
@@ -71,6 +71,7 @@ def build_parser(prog: str = "pretrain_gpt.py", model_type: str = "gpt") -> argp
     what = "BERT" if model_type == "bert" else "GPT"
     p = OneLineParser(prog=prog, description=f"Megatron-style {what} pretraining (megatron_bmw)", allow_abbrev=False)
     add_megatron_args(p)
+    add_flags(p, {}, FLAG_CLASSES, lambda group: group == AUTO_GROUP)  # the entry points' own: not autoconfig's
     if model_type == "bert":
         add_bert_args(p)
     return p

@@ -79,7 +79,7 @@ class PlannerConfig:
 
 
 AUTO = "auto"  # --plan auto: search at start-up for the world the run finds
-P = "parallelism"
+AUTO_GROUP = "--plan auto (pretrain_gpt.py and pretrain_bert.py only)"
 
 
 @dataclass
@@ -88,15 +88,15 @@ class AutoPlanConfig:
     model and --global-batch-size are the rest of what it searches for)."""
 
     plan_profile: str | None = flag(
-        "--plan-profile", group=P, default=None,
+        "--plan-profile", group=AUTO_GROUP, default=None,
         help="with --plan auto: a profile of these devices (tools/autoconfig.py profile); without it the unit "
              "times are analytic (FLOPs / peak) on --plan-cluster")
     plan_cluster: str | None = flag(
-        "--plan-cluster", group=P, default=None,
+        "--plan-cluster", group=AUTO_GROUP, default=None,
         help="with --plan auto: the cluster the ranks belong to, built-in name or YAML (default: local, this "
              "machine as --plan-profile measured it); resized to the ranks the run finds")
     plan_space: list[str] = flag(
-        "--plan-space", group=P, default_factory=list, action="append",
+        "--plan-space", group=AUTO_GROUP, default_factory=list, action="append",
         help="with --plan auto: restrict the search as autoconfig.py search --space does (tp=1,2 pp=2 mbs=1,2 "
              "schedule=1f1b ...), repeatable")
 

@@ -186,7 +186,7 @@ def _report(inputs: SearchInputs, plan: Plan, seconds: float) -> None:
         written = os.path.join(r.save, PLAN_FILE)
         plan.save(written)
     times = "analytic unit times" if not inputs.profiles else f"profile {r.auto.plan_profile}"
-    head = (f"> --plan auto: searched {r.world_size} ranks of cluster {inputs.cluster.name} ({times}) in "
+    head = (f"> --plan auto: searched {_ranks(r.world_size)} of cluster {inputs.cluster.name} ({times}) in "
             f"{seconds:.2f} s" + (f"; written to {written}" if written else ""))
     print("\n".join([head, *([f"> {note}"] if note else []), *plan_block(plan, old, old_path)]), flush=True)
 

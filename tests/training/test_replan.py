@@ -6,6 +6,8 @@ import io
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -164,3 +166,17 @@ def test_an_unreadable_earlier_plan_is_a_warning_not_an_error(tmp_path):
     path.write_text("{")
     plan, note = replan.previous_plan(str(path))
     assert plan is None and note.startswith("WARNING: the earlier plan is unreadable, not compared (")
+
+
+@pytest.mark.slow
+def test_pretrain_gpt_says_how_many_gpus_in_one_line_and_exits_2(tmp_path):
+    small = tmp_path / "small.yaml"
+    small.write_text(CPU_CLUSTER.replace("memory_gb: 4", "memory_gb: 2").replace("fp32: 0.02", "fp32: 10"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), "--mock-data", "--vocab-size", "1000",
+                          "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length",
+                          "64", "--global-batch-size", "16", "--plan", "auto", "--plan-cluster", str(small)],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == ["error: --plan auto: the model does not fit on 1 rank of cluster cpu-ranks; it "
+                                       "needs 2 GPUs (tp 1 x pp 2 x dp 1 fits on 2; nothing fits on 1)"]
