@@ -16,7 +16,8 @@ from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
 from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
-from .plan_overlay import check_flags_against_plan, configs_from_plan, given_flags, plan_flags, plan_request  # noqa: F401
+from .plan_overlay import check_flags_against_plan, configs_from_plan, given_flags, plan_flags  # noqa: F401
+from .plan_overlay import plan_request
 from .planner.plan import Plan
 from .run_parts import (check_layout, check_split_backward, check_strategies_fit, data_config_from_args,  # noqa: F401
                         training_configs, training_length)

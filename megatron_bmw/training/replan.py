@@ -103,8 +103,9 @@ def _our_flags(text: str) -> str:
 def search_plan(inputs: SearchInputs, world: int) -> Plan | None:
     """The search's best plan for `world` ranks; None where no layout of the space fits."""
     r = inputs.request
-    result = search(r.model, r.orig_vocab_size, r.make_vocab_size_divisible_by, r.global_batch_size,
-                    cluster_for(inputs.planner, inputs.profiles, world), inputs.profiles, inputs.space, inputs.costs, inputs.memory,
+    cluster = cluster_for(inputs.planner, inputs.profiles, world)
+    result = search(r.model, r.orig_vocab_size, r.make_vocab_size_divisible_by, r.global_batch_size, cluster,
+                    inputs.profiles, inputs.space, inputs.costs, inputs.memory,
                     SearchSettings(world_size=world, top_k=1))
     if result.best is None:
         return None
