@@ -10,12 +10,14 @@ from typing import Any, Callable
 from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig,
                      PipelineConfig, RunConfig, TrainConfig, padded_vocab_size)
 from .config.inputs import FlagInputs
+from .config.planner import AUTO, AUTO_GROUP, AutoPlanConfig, PlanRequest
 from .config.schema import add_flags, check_flag_values, from_flags
 from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
 from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
 from .plan_overlay import check_flags_against_plan, configs_from_plan, given_flags, plan_flags  # noqa: F401
+from .plan_overlay import plan_request
 from .planner.plan import Plan
 from .run_parts import (check_layout, check_split_backward, check_strategies_fit, data_config_from_args,  # noqa: F401
                         training_configs, training_length)
@@ -61,7 +63,7 @@ CKPT_FORMATS_HERE = ("torch", "torch_dist")  # written and read here
 
 # Every class whose fields declare Megatron flags (config/schema.py): the parser is generated from them
 FLAG_CLASSES = (ModelConfig, MoEConfig, RunConfig, ParallelConfig, PipelineConfig, BatchSchedule, TrainConfig,
-                OptimizerConfig, LRConfig, DataConfig, FlagInputs)
+                OptimizerConfig, LRConfig, DataConfig, FlagInputs, AutoPlanConfig)
 GROUPS = ("model", "mixture of experts", "parallelism", "training", "optimizer and learning rate", "data", "checkpointing",
           "logging and evaluation")
 
@@ -70,6 +72,7 @@ def build_parser(prog: str = "pretrain_gpt.py", model_type: str = "gpt") -> argp
     what = "BERT" if model_type == "bert" else "GPT"
     p = OneLineParser(prog=prog, description=f"Megatron-style {what} pretraining (megatron_bmw)", allow_abbrev=False)
     add_megatron_args(p)
+    add_flags(p, {}, FLAG_CLASSES, lambda group: group == AUTO_GROUP)  # the entry points' own: not autoconfig's
     if model_type == "bert":
         add_bert_args(p)
     return p
@@ -448,18 +451,37 @@ class ParsedRun:
 
 def run_config_from_argv(argv: list[str], world_size: int, model_type: str = "gpt",
                          tokenizer_from: Callable[[DataConfig], Any] | None = None,
-                         vocab_size: int | None = None) -> ParsedRun:
+                         vocab_size: int | None = None,
+                         plan_search: Callable[[PlanRequest], Plan] | None = None) -> ParsedRun:
     """The one way from a command line to a run: parse the flags (pretrain_gpt.py's, or pretrain_bert.py's), lay
     --plan over them, build the tokenizer with `tokenizer_from` where the data names one, and build the configs
-    (`vocab_size`: a tokenizer's the caller holds)."""
+    (`vocab_size`: a tokenizer's the caller holds). --plan auto: `plan_search` turns what the flags ask for into the
+    plan the run takes (training/replan.py: searched for this world on rank 0, agreed by every rank)."""
     parser = build_parser(f"pretrain_{model_type}.py", model_type)
     args = parse_args(argv, parser)
-    plan = apply_plan(args, argv, parser) if args.plan else None
+    auto = args.plan == AUTO
+    plan = apply_plan(args, argv, parser) if args.plan and not auto else None
     tokenizer = tokenizer_from(data_config_from_args(args)) if tokenizer_from and args.tokenizer_type else None
     if tokenizer is not None:
         vocab_size = tokenizer.vocab_size
+    if auto:
+        plan = auto_plan(args, argv, parser, world_size, vocab_size, plan_search)
     run = configs_from_args(args, world_size, vocab_size=vocab_size, plan=plan)
     return ParsedRun(run, plan, args.plan, tokenizer, args.ignored_kernel_flags, args.ignored_logging_flags)
+
+
+def auto_plan(args: argparse.Namespace, argv: list[str], parser: argparse.ArgumentParser, world_size: int,
+              vocab_size: int | None, plan_search: Callable[[PlanRequest], Plan] | None) -> Plan:
+    """--plan auto: the flags checked, the search's request built from them, the plan `plan_search` returns checked
+    against the flags as a plan file is."""
+    if plan_search is None:
+        raise UsageError("--plan auto searches at start-up: run it through pretrain_gpt.py or pretrain_bert.py")
+    check_flags(args)
+    given = given_flags(argv, parser)
+    model, orig_vocab = model_config_from_args(args, 1, vocab_size)
+    plan = plan_search(plan_request(args, given, world_size, model, orig_vocab))
+    check_flags_against_plan(args, given, plan)
+    return plan
 
 
 def apply_plan(args: argparse.Namespace, argv: list[str], parser: argparse.ArgumentParser | None = None):

@@ -1,12 +1,16 @@
 """--plan laid over the flags: the plan decides the model, the degrees and the pipeline; a flag given beside it
-that disagrees is an error, and the flags give only what a plan does not decide (training, optimizer, LR, data)."""
+that disagrees is an error, and the flags give only what a plan does not decide (training, optimizer, LR, data).
+--plan auto: the flags say what to search for (plan_request); the layout is the search's, so a layout flag beside
+it is refused."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import replace
 
-from .config import ZERO_BUBBLE, BatchSchedule, RunConfig, padded_vocab_size
+from .config import ZERO_BUBBLE, BatchSchedule, ModelConfig, RunConfig, padded_vocab_size
+from .config.planner import AutoPlanConfig, PlanRequest
+from .config.schema import from_flags
 from .errors import UsageError
 from .pipeline.slicing import check_slicing
 from .run_parts import check_layout, check_split_backward, check_strategies_fit, training_configs, training_length
@@ -118,3 +122,40 @@ def check_flags_against_plan(args: argparse.Namespace, given: dict[str, str], pl
             shown = "" if isinstance(value, bool) else f" {mine}"
             raise UsageError(f"{given[dest]}{shown} disagrees with --plan {args.plan} "
                              f"({'on' if value is True else 'off' if value is False else value})")
+
+
+# ---- --plan auto: the search decides the layout; the flags say the model, the batch and how to describe the ranks --
+_LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel", "micro_batch_size",
+                 "pipeline_schedule", "virtual_pipeline_model_parallel_size", "pipeline_partition", "recompute_units",
+                 "bpipe", "microbatch_slicing", "use_distributed_optimizer", "overlap_grad_reduce",
+                 "overlap_param_gather", "unit_strategies", "rampup_batch_size", "step_batch_size_schedule",
+                 *_RECOMPUTE_FLAGS)
+_SPACE_HINT = {"tensor_model_parallel_size": "tp=N", "pipeline_model_parallel_size": "pp=N",
+               "sequence_parallel": "sp=on", "micro_batch_size": "mbs=N", "pipeline_schedule": "schedule=NAME",
+               "virtual_pipeline_model_parallel_size": "virtual=N", "bpipe": "bpipe=on",
+               "microbatch_slicing": "slicing=on", "use_distributed_optimizer": "zero1=on"}
+
+
+def plan_request(args, given: dict[str, str], world_size: int, model: ModelConfig, orig_vocab: int) -> PlanRequest:
+    """What --plan auto searches for: the flags' serial `model` (vocabulary `orig_vocab`), --global-batch-size, the
+    `world_size` the run finds and --plan-profile/--plan-cluster/--plan-space. A layout flag in `given` (dest ->
+    option string) is refused: the search chooses the layout, --plan-space restricts it."""
+    for dest in _LAYOUT_FLAGS:
+        if dest in given:
+            hint = f" (restrict it with --plan-space {_SPACE_HINT[dest]})" if dest in _SPACE_HINT else ""
+            raise UsageError(f"{given[dest]}: --plan auto chooses the layout for the ranks it finds; drop the flag"
+                             + hint)
+    auto = from_flags(AutoPlanConfig, args)
+    if args.global_batch_size is None:
+        raise UsageError("--plan auto needs --global-batch-size (kept whatever the world size: gradient accumulation "
+                         "makes up the difference)")
+    if auto.plan_profile is None and auto.plan_cluster in (None, "local"):
+        raise UsageError("--plan auto needs --plan-profile FILE (tools/autoconfig.py profile on these devices) or "
+                         "--plan-cluster NAME|YAML (analytic unit times on a described cluster, e.g. h100-80g-ib)")
+    return PlanRequest(model=model, orig_vocab_size=orig_vocab,
+                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                       global_batch_size=args.global_batch_size, world_size=world_size, auto=auto,
+                       gradient_accumulation_fusion=args.gradient_accumulation_fusion, save=args.save, load=args.load,
+                       ckpt_format=args.ckpt_format,
+                       distributed_backend=args.distributed_backend,
+                       distributed_timeout_minutes=args.distributed_timeout_minutes)

@@ -52,7 +52,8 @@ class FlagInputs:
         help="not built: refused (context parallelism is one level, --cp-comm-type p2p or a2a)")
     plan: str | None = flag("--plan", group=P, default=None,
                             help="run the plan file written by tools/autoconfig.py search (other flags must agree "
-                                 "with it)")
+                                 "with it); auto: search at start-up for the ranks the run finds (--plan-profile, "
+                                 "--plan-cluster, --plan-space), written beside the checkpoint as latest_plan.json")
     exit_signal_handler: bool = flag("--exit-signal-handler", group=T, default=False, action="store_true",
                                      help="accepted; SIGTERM always saves and exits")
     optimizer: str = flag("--optimizer", group=O, default="adam", choices=("adam",))

@@ -1,11 +1,13 @@
 """The planner's settings beside a run's model flags (tools/autoconfig.py estimate, simulate, search): the cluster,
 the profiles, the memory allowance, the engine whose memory is counted, and the cost model's knobs. Each field
-declares its flag (schema.flag); the planner's functions take this object, never the parsed flags."""
+declares its flag (schema.flag); the planner's functions take this object, never the parsed flags. AutoPlanConfig
+and PlanRequest: pretrain_gpt.py --plan auto, the same search at start-up for the ranks the run finds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .model import ModelConfig
 from .schema import flag, positive_int
 
 ENGINES = ("megatron_bmw", "megatron-core", "deepspeed")
@@ -74,3 +76,49 @@ class PlannerConfig:
 
     def __post_init__(self) -> None:
         self.profile = list(self.profile)
+
+
+AUTO = "auto"  # --plan auto: search at start-up for the world the run finds
+AUTO_GROUP = "--plan auto (pretrain_gpt.py and pretrain_bert.py only)"
+
+
+@dataclass
+class AutoPlanConfig:
+    """--plan auto: what the search at start-up describes the ranks with (pretrain_gpt.py's flags; the run's own
+    model and --global-batch-size are the rest of what it searches for)."""
+
+    plan_profile: str | None = flag(
+        "--plan-profile", group=AUTO_GROUP, default=None,
+        help="with --plan auto: a profile of these devices (tools/autoconfig.py profile); without it the unit "
+             "times are analytic (FLOPs / peak) on --plan-cluster")
+    plan_cluster: str | None = flag(
+        "--plan-cluster", group=AUTO_GROUP, default=None,
+        help="with --plan auto: the cluster the ranks belong to, built-in name or YAML (default: local, this "
+             "machine as --plan-profile measured it); resized to the ranks the run finds")
+    plan_space: list[str] = flag(
+        "--plan-space", group=AUTO_GROUP, default_factory=list, action="append",
+        help="with --plan auto: restrict the search as autoconfig.py search --space does (tp=1,2 pp=2 mbs=1,2 "
+             "schedule=1f1b ...), repeatable")
+
+    def __post_init__(self) -> None:
+        self.plan_space = list(self.plan_space)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What --plan auto searches for, built from the flags at start-up (plan_overlay.plan_request): the serial model
+    (vocabulary padded for tp 1), its vocabulary, the global batch, the world the run finds, how to describe its
+    ranks, and where the run's plans live (--load: the plan the checkpoint ran; --save: this run's)."""
+
+    model: ModelConfig
+    orig_vocab_size: int
+    make_vocab_size_divisible_by: int
+    global_batch_size: int
+    world_size: int
+    auto: AutoPlanConfig
+    gradient_accumulation_fusion: bool = True
+    save: str | None = None
+    load: str | None = None
+    ckpt_format: str = "torch"
+    distributed_backend: str | None = None
+    distributed_timeout_minutes: float = 10.0

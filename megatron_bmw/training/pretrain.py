@@ -22,6 +22,7 @@ from ..pipeline.slicing import num_sliced
 from . import memory_history
 from .logging import format_validation_log
 from .plan_check import plan_check_lines
+from .replan import agreed_plan
 from .loop import Trainer, count_parameters, print_first, print_last
 
 
@@ -40,7 +41,7 @@ def pretrain(argv: list[str], model_type: str = "gpt") -> Trainer:
     """Everything main does inside the process group (which it leaves to the caller); model_type "bert" takes
     pretrain_bert.py's flags."""
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    parsed = run_config_from_argv(argv, world, model_type, tokenizer_from=build_tokenizer)
+    parsed = run_config_from_argv(argv, world, model_type, tokenizer_from=build_tokenizer, plan_search=agreed_plan)
     run, plan, tokenizer = parsed.run, parsed.plan, parsed.tokenizer
     check_output_dir("--save", run.train.save)
     check_output_dir("--ckpt-convert-save", run.train.ckpt_convert_save)
