@@ -34,6 +34,9 @@ class ParallelView:
     edp_group: object = None  # ranks holding the same expert shards: expert gradients are summed over it
     etp_ep_group: object = None  # etp x ep (allgather dispatcher)
     ep_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's ep group, by ep rank
+    # the gradient of an MoE auxiliary loss (models/moe.py): the engine sets it before each backward to that
+    # micro-batch's scale (loss scale / micro-batches), as Megatron's MoEAuxLossAutoScaler.set_loss_scale
+    aux_loss_scale: float = 1.0
     sequence_parallel: bool = False
     rng: RNGTracker = field(default_factory=RNGTracker)
     # NCCL only: one group per direction of each neighbouring pipeline pair, keyed (src, dst) global ranks, so a
