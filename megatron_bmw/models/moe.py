@@ -187,15 +187,15 @@ class MoE(Unit):
 
 
 def drain_aux_losses(chunks) -> dict[str, torch.Tensor]:
-    """The auxiliary losses this rank's MoE units reported since the last drain, by name: [sum, count] over
-    (layer, forward) pairs (sum them over the pipeline ranks, divide, and average over dp for the log, as
-    Megatron averages over MoE layers and micro-batches); forgets them."""
-    out: dict[str, list] = {}
+    """The auxiliary losses this rank's MoE units reported since the last call, by name: the sum over their
+    layers and forwards (each value whole over its sequence group, without coefficient); forgets them. The log
+    (training/moe_logging.py) divides by micro-batches, sums over pipeline ranks, averages over dp x cp and
+    divides by the MoE layers, as Megatron."""
+    out: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         for unit in chunk.modules():
             if isinstance(unit, MoE):
                 for name, value in unit.reported:
-                    out.setdefault(name, []).append(value.float())
+                    out[name] = out[name] + value.float() if name in out else value.float()
                 unit.reported = []
-    return {name: torch.stack([torch.stack(v).sum(), torch.tensor(float(len(v)), device=v[0].device)])
-            for name, v in out.items()}
+    return out

@@ -171,7 +171,7 @@ def test_full_recomputation_equals_and_reports_once():
     assert recomputed.keys() == plain.keys()
     for name, value in plain.items():
         torch.testing.assert_close(recomputed[name], value)
-    assert set(plain) == {"load_balancing_loss", "z_loss"} and plain["z_loss"][1] == 2  # two MoE layers
+    assert set(plain) == {"load_balancing_loss", "z_loss"} and plain["z_loss"].dim() == 0
 
 
 def test_aux_loss_gradient_follows_the_scale():
