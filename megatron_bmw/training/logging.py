@@ -86,10 +86,13 @@ class IntervalStats:
     def reset(self) -> None:
         self.loss_sum, self.advanced, self.iterations, self.skipped, self.nan = 0.0, 0, 0, 0, 0
         self.part_sums: dict[str, float] = {}
+        self.aux_sums: dict[str, float] = {}
         self.start = time.time()
 
-    def add(self, loss: float, successful: bool, parts: Mapping[str, float] | None = None) -> None:
-        """`parts`: the loss's named terms when it has several (BERT: lm loss, sop loss)."""
+    def add(self, loss: float, successful: bool, parts: Mapping[str, float] | None = None,
+            aux: Mapping[str, float] | None = None) -> None:
+        """`parts`: the loss's named terms when it has several (BERT: lm loss, sop loss); `aux`: losses beside it
+        (MoE's load_balancing_loss, z_loss: training/moe_logging.py)."""
         self.iterations += 1
         if not math.isfinite(loss):
             self.nan += 1
@@ -100,13 +103,14 @@ class IntervalStats:
             self.advanced += 1
             for key, value in (parts or {}).items():
                 self.part_sums[key] = self.part_sums.get(key, 0.0) + value
+            for key, value in (aux or {}).items():
+                self.aux_sums[key] = self.aux_sums.get(key, 0.0) + value
 
     def losses(self) -> dict[str, float | None]:
         """The interval's mean losses by name, as the log line shows them: `lm loss` (the whole loss), or each
-        named term; None values when every iteration was skipped or NaN."""
-        if not self.part_sums:
-            return {"lm loss": self.loss}
-        return {key: total / self.advanced for key, total in self.part_sums.items()}
+        named term, then the auxiliary losses; None values when every iteration was skipped or NaN."""
+        mean = lambda sums: {key: total / self.advanced for key, total in sums.items()}  # noqa: E731
+        return {**(mean(self.part_sums) if self.part_sums else {"lm loss": self.loss}), **mean(self.aux_sums)}
 
     @property
     def loss(self) -> float | None:
