@@ -94,7 +94,11 @@ def layout_of(state: ParallelState) -> dict:
     """What the RNG streams' meaning depends on: every rank keeps its coordinates when these agree."""
     out = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "order": state.layout.order,
            "world": world()[1], "unit_strategies": state.units.names()}
-    return out if state.cp_size == 1 else {**out, "cp": state.cp_size}  # as before context parallelism where cp is 1
+    if state.cp_size > 1:  # as before context parallelism where cp is 1
+        out["cp"] = state.cp_size
+    if state.ep_size > 1 or state.etp_size != state.tp_size:  # as before experts where they split as dense tensors
+        out.update(ep=state.ep_size, etp=state.etp_size)
+    return out
 
 
 class DistFormat:

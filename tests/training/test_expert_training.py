@@ -6,6 +6,8 @@ format's refusal; the log line's auxiliary losses."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 import pytest
@@ -106,32 +108,7 @@ class Chunk(nn.Module):
 
 def _expert_state(ep: int) -> ParallelState:
     """dp = world, experts over ep: etp x ep x edp of Megatron's order (edp_rank = rank // ep)."""
-    state = ParallelState.build(ParallelConfig())
-    if hasattr(state, "ep_group") and ep == getattr(state, "ep_size", None):
-        return state
-    world, rank = dist.get_world_size(), dist.get_rank()
-    ep_groups = [list(range(k * ep, (k + 1) * ep)) for k in range(world // ep)]
-    edp_groups = [list(range(j, world, ep)) for j in range(ep)]
-    state.ep_group = state.edp_group = None
-    for ranks in ep_groups:
-        g = dist.new_group(ranks)
-        state.ep_group = g if rank in ranks else state.ep_group
-    for ranks in edp_groups:
-        g = dist.new_group(ranks)
-        state.edp_group = g if rank in ranks else state.edp_group
-    state.ep_group = state.ep_group if ep > 1 else None
-    state.edp_group = state.edp_group if world // ep > 1 else None
-    state.ep_rank, state.ep_size, state.edp_rank, state.edp_size = rank % ep, ep, rank // ep, world // ep
-    state.etp_rank, state.etp_size = 0, 1
-    return state
-
-
-def _serial_state() -> ParallelState:
-    state = ParallelState.serial()
-    if not hasattr(state, "edp_group"):
-        state.ep_group = state.edp_group = None
-        state.ep_rank, state.ep_size, state.edp_rank, state.edp_size, state.etp_rank, state.etp_size = 0, 1, 0, 1, 0, 1
-    return state
+    return ParallelState.build(ParallelConfig(expert_model_parallel_size=ep))
 
 
 def _backward(unit: ToyMoE, sync: GradSync, step: int, rank: int, world: int) -> None:
@@ -155,7 +132,7 @@ def _cfg(zero: bool, overlap_gather: bool = False) -> OptimizerConfig:
 
 def _serial(steps: int) -> tuple[list[dict], list[dict], list[float]]:
     """(gradients, parameters after each step, grad norms) of the serial model."""
-    state = _serial_state()
+    state = ParallelState.serial()
     unit = ToyMoE(_full(), state)
     sync = GradSync(list(unit.parameters()), state)
     opt = build_optimizer(_named(unit), _cfg(False), state)
@@ -295,12 +272,12 @@ def test_legacy_format_refuses_expert_parallelism_naming_torch_dist():
         "--ckpt-format torch: experts split by --expert-model-parallel-size 2 are saved and loaded only as "
         "torch_dist; use --ckpt-format torch_dist (it loads into any ep/etp/tp/pp)")
     assert "--expert-tensor-parallel-size 1 (tp 2)" in legacy_format_refusal(1, 1, 2)
-    state = _serial_state()
+    state = ParallelState.serial()
     unit = ToyMoE(_full(), state)
     TorchFormat(state, [Chunk(unit)])  # ep 1: the legacy files hold the experts as dense tensors
-    state.ep_size = 2
+    ep2 = SimpleNamespace(ep_size=2, etp_size=1, tp_size=1)
     with pytest.raises(UsageError, match="^--ckpt-format torch: experts split by --expert-model-parallel-size 2"):
-        TorchFormat(state, [Chunk(unit)])
+        TorchFormat(ep2, [Chunk(unit)])
 
 
 def test_log_line_shows_the_auxiliary_losses_beside_lm_loss():
