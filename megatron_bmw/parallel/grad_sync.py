@@ -27,7 +27,7 @@ from .wgrad_accum import set_sinks
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], device: torch.device, group, divisor: int) -> None:
+    def __init__(self, params: list[nn.Parameter], device: torch.device, group=None, divisor: int = 1) -> None:
         """group: reduced over it (None: no reduction); divisor: then divided by it."""
         self.params = params
         self.group, self.divisor = group, divisor

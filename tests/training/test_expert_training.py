@@ -16,6 +16,7 @@ from torch import nn
 from megatron_bmw.config import OptimizerConfig, ParallelConfig
 from megatron_bmw.parallel.grad_sync import GradSync
 from megatron_bmw.parallel.state import ParallelState
+from megatron_bmw.training.logging import params_norm
 from megatron_bmw.training.optimizer import build_optimizer
 from tests.dist_harness import run_distributed
 
@@ -166,12 +167,14 @@ def _steps_case(rank, world, ep, zero, overlap, steps):
         params.append({n: p.detach().clone() for n, p in _named(unit)})
     buckets = [(b.group is state.edp_group, [id(p) == id(unit.experts.weight) for p in b.params])
                for b in sync.buckets]
-    return grads, params, norms, buckets, (state.ep_rank, state.ep_size)
+    return grads, params, norms, buckets, (state.ep_rank, state.ep_size), params_norm(_named(unit), state)
 
 
 def _check_against_serial(results, steps: int) -> None:
     grads, params, norms = _serial(steps)
-    for r_grads, r_params, r_norms, _, (ep_rank, ep_size) in results:
+    serial_params_norm = sum(t.double().square().sum() for t in params[-1].values()) ** 0.5
+    for r_grads, r_params, r_norms, _, (ep_rank, ep_size), r_params_norm in results:
+        assert r_params_norm == pytest.approx(float(serial_params_norm), rel=1e-6)  # each element once
         shape = type("S", (), {"ep_rank": ep_rank, "ep_size": ep_size})
         for step in range(steps):
             for want, got in ((grads[step], r_grads[step]), (params[step], r_params[step])):
@@ -183,7 +186,8 @@ def _check_against_serial(results, steps: int) -> None:
 @pytest.mark.slow
 def test_expert_gradients_and_steps_equal_the_serial_model():
     """dp4 with experts over ep2 (edp 2) and ep4 (edp 1: nothing to sum, still divided by dp): the synced
-    gradients, the grad norm (clipping active) and the parameters after each step equal the serial model's, with
+    gradients, the grad norm (clipping active), the parameters after each step and the params norm equal the serial
+    model's, with
     and without --overlap-grad-reduce and ZeRO-1 (experts sharded over edp, --overlap-param-gather)."""
     cases = [(2, False, False), (2, True, True), (4, True, False), (1, True, True)]
     for ep, zero, overlap in cases:
