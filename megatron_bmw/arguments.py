@@ -14,6 +14,7 @@ from .config.planner import AUTO, AUTO_GROUP, AutoPlanConfig, PlanRequest
 from .config.schema import add_flags, check_flag_values, from_flags
 from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
+from .parallel.expert_params import legacy_format_refusal
 from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
 from .plan_overlay import check_flags_against_plan, configs_from_plan, given_flags, plan_flags  # noqa: F401
@@ -129,9 +130,6 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 
 def _check_megatron_choices(args) -> None:
     """Megatron flags whose other values select something this implementation does not have."""
-    if args.num_experts or args.expert_model_parallel_size > 1:  # the configs carry MoE; the runtime does not yet
-        raise UsageError("--num-experts: mixtures of experts are not implemented yet" if args.num_experts else
-                         "--expert-model-parallel-size: needs --num-experts (not implemented yet)")
     if args.hierarchical_context_parallel_sizes:
         raise UsageError("--hierarchical-context-parallel-sizes: hierarchical context parallelism (a2a+p2p) is not "
                          "built; use --context-parallel-size with --cp-comm-type p2p or a2a")
@@ -158,6 +156,11 @@ def _check_megatron_choices(args) -> None:
         known = args.ckpt_format in CKPT_FORMATS
         raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; use torch "
                          "(Megatron's legacy format) or torch_dist")
+    if args.num_experts and "torch" in (args.ckpt_format if args.save else None, args.ckpt_convert_format):
+        etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+        why = legacy_format_refusal(args.expert_model_parallel_size, etp, args.tensor_model_parallel_size)
+        if why is not None:
+            raise UsageError(why)
 
 
 def _virtual_stages(args) -> int:
@@ -393,7 +396,7 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     pipeline = pipeline_config_from_args(args, dp, gbs, batches.sizes())
     train_iters = training_length(args, batches)
     model, orig_vocab = model_config_from_args(args, tp, vocab_size)
-    check_layout(model, parallel)
+    check_layout(model, parallel, world_size)
     check_split_backward(pipeline, parallel, model)
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
