@@ -213,7 +213,7 @@ def _script_case(rank, world_size, argv):
 def test_script_trains_through_pretrain_gpt(tmp_path):
     """The shrunk script as pretrain_gpt.py's command line: one line of ignored flags at start-up, four logged
     iterations with finite losses, a checkpoint; then at tp 2 (the script's comment: sequence parallelism with
-    TP_SIZE=2) on two ranks from the same flags, the losses of the single-process run."""
+    TP_SIZE=2) and at CP_SIZE=2 on two ranks from the same flags, the losses of the single-process run."""
     argv = script_argv(tmp_path)
     out = _cli(argv)
     assert out.returncode == 0, out.stderr
@@ -227,3 +227,8 @@ def test_script_trains_through_pretrain_gpt(tmp_path):
     tp2 = [a.replace(str(tmp_path / "ckpt"), str(tmp_path / "ckpt2")) for a in tp2]
     history, consumed = run_distributed(2, _script_case, tp2)[-1]
     assert consumed == 16 and history == pytest.approx(losses, rel=2e-2)  # bf16
+    # CP_SIZE=2, as the script's context-parallel setting, on two ranks: the same losses
+    cp2 = [a if a != "1" or b != "--context-parallel-size" else "2" for b, a in zip([""] + argv, argv)]
+    cp2 = [a.replace(str(tmp_path / "ckpt"), str(tmp_path / "ckpt3")) for a in cp2]
+    history, consumed = run_distributed(2, _script_case, cp2)[-1]
+    assert consumed == 16 and history == pytest.approx(losses, rel=2e-2)
