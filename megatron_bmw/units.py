@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from .errors import UsageError
 
-UNIT_KINDS = ("embedding", "attention", "mlp", "head")
+UNIT_KINDS = ("embedding", "attention", "mlp", "head", "moe")  # "moe": an mlp_i unit holding experts (docs/moe.md)
 RECOMPUTE = (None, "selective", "full")  # per unit; None = keep every activation
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -43,6 +43,22 @@ def unit_kind(name: str) -> str:
     if name in ("embedding", "head"):
         return name
     raise ValueError(f"unknown unit {name!r}")
+
+
+def unit_kind_of(model, name: str) -> str:
+    """The kind of unit `name` in `model` (a ModelConfig): "moe" for an MLP unit whose layer holds experts
+    (`model.moe_layer(i)`, docs/moe.md), else unit_kind(name)."""
+    kind = unit_kind(name)
+    if kind == "mlp" and getattr(model, "moe", None) is not None and model.moe_layer(unit_layer(name)):
+        return "moe"
+    return kind
+
+
+def model_unit_kinds(model) -> tuple[str, ...]:
+    """The unit kinds `model` is made of, in UNIT_KINDS order ("moe" only where some layer holds experts, "mlp" only
+    where some does not)."""
+    kinds = {unit_kind_of(model, n) for n in _unit_names(model.num_layers)}
+    return tuple(k for k in UNIT_KINDS if k in kinds)
 
 
 def unit_layer(name: str) -> int | None:
