@@ -126,7 +126,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 
 def _check_megatron_choices(args) -> None:
     """Megatron flags whose other values select something this implementation does not have."""
-    if args.num_experts or args.expert_model_parallel_size > 1:  # the configs carry MoE; the runtime does not yet
+    planning = getattr(args, "planning_only", False)  # autoconfig.py estimate/simulate/search plan MoE models already
+    if (args.num_experts or args.expert_model_parallel_size > 1) and not planning:  # the runtime does not yet
         raise UsageError("--num-experts: mixtures of experts are not implemented yet" if args.num_experts else
                          "--expert-model-parallel-size: needs --num-experts (not implemented yet)")
     if args.hierarchical_context_parallel_sizes:

@@ -49,7 +49,7 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, allow_abbrev=False)
         add_megatron_args(p)
         add_planner_args(p, timed)
-        p.set_defaults(mock_data=True, vocab_size=50257)
+        p.set_defaults(mock_data=True, vocab_size=50257, planning_only=True)
     p = sub.add_parser("search", help="the fastest plan that fits, and the runner-ups", allow_abbrev=False,
                        epilog="Output: the ranked plans (their columns are named in the table's footer), then one "
                               "line of counts: layouts = solved + pruned by their bound + infeasible, and the same "
@@ -57,7 +57,7 @@ def build_autoconfig_parser() -> argparse.ArgumentParser:
                               " which the progress bar counts.")
     add_megatron_args(p)
     add_planner_args(p, True)
-    p.set_defaults(mock_data=True, vocab_size=50257)
+    p.set_defaults(mock_data=True, vocab_size=50257, planning_only=True)
     g = p.add_argument_group("search")
     g.add_argument("--top-k", type=int, default=5, help="plans in the table")
     g.add_argument("--output", default=None, help="write the best plan (JSON) for pretrain_gpt.py --plan")
@@ -215,7 +215,8 @@ def memory_settings(planner: PlannerConfig, profiles: Profiles, cluster: Cluster
         derived = DerivedAllowance(devices, profiles.measured_cuda_memory(),
                                    None if workspace is None else workspace * 2**30, fragmentation)
     return MemorySettings(device=device, workspace_bytes=(workspace or 0.0) * 2**30, fragmentation=fragmentation or 0.0,
-                          engine=engine or engine_of(planner), derived=derived)
+                          engine=engine or engine_of(planner), derived=derived,
+                          moe_imbalance=planner.moe_load_imbalance)
 
 
 def spec_from_flags(args, planner: PlannerConfig, cluster: Cluster, profiles: Profiles,
@@ -270,7 +271,7 @@ def cost_settings(planner: PlannerConfig, profiles: Profiles | None = None, plan
         raise UsageError(f"--host-op-us: engine {engine.name}'s host is not modelled (our runtime's is, and any "
                          "engine's with --cuda-launch-blocking)")
     return CostSettings(achievable_fraction=planner.achievable_fraction, bandwidth_fraction=planner.bandwidth_fraction,
-                        overlap_factor=overlap, engine=engine, **host)
+                        overlap_factor=overlap, engine=engine, moe_imbalance=planner.moe_load_imbalance, **host)
 
 
 def run_search(args, progress: bool | None = None):

@@ -102,7 +102,7 @@ class CostSettings:
             raise UsageError(f"--cuda-launch-blocking: no operator count for {kind} units")
         f, b = ops[kind]
         if tp > 1:
-            extra = {"attention": (1, 1), "mlp": (1, 1), "embedding": (1, 0), "head": (3, 1)}[kind]
+            extra = {"attention": (1, 1), "mlp": (1, 1), "embedding": (1, 0), "head": (3, 1), "moe": (2, 2)}[kind]
             if sp and kind in ("attention", "mlp"):
                 extra = (2, 3)
             elif sp and kind == "head":
