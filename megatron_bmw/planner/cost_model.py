@@ -349,7 +349,7 @@ class CostModel(CommCosts):
                     return (f, 0.0), (g, 0.0), degree == tp
         if recompute is not None:
             return None
-        if profiles and kind in ("attention", "mlp"):
+        if profiles and kind in ("attention", "mlp", "moe"):
             raise UsageError(f"--profile for device type {device.name} has no {kind} timings")
         fwd, bwd = self._analytic(kind, tp, device)
         return (fwd, 0.0), (bwd, 0.0), False

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..units import RECOMPUTE, UNIT_KINDS
+from ..units import ALL_UNIT_KINDS, RECOMPUTE
 from .moe_model import Experts, default_experts, local_tokens, moe_backward_bytes, moe_saved
 
 DEVICE_KINDS = ("cuda", "cpu")
@@ -88,7 +88,7 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     context-parallel size `cp`: its s/cp tokens; an MoE unit's on the busiest rank of expert layout `experts`,
     moe_model.py: by default ep 1, etp = tp, even routing)."""
     _check_cp(model, cp)
-    if kind not in UNIT_KINDS:
+    if kind not in ALL_UNIT_KINDS:
         raise ValueError(f"unknown unit kind {kind!r}")
     if recompute not in RECOMPUTE:
         raise UsageError(f"recomputation must be none, selective or full, not {recompute!r}")
@@ -364,7 +364,7 @@ def unit_wgrad_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     """What one unit keeps from a split backward's B until its W (parallel/deferred_wgrad.py): per linear layer
     its saved input and its output gradient; the rest of what it saved is freed at B's end. The same whatever
     the recomputation (B rebuilds the inputs and W keeps them) and device."""
-    if kind not in UNIT_KINDS:
+    if kind not in ALL_UNIT_KINDS:
         raise ValueError(f"unknown unit kind {kind!r}")
     if kind == "moe":  # zero-bubble schedules are not planned for MoE models (spec.py refuses them)
         return []
