@@ -41,6 +41,7 @@ core is the context-parallel attention, which saves exactly the q, k, v it is gi
 of the QKV output; without rope or q/k norms all three views of the QKV output), its output o [b, a/t, s/C, d] in e
 and the log-sum-exp b a/t s/C x 4, nothing of size s^2 whatever the attention backend; the context copy fed to
 the projection stays. Its transient buffers (in flight, not saved) are `cp_attention_buffers`'.
+An MoE unit ("moe", units.unit_kind_of) saves what moe_model.py lists, for the busiest rank of an expert layout.
 Selective recomputation keeps the attention unit minus its core (BERT: plus the core's input padding mask, b s
 bool); full recomputation keeps the unit's input.
 Zero-bubble schedules split a backward into B (input gradients) and W (the linear layers' weight gradients,
@@ -422,10 +423,13 @@ def bytes_by_dtype(tensors: list[SavedTensor]) -> dict[int, int]:
 
 
 def layer_activation_bytes(model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                           recompute: str | None = None, device: str = "cuda", cp: int = 1) -> int:
-    """One transformer layer (attention + MLP unit), one micro-batch, one rank."""
-    return sum(unit_activation_bytes(k, model, micro_batch_size, tp, sp, recompute, device, cp)
-               for k in ("attention", "mlp"))
+                           recompute: str | None = None, device: str = "cuda", cp: int = 1,
+                           experts: Experts | None = None) -> int:
+    """One transformer layer (attention + MLP unit; the first layer's: an MoE unit where it holds experts), one
+    micro-batch, one rank."""
+    second = "moe" if model.moe_layer(0) else "mlp"
+    return sum(unit_activation_bytes(k, model, micro_batch_size, tp, sp, recompute, device, cp, experts)
+               for k in ("attention", second))
 
 
 def korthikanti_layer_bytes(model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
