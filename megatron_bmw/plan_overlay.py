@@ -83,6 +83,7 @@ def plan_flags(plan) -> dict[str, object]:
         "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
         "context_parallel_size": s.cp, "cp_comm_type": s.cp_comm_type,
+        "expert_model_parallel_size": s.ep, "expert_tensor_parallel_size": s.etp,
         "micro_batch_size": pl.micro_batch_size, "global_batch_size": plan.global_batch_size,
         "pipeline_schedule": pl.schedule if pl.schedule in ("gpipe", *ZERO_BUBBLE) else "1f1b",
         "virtual_pipeline_model_parallel_size": pl.virtual_stages,

@@ -215,7 +215,8 @@ def memory_settings(planner: PlannerConfig, profiles: Profiles, cluster: Cluster
         derived = DerivedAllowance(devices, profiles.measured_cuda_memory(),
                                    None if workspace is None else workspace * 2**30, fragmentation)
     return MemorySettings(device=device, workspace_bytes=(workspace or 0.0) * 2**30, fragmentation=fragmentation or 0.0,
-                          engine=engine or engine_of(planner), derived=derived)
+                          engine=engine or engine_of(planner), derived=derived,
+                          moe_imbalance=planner.moe_load_imbalance)
 
 
 def spec_from_flags(args, planner: PlannerConfig, cluster: Cluster, profiles: Profiles,
@@ -270,7 +271,7 @@ def cost_settings(planner: PlannerConfig, profiles: Profiles | None = None, plan
         raise UsageError(f"--host-op-us: engine {engine.name}'s host is not modelled (our runtime's is, and any "
                          "engine's with --cuda-launch-blocking)")
     return CostSettings(achievable_fraction=planner.achievable_fraction, bandwidth_fraction=planner.bandwidth_fraction,
-                        overlap_factor=overlap, engine=engine, **host)
+                        overlap_factor=overlap, engine=engine, moe_imbalance=planner.moe_load_imbalance, **host)
 
 
 def run_search(args, progress: bool | None = None):

@@ -13,7 +13,8 @@ from functools import lru_cache
 
 from .errors import UsageError
 
-UNIT_KINDS = ("embedding", "attention", "mlp", "head")
+UNIT_KINDS = ("embedding", "attention", "mlp", "head")  # a dense model's (unit_kind answers these)
+ALL_UNIT_KINDS = UNIT_KINDS + ("moe",)  # "moe": an mlp_i unit holding experts (unit_kind_of; docs/moe.md)
 RECOMPUTE = (None, "selective", "full")  # per unit; None = keep every activation
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -46,10 +47,19 @@ def unit_kind(name: str) -> str:
 
 
 def unit_kind_of(model, name: str) -> str:
-    """The unit's kind in `model` (a ModelConfig): "moe" for an MLP unit whose layer holds experts
-    (`model.moe_layer`), else unit_kind(name)."""
+    """The kind of unit `name` in `model` (a ModelConfig): "moe" for an MLP unit whose layer holds experts
+    (`model.moe_layer(i)`, docs/moe.md), else unit_kind(name)."""
     kind = unit_kind(name)
-    return "moe" if kind == "mlp" and model.moe_layer(unit_layer(name)) else kind
+    if kind == "mlp" and getattr(model, "moe", None) is not None and model.moe_layer(unit_layer(name)):
+        return "moe"
+    return kind
+
+
+def model_unit_kinds(model) -> tuple[str, ...]:
+    """The unit kinds `model` is made of, in ALL_UNIT_KINDS order ("moe" only where some layer holds experts, "mlp"
+    only where some does not)."""
+    kinds = {unit_kind_of(model, n) for n in _unit_names(model.num_layers)}
+    return tuple(k for k in ALL_UNIT_KINDS if k in kinds)
 
 
 def unit_layer(name: str) -> int | None:

@@ -40,6 +40,11 @@ class PlannerConfig:
         "--memory-fragmentation", group=PLANNER, default=None,
         help="fractional allowance on top (default: the profile's memory_allowance, else on cuda the caching "
              "allocator's rounding of the layout's tensors; 0 on cpu)")
+    moe_load_imbalance: float = flag(
+        "--moe-load-imbalance", group=PLANNER, default=1.0, minimum=1.0,
+        help="MoE models: max/mean tokens per expert the memory and time are planned for (default 1.0: the even "
+             "routing the load-balancing loss aims at; the busiest rank holds one expert at this multiple of the "
+             "mean, capped by a capacity factor)")
     engine: str = flag("--engine", group=ENGINE, default=OURS, choices=ENGINES,
                        help="megatron_bmw (this runtime: fp32 main gradients), megatron-core (Megatron-LM) or "
                             "deepspeed (ZeRO stage 0/1, fp16; --use-distributed-optimizer for stage 1)")

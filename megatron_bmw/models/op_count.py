@@ -16,7 +16,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import ModelConfig
-from ..units import UNIT_KINDS, unit_kind
+from dataclasses import replace
+
+from ..units import model_unit_kinds, unit_kind_of
 
 VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "select",
                    "slice", "as_strided", "alias", "detach", "split", "split_with_sizes", "chunk", "unbind",
@@ -44,9 +46,14 @@ def small_model(model: ModelConfig) -> ModelConfig:
         groups = max(1, heads * groups // model.num_attention_heads)
     hidden = 16 * heads
     ffn = hidden * model.ffn_hidden_size // model.hidden_size
+    moe = model.moe
+    if moe is not None:  # one layer, with experts; each expert's FFN shrunk as the dense one
+        shrink = lambda f: None if f is None else max(1, hidden * f // model.hidden_size)  # noqa: E731
+        moe = replace(moe, layer_freq="1", ffn_hidden_size=shrink(moe.ffn_hidden_size),
+                      shared_expert_intermediate_size=shrink(moe.shared_expert_intermediate_size))
     return ModelConfig(**{**model.__dict__, "num_layers": 1, "hidden_size": hidden, "num_attention_heads": heads,
                           "num_query_groups": groups, "ffn_hidden_size": ffn, "seq_length": 32,
-                          "max_position_embeddings": 32, "vocab_size": 256, "params_dtype": "fp32"})
+                          "max_position_embeddings": 32, "vocab_size": 256, "params_dtype": "fp32", "moe": moe})
 
 
 def unit_op_counts(model: ModelConfig, micro_batch_size: int = 1) -> dict[str, tuple[int, int]]:
@@ -60,8 +67,8 @@ def unit_op_counts(model: ModelConfig, micro_batch_size: int = 1) -> dict[str, t
         units = build_units(small, state, 1234)
         batch = synthetic_batch(small, micro_batch_size, state.device)
         out = {}
-        for kind in UNIT_KINDS:
-            unit = next(u for name, u in units.items() if unit_kind(name) == kind)
+        for kind in model_unit_kinds(small):
+            unit = next(u for name, u in units.items() if unit_kind_of(small, name) == kind)
             hidden = None
             if kind != "embedding":
                 hidden = torch.randn(small.seq_length, micro_batch_size, small.hidden_size, requires_grad=True)

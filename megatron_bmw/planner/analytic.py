@@ -10,7 +10,7 @@ from ..errors import UsageError
 from .cluster import DeviceType
 from .flops import unit_forward_flops
 from .kernel_time import device_kernels, unit_kernel_times
-from .memory_model import UNIT_KINDS
+from ..units import model_unit_kinds
 from .profile_data import Profile, UnitTiming, model_signature
 from .unit_activations import unit_activation_bytes
 
@@ -53,7 +53,7 @@ def analytic_profile(model: ModelConfig, device: DeviceType, settings: ProfileSe
     kernels = device_kernels(device, dtype, achievable_fraction)
     units = []
     for b in settings.micro_batch_sizes:
-        for kind in UNIT_KINDS:
+        for kind in model_unit_kinds(model):
             if kernels is not None:  # by GEMM shape (kernel_time.py)
                 fwd, bwd = unit_kernel_times(kind, model, b, 1, kernels)
             else:

@@ -11,7 +11,9 @@ communication both slowed by the overlap factor, Galvatron's 1.3); it sums the s
 tensor parallel, and the first and last stage all-reduce the tied embedding (with context parallelism the
 data-parallel group is dp x cp: the cp ranks hold the same parameters); then the optimizer steps
 (memory-bound, cost_model.py) and, with ZeRO-1, the parameters are all-gathered (hidden behind the next first
-forwards with --overlap-param-gather).
+forwards with --overlap-param-gather). An MoE unit's expert gradients are summed over its expert data-parallel
+group (edp ranks, moe_cost.py) in the same buckets: each expert element counts as the dense elements whose reduction
+over dp x cp takes as long (`reduced_elements`); with dp x cp 1 and edp > 1 they are reduced after the pipeline.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..pipeline.schedule import Action, Kind
-from ..units import unit_kind
+from ..units import unit_kind_of
 from .cluster import Link
 from .kernel_time import unit_edge_shapes
 from .memory_model import chunk_units
+from .moe_model import group_local_indices, local_to_coords
 from .overlap import RankSpans, exposed_gather, reduce_end
 from .tp_overlap import unit_overlap_cost
 
@@ -85,6 +88,41 @@ class CommCosts:
                  for d in range(spec.dp) for c in range(spec.cp) for t in range(spec.tp)])
         return self._p2p[key]
 
+    def expert_ranks(self, stage: int, group: str) -> list[int]:
+        """Global ranks of the stage's first expert group `group` ("ep", "etp", "etp_ep", "edp"; moe_cost.py)."""
+        spec = self.spec
+        if group == "etp":
+            local = list(range(self.experts.etp))
+        else:
+            local = group_local_indices(spec.tp, spec.cp, spec.dp, self.experts, group)
+        out = []
+        for index in local:
+            t, c, d = local_to_coords(index, spec.tp, spec.cp)
+            out.append(self.layout.rank(t, d, stage, c))
+        return out
+
+    def expert_link(self, stage: int, group: str) -> Link:
+        return self._group_link(("expert", group), stage, self.expert_ranks(stage, group))
+
+    def reduced_elements(self, rank: int, dense: float, expert: float) -> float:
+        """Dense gradient elements reduced over dp x cp in the time `dense` of them and `expert` expert ones (over
+        edp) take: expert ones count by the ratio of the two rings' per-element times (0 where edp is 1)."""
+        spec = self.spec
+        if not expert or spec.edp == 1 or spec.grad_dp == 1:
+            return float(dense)
+        per = [(n - 1) / n / link.bandwidth for n, link in ((spec.edp, self.expert_link(rank, "edp")),
+                                                            (spec.grad_dp, self.dp_link(rank)))]
+        return dense + expert * per[0] / per[1]
+
+    def expert_sync_time(self, rank: int) -> float:
+        """Expert gradients reduced over edp after the pipeline where dp x cp is 1 (else in the buckets)."""
+        spec = self.spec
+        if spec.edp == 1 or spec.grad_dp > 1:
+            return 0.0
+        nbytes, scatter = self.grad_reduction()
+        parts = allgather_parts if scatter else allreduce_parts
+        return sum(parts(nbytes * self.expert_params(rank), spec.edp, self.expert_link(rank, "edp")))
+
     def p2p_link(self, src: int, dst: int) -> Link:
         """Slowest of the links joining the tensor-/data-parallel replicas of two pipeline stages, all sending at
         once (Cluster.concurrent_link: a node's replicas share its NICs)."""
@@ -117,6 +155,10 @@ class CommCosts:
             return sum(x[0] for x in xs), sum(x[1] for x in xs)
 
         sp = self.spec.sp
+        if kind == "moe" and not (self.spec.model.moe.shared_expert_intermediate_size and sp):
+            return zero, zero  # the dispatcher moves the tokens (moe_cost.py); under tp only with SP
+        if kind == "moe":  # the shared experts: a sequence-parallel MLP's collectives
+            return add(ag, ag), add(ag, ag, ag)
         if kind in ("attention", "mlp"):
             # sequence parallel: forward gathers the input and reduce-scatters the output; backward gathers the
             # output's gradient, reduce-scatters the input's and gathers the input again for the weight gradient
@@ -202,7 +244,10 @@ class CommCosts:
             return 0.0
         h = self.spec.model.hidden_size
         names = [n for c in chunk_units(self.spec.stage_layout(), self.spec.model, rank) for n in c]
-        count = sum({"attention": 3 * h, "mlp": 3 * h, "head": 2 * h}.get(unit_kind(n), 0) for n in names)
+        moe = self.spec.model.moe
+        router = 3 * h + (moe.num_experts * h if moe is not None else 0)
+        count = sum({"attention": 3 * h, "mlp": 3 * h, "head": 2 * h, "moe": router}.get(
+            unit_kind_of(self.spec.model, n), 0) for n in names)
         return allreduce_time(4.0 * count, self.spec.tp, self.tp_link(rank))
 
     def embedding_sync_time(self) -> float:
@@ -214,11 +259,12 @@ class CommCosts:
         return allreduce_time(nbytes, 2, self.cluster.link(first, last))
 
     def optimizer_gather_time(self, rank: int) -> float:
-        """ZeRO-1: the updated parameters are all-gathered over data parallel (dp x cp)."""
+        """ZeRO-1: the updated parameters are all-gathered over data parallel (dp x cp), the expert ones over edp."""
         if not self.spec.distributed_optimizer:
             return 0.0
-        nbytes = self.params[rank] * self.spec.model.dtype_bytes
-        return allgather_time(nbytes, self.spec.grad_dp, self.dp_link(rank))
+        e, expert = self.spec.model.dtype_bytes, self.expert_params(rank)
+        dense = allgather_time((self.params[rank] - expert) * e, self.spec.grad_dp, self.dp_link(rank))
+        return dense + (allgather_time(expert * e, self.spec.edp, self.expert_link(rank, "edp")) if expert else 0.0)
 
     def dp_reduce_seconds(self, rank: int) -> Callable[[float], float]:
         """Seconds to reduce a bucket of `elements` gradients over data parallel (grad_reduction; dp_sync_time)."""
@@ -253,7 +299,7 @@ class CommCosts:
                     t = reduce_end(chunks, end, self.dp_reduce_seconds(rank), spec.overlap_grad_reduce, factor)
                 else:
                     t = end + self.dp_sync_time(rank)
-            out.append(t + self.sp_sync_time(rank))
+            out.append(t + self.sp_sync_time(rank) + self.expert_sync_time(rank))
         emb = self.embedding_sync_time()
         if emb > 0:
             both = max(out[0], out[-1]) + emb

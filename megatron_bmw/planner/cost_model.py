@@ -21,6 +21,12 @@ comm_cost.py's, whose CommCosts is part of CostModel; the optimizer step after t
 CPU ranks that share cores (a cluster group with cores_per_node, e.g. gloo ranks on this machine) stretch their
 work: core_sharing.py.
 
+Mixtures of experts (docs/moe.md): an MoE unit's compute is the busiest rank's of the stage's expert layout (ep,
+etp) under the routing model (CostSettings.moe_imbalance: max/mean tokens per expert, 1.0 by default): grouped
+GEMMs at the tokens its experts receive (kernel_time.py), and its dispatcher's exchanges on the links they cross
+(moe_cost.py); a profile's MoE unit time (timed at ep 1) is taken as the compute of any ep. The expert gradients are
+reduced over the expert data-parallel group (comm_cost.py).
+
 Context parallelism (cp > 1): a unit is timed on the rank's s/cp tokens (RunSpec.rank_model), its attention core
 as 1/cp of the whole sequence's with the ring's or the all-to-alls' exposed time (cp_cost.py, `cp_attention_parts`).
 """
@@ -38,9 +44,12 @@ from .cp_cost import a2a_times, core_times, cp_core_times, ring_times
 from .engine import OURS, EngineConfig
 from .elementwise import unit_elementwise_bytes
 from .flops import core_attention_share, unit_forward_flops, unit_weight_grad_flops
-from .kernel_time import KernelDevice, device_kernels, shape_ratio, unit_kernel_times, unit_weight_grad_time
-from ..units import owns_output_weight, unit_kind, unit_names
-from .memory_model import chunk_unit_indices, unit_param_count
+from .kernel_time import (KernelDevice, device_kernels, moe_kernel_parts, shape_ratio, unit_kernel_times,
+                          unit_weight_grad_time)
+from ..units import owns_output_weight, unit_kind_of, unit_names
+from .memory_model import chunk_unit_indices, chunk_units, unit_param_count, unit_param_split
+from .moe_cost import busiest_share, dispatch_seconds
+from .moe_model import local_tokens
 from .profile_data import Profile, Profiles
 from .spec import RunSpec
 # re-exported: callers outside the planner import it from here (benchmarks/amp_trials.py)
@@ -68,6 +77,7 @@ class CostSettings:
     launch_blocking: bool = False
     host_op_s: float = HOST_OP_S
     host_ops: tuple[tuple[str, int, int], ...] | None = None
+    moe_imbalance: float = 1.0  # max/mean tokens per expert (moe_model.py's routing model; --moe-load-imbalance)
 
     def __post_init__(self) -> None:
         if self.achievable_fraction is not None and not 0 < self.achievable_fraction <= 1:
@@ -92,7 +102,7 @@ class CostSettings:
             raise UsageError(f"--cuda-launch-blocking: no operator count for {kind} units")
         f, b = ops[kind]
         if tp > 1:
-            extra = {"attention": (1, 1), "mlp": (1, 1), "embedding": (1, 0), "head": (3, 1)}[kind]
+            extra = {"attention": (1, 1), "mlp": (1, 1), "embedding": (1, 0), "head": (3, 1), "moe": (2, 2)}[kind]
             if sp and kind in ("attention", "mlp"):
                 extra = (2, 3)
             elif sp and kind == "head":
@@ -168,6 +178,7 @@ class CostModel(CommCosts):
             profiles = Profiles([profiles])
         self.spec, self.cluster, self.profiles, self.settings = spec, cluster, profiles or Profiles(), settings
         self.unit_model = spec.rank_model()  # what one context-parallel rank computes (the model at cp 1)
+        self.experts = spec.experts(settings.moe_imbalance)
         if settings.launch_blocking and self.profiles:
             raise UsageError("--cuda-launch-blocking models blocking launches on analytic unit times; a profile's "
                              "times are what its run did: profile with CUDA_LAUNCH_BLOCKING=1 set instead")
@@ -237,7 +248,7 @@ class CostModel(CommCosts):
             for c in chunks:
                 fw = fl = bw = bl = ww = wl = 0.0
                 for i in c:
-                    kind = unit_kind(names[i])
+                    kind = unit_kind_of(spec.model, names[i])
                     (a, b), (x, y) = self.unit_parts(kind, layout.unit_recompute(i), self.devices[rank], rank, i)
                     u, v = self.wgrad_parts(kind, self.devices[rank], i)
                     fw, fl, bw, bl, ww, wl = fw + a, fl + b, bw + x, bl + y, ww + u, wl + v
@@ -280,10 +291,15 @@ class CostModel(CommCosts):
         includes both)."""
         model, b = self.unit_model, self.spec.pipeline.micro_batch_size
         kd = self.kernel_device(device)
-        if kd is not None:
+        if kd is not None and kind == "moe":  # the busiest rank of the expert layout (kernel_time.py)
+            parts = moe_kernel_parts(model, b, tp, kd, self.spec.sp, 1, self.experts)
+            fwd, bwd = sum(f for f, _, _ in parts), sum(g for _, g, _ in parts)
+        elif kd is not None:
             fwd, bwd = unit_kernel_times(kind, model, b, tp, kd)
         else:
             fwd = unit_forward_flops(kind, model, b, tp) / (device.peak(self.dtype) * self.settings.fraction(device))
+            if kind == "moe":
+                fwd *= busiest_share(model, local_tokens(model, b, tp, self.spec.sp), self.experts)
             bwd = 2 * fwd
         if device.memory_bandwidth is not None:
             grad_bytes = 4 if self.settings.engine.grads_in_fp32(model.params_dtype) else model.dtype_bytes
@@ -291,7 +307,7 @@ class CostModel(CommCosts):
             if kind != "embedding":  # (the table's gradient is the embedding's elementwise work)
                 own = model.untie_embeddings_and_output_weights or self.spec.pp > 1
                 accumulate = self.settings.engine.accumulation_bytes(model.params_dtype)
-                moved = moved[0], moved[1] + unit_param_count(kind, model, tp, own) * accumulate
+                moved = moved[0], moved[1] + unit_param_count(kind, model, tp, own, self.experts) * accumulate
             rate = device.memory_bandwidth * self.settings.bandwidth_fraction
             fwd, bwd = fwd + moved[0] / rate, bwd + moved[1] / rate
         if self.settings.launch_blocking:  # the launches wait for the kernels: the host's time adds
@@ -333,7 +349,7 @@ class CostModel(CommCosts):
                     return (f, 0.0), (g, 0.0), degree == tp
         if recompute is not None:
             return None
-        if profiles and kind in ("attention", "mlp"):
+        if profiles and kind in ("attention", "mlp", "moe"):
             raise UsageError(f"--profile for device type {device.name} has no {kind} timings")
         fwd, bwd = self._analytic(kind, tp, device)
         return (fwd, 0.0), (bwd, 0.0), False
@@ -380,6 +396,9 @@ class CostModel(CommCosts):
             fw, fl, bw, bl = fw + a, fl + b, bw + c, bl + d
             if timed is not None and recompute == "full":  # the recomputed forward's collectives
                 bw, bl = bw + a, bl + b
+        if kind == "moe":  # the dispatcher's exchanges, not overlapped (moe_cost.py)
+            xf, xb = self.moe_dispatch(stage)
+            fl, bl = fl + xf, bl + xb
         core_again = None  # context parallelism: the attention core's forward, as selective recomputation reruns it
         if kind == "attention" and self.spec.cp > 1:
             (xf, xl), (xb, xbl), core_again = self.cp_attention_parts(device, stage)
@@ -420,6 +439,19 @@ class CostModel(CommCosts):
                 comm = ring_times(spec.model, b, spec.tp, spec.cp, self.cp_link(stage), core)
             got = self._wshare[key] = ((core[0] - local[0], comm[0]), (core[1] - local[1], comm[1]),
                                        (core[0], comm[0]))
+        return got
+
+    def moe_dispatch(self, stage: int) -> tuple[float, float]:
+        """(forward, backward) seconds of an MoE unit's dispatcher exchanges on the stage (moe_cost.py)."""
+        key = ("moe-dispatch", stage)
+        got = self._wshare.get(key)
+        if got is None:
+            spec = self.spec
+            tokens = local_tokens(self.unit_model, spec.pipeline.micro_batch_size, spec.tp, spec.sp)
+            groups = ("ep", "etp", "etp_ep")
+            got = self._wshare[key] = dispatch_seconds(
+                self.unit_model, tokens, self.experts, {g: self.expert_ranks(stage, g) for g in groups},
+                {g: self.expert_link(stage, g) for g in groups}, self.cluster)
         return got
 
     # ---- per action --------------------------------------------------------------------------------------------
@@ -469,12 +501,32 @@ class CostModel(CommCosts):
 
     # ---- after the pipeline: parameters and the optimizer step (the rest is CommCosts') -------------------------
     def _rank_params(self, names: list[str]) -> int:
+        return sum(self._rank_split(names))
+
+    def _rank_split(self, names: list[str]) -> tuple[int, int]:
+        """(dense, expert) parameters of a rank holding units `names`."""
         model = self.spec.model
         own_output = owns_output_weight(model.untie_embeddings_and_output_weights, self.spec.pp, names)
-        return sum(unit_param_count(unit_kind(n), model, self.spec.tp, own_output) for n in names)
+        splits = [unit_param_split(unit_kind_of(model, n), model, self.spec.tp, own_output, self.experts)
+                  for n in names]
+        return sum(d for d, _ in splits), sum(x for _, x in splits)
+
+    def expert_params(self, rank: int) -> int:
+        """The expert parameters of pipeline rank `rank` (0 for a dense model)."""
+        if self.spec.model.moe is None:
+            return 0
+        names = [n for c in chunk_units(self.spec.stage_layout(), self.spec.model, rank) for n in c]
+        return self._rank_split(names)[1]
 
     def optimizer_step_time(self, rank: int) -> float:
-        return optimizer_step_seconds(self.params[rank], self.spec.grad_dp, self.spec.distributed_optimizer,
+        """The step over the rank's parameters; with ZeRO-1 Adam updates its shard: the dense ones' over dp x cp, the
+        expert ones' over edp (given to optimizer_step_seconds as the same bytes over dp x cp)."""
+        params, shards = self.params[rank], self.spec.grad_dp
+        expert = self.expert_params(rank)
+        if expert and self.spec.distributed_optimizer:
+            shard = (params - expert) / shards + expert / self.spec.edp
+            shards = params / shard if shard > 0 else shards
+        return optimizer_step_seconds(params, shards, self.spec.distributed_optimizer,
                                       self.spec.model.dtype_bytes, self.devices[rank],
                                       self.settings.bandwidth_fraction)
 
@@ -487,8 +539,9 @@ class CostModel(CommCosts):
             chunks = chunk_unit_indices(layout, rank)
             own = owns_output_weight(spec.model.untie_embeddings_and_output_weights, spec.pp,
                                      [names[i] for c in chunks for i in c])
+            kinds = [unit_kind_of(spec.model, n) for n in names]
             self._grad_units[rank] = [
-                [(float(unit_param_count(unit_kind(names[i]), spec.model, spec.tp, own)),
-                  *self.unit_times(unit_kind(names[i]), layout.unit_recompute(i), self.devices[rank], rank, i))
+                [(self.reduced_elements(rank, *unit_param_split(kinds[i], spec.model, spec.tp, own, self.experts)),
+                  *self.unit_times(kinds[i], layout.unit_recompute(i), self.devices[rank], rank, i))
                  for i in c] for c in chunks]
         return self._grad_units[rank]

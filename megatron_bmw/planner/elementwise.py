@@ -23,6 +23,11 @@ v padded vocabulary, t tensor-parallel size, e bytes per element; H = s'bh eleme
   MLP            bias-GeLU reads and writes fc1's output F = sb f/t (2Fe; backward reads input and gradient,
                  writes one: 3Fe, plus Fe for fc1's bias gradient); SwiGLU reads 2F, writes F (backward reads
                  2F and F, writes 2F).
+  MoE            the norm, the experts' activation as the MLP's over the k copies of each token at the expert FFN
+                 size, the shared experts' as an MLP's, dropout-add; the router's softmax/top-k over T E fp32 scores
+                 (read the logits, write the probabilities: 8 T E each way; T = s'b); the permutation copying the
+                 T k routed copies (2 T k h e each way) and the combine weighting and summing them back (3 T k h e
+                 forward, read dy and write 2 gradients backward); at even routing (moe_model.py).
   head           the final norm (BERT's LM head adds its GeLU and LayerNorm on [s'b, h]) and the vocab-parallel
                  cross entropy over L = sb v/t logits as parallel/cross_entropy.py computes it: forward casts
                  to fp32 (Le + 4L), max (4L), subtract (8L), exp (8L), sum (4L), normalise (8L); backward scales
@@ -94,6 +99,29 @@ def _mlp(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[floa
     return fwd + f2, bwd + b2
 
 
+def _activation(f: float, e: int, swiglu: bool, bias: bool) -> tuple[float, float]:
+    fwd, bwd = (3 * f * e, 5 * f * e) if swiglu else (2 * f * e, 3 * f * e)
+    return fwd, bwd + ((2 * f if swiglu else f) * e if bias else 0)
+
+
+def _moe(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[float, float]:
+    moe, h = model.moe, model.hidden_size
+    hidden = rows * b * h
+    tokens = rows * b
+    copies = tokens * moe.router_topk
+    fwd, bwd = _norm(hidden, e)
+    f1, b1 = _activation(copies * model.moe_ffn_hidden_size, e, model.swiglu, model.add_bias_linear)
+    scores = 2 * tokens * moe.num_experts * FP32  # the router's fp32 scores, read and written
+    fwd, bwd = fwd + f1 + scores, bwd + b1 + scores
+    fwd, bwd = fwd + 5 * copies * h * e, bwd + 5 * copies * h * e
+    shared = moe.shared_expert_intermediate_size
+    if shared:
+        f2, b2 = _activation(model.seq_length * b * shared / tp, e, model.swiglu, model.add_bias_linear)
+        fwd, bwd = fwd + f2, bwd + b2
+    f3, b3 = _dropout_add(hidden, e, model.hidden_dropout > 0, model.add_bias_linear)
+    return fwd + f3, bwd + b3
+
+
 def _head(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[float, float]:
     hidden = rows * b * model.hidden_size
     fwd, bwd = 2 * hidden * e, 3 * hidden * e
@@ -128,6 +156,8 @@ def unit_elementwise_bytes(kind: str, model: ModelConfig, micro_batch_size: int,
         return _attention(model, b, tp, rows, e)
     if kind == "mlp":
         return _mlp(model, b, tp, rows, e)
+    if kind == "moe":
+        return _moe(model, b, tp, rows, e)
     if kind == "head":
         return _head(model, b, tp, rows, e)
     if kind == "embedding":

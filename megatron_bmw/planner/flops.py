@@ -15,6 +15,8 @@ def unit_forward_flops(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         return (2.0 * tokens * h * model.qkv_rows + 2.0 * tokens * h * h + 4.0 * s * tokens * h) / tp
     if kind == "mlp":  # SwiGLU's fc1 makes gate and up
         return 2.0 * tokens * h * (model.fc1_rows + f) / tp
+    if kind == "moe":
+        return moe_forward_flops(model, micro_batch_size, tp)
     if kind == "head" and bert:  # logits; the LM dense, pooler and sentence-order layers on every tp rank
         extra = 2.0 * b * h * (h + 2) if model.bert_binary_head else 0.0
         return 2.0 * tokens * h * v / tp + 2.0 * tokens * h * h + extra
@@ -32,11 +34,27 @@ def unit_weight_grad_flops(kind: str, model: ModelConfig, micro_batch_size: int,
         return 2.0 * tokens * h * (model.qkv_rows + h) / tp
     if kind == "mlp":
         return 2.0 * tokens * h * (model.fc1_rows + model.ffn_hidden_size) / tp
+    if kind == "moe":  # the experts' and shared experts' (the router's stays in B)
+        moe = model.moe
+        return moe_forward_flops(model, micro_batch_size, tp) - 2.0 * tokens * h * moe.num_experts / tp
     if kind == "head":
         return 2.0 * tokens * h * model.vocab_size / tp
     if kind == "embedding":
         return 0.0
     raise ValueError(f"unknown unit kind {kind!r}")
+
+
+def moe_forward_flops(model: ModelConfig, micro_batch_size: int, tp: int = 1) -> float:
+    """An MoE unit's forward FLOPs per rank at even routing (moe_model.py: a rank's experts receive etp T k tokens,
+    T = s b / tp under sequence parallelism, over F/etp columns: the same as k dense MLPs of the expert FFN over tp):
+    the router (s b E h / tp multiply-adds), k experts per token, the shared experts."""
+    moe, h = model.moe, model.hidden_size
+    tokens = model.seq_length * micro_batch_size
+    f = model.moe_ffn_hidden_size
+    rows = 2 * f if model.swiglu else f
+    shared = moe.shared_expert_intermediate_size or 0
+    shared_rows = 2 * shared if model.swiglu else shared
+    return 2.0 * tokens * h * (moe.num_experts + moe.router_topk * (rows + f) + shared_rows + shared) / tp
 
 
 def core_attention_share(model: ModelConfig) -> float:

@@ -28,6 +28,11 @@ Units per tensor-parallel rank (T = s x b tokens): attention = QKV [T, qkv_rows/
 [T, h, h/t]; MLP = fc1 [T, fc1_rows/t, h], fc2 [T, h, f/t]; head = logits [T, v/t, h]. A backward GEMM runs the
 input gradient [m, k] (contracting n) and the weight gradient [k, n] (contracting m); zero-bubble's W runs the
 weight gradients of the deferred layers (all but BERT's LM dense), its B the rest.
+
+An MoE unit (moe_model.py) runs the router [T, E, h] in fp32 (at the fp32 peak), the experts as grouped GEMMs over
+the E/ep local experts at the tokens each receives on the busiest rank (`grouped_gemm_time`: every expert's rows
+tiled apart, so a few tokens per expert waste most of a tile: the grouped GEMM's efficiency at small per-expert
+counts), and the shared experts as a dense MLP over tp; the dispatcher's communication is moe_cost.py's.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from .moe_model import Experts, default_experts, expert_loads, local_tokens
 
 FLASH_BLOCK = 128  # query rows per attention tile
 FLASH_BACKWARD = 2.5  # five products against forward's two
@@ -85,6 +91,72 @@ def gemm_time(m: int, n: int, k: int, elem_bytes: int, dev: KernelDevice, batch:
     return max(compute, moved / dev.memory_bandwidth)
 
 
+def grouped_gemm_time(ms: list[float], n: int, k: int, elem_bytes: int, dev: KernelDevice) -> float:
+    """Seconds of one grouped GEMM: expert i's [m_i, k] x [k, n], each expert's rows tiled apart, all tiles in waves
+    over the SMs (the tile and wave rules of gemm_time)."""
+    ms = [math.ceil(m) for m in ms if m > 0]
+    if not ms or min(n, k) <= 0:
+        return 0.0
+    tiles = sum(math.ceil(m / dev.tile_m) for m in ms) * math.ceil(n / dev.tile_n)
+    waves = math.ceil(tiles / dev.sm_count)
+    per_sm = _peak(n, k, elem_bytes, dev) * dev.achievable_fraction / dev.sm_count
+    compute = waves * 2.0 * dev.tile_m * dev.tile_n * (k + dev.k_overhead) / per_sm
+    if dev.memory_bandwidth is None:
+        return compute
+    moved = sum(m * k + k * n + m * n for m in ms) * elem_bytes
+    return max(compute, moved / dev.memory_bandwidth)
+
+
+def grouped_wgrad_time(ms: list[float], n: int, k: int, elem_bytes: int, dev: KernelDevice) -> float:
+    """Seconds of the grouped weight gradients [k, n] of each expert, contracting its m_i rows: every expert the
+    same tiles, each tile's loop m_i + the overhead long; the work spread over the SMs, at least one tile of the
+    longest."""
+    ms = [math.ceil(m) for m in ms if m > 0]
+    if not ms or min(n, k) <= 0:
+        return 0.0
+    tiles = math.ceil(k / dev.tile_m) * math.ceil(n / dev.tile_n)
+    per_sm = _peak(n, k, elem_bytes, dev) * dev.achievable_fraction / dev.sm_count
+    tile = 2.0 * dev.tile_m * dev.tile_n / per_sm
+    compute = max(tile * (max(ms) + dev.k_overhead),
+                  tile * tiles * sum(m + dev.k_overhead for m in ms) / dev.sm_count)
+    if dev.memory_bandwidth is None:
+        return compute
+    moved = sum(m * k + m * n + k * n for m in ms) * elem_bytes
+    return max(compute, moved / dev.memory_bandwidth)
+
+
+def _peak(n: int, k: int, elem_bytes: int, dev: KernelDevice) -> float:
+    if dev.unaligned_flops is not None and ((k * elem_bytes) % ALIGN_BYTES or (n * elem_bytes) % ALIGN_BYTES):
+        return min(dev.peak_flops, dev.unaligned_flops)
+    return dev.peak_flops
+
+
+def moe_kernel_parts(model: ModelConfig, micro_batch_size: int, tp: int, dev: KernelDevice, sp: bool = True,
+                     cp: int = 1, experts: Experts | None = None) -> list[tuple[float, float, float]]:
+    """(forward, backward, weight gradient) of each kernel of an MoE unit on the busiest rank (module doc); `model`
+    holds the rank's s/cp tokens already where cp > 1 (`cp` 1 then)."""
+    experts = default_experts(tp, experts)
+    moe, h, e = model.moe, model.hidden_size, model.dtype_bytes
+    tokens = local_tokens(model, micro_batch_size, tp, sp, cp)
+    loads = expert_loads(model, tokens, experts)
+    f = model.moe_ffn_hidden_size // experts.etp
+    rows = 2 * f if model.swiglu else f
+    fp32 = KernelDevice(dev.unaligned_flops or dev.peak_flops, dev.achievable_fraction, dev.sm_count,
+                        dev.memory_bandwidth, dev.tile_m, dev.tile_n, dev.k_overhead)
+    parts = [_linear(tokens, moe.num_experts, h, 4, fp32, deferred=False)]  # the router, in fp32
+    for n, k in ((rows, h), (h, f)):  # fc1, fc2
+        fwd = grouped_gemm_time(loads, n, k, e, dev)
+        wgrad = grouped_wgrad_time(loads, n, k, e, dev)
+        parts.append((fwd, grouped_gemm_time(loads, k, n, e, dev) + wgrad, wgrad))
+    shared = moe.shared_expert_intermediate_size
+    if shared:
+        full = model.seq_length * micro_batch_size
+        shared_rows = 2 * shared if model.swiglu else shared
+        parts.append(_linear(full, shared_rows // tp, h, e, dev))
+        parts.append(_linear(full, h, shared // tp, e, dev))
+    return parts
+
+
 def gemm_efficiency(m: int, n: int, k: int, elem_bytes: int, dev: KernelDevice) -> float:
     """Achieved share of peak: 2mnk / (time x peak)."""
     return 2.0 * m * n * k / (gemm_time(m, n, k, elem_bytes, dev) * dev.peak_flops)
@@ -116,7 +188,10 @@ def _linear(m: int, n: int, k: int, e: int, dev: KernelDevice, deferred: bool = 
 
 def _unit_parts(kind: str, model: ModelConfig, micro_batch_size: int, tp: int,
                 dev: KernelDevice) -> list[tuple[float, float, float]]:
-    """(forward, backward, deferred weight gradient) of each kernel of one unit on one tensor-parallel rank."""
+    """(forward, backward, deferred weight gradient) of each kernel of one unit on one tensor-parallel rank (an MoE
+    unit's at Megatron's default expert layout, ep 1, etp = tp, with sequence parallelism under tp)."""
+    if kind == "moe":
+        return moe_kernel_parts(model, micro_batch_size, tp, dev)
     s, b, h = model.seq_length, micro_batch_size, model.hidden_size
     e = model.dtype_bytes
     tokens = s * b

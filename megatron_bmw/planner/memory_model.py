@@ -19,6 +19,11 @@ unit_activations.korthikanti_layer_bytes): their 34 sbh is our 13 sbh (attention
 the LayerNorm statistics and integer ids (they ignore them), and full recomputation at sub-layer granularity
 keeps two inputs per layer (one per unit), i.e. 4 sbh in fp16 instead of their 2 sbh.
 
+Mixtures of experts (docs/moe.md; moe_model.py): an MoE unit's activations are those of the busiest rank of the
+stage's expert layout (StageLayout.ep, etp) under the routing model (MemorySettings.moe_imbalance); its parameters
+split into dense ones (norm, router, shared experts) and the rank's expert shards, whose optimizer state ZeRO-1
+shards over the expert data-parallel ranks edp = tp cp dp / (etp ep) where the dense ones' is over dp x cp.
+
 Context parallelism (StageLayout.cp = C): every unit holds its activations for the rank's s/C tokens
 (unit_activations.py, the context-parallel core's contract there); the model states are those of C = 1 (the
 parameters are replicated over cp), except that ZeRO-1 shards the optimizer state over dp x cp ranks.
@@ -34,18 +39,31 @@ from ..errors import UsageError
 from ..pipeline.holding import bytes_size, holding_events, peak
 from ..pipeline.partition import rank_chunks
 from ..pipeline.schedule import Schedule
-from ..units import UNIT_KINDS, owns_output_weight, unit_kind, unit_names  # noqa: F401 - UNIT_KINDS re-exported
+from ..units import UNIT_KINDS, owns_output_weight, unit_kind, unit_kind_of, unit_names  # noqa: F401 - re-exported
 from .engine import OURS, EngineConfig, PrecisionConfig  # noqa: F401 - PrecisionConfig is re-exported
+from .moe_model import Experts, default_experts, moe_param_split
 from .unit_activations import DEVICE_KINDS, unit_activation_bytes, unit_transient_bytes, unit_wgrad_bytes
 # re-exported: callers outside the planner import them from here (tests/models, tests/parallel)
 from .unit_activations import unit_backward_bytes, unit_saved_tensors  # noqa: F401
 
 
 # ---- parameters and model states ------------------------------------------------------------------------------
-def unit_param_count(kind: str, model: ModelConfig, tp: int = 1, output_weight: bool = True) -> int:
+def unit_param_split(kind: str, model: ModelConfig, tp: int = 1, output_weight: bool = True,
+                     experts: Experts | None = None) -> tuple[int, int]:
+    """(dense, expert) parameters one rank holds for a unit: an MoE unit's expert shards apart (moe_model.py;
+    `experts` by default ep 1, etp = tp), every other unit's all dense."""
+    if kind == "moe":
+        return moe_param_split(model, tp, default_experts(tp, experts))
+    return unit_param_count(kind, model, tp, output_weight), 0
+
+
+def unit_param_count(kind: str, model: ModelConfig, tp: int = 1, output_weight: bool = True,
+                     experts: Experts | None = None) -> int:
     """Parameters one tensor-parallel rank holds for a unit. For the head, `output_weight` says whether the
     rank owns an output matrix (untied, or the tied copy on a last pipeline stage) rather than sharing the
     embedding's."""
+    if kind == "moe":
+        return sum(unit_param_split(kind, model, tp, output_weight, experts))
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
     per_norm = 1 if model.normalization == "RMSNorm" else 2  # RMSNorm has no bias
     norm = per_norm * h
@@ -73,7 +91,7 @@ def total_parameters(model: ModelConfig) -> int:
     """Unique parameters of the whole model (a tied output matrix counted once)."""
     n = unit_param_count("embedding", model) + unit_param_count(
         "head", model, output_weight=model.untie_embeddings_and_output_weights)
-    return n + model.num_layers * (unit_param_count("attention", model) + unit_param_count("mlp", model))
+    return n + sum(unit_param_count(unit_kind_of(model, name), model) for name in unit_names(model.num_layers)[1:-1])
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,7 @@ class MemorySettings:
     workspace_bytes: float = 0.0  # fixed per rank: framework context, kernels' workspace
     fragmentation: float = 0.0  # fraction added on top of everything else
     engine: EngineConfig = EngineConfig()  # whose model states (gradient precision, main-gradient buffers)
+    moe_imbalance: float = 1.0  # max/mean tokens per expert (moe_model.py's routing model; --moe-load-imbalance)
     # when set (cuda_allowance.DerivedAllowance), workspace and fragmentation come per layout from it
     derived: object | None = field(default=None, compare=False)
 
@@ -144,11 +163,25 @@ class StageLayout:
     placement: str = "interleaved"  # where the virtual stages sit (PipelineConfig.placement)
     cp: int = 1  # context-parallel size: each rank holds s/cp tokens of every sequence
     cp_comm: str = "p2p"  # the context-parallel attention's exchange (ParallelConfig.cp_comm_type)
+    ep: int = 1  # expert-parallel size (MoE units)
+    etp: int | None = None  # expert-tensor-parallel size; None: tp
 
     @property
     def optimizer_shards(self) -> int:
         """Ranks ZeRO-1 shards the optimizer state over: the gradient-reduction group, dp x cp."""
         return self.dp * self.cp
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks ZeRO-1 shards the expert parameters' optimizer state over: edp = tp cp dp / (etp ep)."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp if self.etp is not None else self.tp
+
+    def experts(self, imbalance: float = 1.0) -> Experts:
+        return Experts(self.ep, self.expert_tp, imbalance)
 
     def unit_recompute(self, index: int) -> str | None:
         return self.recompute[index] if self.recompute is not None else None
@@ -193,8 +226,9 @@ def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
     names = unit_names(model.num_layers)
     sp = layout.sequence_parallel and layout.tp > 1
     layered = layer_checkpoints(settings.engine)
-    return [float(sum(unit_activation_bytes(unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp,
-                                            layout.unit_recompute(i), settings.device, layout.cp)
+    experts = layout.experts(settings.moe_imbalance)
+    return [float(sum(unit_activation_bytes(unit_kind_of(model, names[i]), model, layout.micro_batch_size, layout.tp,
+                                            sp, layout.unit_recompute(i), settings.device, layout.cp, experts)
                       for i in chunk if not (layered and _layer_paired(layout, names, chunk, i))))
             for chunk in chunk_unit_indices(layout, rank)]
 
@@ -203,7 +237,7 @@ def chunk_wgrad_bytes(layout: StageLayout, model: ModelConfig, rank: int) -> lis
     """Per model chunk of `rank`, what one micro-batch keeps from a split backward's B until its W."""
     names = unit_names(model.num_layers)
     sp = layout.sequence_parallel and layout.tp > 1
-    return [float(sum(unit_wgrad_bytes(unit_kind(names[i]), model, layout.micro_batch_size, layout.tp, sp, layout.cp)
+    return [float(sum(unit_wgrad_bytes(unit_kind_of(model, names[i]), model, layout.micro_batch_size, layout.tp, sp, layout.cp)
                       for i in chunk)) for chunk in chunk_unit_indices(layout, rank)]
 
 
@@ -229,20 +263,24 @@ def rank_memory(layout: StageLayout, model: ModelConfig, schedule: Schedule, ran
     chunks = chunk_units(layout, model, rank)
     names = [n for c in chunks for n in c]
     own_output = owns_output_weight(model.untie_embeddings_and_output_weights, layout.pp, names)
-    params = sum(unit_param_count(unit_kind(n), model, layout.tp, output_weight=own_output) for n in names)
+    experts = layout.experts(settings.moe_imbalance)
+    splits = [unit_param_split(unit_kind_of(model, n), model, layout.tp, own_output, experts) for n in names]
+    dense, expert = sum(d for d, _ in splits), sum(x for _, x in splits)
+    params = dense + expert
     chunk_bytes = chunk_saved_bytes(layout, model, rank, settings)
     act, inflight = activation_walk(schedule, rank, lambda r: chunk_saved_bytes(layout, model, r, settings),
                                     lambda r: chunk_wgrad_bytes(layout, model, r), holds)
     if activation_peak is not None:
         act = activation_peak
     transient = _backward_transient(layout, model, rank, settings)
-    shards = layout.optimizer_shards
-    static = params * (precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(shards))
+    optimizer = dense * precision.optimizer_bytes(layout.optimizer_shards) \
+        + expert * precision.optimizer_bytes(layout.expert_shards)
+    static = params * (precision.param_bytes + precision.grad_bytes) + optimizer
     allowance = settings.workspace_bytes + settings.fragmentation * (static + act + transient)
     return RankMemory(
         params_bytes=params * precision.param_bytes,
         grads_bytes=params * precision.grad_bytes,
-        optimizer_bytes=params * precision.optimizer_bytes(shards),
+        optimizer_bytes=optimizer,
         activation_bytes=act,
         transient_bytes=transient,
         allowance_bytes=allowance,
@@ -273,8 +311,10 @@ def _backward_transient(layout: StageLayout, model: ModelConfig, rank: int, sett
     extra = layer_transient_extra(model, b, tp, sp, settings.device, layout.cp) if layered else 0
     chunks = chunk_unit_indices(layout, rank)
     held = shared_output_grad_bytes(model, tp, layout.pp, [names[i] for c in chunks for i in c], settings.engine)
-    return float(held + max(unit_transient_bytes(unit_kind(names[i]), model, b, tp, sp, layout.unit_recompute(i),
-                                                 settings.device, layout.cp, layout.cp_comm)
+    experts = layout.experts(settings.moe_imbalance)
+    return float(held + max(unit_transient_bytes(unit_kind_of(model, names[i]), model, b, tp, sp,
+                                                 layout.unit_recompute(i), settings.device, layout.cp,
+                                                 layout.cp_comm, experts)
                             + (extra if layered and _layer_paired(layout, names, chunk, i) else 0)
                             for chunk in chunks for i in chunk))
 

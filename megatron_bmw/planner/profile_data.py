@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..units import UNIT_KINDS
+from ..units import ALL_UNIT_KINDS
 from .cluster import DeviceType, Link
 from .cuda_allowance import MeasuredCudaMemory
 from .files import read_json, write_json
@@ -370,8 +370,8 @@ def _unit_timing(entry, i: int, where: str) -> UnitTiming:
     if not isinstance(entry, dict):
         raise UsageError(f"--profile {where}: units[{i}] must be a mapping, got {entry!r}")
     timing = UnitTiming(**entry)
-    if timing.kind not in UNIT_KINDS:
-        raise UsageError(f"--profile {where}: units[{i}].kind must be one of {', '.join(UNIT_KINDS)}, got "
+    if timing.kind not in ALL_UNIT_KINDS:
+        raise UsageError(f"--profile {where}: units[{i}].kind must be one of {', '.join(ALL_UNIT_KINDS)}, got "
                          f"{timing.kind!r}")
     for key in ("tp", "micro_batch_size"):
         value = getattr(timing, key)

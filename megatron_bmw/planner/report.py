@@ -40,9 +40,10 @@ def estimate_json(spec: RunSpec, memory: list[RankMemory], cluster: Cluster | No
     out = {
         "parameters_total": total_parameters(spec.model),
         "activation_bytes_per_layer": layer_activation_bytes(spec.model, spec.pipeline.micro_batch_size, spec.tp, spec.sp,
-                                                             _layer_recompute(spec), settings.device, spec.cp),
+                                                             _layer_recompute(spec), settings.device, spec.cp,
+                                                             spec.experts(settings.moe_imbalance)),
         "layout": {"tp": spec.tp, "cp": spec.cp, "cp_comm_type": spec.cp_comm_type, "pp": spec.pp, "dp": spec.dp,
-                   "virtual": spec.pipeline.virtual_stages,
+                   "ep": spec.ep, "etp": spec.etp, "virtual": spec.pipeline.virtual_stages,
                    "micro_batch_size": spec.pipeline.micro_batch_size, "num_microbatches": spec.pipeline.num_microbatches,
                    "schedule": spec.pipeline.schedule, "partition": list(spec.pipeline.partition),
                    "sequence_parallel": spec.sp, "bpipe": spec.pipeline.bpipe,
@@ -55,6 +56,8 @@ def estimate_json(spec: RunSpec, memory: list[RankMemory], cluster: Cluster | No
     precision = settings.precision(spec.model, spec.distributed_optimizer)
     out["engine"] = {**settings.engine.to_json(), "state_bytes_per_parameter": precision.state_bytes(spec.grad_dp)}
     out["allowance"] = _allowance_json(spec, settings)
+    if spec.model.moe is not None:
+        out["moe_load_imbalance"] = settings.moe_imbalance
     return out
 
 
@@ -127,7 +130,9 @@ def memory_table(data: dict) -> str:
 
 def _cp_text(lay: dict) -> str:
     """" cp 2 (p2p)" where a layout splits sequences, else nothing."""
-    return f" cp {lay['cp']} ({lay['cp_comm_type']})" if lay.get("cp", 1) > 1 else ""
+    cp = f" cp {lay['cp']} ({lay['cp_comm_type']})" if lay.get("cp", 1) > 1 else ""
+    experts = f" ep {lay['ep']} etp {lay['etp']}" if lay.get("ep", 1) > 1 or lay.get("etp", lay["tp"]) != lay["tp"] else ""
+    return cp + experts
 
 
 # ---- search ------------------------------------------------------------------------------------------------------
@@ -170,7 +175,7 @@ def evaluation_prediction(ev: Evaluation, cluster: Cluster, spec: RunSpec | None
 def _layout(spec: RunSpec) -> dict:
     pl = spec.pipeline
     return {"tp": spec.tp, "cp": spec.cp, "cp_comm_type": spec.cp_comm_type, "pp": spec.pp, "dp": spec.dp,
-            "micro_batch_size": pl.micro_batch_size,
+            "ep": spec.ep, "etp": spec.etp, "micro_batch_size": pl.micro_batch_size,
             "num_microbatches": pl.num_microbatches, "schedule": pl.schedule, "virtual": pl.virtual_stages,
             "sequence_parallel": spec.sp, "zero1": spec.distributed_optimizer, "bpipe": pl.bpipe,
             "slicing": pl.slicing, "partition": list(pl.partition),
@@ -182,6 +187,9 @@ def plan_from(ranked, result, profiles, orig_vocab: int | None, engine: EngineCo
     from .plan import Plan
 
     spec, cluster = ranked.spec, result.cluster
+    predicted = prediction(ranked, cluster)
+    if spec.model.moe is not None:  # the routing model the prediction assumed (moe_model.py)
+        predicted["moe_load_imbalance"] = ranked.evaluation.cost.experts.imbalance
     divisible = result.make_vocab_size_divisible_by
     if spec.unit_strategies:  # the search pads a hybrid plan's vocabulary for every tp degree up to the stage width
         divisible *= spec.dp
@@ -189,7 +197,7 @@ def plan_from(ranked, result, profiles, orig_vocab: int | None, engine: EngineCo
                 make_vocab_size_divisible_by=divisible,
                 devices=[cluster.device(g).name for g in range(spec.world_size)],
                 cluster={"name": cluster.name, "source": cluster.source, "num_gpus": cluster.num_gpus},
-                profiles=profiles.identity(), prediction=prediction(ranked, cluster),
+                profiles=profiles.identity(), prediction=predicted,
                 search={"rank": 1, "notes": ranked.notes, "gains_s": ranked.gains,
                         "stats": {k: v for k, v in result.stats.items()}}, engine=engine)
 
@@ -202,7 +210,7 @@ def search_json(result) -> dict:
 
 TABLE_FOOTER = ("columns: # = rank; iter s = simulated iteration time; tokens/s; MFU = model FLOPs (no "
                 "recomputation) / (time x the devices' peak; - on CPU ranks: no trustworthy peak); "
-                "tp, cp (context parallel), pp, dp; mbs = micro-batch size; m = micro-batches per iteration; schedule (vN: virtual stages); "
+                "tp, cp (context parallel), pp, dp (MoE models: ep, etp = expert (tensor) parallel); mbs = micro-batch size; m = micro-batches per iteration; schedule (vN: virtual stages); "
                 "SP = sequence parallel; Z1 = ZeRO-1 (distributed optimizer); BP = BPipe; K = sliced micro-batches; "
                 "rc = recomputed units; mem/cap = the fullest stage's peak memory over its capacity; notes = how much "
                 "slower than #1, what slicing / partition refinement / BPipe saved, what is recomputed, and a micro-batch "
@@ -228,8 +236,9 @@ def summary_line(st: dict) -> str:
 
 def search_table(result) -> str:
     """The ranked plans: time, throughput, MFU, the layout, the worst stage's memory against its device, notes."""
-    head = (f"{'#':>2} {'iter s':>8} {'tokens/s':>10} {'MFU':>6} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'mbs':>4} "
-            f"{'m':>5} "
+    moe = result.model.moe is not None
+    head = (f"{'#':>2} {'iter s':>8} {'tokens/s':>10} {'MFU':>6} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} "
+            + (f"{'ep':>3} {'etp':>3} " if moe else "") + f"{'mbs':>4} {'m':>5} "
             f"{'schedule':<13} {'SP':>2} {'Z1':>2} {'BP':>2} {'K':>2} {'rc':>4} {'mem/cap':>8}  notes")
     lines = [head]
     best = result.ranked[0].time if result.ranked else 0.0
@@ -249,7 +258,8 @@ def search_table(result) -> str:
         tp = "hyb" if lay["unit_strategies"] else lay["tp"]  # per-unit strategies: in the notes
         mfu = f"{100 * p['mfu']:5.1f}%" if p["mfu"] is not None else f"{'-':>6}"
         lines.append(f"{i:>2} {r.time:8.4f} {p['tokens_per_s']:10.0f} {mfu} {tp:>3} {lay['cp']:>3} "
-                     f"{lay['pp']:>3} {lay['dp']:>4} {lay['micro_batch_size']:>4} {lay['num_microbatches']:>5} "
+                     f"{lay['pp']:>3} {lay['dp']:>4} " + (f"{lay['ep']:>3} {lay['etp']:>3} " if moe else "")
+                     + f"{lay['micro_batch_size']:>4} {lay['num_microbatches']:>5} "
                      f"{sched:<13} {flag(lay['sequence_parallel']):>2} {flag(lay['zero1']):>2} {flag(lay['bpipe']):>2} "
                      f"{lay['slicing']:>2} {lay['recomputed_units']:>4} {100 * mem:7.1f}%  {'; '.join(notes)}")
     lines.append(summary_line(result.stats))

@@ -44,7 +44,7 @@ from .schedule_shapes import ScheduleShapes
 from .solver import LayoutProblem, Solution, Variant, could_fit, lower_bound
 from .space import Layout, SearchSpace, layouts, tp_degrees, zero_bubble
 from .spec import RunSpec
-from ..units import unit_kind, unit_names
+from ..units import unit_kind_of, unit_names
 
 _INF = math.inf
 
@@ -98,7 +98,7 @@ def padded_model(model: ModelConfig, orig_vocab: int, divisible_by: int, tp: int
 def model_flops(model: ModelConfig, samples: int) -> float:
     """Forward and backward FLOPs of `samples` sequences (no recomputation): 3 x the forward's matrix FLOPs."""
     names = unit_names(model.num_layers)
-    return 3.0 * samples * sum(unit_forward_flops(unit_kind(n), model, 1) for n in names)
+    return 3.0 * samples * sum(unit_forward_flops(unit_kind_of(model, n), model, 1) for n in names)
 
 
 class _Progress:
@@ -215,7 +215,8 @@ def _uniform_candidates(run: _Run, todo: list[Layout], outcome: dict) -> list[tu
         if split and bpipe and lay.pp >= 4:
             continue
         for mode in uniform_modes:
-            for sp in (s for s in space.sp if not s or (lay.tp > 1 and seq_splits(run.model, lay))):
+            for sp in (s for s in space.sp if (not s and (lay.tp == 1 or run.model.moe is None))
+                       or (s and lay.tp > 1 and seq_splits(run.model, lay))):  # MoE under tp: with SP only
                 for zero1 in (z for z in space.zero1 if not z or lay.dp * lay.cp > 1):
                     base = Variant(sp, zero1, bpipe and lay.pp >= 4)
                     prob = _problem(lay, base, run.model, run.orig_vocab, run.divisible_by, run.cluster,
@@ -238,6 +239,10 @@ def _hybrid_candidates(run: _Run, world: int, global_batch: int,
                        outcome: dict) -> tuple[list[tuple[float, HybridProblem]], int]:
     """Galvatron-BMW's layouts that could fit, with their lower bounds; and how many hybrid layouts there are."""
     model, space, stats = run.model, run.space, run.stats
+    if model.moe is not None and "uniform" not in space.strategy:
+        raise UsageError("--space strategy=hybrid: per-unit strategies are not planned for MoE models")
+    if model.moe is not None:
+        return [], 0
     if model.model_type != "gpt" and "uniform" not in space.strategy:
         raise UsageError("--space strategy=hybrid: per-unit strategies run GPT models only")
     hybrid = hybrid_layouts(space, model, world, global_batch) if model.model_type == "gpt" else []
@@ -267,7 +272,7 @@ def _solve_in_bound_order(run: _Run, problems: list[tuple[float, LayoutProblem |
         lay = prob.layout
         key = ("hybrid" if isinstance(prob, HybridProblem) else "uniform", lay)
         family = (lay.tp, lay.cp, lay.pp, lay.dp, lay.schedule, lay.virtual_stages, prob.variant.sp, prob.variant.zero1,
-                  prob.uniform)
+                  prob.uniform, lay.ep, lay.etp)
         if lay.micro_batch_size >= too_big.get(family, _INF):  # more micro-batches per rank only need more memory
             stats["candidates_infeasible"] += 1
             progress.step(f"best {best:.4g} s")

@@ -24,11 +24,12 @@ from ..config import ModelConfig, PipelineConfig
 from ..pipeline.generators import generate
 from ..pipeline.replay import compile_schedule, replay
 from ..pipeline.schedule import Action, Kind
-from ..units import unit_kind, unit_names
+from ..units import unit_kind_of, unit_names
 from .cluster import Cluster
 from .cost_model import CostModel, CostSettings, optimizer_step_seconds
 from .evaluate import stage_capacity
-from .memory_model import MemorySettings, layer_checkpoints, layer_transient_extra, unit_param_count
+from .memory_model import MemorySettings, layer_checkpoints, layer_transient_extra, unit_param_split
+from .moe_model import Experts
 from .option_knapsack import choose_grouped
 from .overlap import gather_lead, overlapped_end, reduce_end
 from .partitioners import amp_partition, galvatron_walk
@@ -76,7 +77,8 @@ class Solution:
         grad_dp = lay.dp * lay.cp  # the gradients' group
         return RunSpec.of(model=model, tp=lay.tp, pp=lay.pp, dp=lay.dp, pipeline=pipe, sequence_parallel=var.sp,
                           rank_order="bpipe" if var.bpipe else "tp-dp-pp", distributed_optimizer=var.zero1,
-                          overlap_grad_reduce=grad_dp > 1, overlap_param_gather=var.zero1 and grad_dp > 1, cp=lay.cp)
+                          overlap_grad_reduce=grad_dp > 1, overlap_param_gather=var.zero1 and grad_dp > 1, cp=lay.cp,
+                          ep=lay.ep, etp=lay.etp)
 
 
 def even_partition(n_units: int, stages: int) -> tuple[int, ...]:
@@ -103,7 +105,8 @@ class LayoutProblem:
         self._short = None  # a zero-bubble schedule of m < p, compiled once for the estimate
         # per unit kind (units of a kind share their rows): allowed choices, and per choice (forward, backward)
         # per rank, saved bytes and transient bytes
-        kinds = [unit_kind(nm) for nm in self.names]
+        kinds = [unit_kind_of(model, nm) for nm in self.names]
+        self.experts = Experts(layout.ep, layout.etp or layout.tp, memory.moe_imbalance)
         allowed = self._allowed_choices(kinds)
         self.choices: list[tuple[str | None, ...]] = [allowed[k] for k in kinds]
         self.times: list[list[list[tuple[float, float]]]]  # [rank][unit][choice]
@@ -131,7 +134,7 @@ class LayoutProblem:
         start = block_units(blocks, even_partition(len(blocks), self.stages)) if len(blocks) >= self.stages \
             else even_partition(len(self.names), self.stages)
         base = Solution(lay, self.variant, start, None, 0.0, [], [], [], []).spec(model)
-        place_key = (lay.tp, lay.pp, lay.dp, base.rank_order, lay.cp)
+        place_key = (lay.tp, lay.pp, lay.dp, base.rank_order, lay.cp, lay.ep, lay.etp)
         placement = shapes.placements.setdefault(place_key, {})
         cost = CostModel(base, cluster, profiles, costs, placement)
         if "capacity" not in placement:
@@ -164,7 +167,8 @@ class LayoutProblem:
             link = self.cost.tp_link(r) if lay.tp > 1 else None
             cp_link = self.cost.cp_link(r) if lay.cp > 1 else None
             place = (dev.name, None if link is None else (link.bandwidth, link.latency), lay.tp, sp, lay.micro_batch_size,
-                     self.model.vocab_size, lay.cp, None if cp_link is None else (cp_link.bandwidth, cp_link.latency))
+                     self.model.vocab_size, lay.cp, None if cp_link is None else (cp_link.bandwidth, cp_link.latency),
+                     lay.ep, lay.etp, self.cost.experts.imbalance)
             if place not in by_device:
                 rows: dict = {}
                 for i, kind in enumerate(kinds):
@@ -199,17 +203,17 @@ class LayoutProblem:
         sp = self.variant.sp and lay.tp > 1
 
         def saved(kind, c):
-            key = (kind, c, lay.micro_batch_size, lay.tp, sp, memory.device, model.vocab_size, lay.cp)
+            key = (kind, c, lay.micro_batch_size, lay.tp, sp, memory.device, model.vocab_size, lay.cp, self.experts)
             if key not in shapes.saved_bytes:
                 shapes.saved_bytes[key] = float(unit_activation_bytes(kind, model, lay.micro_batch_size, lay.tp, sp, c,
-                                                                      memory.device, lay.cp))
+                                                                      memory.device, lay.cp, self.experts))
             return shapes.saved_bytes[key]
 
         # an engine that checkpoints whole layers keeps one input per fully recomputed layer (memory_model.py)
         layered = self.uniform == "full" and not self.space.sublayer and layer_checkpoints(memory.engine)
         kind_saved = {k: [0.0 if layered and k == "mlp" else saved(k, c) for c in allowed[k]] for k in allowed}
         kind_transient = {k: [float(unit_transient_bytes(k, model, lay.micro_batch_size, lay.tp, sp, c, memory.device,
-                                                         lay.cp)
+                                                         lay.cp, "p2p", self.experts)
                                     + (layer_transient_extra(model, lay.micro_batch_size, lay.tp, sp, memory.device,
                                                              lay.cp) if layered and k == "mlp" else 0))
                               for c in allowed[k]] for k in allowed}
@@ -217,14 +221,19 @@ class LayoutProblem:
             if self.zero_bubble else [0.0] * len(kinds)
         return [kind_saved[k] for k in kinds], wsaved, [kind_transient[k] for k in kinds]
 
-    def _model_states(self, kinds: list[str]) -> tuple[list[int], list[float]]:
-        """Per unit: its parameters on one tensor-parallel rank, and their model-state bytes (ZeRO-1's shard)."""
+    def _model_states(self, kinds: list[str]) -> tuple[list[float], list[float]]:
+        """Per unit: its parameters on one tensor-parallel rank (an MoE unit's expert ones counted as the dense ones
+        whose reduction takes as long: CommCosts.reduced_elements), and their model-state bytes (ZeRO-1's shard: the
+        dense parameters' over dp x cp, the expert ones' over edp)."""
         lay, model = self.layout, self.model
         precision = self.memory.precision(model, self.variant.zero1)
-        per_param = precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes(lay.dp * lay.cp)
+        base = precision.param_bytes + precision.grad_bytes
+        dense_shards, expert_shards = lay.dp * lay.cp, lay.tp * lay.cp * lay.dp // (self.experts.etp * self.experts.ep)
         own_output = model.untie_embeddings_and_output_weights or lay.pp > 1
-        params = [unit_param_count(k, model, lay.tp, output_weight=own_output) for k in kinds]
-        return params, [p * per_param for p in params]
+        splits = [unit_param_split(k, model, lay.tp, own_output, self.experts) for k in kinds]
+        static = [d * (base + precision.optimizer_bytes(dense_shards))
+                  + x * (base + precision.optimizer_bytes(expert_shards)) for d, x in splits]
+        return [self.cost.reduced_elements(0, d, x) for d, x in splits], static
 
     # ---- one partition --------------------------------------------------------------------------------------
     def _rank_keys(self, partition: tuple[int, ...]) -> list[tuple]:

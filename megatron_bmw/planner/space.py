@@ -16,7 +16,8 @@ SEARCHED = tuple(x for x in SCHEDULES if x != "zbv")  # the V placement is simul
 ENGINE_SCHEDULES = {"megatron-core": ("1f1b", "interleaved"), "deepspeed": ("1f1b",)}
 _BOOL = {"on": (True,), "off": (False,), "both": (False, True), "true": (True,), "false": (False,)}
 CP_MIN_SEQ = 8192  # shorter sequences are not split by default: cp 1 only
-_HELP = (f"tp, cp, pp, dp, mbs (lists of integers; cp by default 1 below {CP_MIN_SEQ} tokens, else the powers of two "
+_HELP = (f"tp, cp, pp, dp, mbs, ep, etp (lists of integers; ep and etp for MoE models only: by default ep every power of "
+         "two dividing the experts, etp 1 and tp; cp by default 1 below {CP_MIN_SEQ} tokens, else the powers of two "
          "dividing the world that split the sequence into 2 cp chunks); schedule ({', '.join(SEARCHED)}: zero-bubble ones only where the "
          "simulator says they win under the memory limit); virtual (chunks per rank); "
          "sp, zero1, bpipe, slicing (on, off, both); recompute (none, selective, full: the choices allowed per "
@@ -31,6 +32,8 @@ class SearchSpace:
     pp: tuple[int, ...] | None = None
     dp: tuple[int, ...] | None = None
     mbs: tuple[int, ...] | None = None  # None: every divisor of the per-replica batch
+    ep: tuple[int, ...] | None = None  # MoE models: None: every power of two dividing the experts (expert_degrees)
+    etp: tuple[int, ...] | None = None  # MoE models: None: 1 and tp
     schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")  # GPipe: 1F1B's time, more memory (asked for only)
     virtual: tuple[int, ...] = (2, 3, 4)
     sp: tuple[bool, ...] = (False, True)
@@ -91,7 +94,7 @@ class SearchSpace:
 
 
 def _parse_dim(key: str, values: list[str], item: str) -> dict:
-    if key in ("tp", "cp", "pp", "dp", "mbs", "virtual"):
+    if key in ("tp", "cp", "pp", "dp", "mbs", "virtual", "ep", "etp"):
         try:
             ints = tuple(int(v) for v in values)
         except ValueError:
@@ -144,6 +147,8 @@ class Layout:
     schedule: str
     virtual_stages: int = 1
     cp: int = 1  # context-parallel size: world = tp x cp x pp x dp
+    ep: int = 1  # expert-parallel size (MoE models; docs/moe.md)
+    etp: int | None = None  # expert-tensor-parallel size; None: tp
 
 
 @lru_cache(maxsize=None)
@@ -193,17 +198,44 @@ def cp_degrees(space: SearchSpace, model: ModelConfig, world: int) -> list[int]:
 
 
 def layouts(space: SearchSpace, model: ModelConfig, world: int, global_batch: int, tps: list[int]) -> list[Layout]:
-    """Every (tp, cp, pp, dp, mbs, schedule, virtual) of the space; pipeline stages need one unit each at least. A
-    schedule that splits backwards but lays out several chunks per rank (not the search's round-robin) is left
-    out."""
+    """Every (tp, cp, pp, dp, mbs, schedule, virtual, and for MoE models ep, etp) of the space; pipeline stages need
+    one unit each at least. A schedule that splits backwards but lays out several chunks per rank (not the search's
+    round-robin) is left out, and so are zero-bubble schedules for MoE models (not planned)."""
+    if model.moe is None and ((space.ep is not None and space.ep != (1,)) or space.etp is not None):
+        raise UsageError("--space ep/etp: the model has no experts (--num-experts); expert parallelism is searched "
+                         "for MoE models only")
     out = []
     for tp in tps:
         if space.tp is not None and tp not in space.tp:
             continue
         for cp in cp_degrees(space, model, world):
             if (world // tp) % cp == 0:
-                out += _degree_layouts(space, model, world // (tp * cp), global_batch, tp, cp)
+                for lay in _degree_layouts(space, model, world // (tp * cp), global_batch, tp, cp):
+                    out += expert_layouts(space, model, lay)
     return out
+
+
+def expert_degrees(space: SearchSpace, model: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """(ep, etp) pairs the search tries for `model` at tensor-parallel size `tp`: (1, tp) for a dense model; for an
+    MoE one the space's ep (default: every power of two dividing the experts) that divide the experts, and etp (default
+    1 and tp) that split the experts' FFN."""
+    if model.moe is None:
+        return [(1, tp)]
+    experts, ffn = model.moe.num_experts, model.moe_ffn_hidden_size
+    eps = space.ep if space.ep is not None else [e for e in (2 ** i for i in range(experts.bit_length()))
+                                                 if experts % e == 0]
+    etps = space.etp if space.etp is not None else sorted({1, tp})
+    return [(e, t) for e in eps for t in etps if experts % e == 0 and ffn % t == 0]
+
+
+def expert_layouts(space: SearchSpace, model: ModelConfig, lay: Layout) -> list[Layout]:
+    """`lay` with each expert layout whose etp x ep divides the stage's tp x cp x dp ranks (Megatron's rule)."""
+    if model.moe is None:
+        return [lay]
+    if zero_bubble(lay.schedule):
+        return []
+    stage = lay.tp * lay.cp * lay.dp
+    return [replace(lay, ep=ep, etp=etp) for ep, etp in expert_degrees(space, model, lay.tp) if stage % (ep * etp) == 0]
 
 
 def _degree_layouts(space: SearchSpace, model: ModelConfig, ranks: int, global_batch: int, tp: int,

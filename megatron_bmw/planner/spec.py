@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import ModelConfig, ParallelConfig, PipelineConfig, RunConfig
+from ..config import ZERO_BUBBLE, ModelConfig, ParallelConfig, PipelineConfig, RunConfig
 from ..errors import UsageError
 from ..parallel.layout import RankLayout
 from ..pipeline.partition import parse_partition
 from ..strategy import parse_unit_strategies
 from ..units import hidden_shape
 from .memory_model import StageLayout
+from .moe_model import Experts, check_experts
 
 
 @dataclass(frozen=True)
@@ -31,16 +32,19 @@ class RunSpec:
     def of(cls, model: ModelConfig, tp: int, pp: int, dp: int, pipeline: PipelineConfig,
            sequence_parallel: bool = False, rank_order: str = "tp-dp-pp", distributed_optimizer: bool = False,
            overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-           unit_strategies: tuple[str, ...] | None = None, cp: int = 1, cp_comm_type: str = "p2p") -> RunSpec:
+           unit_strategies: tuple[str, ...] | None = None, cp: int = 1, cp_comm_type: str = "p2p", ep: int = 1,
+           etp: int | None = None) -> RunSpec:
         """A candidate by its degrees (the planner's spelling): Galvatron-BMW's unit strategies (tp 1, each unit its
         own strategy over the stage's dp ranks) or None for the uniform Megatron layout; `cp` ranks split every
-        sequence (context parallelism, `cp_comm_type` its attention's exchange)."""
+        sequence (context parallelism, `cp_comm_type` its attention's exchange); `ep` ranks split the experts and
+        `etp` (None: tp) each expert (docs/moe.md)."""
         if min(tp, pp, cp) < 1:
             raise UsageError("parallel degrees must be >= 1")
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   sequence_parallel=sequence_parallel, rank_order=rank_order,
                                   unit_strategies=unit_strategies, context_parallel_size=cp,
-                                  cp_comm_type=cp_comm_type)
+                                  cp_comm_type=cp_comm_type, expert_model_parallel_size=ep,
+                                  expert_tensor_parallel_size=etp)
         return cls(model, parallel, pipeline, dp, distributed_optimizer, overlap_grad_reduce, overlap_param_gather)
 
     def __post_init__(self) -> None:
@@ -55,6 +59,14 @@ class RunSpec:
         if self.pipeline.bpipe:
             par = replace(par, rank_order="bpipe")
         _check_context_parallel(self.model, par)
+        if par.unit_strategies is not None and self.model.moe is not None:
+            raise UsageError("per-unit strategies (--unit-strategies) are not planned for MoE models")
+        if self.model.moe is not None and self.pipeline.schedule in ZERO_BUBBLE:
+            raise UsageError(f"--pipeline-schedule {self.pipeline.schedule}: zero-bubble schedules are not planned "
+                             "for MoE models (the experts' deferred weight gradients are not modelled)")
+        check_experts(self.model, par.tensor_model_parallel_size, par.context_parallel_size, self.dp,
+                      par.expert_model_parallel_size, par.expert_tensor_parallel_size,
+                      par.sequence_parallel and par.tensor_model_parallel_size > 1)
         object.__setattr__(self, "parallel", par)
         pl = self.pipeline
         partition = parse_partition(pl.partition, self.model.num_layers, self.pp, pl.virtual_stages)
@@ -91,6 +103,24 @@ class RunSpec:
         return self.parallel.cp_comm_type
 
     @property
+    def ep(self) -> int:
+        """Expert-parallel size: ranks the experts of an MoE unit are spread over (docs/moe.md)."""
+        return self.parallel.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        """Expert-tensor-parallel size: ranks each expert is split over."""
+        return self.parallel.expert_tensor_parallel_size
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: ranks holding the same expert shards, tp cp dp / (etp ep)."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
+
+    def experts(self, imbalance: float = 1.0) -> Experts:
+        return Experts(self.ep, self.etp, imbalance)
+
+    @property
     def grad_dp(self) -> int:
         """Ranks holding the same parameters: gradients are reduced, and ZeRO-1 shards, over dp x cp."""
         return self.dp * self.cp
@@ -102,7 +132,8 @@ class RunSpec:
     def describe_degrees(self) -> str:
         """"tp 2 x cp 2 x pp 4 x dp 2" (cp only where > 1): the layout's degrees in messages."""
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
-        return f"tp {self.tp}{cp} x pp {self.pp} x dp {self.dp}"
+        experts = f" (ep {self.ep}, etp {self.etp})" if self.model.moe is not None else ""
+        return f"tp {self.tp}{cp} x pp {self.pp} x dp {self.dp}{experts}"
 
     def rank_model(self) -> ModelConfig:
         """The model as one context-parallel rank computes its units: its s/cp tokens of every sequence, attention
@@ -129,7 +160,7 @@ class RunSpec:
     def stage_layout(self) -> StageLayout:
         pl = self.pipeline
         return StageLayout(self.tp, self.dp, self.pp, self.sp, pl.micro_batch_size, pl.partition, pl.recompute,
-                           pl.placement, self.cp, self.cp_comm_type)
+                           pl.placement, self.cp, self.cp_comm_type, self.ep, self.etp)
 
     def rank_layout(self) -> RankLayout:
         return RankLayout(self.tp, self.dp, self.pp, self.rank_order, self.cp)

@@ -41,6 +41,7 @@ core is the context-parallel attention, which saves exactly the q, k, v it is gi
 of the QKV output; without rope or q/k norms all three views of the QKV output), its output o [b, a/t, s/C, d] in e
 and the log-sum-exp b a/t s/C x 4, nothing of size s^2 whatever the attention backend; the context copy fed to
 the projection stays. Its transient buffers (in flight, not saved) are `cp_attention_buffers`'.
+An MoE unit ("moe", units.unit_kind_of) saves what moe_model.py lists, for the busiest rank of an expert layout.
 Selective recomputation keeps the attention unit minus its core (BERT: plus the core's input padding mask, b s
 bool); full recomputation keeps the unit's input.
 Zero-bubble schedules split a backward into B (input gradients) and W (the linear layers' weight gradients,
@@ -61,7 +62,8 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..units import RECOMPUTE, UNIT_KINDS
+from ..units import ALL_UNIT_KINDS, RECOMPUTE
+from .moe_model import Experts, default_experts, local_tokens, moe_backward_bytes, moe_saved
 
 DEVICE_KINDS = ("cuda", "cpu")
 _INT64, _BOOL, _FP32 = 8, 1, 4
@@ -81,11 +83,13 @@ class SavedTensor:
 
 
 def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                       recompute: str | None = None, device: str = "cuda", cp: int = 1) -> list[SavedTensor]:
+                       recompute: str | None = None, device: str = "cuda", cp: int = 1,
+                       experts: Experts | None = None) -> list[SavedTensor]:
     """The tensors one unit of `kind` saves for backward for one micro-batch on one tensor-parallel rank (of
-    context-parallel size `cp`: its s/cp tokens)."""
+    context-parallel size `cp`: its s/cp tokens; an MoE unit's on the busiest rank of expert layout `experts`,
+    moe_model.py: by default ep 1, etp = tp, even routing)."""
     _check_cp(model, cp)
-    if kind not in UNIT_KINDS:
+    if kind not in ALL_UNIT_KINDS:
         raise ValueError(f"unknown unit kind {kind!r}")
     if recompute not in RECOMPUTE:
         raise UsageError(f"recomputation must be none, selective or full, not {recompute!r}")
@@ -102,6 +106,8 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         saved.add("unit input (full recomputation)", saved.hidden_local, saved.e)
     elif kind == "mlp":
         _mlp_saved(saved)
+    elif kind == "moe":
+        moe_saved(saved, default_experts(tp, experts))
     else:
         _attention_saved(saved, recompute)
     return saved.out
@@ -359,8 +365,10 @@ def unit_wgrad_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
     """What one unit keeps from a split backward's B until its W (parallel/deferred_wgrad.py): per linear layer
     its saved input and its output gradient; the rest of what it saved is freed at B's end. The same whatever
     the recomputation (B rebuilds the inputs and W keeps them) and device."""
-    if kind not in UNIT_KINDS:
+    if kind not in ALL_UNIT_KINDS:
         raise ValueError(f"unknown unit kind {kind!r}")
+    if kind == "moe":  # zero-bubble schedules are not planned for MoE models (spec.py refuses them)
+        return []
     sp = sp and tp > 1
     s, b, h, e = model.seq_length // cp, micro_batch_size, model.hidden_size, model.dtype_bytes
     hidden_local = (s // tp if sp else s) * b * h  # a column-parallel input: this rank's sequence part with SP
@@ -393,14 +401,16 @@ _saved_memo: dict[tuple, int] = {}
 
 
 def unit_activation_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                          recompute: str | None = None, device: str = "cuda", cp: int = 1) -> int:
-    key = (kind, micro_batch_size, tp, sp, recompute, device, cp) + tuple(getattr(model, k) for k in _SAVED_KEYS)
+                          recompute: str | None = None, device: str = "cuda", cp: int = 1,
+                          experts: Experts | None = None) -> int:
+    key = (kind, micro_batch_size, tp, sp, recompute, device, cp, experts, repr(model.moe)) \
+        + tuple(getattr(model, k) for k in _SAVED_KEYS)
     got = _saved_memo.get(key)
     if got is None:
         if len(_saved_memo) > 100_000:
             _saved_memo.clear()
         got = _saved_memo[key] = sum(t.nbytes for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp,
-                                                                           recompute, device, cp))
+                                                                           recompute, device, cp, experts))
     return got
 
 
@@ -413,10 +423,13 @@ def bytes_by_dtype(tensors: list[SavedTensor]) -> dict[int, int]:
 
 
 def layer_activation_bytes(model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                           recompute: str | None = None, device: str = "cuda", cp: int = 1) -> int:
-    """One transformer layer (attention + MLP unit), one micro-batch, one rank."""
-    return sum(unit_activation_bytes(k, model, micro_batch_size, tp, sp, recompute, device, cp)
-               for k in ("attention", "mlp"))
+                           recompute: str | None = None, device: str = "cuda", cp: int = 1,
+                           experts: Experts | None = None) -> int:
+    """One transformer layer (attention + MLP unit; the first layer's: an MoE unit where it holds experts), one
+    micro-batch, one rank."""
+    second = "moe" if model.moe_layer(0) else "mlp"
+    return sum(unit_activation_bytes(k, model, micro_batch_size, tp, sp, recompute, device, cp, experts)
+               for k in ("attention", second))
 
 
 def korthikanti_layer_bytes(model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
@@ -433,7 +446,7 @@ def korthikanti_layer_bytes(model: ModelConfig, micro_batch_size: int, tp: int =
 
 
 def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                        cp: int = 1, cp_comm: str = "p2p") -> int:
+                        cp: int = 1, cp_comm: str = "p2p", experts: Experts | None = None) -> int:
     """The largest gradient buffers a unit's backward allocates beside what it saved (Galvatron's backward peak):
     the head's gradient of the logits cast for the output matmul (the fp32 gradient takes the saved softmax's
     place), the attention's gradient
@@ -454,17 +467,20 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
         return b * heads * s * s * (_FP32 + e) if not model.flash_attention else 3 * s * b * (h // tp) * e
     if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's
         return (4 if model.swiglu else 2) * s * b * (f // tp) * e
+    if kind == "moe":  # moe_model.py: the experts' gradients at the tokens received, the dispatcher's buffers
+        return moe_backward_bytes(model, local_tokens(model, b, tp, sp, cp), s * b, tp, default_experts(tp, experts))
     if kind == "embedding":
         return (s // tp if sp and tp > 1 else s) * b * h * e
     raise ValueError(f"unknown unit kind {kind!r}")
 
 
 def unit_transient_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int, sp: bool,
-                         recompute: str | None, device: str, cp: int = 1, cp_comm: str = "p2p") -> int:
+                         recompute: str | None, device: str, cp: int = 1, cp_comm: str = "p2p",
+                         experts: Experts | None = None) -> int:
     """What one unit's backward holds beside the saved activations: the activations recomputation rebuilds
     (one unit's, or one attention core's) and its gradient buffers."""
     rebuilt = 0
     if recompute is not None:
-        rebuilt = unit_activation_bytes(kind, model, micro_batch_size, tp, sp, None, device, cp) \
-            - unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device, cp)
-    return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp, cp, cp_comm)
+        rebuilt = unit_activation_bytes(kind, model, micro_batch_size, tp, sp, None, device, cp, experts) \
+            - unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device, cp, experts)
+    return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp, cp, cp_comm, experts)

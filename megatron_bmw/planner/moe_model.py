@@ -1,0 +1,241 @@
+"""An MoE unit (docs/moe.md) in numbers: how many tokens its experts receive on a rank, the parameters a rank holds
+and what the unit saves for backward. Torch-free; kernel_time.py and moe_cost.py time it, unit_activations.py and
+memory_model.py count it.
+
+Layout (`Experts`): ep ranks split the E experts (E/ep each), etp ranks split each expert's FFN (fc1 rows, fc2
+columns), carved from the stage's tp x cp x dp ranks; the expert data-parallel size edp = tp cp dp / (etp ep)
+(ranks holding the same expert shards: the distributed optimizer shards expert states over them, the dense ones
+over dp x cp).
+
+Routing (`expert_tokens`): a rank routes its T = s'b tokens (s' = s/cp, / tp with sequence parallelism: Megatron-core
+runs MoE under tp only with SP, and so does the planner), k experts each. The dispatcher brings every expert the
+tokens routed to it from the etp x ep ranks that share it (allgather: gathered over etp x ep; alltoall: all-to-all
+over ep, then gathered over etp), so an expert's mean load is m = etp ep T k / E and a rank's E/ep experts receive
+etp T k in all: the same per rank for any ep. The routing model: even (m per expert) but for a load-imbalance factor
+lambda = max/mean tokens per expert (`Experts.imbalance`, --moe-load-imbalance; 1.0, the even routing the load
+balancing loss aims at, by default): the busiest rank holds one expert at lambda m (at most etp ep T: every token
+once) and its others at m. With a capacity factor c (--moe-expert-capacity-factor) each source rank keeps at most
+ceil(T k / E c) tokens per expert (Megatron-core's capacity, computed on the local tokens), so an expert gets at most
+etp ep of those; padded to capacity (--moe-pad-expert-input-to-capacity) every expert gets exactly that.
+
+Saved for backward on the busiest rank, per micro-batch (R tokens received; `moe_saved`): the norm (as the dense
+MLP's), the router's fp32 input copy T h x 4 and weight copy E h x 4 (16-bit models; fp32 ones keep the norm output
+as the router's input), the scores (softmax over all E: T E fp32 kept by the softmax, then the top-k indices T k int64;
+otherwise the top-k indices and the softmax over the k: T k fp32; sigmoid: T E fp32 and the indices, and the
+normalisation over k, T k fp32 and T fp32, when k > 1), the load-balancing loss's T E fp32 softmax over all experts
+where the scores do not already hold it, the z-loss's fp32 logits T E and log-sum-exp T; the dispatch (the
+permutation's int64 indices of the T k routed copies, and the expert input R h e: the permuted tokens after the
+all-to-all and the etp gather, or the tokens selected from the etp x ep gather), the experts (fc1 output, the
+activation, fc2 input, as the dense MLP's at R tokens and F/etp columns), the combine (the fc2 output R h e and its
+tokens' probabilities R fp32, multiplied), the shared experts (as a dense MLP of F_shared over tp: its fc1 input,
+the activation's tensors; with the gate its sigmoid output and the shared output, s'b and s'bh e) and the dropout mask.
+These are THE numbers to adjust to the runtime (models/moe.py) by its saved-tensor hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from ..errors import UsageError
+
+_INT64, _FP32 = 8, 4
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How one stage's ranks hold the experts: ep ranks split them, etp ranks split each one; `imbalance`: max/mean
+    tokens per expert (the routing model)."""
+
+    ep: int = 1
+    etp: int = 1
+    imbalance: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.ep < 1 or self.etp < 1:
+            raise UsageError(f"expert parallel sizes must be >= 1, got ep {self.ep}, etp {self.etp}")
+        if not self.imbalance >= 1.0:
+            raise UsageError(f"--moe-load-imbalance is max/mean tokens per expert, >= 1; got {self.imbalance}")
+
+
+def default_experts(tp: int, experts: Experts | None) -> Experts:
+    """`experts`, or Megatron's default layout: ep 1, etp = tp."""
+    return experts if experts is not None else Experts(1, tp)
+
+
+def check_experts(model: ModelConfig, tp: int, cp: int, dp: int, ep: int, etp: int, sp: bool) -> None:
+    """What the planner plans of a layout's experts: MoE models only for ep or etp > 1 (etp beside tp 1), E % ep,
+    the expert FFN over etp, etp x ep dividing the stage's tp x cp x dp ranks, and sequence parallelism under tp."""
+    moe = model.moe
+    if moe is None:
+        if ep > 1 or etp != tp:
+            raise UsageError(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: the model "
+                             "has no experts (--num-experts)")
+        return
+    if moe.num_experts % ep:
+        raise UsageError(f"--expert-model-parallel-size {ep} does not divide --num-experts {moe.num_experts}")
+    if model.moe_ffn_hidden_size % etp:
+        raise UsageError(f"--expert-tensor-parallel-size {etp} does not split the experts' FFN size "
+                         f"{model.moe_ffn_hidden_size}")
+    if (tp * cp * dp) % (etp * ep):
+        raise UsageError(f"expert layout etp {etp} x ep {ep} does not divide a stage's tp {tp} x cp {cp} x dp {dp} "
+                         "ranks")
+    if tp > 1 and not sp:
+        raise UsageError(f"--tensor-model-parallel-size {tp} with experts needs --sequence-parallel (as Megatron-core)")
+
+
+def local_tokens(model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, cp: int = 1) -> int:
+    """T: the tokens one rank routes (its hidden state's rows x the micro-batch)."""
+    s = model.seq_length // cp
+    return (s // tp if sp and tp > 1 else s) * micro_batch_size
+
+
+def capacity(model: ModelConfig, tokens: int) -> int | None:
+    """Megatron-core's capacity per expert of a source rank's `tokens`: ceil(T k / E x factor); None: dropless."""
+    moe = model.moe
+    if moe.expert_capacity_factor is None:
+        return None
+    return math.ceil(tokens * moe.router_topk / moe.num_experts * moe.expert_capacity_factor)
+
+
+def expert_loads(model: ModelConfig, tokens: int, experts: Experts) -> list[float]:
+    """Tokens each local expert of the busiest rank receives: one at lambda x the mean, the others at the mean (the
+    routing model, module doc), each at most every token once and, with a capacity, at most the capacity."""
+    moe = model.moe
+    sources = experts.etp * experts.ep
+    mean = sources * tokens * moe.router_topk / moe.num_experts
+    most = float(sources * tokens)
+    cap = capacity(model, tokens)
+    local = moe.num_experts // experts.ep
+    loads = [min(mean * experts.imbalance, most)] + [mean] * (local - 1)
+    if cap is not None:
+        limit = float(sources * cap)
+        loads = [limit] * local if moe.pad_expert_input_to_capacity else [min(x, limit) for x in loads]
+    return loads
+
+
+def expert_tokens(model: ModelConfig, tokens: int, experts: Experts) -> int:
+    """R: the tokens the busiest rank's experts receive in all (rounded up)."""
+    return math.ceil(sum(expert_loads(model, tokens, experts)))
+
+
+def group_local_indices(tp: int, cp: int, dp: int, experts: Experts, group: str) -> list[int]:
+    """The local indices (L, moe_cost.py) of the first `group` ("ep", "etp_ep", "edp") of a stage."""
+    etp, ep = experts.etp, experts.ep
+    if group == "ep":
+        return [etp * j for j in range(ep)]
+    if group == "etp_ep":
+        return list(range(etp * ep))
+    if group == "edp":
+        return [etp * ep * i for i in range(tp * cp * dp // (etp * ep))]
+    raise ValueError(group)
+
+
+def local_to_coords(index: int, tp: int, cp: int) -> tuple[int, int, int]:
+    """(tp_rank, cp_rank, dp_rank) of local index L."""
+    return index % tp, (index // tp) % cp, index // (tp * cp)
+
+
+def moe_param_split(model: ModelConfig, tp: int, experts: Experts) -> tuple[int, int]:
+    """(dense, expert) parameters one rank holds of an MoE unit: the norm, the router (E h, replicated), the shared
+    experts over tp and their gate; the E/ep experts' fc1 (rows/etp x h, bias rows/etp) and fc2 (h x F/etp, bias h)."""
+    moe, h = model.moe, model.hidden_size
+    bias = model.add_bias_linear
+    norm = (1 if model.normalization == "RMSNorm" else 2) * h
+    dense = norm + moe.num_experts * h
+    shared = moe.shared_expert_intermediate_size
+    if shared:
+        rows = (2 * shared if model.swiglu else shared) // tp
+        dense += rows * h + (rows if bias else 0) + h * (shared // tp) + (h if bias else 0)
+        dense += h if moe.shared_expert_gate else 0
+    f = model.moe_ffn_hidden_size
+    rows = (2 * f if model.swiglu else f) // experts.etp
+    local = moe.num_experts // experts.ep
+    expert = local * (rows * h + (rows if bias else 0) + h * (f // experts.etp) + (h if bias else 0))
+    return dense, expert
+
+
+def moe_saved(saved, experts: Experts) -> None:
+    """Add what an MoE unit saves for backward (module doc) to unit_activations._Saved `saved`, in order."""
+    model, e = saved.model, saved.e
+    moe, h = model.moe, saved.h
+    tokens = saved.s_local * saved.b
+    big_e, k = moe.num_experts, moe.router_topk
+    saved.layernorm()
+    if e != _FP32:
+        saved.add("router input (fp32)", tokens * h, _FP32)
+        saved.add("router weight (fp32)", big_e * h, _FP32)
+    else:
+        saved.add("router input (norm output)", tokens * h, e)
+    _scores(saved, tokens, big_e, k)
+    received = expert_tokens(model, tokens, experts)
+    saved.add("permutation indices", tokens * k, _INT64)
+    saved.add("expert input (permuted tokens)", received * h, e)
+    f = model.moe_ffn_hidden_size // experts.etp
+    _activation(saved, received * f, "expert")
+    saved.add("expert output (fc2 output)", received * h, e)
+    saved.add("routing probabilities of the received tokens (fp32)", received, _FP32)
+    shared = moe.shared_expert_intermediate_size
+    if shared:
+        saved.add("shared expert fc1 input", saved.hidden_local, e)
+        _activation(saved, saved.s * saved.b * (shared // saved.tp), "shared expert")
+        if moe.shared_expert_gate:
+            saved.add("shared expert gate (sigmoid output)", tokens, e)
+            saved.add("shared expert output", saved.hidden_local, e)
+    saved.hidden_dropout()
+
+
+def _scores(saved, tokens: int, big_e: int, k: int) -> None:
+    moe = saved.model.moe
+    full = False  # whether a T x E fp32 softmax over all experts is kept
+    if moe.score_function == "sigmoid":
+        saved.add("router scores (sigmoid, fp32)", tokens * big_e, _FP32)
+        saved.add("top-k indices", tokens * k, _INT64)
+        if k > 1:
+            saved.add("top-k scores and their sum (fp32)", tokens * (k + 1), _FP32)
+    elif moe.pre_softmax:
+        saved.add("router probabilities (softmax over the experts, fp32)", tokens * big_e, _FP32)
+        saved.add("top-k indices", tokens * k, _INT64)
+        full = True
+    else:
+        saved.add("top-k indices", tokens * k, _INT64)
+        saved.add("top-k probabilities (softmax over the k, fp32)", tokens * k, _FP32)
+    if moe.load_balancing_type in ("aux_loss", "seq_aux_loss") and moe.aux_loss_coeff > 0 and not full:
+        saved.add("load-balancing scores (softmax over the experts, fp32)", tokens * big_e, _FP32)
+    if moe.z_loss_coeff:
+        saved.add("z-loss logits and log-sum-exp (fp32)", tokens * (big_e + 1), _FP32)
+
+
+def _activation(saved, local_f: int, what: str) -> None:
+    e = saved.e
+    if saved.model.swiglu:
+        saved.add(f"{what} fc1 output (gate and up)", 2 * local_f, e)
+        saved.add(f"{what} silu output", local_f, e)
+        saved.add(f"{what} swiglu output (fc2 input)", local_f, e)
+    else:
+        saved.add(f"{what} gelu input", local_f, e)
+        saved.add(f"{what} gelu output", local_f, e)
+
+
+def moe_dispatch_bytes(model: ModelConfig, tokens: int, experts: Experts) -> int:
+    """Bytes the dispatcher holds in flight on a rank beside what the unit saves: allgather, the tokens gathered over
+    etp x ep (etp ep T h e; in backward their gradient, before the reduce-scatter); alltoall, the T k permuted copies
+    sent and the R received before the etp gather (h e each)."""
+    h, e = model.hidden_size, model.dtype_bytes
+    if model.moe.token_dispatcher_type == "allgather":
+        return experts.etp * experts.ep * tokens * h * e
+    return (tokens * model.moe.router_topk + expert_tokens(model, tokens, experts) // experts.etp) * h * e
+
+
+def moe_backward_bytes(model: ModelConfig, tokens: int, hidden_rows_full: int, tp: int, experts: Experts) -> int:
+    """The largest gradient buffers an MoE unit's backward allocates beside what it saved: the experts' activation
+    gradients at R tokens (as the dense MLP's), the expert input's gradient R h, and the dispatcher's buffers;
+    `hidden_rows_full`: s'b of the whole sequence part (the shared experts' rows)."""
+    e, h = model.dtype_bytes, model.hidden_size
+    received = expert_tokens(model, tokens, experts)
+    f = model.moe_ffn_hidden_size // experts.etp
+    acts = (4 if model.swiglu else 2) * received * f * e
+    shared = model.moe.shared_expert_intermediate_size
+    shared_bytes = (4 if model.swiglu else 2) * hidden_rows_full * (shared // tp) * e if shared else 0
+    return max(acts + received * h * e + moe_dispatch_bytes(model, tokens, experts), shared_bytes)
