@@ -18,8 +18,11 @@ What backward keeps (the planner's memory model counts exactly this; no tensor o
 - p2p: the q, k, v given (q [b, n, s_loc, d], k and v [b, g, s_loc, d], their dtype), the output ([b, n, s_loc, d],
   q's dtype) and the log-sum-exp (fp32 [b, n, s_loc]). (The positions are kept as a plain attribute, not saved.)
 - a2a: the same bytes in the other layout: q, k, v and the output after the all-to-all ([b, n/C, s, d] and
-  [b, g/C, s, d]) and the log-sum-exp (fp32 [b, n/C, s]). When g is not divisible by C, k and v are first
-  repeated to n heads, so they are kept at n/C heads ((n/g) times the bytes of the given k and v).
+  [b, g/C, s, d]) and the log-sum-exp (fp32 [b, n/C, s]). When g is not divisible by C, each kv head is first
+  repeated to m = lcm(g, C) heads (a rank's n/C query heads then read m/C whole ones), so k and v are kept at m/C
+  heads ((m/g) times the bytes of the given k and v; MQA at C = 2: twice). The given q, k, v are not kept.
+- p2p and a2a under selective recomputation: the checkpoint keeps the q, k, v given (views of the QKV output where
+  they are views; gpt.py copies q out of the grouped rows where a rank holds several groups of several heads).
 - C == 1 (or a2a's local step): the same set, q, k, v, output and fp32 log-sum-exp.
 
 What is allocated while it runs (transient, freed by the return), with e the input's element size and
@@ -40,6 +43,8 @@ order, so a rank never leaves a transfer its peer waits for.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -369,8 +374,9 @@ def _ulysses(q, k, v, positions, group, ranks, scale: float):
     if n % c:
         raise UsageError(f"--cp-comm-type a2a: the {n} attention heads per tensor-parallel rank are not divisible "
                          f"by --context-parallel-size {c}")
-    if g % c:  # the kv heads cannot be scattered: give each query head its own copy
-        k, v = k.repeat_interleave(n // g, dim=1), v.repeat_interleave(n // g, dim=1)
+    if g % c:  # the kv heads cannot be scattered: repeat each to lcm(g, C) heads, so each rank gets whole ones
+        rep = math.lcm(g, c) // g  # (n is a multiple of lcm(g, C); a rank's n/C query heads read its own copies)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     s = c * q.size(2)
     gathered = torch.cat([chunk_positions(s, c, j, device=positions.device) for j in range(c)])
     qh, kh, vh = (_SeqToHeads.apply(x, group, c) for x in (q, k, v))

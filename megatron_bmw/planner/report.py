@@ -40,7 +40,8 @@ def estimate_json(spec: RunSpec, memory: list[RankMemory], cluster: Cluster | No
     out = {
         "parameters_total": total_parameters(spec.model),
         "activation_bytes_per_layer": layer_activation_bytes(spec.model, spec.pipeline.micro_batch_size, spec.tp, spec.sp,
-                                                             _layer_recompute(spec), settings.device, spec.cp),
+                                                             _layer_recompute(spec), settings.device, spec.cp,
+                                                             spec.cp_comm_type),
         "layout": {"tp": spec.tp, "cp": spec.cp, "cp_comm_type": spec.cp_comm_type, "pp": spec.pp, "dp": spec.dp,
                    "virtual": spec.pipeline.virtual_stages,
                    "micro_batch_size": spec.pipeline.micro_batch_size, "num_microbatches": spec.pipeline.num_microbatches,

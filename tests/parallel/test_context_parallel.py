@@ -143,8 +143,9 @@ def _check_saved(report, cp):
             assert total == expected, (comm, n, g, saved)
         elif g % cp == 0:  # a2a scatters the kv heads: the same bytes in the other layout
             assert len(saved) == 5 and total == expected, (comm, n, g, saved)
-        else:  # k and v repeated to n heads first
-            assert len(saved) == 5 and total == expected + 2 * b * s_loc * d * (n - g) * e, (comm, n, g, saved)
+        else:  # each kv head repeated to lcm(g, cp) heads first (cp // g per rank's query heads' group)
+            m = math.lcm(g, cp)
+            assert len(saved) == 5 and total == expected + 2 * b * s_loc * d * (m - g) * e, (comm, n, g, saved)
 
 
 @pytest.mark.slow

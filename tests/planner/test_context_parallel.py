@@ -83,10 +83,31 @@ def test_cp_core_ignores_the_attention_backend_and_the_device_for_its_core():
     flash = unit_saved_tensors("attention", model, B, 1, False, None, "cuda", 2)
     assert unit_saved_tensors("attention", _model(attention_backend="unfused"), B, 1, False, None, "cuda", 2) == flash
     assert unit_saved_tensors("attention", _model(attention_dropout=0.1), B, 1, False, None, "cuda", 2) == flash
-    # without rope or q/k norms q, k and v are views of the QKV output: the core keeps that alone
-    plain = _names(unit_saved_tensors("attention", _model(position_embedding_type="learned_absolute"), B, 1, False,
-                                      None, "cuda", 2))
-    assert plain.count("qkv output") == 1 and "query (normed or rotated)" not in plain
+    # without rope or q/k norms q, k and v are views of the QKV output: the core keeps that alone (MHA, or one
+    # group per rank); with several groups of several heads per rank q is copied out of the grouped rows
+    for tp, groups, copied in ((1, None, False), (2, 2, False), (1, 2, True)):
+        plain = _names(unit_saved_tensors("attention", _model(position_embedding_type="learned_absolute",
+                                                              num_query_groups=groups), B, tp, False, None, "cuda", 2))
+        assert plain.count("qkv output") == 1 and "query (normed or rotated)" not in plain
+        assert ("query (copied out of the grouped rows)" in plain) == copied
+
+
+@pytest.mark.parametrize("groups,tp,cp,kv_heads", [(2, 1, 2, 1), (1, 1, 2, 1), (1, 1, 4, 1), (2, 2, 2, 1),
+                                                    (None, 1, 2, 4), (2, 1, 4, 1)])
+def test_a2a_core_keeps_q_k_v_as_the_all_to_all_lays_them(groups, tp, cp, kv_heads):
+    """a2a: q [b, n/C, s, d], k and v [b, lcm(g, C)/C, s, d] (kv_heads: per rank), the output, the log-sum-exp;
+    not the given q, k (nor the QKV output v was a view of); under selective recomputation, the ring's set."""
+    model = _model(num_query_groups=groups)
+    got = {t.name: t.numel for t in unit_saved_tensors("attention", model, B, tp, False, None, "cuda", cp, "a2a")}
+    heads, d = model.num_attention_heads // tp, model.head_dim
+    assert got["query (after the all-to-all)"] == B * heads // cp * SEQ * d
+    assert got["keys (after the all-to-all)"] == got["values (after the all-to-all)"] == B * kv_heads * SEQ * d
+    assert got["log-sum-exp (fp32)"] == B * heads * SEQ // cp
+    assert "qkv output" not in got and "query (normed or rotated)" not in got
+    assert unit_saved_tensors("attention", model, B, tp, False, "selective", "cuda", cp, "a2a") == \
+        unit_saved_tensors("attention", model, B, tp, False, "selective", "cuda", cp)
+    with pytest.raises(UsageError, match="p2p or a2a"):
+        unit_saved_tensors("attention", model, B, tp, False, None, "cuda", cp, "ring")
 
 
 def test_selective_under_cp_keeps_the_core_inputs_only():
