@@ -46,7 +46,7 @@ v [b, m/C, s, d], m = lcm(g/t, C), each kv head repeated m t/g times first where
 grouped k's bytes times m t/g each), not the given ones, its output [b, a/(tC), s, d] in e and the log-sum-exp
 b a/(tC) s x 4 (the same bytes as the ring's). Under selective recomputation the checkpoint keeps the core's
 inputs as given (the ring's q, k, v) for either exchange. The context copy fed to the projection stays. The
-core's transient buffers (in flight, not saved) are `cp_attention_buffers`'.
+core's transient buffers (in flight, not saved) are `cp_attention_buffers`' (cp_buffers.py).
 Selective recomputation keeps the attention unit minus its core (BERT: plus the core's input padding mask, b s
 bool); full recomputation keeps the unit's input.
 Zero-bubble schedules split a backward into B (input gradients) and W (the linear layers' weight gradients,
@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..units import RECOMPUTE, UNIT_KINDS
+from .cp_buffers import cp_attention_buffers
 
 DEVICE_KINDS = ("cuda", "cpu")
 _INT64, _BOOL, _FP32 = 8, 1, 4
@@ -342,25 +343,6 @@ def _check_cp(model: ModelConfig, cp: int) -> None:
         raise UsageError(f"context-parallel size {cp} does not split the sequence of {model.seq_length} tokens")
 
 
-def cp_attention_buffers(model: ModelConfig, micro_batch_size: int, tp: int, cp: int,
-                         comm_type: str = "p2p") -> tuple[int, int]:
-    """(forward, backward) bytes the context-parallel attention core holds in flight beside what it saves, on one
-    rank: THE numbers to adjust to the kernel (parallel/context_parallel.py). Local sequence s/C, g/t key-value
-    heads, block = K and V of one chunk pair = 2 b g/t s/C d elements.
-      p2p (ring): forward 2 blocks of K/V in flight (the one attended, the one arriving) in e; backward 2 K/V
-          blocks in e, 2 dK/dV accumulator blocks in fp32 and the dQ accumulator b a/t s/C d in fp32.
-      a2a: the all-to-all's re-laid q, k, v and output (the same bytes as the local ones: a/(tC) heads over s)
-          forward; backward those and the re-laid dq, dk, dv."""
-    if cp <= 1:
-        return 0, 0
-    s, b, d, e = model.seq_length // cp, micro_batch_size, model.head_dim, model.dtype_bytes
-    q = b * (model.num_attention_heads // tp) * s * d
-    block = 2 * b * max(1, model.query_groups // tp) * s * d
-    if comm_type == "a2a":
-        return (2 * q + block) * e, 2 * (q + block) * e + q * e
-    return 2 * block * e, 2 * block * e + 2 * block * _FP32 + q * _FP32
-
-
 def _core_inputs(model: ModelConfig, local_h: int, tp: int, query_copied: bool) -> list[SavedTensor]:
     """The storages behind the attention core's q, k and v (what the core, or selective recomputation, keeps).
 
@@ -465,20 +447,20 @@ def korthikanti_layer_bytes(model: ModelConfig, micro_batch_size: int, tp: int =
 
 
 def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                        cp: int = 1, cp_comm: str = "p2p") -> int:
+                        cp: int = 1, cp_comm: str = "p2p", device: str = "cuda") -> int:
     """The largest gradient buffers a unit's backward allocates beside what it saved (Galvatron's backward peak):
     the head's gradient of the logits cast for the output matmul (the fp32 gradient takes the saved softmax's
     place), the attention's gradient
     of the scores and probabilities (unfused; the fused kernel's gradient of q, k, v), the MLP's gradients of
     the GeLU output and input, the embedding's hidden-state gradient. Under context parallelism (cp > 1) the local
-    s/cp tokens', and the context-parallel core's: the gradients of the grouped q, k, v it was given beside its
-    in-flight buffers (cp_attention_buffers)."""
+    s/cp tokens', and the context-parallel core's: the larger of its transient peaks (cp_attention_buffers, of
+    `device` kind: its backward's includes the q, k, v gradients it returns) and those gradients."""
     s, b, h, f, v = model.seq_length // cp, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
     e = model.dtype_bytes
     if kind == "attention" and cp > 1:
         local_h = s * b * (h // tp)
         grads = (local_h + 2 * local_h * model.query_groups // model.num_attention_heads) * e
-        return grads + max(cp_attention_buffers(model, micro_batch_size, tp, cp, cp_comm))
+        return max(grads, *cp_attention_buffers(model, micro_batch_size, tp, cp, cp_comm, device))
     if kind == "head":
         return s * b * (v // tp) * (0 if e == _FP32 else e)
     if kind == "attention":
@@ -499,4 +481,4 @@ def unit_transient_bytes(kind: str, model: ModelConfig, micro_batch_size: int, t
     if recompute is not None:
         rebuilt = unit_activation_bytes(kind, model, micro_batch_size, tp, sp, None, device, cp, cp_comm) \
             - unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device, cp, cp_comm)
-    return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp, cp, cp_comm)
+    return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp, cp, cp_comm, device)
