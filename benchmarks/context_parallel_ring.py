@@ -5,7 +5,8 @@ gloo ranks, and the share of the ring's time its overlap of transfers with compu
                                                [--head-dim 32] [--repeats 5]
 
 Three ways to the same causal attention of a rank's s/C rows (chunks r and 2C-1-r) over the whole sequence, each
-computing the same tiles (parallel/context_parallel.py's: half a block off the diagonal):
+computing the same pairs with the same kernels (parallel/cp_blocks.py: torch's CPU flash-attention kernel per
+pair, half a block off the diagonal):
 - ring: context_attention's p2p ring, the next K/V block's transfer in flight while this one is attended, and in
   backward the fp32 dK/dV accumulators one step behind;
 - ring, waited: the same ring with each transfer waited on before the computation that could hide it;
@@ -36,49 +37,49 @@ from benchmarks.args import count, parser  # noqa: E402
 from benchmarks.common import format_table, median  # noqa: E402
 from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
 from megatron_bmw.parallel import context_parallel as cpa  # noqa: E402
+from megatron_bmw.parallel import cp_blocks  # noqa: E402
 from megatron_bmw.parallel.mappings import gather_along  # noqa: E402
 
 METHODS = ("ring", "ring, waited", "all-gather")
 
 
 class _GatherKV(torch.autograd.Function):
-    """The baseline: all-gather K/V (in cp-rank order: tile j holds rank j's rows), attend the local queries tile by
-    tile, and in backward all-reduce the whole dK/dV and keep this rank's rows."""
+    """The baseline: all-gather K/V (in cp-rank order: block j holds rank j's rows), attend the local queries pair by
+    pair (the same pairs and kernels as the ring), and in backward all-reduce the whole dK/dV and keep this rank's
+    rows."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, c, scale):
+    def forward(ctx, q, k, v, group, c, scale):
         r, rows = dist.get_rank(group), q.size(2)
         kf, vf = gather_along(k, 2, group), gather_along(v, 2, group)
-        q5 = cpa._as5(q, k.size(1))
-        out, lse = cpa._accumulators(q5)
-        mask = cpa._diagonal_mask(positions)
-        for j in range(c):
-            r_sel, c_sel, masked = cpa._tile(r, j, rows)
-            cpa._tile_forward(q5, kf.narrow(2, j * rows, rows), vf.narrow(2, j * rows, rows), out, lse, scale,
-                              r_sel, c_sel, mask if masked else None)
-        out = out.view(q.shape).to(q.dtype)
+        out, lse = cpa._accumulators(q)
+        for n, j in enumerate([r] + [j for j in range(c) if j != r]):
+            r_sel, c_sel, causal = cpa._pair(r, j, rows)
+            keys = range(j * rows, (j + 1) * rows)[c_sel]
+            cols = slice(keys.start, keys.stop)
+            cp_blocks.block_forward(q[:, :, r_sel], kf[:, :, cols], vf[:, :, cols], causal, scale, out[:, :, r_sel],
+                                    lse[:, :, r_sel], first=n == 0)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, kf, vf, out, lse)
-        ctx.positions, ctx.group, ctx.c, ctx.scale = positions, group, c, scale
+        ctx.group, ctx.c, ctx.scale = group, c, scale
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, kf, vf, out, lse = ctx.saved_tensors
-        r, rows, g = dist.get_rank(ctx.group), q.size(2), kf.size(1)
-        q5, do5 = cpa._as5(q, g), cpa._wide(cpa._as5(do, g))
-        delta = (do5 * cpa._wide(cpa._as5(out, g))).sum(-1)
-        dq = torch.zeros(q5.shape, dtype=do5.dtype, device=q.device)
-        dkv = torch.zeros((2, *kf.shape), dtype=do5.dtype, device=q.device)
-        mask = cpa._diagonal_mask(ctx.positions)
+        r, rows = dist.get_rank(ctx.group), q.size(2)
+        dq = torch.zeros(q.shape, dtype=torch.float32)
+        dkv = torch.zeros((2, *kf.shape), dtype=torch.float32)
         for j in range(ctx.c):
-            r_sel, c_sel, masked = cpa._tile(r, j, rows)
-            at = j * rows
-            cpa._tile_backward(q5, kf.narrow(2, at, rows), vf.narrow(2, at, rows), do5, lse, delta, dq,
-                               dkv[0].narrow(2, at, rows), dkv[1].narrow(2, at, rows), ctx.scale, r_sel, c_sel,
-                               mask if masked else None)
+            r_sel, c_sel, causal = cpa._pair(r, j, rows)
+            keys = range(j * rows, (j + 1) * rows)[c_sel]
+            cols = slice(keys.start, keys.stop)
+            cp_blocks.block_backward(do[:, :, r_sel], q[:, :, r_sel], kf[:, :, cols], vf[:, :, cols],
+                                     out[:, :, r_sel], lse[:, :, r_sel].contiguous(), causal, ctx.scale,
+                                     dq[:, :, r_sel], dkv[0][:, :, cols], dkv[1][:, :, cols])
         dist.all_reduce(dkv, group=ctx.group)
         mine = dkv.narrow(3, r * rows, rows)
-        return dq.view(q.shape).to(q.dtype), mine[0].to(kf.dtype), mine[1].to(vf.dtype), None, None, None, None
+        return dq.to(q.dtype), mine[0].to(kf.dtype), mine[1].to(vf.dtype), None, None, None
 
 
 def _attend(method: str, q, k, v, positions, c: int, scale: float):
@@ -87,7 +88,7 @@ def _attend(method: str, q, k, v, positions, c: int, scale: float):
         return cpa.ring_attention(q, k, v, positions, group, ranks, scale, overlap=True)
     if method == "ring, waited":
         return cpa.ring_attention(q, k, v, positions, group, ranks, scale, overlap=False)
-    return _GatherKV.apply(q, k, v, positions, group, c, scale)
+    return _GatherKV.apply(q, k, v, group, c, scale)
 
 
 def _body(rank: int, c: int, seqs, batch: int, heads: int, kv_heads: int, d: int, repeats: int):

@@ -11,29 +11,36 @@ rank then does the same work. Attention over the whole sequence is spread over t
   each block's gradient is back on its owner after the full cycle; dQ accumulates locally.
 - "a2a", Ulysses: an all-to-all scatters the heads and gathers the sequence (q [b, n, s_loc, d] -> [b, n/C, s, d],
   the rows in chunk order: rank 0's rows, then rank 1's, ...), the causal attention runs locally by the same
-  tiles, and an all-to-all brings the output back to [b, n, s_loc, d].
+  pairs, and an all-to-all brings the output back to [b, n, s_loc, d].
 
 What backward keeps (the planner's memory model counts exactly this; no tensor of size s^2 or s_loc^2 is saved):
 
 - p2p: the q, k, v given (q [b, n, s_loc, d], k and v [b, g, s_loc, d], their dtype), the output ([b, n, s_loc, d],
-  q's dtype) and the log-sum-exp (fp32 [b, n, s_loc]). (The positions are kept as a plain attribute, not saved.)
+  q's dtype) and the log-sum-exp (fp32 [b, n, s_loc]; float64 for float64). (The positions are not kept.)
 - a2a: the same bytes in the other layout: q, k, v and the output after the all-to-all ([b, n/C, s, d] and
-  [b, g/C, s, d]) and the log-sum-exp (fp32 [b, n/C, s]). When g is not divisible by C, k and v are first
-  repeated to n heads, so they are kept at n/C heads ((n/g) times the bytes of the given k and v).
+  [b, g/C, s, d]) and the log-sum-exp (fp32 [b, n/C, s]). When g is not divisible by C, each kv head is first
+  repeated to m = lcm(g, C) heads (a rank's n/C query heads then read m/C whole ones), so k and v are kept at m/C
+  heads ((m/g) times the bytes of the given k and v; MQA at C = 2: twice). The given q, k, v are not kept.
+- p2p and a2a under selective recomputation: the checkpoint keeps the q, k, v given (views of the QKV output where
+  they are views; gpt.py copies q out of the grouped rows where a rank holds several groups of several heads).
 - C == 1 (or a2a's local step): the same set, q, k, v, output and fp32 log-sum-exp.
 
+Each (query block, key block) pair is attended by parallel/cp_blocks.py: torch's fused flash-attention kernel
+where one takes the dtype and device (CPU: fp32, bf16, fp16; CUDA: fp16, bf16), else (float64 always) explicit
+math in query-row tiles whose fp32 (float64) score buffer is at most cp_blocks.TILE_BYTES (64 MiB). With the chunk
+layout every pair is unmasked or aligned-causal (the diagonal, in the local order of increasing positions).
+
 What is allocated while it runs (transient, freed by the return), with e the input's element size and
-kv = 2 * b * g * s_loc * d elements (one K/V block, K and V packed):
+kv = 2 * b * g * s_loc * d elements (one K/V block, K and V packed); planner/cp_buffers.py counts it term by term:
 
 - p2p forward: 2 K/V blocks in q's dtype (the one being attended and sent, the one arriving: kv * e each), the
-  fp32 output accumulator [b, n, s_loc, d] and log-sum-exp, and per step the fp32 scores and probabilities of
-  one tile [b, n, s_loc, s_loc] (half of that off the diagonal).
-- p2p backward: 2 K/V blocks (kv * e each), 3 fp32 dK/dV accumulators (kv * 4 each: the one being sent, the one
-  arriving, the one being filled), the fp32 dQ accumulator [b, n, s_loc, d] and D = rowsum(dO * O) (fp32
-  [b, n, s_loc]), and per step about four fp32 tiles [b, n, s_loc, s_loc] (scores, probabilities, dP, dS).
+  fp32 output accumulator [b, n, s_loc, d] (in fp32 it is the saved output) and log-sum-exp (the saved one), and
+  per pair the kernel's output and log-sum-exp and the merge's row vectors; no score tile.
+- p2p backward: 2 K/V blocks (kv * e each), 3 fp32 dK/dV accumulators (kv * 4 each: the one being filled, the one
+  sent last step, the one arriving), the fp32 dQ accumulator [b, n, s_loc, d], and per pair the kernel's dq, dk,
+  dv and its workspace (the math path: two score tiles of at most TILE_BYTES instead).
 - a2a: the all-to-all buffers (a contiguous copy and the received tensor of q, k, v, the output and, in backward,
-  their gradients), the fp32 accumulators at [b, n/C, s, d], and per tile the same [b, n/C, s_loc, s_loc] fp32
-  tiles as p2p's [b, n, s_loc, s_loc].
+  their gradients), the fp32 accumulators at [b, n/C, s, d], and per pair what the ring's pair holds.
 
 Every isend/irecv is waited on before the function returns, and every rank posts the same transfers in the same
 order, so a rank never leaves a transfer its peer waits for.
@@ -41,10 +48,13 @@ order, so a rank never leaves a transfer its peer waits for.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from ..errors import UsageError
+from . import cp_blocks
 
 _KV_TAG, _DKV_TAG = 11, 12  # gloo matches a receive by (source, tag); NCCL ignores tags and keeps posting order
 
@@ -81,7 +91,7 @@ def context_attention(q, k, v, positions, group, ranks: tuple[int, ...], scale: 
 
     q: [b, n, s_loc, d]; k, v: [b, g, s_loc, d] with n = g * per (grouped-query attention, k and v not repeated:
     query head i reads kv head i // per); positions: int64 [s_loc], chunk_positions of this rank (the ring and
-    the all-to-all rely on the chunk layout; the diagonal block is masked by these positions); group: the cp
+    the all-to-all rely on the chunk layout: only its shape is checked, the pairs follow the layout); group: the cp
     ProcessGroup (None here is the default group when len(ranks) > 1; len(ranks) == 1 is plain causal attention
     and never communicates); ranks: its global ranks in cp-rank order; scale: the softmax scale.
     Causal by global position. Returns [b, n, s_loc, d] in q's dtype, differentiable in q, k, v."""
@@ -89,7 +99,7 @@ def context_attention(q, k, v, positions, group, ranks: tuple[int, ...], scale: 
         raise UsageError(f"--cp-comm-type {comm_type}: not one of p2p, a2a")
     _check_shapes(q, k, v, positions)
     if len(ranks) == 1:
-        return _LocalAttention.apply(q, k, v, positions, 1, scale)
+        return _LocalAttention.apply(q, k, v, 1, scale)
     if comm_type == "p2p":
         return ring_attention(q, k, v, positions, group, ranks, scale)
     return _ulysses(q, k, v, positions, group, ranks, scale)
@@ -97,7 +107,7 @@ def context_attention(q, k, v, positions, group, ranks: tuple[int, ...], scale: 
 
 def ring_attention(q, k, v, positions, group, ranks, scale: float, overlap: bool = True):
     """context_attention's p2p ring; overlap=False waits for each transfer before computing (benchmarks)."""
-    return _RingAttention.apply(q, k, v, positions, group, tuple(ranks), scale, overlap)
+    return _RingAttention.apply(q, k, v, group, tuple(ranks), scale, overlap)
 
 
 def _check_shapes(q, k, v, positions) -> None:
@@ -111,14 +121,16 @@ def _check_shapes(q, k, v, positions) -> None:
         raise ValueError(f"positions {tuple(positions.shape)}: one per local row ({s}) expected")
 
 
-# ---- the math of one tile: this rank's queries (some rows) against one K/V block (some rows) -------------------
+# ---- the pairs: this rank's queries (some rows) against one K/V block (some rows) -------------------------------
 
-def _tile(r: int, src: int, rows: int) -> tuple[slice, slice, bool]:
-    """Which query rows of rank r's tile see which key rows of rank src's block, and whether a mask is needed.
+def _pair(r: int, src: int, rows: int) -> tuple[slice, slice, bool]:
+    """Which query rows of rank r's block see which key rows of rank src's block, and whether the pair is
+    aligned-causal (else unmasked).
 
-    Rank r holds chunks (r, 2C-1-r), each rows // 2 long. src == r: the diagonal, masked by position. src < r:
-    chunk src is before both of r's chunks, chunk 2C-1-src after both: every query sees the first half, whole.
-    src > r: chunk r is before both of src's chunks, chunk 2C-1-r after both: the second half sees everything."""
+    Rank r holds chunks (r, 2C-1-r), each rows // 2 long. src == r: the diagonal, causal along the rows (the
+    positions increase). src < r: chunk src is before both of r's chunks, chunk 2C-1-src after both: every query sees
+    the first half, whole. src > r: chunk r is before both of src's chunks, chunk 2C-1-r after both: the second half
+    sees everything."""
     half = rows // 2
     if src == r:
         return slice(None), slice(None), True
@@ -127,57 +139,14 @@ def _tile(r: int, src: int, rows: int) -> tuple[slice, slice, bool]:
     return slice(half, None), slice(None), False
 
 
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """x in the dtype the attention math runs in: fp32 (float64 stays float64: the tests' exact reference)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+def _accumulators(q):
+    """The fp32 (float64 for float64) output [b, n, s, d] and log-sum-exp [b, n, s], filled by the first pair."""
+    wide = cp_blocks.wide_dtype(q.dtype)
+    return torch.empty(q.shape, dtype=wide, device=q.device), torch.empty(q.shape[:-1], dtype=wide, device=q.device)
 
 
-def _scores(q5, k, scale: float, mask):
-    """fp32 scores [b, g, per, sq, sk] of q5 [b, g, per, sq, d] against k [b, g, sk, d], masked to -inf."""
-    s = torch.einsum("bgpqd,bgkd->bgpqk", _wide(q5), _wide(k)).mul_(scale)
-    if mask is not None:
-        s.masked_fill_(~mask, float("-inf"))
-    return s
-
-
-def _tile_forward(q5, k, v, out, lse, scale: float, rows: slice, cols: slice, mask) -> None:
-    """Attend q5's `rows` to k/v's `cols` and merge into the fp32 accumulators out [.., sq, d], lse [.., sq]."""
-    s = _scores(q5[..., rows, :], k[..., cols, :], scale, mask)
-    blk_lse = torch.logsumexp(s, dim=-1)
-    p = s.sub_(blk_lse.unsqueeze(-1)).exp_()
-    blk_out = torch.einsum("bgpqk,bgkd->bgpqd", p, _wide(v[..., cols, :]))
-    out_r, lse_r = out[..., rows, :], lse[..., rows]
-    new = torch.logaddexp(lse_r, blk_lse)
-    out_r.mul_(torch.exp(lse_r - new).unsqueeze(-1)).add_(blk_out.mul_(torch.exp(blk_lse - new).unsqueeze(-1)))
-    lse_r.copy_(new)
-
-
-def _tile_backward(q5, k, v, do5, lse, delta, dq, dk, dv, scale: float, rows: slice, cols: slice, mask) -> None:
-    """Flash-attention backward of one tile with the final lse and delta = rowsum(dO * O); adds into the fp32
-    dq [.., sq, d], dk and dv [b, g, sk, d]."""
-    qf, kf, vf, dof = _wide(q5[..., rows, :]), _wide(k[..., cols, :]), _wide(v[..., cols, :]), do5[..., rows, :]
-    p = _scores(qf, kf, scale, mask).sub_(lse[..., rows].unsqueeze(-1)).exp_()
-    dv[..., cols, :] += torch.einsum("bgpqk,bgpqd->bgkd", p, dof)
-    ds = torch.einsum("bgpqd,bgkd->bgpqk", dof, vf).sub_(delta[..., rows].unsqueeze(-1)).mul_(p).mul_(scale)
-    dq[..., rows, :] += torch.einsum("bgpqk,bgkd->bgpqd", ds, kf)
-    dk[..., cols, :] += torch.einsum("bgpqk,bgpqd->bgkd", ds, qf)
-
-
-def _diagonal_mask(positions: torch.Tensor) -> torch.Tensor:
-    return positions.unsqueeze(1) >= positions.unsqueeze(0)
-
-
-def _as5(x: torch.Tensor, g: int) -> torch.Tensor:
-    """[b, n, s, d] -> [b, g, n // g, s, d]: query head i = j * per + t reads kv head j."""
-    b, n, s, d = x.shape
-    return x.reshape(b, g, n // g, s, d)
-
-
-def _accumulators(q5):
-    wide = torch.promote_types(q5.dtype, torch.float32)
-    out = torch.zeros(q5.shape, dtype=wide, device=q5.device)
-    lse = torch.full(q5.shape[:-1], float("-inf"), dtype=wide, device=q5.device)
-    return out, lse
+def _rows(x, sel: slice):
+    return x[:, :, sel]
 
 
 # ---- the ring ---------------------------------------------------------------------------------------------------
@@ -200,125 +169,117 @@ class _Transfer:
         return self.received
 
 
-def _ring_forward(q, k, v, positions, group, ranks, scale: float, overlap: bool):
-    c, r, g = len(ranks), dist.get_rank(group), k.size(1)
-    q5 = _as5(q, g)
-    out, lse = _accumulators(q5)
-    mask = _diagonal_mask(positions)
+def _ring_forward(q, k, v, group, ranks, scale: float, overlap: bool):
+    c, r = len(ranks), dist.get_rank(group)
+    out, lse = _accumulators(q)
     kv = torch.stack([k, v])
-    for i in range(c):
+    for i in range(c):  # step 0 is the diagonal, which covers every row: it fills the accumulators
         src = (r - i) % c
         incoming = _Transfer(kv, group, ranks, r, _KV_TAG) if i + 1 < c else None
         if incoming is not None and not overlap:
             incoming.wait()
-        rows, cols, masked = _tile(r, src, q.size(2))
-        _tile_forward(q5, kv[0], kv[1], out, lse, scale, rows, cols, mask if masked else None)
+        rows, cols, causal = _pair(r, src, q.size(2))
+        cp_blocks.block_forward(_rows(q, rows), _rows(kv[0], cols), _rows(kv[1], cols), causal, scale,
+                                _rows(out, rows), _rows(lse, rows), first=i == 0)
         if incoming is not None:
             kv = incoming.wait()
+            incoming = None
     return out, lse
 
 
-def _ring_backward(do, q, k, v, out, lse, positions, group, ranks, scale: float, overlap: bool):
-    c, r, g = len(ranks), dist.get_rank(group), k.size(1)
-    q5, do5 = _as5(q, g), _wide(_as5(do, g))
-    delta = (do5 * _wide(_as5(out, g))).sum(-1)
-    lse5 = lse.view(q5.shape[:-1])
-    dq = torch.zeros(q5.shape, dtype=do5.dtype, device=q.device)
-    mask = _diagonal_mask(positions)
+def _ring_backward(do, q, k, v, out, lse, group, ranks, scale: float, overlap: bool):
+    c, r = len(ranks), dist.get_rank(group)
+    wide = cp_blocks.wide_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=wide, device=q.device)
     kv, behind = torch.stack([k, v]), None  # behind: the accumulator of this step's block, arriving from r-1
     for i in range(c):
         src = (r - i) % c
         incoming = _Transfer(kv, group, ranks, r, _KV_TAG) if i + 1 < c else None
         if incoming is not None and not overlap:
             incoming.wait()
-        dkv = torch.zeros(kv.shape, dtype=do5.dtype, device=q.device)
-        rows, cols, masked = _tile(r, src, q.size(2))
-        _tile_backward(q5, kv[0], kv[1], do5, lse5, delta, dq, dkv[0], dkv[1], scale, rows, cols,
-                       mask if masked else None)
+        dkv = torch.zeros(kv.shape, dtype=wide, device=q.device)
+        rows, cols, causal = _pair(r, src, q.size(2))
+        cp_blocks.block_backward(_rows(do, rows), _rows(q, rows), _rows(kv[0], cols), _rows(kv[1], cols),
+                                 _rows(out, rows), _rows(lse, rows).contiguous(), causal, scale, _rows(dq, rows),
+                                 _rows(dkv[0], cols), _rows(dkv[1], cols))
         if behind is not None:
             dkv += behind.wait()
+            behind = None  # frees the block sent last step and the one just added
         behind = _Transfer(dkv, group, ranks, r, _DKV_TAG)  # to r+1; block src's own gradient arrives last
         if not overlap:
             behind.wait()
         if incoming is not None:
             kv = incoming.wait()
+            incoming = None
     dkv = behind.wait()  # this rank's own block, summed over every rank's queries
-    return dq.view(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, ranks, scale, overlap):
-        out, lse = _ring_forward(q, k, v, positions, group, ranks, scale, overlap)
-        out = out.view(q.shape).to(q.dtype)
-        lse = lse.view(q.shape[:-1])
+    def forward(ctx, q, k, v, group, ranks, scale, overlap):
+        out, lse = _ring_forward(q, k, v, group, ranks, scale, overlap)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.positions, ctx.group, ctx.ranks, ctx.scale, ctx.overlap = positions, group, ranks, scale, overlap
+        ctx.group, ctx.ranks, ctx.scale, ctx.overlap = group, ranks, scale, overlap
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(do, q, k, v, out, lse, ctx.positions, ctx.group, ctx.ranks, ctx.scale,
+        dq, dk, dv = _ring_backward(do.contiguous(), q, k, v, out, lse, ctx.group, ctx.ranks, ctx.scale,
                                     ctx.overlap)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-# ---- local attention by tiles (C == 1, and the a2a path's attention over the gathered sequence) -----------------
+# ---- local attention by pairs (C == 1, and the a2a path's attention over the gathered sequence) -----------------
 
-def _local_forward(q, k, v, positions, tiles: int, scale: float):
-    """Causal attention of q [b, n, S, d] over k, v [b, g, S, d], S = tiles x rows, the rows in chunk order (tile j
-    holds cp rank j's rows, positions [S] theirs): fp32 out and lse, tile by tile."""
-    q5 = _as5(q, k.size(1))
-    out, lse = _accumulators(q5)
-    rows = q.size(2) // tiles
+def _local_pairs(tiles: int, rows: int):
+    """(query rows, key rows, aligned-causal) of every pair of S = tiles x rows rows in chunk order (tile j: cp rank
+    j's rows), each tile's diagonal first (it covers the tile's every row)."""
     for i in range(tiles):
-        qi, oi, li = q5.narrow(3, i * rows, rows), out.narrow(3, i * rows, rows), lse.narrow(3, i * rows, rows)
-        for j in range(tiles):
-            kj, vj = k.narrow(2, j * rows, rows), v.narrow(2, j * rows, rows)
-            r_sel, c_sel, masked = _tile(i, j, rows)
-            mask = _diagonal_mask(positions.narrow(0, i * rows, rows)) if masked else None
-            _tile_forward(qi, kj, vj, oi, li, scale, r_sel, c_sel, mask)
+        at = slice(i * rows, (i + 1) * rows)
+        for j in [i] + [j for j in range(tiles) if j != i]:
+            r_sel, c_sel, causal = _pair(i, j, rows)
+            q_rows = range(at.start, at.stop)[r_sel]
+            k_rows = range(j * rows, (j + 1) * rows)[c_sel]
+            yield slice(q_rows.start, q_rows.stop), slice(k_rows.start, k_rows.stop), causal, j == i
+
+
+def _local_forward(q, k, v, tiles: int, scale: float):
+    out, lse = _accumulators(q)
+    for q_sel, k_sel, causal, first in _local_pairs(tiles, q.size(2) // tiles):
+        cp_blocks.block_forward(_rows(q, q_sel), _rows(k, k_sel), _rows(v, k_sel), causal, scale,
+                                _rows(out, q_sel), _rows(lse, q_sel), first)
     return out, lse
 
 
-def _local_backward(do, q, k, v, out, lse, positions, tiles: int, scale: float):
-    g = k.size(1)
-    q5, do5 = _as5(q, g), _wide(_as5(do, g))
-    delta = (do5 * _wide(_as5(out, g))).sum(-1)
-    lse5 = lse.view(q5.shape[:-1])
-    dq = torch.zeros(q5.shape, dtype=do5.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=do5.dtype, device=q.device)
+def _local_backward(do, q, k, v, out, lse, tiles: int, scale: float):
+    wide = cp_blocks.wide_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+    dk = torch.zeros(k.shape, dtype=wide, device=q.device)
     dv = torch.zeros_like(dk)
-    rows = q.size(2) // tiles
-    for i in range(tiles):
-        at = i * rows
-        qi, doi, dqi = q5.narrow(3, at, rows), do5.narrow(3, at, rows), dq.narrow(3, at, rows)
-        li, di = lse5.narrow(3, at, rows), delta.narrow(3, at, rows)
-        for j in range(tiles):
-            kj, vj = k.narrow(2, j * rows, rows), v.narrow(2, j * rows, rows)
-            dkj, dvj = dk.narrow(2, j * rows, rows), dv.narrow(2, j * rows, rows)
-            r_sel, c_sel, masked = _tile(i, j, rows)
-            mask = _diagonal_mask(positions.narrow(0, at, rows)) if masked else None
-            _tile_backward(qi, kj, vj, doi, li, di, dqi, dkj, dvj, scale, r_sel, c_sel, mask)
-    return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    for q_sel, k_sel, causal, _ in _local_pairs(tiles, q.size(2) // tiles):
+        cp_blocks.block_backward(_rows(do, q_sel), _rows(q, q_sel), _rows(k, k_sel), _rows(v, k_sel),
+                                 _rows(out, q_sel), _rows(lse, q_sel).contiguous(), causal, scale,
+                                 _rows(dq, q_sel), _rows(dk, k_sel), _rows(dv, k_sel))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, positions, tiles, scale):
-        out, lse = _local_forward(q, k, v, positions, tiles, scale)
-        out = out.view(q.shape).to(q.dtype)
-        lse = lse.view(q.shape[:-1])
+    def forward(ctx, q, k, v, tiles, scale):
+        out, lse = _local_forward(q, k, v, tiles, scale)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.positions, ctx.tiles, ctx.scale = positions, tiles, scale
+        ctx.tiles, ctx.scale = tiles, scale
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _local_backward(do, q, k, v, out, lse, ctx.positions, ctx.tiles, ctx.scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _local_backward(do.contiguous(), q, k, v, out, lse, ctx.tiles, ctx.scale)
+        return dq, dk, dv, None, None
 
 
 # ---- Ulysses: all-to-all over heads and sequence ------------------------------------------------------------------
@@ -369,9 +330,9 @@ def _ulysses(q, k, v, positions, group, ranks, scale: float):
     if n % c:
         raise UsageError(f"--cp-comm-type a2a: the {n} attention heads per tensor-parallel rank are not divisible "
                          f"by --context-parallel-size {c}")
-    if g % c:  # the kv heads cannot be scattered: give each query head its own copy
-        k, v = k.repeat_interleave(n // g, dim=1), v.repeat_interleave(n // g, dim=1)
-    s = c * q.size(2)
-    gathered = torch.cat([chunk_positions(s, c, j, device=positions.device) for j in range(c)])
+    if g % c:  # the kv heads cannot be scattered: repeat each to lcm(g, C) heads, so each rank gets whole ones
+        rep = math.lcm(g, c) // g  # (n is a multiple of lcm(g, C); a rank's n/C query heads read its own copies)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     qh, kh, vh = (_SeqToHeads.apply(x, group, c) for x in (q, k, v))
-    return _HeadsToSeq.apply(_LocalAttention.apply(qh, kh, vh, gathered, c, scale), group, c)
+    del q, k, v  # the repeated k and v are not needed past their all-to-all
+    return _HeadsToSeq.apply(_LocalAttention.apply(qh, kh, vh, c, scale), group, c)

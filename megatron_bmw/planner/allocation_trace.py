@@ -123,7 +123,8 @@ def rank_trace(spec: RunSpec, rank: int = 0, settings: MemorySettings = MemorySe
 
     def saved(i: int) -> list[int]:
         return [t.nbytes for t in unit_saved_tensors(unit_kind(names[i]), model, pl.micro_batch_size, tp, sp,
-                                                     layout.unit_recompute(i), settings.device, spec.cp)]
+                                                     layout.unit_recompute(i), settings.device, spec.cp,
+                                                     spec.cp_comm_type)]
 
     held: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
     shared_grad = shared_output_grad_bytes(model, tp, spec.pp, [names[i] for i in units], settings.engine)

@@ -210,11 +210,11 @@ def _layer_paired(layout: StageLayout, names: list[str], chunk: list[int], i: in
 
 
 def layer_transient_extra(model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, device: str,
-                          cp: int = 1) -> int:
+                          cp: int = 1, cp_comm: str = "p2p") -> int:
     """What a whole-layer checkpoint's backward holds beyond its MLP unit's own transient: the MLP's input
     (rebuilt, not kept) and the attention unit's rebuilt activations, alive while the MLP's backward runs."""
     def saved(kind: str, recompute: str | None) -> int:
-        return unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device, cp)
+        return unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device, cp, cp_comm)
     return saved("mlp", "full") + saved("attention", None) - saved("attention", "full")
 
 
@@ -228,7 +228,8 @@ def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
     layered = layer_checkpoints(settings.engine)
     experts = layout.experts(settings.moe_imbalance)
     return [float(sum(unit_activation_bytes(unit_kind_of(model, names[i]), model, layout.micro_batch_size, layout.tp,
-                                            sp, layout.unit_recompute(i), settings.device, layout.cp, experts)
+                                            sp, layout.unit_recompute(i), settings.device, layout.cp, layout.cp_comm,
+                                            experts)
                       for i in chunk if not (layered and _layer_paired(layout, names, chunk, i))))
             for chunk in chunk_unit_indices(layout, rank)]
 
@@ -308,7 +309,7 @@ def _backward_transient(layout: StageLayout, model: ModelConfig, rank: int, sett
     sp = layout.sequence_parallel and layout.tp > 1
     b, tp = layout.micro_batch_size, layout.tp
     layered = layer_checkpoints(settings.engine)
-    extra = layer_transient_extra(model, b, tp, sp, settings.device, layout.cp) if layered else 0
+    extra = layer_transient_extra(model, b, tp, sp, settings.device, layout.cp, layout.cp_comm) if layered else 0
     chunks = chunk_unit_indices(layout, rank)
     held = shared_output_grad_bytes(model, tp, layout.pp, [names[i] for c in chunks for i in c], settings.engine)
     experts = layout.experts(settings.moe_imbalance)

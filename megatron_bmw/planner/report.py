@@ -41,7 +41,7 @@ def estimate_json(spec: RunSpec, memory: list[RankMemory], cluster: Cluster | No
         "parameters_total": total_parameters(spec.model),
         "activation_bytes_per_layer": layer_activation_bytes(spec.model, spec.pipeline.micro_batch_size, spec.tp, spec.sp,
                                                              _layer_recompute(spec), settings.device, spec.cp,
-                                                             spec.experts(settings.moe_imbalance)),
+                                                             spec.cp_comm_type, spec.experts(settings.moe_imbalance)),
         "layout": {"tp": spec.tp, "cp": spec.cp, "cp_comm_type": spec.cp_comm_type, "pp": spec.pp, "dp": spec.dp,
                    "ep": spec.ep, "etp": spec.etp, "virtual": spec.pipeline.virtual_stages,
                    "micro_batch_size": spec.pipeline.micro_batch_size, "num_microbatches": spec.pipeline.num_microbatches,

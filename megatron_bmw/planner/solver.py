@@ -206,7 +206,7 @@ class LayoutProblem:
             key = (kind, c, lay.micro_batch_size, lay.tp, sp, memory.device, model.vocab_size, lay.cp, self.experts)
             if key not in shapes.saved_bytes:
                 shapes.saved_bytes[key] = float(unit_activation_bytes(kind, model, lay.micro_batch_size, lay.tp, sp, c,
-                                                                      memory.device, lay.cp, self.experts))
+                                                                      memory.device, lay.cp, experts=self.experts))
             return shapes.saved_bytes[key]
 
         # an engine that checkpoints whole layers keeps one input per fully recomputed layer (memory_model.py)

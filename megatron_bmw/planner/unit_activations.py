@@ -37,10 +37,16 @@ Context parallelism (cp = C > 1; the runtime's contract, models/gpt.py with para
 unit holds what it holds for the rank's local sequence s/C (s is s/C everywhere above; with SP the hidden state
 between units has s/(C t) rows). Attention differs: rope's cos and sin are taken at the rank's global positions
 (the same shapes, s/C x r); k and v are NOT repeated over a group's heads (the core takes the grouped k, v); the
-core is the context-parallel attention, which saves exactly the q, k, v it is given (the rotated q and k, v a view
-of the QKV output; without rope or q/k norms all three views of the QKV output), its output o [b, a/t, s/C, d] in e
-and the log-sum-exp b a/t s/C x 4, nothing of size s^2 whatever the attention backend; the context copy fed to
-the projection stays. Its transient buffers (in flight, not saved) are `cp_attention_buffers`'.
+core is the context-parallel attention, nothing of size s^2 whatever the attention backend. The p2p ring saves
+exactly the q, k, v it is given (the rotated q and k, v a view of the QKV output; without rope or q/k norms views
+of the QKV output, except q, a copy sbh/(Ct) e, where a rank holds several groups of several query heads: the
+grouped rows cannot be viewed as [b, a/t, s/C, d]), its output o [b, a/t, s/C, d] in e and the log-sum-exp
+b a/t s/C x 4. The a2a core saves q, k, v as its all-to-all re-lays them (q [b, a/(tC), s, d]: sbh/(Ct) e; k and
+v [b, m/C, s, d], m = lcm(g/t, C), each kv head repeated m t/g times first where C does not divide g/t: the
+grouped k's bytes times m t/g each), not the given ones, its output [b, a/(tC), s, d] in e and the log-sum-exp
+b a/(tC) s x 4 (the same bytes as the ring's). Under selective recomputation the checkpoint keeps the core's
+inputs as given (the ring's q, k, v) for either exchange. The context copy fed to the projection stays. The
+core's transient buffers (in flight, not saved) are `cp_attention_buffers`' (cp_buffers.py).
 An MoE unit ("moe", units.unit_kind_of) saves what moe_model.py lists, for the busiest rank of an expert layout.
 Selective recomputation keeps the attention unit minus its core (BERT: plus the core's input padding mask, b s
 bool); full recomputation keeps the unit's input.
@@ -58,11 +64,13 @@ dropout falls back to a math path (q, k, v copies and three s^2 tensors, in fp32
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..units import ALL_UNIT_KINDS, RECOMPUTE
+from .cp_buffers import cp_attention_buffers
 from .moe_model import Experts, default_experts, local_tokens, moe_backward_bytes, moe_saved
 
 DEVICE_KINDS = ("cuda", "cpu")
@@ -84,18 +92,20 @@ class SavedTensor:
 
 def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
                        recompute: str | None = None, device: str = "cuda", cp: int = 1,
-                       experts: Experts | None = None) -> list[SavedTensor]:
+                       cp_comm: str = "p2p", experts: Experts | None = None) -> list[SavedTensor]:
     """The tensors one unit of `kind` saves for backward for one micro-batch on one tensor-parallel rank (of
-    context-parallel size `cp`: its s/cp tokens; an MoE unit's on the busiest rank of expert layout `experts`,
-    moe_model.py: by default ep 1, etp = tp, even routing)."""
+    context-parallel size `cp`: its s/cp tokens; `cp_comm` the cp attention's exchange, p2p or a2a; an MoE unit's
+    on the busiest rank of expert layout `experts`, moe_model.py: by default ep 1, etp = tp, even routing)."""
     _check_cp(model, cp)
+    if cp_comm not in ("p2p", "a2a"):
+        raise UsageError(f"the context-parallel exchange must be p2p or a2a, not {cp_comm!r}")
     if kind not in ALL_UNIT_KINDS:
         raise ValueError(f"unknown unit kind {kind!r}")
     if recompute not in RECOMPUTE:
         raise UsageError(f"recomputation must be none, selective or full, not {recompute!r}")
     if device not in DEVICE_KINDS:
         raise UsageError(f"device kind must be cuda or cpu, not {device!r}")
-    saved = _Saved(model, micro_batch_size, tp, sp and tp > 1, device, cp)
+    saved = _Saved(model, micro_batch_size, tp, sp and tp > 1, device, cp, cp_comm)
     if kind == "embedding":
         _embedding_saved(saved)
     elif kind == "head" and model.model_type == "bert":
@@ -116,8 +126,9 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
 class _Saved:
     """The tensors one unit saves, in the order it saves them, with the sizes they are counted in."""
 
-    def __init__(self, model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, device: str, cp: int = 1) -> None:
-        self.model, self.tp, self.sp, self.device, self.cp = model, tp, sp, device, cp
+    def __init__(self, model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, device: str, cp: int = 1,
+                 cp_comm: str = "p2p") -> None:
+        self.model, self.tp, self.sp, self.device, self.cp, self.cp_comm = model, tp, sp, device, cp, cp_comm
         # s: the rank's local sequence (context parallelism splits it over cp ranks)
         self.s, self.b, self.h, self.e = model.seq_length // cp, micro_batch_size, model.hidden_size, model.dtype_bytes
         self.s_local = self.s // tp if sp else self.s
@@ -214,7 +225,7 @@ def _attention_saved(saved: _Saved, recompute: str | None) -> None:
     saved.add("qkv input", saved.hidden_local, saved.e)
     local_h = s * b * saved.h // tp
     # the unfused core's batched matmul copies a strided q; the fused kernel and a checkpoint keep q as it is
-    core_inputs = _cp_core_inputs(model, local_h) if saved.cp > 1 else \
+    core_inputs = _cp_core_inputs(model, local_h, tp) if saved.cp > 1 else \
         _core_inputs(model, local_h, tp, query_copied=recompute != "selective" and not model.flash_attention)
     if model.qk_layernorm:
         saved.out.extend(_qk_norm_saved(model, local_h, tp, b * (model.num_attention_heads // tp) * s, saved.device))
@@ -238,11 +249,16 @@ def _attention_core_saved(saved: _Saved, recompute: str | None, core_inputs: lis
     score = b * heads * s * s
     p_attn = model.attention_dropout
     math_path = model.flash_attention and device == "cpu" and p_attn > 0
-    if saved.cp > 1:  # the context-parallel core: its inputs, its output and the log-sum-exp; no s^2 term
-        saved.out.extend(core_inputs)
-        if recompute != "selective":
-            saved.add("context-parallel attention output", local_h, e)
-            saved.add("log-sum-exp (fp32)", b * heads * s, _FP32)
+    if saved.cp > 1:  # the context-parallel core: q, k, v, its output and the log-sum-exp; no s^2 term
+        if recompute == "selective":  # the checkpoint keeps the core's inputs as given
+            saved.out.extend(core_inputs)
+            return
+        if saved.cp_comm == "a2a":  # q, k, v re-laid by the all-to-all (the given ones are not kept)
+            saved.out.extend(_a2a_core_inputs(model, local_h, saved.tp, saved.cp))
+        else:
+            saved.out.extend(core_inputs)
+        saved.add("context-parallel attention output", local_h, e)
+        saved.add("log-sum-exp (fp32)", b * heads * s, _FP32)
     elif recompute == "selective":
         saved.out.extend(core_inputs)
         if bert:  # an input of the recomputed core
@@ -300,41 +316,36 @@ def _qk_norm_saved(model: ModelConfig, local_h: int, tp: int, q_rows: int, devic
     return out
 
 
-def _cp_core_inputs(model: ModelConfig, local_h: int) -> list[SavedTensor]:
-    """What the context-parallel core is given and keeps: q, k and v as views of the QKV output, or with rope (or
-    q/k norms) the new q and k (k grouped: not repeated over the group's heads) beside the QKV output v is a view
-    of."""
+def _cp_core_inputs(model: ModelConfig, local_h: int, tp: int) -> list[SavedTensor]:
+    """The storages behind the q, k, v the context-parallel core is given (what the p2p ring and a selective
+    checkpoint keep): views of the QKV output, q copied out of the grouped rows where a rank holds several groups
+    of several heads, or with rope (or q/k norms) the new q and k (k grouped: not repeated over the group's heads)
+    beside the QKV output v is a view of."""
     e = model.dtype_bytes
     qkv = SavedTensor("qkv output", local_h * model.qkv_rows // model.hidden_size, e)
-    if model.position_embedding_type != "rope" and not model.qk_layernorm:
-        return [qkv]
     per = model.num_attention_heads // model.query_groups
+    if model.position_embedding_type != "rope" and not model.qk_layernorm:
+        if per > 1 and model.query_groups // tp > 1:  # [s, b, groups, per, d] -> [b, n, s, d] cannot be a view
+            return [SavedTensor("query (copied out of the grouped rows)", local_h, e), qkv]
+        return [qkv]
     return [SavedTensor("query (normed or rotated)", local_h, e),
             SavedTensor("keys (normed or rotated, grouped)", local_h // per, e), qkv]
+
+
+def _a2a_core_inputs(model: ModelConfig, local_h: int, tp: int, cp: int) -> list[SavedTensor]:
+    """q, k, v as the a2a core keeps them, after the all-to-all: q [b, n/C, s, d] (q's elements), k and v
+    [b, m/C, s, d] with m = lcm(g, C) kv heads (g = the rank's kv heads; each is repeated m/g times first when C
+    does not divide g): the given k's elements times m/g."""
+    e, g = model.dtype_bytes, model.query_groups // tp
+    heads = model.num_attention_heads // tp
+    kv = local_h * math.lcm(g, cp) // heads
+    return [SavedTensor("query (after the all-to-all)", local_h, e), SavedTensor("keys (after the all-to-all)", kv, e),
+            SavedTensor("values (after the all-to-all)", kv, e)]
 
 
 def _check_cp(model: ModelConfig, cp: int) -> None:
     if cp < 1 or model.seq_length % cp:
         raise UsageError(f"context-parallel size {cp} does not split the sequence of {model.seq_length} tokens")
-
-
-def cp_attention_buffers(model: ModelConfig, micro_batch_size: int, tp: int, cp: int,
-                         comm_type: str = "p2p") -> tuple[int, int]:
-    """(forward, backward) bytes the context-parallel attention core holds in flight beside what it saves, on one
-    rank: THE numbers to adjust to the kernel (parallel/context_parallel.py). Local sequence s/C, g/t key-value
-    heads, block = K and V of one chunk pair = 2 b g/t s/C d elements.
-      p2p (ring): forward 2 blocks of K/V in flight (the one attended, the one arriving) in e; backward 2 K/V
-          blocks in e, 2 dK/dV accumulator blocks in fp32 and the dQ accumulator b a/t s/C d in fp32.
-      a2a: the all-to-all's re-laid q, k, v and output (the same bytes as the local ones: a/(tC) heads over s)
-          forward; backward those and the re-laid dq, dk, dv."""
-    if cp <= 1:
-        return 0, 0
-    s, b, d, e = model.seq_length // cp, micro_batch_size, model.head_dim, model.dtype_bytes
-    q = b * (model.num_attention_heads // tp) * s * d
-    block = 2 * b * max(1, model.query_groups // tp) * s * d
-    if comm_type == "a2a":
-        return (2 * q + block) * e, 2 * (q + block) * e + q * e
-    return 2 * block * e, 2 * block * e + 2 * block * _FP32 + q * _FP32
 
 
 def _core_inputs(model: ModelConfig, local_h: int, tp: int, query_copied: bool) -> list[SavedTensor]:
@@ -401,16 +412,16 @@ _saved_memo: dict[tuple, int] = {}
 
 
 def unit_activation_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                          recompute: str | None = None, device: str = "cuda", cp: int = 1,
+                          recompute: str | None = None, device: str = "cuda", cp: int = 1, cp_comm: str = "p2p",
                           experts: Experts | None = None) -> int:
-    key = (kind, micro_batch_size, tp, sp, recompute, device, cp, experts, repr(model.moe)) \
+    key = (kind, micro_batch_size, tp, sp, recompute, device, cp, cp_comm, experts, repr(model.moe)) \
         + tuple(getattr(model, k) for k in _SAVED_KEYS)
     got = _saved_memo.get(key)
     if got is None:
         if len(_saved_memo) > 100_000:
             _saved_memo.clear()
         got = _saved_memo[key] = sum(t.nbytes for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp,
-                                                                           recompute, device, cp, experts))
+                                                                           recompute, device, cp, cp_comm, experts))
     return got
 
 
@@ -424,11 +435,11 @@ def bytes_by_dtype(tensors: list[SavedTensor]) -> dict[int, int]:
 
 def layer_activation_bytes(model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
                            recompute: str | None = None, device: str = "cuda", cp: int = 1,
-                           experts: Experts | None = None) -> int:
+                           cp_comm: str = "p2p", experts: Experts | None = None) -> int:
     """One transformer layer (attention + MLP unit; the first layer's: an MoE unit where it holds experts), one
     micro-batch, one rank."""
     second = "moe" if model.moe_layer(0) else "mlp"
-    return sum(unit_activation_bytes(k, model, micro_batch_size, tp, sp, recompute, device, cp, experts)
+    return sum(unit_activation_bytes(k, model, micro_batch_size, tp, sp, recompute, device, cp, cp_comm, experts)
                for k in ("attention", second))
 
 
@@ -446,20 +457,20 @@ def korthikanti_layer_bytes(model: ModelConfig, micro_batch_size: int, tp: int =
 
 
 def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                        cp: int = 1, cp_comm: str = "p2p", experts: Experts | None = None) -> int:
+                        cp: int = 1, cp_comm: str = "p2p", device: str = "cuda", experts: Experts | None = None) -> int:
     """The largest gradient buffers a unit's backward allocates beside what it saved (Galvatron's backward peak):
     the head's gradient of the logits cast for the output matmul (the fp32 gradient takes the saved softmax's
     place), the attention's gradient
     of the scores and probabilities (unfused; the fused kernel's gradient of q, k, v), the MLP's gradients of
     the GeLU output and input, the embedding's hidden-state gradient. Under context parallelism (cp > 1) the local
-    s/cp tokens', and the context-parallel core's: the gradients of the grouped q, k, v it was given beside its
-    in-flight buffers (cp_attention_buffers)."""
+    s/cp tokens', and the context-parallel core's: the larger of its transient peaks (cp_attention_buffers, of
+    `device` kind: its backward's includes the q, k, v gradients it returns) and those gradients."""
     s, b, h, f, v = model.seq_length // cp, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
     e = model.dtype_bytes
     if kind == "attention" and cp > 1:
         local_h = s * b * (h // tp)
         grads = (local_h + 2 * local_h * model.query_groups // model.num_attention_heads) * e
-        return grads + max(cp_attention_buffers(model, micro_batch_size, tp, cp, cp_comm))
+        return max(grads, *cp_attention_buffers(model, micro_batch_size, tp, cp, cp_comm, device))
     if kind == "head":
         return s * b * (v // tp) * (0 if e == _FP32 else e)
     if kind == "attention":
@@ -481,6 +492,6 @@ def unit_transient_bytes(kind: str, model: ModelConfig, micro_batch_size: int, t
     (one unit's, or one attention core's) and its gradient buffers."""
     rebuilt = 0
     if recompute is not None:
-        rebuilt = unit_activation_bytes(kind, model, micro_batch_size, tp, sp, None, device, cp, experts) \
-            - unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device, cp, experts)
-    return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp, cp, cp_comm, experts)
+        rebuilt = unit_activation_bytes(kind, model, micro_batch_size, tp, sp, None, device, cp, cp_comm, experts) \
+            - unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device, cp, cp_comm, experts)
+    return rebuilt + unit_backward_bytes(kind, model, micro_batch_size, tp, sp, cp, cp_comm, device, experts)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_bmw.errors import UsageError
+from megatron_bmw.parallel import cp_blocks
 from megatron_bmw.parallel.context_parallel import (chunk_positions, context_attention, ring_attention,
                                                     split_sequence)
 from tests.dist_harness import run_distributed
@@ -107,11 +108,16 @@ CASES = [  # (comm, b, n, g, s, d, dtype, overlap)
 ]
 
 
-def _check_all(rank, world_size, cases):
-    """Every case on this rank: output and gradients against the reference rows, and what autograd saved."""
+def _check_all(rank, world_size, cases, math_tile=None):
+    """Every case on this rank: output and gradients against the reference rows, and what autograd saved.
+    math_tile: run the math path (no fused kernel) in query-row tiles of this many score bytes."""
     report = []
     for comm, b, n, g, s, d, dtype, overlap in cases:
-        got, want, saved = _run_case(rank, world_size, comm, b, n, g, s, d, dtype, overlap)
+        cp_blocks.USE_FUSED, cp_blocks.TILE_BYTES = math_tile is None, math_tile or 64 * 2 ** 20
+        try:
+            got, want, saved = _run_case(rank, world_size, comm, b, n, g, s, d, dtype, overlap)
+        finally:
+            cp_blocks.USE_FUSED, cp_blocks.TILE_BYTES = True, 64 * 2 ** 20
         tol = 1e-12 if dtype == torch.float64 else 2e-6
         for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
             err = ((a - w).abs().max() / w.abs().max()).item()
@@ -143,8 +149,9 @@ def _check_saved(report, cp):
             assert total == expected, (comm, n, g, saved)
         elif g % cp == 0:  # a2a scatters the kv heads: the same bytes in the other layout
             assert len(saved) == 5 and total == expected, (comm, n, g, saved)
-        else:  # k and v repeated to n heads first
-            assert len(saved) == 5 and total == expected + 2 * b * s_loc * d * (n - g) * e, (comm, n, g, saved)
+        else:  # each kv head repeated to lcm(g, cp) heads first (cp // g per rank's query heads' group)
+            m = math.lcm(g, cp)
+            assert len(saved) == 5 and total == expected + 2 * b * s_loc * d * (m - g) * e, (comm, n, g, saved)
 
 
 @pytest.mark.slow
@@ -153,6 +160,40 @@ def test_context_attention_equals_serial_causal_attention_forward_and_backward(c
     reports = run_distributed(cp, _check_all, CASES)
     for report in reports:
         _check_saved(report, cp)
+
+
+@pytest.mark.slow
+def test_the_math_path_in_small_query_row_tiles_is_as_exact():
+    """Without the fused kernel, tiles of 2-3 query rows (a 2 KiB score budget) give the same results."""
+    cases = [c for c in CASES if c[6] == torch.float32 and c[7]]
+    for report in run_distributed(2, _check_all, cases, 2048):
+        _check_saved(report, 2)
+
+
+def test_tile_rows_fit_the_budget():
+    assert cp_blocks.tile_rows(2, 4, 1024, 4, 64 * 2 ** 20) == 2048
+    assert cp_blocks.tile_rows(1, 32, 65536, 4) == 8  # 128k tokens at cp 2: 8 rows of 32 heads x 64k keys, 64 MiB
+    assert cp_blocks.tile_rows(1, 64, 2 ** 20, 8, 1) == 1
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("g", [4, 1])
+def test_a_pair_by_the_fused_kernel_equals_the_math_path_in_tiles(causal, g, monkeypatch):
+    """One pair merged into accumulators holding another: the CPU flash kernel (fp32) against the math path in
+    3-row tiles, forward (output, log-sum-exp) and backward (dq, dk, dv with the final output and lse)."""
+    q, k, v, do = _inputs(5, 2, 4, g, 16, 8, torch.float32)
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(cp_blocks, "USE_FUSED", fused)
+        monkeypatch.setattr(cp_blocks, "TILE_BYTES", 3 * 2 * 4 * 16 * 4)
+        out = torch.zeros(2, 4, 16, 8)
+        lse = torch.full((2, 4, 16), 0.5)
+        cp_blocks.block_forward(q, k, v, causal, 0.3, out, lse, first=False)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        cp_blocks.block_backward(do, q, k, v, out.to(q.dtype), lse, causal, 0.3, dq, dk, dv)
+        results.append([out, lse, dq, dk, dv])
+    for a, b in zip(*results):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 2e-6
 
 
 def test_a_single_cp_rank_is_plain_causal_attention_with_the_same_saved_set():

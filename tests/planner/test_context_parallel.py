@@ -83,10 +83,31 @@ def test_cp_core_ignores_the_attention_backend_and_the_device_for_its_core():
     flash = unit_saved_tensors("attention", model, B, 1, False, None, "cuda", 2)
     assert unit_saved_tensors("attention", _model(attention_backend="unfused"), B, 1, False, None, "cuda", 2) == flash
     assert unit_saved_tensors("attention", _model(attention_dropout=0.1), B, 1, False, None, "cuda", 2) == flash
-    # without rope or q/k norms q, k and v are views of the QKV output: the core keeps that alone
-    plain = _names(unit_saved_tensors("attention", _model(position_embedding_type="learned_absolute"), B, 1, False,
-                                      None, "cuda", 2))
-    assert plain.count("qkv output") == 1 and "query (normed or rotated)" not in plain
+    # without rope or q/k norms q, k and v are views of the QKV output: the core keeps that alone (MHA, or one
+    # group per rank); with several groups of several heads per rank q is copied out of the grouped rows
+    for tp, groups, copied in ((1, None, False), (2, 2, False), (1, 2, True)):
+        plain = _names(unit_saved_tensors("attention", _model(position_embedding_type="learned_absolute",
+                                                              num_query_groups=groups), B, tp, False, None, "cuda", 2))
+        assert plain.count("qkv output") == 1 and "query (normed or rotated)" not in plain
+        assert ("query (copied out of the grouped rows)" in plain) == copied
+
+
+@pytest.mark.parametrize("groups,tp,cp,kv_heads", [(2, 1, 2, 1), (1, 1, 2, 1), (1, 1, 4, 1), (2, 2, 2, 1),
+                                                    (None, 1, 2, 4), (2, 1, 4, 1)])
+def test_a2a_core_keeps_q_k_v_as_the_all_to_all_lays_them(groups, tp, cp, kv_heads):
+    """a2a: q [b, n/C, s, d], k and v [b, lcm(g, C)/C, s, d] (kv_heads: per rank), the output, the log-sum-exp;
+    not the given q, k (nor the QKV output v was a view of); under selective recomputation, the ring's set."""
+    model = _model(num_query_groups=groups)
+    got = {t.name: t.numel for t in unit_saved_tensors("attention", model, B, tp, False, None, "cuda", cp, "a2a")}
+    heads, d = model.num_attention_heads // tp, model.head_dim
+    assert got["query (after the all-to-all)"] == B * heads // cp * SEQ * d
+    assert got["keys (after the all-to-all)"] == got["values (after the all-to-all)"] == B * kv_heads * SEQ * d
+    assert got["log-sum-exp (fp32)"] == B * heads * SEQ // cp
+    assert "qkv output" not in got and "query (normed or rotated)" not in got
+    assert unit_saved_tensors("attention", model, B, tp, False, "selective", "cuda", cp, "a2a") == \
+        unit_saved_tensors("attention", model, B, tp, False, "selective", "cuda", cp)
+    with pytest.raises(UsageError, match="p2p or a2a"):
+        unit_saved_tensors("attention", model, B, tp, False, None, "cuda", cp, "ring")
 
 
 def test_selective_under_cp_keeps_the_core_inputs_only():
@@ -117,18 +138,26 @@ def test_cp_refuses_a_sequence_it_does_not_split():
 
 
 def test_cp_attention_buffers_and_backward():
-    """The ring's in-flight buffers: forward 2 K/V blocks in e; backward 2 K/V blocks, 2 dK/dV blocks in fp32 and
-    the dQ accumulator in fp32; the backward adds the grouped dq, dk, dv."""
+    """The ring's transient bytes (planner/cp_buffers.py; against the CPU allocator in test_cp_buffers.py), bf16 on
+    cuda: forward 2 K/V blocks, the fp32 output accumulator, a pair's output and log-sum-exp, the merge's rows;
+    backward 2 K/V blocks, 3 fp32 dK/dV blocks, the fp32 dQ accumulator, a pair's gradients and flash-attention's
+    workspace (fp32 dq accumulator and rowsum(dO * O), dk/dv expanded to the query heads). No s^2 term: doubling
+    the sequence doubles them. The backward holds the larger of those and the q, k, v gradients."""
     model, cp, tp = _model(), 2, 2
-    s, d, g = SEQ // cp, model.head_dim, model.query_groups // tp
-    block = 2 * B * g * s * d
-    q = B * (model.num_attention_heads // tp) * s * d
-    assert cp_attention_buffers(model, B, tp, cp) == (2 * block * 2, 2 * block * 2 + 2 * block * 4 + q * 4)
+    s, d, n, g, e = SEQ // cp, model.head_dim, model.num_attention_heads // tp, model.query_groups // tp, 2
+    kv, q, r = 2 * B * g * s * d, B * n * s * d, B * n * s
+    lower = (q * e + kv // 2 * e, q * 4 + r * 4 + (n // g) * kv // 2 * e)  # kernel grads, workspace: (1, 1/2)
+    fwd = 1 * kv * e + q * 4 + q * e + r * 4 + 3 * r * 4
+    bwd = 1 * kv * e + 3 * kv * 4 + q * 4 + sum(lower)
+    assert cp_attention_buffers(model, B, tp, cp) == (fwd, bwd)
     assert cp_attention_buffers(model, B, tp, 1) == (0, 0)
+    long = cp_attention_buffers(_model(seq_length=2 * SEQ), B, tp, cp)
+    assert long == (2 * fwd, 2 * bwd)
     grads = (q + 2 * q // 4) * 2
-    assert unit_backward_bytes("attention", model, B, tp, False, cp) == grads + cp_attention_buffers(model, B, tp, cp)[1]
+    assert unit_backward_bytes("attention", model, B, tp, False, cp) == max(grads, fwd, bwd)
     a2a = cp_attention_buffers(model, B, tp, cp, "a2a")
-    assert a2a[0] == (2 * q + block) * 2
+    assert a2a[0] >= 2 * q * e and a2a[1] >= (q + kv) * 4  # B > 1: the re-lay copies; fp32 accumulators
+    assert cp_attention_buffers(model, B, tp, cp, device="cpu") != cp_attention_buffers(model, B, tp, cp)
 
 
 def test_rank_memory_under_cp_shards_zero1_over_dp_and_cp():

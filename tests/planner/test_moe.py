@@ -134,7 +134,7 @@ def test_moe_saved_tensors():
     assert received == tokens * 2
     f = model.moe_ffn_hidden_size
     got = {t.name: (t.numel, t.itemsize) for t in unit_saved_tensors("moe", model, B, tp, True, None, "cuda", 1,
-                                                                        experts)}
+                                                                        experts=experts)}
     assert got == {
         "rmsnorm input": (tokens * h, 2), "rmsnorm statistics (fp32)": (tokens, 4),
         "router input (fp32)": (tokens * h, 4), "router weight (fp32)": (8 * h, 4),
@@ -143,7 +143,7 @@ def test_moe_saved_tensors():
         "expert fc1 output (gate and up)": (2 * received * f, 2), "expert silu output": (received * f, 2),
         "expert swiglu output (fc2 input)": (received * f, 2), "expert output (fc2 output)": (received * h, 2),
         "routing probabilities of the received tokens (fp32)": (received, 4)}
-    assert unit_saved_tensors("moe", model, B, tp, True, "full", "cuda", 1, experts)[0].numel == tokens * h
+    assert unit_saved_tensors("moe", model, B, tp, True, "full", "cuda", 1, experts=experts)[0].numel == tokens * h
 
 
 def test_moe_scores_losses_and_shared_experts():
