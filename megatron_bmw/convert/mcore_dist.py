@@ -22,6 +22,7 @@ import torch
 
 from ..errors import UsageError
 from ..safe_load import dcp_reader
+from .megatron_moe import DIST
 from .megatron_names import EXTRA_STATE, megatron_chunk_to_ours, ours_chunk_to_megatron
 
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
@@ -31,9 +32,11 @@ MCORE_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")  # a GPTModel
 _STACKED = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
-def stack_layers(megatron_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def stack_layers(megatron_sd: Mapping[str, torch.Tensor], num_layers: int | None = None) -> dict[str, torch.Tensor]:
     """A whole model in megatron-core's per-layer names (`decoder.layers.<i>.<tensor>`) -> its torch_dist tensors:
-    each layer tensor stacked over the layers on a leading axis, `_extra_state` dropped."""
+    each layer tensor stacked over the layers on a leading axis, `_extra_state` dropped. With `num_layers`, a tensor
+    only some layers hold (an MoE layer's router and experts, a dense layer's MLP, in a model mixing them) is
+    stacked over all of them, zeros where a layer has none (megatron-core reads only its own layers' boxes)."""
     per_layer: dict[str, dict[int, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, t in megatron_sd.items():
@@ -45,38 +48,60 @@ def stack_layers(megatron_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
         else:
             out[name] = t
     for key, layers in per_layer.items():
-        if sorted(layers) != list(range(len(layers))):
+        n = num_layers or len(layers)
+        if num_layers is None and sorted(layers) != list(range(n)):
             raise UsageError(f"checkpoint: {key} misses layers (has {sorted(layers)})")
-        out[key] = torch.stack([layers[i] for i in range(len(layers))])
+        some = next(iter(layers.values()))
+        out[key] = torch.stack([layers[i] if i in layers else torch.zeros_like(some) for i in range(n)])
     return out
 
 
-def unstack_layers(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """megatron-core's torch_dist tensors -> its per-layer names (the inverse of `stack_layers`)."""
+# megatron-core's per-layer names that only an MoE layer has, and those only a dense layer has
+_MOE_ONLY = ("mlp.router.", "mlp.experts.", "mlp.shared_experts.", "pre_mlp_layernorm.")
+_DENSE_ONLY = ("mlp.linear_fc1.", "mlp.linear_fc2.")
+
+
+def unstack_layers(flat: Mapping[str, torch.Tensor], moe_layers: list[bool] | None = None) -> dict[str, torch.Tensor]:
+    """megatron-core's torch_dist tensors -> its per-layer names (the inverse of `stack_layers`); with `moe_layers`
+    (which layers hold experts) each layer takes only its kind's tensors, and an MoE layer's norm saved under the
+    local spec's name (`mlp.linear_fc1.layer_norm_weight`) is its `pre_mlp_layernorm`."""
     out: dict[str, torch.Tensor] = {}
     for key, t in flat.items():
         if key.endswith(EXTRA_STATE) or not isinstance(t, torch.Tensor):
             continue
-        if key.startswith("decoder.layers."):
-            rest = key[len("decoder.layers."):]
-            for i in range(t.shape[0]):
-                out[f"decoder.layers.{i}.{rest}"] = t[i]
-        else:
+        if not key.startswith("decoder.layers."):
             out[key] = t
+            continue
+        rest = key[len("decoder.layers."):]
+        for i in range(t.shape[0]):
+            name = rest
+            if moe_layers is not None and moe_layers[i]:
+                if rest.startswith("mlp.linear_fc1.layer_norm_") and \
+                        f"decoder.layers.pre_mlp_layernorm.{rest.rsplit('_', 1)[1]}" not in flat:
+                    name = "pre_mlp_layernorm." + rest.rsplit("_", 1)[1]
+                elif rest.startswith(_DENSE_ONLY):
+                    continue
+            elif moe_layers is not None and rest.startswith(_MOE_ONLY):
+                continue
+            out[f"decoder.layers.{i}.{name}"] = t[i]
     return out
 
 
-def ours_to_mcore(full: Mapping[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    """Our full state dict (`units.<unit>.<tensor>`) -> megatron-core's torch_dist tensors."""
-    out = stack_layers(ours_chunk_to_megatron(full, 0, "transformer_engine"))
+def ours_to_mcore(full: Mapping[str, torch.Tensor], tied: bool, num_layers: int | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """Our full state dict (`units.<unit>.<tensor>`) -> megatron-core's torch_dist tensors (MoE layers' experts
+    stacked as its `mlp.experts.experts.*`; `num_layers` needed when dense and MoE layers mix)."""
+    out = stack_layers(ours_chunk_to_megatron(full, 0, "transformer_engine", DIST), num_layers)
     if tied:  # megatron-core's tied output layer is the word embedding: no key of its own
         out.pop("output_layer.weight", None)
     return out
 
 
-def mcore_to_ours(flat: Mapping[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    """megatron-core's torch_dist tensors -> our full state dict (a tied output layer dropped)."""
-    unstacked = unstack_layers(flat)
+def mcore_to_ours(flat: Mapping[str, torch.Tensor], tied: bool, moe_layers: list[bool] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """megatron-core's torch_dist tensors -> our full state dict (a tied output layer dropped; `moe_layers`: which
+    layers hold experts, for a model with any)."""
+    unstacked = unstack_layers(flat, moe_layers)
     if tied:
         unstacked.pop("output_layer.weight", None)
     return megatron_chunk_to_ours(unstacked, 0, "megatron-core torch_dist checkpoint")
@@ -165,13 +190,24 @@ def payload_from_ours_dist(iter_dir: str, common: Mapping, where: str = "torch_d
     return dict(keep, args=args, model={k: model[k] for k in sorted(model, key=_ours_order)})
 
 
+def megatron_moe_layers(args: Mapping) -> list[bool] | None:
+    """Which layers of a Megatron run hold experts (None: a dense model)."""
+    if not args.get("num_experts"):
+        return None
+    from .megatron_moe_args import moe_config_from_megatron
+    from ..config.moe import moe_layer_pattern
+
+    return list(moe_layer_pattern(moe_config_from_megatron(args)["layer_freq"], int(args["num_layers"])))
+
+
 def payload_from_mcore_dist(iter_dir: str, common: Mapping, where: str = "torch_dist checkpoint") -> dict:
     """A megatron-core torch_dist iteration directory (with its common.pt) -> a read_megatron payload."""
     from .megatron_args import args_dict
 
-    args = dict(args_dict(common.get("args")), **_SERIAL, virtual_pipeline_model_parallel_size=None)
+    args = dict(args_dict(common.get("args")), **_SERIAL, virtual_pipeline_model_parallel_size=None,
+                expert_model_parallel_size=1, expert_tensor_parallel_size=1)
     keep = {k: v for k, v in common.items() if k in ("iteration", "checkpoint_version")}
-    model = unstack_layers(read_mcore(iter_dir, where))
+    model = unstack_layers(read_mcore(iter_dir, where), megatron_moe_layers(args))
     return dict(keep, args=args, model={k: model[k] for k in sorted(model, key=_mcore_order)})
 
 
@@ -184,7 +220,7 @@ def mcore_dist_from_payload(payload: Mapping) -> tuple[dict[str, torch.Tensor], 
     common = {k: v for k, v in payload.items() if not k.startswith("model")}
     args = args_dict(common["args"])
     common["args"] = argparse.Namespace(**dict(args, ckpt_format="torch_dist"))
-    flat = stack_layers(payload["model"])
+    flat = stack_layers(payload["model"], int(args["num_layers"]) if args.get("num_experts") else None)
     if not args.get("untie_embeddings_and_output_weights"):
         flat.pop("output_layer.weight", None)
     return flat, common
