@@ -21,7 +21,6 @@ from megatron_bmw.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 E, H, F, FS = 4, 32, 16, 32  # experts, hidden, expert FFN, shared experts' FFN
-PATTERN = [True, True, False, True]
 
 
 def _tool():
@@ -117,20 +116,26 @@ def test_ours_ep_files_round_trip_and_reshard():
 
 
 def test_torch_dist_stacks_every_expert_and_the_layers(tmp_path):
-    """megatron-core's torch_dist keys: `decoder.layers.mlp.experts.experts.linear_fc1.weight` [L, E, 2F, h] (global
-    expert J at offset J), the router [L, E, h], MoE norms as pre_mlp_layernorm; a mixed model's dense layers keep
-    theirs; read back with the layer pattern, bit-exact."""
-    model = _model()
-    flat = ours_to_mcore(model.full, tied=False, num_layers=4)
+    """megatron-core's torch_dist keys: with every layer MoE, `decoder.layers.mlp.experts.experts.linear_fc1.weight`
+    [L, E, 2F, h] (global expert J at offset J) and the router [L, E, h]; with dense and MoE layers mixed, each
+    layer's own keys (its TransformerBlock's non_homogeneous_layers); read back bit-exact."""
+    model = _model(layer_freq="1")
+    flat = ours_to_mcore(model.full, tied=False)
     assert flat["decoder.layers.mlp.experts.experts.linear_fc1.weight"].shape == (4, E, 2 * F, H)
     assert torch.equal(flat["decoder.layers.mlp.experts.experts.linear_fc2.weight"][3, 2],
                        model.full["units.mlp_3.experts.fc2.weight"][2])
     assert flat["decoder.layers.mlp.router.weight"].shape == (4, E, H)
-    assert torch.equal(flat["decoder.layers.mlp.linear_fc1.weight"][2], model.full["units.mlp_2.fc1.weight"])
     assert torch.equal(flat["decoder.layers.pre_mlp_layernorm.weight"][1],
                        model.full["units.mlp_1.post_attention_layernorm.weight"])
     write_mcore(str(tmp_path / "m"), flat)
-    _same(mcore_to_ours(read_mcore(str(tmp_path / "m")), tied=False, moe_layers=PATTERN), model.full)
+    _same(mcore_to_ours(read_mcore(str(tmp_path / "m")), tied=False), model.full)
+    mixed = _model()
+    flat = ours_to_mcore(mixed.full, tied=False, per_layer=True)
+    assert flat["decoder.layers.3.mlp.experts.experts.linear_fc1.weight"].shape == (E, 2 * F, H)
+    assert torch.equal(flat["decoder.layers.2.mlp.linear_fc1.weight"], mixed.full["units.mlp_2.fc1.weight"])
+    assert "decoder.layers.2.mlp.router.weight" not in flat
+    write_mcore(str(tmp_path / "mixed"), flat)
+    _same(mcore_to_ours(read_mcore(str(tmp_path / "mixed")), tied=False), mixed.full)
 
 
 @pytest.mark.parametrize("experts", ["te_grouped", "legacy_grouped"])
