@@ -126,9 +126,6 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 
 def _check_megatron_choices(args) -> None:
     """Megatron flags whose other values select something this implementation does not have."""
-    if args.num_experts or args.expert_model_parallel_size > 1:  # the configs carry MoE; the runtime does not yet
-        raise UsageError("--num-experts: mixtures of experts are not implemented yet" if args.num_experts else
-                         "--expert-model-parallel-size: needs --num-experts (not implemented yet)")
     if args.hierarchical_context_parallel_sizes:
         raise UsageError("--hierarchical-context-parallel-sizes: hierarchical context parallelism (a2a+p2p) is not "
                          "built; use --context-parallel-size with --cp-comm-type p2p or a2a")
@@ -390,7 +387,7 @@ def configs_from_args(args: argparse.Namespace, world_size: int, vocab_size: int
     pipeline = pipeline_config_from_args(args, dp, gbs, batches.sizes())
     train_iters = training_length(args, batches)
     model, orig_vocab = model_config_from_args(args, tp, vocab_size)
-    check_layout(model, parallel)
+    check_layout(model, parallel, world_size)
     check_split_backward(pipeline, parallel, model)
     return RunConfig(model=model, parallel=parallel, pipeline=pipeline, orig_vocab_size=orig_vocab,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,

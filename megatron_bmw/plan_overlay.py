@@ -33,7 +33,7 @@ def configs_from_plan(args, world_size: int, vocab_size: int | None, plan) -> Ru
     if s.model.model_type != getattr(args, "model_type", "gpt"):
         raise UsageError(f"--plan {args.plan}: planned for a {s.model.model_type.upper()} model, this run trains a "
                          f"{getattr(args, 'model_type', 'gpt').upper()}")
-    check_layout(s.model, parallel)
+    check_layout(s.model, parallel, world_size)
     check_split_backward(s.pipeline, parallel, s.model)
     pl = s.pipeline
     check_slicing(pl.slicing, pl.micro_batch_size, pl.num_microbatches)

@@ -29,10 +29,12 @@ def training_length(args, schedule: BatchSchedule) -> int:
     return 10 if args.train_iters is None else args.train_iters
 
 
-def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """The model splits over the tensor-parallel degrees: the run's, and every unit strategy's."""
+def check_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int | None = None) -> None:
+    """The model splits over the tensor-parallel degrees: the run's, and every unit strategy's; its experts over
+    the expert degrees (`world_size`, when known, for the expert layout's divisibility)."""
     tp = parallel.tensor_model_parallel_size
     model.check_tensor_parallel(tp)
+    check_moe(model, parallel, world_size)
     for strategy in sorted(set(parallel.unit_strategies or ())):
         t = parse_strategy(strategy).tp
         if model.vocab_size % t:
@@ -43,6 +45,44 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
                          f"size {tp}")
     if parallel.context_parallel_size > 1:
         check_context_parallel(model, parallel)
+
+
+def check_moe(model: ModelConfig, parallel: ParallelConfig, world_size: int | None = None) -> None:
+    """What a mixture of experts (docs/moe.md) needs of the model and the layout."""
+    ep, etp, tp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size, \
+        parallel.tensor_model_parallel_size
+    moe = model.moe
+    if moe is None:
+        if ep > 1:
+            raise UsageError(f"--expert-model-parallel-size {ep}: needs --num-experts (a mixture of experts)")
+        return
+    etp = etp or tp
+    if model.model_type != "gpt":
+        raise UsageError(f"--num-experts: mixtures of experts are built for GPT models, not {model.model_type}'s")
+    if parallel.unit_strategies:
+        raise UsageError("--num-experts does not combine with --unit-strategies (Galvatron-BMW strategies are tp x dp "
+                         "per unit)")
+    if moe.num_experts % ep:
+        raise UsageError(f"--expert-model-parallel-size {ep} does not divide --num-experts {moe.num_experts}")
+    if model.moe_ffn_hidden_size % etp:
+        raise UsageError(f"--expert-tensor-parallel-size {etp} does not divide the experts' FFN size "
+                         f"{model.moe_ffn_hidden_size} (--moe-ffn-hidden-size)")
+    shared = moe.shared_expert_intermediate_size
+    if shared is not None and shared % tp:
+        raise UsageError(f"--tensor-model-parallel-size {tp} does not divide "
+                         f"--moe-shared-expert-intermediate-size {shared}")
+    if etp > 1 and model.add_bias_linear:
+        raise UsageError(f"--expert-tensor-parallel-size {etp}: experts split over etp have no biases yet; give "
+                         "--disable-bias-linear or --expert-tensor-parallel-size 1")
+    rows = model.seq_length // parallel.context_parallel_size
+    if tp > 1 and rows % tp:
+        raise UsageError(f"--num-experts with --tensor-model-parallel-size {tp}: a rank's {rows} rows of each "
+                         "sequence do not split over the tensor-parallel ranks (each routes its share)")
+    if world_size is not None:
+        stage = world_size // parallel.pipeline_model_parallel_size
+        if stage % (ep * etp):
+            raise UsageError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must divide "
+                             f"a pipeline stage's tensor x context x data parallel ranks ({stage})")
 
 
 def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -45,6 +45,13 @@ def unit_kind(name: str) -> str:
     raise ValueError(f"unknown unit {name!r}")
 
 
+def unit_kind_of(model, name: str) -> str:
+    """The unit's kind in `model` (a ModelConfig): "moe" for an MLP unit whose layer holds experts
+    (`model.moe_layer`), else unit_kind(name)."""
+    kind = unit_kind(name)
+    return "moe" if kind == "mlp" and model.moe_layer(unit_layer(name)) else kind
+
+
 def unit_layer(name: str) -> int | None:
     """Transformer layer of an attention or MLP unit; None for the embedding and the head."""
     return int(name.split("_")[1]) if name.startswith(("attn_", "mlp_")) else None

@@ -59,7 +59,9 @@ def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, to
 
 def serial_reference(cfg: ModelConfig, microbatches: list[dict[str, torch.Tensor]]):
     """Mean loss over micro-batches and the gradients of every parameter, by name, on one process."""
-    model = ModelChunk(build_units(cfg, ParallelState.serial(), SEED))
+    state = ParallelState.serial()
+    state.aux_loss_scale = 1.0 / len(microbatches)  # MoE auxiliary losses scale as the loss (models/moe.py)
+    model = ModelChunk(build_units(cfg, state, SEED))
     total = 0.0
     for mb in microbatches:
         loss = model(None, mb) / len(microbatches)
@@ -88,7 +90,11 @@ def reference_name(name: str, cfg: ModelConfig) -> str:
 
 
 def expected_shard(full: torch.Tensor, param, state: ParallelState) -> torch.Tensor:
-    """This rank's part of a serial tensor, as its parameter is split (partition_stride: SwiGLU's [gate; up])."""
+    """This rank's part of a serial tensor, as its parameter is split (partition_stride: SwiGLU's [gate; up]);
+    an expert parameter's: its ep rank's experts (expert_dim), split over etp."""
+    if getattr(param, "expert_parallel", False):
+        full = full.chunk(state.ep_size, dim=param.expert_dim)[state.ep_rank]
+        return tp_shard(full, param, state.etp_size, state.etp_rank)
     return tp_shard(full, param, state.tp_size, state.tp_rank)
 
 

@@ -11,10 +11,11 @@ from ..config import ModelConfig
 from ..parallel.context_parallel import chunk_positions, split_sequence
 from ..parallel.init import ParamInit
 from ..parallel.state import ParallelState
-from ..units import unit_names
+from ..units import unit_layer, unit_names
 from .bert import BertEmbedding, BertHead
 from .bert import synthetic_batch as bert_batch
 from .gpt import MLP, Attention, Embedding, Head, Unit
+from .moe import MoE
 
 ENDS = {"gpt": (Embedding, Head), "bert": (BertEmbedding, BertHead)}  # model type -> (embedding, head) units
 
@@ -69,6 +70,8 @@ def build_units(cfg: ModelConfig, state: ParallelState, seed: int, indices: list
             unit = head_unit(cfg, state, init, emb.word_embeddings.weight if emb is not None else None)
         elif name.startswith("attn_"):
             unit = Attention(cfg, state, init, name)
+        elif cfg.moe_layer(unit_layer(name)):
+            unit = MoE(cfg, state, init, name)
         else:
             unit = MLP(cfg, state, init, name)
         choice = recompute[i] if recompute is not None else None

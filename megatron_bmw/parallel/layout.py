@@ -4,6 +4,9 @@
 unless --context-parallel-size).
 `bpipe` (with --bpipe): tp fastest, then cp, then pipeline stages in pair-adjacent order 0, p-1, 1, p-2, ... (so
 each BPipe pair (s, p-1-s) sits on neighbouring ranks), then dp.
+
+The experts' layout (docs/moe.md): a stage's tp x cp x dp ranks, by local index L = tp_rank + tp * (cp_rank + cp *
+dp_rank), are also etp x ep x edp: etp_rank = L % etp, ep_rank = L // etp % ep, edp_rank = L // (etp * ep).
 """
 
 from __future__ import annotations
@@ -29,10 +32,27 @@ class RankLayout:
     pp: int
     order: str = "tp-dp-pp"
     cp: int = 1
+    ep: int = 1  # --expert-model-parallel-size
+    etp: int = 1  # --expert-tensor-parallel-size
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise UsageError(f"unknown rank order {self.order!r}; choose one of {', '.join(ORDERS)}")
+        if self.ep < 1 or self.etp < 1 or self.stage_width % (self.ep * self.etp):
+            raise UsageError(
+                f"--expert-model-parallel-size {self.ep} x --expert-tensor-parallel-size {self.etp} must divide a "
+                f"stage's tensor x context x data parallel ranks ({self.tp} x {self.cp} x {self.dp} = "
+                f"{self.stage_width})")
+
+    @property
+    def stage_width(self) -> int:
+        """Ranks of one pipeline stage: tp x cp x dp."""
+        return self.tp * self.cp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel size: the stage's ranks holding the same expert shards."""
+        return self.stage_width // (self.ep * self.etp)
 
     @property
     def world_size(self) -> int:
@@ -104,6 +124,46 @@ class RankLayout:
         """Global ranks of BPipe pairs (stage s, stage p-1-s, same tp and dp rank) that sit on different nodes."""
         return [(g[s], g[-1 - s]) for g in self.pp_groups() for s in range(self.pp // 2)
                 if self.node_of(g[s], gpus_per_node) != self.node_of(g[-1 - s], gpus_per_node)]
+
+    def local_index(self, rank: int) -> int:
+        """L = tp_rank + tp * (cp_rank + cp * dp_rank): a rank's place among its stage's tp x cp x dp ranks."""
+        tp, cp, dp, _ = self.all_coords(rank)
+        return tp + self.tp * (cp + self.cp * dp)
+
+    def expert_coords(self, rank: int) -> tuple[int, int, int]:
+        """(etp_rank, ep_rank, edp_rank) of a global rank."""
+        local = self.local_index(rank)
+        return local % self.etp, local // self.etp % self.ep, local // (self.etp * self.ep)
+
+    def _expert_groups(self, vary: str) -> list[list[int]]:
+        """Every group of ranks on one stage differing only in the expert coordinates named in `vary` (a subset of
+        "tea": etp, ep, edp): stage by stage, groups in order of their lowest local index, members by L."""
+        out = []
+        for stage in range(self.pp):
+            groups: dict[tuple, list[int]] = {}
+            for local in range(self.stage_width):
+                tp, cp, dp = local % self.tp, local // self.tp % self.cp, local // (self.tp * self.cp)
+                rank = self.rank(tp, dp, stage, cp)
+                coords = dict(zip("tea", self.expert_coords(rank)))
+                groups.setdefault(tuple(v for k, v in coords.items() if k not in vary), []).append(rank)
+            out += groups.values()
+        return out
+
+    def ep_groups(self) -> list[list[int]]:
+        """Ranks holding different experts (the alltoall dispatcher's group), by ep rank."""
+        return self._expert_groups("e")
+
+    def etp_groups(self) -> list[list[int]]:
+        """Ranks holding the tensor-parallel shards of the same experts, by etp rank."""
+        return self._expert_groups("t")
+
+    def edp_groups(self) -> list[list[int]]:
+        """Ranks holding the same expert shards (expert gradients are summed over them), by edp rank."""
+        return self._expert_groups("a")
+
+    def etp_ep_groups(self) -> list[list[int]]:
+        """etp x ep (the allgather dispatcher's group), by etp_rank + etp * ep_rank."""
+        return self._expert_groups("te")
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last pipeline stage of each pipeline (they share the tied word embedding)."""

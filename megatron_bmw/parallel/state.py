@@ -35,7 +35,8 @@ class ParallelState(ParallelView):
         rank = dist.get_rank() if dist.is_initialized() else 0
         dp = cfg.data_parallel_size(world)
         layout = RankLayout(cfg.tensor_model_parallel_size, dp, cfg.pipeline_model_parallel_size, cfg.rank_order,
-                            cfg.context_parallel_size)
+                            cfg.context_parallel_size, cfg.expert_model_parallel_size,
+                            cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size)
         if device is None:
             device = default_device()
         state = cls(layout=layout, rank=rank, device=torch.device(device), sequence_parallel=cfg.sequence_parallel,
@@ -54,6 +55,7 @@ class ParallelState(ParallelView):
             setattr(state, attr, _new_groups(groups, rank, new_group))
         state.pp_ranks = tuple(next(g for g in layout.pp_groups() if rank in g))
         state.cp_ranks = tuple(next(g for g in layout.cp_groups() if rank in g))
+        _build_expert_groups(state, layout, rank, new_group)
         if cfg.unit_strategies is not None:
             from .hybrid import Hybrid
 
@@ -78,6 +80,19 @@ class ParallelState(ParallelView):
         self.owned_groups = []
         self.p2p_groups, self.transfer_groups = {}, {}
         self.units.destroy()
+
+
+def _build_expert_groups(state: ParallelState, layout: RankLayout, rank: int, new_group) -> None:
+    """The experts' groups (docs/moe.md). Where one kind equals a dense kind (a dense model's etp = tp, ep = 1:
+    etp is tp, edp is dp or dp x cp) it reuses those groups instead of making new ones."""
+    dense = {"tp_group": layout.tp_groups(), "dp_group": layout.dp_groups()}
+    if layout.cp > 1:
+        dense["dp_cp_group"] = layout.dp_cp_groups()
+    for attr, groups in (("ep_group", layout.ep_groups()), ("etp_group", layout.etp_groups()),
+                         ("edp_group", layout.edp_groups()), ("etp_ep_group", layout.etp_ep_groups())):
+        same = next((name for name, d in dense.items() if sorted(d) == sorted(groups)), None)
+        setattr(state, attr, getattr(state, same) if same else _new_groups(groups, rank, new_group))
+    state.ep_ranks = tuple(next(g for g in layout.ep_groups() if rank in g))
 
 
 def _live_groups() -> list:

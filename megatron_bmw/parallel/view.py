@@ -28,6 +28,15 @@ class ParallelView:
     cp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's cp group, by cp rank
     cp_comm_type: str = "p2p"  # how attention crosses the cp group (--cp-comm-type)
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, by stage
+    # the experts' groups (docs/moe.md; the layout's etp x ep x edp over the stage's ranks; None when size 1)
+    ep_group: object = None  # ranks holding different experts (alltoall dispatcher)
+    etp_group: object = None  # ranks holding tensor-parallel shards of the same experts
+    edp_group: object = None  # ranks holding the same expert shards: expert gradients are summed over it
+    etp_ep_group: object = None  # etp x ep (allgather dispatcher)
+    ep_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's ep group, by ep rank
+    # the gradient of an MoE auxiliary loss (models/moe.py): the engine sets it before each backward to that
+    # micro-batch's scale (loss scale / micro-batches), as Megatron's MoEAuxLossAutoScaler.set_loss_scale
+    aux_loss_scale: float = 1.0
     sequence_parallel: bool = False
     rng: RNGTracker = field(default_factory=RNGTracker)
     # NCCL only: one group per direction of each neighbouring pipeline pair, keyed (src, dst) global ranks, so a
@@ -76,6 +85,30 @@ class ParallelView:
     def grad_group(self):
         """The group gradients are averaged over (and ZeRO-1 shards over): dp, or dp x cp with context parallelism."""
         return self.dp_cp_group if self.layout.cp > 1 else self.dp_group
+
+    @property
+    def ep_rank(self) -> int:
+        return self.layout.expert_coords(self.rank)[1]
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def etp_rank(self) -> int:
+        return self.layout.expert_coords(self.rank)[0]
+
+    @property
+    def etp_size(self) -> int:
+        return self.layout.etp
+
+    @property
+    def edp_rank(self) -> int:
+        return self.layout.expert_coords(self.rank)[2]
+
+    @property
+    def edp_size(self) -> int:
+        return self.layout.edp
 
     @property
     def tp_size(self) -> int:

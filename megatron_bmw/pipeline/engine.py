@@ -294,6 +294,7 @@ class PipelineEngine:
             grad = self._wait(recvs, Kind.RECV_GRAD, a) if local is None else slots.pop(local).input.grad
         if self.store is not None:
             self.store.ready(_key(a))
+        self.state.aux_loss_scale = scale * slot.weight  # MoE auxiliary losses' gradient (models/moe.py)
         with deferred_wgrad.deferring(self._deferred_key(a)) if split else nullcontext():
             if vstage == self.num_vstages - 1:
                 torch.autograd.backward(slot.output * scale)

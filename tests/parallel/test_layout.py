@@ -78,3 +78,46 @@ def test_context_parallel_coordinates_and_groups(order):
 def _tdp(coords):
     tp, cp, dp, pp = coords
     return tp, dp, pp, cp
+
+
+@pytest.mark.parametrize("order", ["tp-dp-pp", "bpipe"])
+@pytest.mark.parametrize("tp,cp,dp,pp,ep,etp", [(2, 1, 2, 2, 2, 1), (2, 2, 2, 2, 4, 2), (2, 1, 4, 1, 8, 1),
+                                                (1, 1, 4, 2, 2, 2), (4, 1, 2, 1, 2, 4), (2, 2, 1, 1, 1, 2)])
+def test_expert_groups_follow_the_local_index(order, tp, cp, dp, pp, ep, etp):
+    layout = RankLayout(tp, dp, pp, order, cp, ep, etp)
+    assert layout.edp == tp * cp * dp // (ep * etp)
+    kinds = {"ep": (layout.ep_groups(), 1, ep), "etp": (layout.etp_groups(), 0, etp),
+             "edp": (layout.edp_groups(), 2, layout.edp)}
+    for name, (groups, varies, size) in kinds.items():
+        assert sorted(r for g in groups for r in g) == list(range(layout.world_size)), name
+        for g in groups:
+            assert len(g) == size and len({layout.all_coords(r)[3] for r in g}) == 1  # one stage
+            coords = [layout.expert_coords(r) for r in g]
+            assert [c[varies] for c in coords] == list(range(size))  # members by their rank in the group
+            assert all(len({c[i] for c in coords}) == 1 for i in range(3) if i != varies)
+    for g in layout.etp_ep_groups():
+        coords = [layout.expert_coords(r) for r in g]
+        assert [c[0] + etp * c[1] for c in coords] == list(range(ep * etp)) and len({c[2] for c in coords}) == 1
+    for r in range(layout.world_size):
+        tp_r, cp_r, dp_r, _ = layout.all_coords(r)
+        local = tp_r + tp * (cp_r + cp * dp_r)
+        assert layout.expert_coords(r) == (local % etp, local // etp % ep, local // (etp * ep))
+
+
+def test_expert_groups_megatron_example():
+    # 8 ranks, tp2 dp4 (pp1), ep4 etp1: ep groups are 4 consecutive local indices; edp pairs them across
+    layout = RankLayout(2, 4, 1, ep=4, etp=1)
+    assert layout.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.edp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.etp_groups() == [[r] for r in range(8)]
+    # pp2: the second stage's groups follow the first's, on its own ranks
+    layout = RankLayout(1, 2, 2, ep=2, etp=1)
+    assert layout.ep_groups() == [[0, 1], [2, 3]] and layout.edp_groups() == [[0], [1], [2], [3]]
+
+
+def test_expert_sizes_must_divide_the_stage():
+    with pytest.raises(UsageError, match="--expert-model-parallel-size 4 x --expert-tensor-parallel-size 2 must "
+                                         "divide"):
+        RankLayout(2, 2, 1, ep=4, etp=2)
+    with pytest.raises(UsageError, match="must divide"):
+        RankLayout(1, 3, 2, ep=2)
