@@ -13,6 +13,7 @@ from .config.inputs import FlagInputs
 from .config.schema import add_flags, check_flag_values, from_flags
 from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
+from .parallel.expert_params import legacy_format_refusal
 from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
 from .plan_overlay import check_flags_against_plan, configs_from_plan, given_flags, plan_flags  # noqa: F401
@@ -152,6 +153,11 @@ def _check_megatron_choices(args) -> None:
         known = args.ckpt_format in CKPT_FORMATS
         raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; use torch "
                          "(Megatron's legacy format) or torch_dist")
+    if args.num_experts and "torch" in (args.ckpt_format if args.save else None, args.ckpt_convert_format):
+        etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+        why = legacy_format_refusal(args.expert_model_parallel_size, etp, args.tensor_model_parallel_size)
+        if why is not None:
+            raise UsageError(why)
 
 
 def _virtual_stages(args) -> int:

@@ -33,7 +33,7 @@ from torch import nn
 from ..errors import UsageError
 from ..strategy import UnitStrategy, parse_unit_strategies
 from ..units import unit_names
-from .layers import counted_once
+from .counting import counted_once
 from .layout import RankLayout
 from .random import TP_RNG
 from .relayout import relayout

@@ -29,14 +29,6 @@ def _param(full: torch.Tensor, state: ParallelView, dim: int | None, dtype: torc
     return p
 
 
-def counted_once(param: torch.Tensor, tp_rank: int) -> bool:
-    """Whether this rank's copy of `param` is the one counted in world-wide norms over tp: never the tied output
-    copy of the embedding, always a tensor-parallel shard, a tp-replicated parameter on tp rank 0."""
-    if getattr(param, "shared_embedding_copy", False):
-        return False
-    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
-
-
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              state: ParallelView) -> torch.Tensor:
     """Linear on the tensor-parallel input: all-gathered over the sequence with SP (saving only this rank's part;

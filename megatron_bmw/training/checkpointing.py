@@ -4,7 +4,8 @@
     <dir>/iter_0000010/mp_rank_TT[_PPP]/distrib_optim.pt      per-parameter optimizer state (ZeRO-1 only)
 
 DP rank 0 of each (tp, pp) writes its files (a hybrid layout: every rank of a stage its own shard); the files are
-read as data (safe_load.py). The tracker, the temporary folder, the checksums and the rename are
+read as data (safe_load.py). Experts split other than the dense tensors (ep > 1 or etp != tp) are refused: Megatron
+names those files mp_rank_TT_PPP_EEE, and torch_dist saves them here. The tracker, the temporary folder, the checksums and the rename are
 checkpoint_dir.py's. `save_checkpoint` and `load_checkpoint` are the format on its own, for tools and tests: their
 payloads hold the model ("model", or "model0", "model1", ... per virtual stage).
 """
@@ -17,6 +18,7 @@ import torch  # noqa: F401 - tests/training/test_faults.py fills the disk throug
 
 from ..errors import UsageError
 from ..parallel.agree import agree
+from ..parallel.expert_params import has_experts, legacy_format_refusal
 from ..parallel.state import ParallelState
 from ..safe_load import load_file
 from .checkpoint_dir import (RELEASE, TORCH_FORMAT, TRACKER, Damaged, IterationDir, agree_damage,  # noqa: F401 - TRACKER for convert/
@@ -39,6 +41,10 @@ class TorchFormat:
     def __init__(self, state: ParallelState, chunks: list | None = None,
                  optimizer: MixedPrecisionOptimizer | None = None) -> None:
         self.state, self.chunks, self.optimizer = state, chunks, optimizer
+        params = [p for c in chunks or () for p in c.parameters()] + list(optimizer.params if optimizer else ())
+        why = legacy_format_refusal(state.ep_size, state.etp_size, state.tp_size) if has_experts(params) else None
+        if why is not None:
+            raise UsageError(why)
 
     def _shard(self) -> tuple[str, int, bool]:
         """(this rank's mp_rank_* folder, how many tp shards name them, whether this rank writes it)."""

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import UsageError
 from ..parallel.agree import agree
+from ..parallel.expert_params import split_of
 from ..parallel.state import ParallelState
 from ..safe_load import Refused, load_file
 from . import checkpoint_dir
@@ -51,7 +52,7 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def _optim_slices(optimizer: MixedPrecisionOptimizer, param: torch.Tensor, start: int, end: int,
-                  t: torch.Tensor, tp: tuple[int, int]) -> Slices:
+                  t: torch.Tensor, tp: tuple[int, ...]) -> Slices:
     """An optimizer tensor of a piece: flat under ZeRO-1, else shaped like the parameter."""
     return piece_slices(param, start, end, t, *tp) if optimizer.distributed else slices_of(param, t, *tp)
 
@@ -71,21 +72,21 @@ def _unit_states(chunks: list, state: ParallelState) -> dict:
     return {name: getattr(unit, "state", state) for c in chunks for name, unit in c.units.items()}
 
 
-def _tp_of(name: str, units: dict, state: ParallelState) -> tuple[int, int]:
-    s = units.get(name.split(".", 1)[0], state)
-    return s.tp_rank, s.tp_size
+def _tp_of(name: str, param: torch.Tensor, units: dict, state: ParallelState) -> tuple[int, int, int, int]:
+    """(tp rank, tp size, ep rank, ep size) of the tensor's shard: an expert's etp and ep (expert_params.py)."""
+    return split_of(param, units.get(name.split(".", 1)[0], state))
 
 
-def _model_tensors(chunks: list, state: ParallelState) -> list[tuple[str, torch.Tensor, bool, tuple[int, int]]]:
-    """(global name, tensor, is the tied copy, (tp rank, tp size)) of every tensor of this rank's chunks (buffers
-    included)."""
+def _model_tensors(chunks: list, state: ParallelState) -> list[tuple[str, torch.Tensor, bool, tuple[int, ...]]]:
+    """(global name, tensor, is the tied copy, (tp rank, tp size, ep rank, ep size)) of every tensor of this rank's
+    chunks (buffers included)."""
     units = _unit_states(chunks, state)
     out = []
     for chunk in chunks:
         for key, t in chunk.state_dict(keep_vars=True).items():
             copy = getattr(t, "shared_embedding_copy", False)
             name = global_name(key, t)
-            out.append((name, t, copy, _tp_of(global_name(key), units, state)))
+            out.append((name, t, copy, _tp_of(global_name(key), t, units, state)))
     return out
 
 
@@ -93,7 +94,11 @@ def layout_of(state: ParallelState) -> dict:
     """What the RNG streams' meaning depends on: every rank keeps its coordinates when these agree."""
     out = {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "order": state.layout.order,
            "world": world()[1], "unit_strategies": state.units.names()}
-    return out if state.cp_size == 1 else {**out, "cp": state.cp_size}  # as before context parallelism where cp is 1
+    if state.cp_size > 1:  # as before context parallelism where cp is 1
+        out["cp"] = state.cp_size
+    if state.ep_size > 1 or state.etp_size != state.tp_size:  # as before experts where they split as dense tensors
+        out.update(ep=state.ep_size, etp=state.etp_size)
+    return out
 
 
 class DistFormat:
@@ -141,7 +146,7 @@ class DistFormat:
             p, pname = opt.params[i], opt.names[i]
             if getattr(p, "shared_embedding_copy", False):
                 continue
-            tp = _tp_of(global_name(pname), units, state)
+            tp = _tp_of(global_name(pname), p, units, state)
             for key, value in ((MASTER, st["master"]), *((k, st[k]) for k in MOMENTS)):
                 if value is not None:  # no master: fp32 weights without ZeRO are their own
                     tensors[f"{OPTIM}{key}.{global_name(pname)}"] = _optim_slices(opt, p, start, end, value.detach(),
@@ -208,7 +213,7 @@ class DistFormat:
         sizes = {k: md.size for k, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
         rows = ((common.get("args") or {}).get("padded_vocab_size"), (model_args or {}).get("padded_vocab_size"))
 
-        def want(key: str, param: torch.Tensor, target: torch.Tensor, tp: tuple[int, int], piece=None) -> None:
+        def want(key: str, param: torch.Tensor, target: torch.Tensor, tp: tuple[int, ...], piece=None) -> None:
             if key in tensors:  # one rank holding a tensor twice reads it once, into the first
                 targets.setdefault(key, [first[key]]).append(target)
                 return
@@ -241,7 +246,7 @@ class DistFormat:
             keys = (MASTER, *moments) if f"{OPTIM}{MASTER}.{global_name(pname, p)}" in sizes else moments
             shape = (end - start,) if optimizer.distributed else p.shape
             e = {k: torch.empty(shape, dtype=torch.float32, device=p.device) for k in keys}
-            tp = _tp_of(global_name(pname), units, state)
+            tp = _tp_of(global_name(pname), p, units, state)
             for k in keys:
                 want(f"{OPTIM}{k}.{global_name(pname, p)}", p, e[k], tp, (start, end))
             entries.append({"master": e.get(MASTER), **{k: e.get(k) for k in MOMENTS}})

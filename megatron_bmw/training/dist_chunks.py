@@ -3,8 +3,10 @@ them.
 
 A `Slices` is a rank's part of one global tensor: chunks (global offset, local view). `slices_of` places a
 tensor-parallel shard (SwiGLU's stride-2 fc1 as two chunks) or an FSDP2 shard inside it; `piece_slices` places a
-ZeRO-1 flat range as boxes. DCP's planners read and write the chunks in place. `SafeReader` is DCP's file reader
-with the index (.metadata, a pickle DCP itself loads with pickle.load) read as data.
+ZeRO-1 flat range as boxes. An expert parameter's shard (docs/moe.md) is also offset by ep_rank x its local
+experts on its `expert_dim`, whose global size is ep x theirs. DCP's planners read and write the chunks in place.
+`SafeReader` is DCP's file reader with the index (.metadata, a pickle DCP itself loads with pickle.load) read as
+data.
 """
 
 from __future__ import annotations
@@ -53,10 +55,32 @@ class Slices:
         raise ValueError(f"{index.fqn}: no chunk at offset {tuple(index.offset)} on this rank")
 
 
-def slices_of(param: torch.Tensor, local: torch.Tensor, tp_rank: int, tp_size: int) -> Slices:
+def slices_of(param: torch.Tensor, local: torch.Tensor, tp_rank: int, tp_size: int, ep_rank: int = 0,
+              ep_size: int = 1) -> Slices:
     """`local` (this rank's part of `param`, shaped like it) placed in the parameter's global tensor, as the
-    tensor-parallel attributes of `param` say (parallel/layers.py); an FSDP2-sharded parameter (a DTensor, or the
-    optimizer's local view of one: `fsdp_param`) adds its dp shard's offset inside the tp shard."""
+    tensor-parallel attributes of `param` say (parallel/layers.py; tp is etp for an expert parameter, which ep
+    offsets too); an FSDP2-sharded parameter (a DTensor, or the optimizer's local view of one: `fsdp_param`) adds
+    its dp shard's offset inside the tp shard."""
+    return _expert_box(_tp_slices(param, local, tp_rank, tp_size), param, ep_rank, ep_size)
+
+
+def _expert_box(s: Slices, param: torch.Tensor, ep_rank: int, ep_size: int) -> Slices:
+    """An expert parameter's tp slices moved to its ep rank's experts: the global tensor holds every ep rank's."""
+    dim = getattr(param, "expert_dim", None)
+    if ep_size == 1 or dim is None or not getattr(param, "expert_parallel", False):
+        return s
+    local = param.shape[dim]  # this rank's experts
+    shape = list(s.shape)
+    shape[dim] *= ep_size
+    moved = []
+    for off, t in s.chunks:
+        off = list(off)
+        off[dim] += ep_rank * local
+        moved.append((tuple(off), t))
+    return Slices(torch.Size(shape), moved)
+
+
+def _tp_slices(param: torch.Tensor, local: torch.Tensor, tp_rank: int, tp_size: int) -> Slices:
     dt = getattr(param, "fsdp_param", param)
     inner = [0] * local.dim()
     shape = list(local.shape)
@@ -85,29 +109,34 @@ def slices_of(param: torch.Tensor, local: torch.Tensor, tp_rank: int, tp_size: i
 
 
 def _flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple, tuple, int]]:
-    """(offsets, sizes, flat start - a) of the boxes that tile the flattened range [a, b) of a 1-D or 2-D shape:
-    a partial first row, whole rows, a partial last row."""
+    """(offsets, sizes, flat start - a) of the boxes that tile the flattened range [a, b) of a shape: a partial
+    first row, whole rows, a partial last row (a row of an N-D shape is its first index; partial ones tile as
+    (N-1)-D shapes do)."""
     if len(shape) == 1:
         return [((a,), (b - a,), 0)]
-    if len(shape) != 2:
-        raise ValueError(f"ZeRO pieces of {len(shape)}-D tensors are not supported")
-    cols, out, pos = shape[1], [], a
+    inner, out, pos = math.prod(shape[1:]), [], a
     while pos < b:
-        row, col = divmod(pos, cols)
-        if col or b - pos < cols:
-            n = min(cols - col, b - pos)
-            out.append(((row, col), (1, n), pos - a))
+        row, rest = divmod(pos, inner)
+        if rest or b - pos < inner:
+            n = min(inner - rest, b - pos)
+            out += [((row, *off), (1, *size), pos - a + lo) for off, size, lo in _flat_boxes(shape[1:], rest, rest + n)]
         else:
-            n = (b - pos) // cols * cols
-            out.append(((row, 0), (n // cols, cols), pos - a))
+            n = (b - pos) // inner * inner
+            out.append(((row,) + (0,) * (len(shape) - 1), (n // inner, *shape[1:]), pos - a))
         pos += n
     return out
 
 
 def piece_slices(param: torch.Tensor, start: int, end: int, flat: torch.Tensor, tp_rank: int,
-                 tp_size: int) -> Slices:
+                 tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> Slices:
     """A ZeRO-1 piece: `flat` holds the range [start, end) of this rank's flattened tp shard of `param`; its boxes
-    placed in the global tensor (a box crossing a stride block boundary, SwiGLU's gate | up, is split there)."""
+    placed in the global tensor (a box crossing a stride block boundary, SwiGLU's gate | up, is split there; an
+    expert parameter's moved to its ep rank's experts)."""
+    return _expert_box(_piece_tp_slices(param, start, end, flat, tp_rank, tp_size), param, ep_rank, ep_size)
+
+
+def _piece_tp_slices(param: torch.Tensor, start: int, end: int, flat: torch.Tensor, tp_rank: int,
+                     tp_size: int) -> Slices:
     shape = tuple(param.shape)
     dim = getattr(param, "partition_dim", None)
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig
 from ..parallel.state import ParallelState
+from ..parallel.expert_params import counted_in_world, has_experts
 from .optimizer import counts_in_grad_norm
 
 
@@ -38,19 +39,23 @@ def throughput_tflops(model: ModelConfig, batch_size: int, seconds_per_iteration
     return gpt_train_flops(model, batch_size) / (seconds_per_iteration * 1e12 * world_size)
 
 
-def _counted(named_params, state: ParallelState) -> list[torch.nn.Parameter]:
-    """Each parameter once over the model-parallel ranks (as the grad norm counts them), trainable only."""
+def _counted(named_params, state: ParallelState) -> tuple[list[torch.nn.Parameter], bool]:
+    """Each parameter once over the model-parallel ranks (as the grad norm counts them), trainable only; with
+    experts each once over the world (expert_params.py)."""
     seen, out = set(), []
+    world = has_experts(p for _, p in named_params)
     for _, p in named_params:
-        if p.requires_grad and id(p) not in seen and counts_in_grad_norm(p, state.tp_rank):
+        counted = counted_in_world(p, state, sharded=False) if world else counts_in_grad_norm(p, state.tp_rank)
+        if p.requires_grad and id(p) not in seen and counted:
             seen.add(id(p))
             out.append(p)
-    return out
+    return out, world
 
 
-def _mp_sum(value: torch.Tensor, state: ParallelState) -> float:
-    if state.units.norms_over_world:  # per-unit strategies: counted elements lie on every rank
-        dist.all_reduce(value)
+def _mp_sum(value: torch.Tensor, state: ParallelState, world: bool = False) -> float:
+    if state.units.norms_over_world or world:  # per-unit strategies, experts: counted elements lie on every rank
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(value)
     elif state.mp_group is not None:
         dist.all_reduce(value, group=state.mp_group)
     return float(value.item())
@@ -60,9 +65,10 @@ def _mp_sum(value: torch.Tensor, state: ParallelState) -> float:
 def params_norm(named_params, state: ParallelState) -> float:
     """L2 norm of all model parameters (Megatron's `params norm`), over every model-parallel rank."""
     sq = torch.zeros(1, dtype=torch.float64, device=state.device)
-    for p in _counted(named_params, state):
+    params, world = _counted(named_params, state)
+    for p in params:
         sq += p.detach().double().square().sum()
-    return _mp_sum(sq, state) ** 0.5
+    return _mp_sum(sq, state, world) ** 0.5
 
 
 @torch.no_grad()
@@ -70,10 +76,11 @@ def num_zeros_in_grad(named_params, state: ParallelState) -> float:
     """Zero entries of the gradients the optimizer just used (Megatron's `num zeros`), over every model-parallel
     rank; gradients are the same on every data-parallel rank."""
     zeros = torch.zeros(1, dtype=torch.float64, device=state.device)
-    for p in _counted(named_params, state):
+    params, world = _counted(named_params, state)
+    for p in params:
         g = getattr(p, "main_grad", None)
         zeros += p.numel() if g is None else (g == 0).sum().double()
-    return _mp_sum(zeros, state)
+    return _mp_sum(zeros, state, world)
 
 
 class IntervalStats:
@@ -86,10 +93,13 @@ class IntervalStats:
     def reset(self) -> None:
         self.loss_sum, self.advanced, self.iterations, self.skipped, self.nan = 0.0, 0, 0, 0, 0
         self.part_sums: dict[str, float] = {}
+        self.aux_sums: dict[str, float] = {}
         self.start = time.time()
 
-    def add(self, loss: float, successful: bool, parts: Mapping[str, float] | None = None) -> None:
-        """`parts`: the loss's named terms when it has several (BERT: lm loss, sop loss)."""
+    def add(self, loss: float, successful: bool, parts: Mapping[str, float] | None = None,
+            aux: Mapping[str, float] | None = None) -> None:
+        """`parts`: the loss's named terms when it has several (BERT: lm loss, sop loss); `aux`: losses beside it
+        (MoE's load_balancing_loss, z_loss: training/moe_logging.py)."""
         self.iterations += 1
         if not math.isfinite(loss):
             self.nan += 1
@@ -100,13 +110,14 @@ class IntervalStats:
             self.advanced += 1
             for key, value in (parts or {}).items():
                 self.part_sums[key] = self.part_sums.get(key, 0.0) + value
+            for key, value in (aux or {}).items():
+                self.aux_sums[key] = self.aux_sums.get(key, 0.0) + value
 
     def losses(self) -> dict[str, float | None]:
         """The interval's mean losses by name, as the log line shows them: `lm loss` (the whole loss), or each
-        named term; None values when every iteration was skipped or NaN."""
-        if not self.part_sums:
-            return {"lm loss": self.loss}
-        return {key: total / self.advanced for key, total in self.part_sums.items()}
+        named term, then the auxiliary losses; None values when every iteration was skipped or NaN."""
+        mean = lambda sums: {key: total / self.advanced for key, total in sums.items()}  # noqa: E731
+        return {**(mean(self.part_sums) if self.part_sums else {"lm loss": self.loss}), **mean(self.aux_sums)}
 
     @property
     def loss(self) -> float | None:

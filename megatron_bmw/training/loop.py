@@ -42,6 +42,7 @@ from .checkpointer import Checkpointer, Loaded
 from .logging import (IntervalStats, TensorBoardWriter, format_train_log, format_validation_log, num_zeros_in_grad,
                       params_norm, throughput_tflops, timestamp)
 from .lr_scheduler import LRScheduler
+from .moe_logging import MoEAuxLosses
 from .optimizer import StepResult, build_optimizer
 from .plan_check import warmup_iterations
 from .process_memory import ResidentPeak
@@ -78,6 +79,7 @@ class IterationResult:
     batch_size: int  # the global batch this iteration consumed
     scale_before: float  # the loss scale the iteration ran with
     parts: dict[str, float] | None = None  # BERT: lm loss and sop loss (their sum is `loss`)
+    aux: dict[str, float] | None = None  # MoE: the auxiliary losses logged beside lm loss (moe_logging.py)
 
 
 def print_last(state: ParallelState, text: str) -> None:
@@ -167,6 +169,7 @@ class Trainer:
                                                fusion=tr.gradient_accumulation_fusion)
         self.optimizer = build_optimizer(self.named_params, run.optimizer, state, modules=self.chunks)
         self.scheduler = LRScheduler(self.optimizer, run.lr)
+        self.moe_aux = MoEAuxLosses(model, state) if model.moe is not None else None
         self.checkpoints = Checkpointer(state, self.chunks, self.optimizer)
         self.loaded: Loaded | None = None  # what --load read
         self.tracer = Tracer(state.rank, state.pp_rank) if tr.pipeline_trace else None
@@ -376,6 +379,8 @@ class Trainer:
         self.traced += 1
         scale = self.optimizer.loss_scale
         drain_reported(self.chunks)  # forget forwards run outside iterations (e.g. measuring stage times)
+        if self.moe_aux is not None:
+            self.moe_aux.forget(self.chunks)
         result = self.engine.run(batches, loss_scale=scale if self.run.optimizer.fp16 else 1.0,
                                  grad_sync=self.grad_sync)
         step = self.optimizer.step()
@@ -385,12 +390,13 @@ class Trainer:
             self.skipped += 1
         loss = reduce_loss(result, self.state, m)
         parts = self._loss_parts(m)
+        aux = self.moe_aux.reduce(self.chunks, m) if self.moe_aux is not None else None
         self.step_times.append(time.perf_counter() - start)
         self.iteration += 1
         if self.track_activations and len(self.step_times) >= self.tracked_iterations:
             self._stop_tracking()
         self.consumed_train += batch
-        return IterationResult(loss, step, batch, scale, parts)
+        return IterationResult(loss, step, batch, scale, parts, aux)
 
     def _stop_tracking(self) -> None:
         """Later iterations run engines without the activation store (BPipe's keep theirs: they move with it)."""
@@ -446,7 +452,7 @@ class Trainer:
             if tr.manual_gc and tr.manual_gc_interval and self.iteration % tr.manual_gc_interval == 0:
                 gc.collect()
             self.history.append((self.iteration, it.loss, it.step.grad_norm))
-            interval.add(it.loss, it.step.successful, it.parts)
+            interval.add(it.loss, it.step.successful, it.parts, it.aux)
             why = divergence(it.loss, it.step, it.scale_before, self.run.optimizer)
             late = tr.exit_duration_in_mins is not None and (time.time() - start) / 60.0 > tr.exit_duration_in_mins
             diverged, signalled, late = _agree([why is not None, sig.received, late], st)

@@ -7,7 +7,8 @@ the r-th 1/dp of every bucket and keeps fp32 master copies and Adam moments only
 inside it. After its update, the ranks all-gather the new values bucket by bucket so every DP rank holds the full
 model again; with `overlap_param_gather` the gathers run during the next forward (each completed by a forward
 pre-hook of the modules using the bucket) and `finish_param_sync()` completes them for anything else that reads
-the parameters (checkpoints, logging, the end of training).
+the parameters (checkpoints, logging, the end of training). Expert parameters (docs/moe.md) have a layout of
+their own, sharded over the expert data-parallel group (param_gather.ShardDomain).
 
 `state_dict()` has one layout for both modes (full per-parameter tensors), so a checkpoint saved with or
 without ZeRO, or on another DP size, loads into either.
@@ -21,12 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.layers import counted_once
-from ..parallel.groups import group_rank, group_size
+from ..parallel.expert_params import counted_in_world, has_experts
+from ..parallel.counting import counted_once
+from ..parallel.groups import group_size
 from ..parallel.state import ParallelState
 from ..config import OptimizerConfig
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
-from .param_gather import ParamGather, ShardLayout
+from .param_gather import ParamGather, ShardLayout, shard_domains
 
 try:
     from apex.optimizers import FusedAdam as _ApexFusedAdam
@@ -53,6 +55,7 @@ class _Piece:
     start: int
     end: int
     shard_offset: int  # where the piece sits in this rank's shard (ZeRO only)
+    domain: int = 0  # the ShardDomain whose shard it is in (ZeRO only)
 
 
 def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -98,19 +101,21 @@ class MixedPrecisionOptimizer:
         else:
             self.scaler = ConstantLossScaler(1.0)
 
-        dp = group_size(state.grad_group) if self.distributed else 1
-        self._layout = ShardLayout([p.numel() for p in self.params], dp, cfg.param_bucket_size)
-        self._pieces = self._make_pieces(group_rank(state.grad_group) if self.distributed else 0)
-        self._gather = None
-        if self.distributed:
-            self._gather = ParamGather(self.params, self._layout, state.grad_group, overlap=cfg.overlap_param_gather)
-            if cfg.overlap_param_gather:
-                if modules is None:
-                    raise ValueError("overlap_param_gather needs the modules that use the parameters")
-                self._gather.hook_modules(modules)
+        self._domains = shard_domains(self.params, state, cfg.param_bucket_size, cfg.overlap_param_gather) \
+            if self.distributed else []
+        self._pieces = self._make_pieces()
+        if self.distributed and cfg.overlap_param_gather:
+            if modules is None:
+                raise ValueError("overlap_param_gather needs the modules that use the parameters")
+            for d in self._domains:
+                d.gather.hook_modules(modules)
         self._masters = [self._new_master(pc) for pc in self._pieces]
+        # with experts each distinct gradient element is counted on one rank of the world (expert_params.py)
+        experts = has_experts(self.params)
+        self._norm_over_world = state.units.norms_over_world or experts
         self._counted = torch.tensor(
-            [counts_in_grad_norm(self.params[pc.index], state.tp_rank) for pc in self._pieces],
+            [counted_in_world(self.params[pc.index], state, self.distributed) if experts
+             else counts_in_grad_norm(self.params[pc.index], state.tp_rank) for pc in self._pieces],
             dtype=torch.bool,
             device=self.device,
         )
@@ -125,16 +130,19 @@ class MixedPrecisionOptimizer:
         self._inner, self.backend = _make_adam(groups, cfg, self.device) if groups else (None, "none")
 
     # ---- layout -------------------------------------------------------------------------------------
-    def _make_pieces(self, dp_rank: int) -> list[_Piece]:
+    def _make_pieces(self) -> list[_Piece]:
         if not self.distributed:
             return [_Piece(i, 0, p.numel(), 0) for i, p in enumerate(self.params)]
-        offsets, pieces = self._layout.offsets, []
-        for bucket, (lo, hi, shard_offset) in zip(self._layout.buckets, self._layout.rank_ranges(dp_rank)):
-            for i in bucket.params:
-                a, b = max(offsets[i], lo), min(offsets[i] + self.params[i].numel(), hi)
-                if a < b:
-                    pieces.append(_Piece(i, a - offsets[i], b - offsets[i], shard_offset + a - lo))
-        return pieces
+        return [_Piece(*piece, domain=k) for k, d in enumerate(self._domains) for piece in d.pieces()]
+
+    @property
+    def _layout(self) -> ShardLayout | None:
+        """The dense parameters' shard layout (ZeRO only)."""
+        return self._domains[0].layout if self._domains else None
+
+    @property
+    def _gather(self) -> ParamGather | None:
+        return self._domains[0].gather if self._domains else None
 
     def _param_slice(self, pc: _Piece, tensor: torch.Tensor) -> torch.Tensor:
         """The piece of a parameter-shaped tensor, shaped like the piece's master."""
@@ -195,8 +203,8 @@ class MixedPrecisionOptimizer:
     def finish_param_sync(self) -> None:
         """Complete the parameter all-gathers still running (--overlap-param-gather): afterwards every parameter
         holds the last step's value. Call it before anything reads or writes parameters outside a forward."""
-        if self._gather is not None:
-            self._gather.finish()
+        for d in self._domains:
+            d.gather.finish()
 
     @torch.no_grad()
     def _reload_masters(self) -> None:
@@ -228,14 +236,14 @@ class MixedPrecisionOptimizer:
             for m in self._masters:
                 m.grad = None
         self._step_count += 1
-        shard = self._publish()
-        return StepResult(True, grad_norm, self.scaler.scale, self._weights_finite(shard))
+        shards = self._publish()
+        return StepResult(True, grad_norm, self.scaler.scale, self._weights_finite(shards))
 
-    def _weights_finite(self, shard: torch.Tensor | None = None) -> bool:
+    def _weights_finite(self, shards: list[torch.Tensor] | None = None) -> bool:
         """Are this model's updated weights all finite, on every rank? (A step can overflow the 16-bit copies of
         finite masters; a model like that must never be saved.) Under ZeRO each rank checks the shard it
         published (the parameters are the shards end to end), so a pending gather is not waited for."""
-        local = [shard] if shard is not None else [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
+        local = shards if shards is not None else [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
         bad = torch.zeros(1, device=self.device)
         if local:
             peaks = torch._foreach_norm([p.detach() for p in local], ord=float("inf"))  # max |w|: inf/nan stay
@@ -251,8 +259,9 @@ class MixedPrecisionOptimizer:
             norms = torch.stack(torch._foreach_norm(grads)).double()
             buf[0] = norms[self._counted].square().sum()
             buf[1] = (~torch.isfinite(norms)).any().double()
-        if self.state.units.norms_over_world:  # each distinct gradient element is counted on one rank of the world
-            dist.all_reduce(buf)
+        if self._norm_over_world:  # each distinct gradient element is counted on one rank of the world
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(buf)
             sq, inf = buf.tolist()
             return inf > 0, sq**0.5
         if self.state.grad_group is not None:
@@ -264,29 +273,33 @@ class MixedPrecisionOptimizer:
         sq, inf = buf.tolist()
         return inf > 0, sq**0.5
 
-    def _publish(self) -> torch.Tensor | None:
+    def _publish(self) -> list[torch.Tensor] | None:
         """Copy the updated master weights into the model parameters; under ZeRO all-gather them (or launch the
-        gathers) from this rank's shard in the parameters' dtype, which is returned."""
+        gathers) from this rank's shards (one per ShardDomain) in the parameters' dtype, which are returned."""
         if not self.distributed:
             for pc, m in zip(self._pieces, self._masters):
                 if m is not self.params[pc.index]:
                     self.params[pc.index].detach().copy_(m)
             return None
-        dtypes = {p.dtype for p in self.params}
-        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        shard = torch.zeros(self._layout.shard_size, dtype=dtype, device=self.device)
-        for pc, m in zip(self._pieces, self._masters):
-            own = self.params[pc.index].dtype
-            shard[pc.shard_offset : pc.shard_offset + m.numel()].copy_(m if own == dtype else m.to(own))
-        self._gather.publish(shard)
-        return shard
+        shards = []
+        for k, d in enumerate(self._domains):
+            dtypes = {self.params[i].dtype for i in d.indices}
+            dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+            shard = torch.zeros(d.layout.shard_size, dtype=dtype, device=self.device)
+            for pc, m in zip(self._pieces, self._masters):
+                if pc.domain == k:
+                    own = self.params[pc.index].dtype
+                    shard[pc.shard_offset : pc.shard_offset + m.numel()].copy_(m if own == dtype else m.to(own))
+            d.gather.publish(shard)
+            shards.append(shard)
+        return shards
 
     # ---- checkpoint state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Full per-parameter optimizer state (tensors may alias live state: save them right away).
 
-        Under ZeRO this is collective over the DP group and only DP rank 0 gets the tensors ("params" is None
-        on the others).
+        Under ZeRO this is collective over the DP group (and the expert DP group) and only their rank 0 gets the
+        tensors ("params" is None on the others).
         """
         self._reload_masters()  # weights loaded without optimizer state: the masters are the loaded weights
         sd = {**self.state_meta(), "param_names": list(self.names)}
@@ -297,26 +310,25 @@ class MixedPrecisionOptimizer:
                 for pc, m, st in zip(self._pieces, self._masters, local)
             ]
             return sd
-        flat = {}
-        for key in ("master", *_MOMENTS):
-            buf = torch.zeros(self._layout.shard_size, dtype=torch.float32, device=self.device)
-            for pc, m, st in zip(self._pieces, self._masters, local):
-                src = m if key == "master" else st[key]
-                if src is not None:
-                    buf[pc.shard_offset : pc.shard_offset + m.numel()].copy_(src.reshape(-1))
-            shards = _gather_shards(buf, self.state.grad_group)
-            flat[key] = None if shards is None else self._layout.unshard(shards)
-        if flat["master"] is None:
-            sd["params"] = None
-            return sd
-        sd["params"] = []
-        for i, p in enumerate(self.params):
-            a = self._layout.offsets[i]
-            b = a + p.numel()
-            entry = {k: flat[k][a:b].view(p.shape).cpu() for k in flat}
-            if self._step_count == 0:
-                entry.update(exp_avg=None, exp_avg_sq=None)
-            sd["params"].append(entry)
+        entries: list[dict | None] = [None] * len(self.params)
+        for k, d in enumerate(self._domains):
+            flat = {}
+            for key in ("master", *_MOMENTS):
+                buf = torch.zeros(d.layout.shard_size, dtype=torch.float32, device=self.device)
+                for pc, m, st in zip(self._pieces, self._masters, local):
+                    src = m if key == "master" else st[key]
+                    if src is not None and pc.domain == k:
+                        buf[pc.shard_offset : pc.shard_offset + m.numel()].copy_(src.reshape(-1))
+                shards = _gather_shards(buf, d.group)
+                flat[key] = None if shards is None else d.layout.unshard(shards)
+            if flat["master"] is None:
+                continue
+            for j, i in enumerate(d.indices):
+                a, p = d.layout.offsets[j], self.params[i]
+                entries[i] = {key: flat[key][a : a + p.numel()].view(p.shape).cpu() for key in flat}
+                if self._step_count == 0:
+                    entries[i].update(exp_avg=None, exp_avg_sq=None)
+        sd["params"] = entries if all(e is not None for e in entries) else None
         return sd
 
     def _piece_state(self, master: torch.Tensor) -> dict:

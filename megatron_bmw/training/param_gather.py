@@ -8,6 +8,9 @@ buffer): at once, or (`--overlap-param-gather`) launched asynchronously, each wa
 the first module that owns one of its parameters, or by `finish()`, so the gather of later buckets runs during
 the next iteration's forward. (Parameters of mixed dtypes keep their own storage and are copied in instead.) With one bucket (a model under `bucket_size`) rank r
 owns the contiguous range [r*S, (r+1)*S) of all parameters.
+
+A model with experts has two such layouts (`ShardDomain`s, docs/moe.md): the dense parameters sharded over the
+dp x cp `grad_group`, the expert parameters over the `edp_group` (the ranks holding the same experts).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.groups import group_size
+from ..parallel.expert_params import is_expert
+from ..parallel.groups import group_rank, group_size
 
 @dataclass(frozen=True)
 class Bucket:
@@ -68,6 +72,40 @@ class ShardLayout:
             for r, shard in enumerate(shards):
                 full[b.start + r * part: b.start + (r + 1) * part] = shard[b.shard_offset: b.shard_offset + part]
         return full
+
+
+@dataclass
+class ShardDomain:
+    """Parameters ZeRO-1 shards over one group, with their layout and gather."""
+
+    indices: list[int]  # into the optimizer's parameters, in order
+    group: object  # the ranks sharing these parameters (None: one rank)
+    layout: ShardLayout
+    gather: ParamGather
+
+    def pieces(self) -> list[tuple[int, int, int, int]]:
+        """(parameter index, start, end, shard offset) of each flat range of a parameter this rank owns."""
+        offsets, out = self.layout.offsets, []
+        ranges = self.layout.rank_ranges(group_rank(self.group))
+        for bucket, (lo, hi, shard_offset) in zip(self.layout.buckets, ranges):
+            for j in bucket.params:
+                a, b = max(offsets[j], lo), min(offsets[j] + self.layout.numels[j], hi)
+                if a < b:
+                    out.append((self.indices[j], a - offsets[j], b - offsets[j], shard_offset + a - lo))
+        return out
+
+
+def shard_domains(params: list[nn.Parameter], state, bucket_size: int, overlap: bool) -> list[ShardDomain]:
+    """The dense parameters over `state.grad_group`, then the expert parameters (if any) over `state.edp_group`."""
+    dense = [i for i, p in enumerate(params) if not is_expert(p)]
+    experts = [i for i, p in enumerate(params) if is_expert(p)]
+    out = []
+    for indices, group in ((dense, state.grad_group), (experts, state.edp_group if experts else None)):
+        if indices:
+            mine = [params[i] for i in indices]
+            layout = ShardLayout([p.numel() for p in mine], group_size(group), bucket_size)
+            out.append(ShardDomain(indices, group, layout, ParamGather(mine, layout, group, overlap)))
+    return out
 
 
 class ParamGather:

@@ -3,12 +3,10 @@ the serial model run micro-batch by micro-batch as each dp rank holds them) on e
 without SP, etp2, ep2 x pp2 (a stage ending between attention and the MoE unit), ep4 beside tp2, cp2, both
 dispatchers, the auxiliary losses, capacity dropping and padding, shared experts and full recomputation.
 
-Until expert gradients have their own sync, the test reduces them itself: summed over the edp group and scaled by
-1 / (dp x cp) (docs/moe.md); the dense ones go through GradSync."""
+Every gradient goes through GradSync (expert ones summed over the edp group and scaled by 1 / (dp x cp))."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_bmw.config import MoEConfig, ParallelConfig
 from megatron_bmw.models.chunk import cp_shard
@@ -39,14 +37,6 @@ def _micro(cfg, m: int, dp: int):
     return split_batch(make_batch(cfg, MBS * m * dp, seed=11), m * dp)
 
 
-def _reduce_experts(params, st) -> None:
-    """Expert gradients: summed over the edp group, scaled by 1 / (dp x cp)."""
-    for p in params:
-        if st.edp_group is not None:
-            dist.all_reduce(p.grad, group=st.edp_group)
-        p.grad /= st.dp_size * st.cp_size
-
-
 def _run_case(rank, world_size, case, ref_loss, ref_grads):
     tp, cp, pp, ep, etp, m, overrides = case
     cfg = _config(overrides)
@@ -58,19 +48,16 @@ def _run_case(rank, world_size, case, ref_loss, ref_grads):
     pipe = pipeline_of(cfg, overrides, MBS, m, pp, 1, "1f1b", overrides.get("_partition"))
     chunks, sched, _ = pipeline_setup(cfg, st, SEED, pipe)
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-    experts = [p for _, p in named if getattr(p, "expert_parallel", False)]
-    sync = GradSync([p for _, p in named if not getattr(p, "expert_parallel", False)], st, bucket_size=2000)
+    sync = GradSync([p for _, p in named], st, bucket_size=2000, overlap=dp > 1)
     engine = PipelineEngine(chunks, st, sched, hidden_shape(cfg, st, MBS), cfg.torch_dtype)
     micro = _micro(cfg, m, dp)
     mine = [cp_shard(micro[i * dp + st.dp_rank], cp, st.cp_rank) for i in range(m)]
     loss = reduce_loss(engine.run(lambda i: mine[i], grad_sync=sync), st, m)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
-    _reduce_experts(experts, st)
     names = []
     for name, p in named:
         full = ref_grads[reference_name(name, cfg)]
-        got = p.grad if getattr(p, "expert_parallel", False) else p.main_grad
-        torch.testing.assert_close(got, expected_shard(full, p, st), **TOL, msg=lambda msg: f"{case} {name}: {msg}")
+        torch.testing.assert_close(p.main_grad, expected_shard(full, p, st), **TOL, msg=lambda msg: f"{case} {name}: {msg}")
         names.append(name)
     reported = drain_aux_losses(chunks)
     ev = reduce_loss(engine.run(lambda i: mine[i], forward_only=True), st, m)
