@@ -92,3 +92,50 @@ def test_tp_ep_logits_match_hf(kind, tp, ep, world, converted):
     c = converted[kind]
     for logits in run_distributed(world, _rank_logits, c["saves"][tp, ep], tp, ep):
         assert (logits[..., :100] - c["ref"]).abs().max().item() <= TOL
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training continues from an import
+
+
+def _run_flags(kind: str, save: str) -> list[str]:
+    """pretrain_gpt.py's flags for the converted model, as the tool prints them (layout flags included)."""
+    from megatron_bmw.convert.hf_files import layout_flags
+
+    args = load_file(os.path.join(save, "release", "mp_rank_00", "model_optim_rng.pt"), "test")["args"]
+    text = _tool().run_flags(args) + " " + layout_flags(args)
+    return [a.strip("'") for a in text.split()] + [
+        "--mock-data", "--vocab-size", "100", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size",
+        "4", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", "--attention-backend", "unfused"]
+
+
+def _train(rank, world_size, argv):
+    from megatron_bmw.training.loop import build_trainer
+
+    trainer = build_trainer(argv)
+    if trainer.run.train.ckpt_convert_format is not None:
+        trainer.convert_checkpoint()
+        return None
+    trainer.train()
+    return trainer.history
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_continues_from_an_import_at_ep1_and_ep2(kind, converted, tmp_path):
+    """pretrain_gpt.py's trainer, with the flags the tool prints, loads the ep 1 import and trains on (finite losses);
+    the same weights turned into torch_dist (Megatron's --ckpt-convert-format, which our runs load at any expert
+    layout) train on 2 gloo ranks at ep 2 (dp 2) with the same losses and grad norms."""
+    save = converted[kind]["saves"][1, 1]
+    flags = _run_flags(kind, save)
+    ref = run_distributed(1, _train, flags + ["--train-iters", "3", "--load", save, "--finetune"])[0]
+    assert [h[0] for h in ref] == [1, 2, 3] and all(torch.isfinite(torch.tensor(h[1])) for h in ref)
+    dist_dir = str(tmp_path / "converted")
+    run_distributed(1, _train, flags + ["--load", save, "--ckpt-convert-format", "torch_dist", "--ckpt-convert-save",
+                                        dist_dir, "--train-iters", "3"])
+    ep2 = [a if a != "1" or flags[i - 1] != "--expert-model-parallel-size" else "2" for i, a in enumerate(flags)]
+    runs = run_distributed(2, _train, ep2 + ["--train-iters", "3", "--load", os.path.join(dist_dir, "torch_dist"),
+                                             "--finetune"])
+    for (it, loss, norm), (_, ref_loss, ref_norm) in zip(runs[-1], ref):
+        assert loss == pytest.approx(ref_loss, rel=1e-5), it
+        assert norm == pytest.approx(ref_norm, rel=1e-4), it

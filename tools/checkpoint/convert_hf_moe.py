@@ -70,6 +70,11 @@ def hf_to_megatron_dir(hf_dir: str, save: str, tp: int, divisible_by: int, pp: i
     if config.get("router_jitter_noise"):
         print(f"note: router_jitter_noise {config['router_jitter_noise']} (multiplicative noise on the router's input "
               "while training) has no Megatron equivalent and is dropped")
+    if ep > 1:
+        print(f"note: experts over {ep} ranks are written as Megatron-LM's legacy mp_rank_TT[_PPP]_EEE files (for "
+              "Megatron-LM and these converters); pretrain_gpt.py loads expert-parallel runs from torch_dist only: "
+              "convert at --expert-model-parallel-size 1, load that once with --ckpt-convert-format torch_dist, and "
+              "run any ep from the result")
     args = dict(kwargs, padded_vocab_size=kwargs["vocab_size"], orig_vocab_size=config["vocab_size"],
                 make_vocab_size_divisible_by=divisible_by)
     return save_release(save, full, args, tp, pp, ep)
