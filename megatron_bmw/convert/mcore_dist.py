@@ -169,7 +169,8 @@ def _ours_order(name: str) -> tuple:
 
 def payload_from_ours_dist(iter_dir: str, common: Mapping, where: str = "torch_dist checkpoint") -> dict:
     """Our torch_dist iteration directory (with its common.pt payload) -> a read_ours payload."""
-    args = dict(common.get("args") or {}, **_SERIAL, virtual_pipeline_model_parallel_size=1)
+    args = dict(common.get("args") or {}, **_SERIAL, virtual_pipeline_model_parallel_size=1,
+                expert_model_parallel_size=1, expert_tensor_parallel_size=1)  # every expert, whole
     args.pop("pipeline_partition", None)
     keep = {k: v for k, v in common.items() if k in ("iteration", "consumed_train_samples", "consumed_valid_samples",
                                                      "checkpoint_version")}

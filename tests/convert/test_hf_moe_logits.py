@@ -125,7 +125,9 @@ def _train(rank, world_size, argv):
 def test_training_continues_from_an_import_at_ep1_and_ep2(kind, converted, tmp_path):
     """pretrain_gpt.py's trainer, with the flags the tool prints, loads the ep 1 import and trains on (finite losses);
     the same weights turned into torch_dist (Megatron's --ckpt-convert-format, which our runs load at any expert
-    layout) train on 2 gloo ranks at ep 2 (dp 2) with the same losses and grad norms."""
+    layout) train on 2 gloo ranks at ep 2 (dp 2) with the same losses and grad norms; that run's torch_dist
+    checkpoint converts to Megatron-LM's (ep 2 files), back to ours and on to Hugging Face with our trained model's
+    logits."""
     save = converted[kind]["saves"][1, 1]
     flags = _run_flags(kind, save)
     ref = run_distributed(1, _train, flags + ["--train-iters", "3", "--load", save, "--finetune"])[0]
@@ -134,8 +136,24 @@ def test_training_continues_from_an_import_at_ep1_and_ep2(kind, converted, tmp_p
     run_distributed(1, _train, flags + ["--load", save, "--ckpt-convert-format", "torch_dist", "--ckpt-convert-save",
                                         dist_dir, "--train-iters", "3"])
     ep2 = [a if a != "1" or flags[i - 1] != "--expert-model-parallel-size" else "2" for i, a in enumerate(flags)]
+    trained = str(tmp_path / "trained")
     runs = run_distributed(2, _train, ep2 + ["--train-iters", "3", "--load", os.path.join(dist_dir, "torch_dist"),
-                                             "--finetune"])
+                                             "--finetune", "--save", trained, "--ckpt-format", "torch_dist"])
     for (it, loss, norm), (_, ref_loss, ref_norm) in zip(runs[-1], ref):
         assert loss == pytest.approx(ref_loss, rel=1e-5), it
         assert norm == pytest.approx(ref_norm, rel=1e-4), it
+    # the ep 2 run's torch_dist checkpoint -> Megatron-LM's files at ep 2 -> ours at ep 1 -> Hugging Face
+    from tests.convert.test_megatron_moe import _tool as _megatron_tool
+
+    megatron = _megatron_tool()
+    assert megatron.main(["--direction", "ours-to-megatron", "--load-dir", trained, "--save-dir",
+                          str(tmp_path / "megatron"), "--target-expert-model-parallel-size", "2"]) == 0
+    assert megatron.main(["--direction", "megatron-to-ours", "--load-dir", str(tmp_path / "megatron"),
+                          "--save-dir", str(tmp_path / "torch"), "--target-expert-model-parallel-size", "1"]) == 0
+    assert _tool().main(["--direction", "megatron-to-hf", "--load", str(tmp_path / "torch"), "--hf-dir",
+                         str(tmp_path / "hf_trained")]) == 0
+    full, args = load_full(str(tmp_path / "torch"))
+    assert max_logit_difference(full, args, str(tmp_path / "hf_trained"))[0] <= TOL
+    model, cfg = our_model(full, args)
+    moved = our_logits(model, cfg, _tokens())[..., :100].transpose(0, 1)
+    assert (moved - converted[kind]["ref"]).abs().max().item() > 1e-3  # it trained
