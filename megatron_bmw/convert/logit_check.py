@@ -2,7 +2,7 @@
 of ours, one process, fp32) and through the transformers model of a Hugging Face folder, and the largest absolute
 difference of their logits over the real (unpadded) vocabulary. Beyond the tolerance the tool exits 1.
 
-GPT-2 and Llama-family models compare their causal LM logits; BERT its masked-LM prediction logits (no padding,
+GPT-2, Llama-family and MoE (Mixtral, Qwen2-MoE) models compare their causal LM logits; BERT its masked-LM prediction logits (no padding,
 token type 0).
 """
 
@@ -22,7 +22,8 @@ BATCH, SEQ, SEED = 2, 16, 1234
 WORD_EMBEDDING = "units.embedding.word_embeddings.weight"
 # a config.json without `architectures`: the class its model type loads
 _HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-             "bert": "BertForPreTraining", "megatron-bert": "MegatronBertForPreTraining"}
+             "bert": "BertForPreTraining", "megatron-bert": "MegatronBertForPreTraining",
+             "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def our_model(full: dict[str, torch.Tensor], args: dict[str, Any]) -> tuple[torch.nn.Module, ModelConfig]:

@@ -33,16 +33,20 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..pipeline.partition import virtual_stage_units
 from ..safe_load import Foreign
 from ..units import unit_names
 from .checkpoint_files import check_uniform_layout
+from .tp_shards import join_experts, split_experts
+from .megatron_moe import DIST, EXPERT_LAYOUTS
 from .gpt2 import POSITION_EMBEDDING
 from .megatron_args import (
-    CARRIED_ARGS, args_dict, dtype_name, int_or_none, iteration_number, megatron_args, megatron_notes,
-    model_config_from_megatron, ours_args, unsupported_megatron_features,
+    CARRIED_ARGS, args_dict, dtype_name, expert_parallel_size, int_or_none, iteration_number, megatron_args,
+    megatron_notes, model_config_from_megatron, ours_args, unsupported_megatron_features,
 )
 from .megatron_layout import (  # noqa: F401 - the layout's names are this module's API too
     Layout, Model, Target, assemble, check_full, check_grid, drop_tied_copy, megatron_partition_problem,
@@ -54,32 +58,35 @@ from .megatron_names import (  # noqa: F401 - as are the names'
 )
 
 CHECKPOINT_VERSION = 3.0
-Files = dict[tuple[int, int], dict]
+Files = dict[tuple, dict]  # (tp, pp) or, with experts over ep ranks, (tp, pp, ep)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reading
 
 
-def read_megatron(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int | str | None = None,
-                  where: str = "checkpoint") -> Model:
-    """A Megatron-LM (megatron-core GPT, legacy torch format) checkpoint's payloads -> Model."""
-    if (0, 0) not in files:
-        raise UsageError(f"{where} has no file of rank (tp 0, pp 0)")
-    first = files[0, 0]
-    if "args" not in first:
-        raise UsageError(f"{where}: model_optim_rng.pt has no 'args'")
-    a = args_dict(first["args"])
-    version = first.get("checkpoint_version", 0) or 0
-    if float(version) < 3.0:
-        raise UsageError(f"{where}: checkpoint_version {version} is not supported (megatron-core checkpoints are 3.0)")
-    bad = unsupported_megatron_features(a)
-    if bad:
-        raise UsageError(f"{where}: unsupported Megatron model: {'; '.join(bad)}")
-    if int(a.get("expert_model_parallel_size") or 1) > 1:
-        raise UsageError(f"{where}: unsupported Megatron model: expert parallelism")
-    tp = int(a.get("tensor_model_parallel_size") or 1)
-    pp = int(a.get("pipeline_model_parallel_size") or 1)
+def by_expert_rank(files: Mapping[tuple, Any], where: str) -> dict[int, dict[tuple[int, int], Any]]:
+    """{(tp, pp) or (tp, pp, ep): payload} -> {ep rank: {(tp, pp): payload}}."""
+    out: dict[int, dict[tuple[int, int], Any]] = {}
+    for key, payload in files.items():
+        if len(key) not in (2, 3):
+            raise UsageError(f"{where}: rank key {key} is not (tp, pp) or (tp, pp, ep)")
+        out.setdefault(key[2] if len(key) == 3 else 0, {})[key[0], key[1]] = payload
+    if sorted(out) != list(range(len(out))):
+        raise UsageError(f"{where}: expert-parallel ranks {sorted(out)} are not 0..{len(out) - 1}")
+    return out
+
+
+def _first_payload(files: Mapping[tuple, Any], where: str) -> Any:
+    for key in ((0, 0), (0, 0, 0)):
+        if key in files:
+            return files[key]
+    raise UsageError(f"{where} has no file of rank (tp 0, pp 0)")
+
+
+def _megatron_ep_chunks(files: Mapping[tuple[int, int], Any], tp: int, pp: int, where: str,
+                        local_experts: int | None) -> tuple[dict[tuple[int, int], list[dict]], int]:
+    """One ep rank's Megatron payloads -> ({(tp, pp): chunk state dicts in our names}, layers held)."""
     check_grid(files, tp, pp, where)
     raw = {key: model_chunks(p, f"{where} rank (tp {key[0]}, pp {key[1]})") for key, p in files.items()}
     virtual = len(raw[0, 0])
@@ -95,9 +102,46 @@ def read_megatron(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration:
             chunk_where = f"{where} rank (tp {t}, pp {r}) chunk {i}"
             if megatron_chunk_layers(sd, chunk_where) != n:
                 raise UsageError(f"{chunk_where}: tensor-parallel ranks hold different layers")
-            chunks[t, r].append(megatron_chunk_to_ours(sd, offset, chunk_where))
+            chunks[t, r].append(megatron_chunk_to_ours(sd, offset, chunk_where, local_experts))
         offset += n
-    full, stages = assemble(chunks, tp, pp, where, swiglu=bool(a.get("swiglu")))
+    return chunks, offset
+
+
+def _assemble_experts(per_ep: list[dict[tuple[int, int], list[dict]]], tp: int, pp: int, where: str,
+                      swiglu: bool) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """`assemble` of each ep rank's chunks, the ranks' experts joined in ep order (the rest from ep rank 0)."""
+    fulls = [assemble(chunks, tp, pp, f"{where} (ep rank {e})" if len(per_ep) > 1 else where, swiglu=swiglu)
+             for e, chunks in enumerate(per_ep)]
+    if any(stages != fulls[0][1] for _, stages in fulls[1:]):
+        raise UsageError(f"{where}: the expert-parallel ranks hold different pipeline stages")
+    return join_experts([full for full, _ in fulls]), fulls[0][1]
+
+
+def read_megatron(files: Mapping[tuple, Mapping[str, Any]], iteration: int | str | None = None,
+                  where: str = "checkpoint") -> Model:
+    """A Megatron-LM (megatron-core GPT, legacy torch format) checkpoint's payloads, keyed (tp, pp) or with
+    experts over ep ranks (tp, pp, ep) -> Model."""
+    first = _first_payload(files, where)
+    if "args" not in first:
+        raise UsageError(f"{where}: model_optim_rng.pt has no 'args'")
+    a = args_dict(first["args"])
+    version = first.get("checkpoint_version", 0) or 0
+    if float(version) < 3.0:
+        raise UsageError(f"{where}: checkpoint_version {version} is not supported (megatron-core checkpoints are 3.0)")
+    bad = unsupported_megatron_features(a)
+    if bad:
+        raise UsageError(f"{where}: unsupported Megatron model: {'; '.join(bad)}")
+    tp = int(a.get("tensor_model_parallel_size") or 1)
+    pp = int(a.get("pipeline_model_parallel_size") or 1)
+    ep = expert_parallel_size(a, where)
+    grouped = by_expert_rank(files, where)
+    if len(grouped) != ep:
+        raise UsageError(f"{where}: args say expert_model_parallel_size {ep}, the checkpoint holds {len(grouped)} "
+                         "expert ranks")
+    local = int(a["num_experts"]) // ep if a.get("num_experts") else None
+    per_ep = [_megatron_ep_chunks(grouped[e], tp, pp, where, local) for e in range(ep)]
+    full, stages = _assemble_experts([c for c, _ in per_ep], tp, pp, where, bool(a.get("swiglu")))
+    offset = per_ep[0][1]
     cfg = model_config_from_megatron(a, full)
     if offset != cfg["num_layers"]:
         raise UsageError(f"{where}: args say num_layers {cfg['num_layers']}, the pipeline stages hold {offset} layers")
@@ -107,7 +151,7 @@ def read_megatron(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration:
     if iteration is None:
         iteration = int(first.get("iteration", a.get("iteration", 0)) or 0)
     return Model(
-        full=full, config=cfg, layout=Layout(tp, pp, virtual, partition), iteration=iteration,
+        full=full, config=cfg, layout=Layout(tp, pp, len(per_ep[0][0][0, 0]), partition, ep), iteration=iteration,
         consumed_train_samples=int_or_none(a.get("consumed_train_samples")),
         consumed_valid_samples=int_or_none(a.get("consumed_valid_samples")),
         orig_vocab_size=int_or_none(a.get("vocab_size")),
@@ -116,12 +160,10 @@ def read_megatron(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration:
     )
 
 
-def read_ours(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int | str | None = None,
+def read_ours(files: Mapping[tuple, Mapping[str, Any]], iteration: int | str | None = None,
               where: str = "checkpoint") -> Model:
-    """A megatron_bmw checkpoint's payloads -> Model."""
-    if (0, 0) not in files:
-        raise UsageError(f"{where} has no file of rank (tp 0, pp 0)")
-    first = files[0, 0]
+    """A megatron_bmw checkpoint's payloads, keyed (tp, pp) or (tp, pp, ep) -> Model."""
+    first = _first_payload(files, where)
     a = args_dict(first.get("args"))
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = {k: a[k] for k in names if k in a and k != "params_dtype"}
@@ -137,15 +179,22 @@ def read_ours(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int
     check_uniform_layout(a, where)
     tp = int(a.get("tensor_model_parallel_size") or 1)
     pp = int(a.get("pipeline_model_parallel_size") or 1)
-    check_grid(files, tp, pp, where)
-    chunks = {key: model_chunks(p, f"{where} rank (tp {key[0]}, pp {key[1]})") for key, p in files.items()}
-    for key, cs in chunks.items():
-        for sd in cs:
-            for name in sd:
-                if not str(name).startswith("units."):
-                    raise UsageError(f"{where} rank (tp {key[0]}, pp {key[1]}) holds {name}, not a megatron_bmw name "
-                                     "(units.*); use --direction megatron-to-ours")
-    full, stages = assemble(chunks, tp, pp, where, swiglu=bool(cfg.get("swiglu")))
+    ep = expert_parallel_size(a, where)
+    grouped = by_expert_rank(files, where)
+    if len(grouped) != ep:
+        raise UsageError(f"{where}: args say expert_model_parallel_size {ep}, the checkpoint holds {len(grouped)} "
+                         "expert ranks")
+    per_ep = []
+    for e in range(ep):
+        check_grid(grouped[e], tp, pp, where)
+        chunks = {key: model_chunks(p, f"{where} rank (tp {key[0]}, pp {key[1]})") for key, p in grouped[e].items()}
+        for key, cs in chunks.items():
+            bad = [name for sd in cs for name in sd if not str(name).startswith("units.")]
+            if bad:
+                raise UsageError(f"{where} rank (tp {key[0]}, pp {key[1]}) holds {bad[0]}, not a megatron_bmw name "
+                                 "(units.*); use --direction megatron-to-ours")
+        per_ep.append(chunks)
+    full, stages = _assemble_experts(per_ep, tp, pp, where, bool(cfg.get("swiglu")))
     partition = partition_of(stages, cfg["num_layers"], where)
     if WORD_EMBEDDING not in full:
         raise UsageError(f"{where} lacks {WORD_EMBEDDING}")
@@ -159,7 +208,7 @@ def read_ours(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int
     if iteration is None:
         iteration = int(first.get("iteration", 0) or 0)
     return Model(
-        full=full, config=cfg, layout=Layout(tp, pp, len(chunks[0, 0]), partition), iteration=iteration,
+        full=full, config=cfg, layout=Layout(tp, pp, len(per_ep[0][0, 0]), partition, ep), iteration=iteration,
         consumed_train_samples=int_or_none(first.get("consumed_train_samples")),
         consumed_valid_samples=int_or_none(first.get("consumed_valid_samples")),
         orig_vocab_size=int_or_none(a.get("orig_vocab_size")),
@@ -172,15 +221,27 @@ def read_ours(files: Mapping[tuple[int, int], Mapping[str, Any]], iteration: int
 # Writing
 
 
+def split_ranks(model: Model, layout: Layout) -> dict[tuple, list[dict[str, torch.Tensor]]]:
+    """`split` of the model for the layout, each ep rank's experts apart: keys (tp, pp), or (tp, pp, ep) with
+    layout.ep > 1."""
+    cfg = model.config
+    out: dict[tuple, list[dict[str, torch.Tensor]]] = {}
+    for e in range(layout.ep):
+        local = split_experts(model.full, layout.ep, e)
+        for (t, r), chunks in split(local, cfg["num_layers"], cfg["untie_embeddings_and_output_weights"], layout,
+                                    bool(cfg.get("swiglu"))).items():
+            out[(t, r, e) if layout.ep > 1 else (t, r)] = chunks
+    return out
+
+
 def write_ours(model: Model, layout: Layout) -> Files:
-    """Model -> {(tp_rank, pp_rank): payload} in our Trainer's checkpoint format (weights, iteration, samples)."""
+    """Model -> {(tp_rank, pp_rank[, ep_rank]): payload} in our Trainer's checkpoint format (weights, iteration,
+    samples)."""
     check_full(model.full, model.config)
     args = ours_args(model, layout)
     it = iteration_number(model)
     out: Files = {}
-    cfg = model.config
-    for key, chunks in split(model.full, cfg["num_layers"], cfg["untie_embeddings_and_output_weights"], layout,
-                             bool(cfg.get("swiglu"))).items():
+    for key, chunks in split_ranks(model, layout).items():
         payload: dict[str, Any] = {"iteration": it, "args": dict(args), "checkpoint_version": CHECKPOINT_VERSION}
         if model.consumed_train_samples is not None:
             payload["consumed_train_samples"] = model.consumed_train_samples
@@ -195,16 +256,22 @@ def write_ours(model: Model, layout: Layout) -> Files:
 
 
 def write_megatron(model: Model, layout: Layout, spec: str = "transformer_engine",
-                   tokenizer_type: str | None = None) -> Files:
-    """Model -> {(tp_rank, pp_rank): payload} as Megatron-LM saves with --ckpt-format torch (weights only)."""
+                   tokenizer_type: str | None = None, experts: str = "sequential") -> Files:
+    """Model -> {(tp_rank, pp_rank[, ep_rank]): payload} as Megatron-LM saves with --ckpt-format torch (weights
+    only); MoE layers' experts in the layout `experts` (megatron_moe.EXPERT_LAYOUTS)."""
     if spec not in MEGATRON_SPECS:
         raise UsageError(f"unknown Megatron layer spec {spec!r} (choose {', '.join(MEGATRON_SPECS)})")
+    if experts not in EXPERT_LAYOUTS + (DIST,):
+        raise UsageError(f"unknown Megatron expert layout {experts!r} (choose {', '.join(EXPERT_LAYOUTS)})")
+    if experts == "te_grouped" and spec != "transformer_engine":
+        raise UsageError("--megatron-expert-layout te_grouped is Transformer Engine's grouped GEMM: it needs "
+                         "--megatron-layer-spec transformer_engine")
     problem = megatron_partition_problem(layout.partition)
     if problem:
         raise UsageError(f"pipeline partition {','.join(map(str, layout.partition))}: {problem}; "
                          "Megatron's pipeline stages hold whole transformer layers")
     check_full(model.full, model.config)
-    args = megatron_args(model, layout, spec, tokenizer_type)
+    args = megatron_args(model, layout, spec, tokenizer_type, experts)
     names = unit_names(model.config["num_layers"])
     stages = virtual_stage_units(layout.partition)
     first_layer = []  # global index of each virtual stage's first layer
@@ -213,15 +280,15 @@ def write_megatron(model: Model, layout: Layout, spec: str = "transformer_engine
         first_layer.append(done)
         done += sum(1 for i in units if names[i].startswith("attn_"))
     out: Files = {}
-    for (t, r), chunks in split(model.full, model.config["num_layers"],
-                                model.config["untie_embeddings_and_output_weights"], layout,
-                                bool(model.config.get("swiglu"))).items():
-        converted = [ours_chunk_to_megatron(sd, first_layer[i * layout.pp + r], spec) for i, sd in enumerate(chunks)]
+    for key, chunks in split_ranks(model, layout).items():
+        r = key[1]
+        converted = [ours_chunk_to_megatron(sd, first_layer[i * layout.pp + r], spec, experts)
+                     for i, sd in enumerate(chunks)]
         payload: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
                                    "iteration": iteration_number(model), "num_floating_point_operations_so_far": 0}
         if len(converted) == 1:
             payload["model"] = converted[0]
         else:
             payload.update({f"model{i}": c for i, c in enumerate(converted)})
-        out[t, r] = payload
+        out[key] = payload
     return out

@@ -14,6 +14,9 @@ from ..errors import UsageError
 from .gpt2 import POSITION_EMBEDDING
 from .megatron_layout import Layout, Model, infer_divisible_by, megatron_stage_layers
 from .megatron_names import WORD_EMBEDDING
+from .megatron_moe_args import (  # noqa: F401 - part of this module's API
+    expert_parallel_size, megatron_moe_args, moe_config_from_megatron, unsupported_moe_features,
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -49,7 +52,7 @@ def unsupported_megatron_features(a: Mapping[str, Any]) -> list[str]:
     if a.get("squared_relu"):
         found.append("squared_relu")
     if a.get("num_experts"):
-        found.append(f"MoE (num_experts {a.get('num_experts')})")
+        found.extend(unsupported_moe_features(a))
     if a.get("multi_latent_attention"):
         found.append("multi-latent attention")
     if a.get("mtp_num_layers"):
@@ -118,7 +121,7 @@ def model_config_from_megatron(a: Mapping[str, Any], full: Mapping[str, torch.Te
         hidden_dropout=float(a.get("hidden_dropout", 0.1)), attention_dropout=float(a.get("attention_dropout", 0.1)),
         init_method_std=float(a.get("init_method_std", 0.02)), layernorm_epsilon=float(1e-5 if eps is None else eps),
         untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights", False)),
-        params_dtype=dtype_name(full[WORD_EMBEDDING].dtype), **llama,
+        params_dtype=dtype_name(full[WORD_EMBEDDING].dtype), moe=moe_config_from_megatron(a), **llama,
     )
     if not cfg["seq_length"]:
         raise UsageError("checkpoint args lack seq_length (a rotary model has no position table to tell it)")
@@ -156,6 +159,8 @@ def ours_args(model: Model, layout: Layout) -> dict[str, Any]:
              padded_vocab_size=cfg.vocab_size, orig_vocab_size=model.orig_vocab_size,
              pipeline_partition=list(layout.partition), params_dtype=str(cfg.torch_dtype),
              virtual_pipeline_model_parallel_size=layout.virtual,
+             **({"expert_model_parallel_size": layout.ep, "expert_tensor_parallel_size": layout.tp}
+                if cfg.moe is not None else {}),
              make_vocab_size_divisible_by=model.make_vocab_size_divisible_by
              or infer_divisible_by(model.orig_vocab_size, cfg.vocab_size, layout.tp))
     if model.consumed_train_samples is not None:
@@ -166,7 +171,8 @@ def ours_args(model: Model, layout: Layout) -> dict[str, Any]:
     return d
 
 
-def megatron_args(model: Model, layout: Layout, spec: str, tokenizer_type: str | None = None) -> argparse.Namespace:
+def megatron_args(model: Model, layout: Layout, spec: str, tokenizer_type: str | None = None,
+                  experts: str = "sequential") -> argparse.Namespace:
     """The `args` Namespace a Megatron-LM run with this model and layout saves (the fields its loader reads)."""
     cfg = ModelConfig(**model.config)
     h, heads = cfg.hidden_size, cfg.num_attention_heads
@@ -174,6 +180,8 @@ def megatron_args(model: Model, layout: Layout, spec: str, tokenizer_type: str |
     divisible = (model.make_vocab_size_divisible_by
                  or infer_divisible_by(model.orig_vocab_size, cfg.vocab_size, layout.tp) or 128)
     dp = int(model.extra_args.get("data_parallel_size") or 1)
+    if dp % layout.ep:  # Megatron's experts are split over ep ranks out of the data-parallel ones (etp = tp)
+        dp = layout.ep
     dtype = cfg.torch_dtype
     return argparse.Namespace(
         num_layers=cfg.num_layers, hidden_size=h, ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=heads,
@@ -195,7 +203,8 @@ def megatron_args(model: Model, layout: Layout, spec: str, tokenizer_type: str |
         init_method_std=cfg.init_method_std, swiglu=cfg.swiglu, squared_relu=False, openai_gelu=False,
         bias_gelu_fusion=not cfg.swiglu, bias_swiglu_fusion=cfg.swiglu, add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias, disable_bias_linear=not cfg.add_bias_linear,
-        qk_layernorm=cfg.qk_layernorm, apply_residual_connection_post_layernorm=False, num_experts=None,
+        qk_layernorm=cfg.qk_layernorm, apply_residual_connection_post_layernorm=False,
+        **megatron_moe_args(cfg, layout.ep, layout.tp, experts),
         fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16, params_dtype=dtype,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.virtual if layout.virtual > 1 else None,

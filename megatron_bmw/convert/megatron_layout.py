@@ -35,10 +35,12 @@ class Layout:
     pp: int
     virtual: int
     partition: list[int]
+    ep: int = 1  # ranks the experts of MoE layers are split over (their tensor-parallel size is tp)
 
     def describe(self) -> str:
         v = f" virtual={self.virtual}" if self.virtual > 1 else ""
-        return f"tp={self.tp} pp={self.pp}{v} partition={','.join(map(str, self.partition))}"
+        e = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"tp={self.tp} pp={self.pp}{v}{e} partition={','.join(map(str, self.partition))}"
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Target:
     partition: str | list[int] | None = None
     true_vocab_size: int | None = None
     make_vocab_size_divisible_by: int | None = None
+    ep: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -90,28 +93,15 @@ def model_chunks(payload: Mapping[str, Any], where: str) -> list[dict]:
     return [payload[f"model{i}"] for i in keys]
 
 
-_FC1 = re.compile(r"units\.mlp_\d+\.fc1\.(weight|bias)")
-
-
 def _merge_tp(shards: list[Mapping[str, torch.Tensor]], swiglu: bool) -> dict[str, torch.Tensor]:
-    """merge_shards, with SwiGLU's fc1 put back together as [gate; up] from the ranks' [gate_r; up_r]."""
-    full = merge_shards(shards)
-    if swiglu and len(shards) > 1:
-        for name in full:
-            if _FC1.fullmatch(name):
-                halves = [sd[name].chunk(2, 0) for sd in shards]
-                full[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    return full
+    """merge_shards, with SwiGLU's fc1 (dense, shared experts', every expert's) put back together as [gate; up] from
+    the ranks' [gate_r; up_r]."""
+    return merge_shards(shards, swiglu=swiglu)
 
 
 def _shard_tp(sd: Mapping[str, torch.Tensor], tp: int, rank: int, swiglu: bool) -> dict[str, torch.Tensor]:
     """shard_state_dict, with SwiGLU's fc1 split block by block: rank r holds [gate_r; up_r] (Megatron's too)."""
-    out = shard_state_dict(sd, tp, rank)
-    if swiglu and tp > 1:
-        for name, t in sd.items():
-            if _FC1.fullmatch(name):
-                out[name] = torch.cat([half.chunk(tp, 0)[rank] for half in t.chunk(2, 0)])
-    return out
+    return shard_state_dict(sd, tp, rank, swiglu=swiglu)
 
 
 def assemble(chunks: Mapping[tuple[int, int], list[dict]], tp: int, pp: int, where: str = "checkpoint",
@@ -215,14 +205,35 @@ def expected_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         if m.qk_layernorm:
             norm(a + "q_layernorm", d)
             norm(a + "k_layernorm", d)
-        shapes.update({a + "qkv.weight": (m.qkv_rows, h), a + "proj.weight": (h, h),
-                       p + "fc1.weight": (m.fc1_rows, h), p + "fc2.weight": (h, f)})
+        shapes.update({a + "qkv.weight": (m.qkv_rows, h), a + "proj.weight": (h, h)})
         shapes.update({a + "qkv.bias": (m.qkv_rows,)} if qkv_bias else {})
-        shapes.update({a + "proj.bias": (h,), p + "fc1.bias": (m.fc1_rows,), p + "fc2.bias": (h,)} if bias else {})
+        shapes.update({a + "proj.bias": (h,)} if bias else {})
+        shapes.update(moe_shapes(m, p) if m.moe_layer(i) else mlp_shapes(p, m.fc1_rows, f, h, bias))
         norm(p + "post_attention_layernorm", h)
     norm("units.head.final_layernorm", h)
     if cfg.get("untie_embeddings_and_output_weights"):
         shapes[OUTPUT_WEIGHT] = (v, h)
+    return shapes
+
+
+def mlp_shapes(prefix: str, rows: int, ffn: int, h: int, bias: bool) -> dict[str, tuple[int, ...]]:
+    """A dense MLP's fc1 and fc2 (and biases) under `prefix`."""
+    shapes = {prefix + "fc1.weight": (rows, h), prefix + "fc2.weight": (h, ffn)}
+    shapes.update({prefix + "fc1.bias": (rows,), prefix + "fc2.bias": (h,)} if bias else {})
+    return shapes
+
+
+def moe_shapes(m: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """An MoE unit's router, stacked experts and shared experts (docs/moe.md), norm left out."""
+    e, h, f, bias = m.moe.num_experts, m.hidden_size, m.moe_ffn_hidden_size, m.add_bias_linear
+    rows = 2 * f if m.swiglu else f
+    shapes = {prefix + "router.weight": (e, h), prefix + "experts.fc1.weight": (e, rows, h),
+              prefix + "experts.fc2.weight": (e, h, f)}
+    shapes.update({prefix + "experts.fc1.bias": (e, rows), prefix + "experts.fc2.bias": (e, h)} if bias else {})
+    fs = m.moe.shared_expert_intermediate_size
+    if fs:
+        shapes.update(mlp_shapes(prefix + "shared_expert.", 2 * fs if m.swiglu else fs, fs, h, bias))
+        shapes.update({prefix + "shared_expert_gate.weight": (1, h)} if m.moe.shared_expert_gate else {})
     return shapes
 
 
@@ -291,14 +302,24 @@ def retarget(model: Model, target: Target, to_megatron: bool) -> tuple[Model, La
             raise UsageError(f"{origin} {','.join(map(str, partition))}: {problem}, but Megatron's pipeline stages "
                              f"hold whole transformer layers; {fix}")
     what = "--target-tensor-parallel-size" if target.tp else "the tensor-parallel size"
-    for name in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "num_query_groups"):
-        if cfg.get(name) and cfg[name] % tp:
-            raise UsageError(f"{what} {tp} does not divide {name} {cfg[name]}")
+    moe = cfg.get("moe") or {}
+    for name, size in (("num_attention_heads", cfg.get("num_attention_heads")), ("hidden_size", cfg.get("hidden_size")),
+                       ("ffn_hidden_size", cfg.get("ffn_hidden_size")), ("num_query_groups", cfg.get("num_query_groups")),
+                       ("moe_ffn_hidden_size", moe.get("ffn_hidden_size")),
+                       ("moe_shared_expert_intermediate_size", moe.get("shared_expert_intermediate_size"))):
+        if size and size % tp:
+            raise UsageError(f"{what} {tp} does not divide {name} {size}")
+    ep = (src.ep if target.ep is None else target.ep) if moe else 1
+    if ep < 1 or (target.ep not in (None, 1) and not moe):
+        raise UsageError(f"--target-expert-model-parallel-size {target.ep}: " +
+                         ("must be >= 1" if ep < 1 else "the model has no experts"))
+    if moe and moe["num_experts"] % ep:
+        raise UsageError(f"the expert-parallel size {ep} does not divide the {moe['num_experts']} experts")
     model = dataclasses.replace(model, full=dict(model.full), config=dict(cfg))
     _repad_vocab(model, src.tp, tp, target)
     if model.config["vocab_size"] % tp:
         raise UsageError(f"{what} {tp} does not divide the padded vocabulary size {model.config['vocab_size']}")
-    return model, Layout(tp, pp, virtual, partition)
+    return model, Layout(tp, pp, virtual, partition, ep)
 
 
 def _repad_vocab(model: Model, src_tp: int, tp: int, target: Target) -> None:

@@ -3,7 +3,8 @@
 megatron-core names the layers of each model chunk from 0 (`decoder.layers.N.<module>`), in either layer spec's
 names (Transformer Engine's fused norms, or local ones); ours names units globally (`units.attn_i...`,
 `units.mlp_i...`). The tensors themselves are the same on both sides (convert/megatron.py). `_extra_state` entries
-(None without FP8) are dropped reading and written back for the modules of the spec that carry them.
+(None without FP8) are dropped reading and written back for the modules of the spec that carry them. MoE layers'
+router, experts and shared experts: convert/megatron_moe.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from ..errors import UsageError
 from .gpt2 import POSITION_EMBEDDING
+from .megatron_moe import is_ours_moe, moe_layer_to_megatron, moe_layer_to_ours, split_moe_items
 
 MEGATRON_SPECS = ("transformer_engine", "local")
 WORD_EMBEDDING = "units.embedding.word_embeddings.weight"
@@ -61,10 +63,29 @@ _LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _UNIT_LAYER = re.compile(r"units\.(attn|mlp)_(\d+)\.(.+)")
 
 
-def megatron_chunk_to_ours(sd: Mapping[str, Any], layer_offset: int, where: str = "checkpoint") -> dict:
-    """One tp rank's state dict of one Megatron model chunk -> our names (layer numbers + `layer_offset`).
+def megatron_chunk_to_ours(sd: Mapping[str, Any], layer_offset: int, where: str = "checkpoint",
+                           local_experts: int | None = None) -> dict:
+    """One tp (and ep) rank's state dict of one Megatron model chunk -> our names (layer numbers + `layer_offset`;
+    an MoE layer's local experts stacked, `local_experts` per rank needed only by the legacy grouped GEMM).
 
     `_extra_state` entries are dropped; any other name we cannot map is an error naming it."""
+    moe, sd = split_moe_items(sd)
+    out: dict[str, torch.Tensor] = {}
+    for layer, items in moe.items():
+        out.update(moe_layer_to_ours(items, f"units.mlp_{layer_offset + layer}.", local_experts, where))
+    out.update(_dense_chunk_to_ours(sd, layer_offset, where, out))
+    return {k: out[k] for k in sorted(out, key=unit_order)}  # units in model order: stages are read from it
+
+
+def unit_order(name: str) -> tuple:
+    """Model order of our names: the embedding, layer by layer (attention, then MLP), the head."""
+    m = _UNIT_LAYER.fullmatch(name)
+    if m:
+        return 1, int(m.group(2)), int(m.group(1) == "mlp")
+    return (0,) if name.startswith("units.embedding.") else (2,)
+
+
+def _dense_chunk_to_ours(sd: Mapping[str, Any], layer_offset: int, where: str, moe: Mapping[str, Any]) -> dict:
     out: dict[str, torch.Tensor] = {}
     for name, value in sd.items():
         if name.rsplit(".", 1)[-1] == EXTRA_STATE:
@@ -85,26 +106,41 @@ def megatron_chunk_to_ours(sd: Mapping[str, Any], layer_offset: int, where: str 
                              "(only dense GPT and Llama-style decoder layers are supported)")
         if not isinstance(value, torch.Tensor):
             raise UsageError(f"{where}: {name} is a {type(value).__name__}, not a tensor")
-        if ours in out:
+        if ours in out or ours in moe:
             raise UsageError(f"{where} holds {ours} twice (both the TE and the local layer-spec names?)")
         out[ours] = value
     return out
 
 
-def ours_chunk_to_megatron(sd: Mapping[str, torch.Tensor], layer_offset: int, spec: str) -> dict:
-    """One tp rank's state dict of one of our chunks -> Megatron names, layers numbered from 0 in the chunk.
+def ours_chunk_to_megatron(sd: Mapping[str, torch.Tensor], layer_offset: int, spec: str,
+                           experts: str = "sequential") -> dict:
+    """One tp (and ep) rank's state dict of one of our chunks -> Megatron names, layers numbered from 0 in the chunk;
+    MoE layers' experts in the layout `experts` (megatron_moe.EXPERT_LAYOUTS).
 
     Adds the `_extra_state` entries (None) that megatron-core's modules of `spec` put into their state dicts."""
     if spec not in MEGATRON_SPECS:
         raise UsageError(f"unknown Megatron layer spec {spec!r} (choose {', '.join(MEGATRON_SPECS)})")
     column = 2 if spec == "transformer_engine" else 3
     names = {(kind, ours): row[column] for row in _LAYER_PARAMS for kind, ours in [row[:2]]}
+    moe_layers: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in sd.items():
+        if is_ours_moe(name):
+            i, rest = name.split(".", 2)[1:]
+            moe_layers.setdefault(int(i.removeprefix("mlp_")) - layer_offset, {})[rest] = t
     out: dict[str, Any] = {}
     layers: list[int] = []
+    for local, items in moe_layers.items():
+        out.update(moe_layer_to_megatron(items, local, experts))
     for name, t in sd.items():
         m = _UNIT_LAYER.fullmatch(name)
+        if m and is_ours_moe(name):
+            continue
         if m:
             local = int(m.group(2)) - layer_offset
+            if local in moe_layers and m.group(3).startswith("post_attention_layernorm."):  # not fused into fc1
+                out[f"decoder.layers.{local}.pre_mlp_layernorm.{m.group(3).rsplit('.', 1)[1]}"] = t
+                layers.extend([] if local in layers else [local])
+                continue
             if (m.group(1), m.group(3)) not in names:
                 raise UsageError(f"checkpoint has a tensor this converter does not know: {name}")
             if local < 0:
@@ -118,7 +154,8 @@ def ours_chunk_to_megatron(sd: Mapping[str, torch.Tensor], layer_offset: int, sp
             raise UsageError(f"checkpoint has a tensor this converter does not know: {name}")
     for local in layers:
         for module in _EXTRA_STATE_MODULES[spec]:
-            out[f"decoder.layers.{local}.{module}.{EXTRA_STATE}"] = None
+            if not (local in moe_layers and module.startswith("mlp.")):  # an MoE layer's: moe_layer_to_megatron
+                out[f"decoder.layers.{local}.{module}.{EXTRA_STATE}"] = None
     if any(n.startswith("units.head.") for n in sd):
         out[f"output_layer.{EXTRA_STATE}"] = None  # the output layer exists on the last stage, tied or not
     return out

@@ -35,6 +35,22 @@ def test_every_flag_is_declared_once():
     assert gpt | bert == declared_flags
 
 
+def test_every_flag_lands_in_its_own_dest():
+    """Two flags parsed into one dest overwrite each other (--moe-ffn-hidden-size once replaced --ffn-hidden-size)."""
+    by_dest: dict[str, list[str]] = {}
+    for cls in FLAG_CLASSES:
+        for f, fl in declared(cls):
+            if fl.names:
+                by_dest.setdefault(fl.dest or f.name, []).append(fl.action)
+    # one dest for a switch's on and off flags (--bert-binary-head, --bert-no-binary-head) is the one way to share
+    shared = [d for d, actions in by_dest.items() if len(actions) > 1 and sorted(actions) != ["store_false",
+                                                                                              "store_true"]]
+    assert shared == []
+    run = run_config_from_argv([*BASE, "--num-experts", "4", "--ffn-hidden-size", "48", "--moe-ffn-hidden-size",
+                                "16"], 1).run
+    assert (run.model.ffn_hidden_size, run.model.moe.ffn_hidden_size) == (48, 16)
+
+
 def test_micro_batch_size_lands_on_its_one_field():
     owners = [(cls.__name__, f.name) for cls in FLAG_CLASSES for f, fl in declared(cls) if "--micro-batch-size" in fl.names]
     assert owners == [("PipelineConfig", "micro_batch_size")]

@@ -470,7 +470,7 @@ def test_partition_inside_a_layer(megatron, tmp_path, capsys):
     (dict(position_embedding_type="relative"), "position_embedding_type relative"),
     (dict(position_embedding_type="rope", rotary_interleaved=True), "interleaved rotary embeddings"),
     (dict(position_embedding_type="rope", use_rope_scaling=True), "rope scaling"),
-    (dict(num_experts=8), "MoE"),
+    (dict(num_experts=8), "MoE with biases"),
     (dict(normalization="L2Norm"), "normalization L2Norm"),
     (dict(softmax_type="learnable"), "softmax_type learnable"),
 ])

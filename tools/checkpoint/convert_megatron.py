@@ -37,6 +37,8 @@ except ImportError:
 
 from megatron_bmw.errors import OneLineParser, UsageError, exit_on_usage_error
 from megatron_bmw.convert.megatron import read_megatron, read_ours, write_megatron, write_ours
+from megatron_bmw.convert.megatron_args import args_dict
+from megatron_bmw.convert.megatron_moe import DIST, EXPERT_LAYOUTS
 from megatron_bmw.convert.megatron_layout import Layout, Model, Target, megatron_stage_layers, retarget
 from megatron_bmw.convert.megatron_names import MEGATRON_SPECS
 from megatron_bmw.convert.mcore_dist import (
@@ -76,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--megatron-layer-spec", default="transformer_engine", choices=MEGATRON_SPECS,
                    help="ours-to-megatron: the parameter names of Megatron's --transformer-impl (default "
                         "transformer_engine)")
+    p.add_argument("--target-expert-model-parallel-size", type=int, default=None,
+                   help="MoE: ranks the experts are split over (default: the source's)")
+    p.add_argument("--megatron-expert-layout", default="sequential", choices=EXPERT_LAYOUTS,
+                   help="ours-to-megatron, MoE: Megatron's experts module: sequential (SequentialMLP, the default), "
+                        "te_grouped (--moe-grouped-gemm with Transformer Engine) or legacy_grouped "
+                        "(--moe-use-legacy-grouped-gemm); megatron-to-ours reads any by its names")
     p.add_argument("--true-vocab-size", type=int, default=None,
                    help="the tokenizer's vocabulary size, needed to re-pad the vocabulary when the tensor-parallel "
                         "size changes and the checkpoint does not record it")
@@ -116,40 +124,57 @@ def iteration_dir_name(iteration: int | str) -> str:
     return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
-def read_checkpoint_dir(load_dir: str) -> tuple[dict[tuple[int, int], dict], int | str]:
-    """({(tp_rank, pp_rank): payload}, iteration) of the checkpoint the tracker names."""
+def _rank_keys(paths: dict[tuple[int, ...], str], first: dict) -> dict[tuple, str]:
+    """Directory numbers -> (tp, pp) keys, or (tp, pp, ep) with experts over ep > 1 ranks: Megatron writes `_PPP` only
+    with pp > 1 and `_EEE` only with ep > 1, so a name with two numbers is read by the args' sizes."""
+    a = args_dict(first.get("args"))
+    pp, ep = int(a.get("pipeline_model_parallel_size") or 1), int(a.get("expert_model_parallel_size") or 1)
+    fields = [f for f, size in (("pp", pp), ("ep", ep)) if size > 1]
+    out: dict[tuple, str] = {}
+    for numbers, path in paths.items():
+        if len(numbers) != 1 + len(fields):
+            raise UsageError(f"--load-dir: {os.path.basename(os.path.dirname(path))} does not fit the args' pipeline "
+                             f"and expert parallel sizes ({pp}, {ep})")
+        named = dict(zip(fields, numbers[1:]))
+        key = (numbers[0], named.get("pp", 0))
+        out[key + ((named["ep"],) if ep > 1 else ())] = path
+    return out
+
+
+def read_checkpoint_dir(load_dir: str) -> tuple[dict[tuple, dict], int | str]:
+    """({(tp_rank, pp_rank[, ep_rank]): payload}, iteration) of the checkpoint the tracker names."""
     iteration = read_tracker(load_dir)
     it_dir = os.path.join(load_dir, iteration_dir_name(iteration))
     if not os.path.isdir(it_dir):
         raise UsageError(f"--load-dir: the tracker names {iteration}, but {it_dir} does not exist")
     entries = sorted(os.listdir(it_dir))
-    ranks: dict[tuple[int, int], str] = {}
-    piped = False
+    paths: dict[tuple[int, ...], str] = {}
     for e in entries:
         m = _RANK_DIR.fullmatch(e)
-        if not m:
-            continue
-        if m.group(3) is not None:
-            raise UsageError(f"--load-dir: {e} is an expert-parallel rank; MoE checkpoints are not supported")
-        piped = piped or m.group(2) is not None
-        ranks[int(m.group(1)), int(m.group(2) or 0)] = os.path.join(it_dir, e, RANK_FILE)
-    if not ranks:
+        if m:
+            paths[tuple(int(g) for g in m.groups() if g is not None)] = os.path.join(it_dir, e, RANK_FILE)
+    if not paths:
         if ".metadata" in entries:
             return {(0, 0): _dist_payload(it_dir)}, iteration
         raise UsageError(f"--load-dir: {it_dir} has no mp_rank_* directories")
-    files = {}
-    for key, path in sorted(ranks.items()):
+    if len({len(k) for k in paths}) > 1:
+        raise UsageError(f"--load-dir: {it_dir} mixes mp_rank directory styles")
+    payloads = {}
+    for numbers, path in sorted(paths.items()):
         if not os.path.isfile(path):
             raise UsageError(f"--load-dir: missing {path}")
         payload = _torch_load(path, "--load-dir")
         if not isinstance(payload, dict):
             raise UsageError(f"--load-dir: {path} holds a {type(payload).__name__}, not a checkpoint dict")
-        files[key] = payload
-    return files, iteration
+        payloads[numbers] = payload
+    keys = _rank_keys(paths, payloads[min(payloads)])
+    by_path = {path: numbers for numbers, path in paths.items()}
+    return {key: payloads[by_path[path]] for key, path in keys.items()}, iteration
 
 
 def _dist_payload(it_dir: str) -> dict:
@@ -199,12 +224,12 @@ def write_dist_checkpoint_dir(save_dir: str, payload: dict, iteration: int | str
     return _publish(save_dir, iteration, lambda tmp: write_mcore(tmp, flat, common))
 
 
-def write_checkpoint_dir(save_dir: str, files: dict[tuple[int, int], dict], iteration: int | str, pp: int) -> str:
-    """Write one model_optim_rng.pt per (tp, pp) rank and then the tracker; returns the iteration directory."""
+def write_checkpoint_dir(save_dir: str, files: dict[tuple, dict], iteration: int | str, pp: int, ep: int = 1) -> str:
+    """Write one model_optim_rng.pt per (tp, pp[, ep]) rank and then the tracker; returns the iteration directory."""
 
     def write_into(tmp: str) -> None:
-        for (t, r), payload in sorted(files.items()):
-            d = os.path.join(tmp, rank_dir_name(t, r, pp))
+        for key, payload in sorted(files.items()):
+            d = os.path.join(tmp, rank_dir_name(key[0], key[1], pp, key[2] if len(key) == 3 else 0, ep))
             os.makedirs(d, exist_ok=True)
             torch.save(payload, os.path.join(d, RANK_FILE))
 
@@ -216,7 +241,8 @@ def write_checkpoint_dir(save_dir: str, files: dict[tuple[int, int], dict], iter
 
 
 def convert(direction: str, load_dir: str, save_dir: str, target: Target, spec: str = "transformer_engine",
-            tokenizer_type: str | None = None, ckpt_format: str = "torch") -> tuple[Model, Layout]:
+            tokenizer_type: str | None = None, ckpt_format: str = "torch", experts: str = "sequential"
+            ) -> tuple[Model, Layout]:
     """Read `load_dir`, convert, write `save_dir`; returns the model written and its layout."""
     if direction not in DIRECTIONS:
         raise UsageError(f"--direction must be one of {', '.join(DIRECTIONS)}")
@@ -229,11 +255,13 @@ def convert(direction: str, load_dir: str, save_dir: str, target: Target, spec: 
         given = [f for f, v in (("--target-tensor-parallel-size", target.tp),
                                 ("--target-pipeline-model-parallel-size", target.pp),
                                 ("--target-virtual-pipeline-model-parallel-size", target.virtual),
-                                ("--target-pipeline-partition", target.partition)) if v is not None]
+                                ("--target-pipeline-partition", target.partition),
+                                ("--target-expert-model-parallel-size", target.ep)) if v is not None]
         if given:
             raise UsageError(f"{given[0]}: a torch_dist checkpoint has no parallel layout (Megatron-LM loads it "
                              "at any)")
-        target = dataclasses.replace(target, tp=1, pp=1, virtual=1, partition=None)
+        target = dataclasses.replace(target, tp=1, pp=1, virtual=1, partition=None, ep=1)
+        experts = DIST  # every expert in one stacked tensor per layer, as megatron-core's torch_dist names them
     files, iteration = read_checkpoint_dir(load_dir)
     read = read_ours if to_megatron else read_megatron
     model = read(files, iteration=iteration, where=f"--load-dir {load_dir}")
@@ -242,15 +270,25 @@ def convert(direction: str, load_dir: str, save_dir: str, target: Target, spec: 
             and target.make_vocab_size_divisible_by is None:
         model.layout = dataclasses.replace(model.layout, tp=1)  # keep the padded vocabulary as it is
     model, layout = retarget(model, target, to_megatron=to_megatron)
-    out = write_megatron(model, layout, spec, tokenizer_type) if to_megatron else write_ours(model, layout)
+    out = write_megatron(model, layout, spec, tokenizer_type, experts) if to_megatron else write_ours(model, layout)
     if dist_out:
         write_dist_checkpoint_dir(save_dir, out[0, 0], iteration)
     else:
-        write_checkpoint_dir(save_dir, out, iteration, layout.pp)
+        write_checkpoint_dir(save_dir, out, iteration, layout.pp, layout.ep)
     return model, layout
 
 
-def _summary(direction: str, save_dir: str, model: Model, layout: Layout, ckpt_format: str = "torch") -> list[str]:
+def _moe_flags(cfg: dict, layout: Layout, experts: str | None = None) -> str:
+    """The expert-parallel size (and Megatron's experts module) a run of the converted MoE checkpoint takes."""
+    if not cfg.get("moe"):
+        return ""
+    grouped = {"te_grouped": " --moe-grouped-gemm",
+               "legacy_grouped": " --moe-grouped-gemm --moe-use-legacy-grouped-gemm"}.get(experts or "", "")
+    return f" --expert-model-parallel-size {layout.ep}{grouped}"
+
+
+def _summary(direction: str, save_dir: str, model: Model, layout: Layout, ckpt_format: str = "torch",
+             experts: str = "sequential") -> list[str]:
     cfg = model.config
     if ckpt_format == "torch_dist":
         return [f"wrote {save_dir}: Megatron-LM torch_dist checkpoint at iteration {model.iteration}, "
@@ -261,7 +299,7 @@ def _summary(direction: str, save_dir: str, model: Model, layout: Layout, ckpt_f
              f"padded vocabulary {cfg['vocab_size']} (weights only)"]
     if direction == "ours-to-megatron":
         layers = megatron_stage_layers(layout, cfg["num_layers"])
-        flags = "--ckpt-format torch --no-load-optim --no-load-rng"
+        flags = "--ckpt-format torch --no-load-optim --no-load-rng" + _moe_flags(cfg, layout, experts)
         if layout.virtual > 1 and len(set(layers)) == 1:
             flags += f" --num-layers-per-virtual-pipeline-stage {layers[0]}"
         if len(set(layers)) > 1:
@@ -271,7 +309,7 @@ def _summary(direction: str, save_dir: str, model: Model, layout: Layout, ckpt_f
                           f"--decoder-last-pipeline-num-layers {layers[-1]})")
         lines.append(f"load it in Megatron-LM with {flags}")
     else:
-        flags = "--no-load-optim --no-load-rng"
+        flags = "--no-load-optim --no-load-rng" + _moe_flags(cfg, layout)
         if layout.virtual > 1:
             flags += f" --virtual-pipeline-model-parallel-size {layout.virtual}"
         try:
@@ -291,16 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     target = Target(tp=args.target_tensor_parallel_size, pp=args.target_pipeline_model_parallel_size,
                     virtual=args.target_virtual_pipeline_model_parallel_size, partition=args.target_pipeline_partition,
                     true_vocab_size=args.true_vocab_size,
-                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                    ep=args.target_expert_model_parallel_size)
     for flag, value in (("--true-vocab-size", args.true_vocab_size),
                         ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     model, layout = convert(args.direction, args.load_dir, args.save_dir, target, args.megatron_layer_spec,
-                            args.tokenizer_type, args.ckpt_format)
+                            args.tokenizer_type, args.ckpt_format, args.megatron_expert_layout)
     for note in model.notes:
         print(f"note: {note}", file=sys.stderr)
-    for line in _summary(args.direction, args.save_dir, model, layout, args.ckpt_format):
+    for line in _summary(args.direction, args.save_dir, model, layout, args.ckpt_format, args.megatron_expert_layout):
         print(line)
     return 0
 
