@@ -51,3 +51,12 @@ def core_attention_flops(model: ModelConfig, micro_batch_size: int, tp: int = 1)
     """Forward FLOPs of the softmax(QK^T)V core of one attention unit per tensor-parallel rank (the scores and the
     context: 4 s^2 b h / t, as unit_forward_flops counts them)."""
     return 4.0 * model.seq_length * model.seq_length * micro_batch_size * model.hidden_size / tp
+
+
+def cp_tile_flops(model: ModelConfig, micro_batch_size: float, tp: int, cp: int) -> float:
+    """Forward FLOPs of the context-parallel core on one cp rank as the runtime computes it
+    (parallel/context_parallel.py, p2p and a2a alike): the rank's n/t heads x s/C query rows against the whole
+    sequence in s/C x s/C tiles, the diagonal tile whole (masked after the product) and the C-1 others half:
+    (s/C)^2 (C+1)/2 scores per head, 4 d FLOPs each (QK^T and PV). At C = 1: the whole square, unskipped."""
+    rows = model.seq_length / cp
+    return 4.0 * micro_batch_size * (model.num_attention_heads // tp) * model.head_dim * rows * rows * (cp + 1) / 2
