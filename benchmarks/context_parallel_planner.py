@@ -9,11 +9,12 @@ Both ranks (one torch thread each) build the trainers of every (model, configura
 (training/loop.build_trainer, mock data, global batch 2 of micro-batch 1: one sequence per dp rank at cp 1, both
 sequences on both ranks at cp 2) and then run --rounds rounds; each round first profiles the model's units at the
 full sequence as `autoconfig.py profile --context-parallel-size 2` does (one rank at a time, tp 1, micro-batch 1,
-the runtime's cp 2 core, the engine's per-action overhead, and the p2p and all-reduce links between the two
-ranks), then runs --warmup + --per-round training iterations of every trainer in turn, so load from other jobs
-spreads over the profile and all configurations alike. A measured iteration is the slowest rank's Trainer.train_step (pipeline, gradient reduction over dp x cp,
-optimizer step). As in simulator_accuracy.py, a small matrix product timed on both ranks around every iteration and
-profiling step (the probe) tells how much CPU we had; only samples within --tolerance of the fastest probe count.
+the runtime's cp 2 core, the engine's per-action overhead, and the p2p and all-reduce links between the two ranks),
+then runs --warmup + --per-round training iterations of every trainer in turn, so load from other jobs spreads over
+the profile and all configurations alike. A measured iteration is the slowest rank's Trainer.train_step (pipeline,
+gradient reduction over dp x cp, optimizer step). As in simulator_accuracy.py, a small matrix product timed on both
+ranks around every iteration and profiling step (the probe) tells how much CPU we had; only samples within
+--tolerance of the fastest probe count.
 
 The prediction is the planner's simulate_run of the run's own RunSpec (planner/spec.spec_from_run_config) on the
 local cluster the profile describes, as `autoconfig.py simulate --profile P --context-parallel-size 2` gives it:
