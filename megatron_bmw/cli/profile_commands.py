@@ -21,7 +21,8 @@ def profile_command(args) -> int:
     from ..training.profiler import run_profile
 
     check_output_file("--output", args.output)
-    cfg = configs_from_args(args, args.tensor_model_parallel_size)
+    # one tp x cp group: --context-parallel-size C also times the context-parallel core at C (training/profiler.py)
+    cfg = configs_from_args(args, args.tensor_model_parallel_size * args.context_parallel_size)
     for tp in args.profile_tp:
         try:
             cfg.model.check_tensor_parallel(tp)
@@ -31,7 +32,9 @@ def profile_command(args) -> int:
                                warmup=args.profile_warmup, repeats=args.profile_repeats, threads=args.threads,
                                links=not args.no_links, rounds=args.profile_rounds,
                                statistic=args.profile_statistic,
-                               gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", True))
+                               gradient_accumulation_fusion=getattr(args, "gradient_accumulation_fusion", True),
+                               cp_sizes=(cfg.parallel.context_parallel_size,)
+                               if cfg.parallel.context_parallel_size > 1 else ())
     if args.analytic:
         if not args.cluster:
             raise UsageError("--analytic needs --cluster to name the device type's peak FLOP/s")

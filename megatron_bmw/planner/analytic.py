@@ -28,6 +28,7 @@ class ProfileSettings:
     statistic: str = "median"  # or "min": robust to other jobs on a shared machine
     comm_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
     gradient_accumulation_fusion: bool = True  # the backward accumulates as the run will (parallel/wgrad_accum.py)
+    cp_sizes: tuple[int, ...] = ()  # context-parallel sizes whose core (the runtime's tiles) is timed at tp 1
 
     def __post_init__(self) -> None:
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:

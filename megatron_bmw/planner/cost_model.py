@@ -431,8 +431,12 @@ class CostModel(CommCosts):
             spec, b = self.spec, self.spec.pipeline.micro_batch_size
             kd = self.kernel_device(device)
             rate = device.peak(self.dtype) * self.settings.fraction(device)
-            local = core_times(self.unit_model, b, spec.tp, kd, rate)
-            core = cp_core_times(spec.model, b, spec.tp, spec.cp, kd, rate)
+            timed = self._timed_cp_core(device)
+            if timed is not None:  # the runtime's tiles as the profile timed them
+                core, local = timed
+            else:
+                local = core_times(self.unit_model, b, spec.tp, kd, rate)
+                core = cp_core_times(spec.model, b, spec.tp, spec.cp, kd, rate)
             if spec.cp_comm_type == "a2a":
                 comm = a2a_times(spec.model, b, spec.tp, spec.cp, self.cp_link(stage, ring=False))
             else:
@@ -453,6 +457,20 @@ class CostModel(CommCosts):
                 self.unit_model, tokens, self.experts, {g: self.expert_ranks(stage, g) for g in groups},
                 {g: self.expert_link(stage, g) for g in groups}, self.cluster)
         return got
+
+    def _timed_cp_core(self, device: DeviceType):
+        """(the context-parallel core, the local core the unit times hold), each (forward, backward), where a
+        profile of `device` timed the runtime's tiles (Profile.cp_core_time), else None. The local core is the
+        attention unit's profiled time at the rank's s/cp tokens times the core's share of its FLOPs
+        (flops.core_attention_share), the share a FLOP-rescaled unit time gives its core."""
+        spec, b = self.spec, self.spec.pipeline.micro_batch_size
+        for prof in self.profiles.for_device(device.name):
+            core = prof.cp_core_time(spec.model, b, spec.tp, spec.cp)
+            if core is not None:
+                (fw, fl), (bw, bl), _ = self._compute_parts("attention", device, None)
+                share = core_attention_share(self.unit_model)
+                return core, ((fw + fl) * share, (bw + bl) * share)
+        return None
 
     # ---- per action --------------------------------------------------------------------------------------------
     def compute_time(self, rank: int, action: Action) -> float:

@@ -69,3 +69,13 @@ def core_attention_flops(model: ModelConfig, micro_batch_size: int, tp: int = 1)
     """Forward FLOPs of the softmax(QK^T)V core of one attention unit per tensor-parallel rank (the scores and the
     context: 4 s^2 b h / t, as unit_forward_flops counts them)."""
     return 4.0 * model.seq_length * model.seq_length * micro_batch_size * model.hidden_size / tp
+
+
+def cp_tile_flops(model: ModelConfig, micro_batch_size: float, tp: int, cp: int) -> float:
+    """Forward FLOPs of the context-parallel core on one cp rank as the runtime computes it
+    (parallel/context_parallel.py with parallel/cp_blocks.py, p2p and a2a alike): the rank's n/t heads x s/C query
+    rows against the whole sequence, pair by pair, an aligned-causal pair computing only its visible half (the fused
+    kernels skip the masked half; the tiled math path reads only the keys a row tile can see) and an unmasked pair
+    whole: 1/C of the causal scores, (s/C)^2 C/2 per head, 4 d FLOPs each (QK^T and PV)."""
+    rows = model.seq_length / cp
+    return 4.0 * micro_batch_size * (model.num_attention_heads // tp) * model.head_dim * rows * rows * cp / 2

@@ -56,7 +56,7 @@ from ..units import ALL_UNIT_KINDS
 from .cluster import DeviceType, Link
 from .cuda_allowance import MeasuredCudaMemory
 from .files import read_json, write_json
-from .flops import unit_forward_flops
+from .flops import cp_tile_flops, unit_forward_flops
 from .kernel_time import KernelDevice, shape_ratio
 
 FORMAT = 1
@@ -137,6 +137,9 @@ class Profile:
     host_memory: dict = field(default_factory=dict)  # {runtime_bytes, fraction} (CPU)
     optimizer: dict = field(default_factory=dict)  # {bytes_per_s, fixed_s} (CPU)
     machine_load: dict = field(default_factory=dict)  # "load": {cores, start, end, seconds, own} (load_per_core)
+    # the runtime's context-parallel core on one cp rank at tp 1 (training/profiler.time_cp_core):
+    # cp size (str) -> micro-batch size (str) -> {forward_s, backward_s}
+    cp_core: dict = field(default_factory=dict)
 
     # ---- lookup ------------------------------------------------------------------------------------------------
     def tps(self, kind: str) -> set[int]:
@@ -183,6 +186,20 @@ class Profile:
                 ratio = (ours / unit_forward_flops(kind, self._model_config(), micro_batch_size, tp),) * 2
             fwd, bwd = fwd * ratio[0], bwd * ratio[1]
         return fwd, bwd
+
+    def cp_core_time(self, model: ModelConfig, micro_batch_size: int, tp: int, cp: int) -> tuple[float, float] | None:
+        """(forward, backward) seconds of the context-parallel core of one attention unit on one cp rank, from the
+        profile's timing of the runtime's own tiles (None where it timed none): at the profiled cp size nearest
+        `cp`, linear in the micro-batch size, rescaled by the tiles' FLOPs (flops.cp_tile_flops) to `model`'s
+        shape, `tp` and `cp`."""
+        if not self.cp_core:
+            return None
+        timed = min((int(c) for c in self.cp_core), key=lambda c: (abs(c - cp), c))
+        points = sorted((int(b), e["forward_s"], e["backward_s"]) for b, e in self.cp_core[str(timed)].items())
+        fwd, bwd = _interpolate(points, micro_batch_size)
+        ratio = cp_tile_flops(model, micro_batch_size, tp, cp) / cp_tile_flops(self._model_config(),
+                                                                               micro_batch_size, 1, timed)
+        return fwd * ratio, bwd * ratio
 
     def stream_factor(self, micro_batch_size: float) -> float:
         """What a micro-batch streamed through the stack took over the sum of its synchronised unit timings (at
@@ -253,6 +270,8 @@ class Profile:
             data["optimizer"] = self.optimizer
         if self.machine_load:
             data["load"] = self.machine_load
+        if self.cp_core:
+            data["cp_core"] = self.cp_core
         return data
 
     def save(self, path: str) -> None:
@@ -316,15 +335,33 @@ class Profile:
                     if _optional(got.get(key), f"{section}.{key}", where, least) is None and got:
                         raise KeyError(f"{section}.{key}")
             load = _load(data.get("load") or {}, where)
+            cp_core = _cp_core(data.get("cp_core") or {}, where)
             return cls(device=data["device"], dtype=data["dtype"], model=model, units=units,
                        links=links, overhead=overhead, mode=mode,
                        overlap_factor=overlap, memory_workspace_bytes=workspace, memory_fragmentation=fragmentation,
                        calibration=dict(calibration), cuda_memory=dict(cuda_memory), stream=dict(stream),
-                       host_memory=dict(host), optimizer=dict(step), machine_load=load)
+                       host_memory=dict(host), optimizer=dict(step), machine_load=load,
+                       cp_core=cp_core)
         except KeyError as exc:
             raise UsageError(f"--profile {where}: missing field {exc}") from None
         except (TypeError, AttributeError) as exc:
             raise UsageError(f"--profile {where}: malformed ({exc})") from None
+
+
+def _cp_core(data, where: str) -> dict:
+    """The cp_core section checked: {cp size >= 2: {micro-batch size >= 1: {forward_s, backward_s >= 0}}}."""
+    if not isinstance(data, dict):
+        raise UsageError(f"--profile {where}: cp_core must be a mapping, got {data!r}")
+    for cp, sizes in data.items():
+        if not str(cp).isdigit() or int(cp) < 2 or not isinstance(sizes, dict) or not sizes:
+            raise UsageError(f"--profile {where}: cp_core.{cp} must map micro-batch sizes to times, at a cp size >= 2")
+        for b, entry in sizes.items():
+            if not str(b).isdigit() or int(b) < 1 or not isinstance(entry, dict):
+                raise UsageError(f"--profile {where}: cp_core.{cp}.{b} must be a micro-batch size's times")
+            for key in ("forward_s", "backward_s"):
+                if _optional(entry.get(key), f"cp_core.{cp}.{b}.{key}", where, 0.0) is None:
+                    raise KeyError(f"cp_core.{cp}.{b}.{key}")
+    return {str(cp): {str(b): dict(e) for b, e in sizes.items()} for cp, sizes in data.items()}
 
 
 def _optional(value, name: str, where: str, least: float) -> float | None:

@@ -122,6 +122,43 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
             for b, kind, rc in entries]
 
 
+def time_cp_core(model: ModelConfig, cp_sizes, micro_batch_sizes, warmup: int = 2, repeats: int = 5,
+                 device: torch.device | None = None, statistic: str = "median", seed: int = 1234) -> dict:
+    """The runtime's context-parallel core (parallel/context_parallel.py) on one cp rank, forward and backward,
+    for the profiled model's attention at tp 1: {cp: {micro-batch size: {forward_s, backward_s}}} (str keys, as
+    Profile.cp_core). Timed in this process as the a2a path runs it, the causal attention of the whole sequence in
+    cp x cp tiles (the tiles the ring's cp ranks compute between them: a rank's row of them), divided by cp."""
+    from ..parallel.context_parallel import _LocalAttention, chunk_positions
+
+    device = device or torch.device("cpu")
+    g = torch.Generator().manual_seed(seed)
+    n, kv, d, s = model.num_attention_heads, model.query_groups, model.head_dim, model.seq_length
+    out: dict = {}
+    for cp in cp_sizes:
+        positions = torch.cat([chunk_positions(s, cp, j) for j in range(cp)]).to(device)
+        for b in micro_batch_sizes:
+            q, k, v = (torch.randn(b, heads, s, d, generator=g, dtype=model.torch_dtype).to(device)
+                       .requires_grad_() for heads in (n, kv, kv))
+            fwd, bwd = [], []
+            for it in range(warmup + repeats):
+                synchronize(device)
+                t0 = time.perf_counter()
+                y = _LocalAttention.apply(q, k, v, positions, cp, d ** -0.5)
+                synchronize(device)
+                t1 = time.perf_counter()
+                torch.autograd.backward(y, torch.ones_like(y))
+                synchronize(device)
+                t2 = time.perf_counter()
+                if it >= warmup:
+                    fwd.append(t1 - t0)
+                    bwd.append(t2 - t1)
+                del y
+                q.grad = k.grad = v.grad = None
+            out.setdefault(str(cp), {})[str(b)] = {"forward_s": _stat(fwd, statistic) / cp,
+                                                   "backward_s": _stat(bwd, statistic) / cp}
+    return out
+
+
 STEADY_DEPTH, STEADY_MICROBATCHES = 4, 3
 STREAM_DEPTH, STREAM_MICROBATCHES = 8, 4  # the deepest stack timed, and micro-batches per sample
 
@@ -388,6 +425,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
         units: list[UnitTiming] = []
         overhead: dict = {}
         measured: dict = {}
+        cp_core: dict = {}
         stream: dict = {}
         tp_readings: list[dict] = []
         for k, tp in enumerate(settings.tp_sizes):
@@ -396,6 +434,9 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
                         f"{','.join(map(str, settings.micro_batch_sizes))}")
             if tp == 1:
                 timed, measured, stream, overhead = _time_in_this_process(model, settings, device)
+                if settings.cp_sizes:  # the context-parallel core, in this process too
+                    cp_core = time_cp_core(model, settings.cp_sizes, settings.micro_batch_sizes, settings.warmup,
+                                           settings.repeats, device, settings.statistic)
                 units += timed
             else:
                 ranks = _spawn(tp, model, settings, tp, sequence_parallel)
@@ -421,7 +462,7 @@ def run_profile(model: ModelConfig, settings: ProfileSettings = ProfileSettings(
                                        measured["steady"]) if measured else {}
     return Profile(device=info, dtype=model.params_dtype, model=model_signature(model), units=units,
                    links=links, overhead=overhead, mode="measured", cuda_memory=terms, stream=stream,
-                   host_memory=host, optimizer=step, machine_load=load or {})
+                   host_memory=host, optimizer=step, machine_load=load or {}, cp_core=cp_core)
 
 
 def _time_in_this_process(model: ModelConfig, settings: ProfileSettings, device) -> tuple[list, dict, dict, dict]:

@@ -336,3 +336,62 @@ def test_a_plan_with_cp_round_trips():
     odd = {**data, "parallel": {**data["parallel"], "context_parallel_size": 3}, "devices": []}
     with pytest.raises(UsageError, match="parallel.context_parallel_size"):
         Plan.from_json(odd)
+
+
+def _cpu_profile(model, cp_core):
+    from megatron_bmw.planner.profile_data import Profile, UnitTiming, model_signature
+
+    units = [UnitTiming(kind, 1, 1, f, 2 * f) for kind, f in
+             (("embedding", 1e-3), ("attention", 4e-3), ("mlp", 2e-3), ("head", 1e-3))]
+    link = {"bandwidth_Bps": 1e9, "latency_s": 1e-5}
+    return Profile(device={"name": "cpu-1-thread", "kind": "cpu", "threads": 1, "cores": 2, "memory_bytes": 2 ** 33},
+                   dtype=model.params_dtype, model=model_signature(model), units=units,
+                   links={"p2p": link, "allreduce": link}, cp_core=cp_core)
+
+
+def test_a_profile_that_timed_the_cp_tiles_prices_the_core_by_them():
+    """A CPU profile's timing of the runtime's context-parallel core (Profile.cp_core: one cp rank, tp 1) replaces
+    the core's FLOPs at the device's rate: rescaled by the tiles' FLOPs (the diagonal tile whole, the others half)
+    to another micro-batch size, tp or cp; the local core the unit time holds is its FLOP share of it."""
+    from megatron_bmw.planner.cluster import local_cluster
+    from megatron_bmw.planner.flops import core_attention_share, cp_tile_flops
+    from megatron_bmw.planner.profile_data import Profile
+
+    model = _model(seq_length=1024)
+    timed = {"2": {"1": {"forward_s": 0.03, "backward_s": 0.05}}}
+    prof = _cpu_profile(model, timed)
+    assert Profile.from_json(prof.to_json()).cp_core == timed
+    assert prof.cp_core_time(model, 1, 1, 2) == pytest.approx((0.03, 0.05))
+    assert prof.cp_core_time(model, 2, 2, 2) == pytest.approx((0.03, 0.05))  # twice the batch, half the heads
+    assert cp_tile_flops(model, 1, 1, 4) / cp_tile_flops(model, 1, 1, 2) == pytest.approx(1 / 2)  # 1/C of the causal scores
+    assert prof.cp_core_time(model, 1, 1, 4) == pytest.approx((0.03 / 2, 0.05 / 2))
+    assert _cpu_profile(model, {}).cp_core_time(model, 1, 1, 2) is None
+
+    cluster = local_cluster(2, prof.device_type(2 ** 33), prof.link("p2p"), prof.link("allreduce"))
+    spec = RunSpec.of(model, 1, 1, 1, PipelineConfig(micro_batch_size=1, num_microbatches=1), cp=2)
+    cost = CostModel(spec, cluster, prof)
+    dev = cost.devices[0]
+    (fw, fl), (bw, bl), _ = cost._compute_parts("attention", dev, None)
+    share = core_attention_share(cost.unit_model)
+    (xf, _), (xb, _), again = cost.cp_attention_parts(dev, 0)
+    assert (xf, xb) == pytest.approx((0.03 - (fw + fl) * share, 0.05 - (bw + bl) * share))
+    assert again[0] == pytest.approx(0.03)
+    by_flops = CostModel(spec, cluster, replace(prof, cp_core={}))
+    assert by_flops.cp_attention_parts(dev, 0)[2][0] != pytest.approx(0.03)
+
+
+@pytest.mark.parametrize("cp_core, needle", [
+    ({"1": {"1": {"forward_s": 1.0, "backward_s": 1.0}}}, "cp_core.1 must map"),
+    ({"2": {"0": {"forward_s": 1.0, "backward_s": 1.0}}}, "cp_core.2.0 must be"),
+    ({"2": {"1": {"forward_s": -1.0, "backward_s": 1.0}}}, "cp_core.2.1.forward_s must be a number >= 0"),
+    ({"2": {"1": {"forward_s": 1.0}}}, "missing field 'cp_core.2.1.backward_s'"),
+    ([1], "cp_core must be a mapping"),
+])
+def test_a_malformed_cp_core_is_refused_in_one_line(cp_core, needle):
+    from megatron_bmw.planner.profile_data import Profile
+
+    data = _cpu_profile(_model(), {}).to_json()
+    data["cp_core"] = cp_core
+    with pytest.raises(UsageError, match=None) as err:
+        Profile.from_json(data, "p.json")
+    assert needle in str(err.value) and "\n" not in str(err.value)

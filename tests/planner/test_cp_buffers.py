@@ -13,7 +13,8 @@ from megatron_bmw.planner.cp_buffers import cp_attention_buffers
 from tests.dist_harness import run_distributed
 
 MiB = 2 ** 20
-SCRATCH = 2 * MiB  # the CPU flash kernel's per-thread scratch (its block sizes), not modelled
+SCRATCH = 2 * MiB + 64 * 1024  # the CPU flash kernel's per-thread scratch (its block sizes), not modelled, and the
+# few small side allocations (autograd, gloo bookkeeping) the profiler's window may catch (seen: 1 KiB)
 
 
 def _model(b_heads: int, groups: int, s: int, d: int, dtype: str) -> ModelConfig:

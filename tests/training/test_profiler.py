@@ -13,7 +13,7 @@ from megatron_bmw.planner.cluster import load_cluster
 from megatron_bmw.planner.memory_model import unit_activation_bytes
 from megatron_bmw.planner.profile_data import MODEL_KEYS, Profile
 from megatron_bmw.planner.analytic import analytic_profile
-from megatron_bmw.training.profiler import _fit_link, time_engine_overhead, time_stream, time_units
+from megatron_bmw.training.profiler import _fit_link, time_cp_core, time_engine_overhead, time_stream, time_units
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
                     attention_backend="unfused")
@@ -82,6 +82,14 @@ def test_units_accumulate_their_gradients_as_the_run_will(monkeypatch, fusion):
     monkeypatch.setattr(grad_sync, "GradSync", Spy)
     time_units(MODEL, ParallelState.serial(), (1,), warmup=0, repeats=1, fusion=fusion)
     assert seen == [fusion]
+
+
+def test_time_cp_core_times_one_cp_ranks_tiles():
+    """The runtime's context-parallel core (a cp rank's share of the whole sequence's tiles), forward and backward,
+    per cp size and micro-batch size: keys as Profile.cp_core reads them."""
+    got = time_cp_core(dataclasses.replace(MODEL, num_query_groups=2), (2, 4), (1, 2), warmup=0, repeats=1)
+    assert sorted(got) == ["2", "4"] and all(sorted(v) == ["1", "2"] for v in got.values())
+    assert all(e["forward_s"] > 0 and e["backward_s"] > 0 for v in got.values() for e in v.values())
 
 
 def test_engine_overhead_is_non_negative():
