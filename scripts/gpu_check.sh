@@ -6,6 +6,7 @@
 # Wheels in GPU_CHECK_WHEELS (default: .whl, when it holds any) are installed into a temporary folder first, without
 # an index or dependencies: megatron-core's wheel there makes the peer step compare against it.
 #   bash scripts/gpu_check.sh OUTDIR            # PYTHON=python3 by default
+#   bash scripts/gpu_check.sh OUTDIR --steps env,moe,cp,covered,planner_archs   # issue #52's steps, ~5 minutes
 set -uo pipefail
 if [ $# -lt 1 ] || [[ $1 == -* ]]; then
   echo "usage: scripts/gpu_check.sh OUTDIR [tools/gpu_check.py flags]" >&2

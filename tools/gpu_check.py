@@ -51,6 +51,13 @@ COMMON = ["--mock-data", *MODEL_FLAGS, "--log-interval", "1", "--eval-iters", "0
 LR = ["--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
 LLAMA = ["--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
          "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+MOE_AUX = ["--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]  # both auxiliary losses on the log line
+
+
+def _moe(experts: int, topk: int, ffn: int) -> list[str]:
+    """A Mixtral-like MoE (Llama-style layers, every MLP a mixture of experts) with both auxiliary losses."""
+    return [*LLAMA, "--num-experts", str(experts), "--moe-router-topk", str(topk), "--moe-ffn-hidden-size", str(ffn),
+            *MOE_AUX]
 
 
 def _gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> list[str]:
@@ -73,6 +80,8 @@ class Sizes:
     host_bound: tuple[list[str], int, int] | None  # a second planner case: (model, global batch, iterations)
     steps_flag: list[str]  # tools/gpu_check_steps.py sizes
     peer_iters: int  # iterations of each side of the megatron-core comparison
+    moe: tuple[list[str], list[str], int]  # the moe step's GPT: (model, batch, iterations) per dispatcher
+    archs: list[tuple]  # planner_archs' cases: (label, model, profile micro-batch sizes or None, planned, gbs, iters)
 
 
 def _batch(mbs: int, gbs: int) -> list[str]:
@@ -87,11 +96,22 @@ GPU = Sizes(small=_gpt(4, 512, 8, 1024, 8192), small_batch=_batch(4, 16), iters=
             big_iters=40, profiled=_gpt(24, 2048, 16, 2048, 50257), profile_mbs="1,2,4",
             planned=[(1, "none"), (2, "none"), (4, "none"), (2, "full")], planned_gbs=8, planned_iters=12,
             host_bound=(_gpt(8, 1024, 16, 1024, 50257), 16, 20),
-            steps_flag=[], peer_iters=30)
+            steps_flag=[], peer_iters=30,
+            moe=([*_gpt(4, 1024, 16, 2048, 32768), *_moe(8, 2, 2816)], _batch(2, 8), 20),
+            # a Llama-style 0.7B (profiled) and a Mixtral-like 1.3B (8 experts, top-2; analytic: a profile has no MoE
+            # unit timings, docs/gpu.md), both bound by the device
+            archs=[("llama-", [*_gpt(12, 2048, 16, 2048, 32000), *LLAMA, "--ffn-hidden-size", "5632"], "1,2",
+                    [(1, "none"), (2, "full")], 8, 10),
+                   ("moe-", [*_gpt(8, 2048, 16, 2048, 32000), *_moe(8, 2, 2816)], None, [(1, "none"), (2, "none")],
+                    8, 10)])
 DRY = Sizes(small=_gpt(2, 64, 4, 64, 512), small_batch=_batch(2, 4), iters=8,
             big=[("GPT tiny", _gpt(2, 64, 4, 64, 512), _batch(2, 4))], big_iters=6, profiled=_gpt(2, 64, 4, 64, 512),
             profile_mbs="1,2", planned=[(1, "none"), (2, "full")], planned_gbs=4, planned_iters=4, host_bound=None,
-            steps_flag=["--small"], peer_iters=4)
+            steps_flag=["--small"], peer_iters=4,
+            moe=([*_gpt(2, 64, 4, 64, 512), *_moe(4, 2, 128)], _batch(2, 4), 8),
+            archs=[("llama-", [*_gpt(2, 64, 4, 64, 512), *LLAMA, "--ffn-hidden-size", "128"], "1,2",
+                    [(1, "none"), (2, "full")], 4, 4),
+                   ("moe-", [*_gpt(2, 64, 4, 64, 512), *_moe(4, 2, 128)], None, [(1, "none"), (2, "none")], 4, 4)])
 PLAN_CLUSTER, PLAN_DEVICE = "h100-80g-ib", "h100-80g"  # what the planning steps plan for (one GPU of it)
 FP16_ITERS = 40  # from Megatron's initial loss scale 2^32 the first ~17 iterations overflow and are skipped
 
@@ -242,6 +262,108 @@ def step_attention(ctx: Context) -> dict:
 def step_llama(ctx: Context) -> dict:
     its = _feature_run(ctx, ["--bf16", "--attention-backend", "flash", *LLAMA], "Llama-style bf16 run")
     return {"numbers": {**_check_learning(its, "Llama-style"), **_timing(its)}}
+
+
+MOE_DISPATCHERS = ("allgather", "alltoall")
+
+
+def _moe_run(ctx: Context, dispatcher: str) -> tuple[dict, list]:
+    """The moe step's GPT with `dispatcher`, planned (analytic) and run with --plan: its numbers and iterations."""
+    model, batch, iters = ctx.sizes.moe
+    model = [*model, "--moe-token-dispatcher-type", dispatcher]
+    plan = os.path.join(ctx.work, f"plan_moe_{dispatcher}.json")
+    _plan(ctx, model, batch, ["mbs=" + batch[1], "recompute=none"], plan, None, f"search for the MoE GPT ({dispatcher})")
+    run = ctx.pretrain([*COMMON, *LR, *model, *batch, "--bf16", "--attention-backend", "flash", "--plan", plan,
+                        "--train-iters", str(iters)], f"MoE GPT run ({dispatcher})")
+    its = run["iterations"]
+    aux = [it for it in its if "lm_loss" in it]
+    missing = [k for k in ("load_balancing_loss", "z_loss") if not all(k in it for it in aux)]
+    if missing:
+        raise StepFailed(f"MoE ({dispatcher}): {', '.join(missing)} missing from the log's iteration lines")
+    if not all(math.isfinite(it[k]) for it in aux for k in ("load_balancing_loss", "z_loss")):
+        raise StepFailed(f"MoE ({dispatcher}): an auxiliary loss is not finite")
+    numbers = {**_check_learning(its, f"MoE ({dispatcher})"), **_timing(its),
+               "load_balancing_loss": round(aux[-1]["load_balancing_loss"], 4), "z_loss": round(aux[-1]["z_loss"], 4)}
+    p = _plan_numbers(run)
+    numbers.update({k: p[k] for k in ("time_pred_s", "time_meas_s", "time_err_pct", "mem_pred_gib", "mem_meas_gib",
+                                      "mem_err_pct")})
+    return numbers, its
+
+
+def step_moe(ctx: Context) -> dict:
+    """MoE on one GPU (ep 1): the experts' grouped GEMM (tools/gpu_check_moe_cp.py) and the MoE GPT trained with each
+    dispatcher, planned analytically and run with --plan: losses, auxiliary losses, predicted against measured."""
+    numbers, failures = {}, []
+    try:
+        gemm = ctx.steps_script("grouped_gemm")
+    except StepFailed as exc:  # the training runs still run
+        gemm = {"status": "failed", "notes": str(exc)}
+    if "grouped_mm_available" in gemm:
+        numbers.update(grouped_mm=gemm["grouped_mm_available"], loop_fwd_bwd_ms=gemm["loop_fwd_bwd_ms"])
+        numbers.update({k: gemm[k] for k in ("grouped_fwd_bwd_ms", "loop_over_grouped_time") if k in gemm})
+        if "grouped_vs_loop" in gemm:
+            numbers["grouped_vs_loop_max_err"] = max(gemm["grouped_vs_loop"].values())
+        numbers["vs_fp32_max_err"] = max(gemm.get("grouped_vs_fp32", gemm["loop_vs_fp32"]).values())
+    runs, first = {}, {}
+    for dispatcher in MOE_DISPATCHERS:
+        try:
+            got, its = _moe_run(ctx, dispatcher)
+        except StepFailed as exc:  # the other dispatcher still runs (a timeout ends the step)
+            failures.append(str(exc))
+            continue
+        runs[dispatcher] = got
+        first[dispatcher] = _losses(its)[0]
+        numbers.update({f"{dispatcher}_{k}": got[k] for k in ("last_loss", "ms_per_iter", "time_err_pct",
+                                                              "mem_err_pct")})
+    if len(first) == 2:
+        a, b = (first[d] for d in MOE_DISPATCHERS)
+        numbers["dispatchers_first_loss_rel_diff"] = float(f"{abs(a - b) / abs(b):.2g}")
+        if not numbers["dispatchers_first_loss_rel_diff"] <= 1e-3:
+            failures.append(f"the dispatchers' first losses differ: {first}")
+    notes = [*failures, gemm["notes"], "planned analytically (h100-80g), run with --plan"]
+    status = "FAILED" if failures or gemm["status"] != "ok" else "ok"
+    return {"status": status, "numbers": numbers, "details": {"grouped_gemm": gemm, "runs": runs},
+            "notes": "; ".join(notes)}
+
+
+def step_cp(ctx: Context) -> dict:
+    """Context parallelism's kernels on one GPU: cp_blocks' fused path per block and a ring's pairs in one process
+    against the math path and float64 (tools/gpu_check_moe_cp.py)."""
+    out = ctx.steps_script("cp_blocks")
+    blocks, ring = out["blocks"]["cases"], out["ring"]["cases"]
+    numbers: dict = {"fused_kernel": next(iter(blocks.values()))["fused_kernel"]}
+
+    def worst(row: dict, prefix: str = "") -> float | None:
+        errs = [v for k, v in row.items() if k.startswith(prefix) and k.endswith("_err")]
+        return max(errs) if errs else None
+
+    for dtype, short in (("bfloat16", "bf16"), ("float16", "fp16")):
+        rows = [r for k, r in blocks.items() if k.startswith(dtype) and "fused_fwd_ms" in r]
+        if rows:
+            numbers[f"{short}_fused_max_err"] = max(worst(r, "fused_") for r in rows)
+            for phase in ("fwd", "bwd"):
+                numbers[f"{short}_fused_{phase}_speedup"] = round(statistics.mean(
+                    r[f"math_{phase}_ms"] / r[f"fused_{phase}_ms"] for r in rows), 2)
+        by = {k.split("_", 1)[1]: r for k, r in ring.items() if k.startswith(dtype + "_")}
+        pairs = next((r for k, r in by.items() if k.startswith("ring")), {})
+        for key, row in (("ring_pairs", pairs), ("cp1", by.get("cp1_context_attention", {})),
+                         ("sdpa", by.get("sdpa", {}))):
+            numbers[f"{short}_{key}_max_err"] = worst(row)
+        if "fwd_bwd_ms" in pairs and "fwd_bwd_ms" in by.get("sdpa", {}):
+            numbers[f"{short}_ring_pairs_over_sdpa_time"] = round(pairs["fwd_bwd_ms"] / by["sdpa"]["fwd_bwd_ms"], 2)
+    return {"status": "ok" if out["status"] == "ok" else "FAILED", "numbers": numbers,
+            "details": {k: out[k] for k in ("blocks", "ring")}, "notes": out["notes"]}
+
+
+def step_covered(ctx: Context) -> dict:
+    """device.covered_seconds on known kernels and on the kernel model's 1.3B layer at micro-batch 1
+    (tools/gpu_check_covered.py)."""
+    out = ctx.steps_script("covered")
+    keys = ("sleep_clock_ghz", "sleep_covered_over_asked", "small_covered_us", "small_events_us", "small_host_us",
+            "small_events_over_covered", "layer_covered_over_modelled", "layer_uncovered_over_modelled",
+            "max_host_over_cover")
+    return {"status": "ok" if out["status"] == "ok" else "FAILED",
+            "numbers": {k: out[k] for k in keys if k in out}, "details": out, "notes": out["notes"]}
 
 
 def step_optimizer(ctx: Context) -> dict:
@@ -417,11 +539,11 @@ def step_peer(ctx: Context) -> dict:
     return {"numbers": numbers, "details": result, "notes": notes}
 
 
-def _profile(ctx: Context, path: str, model: list[str] | None = None) -> None:
+def _profile(ctx: Context, path: str, model: list[str] | None = None, mbs: str | None = None) -> None:
     s = ctx.sizes
     ctx.autoconfig(["profile", "--output", path, *MODEL_FLAGS, *(model or s.profiled), "--bf16", "--attention-backend",
-                    "flash", "--profile-micro-batch-sizes", s.profile_mbs, "--no-links", "--device-type", PLAN_DEVICE],
-                   "autoconfig.py profile")
+                    "flash", "--profile-micro-batch-sizes", mbs or s.profile_mbs, "--no-links", "--device-type",
+                    PLAN_DEVICE], "autoconfig.py profile")
 
 
 def synchronised_profile(path: str, out: str) -> bool:
@@ -437,19 +559,23 @@ def synchronised_profile(path: str, out: str) -> bool:
     return True
 
 
-def _planner_case(ctx: Context, label: str, model: list[str], gbs: int, iters: int, profile: str) -> tuple[dict, list]:
-    """One planner case: profile `model`, then each planned configuration searched with the profile as measured,
-    run with --plan, predicted against measured; beside it the prediction of its copy without the stream record
-    (a GPU profile's synchronised unit sums) and the analytic one (no profile)."""
+def _planner_case(ctx: Context, label: str, model: list[str], gbs: int, iters: int, profile: str | None,
+                  planned: list[tuple[int, str]] | None = None, profile_mbs: str | None = None) -> tuple[dict, list]:
+    """One planner case: profile `model`, then each planned configuration (default Sizes.planned) searched with the
+    profile as measured, run with --plan, predicted against measured; beside it the prediction of its copy without
+    the stream record (a GPU profile's synchronised unit sums) and the analytic one (no profile). `profile` None:
+    the analytic prediction alone (no profile taken)."""
     from megatron_bmw.planner.plan import Plan
 
     s = ctx.sizes
-    _profile(ctx, profile, model)
-    synced = profile.replace(".json", "_sync.json")
-    alternatives = [("sync", synced)] if synchronised_profile(profile, synced) else []
-    alternatives.append(("analytic", None))
+    alternatives = []
+    if profile is not None:
+        _profile(ctx, profile, model, profile_mbs)
+        synced = profile.replace(".json", "_sync.json")
+        alternatives = [("sync", synced)] if synchronised_profile(profile, synced) else []
+        alternatives.append(("analytic", None))
     rows, failures = {}, []
-    for mbs, recompute in s.planned:
+    for mbs, recompute in planned or s.planned:
         name = f"{label}mbs{mbs}-{recompute}"
         plan = os.path.join(ctx.work, f"plan_{name}.json")
         batch = _batch(mbs, gbs)
@@ -509,6 +635,30 @@ def step_planner(ctx: Context) -> dict:
     if failures:
         raise StepFailed("; ".join(failures))
     return {"numbers": numbers, "details": rows}
+
+
+def step_planner_archs(ctx: Context) -> dict:
+    """The planner step's comparison for a Llama-style GPT (profiled here: the profile's, its synchronised sums' and
+    the analytic prediction) and a Mixtral-like MoE (analytic: a profile times the MoE unit as an "mlp", and search
+    refuses it for an MoE model), a couple of single-GPU plans each, predicted against measured."""
+    rows, failures, numbers = {}, [], {}
+    for label, model, profile_mbs, planned, gbs, iters in ctx.sizes.archs:
+        profile = os.path.join(ctx.work, f"profile_{label.rstrip('-')}.json") if profile_mbs else None
+        got, failed = _planner_case(ctx, label, model, gbs, iters, profile, planned, profile_mbs)
+        rows.update(got)
+        failures += failed
+        for key in ("time_err_pct", "mem_err_pct", "time_err_sync_pct", "time_err_analytic_pct"):
+            values = [abs(r[key]) for r in got.values() if r.get(key) is not None]
+            if values:
+                numbers[f"{label}worst_{key}"] = max(values)
+        numbers.update(pick_numbers(label, got))
+    if not rows:
+        raise StepFailed("; ".join(failures) or "no configuration ran")
+    notes = "MoE: analytic prediction only (autoconfig.py profile times an MoE model's expert layer as kind 'mlp'; " \
+            "search with that profile stops at 'has no moe timings')"
+    if failures:
+        return {"status": "FAILED", "numbers": numbers, "details": rows, "notes": "; ".join(failures) + "; " + notes}
+    return {"numbers": numbers, "details": rows, "notes": notes}
 
 
 def pick_numbers(label: str, rows: dict) -> dict:
@@ -671,6 +821,12 @@ class Step:
 
 STEPS = [  # the most telling first: later ones are skipped when the check's time runs out
     Step("env", "torch/CUDA, GPU, apex/TE detection, bf16 matmul rate", step_env, 90),
+    # CUDA paths no GPU has run yet (docs/gpu.md, "Steps for the MoE and context-parallel paths")
+    Step("moe", "MoE on one GPU: grouped GEMM vs loop, training with both dispatchers, plan vs measured", step_moe,
+         180),
+    Step("cp", "context parallelism's fused flash blocks and a ring's pairs vs math and float64", step_cp, 90),
+    Step("covered", "device.covered_seconds: sleep, tiny kernels and the 1.3B layer vs plain events", step_covered,
+         60),
     Step("kernels", "the planner's kernel model (GEMMs, attention, memory-bound) against this GPU's kernels",
          step_kernels, 120),
     Step("bf16", "bf16 GPT training, flash (SDPA) attention: loss falls", step_bf16, 120),
@@ -682,6 +838,8 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
     Step("peer", "the big step's GPT, ours vs megatron-core (if importable): ms/iter, MFU, memory", step_peer, 200),
     Step("planner", "autoconfig.py profile + predicted vs measured step time, 4 configs of a 1.3B and of an 8-layer "
          "GPT", step_planner, 420),
+    Step("planner_archs", "predicted vs measured for a Llama-style GPT (profiled) and an MoE (analytic), 2 configs "
+         "each", step_planner_archs, 300),
     Step("launch", "per-unit timings (synchronised, host, event span, behind a sleep) against a unit stream",
          step_launch, 90),
     Step("allowance", "CUDA allowance: measured (profile's cuda_memory) vs derived terms", step_allowance, 120),
@@ -696,7 +854,8 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
 
 
 # steps whose details the report prints
-DETAILED = ("kernels", "store", "param_gather", "peer", "planner", "launch", "allowance", "allocator")
+DETAILED = ("kernels", "store", "param_gather", "peer", "planner", "launch", "allowance", "allocator", "moe", "cp",
+            "covered", "planner_archs")
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------
@@ -750,7 +909,7 @@ def run_step(ctx: Context, step: Step, timeout_cap: float | None) -> dict:
         elif ctx.deadline - t0 < 5:
             result.update(status="skipped: out of time")
         else:
-            result.update(status="ok", **step.run(ctx))
+            result.update({"status": "ok", **step.run(ctx)})  # a step may return its own status
     except StepTimeout as exc:
         result.update(status="timeout", notes=str(exc))
     except StepFailed as exc:

@@ -8,6 +8,14 @@
              bit for bit, the streams waiting on each other, and pinned host copy rates both ways
   launch     per-unit timings five ways (synchronised, host, event span, behind a sleep kernel) against a stream
              of micro-batches (tools/gpu_check_launch.py)
+  grouped_gemm
+             an MoE layer's experts through torch._grouped_mm against the loop of GEMMs and fp32, forward and
+             backward (tools/gpu_check_moe_cp.py)
+  cp_blocks  parallel/cp_blocks.py's fused flash path per block (aligned-causal, unmasked; bf16, fp16; GQA) against
+             its math path and float64, a C-rank ring's pairs in one process and context_attention at cp = 1
+             (tools/gpu_check_moe_cp.py)
+  covered    device.covered_seconds (a sleep kernel ahead of the timed call) on known kernels and on the kernel
+             model's 1.3B layer, against plain events (tools/gpu_check_covered.py)
   grad_accum a GPT MLP unit's backward with and without GradSync's fp32 main_grad hooks: the accumulation's cost
              per micro-batch against the planner's count (planner/engine.py accumulation_bytes)
   param_gather
@@ -515,8 +523,27 @@ def launch_check(small: bool) -> dict:
     return check(small)
 
 
+def grouped_gemm_check(small: bool) -> dict:
+    from tools.gpu_check_moe_cp import grouped_gemm_check as check
+
+    return check(small)
+
+
+def cp_blocks_check(small: bool) -> dict:
+    from tools.gpu_check_moe_cp import cp_blocks_check as check
+
+    return check(small)
+
+
+def covered_check(small: bool) -> dict:
+    from tools.gpu_check_covered import covered_check as check
+
+    return check(small)
+
+
 STEPS = {"env": env, "optimizer": optimizer_check, "store": store_check, "param_gather": param_gather_check,
-         "grad_accum": grad_accum_check, "launch": launch_check}
+         "grad_accum": grad_accum_check, "launch": launch_check, "grouped_gemm": grouped_gemm_check,
+         "cp_blocks": cp_blocks_check, "covered": covered_check}
 
 
 def main(argv: list[str] | None = None) -> int:

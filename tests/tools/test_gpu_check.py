@@ -235,3 +235,12 @@ def test_pick_numbers_say_how_far_each_predictions_pick_is_from_the_best_measure
     assert gpu_check.pick_numbers("small-", rows) == {"small-pick_over_best_pct": 0.0,
                                                       "small-analytic_pick_over_best_pct": 31.2}
     assert gpu_check.pick_numbers("", {"mbs1": rows["mbs1"]}) == {}
+
+
+def test_a_step_may_return_its_own_status(tmp_path):
+    """peer's "ok (ours only)" and the MoE/cp steps' "FAILED" with their numbers (run_step had raised a TypeError)."""
+    ctx = gpu_check.Context(out_dir=str(tmp_path), work=str(tmp_path), python=sys.executable, sizes=gpu_check.DRY,
+                            cuda=False, dry_run=True, deadline=gpu_check.time.monotonic() + 60)
+    step = gpu_check.Step("peer", "test", lambda c: {"status": "ok (ours only)", "numbers": {"x": 1}}, 10)
+    got = gpu_check.run_step(ctx, step, None)
+    assert got["status"] == "ok (ours only)" and got["numbers"] == {"x": 1}
