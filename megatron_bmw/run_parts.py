@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .config import (BatchSchedule, DataConfig, LRConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                      PipelineConfig, TrainConfig, ZERO_BUBBLE)
+from .config.layout_rules import check_context_parallel
 from .config.schema import from_flags
 from .errors import UsageError
 from .strategy import parse_strategy
@@ -43,8 +44,7 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int |
     if parallel.sequence_parallel and tp > 1 and model.seq_length % tp:
         raise UsageError(f"--sequence-parallel: --seq-length {model.seq_length} is not divisible by tensor-parallel "
                          f"size {tp}")
-    if parallel.context_parallel_size > 1:
-        check_context_parallel(model, parallel)
+    check_context_parallel(model, parallel)
 
 
 def check_moe(model: ModelConfig, parallel: ParallelConfig, world_size: int | None = None) -> None:
@@ -84,28 +84,6 @@ def check_moe(model: ModelConfig, parallel: ParallelConfig, world_size: int | No
             raise UsageError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must divide "
                              f"a pipeline stage's tensor x context x data parallel ranks ({stage})")
 
-
-def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """What --context-parallel-size needs of the model and the other degrees."""
-    cp, tp, flag = parallel.context_parallel_size, parallel.tensor_model_parallel_size, "--context-parallel-size"
-    if model.model_type != "gpt":
-        raise UsageError(f"{flag} {cp}: context parallelism splits causal (GPT) sequences, not {model.model_type}'s")
-    if model.seq_length % (2 * cp):
-        raise UsageError(f"{flag} {cp}: --seq-length {model.seq_length} is not divisible by 2 x {cp} (each rank "
-                         "holds two chunks of every sequence)")
-    if parallel.sequence_parallel and (model.seq_length // cp) % tp:
-        raise UsageError(f"{flag} {cp} with --sequence-parallel: a rank's {model.seq_length // cp} rows of each "
-                         f"sequence do not split over tensor-parallel size {tp}")
-    if model.attention_dropout:
-        raise UsageError(f"{flag} {cp}: attention dropout is not supported across context-parallel ranks; "
-                         "give --attention-dropout 0")
-    if parallel.unit_strategies:
-        raise UsageError(f"{flag} {cp} does not combine with --unit-strategies (Galvatron-BMW strategies are "
-                         "tp x dp per unit)")
-    heads = model.num_attention_heads // tp
-    if parallel.cp_comm_type == "a2a" and heads % cp:
-        raise UsageError(f"--cp-comm-type a2a: {heads} attention heads per tensor-parallel rank are not divisible "
-                         f"by {flag} {cp} (use --cp-comm-type p2p)")
 
 
 def training_configs(args, batches: BatchSchedule, train_iters: int, fp16: bool, bf16: bool,

@@ -17,8 +17,8 @@ ENGINE_SCHEDULES = {"megatron-core": ("1f1b", "interleaved"), "deepspeed": ("1f1
 _BOOL = {"on": (True,), "off": (False,), "both": (False, True), "true": (True,), "false": (False,)}
 CP_MIN_SEQ = 8192  # shorter sequences are not split by default: cp 1 only
 _HELP = (f"tp, cp, pp, dp, mbs, ep, etp (lists of integers; ep and etp for MoE models only: by default ep every power of "
-         "two dividing the experts, etp 1 and tp; cp by default 1 below {CP_MIN_SEQ} tokens, else the powers of two "
-         "dividing the world that split the sequence into 2 cp chunks); schedule ({', '.join(SEARCHED)}: zero-bubble ones only where the "
+         "two dividing the experts, etp 1 and tp; cp by default 1 below {CP_MIN_SEQ} tokens or with attention dropout, else the "
+         "powers of two dividing the world that split the sequence into 2 cp chunks); schedule ({', '.join(SEARCHED)}: zero-bubble ones only where the "
          "simulator says they win under the memory limit); virtual (chunks per rank); "
          "sp, zero1, bpipe, slicing (on, off, both); recompute (none, selective, full: the choices allowed per "
          "unit); recompute-granularity (unit or uniform); partition (unit or layer: where stages may end); strategy "
@@ -182,12 +182,16 @@ def tp_degrees(model: ModelConfig, gpus_per_node: int, world: int) -> list[int]:
 
 def cp_degrees(space: SearchSpace, model: ModelConfig, world: int) -> list[int]:
     """Context-parallel sizes the search tries: the space's, where they split the sequence into 2 cp chunks;
-    by default 1 for sequences shorter than CP_MIN_SEQ tokens (splitting them only adds exchanges), else every
-    power of two that divides the world and splits the sequence into 2 cp chunks. Causal GPT models only."""
+    by default 1 for sequences shorter than CP_MIN_SEQ tokens (splitting them only adds exchanges) or with attention
+    dropout (config/layout_rules.py), else every power of two that divides the world and splits the sequence into 2
+    cp chunks. Causal GPT models only."""
     if space.cp is not None:
+        if model.attention_dropout and any(c > 1 for c in space.cp):
+            raise UsageError(f"--space cp={','.join(map(str, space.cp))}: context parallelism needs "
+                             "--attention-dropout 0 (the runtime refuses attention dropout across cp ranks)")
         wanted = [c for c in space.cp if c == 1 or (model.model_type == "gpt" and model.seq_length % (2 * c) == 0)]
         return [c for c in wanted if world % c == 0]
-    if model.seq_length < CP_MIN_SEQ or model.model_type != "gpt":
+    if model.seq_length < CP_MIN_SEQ or model.model_type != "gpt" or model.attention_dropout:
         return [1]
     out, c = [], 1
     while c <= world:

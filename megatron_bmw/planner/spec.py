@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import ZERO_BUBBLE, ModelConfig, ParallelConfig, PipelineConfig, RunConfig
+from ..config.layout_rules import check_context_parallel
 from ..errors import UsageError
 from ..parallel.layout import RankLayout
 from ..pipeline.partition import parse_partition
@@ -58,7 +59,7 @@ class RunSpec:
             par = replace(par, unit_strategies=tuple(str(s) for s in parsed))
         if self.pipeline.bpipe:
             par = replace(par, rank_order="bpipe")
-        _check_context_parallel(self.model, par)
+        check_context_parallel(self.model, par)
         if par.unit_strategies is not None and self.model.moe is not None:
             raise UsageError("per-unit strategies (--unit-strategies) are not planned for MoE models")
         if self.model.moe is not None and self.pipeline.schedule in ZERO_BUBBLE:
@@ -171,25 +172,6 @@ class RunSpec:
                                self.model.hidden_size, self.tp, self.sp)
         return s * b * h * self.model.dtype_bytes / (2 if half else 1)
 
-
-def _check_context_parallel(model: ModelConfig, par: ParallelConfig) -> None:
-    """What context parallelism plans: causal GPT sequences split into 2 cp chunks (rank r holds chunks r and
-    2cp-1-r, balancing the causal attention), one layout for every unit."""
-    cp = par.context_parallel_size
-    if cp == 1:
-        return
-    if par.unit_strategies is not None:
-        raise UsageError(f"context-parallel size {cp} does not combine with per-unit strategies (--unit-strategies)")
-    if model.model_type != "gpt":
-        raise UsageError(f"context-parallel size {cp}: context parallelism splits causal (GPT) sequences, not "
-                         f"{model.model_type.upper()}'s")
-    if model.seq_length % (2 * cp):
-        raise UsageError(f"--seq-length {model.seq_length} does not split into 2 x --context-parallel-size {cp} "
-                         f"chunks")
-    tp = par.tensor_model_parallel_size
-    if par.sequence_parallel and tp > 1 and (model.seq_length // cp) % tp:
-        raise UsageError(f"--seq-length {model.seq_length} / --context-parallel-size {cp} does not split over "
-                         f"--tensor-model-parallel-size {tp} (sequence parallelism)")
 
 
 def spec_from_run_config(cfg: RunConfig, world_size: int) -> RunSpec:
