@@ -46,6 +46,10 @@ IGNORED_KERNEL_FLAGS = {
     "--fp8-amax-compute-algo": 1, "--fp8-param-gather": 0, "--fp8-interval": 1, "--no-fp8-wgrad": 0,
     "--first-last-layers-bf16": 0, "--num-layers-at-start-in-bf16": 1, "--num-layers-at-end-in-bf16": 1,
     "--grad-reduce-in-bf16": 0,
+    # MoE kernels and overlaps (the experts' permutation, the router's fused kernel, the grouped GEMM's older
+    # implementation, the shared experts overlapped with the dispatch): the same routing and experts either way
+    "--moe-permute-fusion": 0, "--moe-router-fusion": 0, "--moe-use-legacy-grouped-gemm": 0,
+    "--moe-shared-expert-overlap": 0,
 }
 # Logging extras this implementation does not write:
 IGNORED_LOGGING_FLAGS = {
@@ -123,6 +127,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     args.ignored_flags = ignored
     if hasattr(args, "attention_backend"):
         args.attention_backend = _BACKEND_AS.get(args.attention_backend, args.attention_backend)
+    args.ckpt_format_given = any(a.split("=")[0] in ("--ckpt-format", "--use-dist-ckpt") for a in kept)
+    args.notes = []  # start-up lines about choices the flags left to this run (the banner prints them)
     args.ignored_kernel_flags = [f for f in ignored if f in IGNORED_KERNEL_FLAGS]
     args.ignored_logging_flags = [f for f in ignored if f in IGNORED_LOGGING_FLAGS]
     return args
@@ -156,11 +162,23 @@ def _check_megatron_choices(args) -> None:
         known = args.ckpt_format in CKPT_FORMATS
         raise UsageError(f"--ckpt-format {args.ckpt_format}: {'not supported' if known else 'unknown'}; use torch "
                          "(Megatron's legacy format) or torch_dist")
-    if args.num_experts and "torch" in (args.ckpt_format if args.save else None, args.ckpt_convert_format):
-        etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-        why = legacy_format_refusal(args.expert_model_parallel_size, etp, args.tensor_model_parallel_size)
-        if why is not None:
-            raise UsageError(why)
+    if args.num_experts:
+        _expert_ckpt_format(args)
+
+
+def _expert_ckpt_format(args) -> None:
+    """The legacy format cannot hold experts laid out apart from the dense tensors: refused when asked for; when
+    --ckpt-format is not given, such a run takes Megatron's default, torch_dist, and says so."""
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    why = legacy_format_refusal(args.expert_model_parallel_size, etp, args.tensor_model_parallel_size)
+    if why is None:
+        return
+    if args.ckpt_format == "torch" and not getattr(args, "ckpt_format_given", True):
+        args.ckpt_format = "torch_dist"
+        getattr(args, "notes", []).append("> --ckpt-format torch_dist (Megatron's default): experts split by "
+                                          "--expert-model-parallel-size are not saved in the legacy torch format")
+    if "torch" in (args.ckpt_format if args.save else None, args.ckpt_convert_format):
+        raise UsageError(why)
 
 
 def _virtual_stages(args) -> int:
@@ -450,6 +468,7 @@ class ParsedRun:
     tokenizer: Any = None
     ignored_kernel_flags: list[str] = field(default_factory=list)
     ignored_logging_flags: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def run_config_from_argv(argv: list[str], world_size: int, model_type: str = "gpt",
@@ -470,7 +489,8 @@ def run_config_from_argv(argv: list[str], world_size: int, model_type: str = "gp
     if auto:
         plan = auto_plan(args, argv, parser, world_size, vocab_size, plan_search)
     run = configs_from_args(args, world_size, vocab_size=vocab_size, plan=plan)
-    return ParsedRun(run, plan, args.plan, tokenizer, args.ignored_kernel_flags, args.ignored_logging_flags)
+    return ParsedRun(run, plan, args.plan, tokenizer, args.ignored_kernel_flags, args.ignored_logging_flags,
+                     args.notes)
 
 
 def auto_plan(args: argparse.Namespace, argv: list[str], parser: argparse.ArgumentParser, world_size: int,

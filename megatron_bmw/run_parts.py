@@ -109,6 +109,26 @@ def check_split_backward(pipeline: PipelineConfig, parallel: ParallelConfig, mod
     name = pipeline.schedule
     if name in ZERO_BUBBLE and parallel.unit_strategies:
         raise UsageError(f"--pipeline-schedule {name} does not combine with --unit-strategies (not supported yet)")
+    check_moe_slicing(pipeline, model)
+
+
+def check_moe_slicing(pipeline: PipelineConfig, model: ModelConfig) -> None:
+    """A sliced micro-batch runs as two forwards of half its samples. Routing that is decided over a micro-batch's
+    tokens as a whole (the load-balancing loss over all of them, Sinkhorn's normalisation, the expert capacity)
+    would then be decided over each half, which is another model; per-sequence routing (seq_aux_loss, z-loss,
+    dropless) is the same over the halves."""
+    moe = model.moe
+    if moe is None or not pipeline.slicing:
+        return
+    why = "the expert capacity (--moe-expert-capacity-factor)" if moe.expert_capacity_factor is not None else None
+    if moe.load_balancing_type == "sinkhorn":
+        why = "Sinkhorn's routing (--moe-router-load-balancing-type sinkhorn)"
+    if moe.load_balancing_type == "aux_loss" and moe.aux_loss_coeff > 0:
+        why = "the load-balancing loss (--moe-router-load-balancing-type aux_loss)"
+    if why is not None:
+        raise UsageError(f"--microbatch-slicing with --num-experts: {why} is decided over a micro-batch's tokens as "
+                         "a whole, and each half would decide it over its own; use seq_aux_loss or none, dropless, "
+                         "or drop --microbatch-slicing")
 
 
 def check_strategies_fit(strategies, model, stage_batch: int, sliced: bool) -> None:

@@ -50,6 +50,9 @@ class MoEConfig:
     token_drop_policy: str = flag("--moe-token-drop-policy", group=E, default="probs", choices=DROP_POLICIES)
     pad_expert_input_to_capacity: bool = flag("--moe-pad-expert-input-to-capacity", group=E, default=False,
                                               action="store_true")
+    router_dtype: str = flag("--moe-router-dtype", group=E, default="fp32", choices=("fp32",),
+                             help="the router's logits and scores: always fp32 here (Megatron: the model's dtype "
+                                  "unless given)")
     grouped_gemm: bool = flag("--moe-grouped-gemm", group=E, default=False, action="store_true",
                               help="accepted: the experts always run as one grouped GEMM (or a loop of GEMMs)")
 

@@ -2,7 +2,8 @@
 
 `build_tokenizer(cfg)` picks one by `cfg.tokenizer_type` (Megatron-LM's names):
 - `GPT2BPETokenizer`: byte-level BPE from `vocab.json` + `merges.txt`; eod = `<|endoftext|>`.
-- `SentencePieceTokenizer` / `GPTSentencePieceTokenizer`: a `.model` file; eod = the model's eos id.
+- `SentencePieceTokenizer` / `GPTSentencePieceTokenizer` / `Llama2Tokenizer`: a `.model` file; eod = the model's
+  eos id (Megatron builds the three names as one SentencePiece tokenizer).
   A model without an eos piece gets one extra id (`piece count`) as eod, and `vocab_size` grows by one.
 - `HuggingFaceTokenizer`: a local directory loaded with transformers' AutoTokenizer; eod = its eos token.
 - `NullTokenizer`: text is space-separated ids below `cfg.vocab_size`; as in Megatron-LM the
@@ -346,7 +347,8 @@ class TikTokenizer(Tokenizer):
         return b"".join(out).decode("utf-8", errors="replace")
 
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer",
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", *SENTENCEPIECE_TYPES, "HuggingFaceTokenizer", "NullTokenizer",
                    "BertWordPieceLowerCase", "BertWordPieceCase", "TikTokenizer")
 
 
@@ -359,7 +361,7 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
         raise UsageError(f"--tokenizer-special-tokens: taken by TikTokenizer only here, not {kind}")
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
-    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    if kind in SENTENCEPIECE_TYPES:
         return SentencePieceTokenizer(cfg.tokenizer_model)
     if kind == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(cfg.tokenizer_model)

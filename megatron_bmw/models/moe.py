@@ -146,7 +146,7 @@ class MoE(Unit):
 
     def _attach(self, target: torch.Tensor, name: str, partial: torch.Tensor, coeff: float,
                 whole: torch.Tensor) -> torch.Tensor:
-        self.reported.append((name, whole.detach()))
+        self.reported.append((name, whole.detach() * self.state.aux_loss_share))
         return _AuxLossScaler.apply(target, partial * (coeff * self.state.cp_size), self.state)
 
     def _z_loss(self, logits: torch.Tensor) -> torch.Tensor:

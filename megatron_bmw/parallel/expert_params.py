@@ -10,6 +10,7 @@ The expert groups are read from the state only where a model has expert paramete
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .counting import counted_once
 
@@ -20,6 +21,15 @@ def is_expert(param: torch.Tensor) -> bool:
 
 def has_experts(params) -> bool:
     return any(is_expert(p) for p in params)
+
+
+def experts_anywhere(params, state) -> bool:
+    """Does any rank of the world hold expert parameters? Collective over the world: a pipeline stage without MoE
+    units holds none, yet it must count the grad norm the way the stages with experts do (once over the world)."""
+    flag = torch.tensor([float(has_experts(params))], device=state.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def split_of(param: torch.Tensor, state) -> tuple[int, int, int, int]:

@@ -37,6 +37,9 @@ class ParallelView:
     # the gradient of an MoE auxiliary loss (models/moe.py): the engine sets it before each backward to that
     # micro-batch's scale (loss scale / micro-batches), as Megatron's MoEAuxLossAutoScaler.set_loss_scale
     aux_loss_scale: float = 1.0
+    # the share of its micro-batch the running forward or backward holds (a sliced half: 1/2), which weighs the
+    # auxiliary losses a unit reports for the log; the engine sets it with aux_loss_scale
+    aux_loss_share: float = 1.0
     sequence_parallel: bool = False
     rng: RNGTracker = field(default_factory=RNGTracker)
     # NCCL only: one group per direction of each neighbouring pipeline pair, keyed (src, dst) global ranks, so a

@@ -262,6 +262,7 @@ class PipelineEngine:
                 x.requires_grad_()
         capture = nullcontext() if forward_only or self.store is None else \
             self.store.capture(_key(a), a.weight)
+        self.state.aux_loss_share = _share(a)  # MoE auxiliary losses' value for the log (models/moe.py)
         with capture:
             out = self.chunks[a.chunk](x, batch)
         if vstage == self.num_vstages - 1:
@@ -294,7 +295,9 @@ class PipelineEngine:
             grad = self._wait(recvs, Kind.RECV_GRAD, a) if local is None else slots.pop(local).input.grad
         if self.store is not None:
             self.store.ready(_key(a))
-        self.state.aux_loss_scale = scale * slot.weight  # MoE auxiliary losses' gradient (models/moe.py)
+        # MoE auxiliary losses' gradient (models/moe.py): per sample, so a half's is half its micro-batch's
+        self.state.aux_loss_share = _share(a)
+        self.state.aux_loss_scale = scale * _share(a)
         with deferred_wgrad.deferring(self._deferred_key(a)) if split else nullcontext():
             if vstage == self.num_vstages - 1:
                 torch.autograd.backward(slot.output * scale)
@@ -322,6 +325,11 @@ class PipelineEngine:
         st = self.activation_stats()
         return [f"activation memory | stage {self.rank} | peak micro-batches {st['peak_microbatches']:g} | "
                 f"peak bytes {int(st['peak_bytes'])} | accepted bytes {int(st['peak_accepted_bytes'])}"]
+
+
+def _share(a: Action) -> float:
+    """The share of its micro-batch's samples an action runs: a sliced half holds half of them."""
+    return 1.0 if a.half is None else 0.5
 
 
 def reduce_loss(result: RunResult, state: ParallelState, num_microbatches: int) -> float:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig
 from ..parallel.state import ParallelState
-from ..parallel.expert_params import counted_in_world, has_experts
+from ..parallel.expert_params import counted_in_world, experts_anywhere
 from .optimizer import counts_in_grad_norm
 
 
@@ -43,7 +43,7 @@ def _counted(named_params, state: ParallelState) -> tuple[list[torch.nn.Paramete
     """Each parameter once over the model-parallel ranks (as the grad norm counts them), trainable only; with
     experts each once over the world (expert_params.py)."""
     seen, out = set(), []
-    world = has_experts(p for _, p in named_params)
+    world = experts_anywhere([p for _, p in named_params], state)
     for _, p in named_params:
         counted = counted_in_world(p, state, sharded=False) if world else counts_in_grad_norm(p, state.tp_rank)
         if p.requires_grad and id(p) not in seen and counted:

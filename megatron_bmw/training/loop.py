@@ -195,6 +195,7 @@ class Trainer:
         self.skipped = 0
         self.traced = 0
         self.history: list[tuple[int, float, float | None]] = []  # (iteration, lm loss, grad norm)
+        self.aux_history: list[dict[str, float]] = []  # MoE: each iteration's auxiliary losses, as logged
         self.step_times: list[float] = []  # wall seconds of every training iteration
         self.plan_check: list[str] = []  # with --plan: predicted against measured (pretrain.py fills it)
         self.eval_losses: dict[str, float] | None = None  # the last evaluation's losses by name
@@ -452,6 +453,8 @@ class Trainer:
             if tr.manual_gc and tr.manual_gc_interval and self.iteration % tr.manual_gc_interval == 0:
                 gc.collect()
             self.history.append((self.iteration, it.loss, it.step.grad_norm))
+            if it.aux is not None:
+                self.aux_history.append(it.aux)
             interval.add(it.loss, it.step.successful, it.parts, it.aux)
             why = divergence(it.loss, it.step, it.scale_before, self.run.optimizer)
             late = tr.exit_duration_in_mins is not None and (time.time() - start) / 60.0 > tr.exit_duration_in_mins

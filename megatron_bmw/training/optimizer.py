@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.expert_params import counted_in_world, has_experts
+from ..parallel.expert_params import counted_in_world, experts_anywhere
 from ..parallel.counting import counted_once
 from ..parallel.groups import group_size
 from ..parallel.state import ParallelState
@@ -111,7 +111,7 @@ class MixedPrecisionOptimizer:
                 d.gather.hook_modules(modules)
         self._masters = [self._new_master(pc) for pc in self._pieces]
         # with experts each distinct gradient element is counted on one rank of the world (expert_params.py)
-        experts = has_experts(self.params)
+        experts = experts_anywhere(self.params, state)  # every rank agrees, stages without MoE units too
         self._norm_over_world = state.units.norms_over_world or experts
         self._counted = torch.tensor(
             [counted_in_world(self.params[pc.index], state, self.distributed) if experts

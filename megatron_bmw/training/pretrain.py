@@ -125,4 +125,8 @@ def _banner(run, state: ParallelState, parsed) -> None:
                         ("logging not written here", parsed.ignored_logging_flags)):
         if flags:
             lines.append(f"> ignored Megatron flags ({kind}): {' '.join(flags)}")
+    if run.model.moe is not None:
+        lines.insert(3, f"> initialized expert model parallel with size {state.ep_size}, expert tensor parallel "
+                        f"with size {state.etp_size}")
+    lines += parsed.notes
     print_first(state, "\n".join(lines))

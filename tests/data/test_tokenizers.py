@@ -66,6 +66,15 @@ def test_sentencepiece_round_trip(sp_model, corpus_lines):
         assert tok.detokenize(ids + [tok.eod]) == text
 
 
+@pytest.mark.parametrize("kind", ["GPTSentencePieceTokenizer", "Llama2Tokenizer"])
+def test_sentencepiece_names_are_one_tokenizer(sp_model, kind):
+    """Megatron builds its three SentencePiece names as one tokenizer (Mixtral's script names Llama2Tokenizer)."""
+    tok = build_tokenizer(DataConfig(tokenizer_type=kind, tokenizer_model=sp_model))
+    ref = build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model))
+    assert (tok.vocab_size, tok.eod, tok.tokenize("Quick brown fox.")) == \
+        (ref.vocab_size, ref.eod, ref.tokenize("Quick brown fox."))
+
+
 def test_huggingface_tokenizer(tmp_path, bpe_files):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
