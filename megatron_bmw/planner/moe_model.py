@@ -40,17 +40,21 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..errors import UsageError
 
-_INT64, _FP32 = 8, 4
+_INT64, _FP32, _INT32, _BOOL = 8, 4, 4, 1
 
 
 @dataclass(frozen=True)
 class Experts:
     """How one stage's ranks hold the experts: ep ranks split them, etp ranks split each one; `imbalance`: max/mean
-    tokens per expert (the routing model)."""
+    tokens per expert (the routing model). A given routing instead (one micro-batch's, as measured): `loads`, the
+    rows each of the rank's E/ep experts receives, and `sent`, the (token, expert) pairs the rank routes (kept by
+    the capacity, padding included)."""
 
     ep: int = 1
     etp: int = 1
     imbalance: float = 1.0
+    loads: tuple[int, ...] | None = None
+    sent: int | None = None
 
     def __post_init__(self) -> None:
         if self.ep < 1 or self.etp < 1:
@@ -86,9 +90,9 @@ def check_experts(model: ModelConfig, tp: int, cp: int, dp: int, ep: int, etp: i
 
 
 def local_tokens(model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, cp: int = 1) -> int:
-    """T: the tokens one rank routes (its hidden state's rows x the micro-batch)."""
-    s = model.seq_length // cp
-    return (s // tp if sp and tp > 1 else s) * micro_batch_size
+    """T: the tokens one rank routes, s/(cp tp) x the micro-batch: sequence parallelism's rows, or without it the
+    rank's 1/tp of the rows (the runtime scatters them after the norm)."""
+    return model.seq_length // cp // tp * micro_batch_size
 
 
 def capacity(model: ModelConfig, tokens: int) -> int | None:
@@ -103,11 +107,15 @@ def expert_loads(model: ModelConfig, tokens: int, experts: Experts) -> list[floa
     """Tokens each local expert of the busiest rank receives: one at lambda x the mean, the others at the mean (the
     routing model, module doc), each at most every token once and, with a capacity, at most the capacity."""
     moe = model.moe
+    local = moe.num_experts // experts.ep
+    if experts.loads is not None:
+        if len(experts.loads) != local:
+            raise UsageError(f"a given routing names {len(experts.loads)} expert loads; a rank holds {local} experts")
+        return [float(x) for x in experts.loads]
     sources = experts.etp * experts.ep
     mean = sources * tokens * moe.router_topk / moe.num_experts
     most = float(sources * tokens)
     cap = capacity(model, tokens)
-    local = moe.num_experts // experts.ep
     loads = [min(mean * experts.imbalance, most)] + [mean] * (local - 1)
     if cap is not None:
         limit = float(sources * cap)
@@ -118,6 +126,21 @@ def expert_loads(model: ModelConfig, tokens: int, experts: Experts) -> list[floa
 def expert_tokens(model: ModelConfig, tokens: int, experts: Experts) -> int:
     """R: the tokens the busiest rank's experts receive in all (rounded up)."""
     return math.ceil(sum(expert_loads(model, tokens, experts)))
+
+
+def routed_pairs(model: ModelConfig, tokens: int, experts: Experts) -> int:
+    """S: the (token, expert) pairs a rank routes: T k, or under a capacity T k/E per expert up to the capacity (each
+    expert's capacity with padding); the given routing's `sent` where it has one."""
+    if experts.sent is not None:
+        return experts.sent
+    moe = model.moe
+    pairs = tokens * moe.router_topk
+    cap = capacity(model, tokens)
+    if cap is None:
+        return pairs
+    if moe.pad_expert_input_to_capacity:
+        return moe.num_experts * cap
+    return math.ceil(moe.num_experts * min(pairs / moe.num_experts, cap))
 
 
 def group_local_indices(tp: int, cp: int, dp: int, experts: Experts, group: str) -> list[int]:
@@ -158,53 +181,80 @@ def moe_param_split(model: ModelConfig, tp: int, experts: Experts) -> tuple[int,
 
 def moe_saved(saved, experts: Experts) -> None:
     """Add what an MoE unit saves for backward (module doc) to unit_activations._Saved `saved`, in order."""
-    model, e = saved.model, saved.e
-    moe, h = model.moe, saved.h
-    tokens = saved.s_local * saved.b
-    big_e, k = moe.num_experts, moe.router_topk
+    model, e, h = saved.model, saved.e, saved.h
+    moe = model.moe
+    tokens = local_tokens(model, saved.b, saved.tp, saved.sp, saved.cp)
+    split = saved.tp > 1 and not saved.sp  # the rank routes a copy of its 1/tp of the norm output's rows
     saved.layernorm()
     if e != _FP32:
-        saved.add("router input (fp32)", tokens * h, _FP32)
-        saved.add("router weight (fp32)", big_e * h, _FP32)
+        saved.add("router input (fp32 copy)", tokens * h, _FP32)
+        saved.add("router weight (fp32 copy)", moe.num_experts * h, _FP32)
     else:
-        saved.add("router input (norm output)", tokens * h, e)
-    _scores(saved, tokens, big_e, k)
-    received = expert_tokens(model, tokens, experts)
-    saved.add("permutation indices", tokens * k, _INT64)
-    saved.add("expert input (permuted tokens)", received * h, e)
-    f = model.moe_ffn_hidden_size // experts.etp
-    _activation(saved, received * f, "expert")
-    saved.add("expert output (fc2 output)", received * h, e)
-    saved.add("routing probabilities of the received tokens (fp32)", received, _FP32)
+        saved.add("router input (the rank's rows of the norm output)" if split else "router input (norm output)",
+                  tokens * h, e)
+    _router(saved, tokens)
+    received, sent = expert_tokens(model, tokens, experts), routed_pairs(model, tokens, experts)
+    _dispatch(saved, experts, received, sent)
     shared = moe.shared_expert_intermediate_size
     if shared:
-        saved.add("shared expert fc1 input", saved.hidden_local, e)
+        if e != _FP32 or split:  # else the router's input is this very tensor
+            saved.add("shared expert fc1 input (norm output)", saved.hidden_local, e)
         _activation(saved, saved.s * saved.b * (shared // saved.tp), "shared expert")
         if moe.shared_expert_gate:
-            saved.add("shared expert gate (sigmoid output)", tokens, e)
+            saved.add("shared expert gate (sigmoid output)", saved.s_local * saved.b, e)
             saved.add("shared expert output", saved.hidden_local, e)
     saved.hidden_dropout()
 
 
-def _scores(saved, tokens: int, big_e: int, k: int) -> None:
+def _router(saved, tokens: int) -> None:
+    """The router's scores, top-k, auxiliary losses and capacity (models/moe_routing.py), all fp32 but indices."""
     moe = saved.model.moe
-    full = False  # whether a T x E fp32 softmax over all experts is kept
-    if moe.score_function == "sigmoid":
+    big_e, k = moe.num_experts, moe.router_topk
+    if moe.z_loss_coeff:  # logsumexp keeps its input and output
+        saved.add("z-loss logits and log-sum-exp (fp32)", tokens * (big_e + 1), _FP32)
+    sinkhorn = moe.load_balancing_type == "sinkhorn"  # (k = 1: sigmoid scores, picked as they are)
+    if sinkhorn or moe.score_function == "sigmoid":
         saved.add("router scores (sigmoid, fp32)", tokens * big_e, _FP32)
-        saved.add("top-k indices", tokens * k, _INT64)
-        if k > 1:
-            saved.add("top-k scores and their sum (fp32)", tokens * (k + 1), _FP32)
     elif moe.pre_softmax:
         saved.add("router probabilities (softmax over the experts, fp32)", tokens * big_e, _FP32)
-        saved.add("top-k indices", tokens * k, _INT64)
-        full = True
-    else:
-        saved.add("top-k indices", tokens * k, _INT64)
+    saved.add("top-k flat indices (picking the k scores and placing the probabilities)", tokens * k, _INT64)
+    if sinkhorn:
+        pass
+    elif moe.score_function == "sigmoid" and k > 1:
+        saved.add("top-k scores and their sum (fp32)", tokens * (k + 1), _FP32)
+    elif moe.score_function == "softmax" and not moe.pre_softmax:
         saved.add("top-k probabilities (softmax over the k, fp32)", tokens * k, _FP32)
-    if moe.load_balancing_type in ("aux_loss", "seq_aux_loss") and moe.aux_loss_coeff > 0 and not full:
-        saved.add("load-balancing scores (softmax over the experts, fp32)", tokens * big_e, _FP32)
-    if moe.z_loss_coeff:
-        saved.add("z-loss logits and log-sum-exp (fp32)", tokens * (big_e + 1), _FP32)
+    if moe.load_balancing_type in ("aux_loss", "seq_aux_loss") and moe.aux_loss_coeff > 0:
+        # scores of their own (softmax, or sigmoid and its sum per token), the group's counts stacked on prob sums
+        saved.add("load-balancing scores (over the experts, fp32)", tokens * big_e, _FP32)
+        if moe.score_function == "sigmoid":
+            saved.add("load-balancing scores' sum per token (fp32)", tokens, _FP32)
+        per = saved.b if moe.load_balancing_type == "seq_aux_loss" else 1
+        saved.add("load-balancing counts and probability sums (fp32)", 2 * per * big_e, _FP32)
+    if moe.expert_capacity_factor is not None:
+        saved.add("capacity mask (bool)", tokens * big_e, _BOOL)
+
+
+def _dispatch(saved, experts: Experts, received: int, sent: int) -> None:
+    """The dispatcher's indices, the experts at the R rows received, and the combine."""
+    model, e, h = saved.model, saved.e, saved.h
+    moe = model.moe
+    if moe.token_dispatcher_type == "allgather":  # permuted from the gathered tokens: R (token, expert) rows
+        saved.add("permutation indices (token and expert of each row, int64)", 2 * received, _INT64)
+    else:  # permuted from the rank's tokens; rows from several ranks re-ordered expert by expert
+        saved.add("permutation indices (token and expert of each routed pair, int64)", 2 * sent, _INT64)
+        if experts.etp * experts.ep > 1:
+            saved.add("expert-major order of the received rows (int64)", received, _INT64)
+    saved.add("expert input (permuted tokens)", received * h, e)
+    f = model.moe_ffn_hidden_size // experts.etp
+    if grouped_gemm(model, experts, saved.device, received):
+        saved.add("grouped GEMM offsets (int32)", moe.num_experts // experts.ep, _INT32)
+    if model.add_bias_linear:
+        saved.add("expert of each received row (biases' index, int64)", received, _INT64)
+    _activation(saved, received * f, "expert")
+    rows = received if moe.token_dispatcher_type == "allgather" else sent
+    saved.add("expert output (fc2 output; alltoall: the rows back)", rows * h, e)
+    saved.add("routing probabilities of those rows", rows, e)
 
 
 def _activation(saved, local_f: int, what: str) -> None:
@@ -216,6 +266,17 @@ def _activation(saved, local_f: int, what: str) -> None:
     else:
         saved.add(f"{what} gelu input", local_f, e)
         saved.add(f"{what} gelu output", local_f, e)
+
+
+def grouped_gemm(model: ModelConfig, experts: Experts, device: str, received: int) -> bool:
+    """Whether the experts run as torch._grouped_mm (models/moe_experts.py), which keeps the groups' offsets: rows to
+    multiply, 16-byte aligned sizes (h, fc1's rows/etp, F/etp), and a torch that has it for the device and dtype
+    (torch 2.13 on cpu: fp32, bf16 and fp16; on cuda taken for bf16)."""
+    e, f = model.dtype_bytes, model.moe_ffn_hidden_size // experts.etp
+    rows = (2 * f if model.swiglu else f)
+    aligned = all(d * e % 16 == 0 for d in (model.hidden_size, rows, f))
+    has = device == "cpu" or model.params_dtype == "bf16"
+    return received > 0 and aligned and has
 
 
 def moe_dispatch_bytes(model: ModelConfig, tokens: int, experts: Experts) -> int:
