@@ -124,15 +124,17 @@ class Experts(nn.Module):
         expert_of_row = None
         if self.fc1.bias is not None:
             expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts)
-        w1, w2 = self.fc1.weight.transpose(1, 2), self.fc2.weight.transpose(1, 2)
+        (_, f1, h), f2 = self.fc1.weight.shape, self.fc2.weight.size(2)
         offsets = None
-        if uses_grouped(rows.size(0), w1.size(1), w1.size(2), rows.device, rows.dtype) or \
-                uses_grouped(rows.size(0), w2.size(1), w2.size(2), rows.device, rows.dtype):
+        if any(uses_grouped(rows.size(0), k, n, rows.device, rows.dtype) for k, n in ((h, f1), (f2, h))):
             offsets = _offsets(counts, rows.device)
-        z = grouped_mm(rows, w1, counts, offsets)
+        # each weight transposed just before its GEMM: its gradient reaches `.grad` (and GradSync's hook, which
+        # frees it) as soon as that GEMM's backward is done, not after the other GEMM's
+        z = grouped_mm(rows, self.fc1.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             z = z + self.fc1.bias[expert_of_row]
-        y = grouped_mm(_activation(z, self.swiglu), w2, counts, offsets)
+        a = _activation(z, self.swiglu)
+        y = grouped_mm(a, self.fc2.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             y = y + self.fc2.bias[expert_of_row]
         return y
