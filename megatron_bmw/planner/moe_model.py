@@ -7,29 +7,47 @@ columns), carved from the stage's tp x cp x dp ranks; the expert data-parallel s
 (ranks holding the same expert shards: the distributed optimizer shards expert states over them, the dense ones
 over dp x cp).
 
-Routing (`expert_tokens`): a rank routes its T = s'b tokens (s' = s/cp, / tp with sequence parallelism: Megatron-core
-runs MoE under tp only with SP, and so does the planner), k experts each. The dispatcher brings every expert the
-tokens routed to it from the etp x ep ranks that share it (allgather: gathered over etp x ep; alltoall: all-to-all
-over ep, then gathered over etp), so an expert's mean load is m = etp ep T k / E and a rank's E/ep experts receive
-etp T k in all: the same per rank for any ep. The routing model: even (m per expert) but for a load-imbalance factor
-lambda = max/mean tokens per expert (`Experts.imbalance`, --moe-load-imbalance; 1.0, the even routing the load
-balancing loss aims at, by default): the busiest rank holds one expert at lambda m (at most etp ep T: every token
-once) and its others at m. With a capacity factor c (--moe-expert-capacity-factor) each source rank keeps at most
-ceil(T k / E c) tokens per expert (Megatron-core's capacity, computed on the local tokens), so an expert gets at most
-etp ep of those; padded to capacity (--moe-pad-expert-input-to-capacity) every expert gets exactly that.
+Routing (`expert_tokens`): a rank routes its T = s'b/tp tokens (s' = s/cp; with sequence parallelism its rows, without
+it its 1/tp of the rows, as the runtime splits them; Megatron-core runs MoE under tp only with SP, and so does the
+planner), k experts each. The dispatcher brings every expert the tokens routed to it from the etp x ep ranks that
+share it (allgather: gathered over etp x ep; alltoall: all-to-all over ep, then gathered over etp), so an expert's
+mean load is m = etp ep T k / E and a rank's E/ep experts receive etp T k in all: the same per rank for any ep. The
+routing model: even (m per expert) but for a load-imbalance factor lambda = max/mean tokens per expert
+(`Experts.imbalance`, --moe-load-imbalance; 1.0, the even routing the load balancing loss aims at, by default): the
+busiest rank holds one expert at lambda m (at most etp ep T: every token once) and its others at m. With a capacity
+factor c (--moe-expert-capacity-factor) each source rank keeps at most ceil(T k / E c) tokens per expert (the
+runtime decides it over the sequence group's tokens, about tp cp times as many, for that many ranks), so an expert
+gets at most etp ep of those; padded to capacity (--moe-pad-expert-input-to-capacity) every expert gets exactly
+that. S, the (token, expert) pairs a rank routes (`routed_pairs`): T k, capped as above. A given routing
+(`Experts.loads`, `.sent`: one micro-batch's as the runtime took it) replaces the model's R and S.
 
-Saved for backward on the busiest rank, per micro-batch (R tokens received; `moe_saved`): the norm (as the dense
-MLP's), the router's fp32 input copy T h x 4 and weight copy E h x 4 (16-bit models; fp32 ones keep the norm output
-as the router's input), the scores (softmax over all E: T E fp32 kept by the softmax, then the top-k indices T k int64;
-otherwise the top-k indices and the softmax over the k: T k fp32; sigmoid: T E fp32 and the indices, and the
-normalisation over k, T k fp32 and T fp32, when k > 1), the load-balancing loss's T E fp32 softmax over all experts
-where the scores do not already hold it, the z-loss's fp32 logits T E and log-sum-exp T; the dispatch (the
-permutation's int64 indices of the T k routed copies, and the expert input R h e: the permuted tokens after the
-all-to-all and the etp gather, or the tokens selected from the etp x ep gather), the experts (fc1 output, the
-activation, fc2 input, as the dense MLP's at R tokens and F/etp columns), the combine (the fc2 output R h e and its
-tokens' probabilities R fp32, multiplied), the shared experts (as a dense MLP of F_shared over tp: its fc1 input,
-the activation's tensors; with the gate its sigmoid output and the shared output, s'b and s'bh e) and the dropout mask.
-These are THE numbers to adjust to the runtime (models/moe.py) by its saved-tensor hooks.
+Saved for backward on the busiest rank, per micro-batch (`moe_saved`; R rows its experts receive, S pairs it
+routes, L = E/ep local experts, f = F/etp, rows = 2f with SwiGLU else f; e the parameter dtype's bytes):
+  norm       as the dense MLP's (LayerNorm input and statistics, or RMSNorm's).
+  router     its input: a 16-bit model's fp32 copy T h x 4 and the weight's fp32 copy E h x 4; an fp32 model the norm
+             output itself (without SP and tp > 1: the rank's own rows, a copy, T h e). With the z-loss the fp32
+             logits and log-sum-exp T (E + 1) x 4. The scores: softmax over all E before the top-k or sigmoid
+             (always with Sinkhorn, k = 1) keep their output T E x 4; the top-k's one flat index T k int64 (it picks
+             the k scores and places the probabilities in the dense [T, E]); softmax over the k keeps its output
+             T k x 4; sigmoid's normalisation over k > 1 the k scores and their sum T (k + 1) x 4. Load balancing
+             (aux_loss, seq_aux_loss with a coefficient): scores of its own over all E, T E x 4 (sigmoid: and their
+             sum per token, T x 4), and the sequence group's counts stacked on the probability sums, 2 E x 4 (per
+             sequence 2 b E x 4). A capacity: the kept mask T E bool.
+  dispatch   the permutation's (token, expert) index pairs, int64: 2 R (allgather: picked from the etp x ep
+             gather) or 2 S (alltoall: of the rank's tokens), and with alltoall over more than one rank (etp ep > 1)
+             the received rows' expert-major order R int64; the expert input R h e.
+  experts    the grouped GEMM's offsets L int32 (where it runs as torch._grouped_mm, `grouped_gemm`), with biases
+             the expert of each row R int64, fc1's output and the activation's tensors as the dense MLP's at R rows
+             and f columns (GeLU: its input and output; SwiGLU: fc1's output 2 R f, silu's output and the product).
+  combine    the rows weighted (allgather: the experts' R output rows; alltoall: the S rows come back) and their
+             weights, in e (C h e and C e); the sum by index_put keeps only the index it already counted.
+  shared     fc1's input (the norm output: already counted where it is the fp32 router's input), the activation's
+             tensors as a dense MLP of F_shared over tp; with the gate its sigmoid output s'b e and the shared
+             output s'bh e (the gate's input is the norm output again).
+  dropout    the hidden dropout's mask.
+Full recomputation keeps the unit's input; selective recomputation does not touch an MoE unit. Checked byte for byte
+against saved-tensor hooks on 1, 2 and 4 ranks for the routing the runtime took (tests/planner/test_memory_model.py).
+The backward's transient: `moe_backward_bytes` (checked against the CPU allocator: tests/planner/test_moe_buffers.py).
 """
 
 from __future__ import annotations
@@ -279,24 +297,51 @@ def grouped_gemm(model: ModelConfig, experts: Experts, device: str, received: in
     return received > 0 and aligned and has
 
 
-def moe_dispatch_bytes(model: ModelConfig, tokens: int, experts: Experts) -> int:
-    """Bytes the dispatcher holds in flight on a rank beside what the unit saves: allgather, the tokens gathered over
-    etp x ep (etp ep T h e; in backward their gradient, before the reduce-scatter); alltoall, the T k permuted copies
-    sent and the R received before the etp gather (h e each)."""
-    h, e = model.hidden_size, model.dtype_bytes
-    if model.moe.token_dispatcher_type == "allgather":
-        return experts.etp * experts.ep * tokens * h * e
-    return (tokens * model.moe.router_topk + expert_tokens(model, tokens, experts) // experts.etp) * h * e
-
-
-def moe_backward_bytes(model: ModelConfig, tokens: int, hidden_rows_full: int, tp: int, experts: Experts) -> int:
-    """The largest gradient buffers an MoE unit's backward allocates beside what it saved: the experts' activation
-    gradients at R tokens (as the dense MLP's), the expert input's gradient R h, and the dispatcher's buffers;
-    `hidden_rows_full`: s'b of the whole sequence part (the shared experts' rows)."""
-    e, h = model.dtype_bytes, model.hidden_size
-    received = expert_tokens(model, tokens, experts)
+def moe_backward_bytes(model: ModelConfig, tokens: int, hidden_rows_full: int, hidden_rows: int, tp: int,
+                       experts: Experts, device: str = "cuda") -> int:
+    """The most an MoE unit's backward allocates beside what it saved (saved tensors counted as held), phase by phase
+    in the order autograd runs them: the shared experts' activation gradients (as the dense MLP's, at
+    `hidden_rows_full` s'b rows of the whole sequence part; their weight gradients go into main_grad), after which
+    their input gradient `hidden_rows` x h stays; after the combine, beside the phases after it, the routing
+    probabilities' gradient T E fp32; the combine's (the output rows' gradient, the gradient of the rows times their weights, and of the weights:
+    3 C h and C, C = R rows with allgather, S routed pairs with alltoall) beside the dispatcher's buffer (allgather: the gathered
+    tokens' gradient etp ep T h where etp ep > 1; alltoall: its reverse path, two of max(S, R) rows at a time); fc2's (its output's
+    gradient R h, its input's R F/etp, its weight gradient: the expert weights are not fused into main_grad, the
+    gradient goes through `.grad`, where GradSync's hook adds it into main_grad: on "cpu" a 16-bit gradient is first
+    copied to fp32, 4 bytes an element, beside it and the GEMM's input gradient); the activation's (GeLU 2, SwiGLU
+    4 x R F/etp); fc1's (its output's gradient, R rows/etp, its input's R h, its weight gradient, or at its hook
+    the fp32 copy instead of the output's gradient); the way back to the tokens (R h beside the gathered
+    tokens' gradient with allgather; two of max(S, R) h and then S h beside T h with alltoall); and the router's
+    (the tokens' gradient T h held, the fp32 gradients of its input T h and weight E h, and with a 16-bit model the
+    input gradient's cast back, T h). All in e but the probabilities' and the router's fp32 ones."""
+    moe, e, h = model.moe, model.dtype_bytes, model.hidden_size
+    received, sent = expert_tokens(model, tokens, experts), routed_pairs(model, tokens, experts)
     f = model.moe_ffn_hidden_size // experts.etp
+    rows = 2 * f if model.swiglu else f
+    local = moe.num_experts // experts.ep
+    bias = model.add_bias_linear
+    w1 = local * (rows * h + (rows if bias else 0))
+    w2 = local * (f * h + (h if bias else 0))
+    upcast = _FP32 if device == "cpu" and e != _FP32 else 0  # the hook's fp32 copy of a 16-bit gradient
+    if moe.token_dispatcher_type == "allgather":
+        group = experts.etp * experts.ep  # (one rank: the output's gradient is the caller's, none gathered)
+        gathered = group * tokens * h * e if group > 1 else 0
+        combine = gathered + received * (3 * h + 1) * e
+        back = received * h * e + group * tokens * h * e + (tokens * h * e if group > 1 else 0)
+    else:
+        most = max(sent, received) * h * e
+        combine = max(sent * (3 * h + 1) * e, 2 * most)
+        back = max(2 * most, (sent + tokens) * h * e)
     acts = (4 if model.swiglu else 2) * received * f * e
-    shared = model.moe.shared_expert_intermediate_size
-    shared_bytes = (4 if model.swiglu else 2) * hidden_rows_full * (shared // tp) * e if shared else 0
-    return max(acts + received * h * e + moe_dispatch_bytes(model, tokens, experts), shared_bytes)
+    fc2 = received * f * e + w2 * e + max(received * h * e, w2 * upcast)
+    fc1 = received * h * e + w1 * e + max(received * rows * e, w1 * upcast)
+    gemms = max(fc2, acts, fc1)
+    # the router's: the tokens' gradient from the experts held, the fp32 gradients of its input and weight (and with
+    # a 16-bit model the input's cast back)
+    router = tokens * h * e + (tokens * h + moe.num_experts * h) * _FP32 + (tokens * h * e if e != _FP32 else 0)
+    routed = max(combine, tokens * moe.num_experts * _FP32 + max(gemms, back), router)
+    shared = moe.shared_expert_intermediate_size
+    if not shared:
+        return routed
+    shared_acts = (4 if model.swiglu else 2) * hidden_rows_full * (shared // tp) * e
+    return max(shared_acts, hidden_rows * h * e + routed)
