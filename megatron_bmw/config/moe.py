@@ -24,6 +24,7 @@ class MoEConfig:
                             help="experts per MoE layer (a model without it is dense)")
     router_topk: int = flag("--moe-router-topk", group=E, default=2, minimum=1, help="experts each token goes to")
     ffn_hidden_size: int | None = flag("--moe-ffn-hidden-size", group=E, default=None, minimum=1,
+                                       dest="moe_ffn_hidden_size",  # (not --ffn-hidden-size's)
                                        help="each expert's FFN size (default --ffn-hidden-size)")
     layer_freq: str = flag("--moe-layer-freq", group=E, default="1", type=str,
                            help="which layers are MoE: every N-th (N), or a list over the layers such as "
