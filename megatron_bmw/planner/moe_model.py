@@ -299,21 +299,26 @@ def grouped_gemm(model: ModelConfig, experts: Experts, device: str, received: in
 
 def moe_backward_bytes(model: ModelConfig, tokens: int, hidden_rows_full: int, hidden_rows: int, tp: int,
                        experts: Experts, device: str = "cuda") -> int:
-    """The most an MoE unit's backward allocates beside what it saved (saved tensors counted as held), phase by phase
-    in the order autograd runs them: the shared experts' activation gradients (as the dense MLP's, at
-    `hidden_rows_full` s'b rows of the whole sequence part; their weight gradients go into main_grad), after which
-    their input gradient `hidden_rows` x h stays; after the combine, beside the phases after it, the routing
-    probabilities' gradient T E fp32; the combine's (the output rows' gradient, the gradient of the rows times their weights, and of the weights:
-    3 C h and C, C = R rows with allgather, S routed pairs with alltoall) beside the dispatcher's buffer (allgather: the gathered
-    tokens' gradient etp ep T h where etp ep > 1; alltoall: its reverse path, two of max(S, R) rows at a time); fc2's (its output's
-    gradient R h, its input's R F/etp, its weight gradient: the expert weights are not fused into main_grad, the
-    gradient goes through `.grad`, where GradSync's hook adds it into main_grad: on "cpu" a 16-bit gradient is first
-    copied to fp32, 4 bytes an element, beside it and the GEMM's input gradient); the activation's (GeLU 2, SwiGLU
-    4 x R F/etp); fc1's (its output's gradient, R rows/etp, its input's R h, its weight gradient, or at its hook
-    the fp32 copy instead of the output's gradient); the way back to the tokens (R h beside the gathered
-    tokens' gradient with allgather; two of max(S, R) h and then S h beside T h with alltoall); and the router's
-    (the tokens' gradient T h held, the fp32 gradients of its input T h and weight E h, and with a 16-bit model the
-    input gradient's cast back, T h). All in e but the probabilities' and the router's fp32 ones."""
+    """The most an MoE unit's backward allocates beside what it saved (its saved tensors counted as held), the
+    largest of its phases in the order autograd runs them (e in the parameter dtype but where fp32 is said):
+      shared    the shared experts' activation gradients as the dense MLP's, at `hidden_rows_full` s'b rows of the
+                whole sequence part (their weight gradients go into main_grad); afterwards their input's gradient,
+                `hidden_rows` x h, stays through every phase below.
+      combine   the output rows' gradient, that of the rows times their weights and that of the weights: 3 C h + C
+                (C = R rows with allgather, S routed pairs with alltoall), beside the dispatcher's buffer
+                (allgather: the gathered tokens' gradient, etp ep T h where etp ep > 1; alltoall: its reverse path,
+                two of max(S, R) h at a time). From here on the routing probabilities' gradient T E fp32 stays.
+      fc2       its output's gradient R h, its input's R F/etp and its weight gradient: the expert weights are not
+                fused into main_grad, their gradient goes through `.grad` to GradSync's hook, which on "cpu" first
+                copies a 16-bit gradient to fp32 (4 bytes an element, in place of the output's gradient).
+      activation  GeLU 2, SwiGLU 4 x R F/etp.
+      fc1       its output's gradient R rows/etp (at its hook: the fp32 copy instead), its input's R h, its weight
+                gradient.
+      back      to the tokens: R h beside the gathered tokens' gradient (and their reduce-scatter's T h) with
+                allgather; two of max(S, R) h, then S h beside T h with alltoall.
+      router    the tokens' gradient T h held, the fp32 gradients of its input T h and weight E h, and with a
+                16-bit model the input gradient's cast back, T h.
+    Checked against the CPU allocator on one rank (tests/planner/test_moe_buffers.py)."""
     moe, e, h = model.moe, model.dtype_bytes, model.hidden_size
     received, sent = expert_tokens(model, tokens, experts), routed_pairs(model, tokens, experts)
     f = model.moe_ffn_hidden_size // experts.etp
