@@ -43,18 +43,19 @@ AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_b
 
 
 class _AuxLossScaler(torch.autograd.Function):
-    """Identity on `output`; in backward, the gradient of `aux_loss` is `state.aux_loss_scale`."""
+    """Identity on `output`; in backward, the gradient of `aux_loss` (a scalar: nothing of it is kept) is
+    `state.aux_loss_scale`."""
 
     @staticmethod
     def forward(ctx, output, aux_loss, state):
-        ctx.save_for_backward(aux_loss)
+        ctx.like = (aux_loss.dtype, aux_loss.device)
         ctx.state = state
         return output
 
     @staticmethod
     def backward(ctx, grad):
-        (aux_loss,) = ctx.saved_tensors
-        return grad, torch.ones_like(aux_loss) * ctx.state.aux_loss_scale, None
+        dtype, device = ctx.like
+        return grad, torch.full((), ctx.state.aux_loss_scale, dtype=dtype, device=device), None
 
 
 class _Weight(nn.Module):
@@ -177,7 +178,7 @@ class MoE(Unit):
         kept = routing.capacity_keep(all_probs[order], all_map[order].bool(), self.moe)
         keep = torch.empty_like(kept)
         keep[order] = kept
-        return keep[mine]
+        return keep[mine].clone()  # (`probs * keep` keeps it: this rank's rows, not the group's)
 
     def _token_keys(self, batch: dict, s: int, b: int, device) -> torch.Tensor:
         """Serial order of this rank's tokens: position in the sequence x b + sample."""

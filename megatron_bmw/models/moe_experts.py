@@ -32,35 +32,48 @@ class _Contiguous(torch.autograd.Function):
         return g.contiguous()
 
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    offsets = torch.cumsum(counts, 0).to(device=x.device, dtype=torch.int32)
+def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return _Contiguous.apply(torch._grouped_mm(x, w, offs=offsets))
 
 
+def _offsets(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The grouped GEMM's end row of each group (int32)."""
+    return torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
+
+
 def _grouped_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs forward and backward here (a tiny probe, once per device type and dtype)."""
+    """Whether torch._grouped_mm runs forward and backward here (a tiny probe, once per device type and dtype, out
+    of sight of any saved-tensor hooks around the caller: what it saves is not the model's)."""
     key = (device.type, dtype)
     if key not in _GROUPED_OK:
         ok = hasattr(torch, "_grouped_mm")
         if ok:
             try:
-                with torch.enable_grad():
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                     x = torch.ones((4, 16), device=device, dtype=dtype, requires_grad=True)
                     w = torch.ones((2, 16, 16), device=device, dtype=dtype, requires_grad=True)
-                    _grouped(x, w, torch.tensor([1, 3], device=device)).sum().backward()
+                    _grouped(x, w, _offsets(torch.tensor([1, 3]), device)).sum().backward()
             except (RuntimeError, NotImplementedError):
                 ok = False
         _GROUPED_OK[key] = ok
     return _GROUPED_OK[key]
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rows of `x` [N, k] sorted by group (counts[g] rows for group g) times that group's w[g] [k, n]: [N, n]."""
-    aligned = all(d * x.element_size() % 16 == 0 for d in (x.size(-1), w.size(-1)))
-    if aligned and x.size(0) > 0 and _grouped_available(x.device, x.dtype):
-        return _grouped(x.contiguous(), w, counts)
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+               offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of `x` [N, k] sorted by group (counts[g] rows for group g) times that group's w[g] [k, n]: [N, n].
+    `offsets`: `_offsets(counts)` if the caller has them (a grouped GEMM keeps them for backward: one tensor for
+    both of an expert's GEMMs)."""
+    if uses_grouped(x.size(0), x.size(-1), w.size(-1), x.device, x.dtype):
+        return _grouped(x.contiguous(), w, _offsets(counts, x.device) if offsets is None else offsets)
     parts = x.split(counts.tolist())
     return torch.cat([p @ w[g] for g, p in enumerate(parts)]) if parts else x.new_zeros((0, w.size(-1)))
+
+
+def uses_grouped(rows: int, k: int, n: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `grouped_mm` of [rows, k] by [groups, k, n] runs as torch._grouped_mm (16-byte aligned sizes, rows
+    to multiply, the probe passed) rather than as a loop."""
+    return all(d * dtype.itemsize % 16 == 0 for d in (k, n)) and rows > 0 and _grouped_available(device, dtype)
 
 
 class _Stacked(nn.Module):
@@ -111,10 +124,17 @@ class Experts(nn.Module):
         expert_of_row = None
         if self.fc1.bias is not None:
             expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts)
-        z = grouped_mm(rows, self.fc1.weight.transpose(1, 2), counts)
+        (_, f1, h), f2 = self.fc1.weight.shape, self.fc2.weight.size(2)
+        offsets = None
+        if any(uses_grouped(rows.size(0), k, n, rows.device, rows.dtype) for k, n in ((h, f1), (f2, h))):
+            offsets = _offsets(counts, rows.device)
+        # each weight transposed just before its GEMM: its gradient reaches `.grad` (and GradSync's hook, which
+        # frees it) as soon as that GEMM's backward is done, not after the other GEMM's
+        z = grouped_mm(rows, self.fc1.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             z = z + self.fc1.bias[expert_of_row]
-        y = grouped_mm(_activation(z, self.swiglu), self.fc2.weight.transpose(1, 2), counts)
+        a = _activation(z, self.swiglu)
+        y = grouped_mm(a, self.fc2.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             y = y + self.fc2.bias[expert_of_row]
         return y

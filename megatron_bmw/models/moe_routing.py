@@ -16,9 +16,13 @@ from ..config.moe import MoEConfig
 
 
 def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest scores of every row and their indices, ties to the lowest index."""
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[:, :k], indices[:, :k]
+    """The k largest scores of every row [n, k] and where they are in `scores` flattened ([n, k] int64: row x E +
+    expert), ties to the lowest index. The sort runs on the detached scores and the values are picked by that one
+    flat index, so backward keeps n k int64 (a sort with gradients would keep its n E indices)."""
+    n, experts = scores.shape
+    idx = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    flat = idx + torch.arange(n, device=scores.device).unsqueeze(1) * experts
+    return scores.reshape(-1)[flat], flat
 
 
 def route(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,22 +30,24 @@ def route(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Ten
     k = moe.router_topk
     if moe.score_function == "softmax":
         if moe.pre_softmax:
-            probs, idx = topk(torch.softmax(logits, dim=-1), k)
+            probs, flat = topk(torch.softmax(logits, dim=-1), k)
         else:
-            values, idx = topk(logits, k)
+            values, flat = topk(logits, k)
             probs = torch.softmax(values, dim=-1)
     else:
-        probs, idx = topk(torch.sigmoid(logits), k)
+        probs, flat = topk(torch.sigmoid(logits), k)
         if k > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     if moe.topk_scaling_factor:
         probs = probs * moe.topk_scaling_factor
-    return _dense(logits, idx, probs)
+    return _dense(logits, flat, probs)
 
 
-def _dense(logits: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    dense = torch.zeros_like(logits).scatter(1, idx, probs)
-    return dense, torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+def _dense(logits: torch.Tensor, flat: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities [n, k] at their flat places (`topk`) -> dense [n, E] (backward keeps `flat`) and the map."""
+    dense = torch.zeros(logits.numel(), dtype=probs.dtype, device=logits.device).index_put((flat,), probs)
+    chosen = torch.zeros(logits.numel(), dtype=torch.bool, device=logits.device).index_fill_(0, flat.reshape(-1), True)
+    return dense.view_as(logits), chosen.view_as(logits)
 
 
 def sinkhorn(cost: torch.Tensor, tol: float = 0.0001) -> torch.Tensor:
@@ -63,8 +69,8 @@ def sinkhorn_route(logits: torch.Tensor, k: int, balanced: torch.Tensor | None):
     tokens of the whole sequence group, in training), else (evaluation: None) of the scores; its probabilities
     are the scores (sigmoid for k = 1, else softmax), as Megatron's."""
     scores = torch.sigmoid(logits) if k == 1 else torch.softmax(logits, dim=-1)
-    _, idx = topk(scores.detach() if balanced is None else balanced, k)
-    return _dense(logits, idx, scores.gather(1, idx))
+    _, flat = topk(scores.detach() if balanced is None else balanced, k)
+    return _dense(logits, flat, scores.reshape(-1)[flat])
 
 
 def capacity(num_tokens: int, moe: MoEConfig) -> int:

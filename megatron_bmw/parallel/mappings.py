@@ -26,7 +26,7 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     if x.size(dim) % n:
         raise ValueError(f"dimension {dim} of size {x.size(dim)} is not divisible by the tensor-parallel size {n}")
-    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+    return owned(x.chunk(n, dim=dim)[group_rank(group)].contiguous())  # not a view keeping the whole of `x`
 
 
 def gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -50,6 +50,12 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
         return out
     return _split(_all_reduce(x, group), dim, group)  # gloo has no reduce-scatter
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied where it is a view into a larger buffer (a part of an all-reduced sum, padded rows), so that
+    whatever keeps it keeps only its own bytes."""
+    return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
 
 
 class _CopyToTP(torch.autograd.Function):

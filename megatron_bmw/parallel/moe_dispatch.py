@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import group_rank, group_size
-from .mappings import gather_along, gather_from_sp, reduce_scatter_along, reduce_scatter_to_sp
+from .mappings import gather_along, gather_from_sp, owned, reduce_scatter_along, reduce_scatter_to_sp
 from .view import ParallelView
 
 
@@ -32,10 +32,12 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor):
 
 def unpermute(rows: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, probs: torch.Tensor,
               n: int) -> torch.Tensor:
-    """Each token's rows weighted by its probability for their expert and summed: [n, h]."""
+    """Each token's rows weighted by its probability for their expert and summed: [n, h]. Backward keeps the
+    indices, the rows and their weights (in the rows' dtype); the sum by index_put keeps only its index (index_add
+    would keep the weighted rows as well)."""
     weights = probs[token_idx, expert_idx].to(rows.dtype).unsqueeze(-1)
     out = torch.zeros((n, rows.size(-1)), dtype=rows.dtype, device=rows.device)
-    return out.index_add(0, token_idx, rows * weights)
+    return out.index_put((token_idx,), rows * weights, accumulate=True)
 
 
 def allgather_dispatch(tokens, probs, routing_map, state: ParallelView, experts) -> torch.Tensor:
@@ -65,9 +67,12 @@ def alltoall_dispatch(tokens, probs, routing_map, state: ParallelView, experts) 
         chunk_counts = gather_along(recv_counts, 0, etp_group)  # [etp x ep chunks, local expert]
         sizes = chunk_counts.view(group_size(etp_group), -1).sum(1).tolist()
         received = gather_uneven(received, sizes, etp_group)
-    order = _expert_major(chunk_counts)
-    out = experts(received.index_select(0, order), chunk_counts.sum(0))
-    out = out.index_select(0, torch.argsort(order))  # back to (chunk, expert) order
+    if chunk_counts.size(0) > 1:  # rows from several ranks: expert by expert, and back (keeping `order` once)
+        order = _expert_major(chunk_counts)
+        out = experts(received.index_select(0, order), chunk_counts.sum(0))
+        out = out.new_empty(out.shape).index_put((order,), out)  # back to (chunk, expert) order
+    else:
+        out = experts(received, chunk_counts.sum(0))
     if group_size(etp_group) > 1:
         out = reduce_scatter_uneven(out, sizes, etp_group)
     back = all_to_all(out, send_splits, recv_splits, ep_group)
@@ -137,7 +142,7 @@ def _gather_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
 def _reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     most = max(sizes)
     padded = torch.cat([_padded(p, most) for p in x.split(sizes)])
-    return reduce_scatter_along(padded, 0, group)[: sizes[group_rank(group)]]
+    return owned(reduce_scatter_along(padded, 0, group)[: sizes[group_rank(group)]])
 
 
 class _GatherUneven(torch.autograd.Function):

@@ -24,7 +24,9 @@ work: core_sharing.py.
 Mixtures of experts (docs/moe.md): an MoE unit's compute is the busiest rank's of the stage's expert layout (ep,
 etp) under the routing model (CostSettings.moe_imbalance: max/mean tokens per expert, 1.0 by default): grouped
 GEMMs at the tokens its experts receive (kernel_time.py), and its dispatcher's exchanges on the links they cross
-(moe_cost.py); a profile's MoE unit time (timed at ep 1) is taken as the compute of any ep. The expert gradients are
+(moe_cost.py); a profile's MoE unit time (timed at ep 1) is taken as the compute of any ep, and where a profile has
+no MoE times (a dense model's profile, or one written before they were timed) the kernel model's. The expert
+gradients are
 reduced over the expert data-parallel group (comm_cost.py).
 
 Context parallelism (cp > 1): a unit is timed on the rank's s/cp tokens (RunSpec.rank_model), its attention core
@@ -349,7 +351,7 @@ class CostModel(CommCosts):
                     return (f, 0.0), (g, 0.0), degree == tp
         if recompute is not None:
             return None
-        if profiles and kind in ("attention", "mlp", "moe"):
+        if profiles and kind in ("attention", "mlp"):  # (an MoE unit without profile times: the kernel model's)
             raise UsageError(f"--profile for device type {device.name} has no {kind} timings")
         fwd, bwd = self._analytic(kind, tp, device)
         return (fwd, 0.0), (bwd, 0.0), False

@@ -4,7 +4,7 @@ JSON layout (format 1):
   {"format": 1, "mode": "measured" | "analytic", "device": {"name", "type", "kind", "threads", "sm_count"},
    "dtype": "fp32",
    "model": {hidden_size, num_attention_heads, ffn_hidden_size, seq_length, vocab_size, attention_backend,
-             hidden_dropout, attention_dropout},
+             hidden_dropout, attention_dropout, the layer settings, "moe": {MoEConfig's fields} with experts},
    "units": [{"kind", "tp", "micro_batch_size", "forward_s", "backward_s", "saved_bytes", "unit", "recompute"},
              ...],
    "links": {"p2p": {"bandwidth_Bps", "latency_s"}, "allreduce": {...}},
@@ -39,7 +39,9 @@ itself kept busy ("own"); load_per_core() reads the other work's share of the co
 (training/plan_check.py) names a run whose machine was markedly busier or idler than its profile's.
 "device.type" names the cluster device type the profile is for (default: device.name); a unit entry with
 "unit" (its index in [embedding, attn_0, mlp_0, ..., head]) times that unit alone (per-layer profiles), one
-without times every unit of its kind. An entry with "recompute" (full, or selective for attention) times the unit
+without times every unit of its kind ("moe": an MoE unit, timed at ep 1 and etp = tp, as the cost model reads it; a
+profile without MoE entries leaves an MoE unit to the kernel model). An entry with "recompute" (full, or selective
+for attention) times the unit
 recomputed: its forward without the saved activations, its backward with the recomputation; entries without it
 time the unit as it is.
 """
@@ -50,7 +52,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from ..config import ModelConfig
+from ..config import ModelConfig, MoEConfig
 from ..errors import UsageError
 from ..units import ALL_UNIT_KINDS
 from .cluster import DeviceType, Link
@@ -73,7 +75,12 @@ LAYER_DEFAULTS = {"model_type": "gpt", "position_embedding_type": "learned_absol
 
 
 def model_signature(model: ModelConfig) -> dict:
-    return {k: getattr(model, k) for k in MODEL_KEYS + tuple(LAYER_DEFAULTS)}
+    """The profiled model's shape; with experts their settings under "moe" (the MoE unit timed holds experts:
+    layer_freq "1"; a dense model's signature has no "moe")."""
+    out = {k: getattr(model, k) for k in MODEL_KEYS + tuple(LAYER_DEFAULTS)}
+    if model.moe is not None:
+        out["moe"] = {**model.moe.to_json(), "layer_freq": "1"}
+    return out
 
 
 def load_now() -> list[float] | None:
@@ -225,7 +232,8 @@ class Profile:
         return fallback
 
     def _model_config(self) -> ModelConfig:
-        return ModelConfig(num_layers=1, **self.model)
+        moe = self.model.get("moe")
+        return ModelConfig(num_layers=1, **{**self.model, "moe": MoEConfig(**moe) if moe else None})
 
     def achieved_flops(self) -> float:
         """FLOP/s the device reached on the profiled MLP units (the best case), for rescaling to other devices."""
@@ -421,7 +429,7 @@ def _unit_timing(entry, i: int, where: str) -> UnitTiming:
     _optional(timing.saved_bytes, f"units[{i}].saved_bytes", where, 0.0)
     if timing.unit is not None and (isinstance(timing.unit, bool) or not isinstance(timing.unit, int) or timing.unit < 0):
         raise UsageError(f"--profile {where}: units[{i}].unit must be a unit index >= 0, got {timing.unit!r}")
-    recomputed = {"attention": ("full", "selective"), "mlp": ("full",)}.get(timing.kind, ())
+    recomputed = {"attention": ("full", "selective"), "mlp": ("full",), "moe": ("full",)}.get(timing.kind, ())
     if timing.recompute is not None and timing.recompute not in recomputed:
         can = f"one of {', '.join(recomputed)} or null" if recomputed else "null (never recomputed)"
         raise UsageError(f"--profile {where}: units[{i}].recompute must be {can} for {timing.kind} units, got "
@@ -485,9 +493,9 @@ class Profiles:
         return max(m["runtime_bytes"] for m in measured), max(m["fraction"] for m in measured)
 
     def largest_micro_batch(self) -> int | None:
-        """The largest micro-batch size at which every profile timed its layers (attention and MLP units), None
+        """The largest micro-batch size at which every profile timed its layers (attention, MLP and MoE units), None
         without profiles: unit_time extrapolates beyond it."""
-        sizes = [max((u.micro_batch_size for u in p.units if u.kind in ("attention", "mlp")), default=0)
+        sizes = [max((u.micro_batch_size for u in p.units if u.kind in ("attention", "mlp", "moe")), default=0)
                  for ps in self.by_type.values() for p in ps]
         return min(sizes) if sizes else None
 

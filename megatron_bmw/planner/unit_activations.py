@@ -479,7 +479,9 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
     if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's
         return (4 if model.swiglu else 2) * s * b * (f // tp) * e
     if kind == "moe":  # moe_model.py: the experts' gradients at the tokens received, the dispatcher's buffers
-        return moe_backward_bytes(model, local_tokens(model, b, tp, sp, cp), s * b, tp, default_experts(tp, experts))
+        rows = (s // tp if sp and tp > 1 else s) * b
+        return moe_backward_bytes(model, local_tokens(model, b, tp, sp, cp), s * b, rows, tp,
+                                  default_experts(tp, experts), device)
     if kind == "embedding":
         return (s // tp if sp and tp > 1 else s) * b * h * e
     raise ValueError(f"unknown unit kind {kind!r}")

@@ -56,8 +56,12 @@ def _rise(run: RunConfig, trainer_class: Callable, then: Callable | None = None)
 
 def cut_run(run: RunConfig, layers: int, micro_batch_size: int) -> RunConfig:
     """`run` on one CPU process with its model cut to `layers`: MICROBATCHES micro-batches, STEPS iterations, mock
-    data."""
+    data. An MoE model keeps its first layers' pattern of MoE and dense layers (cyclically where it has fewer)."""
     model = replace(run.model, num_layers=layers)
+    if model.moe is not None:
+        pattern = run.model.moe.layers(run.model.num_layers)
+        cut = ",".join(str(int(pattern[i % len(pattern)])) for i in range(layers))
+        model = replace(model, moe=replace(model.moe, layer_freq=f"[{cut}]"))
     return replace(run, model=model, parallel=ParallelConfig(),
                    pipeline=PipelineConfig(micro_batch_size=micro_batch_size, num_microbatches=MICROBATCHES),
                    train=TrainConfig(global_batch_size=micro_batch_size * MICROBATCHES, train_iters=STEPS,

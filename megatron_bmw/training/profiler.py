@@ -1,7 +1,8 @@
 """Profiler: measure unit times, saved bytes and link speeds on this machine (planner/analytic.py writes
 profiles for devices that are not here).
 
-Measured mode runs each unit kind (embedding, attention, MLP, head) of a one-layer model exactly as the
+Measured mode runs each unit kind (embedding, attention, MLP, MoE, head; those the model has) of a one-layer model
+(two layers where it has dense and MoE layers; the experts at ep 1, etp = tp) exactly as the
 engine does (the unit called on the hidden state, one autograd.backward per micro-batch, gradients
 accumulated into fp32 main_grad, fused into the weight-gradient GEMM unless --no-gradient-accumulation-fusion),
 over micro-batch sizes and tensor-parallel degrees; a tensor-parallel degree t runs on t local processes (gloo
@@ -29,7 +30,7 @@ from ..config import ModelConfig, ParallelConfig, PipelineConfig, RunConfig
 from ..models.chunk import synthetic_batch as _batch
 from ..device import choose_backend, ping_pong, set_device, synchronize, timed
 from ..planner.analytic import ProfileSettings
-from ..planner.memory_model import UNIT_KINDS
+from ..units import model_unit_kinds
 from ..planner.profile_data import Profile, UnitTiming, load_now, load_record, model_signature
 from . import cuda_memory
 from .host_memory import measure_host_memory
@@ -46,15 +47,27 @@ def _stat(values: list[float], statistic: str) -> float:
     return min(values) if statistic == "min" else statistics.median(values)
 
 
+def _profiled_model(model: ModelConfig) -> tuple[ModelConfig, dict[str, str]]:
+    """The model the profiler builds, one layer of each layer kind `model` has (a dense MLP and an MoE unit: two
+    layers, the second holding experts), and the unit timed for each kind."""
+    kinds = model_unit_kinds(model)
+    if "moe" not in kinds:
+        return replace(model, num_layers=1), _UNIT_OF_KIND
+    both = "mlp" in kinds
+    moe = replace(model.moe, layer_freq="[0,1]" if both else "1")
+    return replace(model, num_layers=2 if both else 1, moe=moe), {**_UNIT_OF_KIND, "moe": "mlp_1" if both else "mlp_0"}
+
+
 def _one_layer_units(model: ModelConfig, state, seed: int, fusion: bool):
     from ..models.chunk import build_units
     from ..parallel.grad_sync import GradSync
 
-    units = build_units(ModelConfig(**{**model.__dict__, "num_layers": 1}), state, seed)
+    units = build_units(_profiled_model(model)[0], state, seed)
     return units, GradSync([p for u in units.values() for p in u.parameters()], state, fusion=fusion)
 
 
-RECOMPUTED = [("attention", "full"), ("attention", "selective"), ("mlp", "full")]  # (kind, recomputation) timed
+RECOMPUTED = [("attention", "full"), ("attention", "selective"), ("mlp", "full"), ("moe", "full")]  # (kind,
+# recomputation) timed, of the kinds the model has
 
 
 def _recompute(unit, how: str | None) -> None:
@@ -74,6 +87,7 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
     of one entry spread over the whole profiling time; `barrier` (all profiling processes) starts each entry's
     samples together (not each sample: lock-stepped identical kernels contend more than a pipeline's do)."""
     units, sync = _one_layer_units(model, state, seed, fusion)
+    unit_of_kind, kinds = _profiled_model(model)[1], model_unit_kinds(model)
     params = [p for u in units.values() for p in u.parameters()]
     shared = [units["embedding"].word_embeddings.weight]
     tp = state.tp_size
@@ -81,11 +95,12 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
     samples: dict[tuple[int, str, str | None], tuple[list[float], list[float]]] = {}
     saved: dict[tuple[int, str, str | None], int] = {}
     batches = {b: _batch(model, b, state.device) for b in micro_batch_sizes}
-    pairs = [(k, None) for k in UNIT_KINDS] + list(RECOMPUTED if recomputed is None else recomputed)
+    pairs = [(k, None) for k in kinds] + [(k, rc) for k, rc in (RECOMPUTED if recomputed is None else recomputed)
+                                          if k in kinds]
     entries = [(b, kind, rc) for b in micro_batch_sizes for kind, rc in pairs]
     for r in range(rounds):
         for b, kind, rc in entries:
-            unit = units[_UNIT_OF_KIND[kind]]
+            unit = units[unit_of_kind[kind]]
             key = (b, kind, rc)
             fwd, bwd = samples.setdefault(key, ([], []))
             if barrier is not None:
@@ -220,7 +235,8 @@ def time_stream(model: ModelConfig, state, timings: list[UnitTiming], seed: int 
         per = {t.kind: t.forward_s + t.backward_s for t in timings if t.micro_batch_size == b and t.recompute is None}
         got = _stream_seconds(units, _batch(model, b, state.device), depth, state.device, warmup, repeats, statistic)
         out[str(b)] = {"depth": depth, "stream_s": got,
-                       "units_s": per["embedding"] + depth * (per["attention"] + per["mlp"]) + per["head"]}
+                       "units_s": per["embedding"] + depth * (per["attention"] + per.get("mlp", per.get("moe")))
+                       + per["head"]}
     sync.remove_hooks()
     return out
 

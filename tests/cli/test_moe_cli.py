@@ -59,3 +59,41 @@ def test_dense_model_refuses_ep_space(capsys):
         main(["search", "--cluster", "h100-80g-ib", "--world-size", "8", *DENSE, "--global-batch-size", "8",
               "--space", "ep=2", "--no-progress"])
     assert exc.value.code == 2 and "no experts" in capsys.readouterr().err
+
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--vocab-size", "200", "--micro-batch-size", "2", "--num-experts", "4", "--moe-layer-freq", "[0,1]",
+        "--moe-ffn-hidden-size", "32"]
+
+
+def test_profile_times_moe_units_and_the_planner_reads_them(capsys, tmp_path):
+    """`profile` of a model with a dense and an MoE layer times both kinds (the MoE unit plain and fully recomputed);
+    simulate and search read the MoE times (set to a second, the iteration takes seconds), and a profile without them
+    leaves the MoE unit to the kernel model."""
+    prof = tmp_path / "prof.json"
+    assert main(["profile", "--output", str(prof), *TINY, "--profile-micro-batch-sizes", "1,2", "--profile-repeats",
+                 "1", "--profile-warmup", "0", "--no-links"]) == 0
+    capsys.readouterr()
+    data = json.loads(prof.read_text())
+    assert {(u["kind"], u["recompute"]) for u in data["units"]} >= {("mlp", None), ("moe", None), ("moe", "full")}
+    assert all(u["saved_bytes"] > 0 for u in data["units"] if u["kind"] == "moe")
+    assert data["model"]["moe"]["num_experts"] == 4 and data["model"]["ffn_hidden_size"] == 256
+    data["links"] = {"p2p": {"bandwidth_Bps": 1e9, "latency_s": 1e-4}}
+    data["host_memory"] = {"runtime_bytes": 5e7, "fraction": 0.1}  # (a process that trained before measures noise)
+    prof.write_text(json.dumps(data))
+    flags = ["--profile", str(prof), *TINY, "--global-batch-size", "8", "--json"]
+    base = _json(capsys, ["simulate", *flags])["iteration_time_s"]
+    assert base < 1.0
+    for u in data["units"]:  # a second per MoE pass: an iteration of 4 micro-batches takes seconds
+        if u["kind"] == "moe":
+            u["forward_s"] = u["backward_s"] = 1.0
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(data))
+    assert _json(capsys, ["simulate", *flags[2:], "--profile", str(slow)])["iteration_time_s"] > 4.0
+    best = [_json(capsys, ["search", *flags[2:], "--profile", str(p), "--no-progress"])["plans"][0]["prediction"]
+            for p in (prof, slow)]
+    assert best[0]["iteration_time_s"] < 1.0 < best[1]["iteration_time_s"]
+    data["units"] = [u for u in data["units"] if u["kind"] != "moe"]
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(data))
+    assert _json(capsys, ["simulate", *flags[2:], "--profile", str(bare)])["iteration_time_s"] > 0

@@ -20,7 +20,7 @@ from megatron_bmw.planner.memory_model import (
     unit_param_count,
 )
 from megatron_bmw.planner.unit_activations import korthikanti_layer_bytes, layer_activation_bytes, unit_saved_tensors
-from megatron_bmw.units import recompute_from_flags
+from megatron_bmw.units import recompute_from_flags, unit_kind_of
 from megatron_bmw.training.saved_bytes import measure_saved
 from tests.dist_harness import run_distributed
 
@@ -371,3 +371,100 @@ def _cp_body(rank, world_size, layouts):
 def test_saved_bytes_context_parallel_exact(world, layouts):
     """The memory model byte for byte against what a context-parallel rank's units save (p2p ring and a2a)."""
     assert run_distributed(world, _cp_body, layouts) == [[]] * world
+
+
+# MoE units (docs/moe.md): (MoEConfig settings, model settings). Every variant runs in fp32 and bf16, with both
+# dispatchers and no, selective and full recomputation; the planner is given the routing each unit really took.
+MOE_VARIANTS = (
+    (dict(), dict()),  # softmax over the k, top-2, GeLU, biases, hidden dropout
+    (dict(router_topk=1, pre_softmax=True, aux_loss_coeff=0.01), dict(hidden_dropout=0.0)),
+    (dict(score_function="sigmoid", aux_loss_coeff=0.01, z_loss_coeff=0.001), dict()),
+    (dict(score_function="sigmoid", router_topk=1, load_balancing_type="seq_aux_loss", aux_loss_coeff=0.1), dict()),
+    (dict(shared_expert_intermediate_size=32), LLAMA_VARIANTS[0]),  # SwiGLU, RMSNorm, no biases
+    (dict(shared_expert_intermediate_size=16, shared_expert_gate=True, ffn_hidden_size=12), dict()),  # bf16: a loop
+    (dict(expert_capacity_factor=0.5), LLAMA_VARIANTS[0]),  # probs drop
+    (dict(expert_capacity_factor=0.75, token_drop_policy="position"), dict()),
+    (dict(expert_capacity_factor=0.5, pad_expert_input_to_capacity=True, pre_softmax=True), dict()),
+    (dict(router_topk=1, load_balancing_type="sinkhorn"), dict(add_bias_linear=False)),
+)
+
+
+def _moe_mismatches(state: ParallelState, tp: int, sp: bool, cp: int = 1, dtypes=(torch.float32, torch.bfloat16),
+                    rcs=(None, "selective", "full")) -> list[str]:
+    """Every MoE unit of every MoE variant on this rank: predicted saved bytes (for the routing it took: its local
+    experts' rows and the pairs it routed) vs measured; returns the differences."""
+    from megatron_bmw.config import MoEConfig
+    from megatron_bmw.models.chunk import cp_shard
+    from megatron_bmw.planner.moe_model import Experts
+
+    bad = []
+    ep, etp = state.ep_size, state.etp_size
+    for (kw, extra), dtype, dispatcher, rc in itertools.product(MOE_VARIANTS, dtypes, ("allgather", "alltoall"), rcs):
+        if etp > 1 and extra.get("add_bias_linear", True):
+            continue  # expert biases are refused with etp > 1 (run_parts.check_moe)
+        moe = MoEConfig(**{"num_experts": 4, "ffn_hidden_size": 16, "token_dispatcher_type": dispatcher, **kw})
+        cfg = _cfg(params_dtype=dtype, attention_dropout=0.0, **{"hidden_dropout": 0.1, **extra, "moe": moe})
+        recompute = recompute_from_flags(rc, None, None, cfg.num_layers, [list(range(cfg.num_units))])
+        units = build_units(cfg, state, 1, recompute=recompute)
+        params = [p for u in units.values() for p in u.parameters()]
+        choice = dict(zip(units, recompute or (None,) * cfg.num_units))
+        batch = cp_shard(_batch(MBS), cp, state.cp_rank) if cp > 1 else _batch(MBS)
+        for name, unit in units.items():
+            if unit_kind_of(cfg, name) != "moe":
+                continue
+            loads, sent = _record_routing(unit)
+            hidden = torch.randn(SEQ // cp // (tp if sp else 1), MBS, 24, dtype=dtype, requires_grad=True)
+            saved, _ = measure_saved(lambda: unit(hidden, batch), params)
+            experts = Experts(ep, etp, loads=tuple(loads[0]), sent=sent[0])
+            predicted = sum(t.nbytes for t in unit_saved_tensors("moe", cfg, MBS, tp, sp, choice[name], "cpu", cp,
+                                                                 experts=experts))
+            if predicted != saved.total:
+                bad.append(f"tp={tp} sp={sp} cp={cp} ep={ep} etp={etp} {dtype} {dispatcher} {rc} {kw} {extra} {name}: "
+                           f"predicted {predicted}, measured {saved.total} (loads {loads[0]}, sent {sent[0]})")
+    return bad
+
+
+def _record_routing(unit) -> tuple[list, list]:
+    """Lists filled as `unit` runs: its local experts' rows (per expert) and the (token, expert) pairs it routes."""
+    loads, sent = [], []
+    experts, route = unit.experts.forward, unit.route
+
+    def run_experts(rows, counts):
+        loads.append(counts.tolist())
+        return experts(rows, counts)
+
+    def routed(*args):
+        probs, routing_map = route(*args)
+        sent.append(int(routing_map.sum()))
+        return probs, routing_map
+
+    unit.experts.forward, unit.route = run_experts, routed
+    return loads, sent
+
+
+def test_saved_bytes_moe_exact():
+    """The memory model byte for byte against what an MoE unit saves on one rank (ep 1, etp 1)."""
+    assert _moe_mismatches(ParallelState.serial(), 1, False) == []
+
+
+def _moe_body(rank, world_size, layouts):
+    out = []
+    for tp, sp, cp, ep, etp in layouts:
+        state = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                                                   context_parallel_size=cp, expert_model_parallel_size=ep,
+                                                   expert_tensor_parallel_size=etp))
+        out += _moe_mismatches(state, tp, sp, cp, rcs=(None, "full"))
+        state.destroy()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layouts", [
+    # (tp, sp, cp, ep, etp): ep2 with dp2; etp2 (tp2 + SP); tp2 without SP (each tp rank routes half), ep2; cp2, ep2
+    (2, [(1, False, 1, 2, 1), (2, True, 1, 1, 2), (2, False, 1, 2, 1), (1, False, 2, 2, 1)]),
+    # ep2 x tp2 + SP (etp2); ep4 beside tp2 + SP; ep2 x cp2 x tp2 + SP
+    (4, [(2, True, 1, 2, 2), (2, True, 1, 4, 1), (2, True, 2, 2, 1)]),
+])
+def test_saved_bytes_moe_expert_parallel_exact(world, layouts):
+    """The memory model byte for byte against what the MoE units of expert-parallel ranks save (gloo)."""
+    assert run_distributed(world, _moe_body, layouts) == [[]] * world

@@ -123,9 +123,10 @@ def test_routing_model_even_imbalanced_and_capacity():
 
 
 def test_moe_saved_tensors():
-    """bf16, SwiGLU, tp 2 with SP, ep 2, etp 1, on cuda: the norm, the router's fp32 input and weight copies, the
-    top-k indices and probabilities over the k, the permutation's indices, the expert input and activations at the
-    R tokens received, the weighted output and its probabilities."""
+    """bf16, SwiGLU, tp 2 with SP, ep 2, etp 1, on cuda, allgather: the norm, the router's fp32 input and weight
+    copies, the top-k's flat indices and the probabilities over the k, the permutation's (token, expert) indices, the
+    expert input, offsets and activations at the R rows received, the output rows and their probabilities (e). The
+    exact check against the runtime: tests/planner/test_memory_model.py (test_saved_bytes_moe_*)."""
     model = _model()
     tp, h = 2, 64
     tokens = SEQ // tp * B
@@ -137,21 +138,29 @@ def test_moe_saved_tensors():
                                                                         experts=experts)}
     assert got == {
         "rmsnorm input": (tokens * h, 2), "rmsnorm statistics (fp32)": (tokens, 4),
-        "router input (fp32)": (tokens * h, 4), "router weight (fp32)": (8 * h, 4),
-        "top-k indices": (tokens * 2, 8), "top-k probabilities (softmax over the k, fp32)": (tokens * 2, 4),
-        "permutation indices": (tokens * 2, 8), "expert input (permuted tokens)": (received * h, 2),
+        "router input (fp32 copy)": (tokens * h, 4), "router weight (fp32 copy)": (8 * h, 4),
+        "top-k flat indices (picking the k scores and placing the probabilities)": (tokens * 2, 8),
+        "top-k probabilities (softmax over the k, fp32)": (tokens * 2, 4),
+        "permutation indices (token and expert of each row, int64)": (2 * received, 8),
+        "expert input (permuted tokens)": (received * h, 2), "grouped GEMM offsets (int32)": (4, 4),
         "expert fc1 output (gate and up)": (2 * received * f, 2), "expert silu output": (received * f, 2),
-        "expert swiglu output (fc2 input)": (received * f, 2), "expert output (fc2 output)": (received * h, 2),
-        "routing probabilities of the received tokens (fp32)": (received, 4)}
+        "expert swiglu output (fc2 input)": (received * f, 2),
+        "expert output (fc2 output; alltoall: the rows back)": (received * h, 2),
+        "routing probabilities of those rows": (received, 2)}
     assert unit_saved_tensors("moe", model, B, tp, True, "full", "cuda", 1, experts=experts)[0].numel == tokens * h
+    # a given routing: its loads and routed pairs instead of the routing model's
+    given = Experts(2, 1, loads=(10, 0, 7, 3), sent=tokens * 2)
+    assert expert_tokens(model, tokens, given) == 20
+    with pytest.raises(UsageError, match="names 3 expert loads"):
+        expert_loads(model, tokens, Experts(2, 1, loads=(1, 2, 3)))
 
 
 def test_moe_scores_losses_and_shared_experts():
     pre = {t.name for t in unit_saved_tensors("moe", _model(pre_softmax=True, aux_loss_coeff=0.01), B)}
     assert "router probabilities (softmax over the experts, fp32)" in pre
-    assert "load-balancing scores (softmax over the experts, fp32)" not in pre  # the scores hold it
+    assert "load-balancing scores (over the experts, fp32)" in pre  # a softmax of its own
     aux = {t.name for t in unit_saved_tensors("moe", _model(aux_loss_coeff=0.01, z_loss_coeff=0.001), B)}
-    assert {"load-balancing scores (softmax over the experts, fp32)", "z-loss logits and log-sum-exp (fp32)"} <= aux
+    assert {"load-balancing scores (over the experts, fp32)", "z-loss logits and log-sum-exp (fp32)"} <= aux
     sig = {t.name for t in unit_saved_tensors("moe", _model(score_function="sigmoid"), B)}
     assert "router scores (sigmoid, fp32)" in sig
     shared = {t.name: t.numel for t in unit_saved_tensors(
