@@ -14,7 +14,7 @@ from .config.planner import AUTO, AUTO_GROUP, AutoPlanConfig, PlanRequest
 from .config.schema import add_flags, check_flag_values, from_flags
 from .errors import OneLineParser, UsageError
 from .flag_rules import check_finite, join_negative_values
-from .parallel.expert_params import legacy_format_refusal
+from .config.layout_rules import legacy_format_refusal
 from .pipeline.partition import parse_partition, rank_chunks
 from .pipeline.slicing import check_slicing, parse_slicing
 from .plan_overlay import check_flags_against_plan, configs_from_plan, given_flags, plan_flags  # noqa: F401

@@ -1,5 +1,6 @@
 """Rules a layout must keep against the model it splits, in one place for the run (run_parts.check_layout) and the
-planner (planner/spec.py): what the runtime cannot run is neither started nor planned."""
+planner (planner/spec.py): what the runtime cannot run is neither started nor planned; and which checkpoint
+format can hold a layout's experts."""
 
 from __future__ import annotations
 
@@ -31,3 +32,14 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
     if parallel.cp_comm_type == "a2a" and heads % cp:
         raise UsageError(f"--cp-comm-type a2a: {heads} attention heads per tensor-parallel rank are not divisible "
                          f"by {flag} {cp} (use --cp-comm-type p2p)")
+
+
+def legacy_format_refusal(ep: int, etp: int, tp: int) -> str | None:
+    """Why `--ckpt-format torch` cannot hold these experts, or None. Megatron's legacy files with expert parallelism
+    (mp_rank_TT_PPP_EEE) are not written here: experts laid out other than the dense tensors (ep > 1, or etp != tp)
+    are saved and loaded as torch_dist only."""
+    if ep == 1 and etp == tp:
+        return None
+    what = f"--expert-model-parallel-size {ep}" if ep > 1 else f"--expert-tensor-parallel-size {etp} (tp {tp})"
+    return (f"--ckpt-format torch: experts split by {what} are saved and loaded only as torch_dist; use "
+            "--ckpt-format torch_dist (it loads into any ep/etp/tp/pp)")

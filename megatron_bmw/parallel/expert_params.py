@@ -48,14 +48,3 @@ def counted_in_world(param: torch.Tensor, state, sharded: bool) -> bool:
     if is_expert(param):
         return counted_once(param, state.etp_rank) and (sharded or state.edp_rank == 0)
     return counted_once(param, state.tp_rank) and (sharded or (state.dp_rank == 0 and state.cp_rank == 0))
-
-
-def legacy_format_refusal(ep: int, etp: int, tp: int) -> str | None:
-    """Why `--ckpt-format torch` cannot hold these experts, or None. Megatron's legacy files with expert parallelism
-    (mp_rank_TT_PPP_EEE) are not written here: experts laid out other than the dense tensors (ep > 1, or etp != tp)
-    are saved and loaded as torch_dist only."""
-    if ep == 1 and etp == tp:
-        return None
-    what = f"--expert-model-parallel-size {ep}" if ep > 1 else f"--expert-tensor-parallel-size {etp} (tp {tp})"
-    return (f"--ckpt-format torch: experts split by {what} are saved and loaded only as torch_dist; use "
-            "--ckpt-format torch_dist (it loads into any ep/etp/tp/pp)")

@@ -18,7 +18,8 @@ import torch  # noqa: F401 - tests/training/test_faults.py fills the disk throug
 
 from ..errors import UsageError
 from ..parallel.agree import agree
-from ..parallel.expert_params import has_experts, legacy_format_refusal
+from ..config.layout_rules import legacy_format_refusal
+from ..parallel.expert_params import has_experts
 from ..parallel.state import ParallelState
 from ..safe_load import load_file
 from .checkpoint_dir import (RELEASE, TORCH_FORMAT, TRACKER, Damaged, IterationDir, agree_damage,  # noqa: F401 - TRACKER for convert/

@@ -143,14 +143,13 @@ def time_cp_core(model: ModelConfig, cp_sizes, micro_batch_sizes, warmup: int = 
     for the profiled model's attention at tp 1: {cp: {micro-batch size: {forward_s, backward_s}}} (str keys, as
     Profile.cp_core). Timed in this process as the a2a path runs it, the causal attention of the whole sequence in
     cp x cp tiles (the tiles the ring's cp ranks compute between them: a rank's row of them), divided by cp."""
-    from ..parallel.context_parallel import _LocalAttention, chunk_positions
+    from ..parallel.context_parallel import _LocalAttention
 
     device = device or torch.device("cpu")
     g = torch.Generator().manual_seed(seed)
     n, kv, d, s = model.num_attention_heads, model.query_groups, model.head_dim, model.seq_length
     out: dict = {}
     for cp in cp_sizes:
-        positions = torch.cat([chunk_positions(s, cp, j) for j in range(cp)]).to(device)
         for b in micro_batch_sizes:
             q, k, v = (torch.randn(b, heads, s, d, generator=g, dtype=model.torch_dtype).to(device)
                        .requires_grad_() for heads in (n, kv, kv))
@@ -158,7 +157,7 @@ def time_cp_core(model: ModelConfig, cp_sizes, micro_batch_sizes, warmup: int = 
             for it in range(warmup + repeats):
                 synchronize(device)
                 t0 = time.perf_counter()
-                y = _LocalAttention.apply(q, k, v, positions, cp, d ** -0.5)
+                y = _LocalAttention.apply(q, k, v, cp, d ** -0.5)  # the rows in chunk order, as the a2a gathers
                 synchronize(device)
                 t1 = time.perf_counter()
                 torch.autograd.backward(y, torch.ones_like(y))

@@ -268,7 +268,7 @@ def test_zero1_pieces_of_expert_tensors_tile_the_global_tensor():
 
 def test_legacy_format_refuses_expert_parallelism_naming_torch_dist():
     from megatron_bmw.errors import UsageError
-    from megatron_bmw.parallel.expert_params import legacy_format_refusal
+    from megatron_bmw.config.layout_rules import legacy_format_refusal
     from megatron_bmw.training.checkpointing import TorchFormat
 
     assert legacy_format_refusal(1, 2, 2) is None
