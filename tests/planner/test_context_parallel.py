@@ -296,6 +296,7 @@ LLAMA3_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_qu
                  untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0)
 
 
+@pytest.mark.slow  # a whole search
 def test_128k_needs_cp_on_h100():
     """A Llama-3-8B-like model at 128k tokens, tp 8 with SP and ZeRO-1 on H100-80GB: without full recomputation
     cp 1 runs out of memory and cp 2 fits; the search on two nodes picks cp > 1, and a space without full

@@ -314,6 +314,7 @@ MIXTRAL = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_quer
                moe=MoEConfig(num_experts=8, router_topk=2, token_dispatcher_type="alltoall"))
 
 
+@pytest.mark.slow  # a whole search (about 5 s alone, 15 s on a loaded 2-core machine)
 def test_mixtral_like_search_picks_expert_parallelism():
     """On 4 H100 nodes, global batch 256: every ranked plan fits, and the best spreads the experts (ep > 1)."""
     from megatron_bmw.planner.search import SearchSettings, search
