@@ -1,7 +1,8 @@
 """Profiler: measure unit times, saved bytes and link speeds on this machine (planner/analytic.py writes
 profiles for devices that are not here).
 
-Measured mode runs each unit kind (embedding, attention, MLP, head) of a one-layer model exactly as the
+Measured mode runs each unit kind (embedding, attention, MLP, head; a mixture of experts' MoE unit, at ep 1) of a
+one-layer model exactly as the
 engine does (the unit called on the hidden state, one autograd.backward per micro-batch, gradients
 accumulated into fp32 main_grad, fused into the weight-gradient GEMM unless --no-gradient-accumulation-fusion),
 over micro-batch sizes and tensor-parallel degrees; a tensor-parallel degree t runs on t local processes (gloo
@@ -29,8 +30,8 @@ from ..config import ModelConfig, ParallelConfig, PipelineConfig, RunConfig
 from ..models.chunk import synthetic_batch as _batch
 from ..device import choose_backend, ping_pong, set_device, synchronize, timed
 from ..planner.analytic import ProfileSettings
-from ..planner.memory_model import UNIT_KINDS
 from ..planner.profile_data import Profile, UnitTiming, load_now, load_record, model_signature
+from ..units import model_unit_kinds
 from . import cuda_memory
 from .host_memory import measure_host_memory
 from .optimizer_time import fit_optimizer_step, step_seconds
@@ -39,7 +40,7 @@ from .saved_bytes import measure_saved
 if TYPE_CHECKING:
     from ..parallel.state import ParallelState
 
-_UNIT_OF_KIND = {"embedding": "embedding", "attention": "attn_0", "mlp": "mlp_0", "head": "head"}
+_UNIT_OF_KIND = {"embedding": "embedding", "attention": "attn_0", "mlp": "mlp_0", "head": "head", "moe": "moe_0"}
 
 
 def _stat(values: list[float], statistic: str) -> float:
@@ -47,11 +48,27 @@ def _stat(values: list[float], statistic: str) -> float:
 
 
 def _one_layer_units(model: ModelConfig, state, seed: int, fusion: bool):
+    """A one-layer model's units by name (`_UNIT_OF_KIND`); for a mixture of experts its layer's MLP slot holds the
+    experts (`moe_0`), and `mlp_0` is a dense MLP where some layer of `model` is dense (a second one-layer model's)."""
+    from ..config import MoEConfig
     from ..models.chunk import build_units
     from ..parallel.grad_sync import GradSync
 
-    units = build_units(ModelConfig(**{**model.__dict__, "num_layers": 1}), state, seed)
+    kinds = model_unit_kinds(model)
+    one = {**model.__dict__, "num_layers": 1}
+    if model.moe is not None:  # one expert layer, whatever --moe-layer-freq says of the whole model
+        one["moe"] = MoEConfig(**{**model.moe.to_json(), "layer_freq": "1"})
+    units = dict(build_units(ModelConfig(**one), state, seed))
+    if model.moe is not None:
+        units["moe_0"] = units.pop("mlp_0")
+        if "mlp" in kinds:
+            units["mlp_0"] = build_units(ModelConfig(**{**one, "moe": None}), state, seed)["mlp_0"]
     return units, GradSync([p for u in units.values() for p in u.parameters()], state, fusion=fusion)
+
+
+def _layer_mlp(units: dict):
+    """The unit in the one layer's MLP slot: the experts where the model has them."""
+    return units.get("moe_0", units.get("mlp_0"))
 
 
 RECOMPUTED = [("attention", "full"), ("attention", "selective"), ("mlp", "full")]  # (kind, recomputation) timed
@@ -81,7 +98,9 @@ def time_units(model: ModelConfig, state, micro_batch_sizes, warmup: int = 2, re
     samples: dict[tuple[int, str, str | None], tuple[list[float], list[float]]] = {}
     saved: dict[tuple[int, str, str | None], int] = {}
     batches = {b: _batch(model, b, state.device) for b in micro_batch_sizes}
-    pairs = [(k, None) for k in UNIT_KINDS] + list(RECOMPUTED if recomputed is None else recomputed)
+    kinds = model_unit_kinds(model)
+    pairs = [(k, None) for k in kinds] + [(k, rc) for k, rc in (RECOMPUTED if recomputed is None else recomputed)
+                                          if k in kinds]
     entries = [(b, kind, rc) for b in micro_batch_sizes for kind, rc in pairs]
     for r in range(rounds):
         for b, kind, rc in entries:
@@ -131,7 +150,7 @@ def _stack_microbatch(units: dict, batch: dict, depth: int) -> None:
     one backward."""
     h = units["embedding"](None, batch)
     for _ in range(depth):
-        h = units["mlp_0"](units["attn_0"](h, batch), batch)
+        h = _layer_mlp(units)(units["attn_0"](h, batch), batch)
     torch.autograd.backward(units["head"](h, batch))
 
 
@@ -183,7 +202,8 @@ def time_stream(model: ModelConfig, state, timings: list[UnitTiming], seed: int 
         per = {t.kind: t.forward_s + t.backward_s for t in timings if t.micro_batch_size == b and t.recompute is None}
         got = _stream_seconds(units, _batch(model, b, state.device), depth, state.device, warmup, repeats, statistic)
         out[str(b)] = {"depth": depth, "stream_s": got,
-                       "units_s": per["embedding"] + depth * (per["attention"] + per["mlp"]) + per["head"]}
+                       "units_s": per["embedding"] + depth * (per["attention"] + per.get("moe", per.get("mlp")))
+                       + per["head"]}
     sync.remove_hooks()
     return out
 
