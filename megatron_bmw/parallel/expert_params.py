@@ -9,7 +9,10 @@ The expert groups are read from the state only where a model has expert paramete
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: arguments.py reads legacy_format_refusal without torch
+    import torch
 
 from .counting import counted_once
 
