@@ -49,6 +49,7 @@ def _grouped_available(device: torch.device, dtype: torch.dtype) -> bool:
         ok = hasattr(torch, "_grouped_mm")
         if ok:
             try:
+                # identity hooks: a caller's saved-tensor hooks (the profiler's saved bytes) never see the probe
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                     x = torch.ones((4, 16), device=device, dtype=dtype, requires_grad=True)
                     w = torch.ones((2, 16, 16), device=device, dtype=dtype, requires_grad=True)

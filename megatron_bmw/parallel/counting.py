@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: arguments.py reaches this module (expert_params) and stays torch-free
+    import torch
 
 
 def counted_once(param: torch.Tensor, tp_rank: int) -> bool:

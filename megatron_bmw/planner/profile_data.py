@@ -71,7 +71,7 @@ MODEL_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_leng
 # the model and layer kind (GPT or BERT, Llama-family settings); a profile written before they existed timed GPT-2
 LAYER_DEFAULTS = {"model_type": "gpt", "position_embedding_type": "learned_absolute", "rotary_percent": 1.0,
                   "normalization": "LayerNorm", "swiglu": False, "num_query_groups": None, "add_bias_linear": True,
-                  "add_qkv_bias": False}
+                  "add_qkv_bias": False, "moe": None}
 
 
 def model_signature(model: ModelConfig) -> dict:
@@ -236,11 +236,12 @@ class Profile:
         return ModelConfig(num_layers=1, **{**self.model, "moe": MoEConfig(**moe) if moe else None})
 
     def achieved_flops(self) -> float:
-        """FLOP/s the device reached on the profiled MLP units (the best case), for rescaling to other devices."""
+        """FLOP/s the device reached on the profiled MLP units (a mixture of experts': its MoE units, where all its
+        layers hold experts) (the best case), for rescaling to other devices."""
         best = 0.0
         for u in self.units:
-            if u.kind == "mlp" and u.tp == 1 and u.recompute is None:
-                flops = unit_forward_flops("mlp", self._model_config(), u.micro_batch_size) * 3
+            if u.kind in ("mlp", "moe") and u.tp == 1 and u.recompute is None:
+                flops = unit_forward_flops(u.kind, self._model_config(), u.micro_batch_size) * 3
                 best = max(best, flops / ((u.forward_s + u.backward_s) * self.stream_factor(u.micro_batch_size)))
         if best == 0.0:
             raise UsageError("profile has no tp=1 MLP timing to derive the device speed from")

@@ -28,7 +28,8 @@ from ..units import unit_kind_of, unit_names
 from .cluster import Cluster
 from .cost_model import CostModel, CostSettings, optimizer_step_seconds
 from .evaluate import stage_capacity
-from .memory_model import MemorySettings, layer_checkpoints, layer_transient_extra, unit_param_split
+from .memory_model import (MemorySettings, layer_checkpoints, layer_transient_extra, shared_output_grad_bytes,
+                           unit_param_split)
 from .moe_model import Experts
 from .option_knapsack import choose_grouped
 from .overlap import gather_lead, overlapped_end, reduce_end
@@ -362,7 +363,11 @@ class LayoutProblem:
 
     def _choice_for(self, rank: int, chunks: list[list[int]], counts: list[float]):
         ms = self.memory
-        static = sum(self.static[i] for units in chunks for i in units)
+        # the tied output weight's gradient, held from the head's backward to the embedding's where one rank has both
+        # (memory_model._backward_transient): as the exact model counts it, beside the model states
+        held = shared_output_grad_bytes(self.model, self.layout.tp, self.layout.pp,
+                                        [self.names[i] for units in chunks for i in units], ms.engine)
+        static = sum(self.static[i] for units in chunks for i in units) + held
         room = (self.capacity[rank] - ms.workspace_bytes) / (1 + ms.fragmentation) - static
         held_w = counts[len(chunks):] if self.zero_bubble else [0.0] * len(chunks)  # slots held for W
         items = [(i, counts[c], held_w[c]) for c, units in enumerate(chunks) for i in units]

@@ -176,6 +176,9 @@ def tp_degrees(model: ModelConfig, gpus_per_node: int, world: int) -> list[int]:
             continue
         if not model.splits_over(t):
             continue
+        shared = model.moe.shared_expert_intermediate_size if model.moe is not None else None
+        if shared is not None and shared % t:  # the shared experts split over tp (run_parts.check_moe)
+            continue
         out.append(t)
     return out
 
@@ -214,6 +217,8 @@ def layouts(space: SearchSpace, model: ModelConfig, world: int, global_batch: in
             continue
         for cp in cp_degrees(space, model, world):
             if (world // tp) % cp == 0:
+                if model.moe is not None and (model.seq_length // cp) % tp:
+                    continue  # each tp rank routes its share of a rank's rows (run_parts.check_moe)
                 for lay in _degree_layouts(space, model, world // (tp * cp), global_batch, tp, cp):
                     out += expert_layouts(space, model, lay)
     return out
@@ -222,14 +227,16 @@ def layouts(space: SearchSpace, model: ModelConfig, world: int, global_batch: in
 def expert_degrees(space: SearchSpace, model: ModelConfig, tp: int) -> list[tuple[int, int]]:
     """(ep, etp) pairs the search tries for `model` at tensor-parallel size `tp`: (1, tp) for a dense model; for an
     MoE one the space's ep (default: every power of two dividing the experts) that divide the experts, and etp (default
-    1 and tp) that split the experts' FFN."""
+    1 and tp) that split the experts' FFN; etp > 1 only without biases (the runtime splits no expert bias over etp:
+    run_parts.check_moe)."""
     if model.moe is None:
         return [(1, tp)]
     experts, ffn = model.moe.num_experts, model.moe_ffn_hidden_size
     eps = space.ep if space.ep is not None else [e for e in (2 ** i for i in range(experts.bit_length()))
                                                  if experts % e == 0]
     etps = space.etp if space.etp is not None else sorted({1, tp})
-    return [(e, t) for e in eps for t in etps if experts % e == 0 and ffn % t == 0]
+    return [(e, t) for e in eps for t in etps
+            if experts % e == 0 and ffn % t == 0 and (t == 1 or not model.add_bias_linear)]
 
 
 def expert_layouts(space: SearchSpace, model: ModelConfig, lay: Layout) -> list[Layout]:

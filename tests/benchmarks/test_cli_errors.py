@@ -108,12 +108,24 @@ CASES = [
     ("kernel_model", ["--models", "gpt5"], "--models: unknown gpt5"),
     ("kernel_model", ["--device", "nosuch"], "--device nosuch: not a device"),
     ("kernel_model", ["--json", MISSING], "does not exist"),
+    ("moe_vs_dense", ["--rounds", "0"], "argument --rounds: must be >= 1"),
+    ("moe_vs_dense", ["--ranks", "0"], "argument --ranks: must be >= 1"),
+    ("moe_vs_dense", ["--hidden", "100", "--heads", "3"], "--hidden 100: not divisible by --heads 3"),
+    ("moe_vs_dense", ["--topk", "9"], "--topk 9: more than the 8 experts"),
+    ("moe_vs_dense", ["--ranks", "1", "3"], "--ranks 3: does not divide the 8 experts"),
+    ("moe_vs_dense", ["--json", MISSING], "does not exist"),
+    ("moe_planner_vs_grid", ["--rounds", "0"], "argument --rounds: must be >= 1"),
+    ("moe_planner_vs_grid", ["--trial-iters", "0"], "argument --trial-iters: must be >= 1"),
+    ("moe_planner_vs_grid", ["--warmup-iters", "8"], "--warmup-iters 8 leaves no measured iteration"),
+    ("moe_planner_vs_grid", ["--predict-only", "--json", "{tmp}/m.json"], "--json: holds measured times"),
+    ("moe_planner_vs_grid", ["--json", MISSING], "does not exist"),
+    ("moe_planner_vs_grid", ["--out", FILE], "--out {tmp}/a_file: exists and is not a directory"),
     ("wgrad_fusion", ["--hidden", "0"], "argument --hidden: must be >= 1"),
     ("wgrad_fusion", ["--hidden", "129"], "--hidden 129: not divisible by its 2 attention heads"),
     ("wgrad_fusion", ["--device", "nosuch"], "--device nosuch: not a device"),
 ]
 TAKES_ARGV = {"zero_bubble", "pipeline_engine", "megatron_core_peer", "megatron_core_scaling", "kernel_model",
-              "wgrad_fusion"}
+              "wgrad_fusion", "moe_vs_dense"}
 
 
 @pytest.mark.parametrize("name, args, message", CASES, ids=[f"{n}:{' '.join(a)}" for n, a, _ in CASES])

@@ -290,6 +290,21 @@ def test_search_space_enumerates_ep_etp_for_moe_only():
     assert all(lay.ep * lay.etp <= lay.tp * lay.dp for lay in asked)
 
 
+def test_search_space_keeps_to_expert_layouts_the_runtime_builds():
+    """run_parts.check_moe's rules: experts with biases stay whole over etp (etp 1 only), the shared experts split
+    over tp, and each tp rank routes a whole share of a rank's rows."""
+    biased = replace(_model(), add_bias_linear=True)
+    got = layouts(SearchSpace(), biased, 8, 8, [1, 2])
+    assert {lay.etp for lay in got} == {1} and {lay.tp for lay in got} == {1, 2}
+    assert {lay.etp for lay in layouts(SearchSpace.parse(["etp=1,2"]), biased, 8, 8, [2])} == {1}
+    from megatron_bmw.planner.space import tp_degrees
+    assert tp_degrees(_model(shared_expert_intermediate_size=96), 8, 8) == [1, 2]
+    assert tp_degrees(_model(shared_expert_intermediate_size=48), 8, 8) == [1, 2]
+    assert tp_degrees(_model(shared_expert_intermediate_size=33), 8, 8) == [1]
+    short = replace(_model(), seq_length=6, max_position_embeddings=6)
+    assert {lay.tp for lay in layouts(SearchSpace(), short, 8, 8, [1, 2, 4])} == {1, 2}
+
+
 def test_a_plan_with_ep_etp_round_trips():
     model = _model()
     pl = PipelineConfig(micro_batch_size=1, num_microbatches=2)

@@ -213,3 +213,26 @@ def test_whole_layer_checkpoints_of_other_engines_match_the_memory_model(schedul
         assert [x - y for x, y in zip(ours.chunk_activation_bytes, core.chunk_activation_bytes)] == [
             hidden * k for k in n]
         assert core.transient_bytes > ours.transient_bytes  # the MLP's backward holds the whole rebuilt layer
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_one_stage_solution_memory_holds_the_tied_output_gradient(moe):
+    """One stage holds the embedding and the tied head: the output weight's gradient, held from the head's backward
+    to the embedding's, is in the solver's memory as in the exact model's (it was missing: a finalist just under the
+    capacity by the estimate failed the exact check, and with --top-k 1 the search found no plan)."""
+    from dataclasses import replace
+
+    from megatron_bmw.config import MoEConfig
+    from megatron_bmw.planner.evaluate import estimate_memory
+    from megatron_bmw.planner.memory_model import shared_output_grad_bytes
+    from megatron_bmw.units import unit_names
+
+    prob = _problem(1.0, pp=1, dp=4, mbs=2, m=1)
+    if moe:
+        model = replace(prob.model, moe=MoEConfig(num_experts=8, router_topk=2))
+        prob = LayoutProblem(replace(prob.layout, ep=4, etp=1), Variant(), model, prob.cost.cluster, Profiles(),
+                             SearchSpace(), CostSettings(), MemorySettings(), ScheduleShapes())
+    sol = prob.evaluate((10,))
+    exact = estimate_memory(sol.spec(prob.model))
+    assert sol.memory == pytest.approx([x.peak_bytes for x in exact], rel=1e-12)
+    assert shared_output_grad_bytes(prob.model, 1, 1, unit_names(4), MemorySettings().engine) == 256 * 64 * 4

@@ -422,6 +422,44 @@ def test_searched_llama_plans_run_with_plan_and_fit(tmp_path):
         _ran_and_fit(plan, path, run_distributed(4, _run_plan, path, PLAN_LLAMA_FLAGS))
 
 
+PLAN_MOE_FLAGS = ["--num-experts", "8", "--moe-router-topk", "2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher,memory_mb,top_k", [("allgather", 2.5, 3), ("alltoall", 1.5, 2)])
+def test_searched_moe_plans_run_with_plan_and_fit(tmp_path, capsys, dispatcher, memory_mb, top_k):
+    """A tiny MoE GPT (8 experts, top-2) on 4 CPU ranks: `autoconfig.py search` over tp x dp x ep (one stage) under a
+    budget no ep 1 layout fits; its top plans (ep 2 and 4; with tp 2 and 4 and SP at the tighter budget) run with
+    --plan and the MoE flags beside it, within the device and close to the predicted memory."""
+    import json
+
+    from megatron_bmw.cli.autoconfig import main as autoconfig
+    from megatron_bmw.planner.plan import Plan
+
+    cluster = tmp_path / "cpu.yaml"
+    cluster.write_text("name: cpu-ranks\ninter_node: {bandwidth_GBps: 1, latency_us: 50}\n"
+                       f"device_types: {{cpu: {{memory_gb: {memory_mb / 1024}, peak_tflops: {{fp32: 0.02}}}}}}\n"
+                       "groups: [{nodes: 1, gpus_per_node: 4, device: cpu, "
+                       "intra_node: {bandwidth_GBps: 1, latency_us: 50}}]\n")
+    flags = PLAN_MODEL + PLAN_MOE_FLAGS + ["--moe-token-dispatcher-type", dispatcher]
+    search = ["search", *flags, "--global-batch-size", "8", "--cluster", str(cluster), "--memory-device", "cpu",
+              "--space", "pp=1", "--no-progress"]
+    with pytest.raises(SystemExit) as refused:  # the experts' states need ep > 1 to fit
+        autoconfig(search + ["--space", "ep=1"])
+    assert refused.value.code == 2 and "no plan fits" in capsys.readouterr().err
+    assert autoconfig(search + ["--top-k", str(top_k), "--output-dir", str(tmp_path / "plans"), "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["plans"]
+    assert all(p["layout"]["ep"] > 1 for p in ranked)
+    assert len({p["layout"]["ep"] for p in ranked}) > 1 or {p["layout"]["tp"] for p in ranked} == {2, 4}
+    paths = sorted(str(p) for p in (tmp_path / "plans").glob("plan_*.json"))
+    assert len(paths) == top_k
+    for path in paths:
+        plan = Plan.load(path)
+        assert plan.spec.ep > 1 and plan.spec.model.moe.token_dispatcher_type == dispatcher
+        _ran_and_fit(plan, path, run_distributed(4, _run_plan, path, PLAN_MOE_FLAGS +
+                                                 ["--moe-token-dispatcher-type", dispatcher]))
+
+
 def _run_bert_plan(rank, world_size, path):
     from megatron_bmw.training.pretrain import pretrain
 

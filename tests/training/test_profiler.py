@@ -147,3 +147,30 @@ def test_a_profile_records_the_load_it_was_taken_under(monkeypatch, tmp_path):
     again = Profile.load(path)
     assert again.machine_load == load and Profiles([again]).identity()[0]["load"] == load
     assert load_per_core(load) == pytest.approx((0.5 + 2.5 - (1 - math.exp(-load["seconds"] / 60))) / 2 / 2)
+
+
+@pytest.mark.parametrize("layer_freq,kinds", [("1", ["embedding", "attention", "head", "moe"]),
+                                              ("[0,1]", ["embedding", "attention", "mlp", "head", "moe"])])
+def test_moe_models_time_their_moe_unit(layer_freq, kinds):
+    """An MoE model's profile times its MoE unit (kind moe; saved bytes as the memory model's at ep 1) and a dense
+    MLP only where some layer is dense; its model signature names the experts and the planner reads the entry."""
+    from megatron_bmw.config import MoEConfig
+    from megatron_bmw.models import moe_experts
+    from megatron_bmw.planner.moe_model import Experts
+    from megatron_bmw.planner.profile_data import model_signature
+
+    model = dataclasses.replace(MODEL, moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32,
+                                                     layer_freq=layer_freq))
+    moe_experts._GROUPED_OK.clear()  # the grouped GEMM's probe runs inside the first measurement: unseen there
+    timings = time_units(model, ParallelState.serial(), (1,), warmup=0, repeats=1, recomputed=())
+    assert [t.kind for t in timings] == kinds and all(t.forward_s > 0 and t.backward_s > 0 for t in timings)
+    moe = next(t for t in timings if t.kind == "moe")
+    again = next(t for t in time_units(model, ParallelState.serial(), (1,), warmup=0, repeats=1, recomputed=())
+                 if t.kind == "moe")
+    assert moe.saved_bytes == again.saved_bytes
+    # the memory model's MoE tensors, for the (even) routing of one expert pass: byte for byte
+    assert moe.saved_bytes == unit_activation_bytes("moe", model, 1, 1, device="cpu", experts=Experts(1, 1))
+    prof = Profile(device={"name": "x", "kind": "cpu"}, dtype="fp32", model=model_signature(model), units=timings)
+    assert prof.model["moe"]["num_experts"] == 4 and prof.model["moe"]["layer_freq"] == "1"
+    assert prof.unit_time("moe", 1, 1, model) == pytest.approx((moe.forward_s, moe.backward_s))
+    assert prof.achieved_flops() > 0
