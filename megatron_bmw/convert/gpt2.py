@@ -165,6 +165,30 @@ def _field(model_config: ModelConfig | Mapping[str, Any], key: str, default: Any
     return getattr(model_config, key, default)
 
 
+
+class Taker:
+    """An export's reader of our state dict: `take(name)` pops a tensor from a copy of it, noting the names it lacks
+    (an empty tensor stands in); `drop` forgets one; `done` raises the missing or left-over names in one line."""
+
+    def __init__(self, state_dict) -> None:
+        self.sd, self.missing = dict(state_dict), []
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.sd:
+            self.missing.append(name)
+            return torch.empty(0)
+        return self.sd.pop(name)
+
+    def drop(self, name: str) -> None:
+        self.sd.pop(name, None)
+
+    def done(self) -> None:
+        if self.missing:
+            raise UsageError(f"checkpoint lacks parameters, e.g. {self.missing[:3]}")
+        if self.sd:
+            raise UsageError(f"checkpoint has unexpected parameters, e.g. {sorted(self.sd)[:3]}")
+
+
 def megatron_to_hf(full_state_dict: Mapping[str, torch.Tensor], model_config: ModelConfig | Mapping[str, Any],
                    orig_vocab_size: int | None = None) -> dict[str, torch.Tensor]:
     """Full (merged) state dict of our ModelChunk -> HF GPT2LMHeadModel state dict.
@@ -178,16 +202,9 @@ def megatron_to_hf(full_state_dict: Mapping[str, torch.Tensor], model_config: Mo
     untied = bool(_field(model_config, "untie_embeddings_and_output_weights", False))
     if orig_vocab_size is None:
         orig_vocab_size = _field(model_config, "orig_vocab_size")
-    sd = dict(full_state_dict)
-    if POSITION_EMBEDDING + ".weight" in sd and POSITION_EMBEDDING not in sd:  # tolerate the module-style name
-        sd[POSITION_EMBEDDING] = sd.pop(POSITION_EMBEDDING + ".weight")
-    missing = []
-
-    def take(name: str) -> torch.Tensor:
-        if name not in sd:
-            missing.append(name)
-            return torch.empty(0)
-        return sd.pop(name)
+    take = Taker(full_state_dict)
+    if POSITION_EMBEDDING + ".weight" in take.sd and POSITION_EMBEDDING not in take.sd:  # the module-style name
+        take.sd[POSITION_EMBEDDING] = take.sd.pop(POSITION_EMBEDDING + ".weight")
 
     wte = take("units.embedding.word_embeddings.weight")
     vocab = wte.size(0) if orig_vocab_size is None else int(orig_vocab_size)
@@ -198,7 +215,7 @@ def megatron_to_hf(full_state_dict: Mapping[str, torch.Tensor], model_config: Mo
         out[p + "ln_1.weight"] = take(a + "input_layernorm.weight")
         out[p + "ln_1.bias"] = take(a + "input_layernorm.bias")
         qkv_w, qkv_b = take(a + "qkv.weight"), take(a + "qkv.bias")
-        if not missing:
+        if not take.missing:
             out[p + "attn.c_attn.weight"], out[p + "attn.c_attn.bias"] = _qkv_ours_to_hf(qkv_w, qkv_b, heads)
         out[p + "attn.c_proj.weight"] = take(a + "proj.weight").t().contiguous()
         out[p + "attn.c_proj.bias"] = take(a + "proj.bias")
@@ -213,12 +230,9 @@ def megatron_to_hf(full_state_dict: Mapping[str, torch.Tensor], model_config: Mo
     if untied:
         out["lm_head.weight"] = take("units.head.output_weight")[:vocab].contiguous()
     else:
-        sd.pop("units.head.output_weight", None)  # a pipeline copy of the tied embedding
+        take.drop("units.head.output_weight")  # a pipeline copy of the tied embedding
         out["lm_head.weight"] = out["transformer.wte.weight"]
-    if missing:
-        raise UsageError(f"checkpoint lacks parameters, e.g. {missing[:3]}")
-    if sd:
-        raise UsageError(f"checkpoint has unexpected parameters, e.g. {sorted(sd)[:3]}")
+    take.done()
     return out
 
 

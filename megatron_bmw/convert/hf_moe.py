@@ -30,7 +30,7 @@ import torch
 from ..config import ModelConfig, padded_vocab_size
 from ..config.moe import moe_layer_pattern
 from ..errors import UsageError
-from .gpt2 import _pad_rows
+from .gpt2 import Taker, _pad_rows
 from .hf_files import HFTensors
 from .llama import _get, _rope, qkv_hf_to_ours, qkv_ours_to_hf
 
@@ -320,14 +320,7 @@ def megatron_to_hf(full_state_dict: Mapping[str, torch.Tensor], model_config: Mo
     qkv_bias = bool(_get(model_config, "add_qkv_bias", False))
     if orig_vocab_size is None:
         orig_vocab_size = _get(model_config, "orig_vocab_size")
-    sd = dict(full_state_dict)
-    missing: list[str] = []
-
-    def take(name: str) -> torch.Tensor:
-        if name not in sd:
-            missing.append(name)
-            return torch.empty(0)
-        return sd.pop(name)
+    take = Taker(full_state_dict)
 
     wte = take(WORD_EMBEDDING)
     vocab = wte.size(0) if orig_vocab_size is None else int(orig_vocab_size)
@@ -354,11 +347,8 @@ def megatron_to_hf(full_state_dict: Mapping[str, torch.Tensor], model_config: Mo
     if _get(model_config, "untie_embeddings_and_output_weights", False):
         out["lm_head.weight"] = take(OUTPUT_WEIGHT)[:vocab].contiguous()
     else:
-        sd.pop(OUTPUT_WEIGHT, None)  # a pipeline copy of the tied embedding
-    if missing:
-        raise UsageError(f"checkpoint lacks parameters, e.g. {missing[:3]}")
-    if sd:
-        raise UsageError(f"checkpoint has unexpected parameters, e.g. {sorted(sd)[:3]}")
+        take.drop(OUTPUT_WEIGHT)  # a pipeline copy of the tied embedding
+    take.done()
     return out
 
 

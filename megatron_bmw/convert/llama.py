@@ -26,7 +26,7 @@ from ..config import ModelConfig
 from ..errors import UsageError
 from .hf_files import HFTensors
 from ..config import padded_vocab_size
-from .gpt2 import _pad_rows
+from .gpt2 import Taker, _pad_rows
 from .tp_shards import merge_shards, shard_state_dict  # noqa: F401 - part of this module's API
 
 MODEL_TYPES = ("llama", "mistral")
@@ -235,14 +235,7 @@ def megatron_to_hf(full_state_dict: Mapping[str, torch.Tensor], model_config: Mo
     bias = bool(_get(model_config, "add_bias_linear", True))
     if orig_vocab_size is None:
         orig_vocab_size = _get(model_config, "orig_vocab_size")
-    sd = dict(full_state_dict)
-    missing: list[str] = []
-
-    def take(name: str) -> torch.Tensor:
-        if name not in sd:
-            missing.append(name)
-            return torch.empty(0)
-        return sd.pop(name)
+    take = Taker(full_state_dict)
 
     wte = take(WORD_EMBEDDING)
     vocab = wte.size(0) if orig_vocab_size is None else int(orig_vocab_size)
@@ -279,12 +272,9 @@ def megatron_to_hf(full_state_dict: Mapping[str, torch.Tensor], model_config: Mo
     if untied:
         out["lm_head.weight"] = take(OUTPUT_WEIGHT)[:vocab].contiguous()
     else:
-        sd.pop(OUTPUT_WEIGHT, None)  # a pipeline copy of the tied embedding
+        take.drop(OUTPUT_WEIGHT)  # a pipeline copy of the tied embedding
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    if missing:
-        raise UsageError(f"checkpoint lacks parameters, e.g. {missing[:3]}")
-    if sd:
-        raise UsageError(f"checkpoint has unexpected parameters, e.g. {sorted(sd)[:3]}")
+    take.done()
     return out
 
 

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from ..errors import UsageError
 from . import cp_blocks
+from .mappings import with_adjoint
 
 _KV_TAG, _DKV_TAG = 11, 12  # gloo matches a receive by (source, tag); NCCL ignores tags and keeps posting order
 
@@ -303,28 +304,6 @@ def _heads_to_seq(x: torch.Tensor, group, c: int) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, hc * c, cs // c, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, c):
-        ctx.group, ctx.c = group, c
-        return _seq_to_heads(x, group, c)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _heads_to_seq(dy, ctx.group, ctx.c), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, c):
-        ctx.group, ctx.c = group, c
-        return _heads_to_seq(x, group, c)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _seq_to_heads(dy, ctx.group, ctx.c), None, None
-
-
 def _ulysses(q, k, v, positions, group, ranks, scale: float):
     c, n, g = len(ranks), q.size(1), k.size(1)
     if n % c:
@@ -333,6 +312,6 @@ def _ulysses(q, k, v, positions, group, ranks, scale: float):
     if g % c:  # the kv heads cannot be scattered: repeat each to lcm(g, C) heads, so each rank gets whole ones
         rep = math.lcm(g, c) // g  # (n is a multiple of lcm(g, C); a rank's n/C query heads read its own copies)
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    qh, kh, vh = (_SeqToHeads.apply(x, group, c) for x in (q, k, v))
+    qh, kh, vh = (with_adjoint(x, _seq_to_heads, _heads_to_seq, group, c) for x in (q, k, v))
     del q, k, v  # the repeated k and v are not needed past their all-to-all
-    return _HeadsToSeq.apply(_LocalAttention.apply(qh, kh, vh, c, scale), group, c)
+    return with_adjoint(_LocalAttention.apply(qh, kh, vh, c, scale), _heads_to_seq, _seq_to_heads, group, c)

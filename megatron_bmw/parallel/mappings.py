@@ -127,6 +127,23 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return gather_along(g, 0, ctx.group), None
 
 
+class _Adjoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, there, back, operands):
+        ctx.back, ctx.operands = back, operands
+        return there(x, *operands)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.back(g, *ctx.operands), None, None, None
+
+
+def with_adjoint(x: torch.Tensor, there, back, *operands) -> torch.Tensor:
+    """there(x, *operands), whose gradient is back(g, *operands): a linear exchange and its adjoint (an all-to-all and its
+    reverse, a gather and its reduce-scatter)."""
+    return _Adjoint.apply(x, there, back, operands)
+
+
 def copy_to_tp(x, group):
     return _CopyToTP.apply(x, group)
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import group_rank, group_size
-from .mappings import gather_along, gather_from_sp, owned, reduce_scatter_along, reduce_scatter_to_sp
+from .mappings import gather_along, gather_from_sp, owned, reduce_scatter_along, reduce_scatter_to_sp, with_adjoint
 from .view import ParallelView
 
 
@@ -145,33 +145,11 @@ def _reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Te
     return owned(reduce_scatter_along(padded, 0, group)[: sizes[group_rank(group)]])
 
 
-class _GatherUneven(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _gather_uneven(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_uneven(g, ctx.sizes, ctx.group), None, None
-
-
-class _ReduceScatterUneven(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _reduce_scatter_uneven(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_uneven(g, ctx.sizes, ctx.group), None, None
-
-
 def gather_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Rank j's sizes[j] rows of `x`, concatenated over `group` (backward: the sum over the group, split)."""
-    return _GatherUneven.apply(x, sizes, group)
+    return with_adjoint(x, _gather_uneven, _reduce_scatter_uneven, sizes, group)
 
 
 def reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """`x` (sizes[j] rows for rank j) summed over `group`; this rank's rows (backward: gather_uneven)."""
-    return _ReduceScatterUneven.apply(x, sizes, group)
+    return with_adjoint(x, _reduce_scatter_uneven, _gather_uneven, sizes, group)
