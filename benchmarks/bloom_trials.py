@@ -19,6 +19,9 @@ every kernel launch waits for its kernel, so a unit's host time adds to its devi
 default: the operators our runtime's units dispatch, models/op_count.py, x the host time per operator measured
 for our runtime on an H100's host, CostSettings.host_op_s; --launch async: the host ahead of the GPU, as before).
 
+Every row runs through `autoconfig.py simulate`'s own code (`cli.autoconfig.simulate_flags`, flags in `row_flags`):
+nothing here is a setting the command line does not offer.
+
 A group is one day's comparison of one model (same hidden size and depth): the author's own search (one group varies
 only the global batch: it checks the pipeline bubble and is left out of the summary's searches). Reported per
 row: measured and predicted seconds per iteration and the error; per group: Spearman's rank correlation of
@@ -44,33 +47,21 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.args import exit_on_usage_error, output_files, parser  # noqa: E402
-from megatron_bmw.config import ModelConfig, PipelineConfig  # noqa: E402
+from megatron_bmw.cli.autoconfig import simulate_flags  # noqa: E402
 from megatron_bmw.errors import UsageError  # noqa: E402
 from megatron_bmw.planner.accuracy import error_summary  # noqa: E402
-from megatron_bmw.planner.cluster import Cluster, Link, load_cluster  # noqa: E402
-from megatron_bmw.planner.cost_model import CostSettings  # noqa: E402
-from megatron_bmw.planner.cuda_allowance import DerivedAllowance  # noqa: E402
-from megatron_bmw.planner.engine import EngineConfig  # noqa: E402
-from megatron_bmw.planner.evaluate import simulate_run, stage_capacity  # noqa: E402
-from megatron_bmw.planner.memory_model import MemorySettings  # noqa: E402
+from megatron_bmw.planner.evaluate import stage_capacity  # noqa: E402
 from megatron_bmw.planner.spec import RunSpec  # noqa: E402
-from megatron_bmw.models.op_count import unit_op_counts  # noqa: E402
-from megatron_bmw.units import recompute_from_flags  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "bloom_trials.json")
-# the CUDA allowance derived for A100-80GB (planner/cuda_allowance.py) with the CUDA context the author measured on
-# that cluster's A100s with its 2022 stack (CUDA 11.3, kernels loaded eagerly): "40GB A100 takes 1573MiB for cuda
-# kernels" (chronicles-prequel.md line 144), where the device type's 0.5 GiB is a lazily loading stack's;
-# --flat-allowance: the 1.5 GiB + 10% it replaced
+# the CUDA context the author measured on that cluster's A100s with its 2022 stack (CUDA 11.3, kernels loaded
+# eagerly): "40GB A100 takes 1573MiB for cuda kernels" (chronicles-prequel.md line 144), where the device type's
+# 0.5 GiB is a lazily loading stack's (--cuda-context-gb); --flat-allowance: the 1.5 GiB + 10% it replaced
 JEAN_ZAY_CONTEXT_BYTES = 1573 * 2**20
-MEMORY = MemorySettings(device="cuda", derived=DerivedAllowance((
-    replace(load_cluster("a100-80g-ib").groups[0].device, cuda_context_bytes=JEAN_ZAY_CONTEXT_BYTES),)))
-FLAT = MemorySettings(device="cuda", workspace_bytes=1.5 * 2**30, fragmentation=0.10)
 ROW_KEYS = ("group", "line", "hidden", "layers", "heads", "tp", "pp", "dp", "mbs", "gbs", "nodes", "partition_method",
             "dtype", "measured_s", "oom")
 
@@ -116,29 +107,33 @@ def stage_layers(method: str, layers: int, pp: int) -> list[int]:
     return out
 
 
-def run_spec(row: dict, setup: dict) -> RunSpec:
-    model = ModelConfig(num_layers=row["layers"], hidden_size=row["hidden"], num_attention_heads=row["heads"],
-                        vocab_size=setup["vocab_size"], seq_length=setup["seq_length"], params_dtype=row["dtype"],
-                        attention_backend="unfused", hidden_dropout=0.1, attention_dropout=0.1)
+def row_flags(row: dict, setup: dict, engine: str = "deepspeed", launch: str = "blocking",
+              flat_allowance: bool = False) -> list[str]:
+    """The `autoconfig.py simulate` flags of one row: the model, layout and recomputation the trial ran, on the
+    built-in a100-80g-ib with the measured bus bandwidth across nodes (--inter-node-bus-bandwidth), the CUDA
+    context measured on that cluster (--cuda-context-gb), and CUDA_LAUNCH_BLOCKING=1 (--cuda-launch-blocking)."""
+    link = setup["inter_node"]
     units = [2 * n for n in stage_layers(row["partition_method"], row["layers"], row["pp"])]
     units[0] += 1  # the embedding
     units[-1] += 1  # the final norm and the tied output layer
-    ranks, start = [], 0
-    for size in units:
-        ranks.append(list(range(start, start + size)))
-        start += size
-    recompute = recompute_from_flags("full", "uniform", None, row["layers"], ranks)
-    pipe = PipelineConfig(micro_batch_size=row["mbs"], num_microbatches=row["gbs"] // (row["dp"] * row["mbs"]),
-                          partition=tuple(units), recompute=recompute)
-    return RunSpec.of(model, row["tp"], row["pp"], row["dp"], pipe, distributed_optimizer=True, overlap_grad_reduce=False)
+    flags = ["--cluster", setup["base_cluster"], "--num-nodes", str(row["nodes"]),
+             "--inter-node-bus-bandwidth", str(link["bandwidth_GBps"]), "--memory-device", "cuda",
+             "--engine", engine, "--num-layers", str(row["layers"]), "--hidden-size", str(row["hidden"]),
+             "--num-attention-heads", str(row["heads"]), "--vocab-size", str(setup["vocab_size"]),
+             "--seq-length", str(setup["seq_length"]), "--max-position-embeddings", str(setup["seq_length"]),
+             "--attention-backend", "unfused", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+             f"--{row['dtype']}", "--tensor-model-parallel-size", str(row["tp"]),
+             "--pipeline-model-parallel-size", str(row["pp"]), "--micro-batch-size", str(row["mbs"]),
+             "--global-batch-size", str(row["gbs"]), "--pipeline-partition", ",".join(map(str, units)),
+             "--recompute-granularity", "full", "--recompute-method", "uniform", "--use-distributed-optimizer"]
+    flags += ["--memory-workspace-gb", "1.5", "--memory-fragmentation", "0.1"] if flat_allowance else \
+        ["--cuda-context-gb", str(JEAN_ZAY_CONTEXT_BYTES / 2**30)]
+    return flags + (["--cuda-launch-blocking"] if launch == "blocking" else [])
 
 
-def cluster_of(setup: dict, nodes: int) -> Cluster:
-    link = setup["inter_node"]
-    base = load_cluster(setup["base_cluster"], num_nodes=nodes)
-    group = replace(base.groups[0], nics_per_node=link.get("nics_per_node"))
-    return replace(base, name="jean-zay-a100", groups=(group,),
-                   inter_node=Link(link["bandwidth_GBps"] * 1e9, link["latency_us"] * 1e-6))
+def run_spec(row: dict, setup: dict) -> RunSpec:
+    """The RunSpec the command line makes of a row."""
+    return simulate_flags(row_flags(row, setup))[0].spec
 
 
 FACTORS = {"micro-batch size": ("mbs",), "attention heads": ("heads",), "layout (tp, pp, dp)": ("tp", "pp", "dp")}
@@ -152,35 +147,17 @@ def differing_factor(a: dict, b: dict) -> str | None:
     return differ[0] if len(differ) == 1 else None
 
 
-def costs_of(spec: RunSpec, engine: str, launch: str) -> CostSettings:
-    """The engine's costs; with blocking launches (CUDA_LAUNCH_BLOCKING=1, as the trials ran) the host's time per
-    operator (CostSettings.host_op_s, measured for our runtime) over the operators the model's units dispatch
-    (models/op_count.py: our runtime's GPT units, which Megatron-DeepSpeed's resemble)."""
-    if launch == "async":
-        return CostSettings(engine=EngineConfig(engine))
-    key = (spec.model.attention_backend, spec.model.hidden_dropout, spec.model.attention_dropout)
-    if key not in _OPS:
-        _OPS[key] = tuple((k, f, b) for k, (f, b) in unit_op_counts(spec.model).items())
-    return CostSettings(engine=EngineConfig(engine), launch_blocking=True, host_ops=_OPS[key])
-
-
-_OPS: dict[tuple, tuple] = {}
-
-
-def evaluate(data: dict, groups: list[str] | None = None, memory: MemorySettings = MEMORY,
+def evaluate(data: dict, groups: list[str] | None = None, flat_allowance: bool = False,
              engine: str = "deepspeed", launch: str = "blocking") -> dict:
     setup = data["setup"]
-    memory = replace(memory, engine=EngineConfig(engine))
     known = list(dict.fromkeys(r["group"] for r in data["rows"]))
     unknown = [g for g in groups or () if g not in known]
     if unknown:
         raise UsageError(f"--group {unknown[0]!r}: no such group (one of {', '.join(map(repr, known))})")
     rows = [dict(r) for r in data["rows"] if groups is None or r["group"] in groups]
     for row in rows:
-        spec = run_spec(row, setup)
-        costs = costs_of(spec, engine, launch)
-        cluster = cluster_of(setup, row["nodes"])
-        ev = simulate_run(spec, cluster, None, costs, memory, memory_over_time=False)
+        ev, cluster, _ = simulate_flags(row_flags(row, setup, engine, launch, flat_allowance))
+        spec = ev.spec
         row["predicted_s"] = ev.simulation.iteration_time
         row["predicted_peak_gb"] = max(m.peak_bytes for m in ev.memory) / 1e9
         row["predicted_fits"] = all(m.peak_bytes <= stage_capacity(spec, cluster, s) for s, m in enumerate(ev.memory))
@@ -235,8 +212,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     output_files(json=args.json)
-    result = evaluate(load_data(args.data), args.group, FLAT if args.flat_allowance else MEMORY, args.engine,
-                      args.launch)
+    result = evaluate(load_data(args.data), args.group, args.flat_allowance, args.engine, args.launch)
     head = (f"{'line':>4} {'tp':>2} {'pp':>2} {'dp':>2} {'mbs':>3} {'heads':>5} {'hd':>3} {'gbs':>4} | {'measured':>8} "
             f"{'predicted':>9} {'error':>6} | {'mem pub.':>8} {'pred.':>5} {'fits':>4}")
     for name, s in result["groups"].items():

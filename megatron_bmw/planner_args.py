@@ -133,7 +133,15 @@ def cluster_from(planner: PlannerConfig, profiles: Profiles, placeholder_ok: boo
         raise UsageError("--cluster local: this machine has not been measured; run `python tools/autoconfig.py "
                          "profile --output prof.json <the same model flags>` and add --profile prof.json (or name a "
                          f"described cluster: {', '.join(b for b in BUILTIN if b != 'local')}, or a YAML file)")
-    return load_cluster(planner.cluster, planner.num_nodes)
+    return measured_links(planner, load_cluster(planner.cluster, planner.num_nodes))
+
+
+def measured_links(planner: PlannerConfig, cluster: Cluster) -> Cluster:
+    """`cluster` with the bus bandwidths the flags give (--inter-node-bus-bandwidth, --intra-node-bus-bandwidth)."""
+    inter, intra = planner.inter_node_bus_bandwidth, planner.intra_node_bus_bandwidth
+    if inter is None and intra is None:
+        return cluster
+    return cluster.with_bus_bandwidth(None if inter is None else inter * 1e9, None if intra is None else intra * 1e9)
 
 
 def engine_of(planner: PlannerConfig, gradient_accumulation_fusion: bool = True) -> EngineConfig:
@@ -212,6 +220,8 @@ def memory_settings(planner: PlannerConfig, profiles: Profiles, cluster: Cluster
     derived = None
     if device == "cuda" and (workspace is None or fragmentation is None):
         devices = tuple({id(g.device): g.device for g in cluster.groups}.values()) if cluster is not None else ()
+        if planner.cuda_context_gb is not None:
+            devices = tuple(replace(d, cuda_context_bytes=planner.cuda_context_gb * 2**30) for d in devices)
         derived = DerivedAllowance(devices, profiles.measured_cuda_memory(),
                                    None if workspace is None else workspace * 2**30, fragmentation)
     return MemorySettings(device=device, workspace_bytes=(workspace or 0.0) * 2**30, fragmentation=fragmentation or 0.0,

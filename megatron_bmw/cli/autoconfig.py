@@ -45,14 +45,28 @@ def _estimate(args, plan) -> int:
     return 0
 
 
-def _simulate(args, plan) -> int:
-    check_output_file("--timeline", args.timeline)
+def _simulated(args, plan):
+    """(Evaluation, cluster, memory settings) of `simulate`'s parsed flags."""
     planner, profiles, cluster, engine = _planner(args, plan)
     costs = cost_settings(planner, profiles, plan, model_of=lambda: serial_model(args)[0], engine=engine)
     spec = planned_spec(args.plan, plan, planner, cluster) if plan else \
         spec_from_flags(args, planner, cluster, profiles, costs)
     settings = memory_settings(planner, profiles, cluster, engine)
-    ev = simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline))
+    return simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline)), cluster, settings
+
+
+def simulate_flags(argv: list[str]):
+    """`autoconfig.py simulate ARGV` without the printing: (Evaluation, cluster, memory settings). Benchmarks that
+    check the planner against published runs go through it, so they use only what the command line offers."""
+    parser = build_autoconfig_parser()
+    args = parse_args(["simulate"] + list(argv), parser)
+    return _simulated(args, plan_from_args(args, argv, subcommand_parser(parser, "simulate")))
+
+
+def _simulate(args, plan) -> int:
+    check_output_file("--timeline", args.timeline)
+    ev, cluster, settings = _simulated(args, plan)
+    spec = ev.spec
     data = simulate_json(ev, cluster, settings)
     if args.timeline:
         from ..planner.timeline import render_timeline

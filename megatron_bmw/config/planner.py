@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .model import ModelConfig
-from .schema import flag, positive_int
+from .schema import check_ranges, flag, positive_int
 
 ENGINES = ("megatron_bmw", "megatron-core", "deepspeed")
 BUILTIN_CLUSTERS = ("a100-80g-ib", "a100-40g-ib", "h100-80g-ib", "rtx-titan-pcie", "aws-p3.8xlarge",
@@ -28,6 +28,13 @@ class PlannerConfig:
     profile: list[str] = flag("--profile", group=PLANNER, default_factory=list, action="append",
                               help="profile JSON (autoconfig.py profile), one or more (one per device type); else "
                                    "analytic")
+    inter_node_bus_bandwidth: float | None = flag(
+        "--inter-node-bus-bandwidth", group=PLANNER, default=None, above=0.0,
+        help="GB/s: the NCCL bus bandwidth measured across nodes (nccl-tests all_reduce_perf busbw); every ring "
+             "crossing nodes gets it (replaces the cluster's inter-node link and its NIC sharing)")
+    intra_node_bus_bandwidth: float | None = flag(
+        "--intra-node-bus-bandwidth", group=PLANNER, default=None, above=0.0,
+        help="GB/s: the NCCL bus bandwidth measured inside a node (replaces the cluster's intra-node links)")
     rank_order: str = flag("--rank-order", group=PLANNER, default="tp-dp-pp", choices=("tp-dp-pp", "bpipe"))
     memory_device: str | None = flag(
         "--memory-device", group=PLANNER, default=None, choices=("cuda", "cpu"),
@@ -40,6 +47,10 @@ class PlannerConfig:
         "--memory-fragmentation", group=PLANNER, default=None,
         help="fractional allowance on top (default: the profile's memory_allowance, else on cuda the caching "
              "allocator's rounding of the layout's tensors; 0 on cpu)")
+    cuda_context_gb: float | None = flag(
+        "--cuda-context-gb", group=PLANNER, default=None, minimum=0.0,
+        help="the CUDA context and loaded kernels per GPU as measured on the cluster (an idle process's "
+             "nvidia-smi use; default: the device type's cuda_context_gb), in the derived allowance")
     moe_load_imbalance: float = flag(
         "--moe-load-imbalance", group=PLANNER, default=1.0, minimum=1.0,
         help="MoE models: max/mean tokens per expert the memory and time are planned for (default 1.0: the even "
@@ -81,6 +92,7 @@ class PlannerConfig:
 
     def __post_init__(self) -> None:
         self.profile = list(self.profile)
+        check_ranges(self)
 
 
 AUTO = "auto"  # --plan auto: search at start-up for the world the run finds

@@ -57,11 +57,22 @@ def small_model(model: ModelConfig) -> ModelConfig:
 
 
 def unit_op_counts(model: ModelConfig, micro_batch_size: int = 1) -> dict[str, tuple[int, int]]:
-    """{unit kind: (forward operators, backward operators)} of `model`'s units on one rank (tp 1)."""
+    """{unit kind: (forward operators, backward operators)} of `model`'s units on one rank (tp 1); counted once
+    per small model (models differing in size only share it)."""
+    small = small_model(model)
+    key = (repr(small), micro_batch_size)
+    if key not in _COUNTS:
+        _COUNTS[key] = _count(small, micro_batch_size)
+    return dict(_COUNTS[key])
+
+
+_COUNTS: dict[tuple, dict[str, tuple[int, int]]] = {}
+
+
+def _count(small: ModelConfig, micro_batch_size: int) -> dict[str, tuple[int, int]]:
     from ..parallel.state import ParallelState
     from .chunk import build_units, synthetic_batch
 
-    small = small_model(model)
     state = ParallelState.serial()
     with torch.random.fork_rng():
         units = build_units(small, state, 1234)

@@ -80,6 +80,7 @@ class _Op:
     RETURN_DONE = 9  # the acceptor waits for the data it returns to be back on the evictor
     LOAD_WAIT = 10  # a backward waits for its loaded activations
     HEADER = 11  # the evictor announces a (chunk, whole/half) class: its first forward of it has ended
+    SEND_WAIT = 12  # synchronous p2p: the sender waits until its SEND has reached the receiver
 
 
 _SYNTHETIC = _Op.EVICT_DONE  # ops from this code on are the compiler's waits, not schedule actions
@@ -124,8 +125,12 @@ class CompiledSchedule:
     derived: dict = field(default_factory=dict)  # what callers derive from the schedule once (e.g. its holds)
 
 
-def compile_schedule(schedule: Schedule) -> CompiledSchedule:
-    """Index a schedule's tensors once; pass the result to `replay` to skip this step."""
+def compile_schedule(schedule: Schedule, synchronous_p2p: bool = False) -> CompiledSchedule:
+    """Index a schedule's tensors once; pass the result to `replay` to skip this step.
+
+    `synchronous_p2p`: the engine waits for its sends, as Megatron-LM's p2p_communication does (batched
+    isend/irecv, then a wait on every request): before the compute after a run of SEND/RECV posts, the rank
+    waits until each of those SENDs has reached its receiver, which needs the receiver's RECV posted."""
     p = schedule.pp
     if len(schedule.actions) != p:
         raise ScheduleError(f"schedule has {len(schedule.actions)} rank lists for {p} pipeline ranks")
@@ -134,6 +139,8 @@ def compile_schedule(schedule: Schedule) -> CompiledSchedule:
         transfers = any(a.kind in TRANSFER_KINDS for acts in schedule.actions for a in acts)
         if transfers:
             ops = [_add_transfer_waits(schedule, rank, rank_ops) for rank, rank_ops in enumerate(ops)]
+        if synchronous_p2p:
+            ops = [_add_send_waits(rank_ops) for rank_ops in ops]
     return CompiledSchedule(schedule, ops, schedule.num_tensor_ids, p * schedule.num_keys if transfers else 0)
 
 
@@ -201,6 +208,19 @@ def _add_transfer_waits(schedule: Schedule, rank: int, rank_ops: list) -> list:
     return out
 
 
+def _add_send_waits(rank_ops: list) -> list:
+    """A SEND_WAIT for every SEND of a run of posts, before the compute after them (or at the end)."""
+    out, pending = [], []
+    for entry in rank_ops:
+        if entry[0] == _Op.COMPUTE and pending:
+            out.extend(pending)
+            pending.clear()
+        out.append(entry)
+        if entry[0] == _Op.SEND:
+            pending.append((_Op.SEND_WAIT, entry[1], entry[2], entry[3], -1))
+    return out + pending
+
+
 def _compile_rank(schedule: Schedule, rank: int, acts: list[Action]) -> list[tuple[int, Action, int, int, int]]:
     m, v = schedule.num_microbatches, schedule.virtual_stages
     tensor, tensor_id, rank_of = schedule.tensor, schedule.tensor_id, schedule.rank_of
@@ -247,14 +267,16 @@ def replay(
     transfer_time: Callable[[int, int, Action], float] = _zero_transfer,
     record: bool = True,
     bpipe_time: Callable[[int, int, Action], float] = _zero_transfer,
+    synchronous_p2p: bool = False,
 ) -> Replay:
-    """Run `schedule` with the given durations; raises DeadlockError if it gets stuck.
+    """Run `schedule` with the given durations; raises DeadlockError if it gets stuck. `synchronous_p2p`: see
+    compile_schedule (a compiled schedule keeps the mode it was compiled with).
 
     `bpipe_time(src, dst, action)` is how long an EVICT (evictor -> acceptor) or a RETURN (acceptor ->
     evictor) takes to move one key's saved activations. `record=False` leaves the timeline empty
     (makespan and busy times only), for speed.
     """
-    compiled = schedule if isinstance(schedule, CompiledSchedule) else compile_schedule(schedule)
+    compiled = schedule if isinstance(schedule, CompiledSchedule) else compile_schedule(schedule, synchronous_p2p)
     with gc_paused():
         return _run(compiled, compute_time, transfer_time, record, bpipe_time)
 
@@ -279,7 +301,7 @@ class _State:
     __slots__ = ("ops", "show_chunk", "send_at", "send_rank", "send_action", "recv_at", "produced_at", "waiting",
                  "headers", "x_at", "x_wait", "x_time", "index", "clock", "busy", "timeline", "ready", "ncomp",
                  "last_end", "causes", "transfers", "moves", "send_after", "recv_after", "made_by", "x_after",
-                 "load_cause")
+                 "load_cause", "recv_waiting")
 
     def __init__(self, compiled: CompiledSchedule, record: bool) -> None:
         ops = self.ops = compiled.ops
@@ -292,6 +314,7 @@ class _State:
         self.recv_at: list[float | None] = [None] * n_tensors
         self.produced_at: list[float | None] = [None] * n_tensors
         self.waiting = [-1] * n_tensors  # rank blocked on the tensor
+        self.recv_waiting = [-1] * n_tensors  # synchronous p2p: the sender blocked until the tensor's RECV is posted
         # BPipe events: at[_POSTS * transfer + post] for each _Post of a transfer; then one per (evictor, chunk,
         # class) header. Their moves: time[_MOVES * transfer + move] for each _Move.
         n_x = compiled.num_transfers
@@ -386,8 +409,19 @@ def _walk(state: _State, compute_time: Callable[[int, Action], float],
                     recv_at[tid] = t
                     if record:
                         recv_after[tid] = ncomp[rank] - 1
+                    if state.recv_waiting[tid] >= 0:
+                        ready.append(state.recv_waiting[tid])
+                        state.recv_waiting[tid] = -1
                 if record:
                     line.append((a, t, t))
+            elif op == _Op.SEND_WAIT:
+                posted = recv_at[tid]
+                if posted is None:
+                    state.recv_waiting[tid] = rank
+                    break
+                done = max(send_at[tid], posted) + transfer_time(rank, peer, a)
+                if done > t:
+                    t = done
             else:
                 after = _bpipe_op(state, rank, op, a, tid, peer, produced, t, record, bpipe_time)
                 if after is None:  # the event it waits for is not posted yet

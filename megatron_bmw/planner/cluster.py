@@ -229,6 +229,26 @@ class Cluster:
         return replace(self, groups=(replace(self.groups[0], nodes=num_nodes),))
 
 
+    def with_bus_bandwidth(self, inter_node: float | None = None, intra_node: float | None = None) -> Cluster:
+        """The same cluster with measured NCCL bus bandwidths in bytes/s (nccl-tests' busbw, or a measured
+        all-reduce's 2(n-1)/n x bytes / time): `inter_node` is what every ring crossing nodes gets, whatever its
+        GPUs per node (the groups' NIC sharing is what the measurement already holds, so it is dropped);
+        `intra_node` each group's link inside a node. Latencies stay the cluster's."""
+        if self.bandwidth_matrix is not None and (inter_node or intra_node):
+            raise UsageError(f"--inter-node-bus-bandwidth/--intra-node-bus-bandwidth: cluster {self.name} has an "
+                             "explicit bandwidth matrix; edit its YAML file instead")
+        groups = []
+        for g in self.groups:
+            if inter_node is not None:
+                g = replace(g, nics_per_node=None,
+                            inter_node=None if g.inter_node is None else Link(inter_node, g.inter_node.latency))
+            if intra_node is not None:
+                g = replace(g, intra_node=Link(intra_node, g.intra_node.latency))
+            groups.append(g)
+        inter = self.inter_node if inter_node is None else Link(inter_node, self.inter_node.latency)
+        return replace(self, groups=tuple(groups), inter_node=inter)
+
+
 # ---- loading -------------------------------------------------------------------------------------------------
 BUILTIN = BUILTIN_CLUSTERS
 

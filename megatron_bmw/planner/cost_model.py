@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..pipeline.generators import SCHEDULES
 from ..pipeline.schedule import Action, Kind
 from .cluster import Cluster, DeviceType, Link
 from .comm_cost import CommCosts
@@ -141,28 +142,32 @@ def optimizer_step_seconds(params: float, dp: int, zero1: bool, dtype_bytes: int
 
 def check_engine_runs(spec: RunSpec, engine: EngineConfig) -> None:
     """A UsageError where `spec` uses what `engine` does not run. Ours runs everything. Megatron-LM runs 1F1B
-    and interleaved 1F1B over stages of whole layers (the embedding and the head beside layers), without BPipe,
-    slicing or per-unit strategies; DeepSpeed's pipeline engine runs 1F1B (or GPipe) without BPipe or
+    and interleaved 1F1B (and, in the zero-bubble authors' fork, sail-sg/zero-bubble-pipeline-parallelism, the
+    zero-bubble schedules) over stages of whole layers, where the embedding or the output layer may also be a
+    stage of its own (--account-for-embedding-in-pipeline-split, --account-for-loss-in-pipeline-split), without
+    BPipe, slicing or per-unit strategies; DeepSpeed's pipeline engine runs 1F1B (or GPipe) without BPipe or
     sequence parallelism."""
     if engine.name == OURS:
         return
     pl, name = spec.pipeline, f"--engine {engine.name}"
-    runs = ("1f1b", "gpipe") if engine.blocking_p2p else ("1f1b", "interleaved")
+    zero_bubble = tuple(x for x in SCHEDULES if x.startswith("zb"))
+    runs = ("1f1b", "gpipe") if engine.blocking_p2p else ("1f1b", "interleaved") + zero_bubble
     if pl.schedule not in runs:
         shown = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "interleaved 1F1B"}
-        raise UsageError(f"{name} runs the {' or '.join(shown[r] for r in runs)} schedule, not {pl.schedule}")
+        raise UsageError(f"{name} runs the {', '.join(shown.get(r, r) for r in runs)} schedule, not {pl.schedule}")
     for used, what in ((pl.bpipe, "BPipe (--bpipe)"), (pl.slicing, "micro-batch slicing (--microbatch-slicing)"),
                        (spec.unit_strategies, "per-unit strategies (--unit-strategies)"),
                        (engine.blocking_p2p and spec.sp, "sequence parallelism (--sequence-parallel)")):
         if used:
             raise UsageError(f"{name} has no {what}")
     units, layers, end = unit_names(spec.model.num_layers), spec.model.num_layers, 0
+    alone = () if engine.blocking_p2p else (1, 2 * layers + 1)  # after the embedding alone, the head alone
     for size in pl.partition[:-1]:
         end += size  # the next stage starts with unit `end`: a layer's attention after a whole layer
-        if not (units[end].startswith("attn_") and 3 <= end <= 2 * layers - 1):
+        if not ((units[end].startswith("attn_") and 3 <= end <= 2 * layers - 1) or end in alone):
             raise UsageError(f"{name} runs pipeline stages of whole transformer layers (the embedding and the head "
-                             f"beside layers); --pipeline-partition {','.join(map(str, pl.partition))} starts a stage "
-                             f"at {units[end]}")
+                             f"beside layers{'' if engine.blocking_p2p else ', or each a stage of its own'}); "
+                             f"--pipeline-partition {','.join(map(str, pl.partition))} starts a stage at {units[end]}")
 
 
 class CostModel(CommCosts):

@@ -138,6 +138,14 @@ class EngineConfig:
         while its transfers run (Megatron's batched isend/irecv, and ours, run beside the compute)."""
         return self.name == "deepspeed"
 
+    def synchronous_p2p(self, schedule: str) -> bool:
+        """Whether the sender of a pipeline transfer waits for it to arrive: Megatron-LM's own schedules (1F1B,
+        interleaved) post each send with the receive of the next input after a compute and wait on both
+        (p2p_communication._communicate), so a rank runs on only once its neighbour has posted the matching receive;
+        the zero-bubble schedules' Megatron-LM fork (sail-sg/zero-bubble-pipeline-parallelism) and our engine post
+        receives ahead and wait only for inputs. DeepSpeed's transfers hold the compute (blocking_p2p)."""
+        return self.name not in (OURS, "deepspeed") and schedule in ("1f1b", "interleaved")
+
     @property
     def runs_here(self) -> bool:
         """Whether our runtime (pretrain_gpt.py) runs a plan for this engine."""

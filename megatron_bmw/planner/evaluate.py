@@ -6,11 +6,13 @@ from dataclasses import dataclass
 
 from ..pipeline.build import build_schedule
 from ..pipeline.holding import holding_events
-from ..pipeline.replay import CompiledSchedule
+from ..pipeline.megatron_p2p import megatron_communication
+from ..pipeline.replay import CompiledSchedule, compile_schedule
 from ..pipeline.schedule import Schedule
 from .cluster import Cluster
 from .core_sharing import simulate_sharing_cores
 from .cost_model import CostModel, CostSettings
+from .engine import EngineConfig
 from .memory_model import (MemorySettings, RankMemory, chunk_saved_bytes, chunk_wgrad_bytes, precision_from,
                            rank_memory)
 from .profile_data import Profile, Profiles
@@ -52,6 +54,14 @@ class Evaluation:
     cost: CostModel
 
 
+def compiled_for(schedule: Schedule, engine: EngineConfig) -> CompiledSchedule:
+    """`schedule` compiled as `engine` runs its transfers: Megatron-LM's own schedules in batches that their sends
+    wait for (EngineConfig.synchronous_p2p, pipeline/megatron_p2p.py); others as generated."""
+    if engine.synchronous_p2p(schedule.name):
+        return compile_schedule(megatron_communication(schedule), synchronous_p2p=True)
+    return compile_schedule(schedule)
+
+
 def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile | None = None,
                  cost_settings: CostSettings = CostSettings(), memory_settings: MemorySettings = MemorySettings(),
                  schedule: Schedule | CompiledSchedule | None = None, record_transfers: bool = False,
@@ -60,6 +70,8 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
     cost model's durations."""
     compiled = schedule if isinstance(schedule, CompiledSchedule) else None
     schedule = compiled.schedule if compiled is not None else schedule or build_schedule(spec.pipeline, spec.pp)
+    if compiled is None and cost_settings.engine.synchronous_p2p(schedule.name):
+        compiled = compiled_for(schedule, cost_settings.engine)
     layout = spec.stage_layout()
     if spec.unit_strategies is not None:  # Galvatron-BMW per-unit strategies
         from .hybrid_cost import HybridCostModel

@@ -29,12 +29,11 @@ from dataclasses import dataclass, field, replace
 from ..config import ModelConfig, padded_vocab_size
 from ..errors import UsageError
 from ..pipeline.build import build_schedule
-from ..pipeline.replay import compile_schedule
 from ..pipeline.schedule import gc_paused
 from ..pipeline.slicing import choose_slices
 from .cluster import Cluster
 from .cost_model import CostSettings
-from .evaluate import Evaluation, simulate_run, stage_capacity
+from .evaluate import Evaluation, compiled_for, simulate_run, stage_capacity
 from .flops import unit_forward_flops
 from .hybrid_search import HybridProblem, HybridSolution, hybrid_layouts, summarize
 from .memory_model import MemorySettings
@@ -419,7 +418,7 @@ class _Simulator:
         if sol is not None:
             spec = sol.spec(self.prob.model, slicing)
             if slicing not in self.compiled:
-                self.compiled[slicing] = compile_schedule(build_schedule(spec.pipeline, spec.pp))
+                self.compiled[slicing] = compiled_for(build_schedule(spec.pipeline, spec.pp), self.costs.engine)
             ev = simulate_run(spec, self.cluster, self.profiles, self.costs, self.memory,
                               schedule=self.compiled[slicing], memory_over_time=False)
             self.stats["simulated"] += 1
@@ -432,7 +431,7 @@ class _Simulator:
         if key not in self.cache:
             spec = sol.spec(self.prob.model)
             if 0 not in self.compiled:
-                self.compiled[0] = compile_schedule(build_schedule(spec.pipeline, spec.pp))
+                self.compiled[0] = compiled_for(build_schedule(spec.pipeline, spec.pp), self.costs.engine)
             self.cache[key] = (sol, simulate_run(spec, self.cluster, self.profiles, self.costs, self.memory,
                                                  schedule=self.compiled[0], memory_over_time=False))
             self.stats["simulated"] += 1

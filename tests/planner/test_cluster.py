@@ -147,3 +147,18 @@ def test_numbers_in_exponent_form(tmp_path):
     assert cluster.inter_node.bandwidth == pytest.approx(100e9) and cluster.inter_node.latency == pytest.approx(30e-6)
     assert cluster.groups[0].intra_node.bandwidth == pytest.approx(150e9)
     assert cluster.groups[0].device.memory_bytes == 16 * 2**30  # memory_gb counts GiB
+
+
+def test_a_measured_bus_bandwidth_is_what_every_ring_gets():
+    """--inter-node-bus-bandwidth: the measurement holds the NIC sharing, so every ring crossing nodes gets it
+    whatever its GPUs per node; --intra-node-bus-bandwidth replaces the NVLink figure."""
+    from megatron_bmw.config.planner import PlannerConfig
+    from megatron_bmw.planner_args import measured_links
+
+    dgx = load_cluster("a100-80g-ib", num_nodes=4)
+    jz = measured_links(PlannerConfig(inter_node_bus_bandwidth=5.06, intra_node_bus_bandwidth=100.0), dgx)
+    for ranks in ([0, 8, 16, 24], [0, 4, 8, 12], list(range(32))):
+        assert jz.slowest_link(ranks).bandwidth == pytest.approx(5.06e9)
+    assert jz.slowest_link(list(range(8))).bandwidth == pytest.approx(100e9)
+    assert jz.inter_node.latency == dgx.inter_node.latency
+    assert measured_links(PlannerConfig(), dgx) is dgx

@@ -192,3 +192,40 @@ def test_a_search_for_another_engine_plans_only_what_it_runs(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(base + ["--engine", "megatron-core", "--space", "schedule=zb-h1"])
     assert exc.value.code == 2 and "runs only 1f1b, interleaved" in capsys.readouterr().err
+
+
+def _simulated(flags):
+    from megatron_bmw.cli.autoconfig import simulate_flags
+
+    base = ["--cluster", "a100-80g-ib", "--num-nodes", "1", "--num-layers", "6", "--hidden-size", "256",
+            "--num-attention-heads", "4", "--seq-length", "256", "--vocab-size", "1000", "--bf16",
+            "--micro-batch-size", "1", "--pipeline-model-parallel-size", "4", "--global-batch-size", "8"]
+    return simulate_flags(base + flags)[0]
+
+
+def test_megatron_core_stages_may_hold_the_embedding_or_the_head_alone():
+    """--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: 6 layers + 2 ends over
+    4 stages of two; a stage ending inside a layer is still refused."""
+    assert _simulated(["--engine", "megatron-core", "--pipeline-partition", "3,4,4,3"]).simulation.iteration_time > 0
+    interleaved = ["--engine", "megatron-core", "--virtual-pipeline-model-parallel-size", "2",
+                   "--pipeline-partition", "1,2,2,2,2,2,2,1"]
+    assert _simulated(interleaved).simulation.iteration_time > 0
+    with pytest.raises(UsageError, match="starts a stage at mlp_0"):
+        _simulated(["--engine", "megatron-core", "--pipeline-partition", "2,5,4,3"])
+
+
+def test_megatron_cores_own_schedules_wait_for_their_sends():
+    """Megatron-LM's 1F1B waits for each batch of sends (planner/evaluate.compiled_for): slower than the same
+    schedule with our engine's transfers beside the compute, on the same durations; the zero-bubble schedules (the
+    ZB authors' fork) are simulated with theirs."""
+    from megatron_bmw.planner.evaluate import compiled_for, simulate_run
+
+    ev = _simulated(["--engine", "megatron-core", "--pipeline-partition", "3,4,4,3"])
+    core = ev.cost.settings.engine
+    assert core.synchronous_p2p("1f1b") and core.synchronous_p2p("interleaved")
+    assert not core.synchronous_p2p("zb-h1") and not EngineConfig().synchronous_p2p("1f1b")
+    free = simulate_run(ev.spec, ev.cost.cluster, None, ev.cost.settings, schedule=compiled_for(
+        build_schedule(ev.spec.pipeline, ev.spec.pp), EngineConfig()))
+    assert ev.simulation.iteration_time > free.simulation.iteration_time
+    zb = _simulated(["--engine", "megatron-core", "--pipeline-partition", "3,4,4,3", "--pipeline-schedule", "zb-h1"])
+    assert zb.simulation.iteration_time < ev.simulation.iteration_time
