@@ -432,3 +432,25 @@ def test_deepspeeds_transfers_hold_the_compute(tp):
     interleaved = _spec(model=half, partition=(3, 2, 2, 3), schedule="interleaved", virtual_stages=2)
     with pytest.raises(UsageError, match="runs the 1F1B"):
         CostModel(interleaved, cluster, settings=CostSettings(engine=EngineConfig("deepspeed")))
+
+
+def test_megatron_core_plans_pay_no_host_floor_unless_launches_block():
+    """The per-operator host time is measured for our runtime: Megatron-core with Transformer Engine runs its
+    launches ahead of the GPU, so its analytic units carry no host floor; --cuda-launch-blocking adds the host for
+    any engine."""
+    from megatron_bmw.planner_args import build_autoconfig_parser, cost_settings, planner_config, serial_model
+
+    base = ["simulate", "--cluster", "h100-80g-ib", "--num-layers", "2", "--hidden-size", "1024",
+            "--num-attention-heads", "8", "--seq-length", "1024", "--max-position-embeddings", "1024",
+            "--vocab-size", "51200", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]
+    parser = build_autoconfig_parser()
+
+    def settings(*extra):
+        args = parser.parse_args(base + list(extra))
+        return cost_settings(planner_config(args), model_of=lambda: serial_model(args)[0])
+
+    core = settings("--engine", "megatron-core")
+    assert core.host_ops is None and not core.launch_blocking
+    assert settings("--engine", "megatron_bmw").host_ops is not None
+    blocking = settings("--engine", "megatron-core", "--cuda-launch-blocking")
+    assert blocking.launch_blocking and blocking.host_ops is not None
