@@ -46,13 +46,14 @@ def _estimate(args, plan) -> int:
 
 
 def _simulated(args, plan):
-    """(Evaluation, cluster, memory settings) of `simulate`'s parsed flags."""
+    """(Evaluation, cluster, memory settings, profiles) of `simulate`'s parsed flags."""
     planner, profiles, cluster, engine = _planner(args, plan)
     costs = cost_settings(planner, profiles, plan, model_of=lambda: serial_model(args)[0], engine=engine)
     spec = planned_spec(args.plan, plan, planner, cluster) if plan else \
         spec_from_flags(args, planner, cluster, profiles, costs)
     settings = memory_settings(planner, profiles, cluster, engine)
-    return simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline)), cluster, settings
+    ev = simulate_run(spec, cluster, profiles, costs, settings, record_transfers=bool(args.timeline))
+    return ev, cluster, settings, profiles
 
 
 def simulate_flags(argv: list[str]):
@@ -60,12 +61,12 @@ def simulate_flags(argv: list[str]):
     check the planner against published runs go through it, so they use only what the command line offers."""
     parser = build_autoconfig_parser()
     args = parse_args(["simulate"] + list(argv), parser)
-    return _simulated(args, plan_from_args(args, argv, subcommand_parser(parser, "simulate")))
+    return _simulated(args, plan_from_args(args, argv, subcommand_parser(parser, "simulate")))[:3]
 
 
 def _simulate(args, plan) -> int:
     check_output_file("--timeline", args.timeline)
-    ev, cluster, settings = _simulated(args, plan)
+    ev, cluster, settings, profiles = _simulated(args, plan)
     spec = ev.spec
     data = simulate_json(ev, cluster, settings)
     if args.timeline:

@@ -393,8 +393,7 @@ def _walk(state: _State, compute_time: Callable[[int, Action], float],
                 if produced >= 0:
                     produced_at[produced] = end
                     if waiting[produced] >= 0:
-                        ready.append(waiting[produced])
-                        waiting[produced] = -1
+                        _wake(waiting, produced, ready)
             elif op < evict:
                 if op == send:
                     send_at[tid] = t
@@ -403,33 +402,39 @@ def _walk(state: _State, compute_time: Callable[[int, Action], float],
                     if record:
                         send_after[tid] = ncomp[rank] - 1
                     if waiting[tid] >= 0:
-                        ready.append(waiting[tid])
-                        waiting[tid] = -1
+                        _wake(waiting, tid, ready)
                 elif op == recv:
                     recv_at[tid] = t
                     if record:
                         recv_after[tid] = ncomp[rank] - 1
                     if state.recv_waiting[tid] >= 0:
-                        ready.append(state.recv_waiting[tid])
-                        state.recv_waiting[tid] = -1
+                        _wake(state.recv_waiting, tid, ready)
                 if record:
                     line.append((a, t, t))
-            elif op == _Op.SEND_WAIT:
-                posted = recv_at[tid]
-                if posted is None:
-                    state.recv_waiting[tid] = rank
-                    break
-                done = max(send_at[tid], posted) + transfer_time(rank, peer, a)
-                if done > t:
-                    t = done
             else:
-                after = _bpipe_op(state, rank, op, a, tid, peer, produced, t, record, bpipe_time)
+                after = _send_wait(state, rank, a, tid, peer, t, transfer_time) if op == _Op.SEND_WAIT else \
+                    _bpipe_op(state, rank, op, a, tid, peer, produced, t, record, bpipe_time)
                 if after is None:  # the event it waits for is not posted yet
                     break
                 t = after
             i += 1
         index[rank] = i
         clock[rank] = t
+
+
+def _wake(waiting: list[int], tid: int, ready: deque) -> None:
+    ready.append(waiting[tid])
+    waiting[tid] = -1
+
+
+def _send_wait(state: _State, rank: int, a: Action, tid: int, peer: int, t: float,
+               transfer_time: Callable[[int, int, Action], float]) -> float | None:
+    """Synchronous p2p: the time the SEND of `tid` has reached `peer` (None: its RECV is not posted yet)."""
+    posted = state.recv_at[tid]
+    if posted is None:
+        state.recv_waiting[tid] = rank
+        return None
+    return max(t, max(state.send_at[tid], posted) + transfer_time(rank, peer, a))
 
 
 def _record_compute(state: _State, rank: int, a: Action, tid: int, peer: int, produced: int, start: float, end: float,

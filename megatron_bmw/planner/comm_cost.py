@@ -23,6 +23,7 @@ from collections.abc import Callable
 from ..pipeline.schedule import Action, Kind
 from ..units import unit_kind_of
 from .cluster import Link
+from .engine import OURS
 from .kernel_time import unit_edge_shapes
 from .memory_model import chunk_units
 from .moe_model import group_local_indices, local_to_coords
@@ -167,8 +168,8 @@ class CommCosts:
                 if overlapped is not None:
                     return overlapped
             return (add(ag, ag), add(ag, ag, ag)) if sp else (ar, ar)
-        if kind == "embedding":
-            return ar, (ag if sp else zero)
+        if kind == "embedding":  # Megatron-core reduce-scatters the lookup under SP; ours all-reduces, then splits
+            return (ag if sp and self.settings.engine.name != OURS else ar), (ag if sp else zero)
         small = allreduce_parts(self.unit_model.seq_length * self.spec.pipeline.micro_batch_size * 4, tp, link)
         return add(ag if sp else zero, small, small, small), (add(ag, ag) if sp else ar)
 

@@ -229,3 +229,17 @@ def test_megatron_cores_own_schedules_wait_for_their_sends():
     assert ev.simulation.iteration_time > free.simulation.iteration_time
     zb = _simulated(["--engine", "megatron-core", "--pipeline-partition", "3,4,4,3", "--pipeline-schedule", "zb-h1"])
     assert zb.simulation.iteration_time < ev.simulation.iteration_time
+
+
+def test_megatron_core_reduce_scatters_the_embedding_under_sequence_parallelism():
+    """VocabParallelEmbedding with reduce_scatter_embeddings: half an all-reduce's bytes; ours all-reduces, then
+    splits the sequence."""
+    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "1"]
+    base = ["--cluster", "a100-80g-ib", "--num-nodes", "1", "--num-layers", "2", "--hidden-size", "256",
+            "--num-attention-heads", "4", "--seq-length", "256", "--vocab-size", "1000", "--bf16",
+            "--micro-batch-size", "1", "--global-batch-size", "8"]
+    from megatron_bmw.cli.autoconfig import simulate_flags
+
+    core = simulate_flags(base + flags + ["--engine", "megatron-core"])[0].cost.tp_comm("embedding", 0)[0]
+    ours = simulate_flags(base + flags)[0].cost.tp_comm("embedding", 0)[0]
+    assert 0 < core < 0.75 * ours
