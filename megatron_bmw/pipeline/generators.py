@@ -1,5 +1,6 @@
 """Schedule generators: GPipe, 1F1B (PipeDream-Flush), Megatron's interleaved 1F1B, zero-bubble ZB-H1, and
-ZB-H2 and ZB-V (list-scheduled, pipeline/zero_bubble.py).
+ZB-H2 and ZB-V (list-scheduled, pipeline/zero_bubble.py), ZB-1p and ZB-2p (searched for the stages' times,
+pipeline/zb_search.py).
 
 Each generator returns the compute order only; `add_communication` inserts the SEND/RECV
 actions and `generate` does both.
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from .schedule import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule, gc_paused
+from .zb_search import SEARCHED_ZB, zb_search
 from .zero_bubble import list_schedule, zb_h2_budgets, zbv_order
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-1p", "zb-2p", "zbv")
+TIMED = tuple(SEARCHED_ZB)  # schedules whose order depends on the stages' (f, b, w, send) times
 CHUNKS = {"zbv": 2}  # model chunks per rank, where a schedule fixes them
 
 
@@ -207,12 +210,13 @@ def add_communication(schedule: Schedule) -> Schedule:
     return schedule.copy(new_actions)
 
 
-def generate(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Build a schedule with communication. `name` in SCHEDULES; zbv has v = 2 (CHUNKS)."""
-    return add_communication(compute_schedule(name, p, m, v))
+def generate(name: str, p: int, m: int, v: int = 1, times=None) -> Schedule:
+    """Build a schedule with communication. `name` in SCHEDULES; zbv has v = 2 (CHUNKS); `times`: per stage
+    (f, b, w, send) for the TIMED ones (default: equal stages), ignored by the others."""
+    return add_communication(compute_schedule(name, p, m, v, times))
 
 
-def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+def compute_schedule(name: str, p: int, m: int, v: int = 1, times=None) -> Schedule:
     """generate's compute actions only (what pipeline/holding.py counts), without SEND/RECV."""
     if name not in SCHEDULES:
         raise UsageError(f"unknown pipeline schedule {name!r} (choose {', '.join(SCHEDULES)})")
@@ -234,6 +238,8 @@ def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         compute = zb_h2(p, m)
     elif name == "zbv":
         compute = zbv(p, m)
+    elif name in SEARCHED_ZB:
+        compute = zb_search(name, p, m, times)
     else:
         compute = interleaved_1f1b(p, m, v)
     return compute
