@@ -45,14 +45,14 @@ def equal_times(p: int) -> list[StageTimes]:
 
 
 def check_times(times: Sequence[Sequence[float]], p: int, where: str = "pipeline.schedule_times") -> list[StageTimes]:
-    """`times` as p (f, b, w, send) tuples of finite non-negative floats (f, b, w > 0); UsageError otherwise."""
+    """`times` as p (f, b, w, send) tuples of finite non-negative floats; UsageError otherwise."""
     if len(times) != p:
         raise UsageError(f"{where}: {len(times)} stages of times for {p} pipeline stages")
     out = []
     for s, row in enumerate(times):
         vals = tuple(float(x) for x in row)
-        if len(vals) != 4 or not all(math.isfinite(x) and x >= 0 for x in vals) or min(vals[:3]) <= 0:
-            raise UsageError(f"{where}: stage {s} needs (f, b, w, send) finite, f, b, w > 0, got {list(row)}")
+        if len(vals) != 4 or not all(math.isfinite(x) and x >= 0 for x in vals):
+            raise UsageError(f"{where}: stage {s} needs (f, b, w, send) finite and >= 0, got {list(row)}")
         out.append(vals)
     return out
 

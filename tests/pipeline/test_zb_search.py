@@ -82,7 +82,7 @@ def test_bad_times_are_usage_errors():
     with pytest.raises(UsageError, match="pipeline.schedule_times: 3 stages of times for 4"):
         build_schedule(PipelineConfig(num_microbatches=4, schedule="zb-2p", schedule_times=_skewed(3)), 4)
     with pytest.raises(UsageError, match="stage 1 needs"):
-        zb_search("zb-1p", 2, 4, [(1, 1, 1, 0), (1, 0, 1, 0)])
+        zb_search("zb-1p", 2, 4, [(1, 1, 1, 0), (1, -1, 1, 0)])
     with pytest.raises(UsageError, match="only zb-1p, zb-2p take stage times"):
         PipelineConfig(num_microbatches=4, schedule="zb-h1", schedule_times=_skewed(2))
     with pytest.raises(UsageError, match="expected per stage"):
