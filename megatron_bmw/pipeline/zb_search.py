@@ -32,7 +32,10 @@ from collections import deque
 from collections.abc import Sequence
 
 from ..errors import UsageError
+from .communication import add_communication
+from .replay import replay
 from .schedule import Action, Kind, Schedule
+from .zero_bubble import list_schedule, zb_h1_order, zb_h2_budgets
 
 SEARCHED_ZB = {"zb-1p": 1, "zb-2p": 2}  # name -> memory limit in multiples of p
 StageTimes = tuple[float, float, float, float]  # (f, b, w, send to the next stage) in seconds
@@ -177,23 +180,19 @@ def greedy_order(p: int, m: int, times: list[StageTimes], limits: list[float], c
 
 
 def _candidates(name: str, p: int, m: int, times: list[StageTimes], limits: list[float]) -> list[list[list[Action]]]:
-    from .generators import zb_h1, zb_h2  # generators imports this module
     cap_sets = ([m] * p, [min(m, p - s) for s in range(p)], [min(m, 2 * (p - s) - 1) for s in range(p)])
     out = []
     for caps in cap_sets:
         for hold_back in (False, True):
             out.append(greedy_order(p, m, times, limits, caps, hold_back))
-    out.append(zb_h1(p, m).actions)  # rank r holds at most p micro-batches
+    out.append(zb_h1_order(p, m).actions)  # rank r holds at most p micro-batches
     if min(limits) >= 2 * p - 1:
-        out.append(zb_h2(p, m).actions)
+        out.append(list_schedule("zb-h2", p, m, 1, "interleaved", zb_h2_budgets(p)).actions)
     return out
 
 
 def makespan(schedule: Schedule, times: list[StageTimes]) -> float:
     """The replayed iteration time of `schedule` (one chunk per rank) with `times` and their transfers."""
-    from .generators import add_communication
-    from .replay import replay
-
     def compute(rank: int, a: Action) -> float:
         f, b, w, _ = times[rank]
         return {Kind.FORWARD: f, Kind.BACKWARD_INPUT: b, Kind.BACKWARD_WEIGHT: w, Kind.BACKWARD: b + w}[a.kind]
