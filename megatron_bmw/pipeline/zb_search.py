@@ -14,8 +14,7 @@ stage's passes:
 Ties in time go to the lower stage; everything is a pure function of its inputs, so every rank builds the same
 order (the runtime regenerates it from the times the plan carries, pipeline/build.py).
 
-The walk runs in a few variants (warm-up caps: memory only, 1F1B's p - s, ZB-H2's 2(p - s) - 1; with or without
-holding back an F that would delay a B whose gradient is known to arrive during it). Each variant, and the
+The walk runs in three variants (warm-up caps: memory only, 1F1B's p - s, ZB-H2's 2(p - s) - 1). Each, and the
 handcrafted ZB-H1 order (and ZB-H2's where its 2p - 1 micro-batches fit the limit), is replayed
 (pipeline/replay.py) with the same times and transfers; the fastest wins (ties: the earlier candidate). So the
 result is never slower than ZB-H1 under those times, and where the heuristic loses it is a handcrafted order.
@@ -63,9 +62,8 @@ def check_times(times: Sequence[Sequence[float]], p: int, where: str = "pipeline
 class _Walk:
     """One greedy walk (see the module docstring): per stage its clock, next F and B, pending W's, holding."""
 
-    def __init__(self, p: int, m: int, times: list[StageTimes], limits: list[float], caps: list[int],
-                 hold_back: bool) -> None:
-        self.p, self.m, self.times, self.limits, self.caps, self.hold_back = p, m, times, limits, caps, hold_back
+    def __init__(self, p: int, m: int, times: list[StageTimes], limits: list[float], caps: list[int]) -> None:
+        self.p, self.m, self.times, self.limits, self.caps = p, m, times, limits, caps
         self.free = [0.0] * p
         self.idle = [0.0] * p
         self.nf = [0] * p
@@ -79,20 +77,22 @@ class _Walk:
         self.order: list[list[Action]] = [[] for _ in range(p)]
 
     def run(self) -> list[list[Action]]:
-        while True:
-            active = [s for s in range(self.p) if self.left[s]]
-            if not active:
-                return self.order
-            t = min(self.free[s] for s in active)
+        active = list(range(self.p))
+        while active:
+            free = self.free
+            t = min(free[s] for s in active)
+            at_t = [s for s in active if free[s] == t]
             acted = False
-            for s in active:
-                if self.free[s] == t:
-                    a = self._decide(s, t)
-                    if a is not None:
-                        self._place(s, t, a)
-                        acted = True
-            if not acted:
-                self._advance(t, [s for s in active if self.free[s] == t], active)
+            for s in at_t:
+                a = self._decide(s, t)
+                if a is not None:
+                    self._place(s, t, a)
+                    acted = True
+            if acted:
+                active = [s for s in active if self.left[s]]
+            else:
+                self._advance(t, at_t, active)
+        return self.order
 
     def _advance(self, t: float, waiting: list[int], active: list[int]) -> None:
         while self.arrivals and self.arrivals[0] <= t:
@@ -115,8 +115,7 @@ class _Walk:
         f_ready = nf < self.m and self.act_at[s][nf] is not None and self.act_at[s][nf] <= t + _EPS
         mem_ok = self.held[s] + 1 <= self.limits[s] + _EPS
         warm_ok = nb > 0 or nf < self.caps[s]
-        delays_b = self.hold_back and grad is not None and grad < t + self.times[s][0]
-        if f_ready and mem_ok and warm_ok and not delays_b:
+        if f_ready and mem_ok and warm_ok:
             return Action(Kind.FORWARD, nf)
         if not self.wq[s]:
             return None
@@ -170,25 +169,24 @@ class _Walk:
         heapq.heappush(self.arrivals, at)
 
 
-def greedy_order(p: int, m: int, times: list[StageTimes], limits: list[float], caps: list[int] | None = None,
-                 hold_back: bool = False) -> list[list[Action]]:
+def greedy_order(p: int, m: int, times: list[StageTimes], limits: list[float],
+                 caps: list[int] | None = None) -> list[list[Action]]:
     """One walk's per-rank F/B/W order (caps: the most F's before each stage's first B; default: memory only)."""
     if min(limits) < 1:
         raise UsageError(f"zero-bubble search: every stage must hold at least 1 micro-batch, got {min(limits)}")
     caps = caps if caps is not None else [m] * p
-    return _Walk(p, m, times, limits, caps, hold_back).run()
+    return _Walk(p, m, times, limits, caps).run()
 
 
-def _candidates(name: str, p: int, m: int, times: list[StageTimes], limits: list[float]) -> list[list[list[Action]]]:
+def _candidates(p: int, m: int, times: list[StageTimes], limits: list[float]) -> list[list[list[Action]]]:
+    """The walk's variants, then the handcrafted orders that fit the limits (duplicates left out)."""
     cap_sets = ([m] * p, [min(m, p - s) for s in range(p)], [min(m, 2 * (p - s) - 1) for s in range(p)])
-    out = []
-    for caps in cap_sets:
-        for hold_back in (False, True):
-            out.append(greedy_order(p, m, times, limits, caps, hold_back))
+    out = [greedy_order(p, m, times, limits, caps) for caps in cap_sets]
     out.append(zb_h1_order(p, m).actions)  # rank r holds at most p micro-batches
     if min(limits) >= 2 * p - 1:
         out.append(list_schedule("zb-h2", p, m, 1, "interleaved", zb_h2_budgets(p)).actions)
-    return out
+    seen: set = set()
+    return [o for o in out if not (tuple(map(tuple, o)) in seen or seen.add(tuple(map(tuple, o))))]
 
 
 def makespan(schedule: Schedule, times: list[StageTimes]) -> float:
@@ -211,7 +209,7 @@ def zb_search(name: str, p: int, m: int, times: Sequence[Sequence[float]] | None
     stage_times = equal_times(p) if times is None else check_times(times, p)
     limits = [float(SEARCHED_ZB[name] * p)] * p
     best, best_time = None, math.inf
-    for order in _candidates(name, p, m, stage_times, limits):
+    for order in _candidates(p, m, stage_times, limits):
         sched = Schedule(name, p, m, 1, order)
         span = makespan(sched, stage_times)
         if span < best_time - 1e-12 * max(1.0, span):
