@@ -8,12 +8,13 @@ from ..errors import UsageError
 from ..units import parse_recompute
 from .schema import check_ranges, flag
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
-ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv")  # backward split into B and W
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-1p", "zb-2p", "zbv")
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zb-1p", "zb-2p", "zbv")  # backward split into B and W
+TIMED_SCHEDULES = ("zb-1p", "zb-2p")  # their order is searched for the stages' times (pipeline/zb_search.py)
 
 
 P = "parallelism"  # the flags' group
-PIPELINE_SCHEDULE_FLAG = ("1f1b", "gpipe", "zb-h1", "zb-h2", "zbv")  # interleaved: 1f1b with virtual stages
+PIPELINE_SCHEDULE_FLAG = ("1f1b", "gpipe", "zb-h1", "zb-h2", "zb-1p", "zb-2p", "zbv")  # interleaved: 1f1b with virtual stages
 
 
 @dataclass
@@ -67,10 +68,11 @@ class PipelineConfig:
 
     micro_batch_size: int = flag("--micro-batch-size", group="training", default=1, cli_default=2, minimum=1)
     num_microbatches: int = flag(default=1, minimum=1)  # from --global-batch-size, the micro-batch and dp sizes
-    schedule: str = flag(  # gpipe | 1f1b | interleaved | zero-bubble zb-h1 | zb-h2 | zbv (B/W split)
+    schedule: str = flag(  # gpipe | 1f1b | interleaved | zero-bubble zb-h1 | zb-h2 | zb-1p | zb-2p | zbv (B/W split)
         "--pipeline-schedule", group=P, default="1f1b", choices=PIPELINE_SCHEDULE_FLAG, domain=SCHEDULES,
         dest="pipeline_schedule",
-        help="zero-bubble: zb-h1, zb-h2 (more warm-up forwards), zbv (two chunks per rank in a V)")
+        help="zero-bubble: zb-h1, zb-h2 (more warm-up forwards), zb-1p, zb-2p (searched for the stage times, "
+             "p or 2p micro-batches held), zbv (two chunks per rank in a V)")
     virtual_stages: int = flag(default=1, minimum=1)  # model chunks per pipeline rank (interleaved; zbv 2)
     partition: tuple[int, ...] | None = flag(  # units per virtual stage; None: the default split
         "--pipeline-partition", group=P, default=None, type=str, dest="pipeline_partition",
@@ -81,6 +83,8 @@ class PipelineConfig:
     slicing: int | str = flag(  # AutoPipe: the first K micro-batches run as halves ("auto": chosen at start-up)
         "--microbatch-slicing", group=P, default=0, cli_default="0", type=str, dest="microbatch_slicing",
         help="halve the first K micro-batches to shorten the pipeline start-up (K >= 0, or auto)")
+    # zb-1p/zb-2p: per stage (f, b, w, send) seconds the order was searched with (a plan's); None: equal stages
+    schedule_times: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("--micro-batch-size", self.micro_batch_size),
@@ -98,6 +102,14 @@ class PipelineConfig:
             self.virtual_stages = 2
         elif self.virtual_stages > 1 and self.schedule != "interleaved":
             raise UsageError(f"--pipeline-schedule {self.schedule} cannot interleave model chunks")
+        if self.schedule_times is not None:
+            if self.schedule not in TIMED_SCHEDULES:
+                raise UsageError(f"pipeline.schedule_times: only {', '.join(TIMED_SCHEDULES)} take stage times, "
+                                 f"not {self.schedule}")
+            try:
+                self.schedule_times = tuple(tuple(float(x) for x in row) for row in self.schedule_times)
+            except (TypeError, ValueError):
+                raise UsageError("pipeline.schedule_times: expected per stage [f, b, w, send] numbers") from None
         if self.partition is not None:
             self.partition = tuple(self.partition)
         if self.recompute is not None:
@@ -121,6 +133,7 @@ class PipelineConfig:
         out = asdict(self)
         out["partition"] = list(self.partition) if self.partition is not None else None
         out["recompute"] = [x or "none" for x in self.recompute] if self.recompute is not None else None
+        out["schedule_times"] = None if self.schedule_times is None else [list(r) for r in self.schedule_times]
         return out
 
     @classmethod

@@ -2,7 +2,9 @@
 
 `build_schedule` is the one entry point: the runtime (pipeline/stages.py, training/loop.py), the planner, the
 trials and the tools (pipeline/show.py, benchmarks) all ask it; generators.generate (a named schedule,
-untransformed) is its first step."""
+untransformed) is its first step. ZB-1p and ZB-2p are searched for per-stage times: the plan's
+(`PipelineConfig.schedule_times`, written by the planner with the times it simulated), else equal stages; the
+search is a pure function of them, so every rank builds the same order."""
 
 from __future__ import annotations
 
@@ -43,5 +45,6 @@ def build_schedule(pipeline: PipelineConfig, pp: int, slicing: int | None = None
     k = slicing if slicing is not None else pipeline.slicing
     if k == "auto":
         raise ValueError("slicing 'auto' must be resolved to a count first (slicing.choose_slices)")
-    sched = generate(pipeline.schedule, pp, pipeline.num_microbatches, pipeline.virtual_stages)
+    sched = generate(pipeline.schedule, pp, pipeline.num_microbatches, pipeline.virtual_stages,
+                     pipeline.schedule_times)
     return _transform(sched, k, pipeline.bpipe, fit_slicing=auto)

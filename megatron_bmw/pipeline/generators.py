@@ -1,5 +1,6 @@
 """Schedule generators: GPipe, 1F1B (PipeDream-Flush), Megatron's interleaved 1F1B, zero-bubble ZB-H1, and
-ZB-H2 and ZB-V (list-scheduled, pipeline/zero_bubble.py).
+ZB-H2 and ZB-V (list-scheduled, pipeline/zero_bubble.py), ZB-1p and ZB-2p (searched for the stages' times,
+pipeline/zb_search.py).
 
 Each generator returns the compute order only; `add_communication` inserts the SEND/RECV
 actions and `generate` does both.
@@ -8,10 +9,16 @@ actions and `generate` does both.
 from __future__ import annotations
 
 from ..errors import UsageError
-from .schedule import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule, gc_paused
-from .zero_bubble import list_schedule, zb_h2_budgets, zbv_order
+from .communication import add_communication
+from .schedule import Action, Kind, Schedule
+from .zb_search import SEARCHED_ZB, zb_search
+from .zero_bubble import list_schedule, zb_h1_order, zb_h2_budgets, zbv_order
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv")
+__all__ = ["CHUNKS", "SCHEDULES", "TIMED", "add_communication", "compute_schedule", "generate", "gpipe",
+           "interleaved_1f1b", "interleaved_warmup", "one_f_one_b", "zb_h1", "zb_h2", "zbv"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-1p", "zb-2p", "zbv")
+TIMED = tuple(SEARCHED_ZB)  # schedules whose order depends on the stages' (f, b, w, send) times
 CHUNKS = {"zbv": 2}  # model chunks per rank, where a schedule fixes them
 
 
@@ -67,25 +74,7 @@ def zb_h1(p: int, m: int) -> Schedule:
     cool-down bubbles. Rank r holds at most p micro-batches (1F1B's p-r plus r awaiting their W), so the peak
     over ranks is 1F1B's."""
     _check_sizes(p, m)
-    fwd = [_f(i) for i in range(m)]
-    bin_ = [Action(Kind.BACKWARD_INPUT, i) for i in range(m)]
-    wgt = [Action(Kind.BACKWARD_WEIGHT, i) for i in range(m)]
-    actions = []
-    for rank in range(p):
-        warmup = min(p - rank - 1, m)
-        delay = rank
-        acts = fwd[:warmup]
-        w_next = 0
-        for i in range(m):
-            if i < m - warmup:
-                acts.append(fwd[warmup + i])
-            acts.append(bin_[i])
-            if i - w_next >= delay or i >= m - warmup:  # steady state: W lags B by `delay`; cool-down: B, W
-                acts.append(wgt[w_next])
-                w_next += 1
-        acts += wgt[w_next:]
-        actions.append(acts)
-    return Schedule("zb-h1", p, m, 1, actions)
+    return zb_h1_order(p, m)
 
 
 def zb_h2(p: int, m: int) -> Schedule:
@@ -145,74 +134,13 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     return Schedule("interleaved", p, m, v, actions)
 
 
-def add_communication(schedule: Schedule) -> Schedule:
-    """Return a copy with SEND/RECV actions inserted (existing SEND/RECV are dropped first).
-
-    After each compute action whose output goes to another rank: its SEND, right away.
-    Each RECV sits one compute action ahead of its consumer: immediately before the
-    consumer's preceding compute action, or at the very start for the rank's first compute
-    action; earlier where its channel needs it: a (src, dst) channel delivers in posting order
-    (NCCL), so a RECV is posted no later than the RECV of any message sent after it on that
-    channel. Data that stays on the rank (p == 1) needs no communication.
-    """
-    recv_kind = {Kind.FORWARD: Kind.RECV_ACT, Kind.BACKWARD: Kind.RECV_GRAD, Kind.BACKWARD_INPUT: Kind.RECV_GRAD}
-    send_kind = {Kind.FORWARD: Kind.SEND_ACT, Kind.BACKWARD: Kind.SEND_GRAD, Kind.BACKWARD_INPUT: Kind.SEND_GRAD}
-    with gc_paused():
-        bases = [[a for a in acts if a.kind not in COMM_KINDS] for acts in schedule.actions]
-        sent_at: dict = {}  # tensor -> its position in its channel's send order
-        count: dict[tuple[int, int], int] = {}
-        for rank, base in enumerate(bases):
-            for a in base:
-                made = schedule.output_tensor(rank, a) if a.kind in COMPUTE_KINDS else None
-                if made is not None and schedule.consumer_rank(made) != rank:
-                    channel = (rank, schedule.consumer_rank(made))
-                    sent_at[made] = count.get(channel, 0)
-                    count[channel] = sent_at[made] + 1
-        new_actions = []
-        for rank, base in enumerate(bases):
-            recvs = []  # [slot, src, send position, RECV]: before compute `slot`, -1 the very start
-            j = 0
-            for a in base:
-                if a.kind not in COMPUTE_KINDS:
-                    continue
-                need = schedule.input_tensor(rank, a)
-                src = None if need is None else schedule.rank_of(need[1])
-                if src is not None and src != rank:
-                    recvs.append([j - 1, src, sent_at.get(need, len(sent_at)),
-                                  Action(recv_kind[a.kind], a.microbatch, a.chunk, src, a.half)])
-                j += 1
-            by_src: dict[int, list] = {}
-            for rec in recvs:
-                by_src.setdefault(rec[1], []).append(rec)
-            for channel in by_src.values():
-                channel.sort(key=lambda rec: rec[2])
-                for k in range(len(channel) - 2, -1, -1):
-                    channel[k][0] = min(channel[k][0], channel[k + 1][0])
-            at: dict[int, list[Action]] = {}
-            for rec in sorted(recvs, key=lambda rec: (rec[0], rec[1], rec[2])):
-                at.setdefault(rec[0], []).append(rec[3])
-            out: list[Action] = list(at.get(-1, ()))
-            j = 0
-            for a in base:
-                if a.kind not in COMPUTE_KINDS:
-                    out.append(a)
-                    continue
-                out.extend(at.get(j, ()))
-                out.append(a)
-                j += 1
-                made = schedule.output_tensor(rank, a)
-                if made is not None and schedule.consumer_rank(made) != rank:
-                    out.append(Action(send_kind[a.kind], a.microbatch, a.chunk, schedule.consumer_rank(made), a.half))
-            new_actions.append(out)
-    return schedule.copy(new_actions)
+def generate(name: str, p: int, m: int, v: int = 1, times=None) -> Schedule:
+    """Build a schedule with communication. `name` in SCHEDULES; zbv has v = 2 (CHUNKS); `times`: per stage
+    (f, b, w, send) for the TIMED ones (default: equal stages), ignored by the others."""
+    return add_communication(compute_schedule(name, p, m, v, times))
 
 
-def generate(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Build a schedule with communication. `name` in SCHEDULES; zbv has v = 2 (CHUNKS)."""
-    return add_communication(compute_schedule(name, p, m, v))
-
-
-def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+def compute_schedule(name: str, p: int, m: int, v: int = 1, times=None) -> Schedule:
     """generate's compute actions only (what pipeline/holding.py counts), without SEND/RECV."""
     if name not in SCHEDULES:
         raise UsageError(f"unknown pipeline schedule {name!r} (choose {', '.join(SCHEDULES)})")
@@ -234,6 +162,8 @@ def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         compute = zb_h2(p, m)
     elif name == "zbv":
         compute = zbv(p, m)
+    elif name in SEARCHED_ZB:
+        compute = zb_search(name, p, m, times)
     else:
         compute = interleaved_1f1b(p, m, v)
     return compute

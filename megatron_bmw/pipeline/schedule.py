@@ -163,7 +163,7 @@ class Action:
 class Schedule:
     """Per-rank action lists for one pipeline-parallel iteration."""
 
-    name: str  # "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-h2" | "zbv"
+    name: str  # "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-h2" | "zb-1p" | "zb-2p" | "zbv"
     pp: int  # pipeline ranks (the number of stages is pp x virtual_stages)
     num_microbatches: int  # m
     virtual_stages: int  # v (model chunks per rank)

@@ -79,6 +79,29 @@ def zbv_order(p: int, m: int) -> Schedule:
     return Schedule("zbv", p, m, 2, actions, placement="v")
 
 
+def zb_h1_order(p: int, m: int) -> Schedule:
+    """ZB-H1's per-rank order (generators.zb_h1 says why)."""
+    fwd = [Action(Kind.FORWARD, i) for i in range(m)]
+    bin_ = [Action(Kind.BACKWARD_INPUT, i) for i in range(m)]
+    wgt = [Action(Kind.BACKWARD_WEIGHT, i) for i in range(m)]
+    actions = []
+    for rank in range(p):
+        warmup = min(p - rank - 1, m)
+        delay = rank
+        acts = fwd[:warmup]
+        w_next = 0
+        for i in range(m):
+            if i < m - warmup:
+                acts.append(fwd[warmup + i])
+            acts.append(bin_[i])
+            if i - w_next >= delay or i >= m - warmup:  # steady state: W lags B by `delay`; cool-down: B, W
+                acts.append(wgt[w_next])
+                w_next += 1
+        acts += wgt[w_next:]
+        actions.append(acts)
+    return Schedule("zb-h1", p, m, 1, actions)
+
+
 def zb_h2_budgets(p: int) -> list[float]:
     """Per rank, the micro-batches ZB-H2 may hold: 2p - 1."""
     return [2.0 * p - 1] * p

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..pipeline.build import build_schedule
+from ..pipeline.generators import TIMED
 from ..pipeline.holding import holding_events
 from ..pipeline.megatron_p2p import megatron_communication
 from ..pipeline.replay import CompiledSchedule, compile_schedule
-from ..pipeline.schedule import Schedule
+from ..pipeline.schedule import Action, Kind, Schedule
 from .cluster import Cluster
 from .core_sharing import simulate_sharing_cores
 from .cost_model import CostModel, CostSettings
@@ -45,6 +46,26 @@ def layout_settings(spec: RunSpec, settings: MemorySettings) -> MemorySettings:
                                spec.cp)
 
 
+def stage_times(cost: CostModel, pp: int) -> tuple[tuple[float, float, float, float], ...]:
+    """Per pipeline rank (one chunk each) the cost model's (F, B, W, send to the next rank) seconds: the times the
+    simulator then gives those actions (of micro-batch 0), which ZB-1p/ZB-2p are searched for."""
+    out = []
+    for r in range(pp):
+        f, b, w = (cost.compute_time(r, Action(k, 0)) for k in (Kind.FORWARD, Kind.BACKWARD_INPUT,
+                                                                 Kind.BACKWARD_WEIGHT))
+        send = cost.transfer_time(r, r + 1, Action(Kind.SEND_ACT, 0, 0, r + 1)) if r + 1 < pp else 0.0
+        out.append((f, b, w, send))
+    return tuple(out)
+
+
+def timed_spec(spec: RunSpec, cost: CostModel) -> RunSpec:
+    """`spec` whose ZB-1p/ZB-2p schedule carries the cost model's stage times (what the plan file hands the
+    runtime to regenerate the same order); unchanged for other schedules or when it already has times."""
+    if spec.pipeline.schedule not in TIMED or spec.pipeline.schedule_times is not None:
+        return spec
+    return replace(spec, pipeline=replace(spec.pipeline, schedule_times=stage_times(cost, spec.pp)))
+
+
 @dataclass
 class Evaluation:
     spec: RunSpec
@@ -67,11 +88,9 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
                  schedule: Schedule | CompiledSchedule | None = None, record_transfers: bool = False,
                  memory_over_time: bool = True) -> Evaluation:
     """Simulate one iteration of `schedule` (default: the spec's; a compiled one is reused as it is) with the
-    cost model's durations."""
+    cost model's durations. Without a schedule, ZB-1p/ZB-2p are searched for the cost model's stage times and the
+    Evaluation's spec carries them (timed_spec)."""
     compiled = schedule if isinstance(schedule, CompiledSchedule) else None
-    schedule = compiled.schedule if compiled is not None else schedule or build_schedule(spec.pipeline, spec.pp)
-    if compiled is None and cost_settings.engine.synchronous_p2p(schedule.name):
-        compiled = compiled_for(schedule, cost_settings.engine)
     layout = spec.stage_layout()
     if spec.unit_strategies is not None:  # Galvatron-BMW per-unit strategies
         from .hybrid_cost import HybridCostModel
@@ -83,6 +102,11 @@ def simulate_run(spec: RunSpec, cluster: Cluster, profiles: Profiles | Profile |
         cost = CostModel(spec, cluster, profiles, cost_settings)
         saved = [chunk_saved_bytes(layout, spec.model, r, memory_settings) for r in range(spec.pp)]
         wgrad = [chunk_wgrad_bytes(layout, spec.model, r) for r in range(spec.pp)]
+        if compiled is None and schedule is None:
+            spec = timed_spec(spec, cost)
+    schedule = compiled.schedule if compiled is not None else schedule or build_schedule(spec.pipeline, spec.pp)
+    if compiled is None and cost_settings.engine.synchronous_p2p(schedule.name):
+        compiled = compiled_for(schedule, cost_settings.engine)
     holds = None
     if compiled is not None and spec.unit_strategies is None:  # replayed again and again: walk it once
         if "holds" not in compiled.derived:

@@ -87,6 +87,18 @@ class ScheduleShapes:
         return self._credit[key]
 
 
+def bubble_fill(schedule: str, f: float, b: float, w: float, pp: int, m: int) -> float:
+    """How much of each of the zero-bubble estimate's n bubbles the schedule's W's fill (stage means): min(F, B, W).
+    ZB-2p's 2p micro-batches start forwards early enough that two W's fill one (Qi et al.'s (p-1)(F + B - 2W)), up
+    to the B it waits for: min(B, 2W), reached at 2p - 1 micro-batches, linearly from m = p (on equal stages the
+    replayed ZB-2p is never faster, and at most 3% slower; tests/planner/test_solver.py)."""
+    low = min(f, b, w)
+    if schedule != "zb-2p" or pp < 2:
+        return low
+    share = min(1.0, max(0.0, (m - pp) / (pp - 1)))
+    return low + (max(low, min(b, 2 * w)) - low) * share
+
+
 def replayed_credit(schedule: str, pp: int, m: int) -> float:
     """ScheduleShapes.zero_bubble_credit by replaying the schedule."""
     span = replay(generate(schedule, pp, m), lambda r, a: 2.0 if a.kind is Kind.BACKWARD else 1.0,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from ..config import ModelConfig, padded_vocab_size
 from ..errors import UsageError
 from ..pipeline.build import build_schedule
+from ..pipeline.generators import TIMED
 from ..pipeline.schedule import gc_paused
 from ..pipeline.slicing import choose_slices
 from .cluster import Cluster
@@ -417,10 +418,11 @@ class _Simulator:
         ev = None
         if sol is not None:
             spec = sol.spec(self.prob.model, slicing)
-            if slicing not in self.compiled:
+            timed = spec.pipeline.schedule in TIMED  # searched for this partition's times (simulate_run)
+            if slicing not in self.compiled and not timed:
                 self.compiled[slicing] = compiled_for(build_schedule(spec.pipeline, spec.pp), self.costs.engine)
             ev = simulate_run(spec, self.cluster, self.profiles, self.costs, self.memory,
-                              schedule=self.compiled[slicing], memory_over_time=False)
+                              schedule=None if timed else self.compiled[slicing], memory_over_time=False)
             self.stats["simulated"] += 1
         self.cache[key] = (sol, ev)
         return sol, ev
@@ -430,10 +432,12 @@ class _Simulator:
         key = (sol.partition, getattr(sol, "strategies", None), sol.recompute)
         if key not in self.cache:
             spec = sol.spec(self.prob.model)
-            if 0 not in self.compiled:
+            timed = spec.pipeline.schedule in TIMED
+            if 0 not in self.compiled and not timed:
                 self.compiled[0] = compiled_for(build_schedule(spec.pipeline, spec.pp), self.costs.engine)
             self.cache[key] = (sol, simulate_run(spec, self.cluster, self.profiles, self.costs, self.memory,
-                                                 schedule=self.compiled[0], memory_over_time=False))
+                                                 schedule=None if timed else self.compiled[0],
+                                                 memory_over_time=False))
             self.stats["simulated"] += 1
         return self.cache[key][1]
 

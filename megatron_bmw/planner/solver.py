@@ -35,7 +35,7 @@ from .option_knapsack import choose_grouped
 from .overlap import gather_lead, overlapped_end, reduce_end
 from .partitioners import amp_partition, galvatron_walk
 from .profile_data import Profiles
-from .schedule_shapes import ScheduleShapes
+from .schedule_shapes import ScheduleShapes, bubble_fill
 from .space import Layout, SearchSpace, zero_bubble
 from .spec import RunSpec
 from .unit_activations import unit_activation_bytes, unit_transient_bytes, unit_wgrad_bytes
@@ -397,7 +397,8 @@ class LayoutProblem:
         of its backward): the micro-batch goes through on forwards and input gradients B only, the last W follows,
         and the schedule's W's fill n bubbles of min(F, B, W) (stage means; n = zb_credit, from the schedule). On
         equal stages that is ZB-H1 exactly for m >= p: m(F + B + W) + (p - 1) max(F + B - W, F, B), Qi et al.'s
-        (p - 1)(F + B - W) where W <= F, B. With fewer micro-batches than stages (a short schedule) the schedule
+        (p - 1)(F + B - W) where W <= F, B; ZB-2p's extra warm-up fills each with min(B, 2W) (bubble_fill), so
+        its start-up is (p - 1) max(F, F + B - 2W). With fewer micro-batches than stages (a short schedule) the schedule
         itself is replayed on the stage times."""
         lay = self.layout
         fb = [f + b for f, b in zip(fwd, bwd)]
@@ -413,7 +414,8 @@ class LayoutProblem:
             f_mean, w_mean = sum(fwd) / n, sum(wgt) / n
             b_mean = sum(bwd) / n - w_mean
             return sum(fb) - sum(wgt) + (lay.num_microbatches - 1) * max(fb) + w_mean \
-                - self.zb_credit * min(f_mean, b_mean, w_mean) + 2 * (lay.pp - 1) * self.p2p
+                - self.zb_credit * bubble_fill(lay.schedule, f_mean, b_mean, w_mean, lay.pp, lay.num_microbatches) \
+                + 2 * (lay.pp - 1) * self.p2p
         if lay.virtual_stages == 1:
             return sum(fb) + (lay.num_microbatches - 1) * max(fb) + 2 * (lay.pp - 1) * self.p2p
         per_rank = [sum(fb[k] for k in range(r, self.stages, lay.pp)) for r in range(lay.pp)]

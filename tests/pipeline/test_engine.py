@@ -26,13 +26,15 @@ def _micro(cfg, m: int, dp: int):
 
 def _run_case(rank, world_size, tp, pp, v, schedule, partition, m, overrides, overlap, ref_loss, ref_grads):
     sp = overrides.get("_sp", False)
+    timed = {"schedule_times": overrides["_times"]} if "_times" in overrides else {}
     overrides = {k: val for k, val in overrides.items() if not k.startswith("_")}
     cfg = small_config(**overrides)
     dp = world_size // (tp * pp)
     micro = _micro(cfg, m, dp)
     st = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                             sequence_parallel=sp))
-    chunks, sched, _ = pipeline_setup(cfg, st, SEED, pipeline_of(cfg, overrides, MBS, m, pp, v, schedule, partition))
+    chunks, sched, _ = pipeline_setup(cfg, st, SEED, pipeline_of(cfg, overrides, MBS, m, pp, v, schedule, partition,
+                                                                **timed))
     check(sched)
     params = [p for c in chunks for p in c.parameters()]
     sync = GradSync(params, st, bucket_size=2000, overlap=overlap)
@@ -200,12 +202,21 @@ def _run_cases(rank, world_size, cases):
     return [_run_case(rank, world_size, *case, False, ref_loss, ref_grads) for case, ref_loss, ref_grads in cases]
 
 
-# (tp, pp, v, schedule, partition, m, overrides): zb-h2 and zbv with sub-layer cuts and per-unit recomputation;
-# zbv's m need not be a multiple of pp, and its rank 0 holds the embedding and the head (one tied Parameter)
+# (tp, pp, v, schedule, partition, m, overrides): zb-h2, zb-1p, zb-2p and zbv with sub-layer cuts and per-unit
+# recomputation; zbv's m need not be a multiple of pp, and its rank 0 holds the embedding and the head (one tied
+# Parameter); zb-1p/zb-2p searched for unequal stage times (`_times`: the plan's schedule_times) or equal ones
+HEAVY_LAST = {2: [(1.0, 1.0, 0.5, 0.1), (1.6, 1.7, 0.8, 0.0)],
+              4: [(1.0, 1.1, 0.6, 0.05)] * 3 + [(2.0, 2.1, 0.9, 0.0)]}
 ZB_CASES = {
     2: [(1, 2, 1, "zb-h2", "4,6", 4, {"num_layers": 4, "_recompute": MIXED}),
+        (1, 2, 1, "zb-1p", "4,6", 4, {"num_layers": 4, "_recompute": MIXED, "_times": HEAVY_LAST[2]}),
+        (1, 2, 1, "zb-2p", "4,6", 5, {"num_layers": 4, "_recompute": MIXED, "_times": HEAVY_LAST[2]}),
         (1, 2, 2, "zbv", "2,3,2,3", 3, {"num_layers": 4, "_recompute": MIXED})],
     4: [(1, 4, 1, "zb-h2", "2,3,2,3", 6, {"num_layers": 4, "_recompute": MIXED}),
+        (1, 4, 1, "zb-1p", "2,3,2,3", 6, {"num_layers": 4, "_times": HEAVY_LAST[4]}),
+        (1, 4, 1, "zb-2p", "2,3,2,3", 7, {"num_layers": 4, "_recompute": MIXED}),
+        (1, 2, 1, "zb-2p", "4,6", 4, {"num_layers": 4, "_times": HEAVY_LAST[2]}),
+        (2, 2, 1, "zb-1p", "5,5", 3, {"num_layers": 4, "_sp": True}),
         (1, 4, 2, "zbv", "2,1,1,1,1,1,1,2", 5, {"num_layers": 4, "_recompute": MIXED}),
         (2, 2, 1, "zb-h2", "5,5", 3, {"num_layers": 4, "_sp": True, "_recompute": MIXED}),
         (2, 2, 2, "zbv", "3,2,2,3", 3, {"num_layers": 4, "_sp": True, "_recompute": MIXED})],

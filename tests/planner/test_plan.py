@@ -266,3 +266,23 @@ def test_a_plan_written_before_the_run_schema_still_loads_and_runs(tmp_path):
     argv = ["--plan", path, "--mock-data", "--train-iters", "2", "--seq-length", "1024"]
     run = configs_from_args(parse_args(argv), plan.spec.world_size, plan=plan)
     assert spec_from_run_config(run, plan.spec.world_size) == plan.spec
+
+
+def test_a_zb_2p_plan_hands_the_run_its_stage_times(tmp_path):
+    """The times a ZB-2p plan was searched with reach the run's PipelineConfig, so every rank builds its order."""
+    from dataclasses import replace
+
+    from megatron_bmw.pipeline.build import build_schedule
+
+    base = _plan()
+    times = ((0.5, 0.6, 0.3, 0.01), (0.9, 1.0, 0.4, 0.0))
+    pipe = replace(base.spec.pipeline, schedule="zb-2p", slicing=0, schedule_times=times)
+    plan = replace(base, spec=replace(base.spec, pipeline=pipe))
+    path = tmp_path / "zb2p.json"
+    plan.save(str(path))
+    assert json.loads(path.read_text())["pipeline"]["schedule_times"] == [list(t) for t in times]
+    argv = ["--plan", str(path), "--mock-data", "--train-iters", "3"]
+    args = parse_args(argv)
+    run = configs_from_args(args, 8, plan=apply_plan(args, argv)).pipeline
+    assert run.schedule == "zb-2p" and run.schedule_times == times
+    assert build_schedule(run, 2).to_text(comm=True) == build_schedule(pipe, 2).to_text(comm=True)

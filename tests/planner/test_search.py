@@ -236,3 +236,26 @@ def test_zero_bubble_plans_are_ones_the_runtime_accepts():
             if pipe.schedule == "zb-h1":
                 assert not pipe.bpipe and not pipe.slicing
     assert ("zb-h1", False, False, False) in seen and any(s == "1f1b" and (r or b) for s, r, b, _ in seen), seen
+
+
+def test_a_searched_zb_plan_carries_the_stage_times_it_was_simulated_with(tmp_path, capsys):
+    """ZB-1p/ZB-2p are searched for the cost model's stage times of each finalist; the plan carries them, so the
+    runtime's build_schedule regenerates the simulated order and `simulate --plan` predicts the same time."""
+    from megatron_bmw.pipeline.build import build_schedule
+    from megatron_bmw.pipeline.zb_search import zb_search
+
+    for name in ("zb-1p", "zb-2p"):
+        path = tmp_path / f"{name}.json"
+        assert main(["search", "--cluster", "a100-80g-ib", *MODEL_FLAGS, "--global-batch-size", "16", "--top-k", "1",
+                     "--space", "pp=4", "--space", "tp=1", "--space", f"schedule={name}", "--output", str(path),
+                     "--no-progress"]) == 0
+        capsys.readouterr()
+        plan = Plan.load(str(path))
+        pipe = plan.spec.pipeline
+        assert pipe.schedule == name and len(pipe.schedule_times) == 4
+        assert all(f > 0 and b > 0 for f, b, _, _ in pipe.schedule_times)
+        order = build_schedule(pipe, 4).to_text()
+        assert order == zb_search(name, 4, pipe.num_microbatches, pipe.schedule_times).to_text()
+        assert main(["simulate", "--cluster", "a100-80g-ib", "--plan", str(path), "--json"]) == 0
+        again = json.loads(capsys.readouterr().out)
+        assert again["iteration_time_s"] == pytest.approx(plan.prediction["iteration_time_s"], rel=1e-9)

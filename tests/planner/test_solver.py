@@ -153,6 +153,32 @@ def test_zero_bubble_estimate_on_equal_stages(p, m):
             assert got == pytest.approx(sim, rel=1e-6)
 
 
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_searched_zero_bubble_estimate_is_admissible_on_equal_stages(p):
+    """ZB-1p and ZB-2p (searched for the stage times): the estimate (zb_credit bubbles, each filled by
+    bubble_fill) is never above the replayed schedule on equal stages for m >= p, and at most 3% below it."""
+    from megatron_bmw.pipeline.zb_search import makespan, zb_search
+    from megatron_bmw.planner.schedule_shapes import bubble_fill, replayed_credit
+
+    for m in range(p, 3 * p + 1, max(1, p // 2)):
+        for name in ("zb-1p", "zb-2p"):
+            credit = ScheduleShapes().zero_bubble_credit(name, p, m)
+            assert credit == replayed_credit(name, p, m) == min(m, p) - 1
+            for f, b, w in ((1, 1, 1), (1, 1, 0.5), (1, 1.1, 0.7), (1, 2, 1), (1, 1, 0.2), (2, 1, 0.5)):
+                times = [(f, b, w, 0.0)] * p
+                real = makespan(zb_search(name, p, m, times), times)
+                est = m * (f + b + w) + (p - 1) * (f + b) - credit * bubble_fill(name, f, b, w, p, m)
+                assert real * (1 - 1e-9) <= est <= real * 1.03, (name, m, (f, b, w))
+
+
+def test_searched_zero_bubble_memory_counts_respect_the_limit():
+    """The solver's [whole, for W] mixes of ZB-1p and ZB-2p (from the equal-stage order) hold at most p and 2p."""
+    for p in (2, 4, 8):
+        for name, limit in (("zb-1p", p), ("zb-2p", 2 * p)):
+            mixes = split_peak_mixes(name, p, 3 * p)
+            assert max(sum(mix) for rank in mixes for mix in rank) == limit
+
+
 def test_zero_bubble_solution_memory_is_the_walks():
     """The solver's memory for ZB-H1 (counts from the schedule, what W needs per unit) is the exact memory
     model's, and more than 1F1B's on the last rank (it holds micro-batches awaiting their W)."""
