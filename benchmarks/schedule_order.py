@@ -57,6 +57,22 @@ def partition(layers: int, stages: int) -> list[int] | None:
     return units if min(units) >= 1 else None
 
 
+def v_partition(layers: int, pp: int) -> list[int] | None:
+    """ZB-V's units per virtual stage (rank r holds stages r and 2p-1-r): each rank's (layers + 2) / p slots,
+    split between its two chunks; None if a chunk would get no slot."""
+    base, extra = divmod(layers + 2, pp)
+    per_rank = [base + (r < extra) for r in range(pp)]
+    if min(per_rank) < 2:
+        return None
+    slots = [0] * (2 * pp)
+    for r, n in enumerate(per_rank):
+        slots[r], slots[2 * pp - 1 - r] = (n + 1) // 2, n // 2
+    units = [2 * n for n in slots]
+    units[0] -= 1
+    units[-1] -= 1
+    return units
+
+
 def schedules() -> list[str]:
     return ["1f1b", "interleaved"] + [s for s in SCHEDULES if s.startswith("zb")]
 
@@ -68,7 +84,7 @@ def flags_of(model: str, m: int, schedule: str, engine: str, vocab: int) -> list
         v = (layers + 2) // pp  # one layer per chunk
     elif schedule == "zbv":
         v = 2
-    part = partition(layers, pp * v)
+    part = v_partition(layers, pp) if schedule == "zbv" else partition(layers, pp * v)
     if part is None:
         return None
     flags = ["--cluster", "a100-80g-ib", "--num-nodes", str(nodes), "--engine", engine, "--num-layers", str(layers),
