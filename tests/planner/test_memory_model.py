@@ -468,3 +468,52 @@ def _moe_body(rank, world_size, layouts):
 def test_saved_bytes_moe_expert_parallel_exact(world, layouts):
     """The memory model byte for byte against what the MoE units of expert-parallel ranks save (gloo)."""
     assert run_distributed(world, _moe_body, layouts) == [[]] * world
+
+
+NEMOTRON_340B = dict(num_layers=96, hidden_size=18432, num_attention_heads=96, num_query_groups=8,
+                     ffn_hidden_size=73728, seq_length=4096, vocab_size=256000, position_embedding_type="rope",
+                     untie_embeddings_and_output_weights=True, add_bias_linear=False, params_dtype="bf16",
+                     attention_backend="flash", hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def test_transformer_engine_attention_term_by_term():
+    """Megatron-core/NeMo's TE attention at tp 8 with SP, no dropout (unit_activations.py's module doc), in units
+    of the rank's sbh/t bf16 bytes: LN input and ln_out on s/t rows (1 + 1), q (1), grouped k and v (1/12 each:
+    8 groups of 96 heads), the core's output (1), fp32 softmax statistics; no rope cos/sin per layer."""
+    model = ModelConfig(**NEMOTRON_340B)
+    unit = 4096 * 18432 // 8 * 2
+    got = {t.name: t.nbytes for t in unit_saved_tensors("attention", model, 1, 8, True, te=True)}
+    assert got == {"layernorm input": unit, "layernorm statistics": 2 * 512 * 4, "ln_out (qkv input)": unit,
+                   "query": unit, "keys (grouped)": unit // 12, "values (grouped)": unit // 12,
+                   "attention output (output projection input)": unit, "softmax statistics (fp32)": 12 * 4096 * 4}
+    ours = {t.name for t in unit_saved_tensors("attention", model, 1, 8, True)}
+    assert {"rotary cos and sin (fp32)", "keys repeated over the group"} <= ours  # what TE does not save
+    mlp = unit_saved_tensors("mlp", model, 1, 8, True, te=True)
+    assert sum(t.nbytes for t in mlp) == 2 * unit + 2 * 512 * 4 + 2 * 4 * unit  # LN in, ln_out, fc1 out, act out
+    # recomputation, context parallelism and the unfused core keep our runtime's count
+    for kw in (dict(recompute="selective"), dict(cp=2)):
+        assert unit_saved_tensors("attention", model, 1, 8, True, te=True, **kw) == \
+            unit_saved_tensors("attention", model, 1, 8, True, **kw)
+
+
+@pytest.mark.parametrize("pp,v,nodes,engine,fits", [
+    (8, 12, 16, "nemo", True), (16, 2, 32, "nemo", True), (16, 6, 32, "nemo", True),
+    (4, None, 16, "nemo", False), (4, 12, 16, "nemo", False), (8, 12, 16, "megatron-core", False)])
+def test_nemotron_340b_runs_fit_and_too_big_ones_do_not(capsys, pp, v, nodes, engine, fits):
+    """The published tp 8 x pp 8 (v 12) and pp 16 NeMo runs fit 80 GiB; pp 4, and Megatron-core's fp32 gradient
+    buffer at pp 8, do not."""
+    import json
+
+    from megatron_bmw.cli.autoconfig import main
+
+    argv = ["estimate", "--cluster", "h100-80g-ib", "--num-nodes", str(nodes), "--num-layers", "96",
+            "--hidden-size", "18432", "--num-attention-heads", "96", "--group-query-attention", "--num-query-groups",
+            "8", "--ffn-hidden-size", "73728", "--seq-length", "4096", "--vocab-size", "256000",
+            "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+            "--bf16", "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", str(pp),
+            "--sequence-parallel", "--use-distributed-optimizer", "--micro-batch-size", "1", "--global-batch-size",
+            "64", "--engine", engine, "--tp-comm-overlap", "--attention-backend", "flash", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--json"] + (["--virtual-pipeline-model-parallel-size", str(v)] if v else [])
+    assert main(argv) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert all(s["fits"] for s in stages) == fits
