@@ -32,7 +32,8 @@ q and k (v stays a view of the QKV output); with rope over part of the head, the
 out by head and the projection's input is a copy of it. Grouped queries: k and v repeated over each group's
 heads (sbh/t e each) and q copied out of the grouped rows (a view, keeping the whole QKV output, where a rank holds
 one group and the core takes q as it is). SwiGLU keeps fc1's output (gate and up, 2 sbf/t e), silu(gate) and
-the product (sbf/t e each) where GeLU keeps its input and output. Biases change no saved tensor.
+the product (sbf/t e each) where GeLU keeps its input and output; squared ReLU (relu(x)^2, --squared-relu) keeps
+relu's output (which the square keeps as its input) and the square's (sbf/t e each): GeLU's bytes. Biases change no saved tensor.
 Context parallelism (cp = C > 1; the runtime's contract, models/gpt.py with parallel/context_parallel.py): every
 unit holds what it holds for the rank's local sequence s/C (s is s/C everywhere above; with SP the hidden state
 between units has s/(C t) rows). Attention differs: rope's cos and sin are taken at the rank's global positions
@@ -223,6 +224,9 @@ def _mlp_saved(saved: _Saved) -> None:
         saved.add("fc1 output (gate and up)", 2 * local_f, e)
         saved.add("silu output", local_f, e)
         saved.add("swiglu output (fc2 input)", local_f, e)
+    elif saved.model.squared_relu:  # relu keeps its output, the square its input (the same tensor)
+        saved.add("relu output", local_f, e)
+        saved.add("squared relu output (fc2 input)", local_f, e)
     else:
         saved.add("gelu input", local_f, e)
         saved.add("gelu output", local_f, e)
@@ -434,7 +438,7 @@ def unit_wgrad_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: i
 
 _SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
                "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head",
-               "position_embedding_type", "rotary_percent", "normalization", "swiglu", "num_query_groups",
+               "position_embedding_type", "rotary_percent", "normalization", "swiglu", "squared_relu", "num_query_groups",
                "qk_layernorm", "apply_layernorm_1p")
 _saved_memo: dict[tuple, int] = {}
 
@@ -505,8 +509,9 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
     if kind == "attention":
         heads = model.num_attention_heads // tp
         return b * heads * s * s * (_FP32 + e) if not model.flash_attention else 3 * s * b * (h // tp) * e
-    if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's
-        return (4 if model.swiglu else 2) * s * b * (f // tp) * e
+    if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's; squared ReLU: the
+        # square's backward (autograd's pow_backward, grad * 2 x^1) holds a temporary beside its two gradients
+        return (4 if model.swiglu else 3 if model.squared_relu else 2) * s * b * (f // tp) * e
     if kind == "moe":  # moe_model.py: the experts' gradients at the tokens received, the dispatcher's buffers
         rows = (s // tp if sp and tp > 1 else s) * b
         return moe_backward_bytes(model, local_tokens(model, b, tp, sp, cp), s * b, rows, tp,

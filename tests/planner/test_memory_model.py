@@ -53,6 +53,9 @@ LLAMA_VARIANTS = (
     dict(qk_layernorm=True, apply_layernorm_1p=True),
     dict(qk_layernorm=True, normalization="RMSNorm", position_embedding_type="rope", num_query_groups=2),
     dict(qk_layernorm=True, normalization="RMSNorm", apply_layernorm_1p=True, num_query_groups=1),
+    # --squared-relu (Nemotron-4's MLP: relu(x)^2, no gating) with rope and groups, with and without biases
+    dict(squared_relu=True, position_embedding_type="rope", num_query_groups=2, add_bias_linear=False),
+    dict(squared_relu=True),
 )
 
 
@@ -517,3 +520,20 @@ def test_nemotron_340b_runs_fit_and_too_big_ones_do_not(capsys, pp, v, nodes, en
     assert main(argv) == 0
     stages = json.loads(capsys.readouterr().out)["stages"]
     assert all(s["fits"] for s in stages) == fits
+
+
+def test_squared_relu_saved_bytes_backward_and_elementwise():
+    """--squared-relu saves GeLU's bytes (relu's output, the square's output); its backward holds one temporary
+    more (pow_backward); its two kernels move 4F forward and 10F backward where bias-GeLU moves 2F and 3F."""
+    from megatron_bmw.planner.elementwise import unit_elementwise_bytes
+    from megatron_bmw.planner.unit_activations import unit_backward_bytes
+
+    gelu, squared = _cfg(add_bias_linear=False), _cfg(add_bias_linear=False, squared_relu=True)
+    names = [t.name for t in unit_saved_tensors("mlp", squared, MBS, 2, True)]
+    assert "relu output" in names and "squared relu output (fc2 input)" in names
+    assert sum(t.nbytes for t in unit_saved_tensors("mlp", squared, MBS, 2, True)) == \
+        sum(t.nbytes for t in unit_saved_tensors("mlp", gelu, MBS, 2, True))
+    f = SEQ * MBS * 96 // 2 * 4  # s b f/t elements in fp32
+    assert unit_backward_bytes("mlp", squared, MBS, 2, True) - unit_backward_bytes("mlp", gelu, MBS, 2, True) == f
+    (gf, gb), (qf, qb) = (unit_elementwise_bytes("mlp", m, MBS, 2, True) for m in (gelu, squared))
+    assert (qf - gf, qb - gb) == (2 * f, 7 * f)
