@@ -504,7 +504,7 @@ def test_transformer_engine_attention_term_by_term():
     (4, None, 16, "nemo", False), (4, 12, 16, "nemo", False), (8, 12, 16, "megatron-core", False)])
 def test_nemotron_340b_runs_fit_and_too_big_ones_do_not(capsys, pp, v, nodes, engine, fits):
     """The published tp 8 x pp 8 (v 12) and pp 16 NeMo runs fit 80 GiB; pp 4, and Megatron-core's fp32 gradient
-    buffer at pp 8, do not."""
+    buffer at pp 8, do not. The first rank's peak is Megatron's interleaved warm-up."""
     import json
 
     from megatron_bmw.cli.autoconfig import main
@@ -520,6 +520,8 @@ def test_nemotron_340b_runs_fit_and_too_big_ones_do_not(capsys, pp, v, nodes, en
     assert main(argv) == 0
     stages = json.loads(capsys.readouterr().out)["stages"]
     assert all(s["fits"] for s in stages) == fits
+    # the first rank holds Megatron's interleaved warm-up, (p - 1) 2 + (v - 1) p chunk forwards, and one more
+    assert stages[0]["peak_inflight_microbatches"] == (2 * (pp - 1) + ((v or 1) - 1) * pp + 1 if v else pp)
 
 
 def test_squared_relu_saved_bytes_backward_and_elementwise():
