@@ -32,7 +32,8 @@ def llama_features(values) -> list[str]:
     position = values.get("position_embedding_type") or "learned_absolute"
     return [name for name, on in (
         (f"--position-embedding-type {position}", position != "learned_absolute"),
-        ("--swiglu", bool(values.get("swiglu"))), (f"--num-query-groups {groups}", groups != heads),
+        ("--swiglu", bool(values.get("swiglu"))), ("--squared-relu", bool(values.get("squared_relu"))),
+        (f"--num-query-groups {groups}", groups != heads),
         (f"--normalization {values.get('normalization')}", (values.get("normalization") or "LayerNorm") != "LayerNorm"),
         ("--disable-bias-linear", values.get("add_bias_linear") is False),
         ("--add-qkv-bias", bool(values.get("add_qkv_bias"))), ("--qk-layernorm", bool(values.get("qk_layernorm"))),
@@ -82,6 +83,8 @@ class ModelConfig:
         help="positions divided by it (longer contexts)")
     swiglu: bool = flag("--swiglu", group=M, default=False, action="store_true",
                         help="SwiGLU MLP (fc1 holds the gate and up projections)")
+    squared_relu: bool = flag("--squared-relu", group=M, default=False, action="store_true",
+                              help="squared-ReLU MLP activation relu(x)^2, no gating (Megatron-LM's; Nemotron-4)")
     num_query_groups: int | None = flag(  # grouped-query attention (1: multi-query); None: one per head
         "--num-query-groups", group=M, default=None, help="with --group-query-attention (1: multi-query)", cli_default=1,
         minimum=1)
@@ -104,6 +107,8 @@ class ModelConfig:
         self.params_dtype = dtype_name(self.params_dtype)
         if self.model_type not in MODEL_TYPES:
             raise UsageError(f"unknown model type {self.model_type!r} (use {' or '.join(MODEL_TYPES)})")
+        if self.swiglu and self.squared_relu:
+            raise UsageError("--squared-relu and --swiglu are two MLP activations; give one")
         if self.ffn_hidden_size is None and self.swiglu:  # Megatron's: 8h/3 (two input matrices), a multiple of 64
             self.ffn_hidden_size = int(4 * self.hidden_size * 2 / 3 / 64) * 64
             if not self.ffn_hidden_size:

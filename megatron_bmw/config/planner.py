@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .model import ModelConfig
 from .schema import check_ranges, flag, positive_int
 
-ENGINES = ("megatron_bmw", "megatron-core", "deepspeed")
+ENGINES = ("megatron_bmw", "megatron-core", "nemo", "deepspeed")
 BUILTIN_CLUSTERS = ("a100-80g-ib", "a100-40g-ib", "h100-80g-ib", "rtx-titan-pcie", "aws-p3.8xlarge",
                     "aws-g4dn.12xlarge", "amp-heterogeneous", "local")  # planner/clusters/<name>.yaml
 OURS = "megatron_bmw"
@@ -57,8 +57,10 @@ class PlannerConfig:
              "routing the load-balancing loss aims at; the busiest rank holds one expert at this multiple of the "
              "mean, capped by a capacity factor)")
     engine: str = flag("--engine", group=ENGINE, default=OURS, choices=ENGINES,
-                       help="megatron_bmw (this runtime: fp32 main gradients), megatron-core (Megatron-LM) or "
-                            "deepspeed (ZeRO stage 0/1, fp16; --use-distributed-optimizer for stage 1)")
+                       help="megatron_bmw (this runtime: fp32 main gradients), megatron-core (Megatron-LM), nemo "
+                            "(NeMo 24.x: Megatron-core stepped by distributed_fused_adam, bf16 gradients, 16-bit "
+                            "master remainders) or deepspeed (ZeRO stage 0/1, fp16; --use-distributed-optimizer for "
+                            "stage 1)")
     accumulate_allreduce_grads_in_fp32: bool = flag(
         "--accumulate-allreduce-grads-in-fp32", group=ENGINE, default=False, action="store_true",
         help="megatron-core: the gradient buffer in fp32 (default: on for bf16, off for fp16)")
@@ -66,7 +68,7 @@ class PlannerConfig:
                                      help="megatron-core: 16-bit gradient buffer with bf16 (off by default)")
     tp_comm_overlap: bool = flag(
         "--tp-comm-overlap", group=ENGINE, default=False, action="store_true",
-        help="megatron-core with Transformer Engine: the sequence-parallel all-gathers and reduce-scatters overlap the "
+        help="megatron-core or nemo with Transformer Engine: the sequence-parallel all-gathers and reduce-scatters overlap the "
              "GEMMs next to them (timed only where the cluster gives the SM count)")
     json: bool = flag("--json", group=ENGINE, default=False, action="store_true", help="print one JSON object")
     # what simulate and search time (not estimate)

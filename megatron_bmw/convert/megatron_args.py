@@ -49,8 +49,6 @@ def unsupported_megatron_features(a: Mapping[str, Any]) -> list[str]:
             found.append(what)
     if (a.get("softmax_type") or "vanilla") != "vanilla":
         found.append(f"softmax_type {a.get('softmax_type')}")
-    if a.get("squared_relu"):
-        found.append("squared_relu")
     if a.get("num_experts"):
         found.extend(unsupported_moe_features(a))
     if a.get("multi_latent_attention"):
@@ -73,7 +71,7 @@ def unsupported_megatron_features(a: Mapping[str, Any]) -> list[str]:
 def megatron_notes(a: Mapping[str, Any]) -> list[str]:
     """Supported, but worth a line: where our units compute slightly differently than the Megatron run did."""
     notes = []
-    if a.get("bias_gelu_fusion") is False and not a.get("openai_gelu") and not a.get("swiglu"):
+    if a.get("bias_gelu_fusion") is False and not (a.get("openai_gelu") or a.get("swiglu") or a.get("squared_relu")):
         notes.append("the Megatron run used the exact (erf) GeLU (--no-bias-gelu-fusion); megatron_bmw's MLP uses "
                      "the tanh approximation, as Megatron's fused bias-GeLU does: outputs differ slightly")
     return notes
@@ -93,7 +91,7 @@ def _llama_config_from_megatron(a: Mapping[str, Any]) -> dict[str, Any]:
     return dict(
         position_embedding_type=_megatron_position(a), rotary_percent=float(a.get("rotary_percent") or 1.0),
         rotary_base=int(a.get("rotary_base") or 10000), rotary_seq_len_interpolation_factor=factor,
-        swiglu=bool(a.get("swiglu")),
+        swiglu=bool(a.get("swiglu")), squared_relu=bool(a.get("squared_relu")),
         num_query_groups=int(groups) if a.get("group_query_attention") and groups not in (None, heads) else None,
         normalization=a.get("normalization") or "LayerNorm",
         add_bias_linear=not (a.get("add_bias_linear") is False or a.get("disable_bias_linear")),
@@ -200,8 +198,8 @@ def megatron_args(model: Model, layout: Layout, spec: str, tokenizer_type: str |
         normalization=cfg.normalization, norm_epsilon=cfg.layernorm_epsilon, layernorm_epsilon=cfg.layernorm_epsilon,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
-        init_method_std=cfg.init_method_std, swiglu=cfg.swiglu, squared_relu=False, openai_gelu=False,
-        bias_gelu_fusion=not cfg.swiglu, bias_swiglu_fusion=cfg.swiglu, add_bias_linear=cfg.add_bias_linear,
+        init_method_std=cfg.init_method_std, swiglu=cfg.swiglu, squared_relu=cfg.squared_relu, openai_gelu=False,
+        bias_gelu_fusion=not (cfg.swiglu or cfg.squared_relu), bias_swiglu_fusion=cfg.swiglu, add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias, disable_bias_linear=not cfg.add_bias_linear,
         qk_layernorm=cfg.qk_layernorm, apply_residual_connection_post_layernorm=False,
         **megatron_moe_args(cfg, layout.ep, layout.tp, experts),

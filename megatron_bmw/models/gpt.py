@@ -196,15 +196,20 @@ class Attention(Unit):
             return torch.matmul(probs, v)
 
 
+def squared_relu(z: torch.Tensor) -> torch.Tensor:
+    """relu(z)^2 (Megatron-LM's --squared-relu): relu keeps its output, the square its input (the same tensor)."""
+    return torch.square(F.relu(z))
+
+
 class MLP(Unit):
-    """Pre-norm MLP (fc1, tanh-GeLU or SwiGLU, fc2) with the residual add. SwiGLU's fc1 holds [gate; up], each
-    split over tp (so a rank holds its part of both: stride 2)."""
+    """Pre-norm MLP (fc1, tanh-GeLU, squared ReLU or SwiGLU, fc2) with the residual add. SwiGLU's fc1 holds
+    [gate; up], each split over tp (so a rank holds its part of both: stride 2)."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit, name: str) -> None:
         super().__init__(state)
         h, f, rows = cfg.hidden_size, cfg.ffn_hidden_size, cfg.fc1_rows
         self.dropout = cfg.hidden_dropout
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.squared_relu = cfg.swiglu, cfg.squared_relu
         self.residual_post_ln = cfg.apply_residual_connection_post_layernorm
         self.post_attention_layernorm = _norm(cfg, state)
         bias = cfg.add_bias_linear
@@ -220,6 +225,8 @@ class MLP(Unit):
         if self.swiglu:
             gate, up = z.chunk(2, dim=-1)
             y = self.fc2(F.silu(gate) * up)
+        elif self.squared_relu:
+            y = self.fc2(squared_relu(z))
         else:
             y = self.fc2(F.gelu(z, approximate="tanh"))
         return (x if self.residual_post_ln else hidden) + self._dropout(y, self.dropout)

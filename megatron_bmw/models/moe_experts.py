@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from ..parallel.init import ParamInit, shard
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.view import ParallelView
+from .gpt import squared_relu
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -100,10 +101,12 @@ def _expert_param(full: torch.Tensor, state: ParallelView, dtype: torch.dtype, d
     return p
 
 
-def _activation(z: torch.Tensor, swiglu: bool) -> torch.Tensor:
+def _activation(z: torch.Tensor, swiglu: bool, squared: bool = False) -> torch.Tensor:
     if swiglu:
         gate, up = z.chunk(2, dim=-1)
         return F.silu(gate) * up
+    if squared:
+        return squared_relu(z)
     return F.gelu(z, approximate="tanh")
 
 
@@ -115,7 +118,7 @@ class Experts(nn.Module):
         super().__init__()
         n, h, f = cfg.moe.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
         rows, stride, bias = (2 * f if cfg.swiglu else f), (2 if cfg.swiglu else 1), cfg.add_bias_linear
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.squared = cfg.swiglu, cfg.squared_relu
         self.fc1 = _Stacked(init.normal(f"{name}.experts.fc1.weight", (n, rows, h)),
                             init.zeros((n, rows)) if bias else None, state, cfg.torch_dtype, 1, 1, stride)
         self.fc2 = _Stacked(init.normal(f"{name}.experts.fc2.weight", (n, h, f), init.output_std),
@@ -134,7 +137,7 @@ class Experts(nn.Module):
         z = grouped_mm(rows, self.fc1.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             z = z + self.fc1.bias[expert_of_row]
-        a = _activation(z, self.swiglu)
+        a = _activation(z, self.swiglu, self.squared)
         y = grouped_mm(a, self.fc2.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             y = y + self.fc2.bias[expert_of_row]
@@ -148,7 +151,7 @@ class SharedExpert(nn.Module):
         super().__init__()
         h, f = cfg.hidden_size, cfg.moe.shared_expert_intermediate_size
         rows, bias = (2 * f if cfg.swiglu else f), cfg.add_bias_linear
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.squared = cfg.swiglu, cfg.squared_relu
         self.fc1 = ColumnParallelLinear(init.normal(f"{name}.shared_expert.fc1.weight", (rows, h)),
                                         init.zeros((rows,)) if bias else None, state, dtype=cfg.torch_dtype,
                                         stride=2 if cfg.swiglu else 1)
@@ -156,4 +159,4 @@ class SharedExpert(nn.Module):
                                      init.zeros((h,)) if bias else None, state, dtype=cfg.torch_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(_activation(self.fc1(x), self.swiglu))
+        return self.fc2(_activation(self.fc1(x), self.swiglu, self.squared))

@@ -27,8 +27,9 @@ memory model and the solver use, a fixed part plus a fraction of the counted byt
    each into the fullest segment it fits. The fraction is that overhead over the bytes of what a rank holds at
    its peak: the saved activations (unit_saved_tensors) of its layers for each of the pp micro-batches the first
    1F1B stage holds, and its layers' weight matrices with their per-tensor optimizer states (gradients sit in
-   flat buckets). Freed blocks between live ones that no later request fits are not counted (a profile measures
-   them: max reserved over max allocated).
+   flat buckets; under nemo's Apex optimizer the parameters and states are flat buffers too). Freed blocks
+   between live ones that no later request fits are not counted (a profile measures them: max reserved over max
+   allocated).
 
 Precedence: --memory-workspace-gb / --memory-fragmentation, then a profile's calibrated memory_allowance, then a
 profile's measured CUDA memory (`cuda_memory`: context, NCCL bytes per communicator, allocator overhead), then
@@ -163,6 +164,8 @@ def held_tensor_bytes(model: ModelConfig, tp: int, pp: int, micro_batch_size: in
     for kind in ("attention", "mlp"):
         for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp, None, "cuda", cp):
             out.append((t.nbytes, pp * layers))
+    if precision.master_remainder:  # Apex's DistributedFusedAdam (nemo): parameters are views of a flat buffer,
+        return out  # the optimizer's states flat shards of its buckets: no allocation per weight matrix
     h, f = model.hidden_size, model.ffn_hidden_size
     fp32_tensors = round((precision.optimizer_bytes(1) - (4 if precision.grad_bytes < 4 else 0)) / 4)
     for numel in ((model.qkv_rows // tp) * h, h * (h // tp), (model.fc1_rows // tp) * h, h * (f // tp)):

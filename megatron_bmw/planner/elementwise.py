@@ -22,7 +22,8 @@ v padded vocabulary, t tensor-parallel size, e bytes per element; H = s'bh eleme
   grouped query  k and v repeated over each group's heads (read 2sbgd/t, write 2sbad/t) and summed back.
   MLP            bias-GeLU reads and writes fc1's output F = sb f/t (2Fe; backward reads input and gradient,
                  writes one: 3Fe, plus Fe for fc1's bias gradient); SwiGLU reads 2F, writes F (backward reads
-                 2F and F, writes 2F).
+                 2F and F, writes 2F); squared ReLU, relu and the square as two kernels: 4Fe forward, 10Fe
+                 backward (`_activation`).
   MoE            the norm, the experts' activation as the MLP's over the k copies of each token at the expert FFN
                  size, the shared experts' as an MLP's, dropout-add; the router's softmax/top-k over T E fp32 scores
                  (read the logits, write the probabilities: 8 T E each way; T = s'b); the permutation copying the
@@ -87,20 +88,18 @@ def _mlp(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[floa
     hidden = rows * b * model.hidden_size
     fwd, bwd = _norm(hidden, e)
     f = model.seq_length * b * model.ffn_hidden_size / tp
-    if model.swiglu:
-        fwd, bwd = fwd + 3 * f * e, bwd + 5 * f * e
-        fc1 = 2 * f
-    else:
-        fwd, bwd = fwd + 2 * f * e, bwd + 3 * f * e
-        fc1 = f
-    if model.add_bias_linear:
-        bwd += fc1 * e
+    f1, b1 = _activation(f, e, model.swiglu, model.add_bias_linear, model.squared_relu)
+    fwd, bwd = fwd + f1, bwd + b1
     f2, b2 = _dropout_add(hidden, e, model.hidden_dropout > 0, model.add_bias_linear)
     return fwd + f2, bwd + b2
 
 
-def _activation(f: float, e: int, swiglu: bool, bias: bool) -> tuple[float, float]:
-    fwd, bwd = (3 * f * e, 5 * f * e) if swiglu else (2 * f * e, 3 * f * e)
+def _activation(f: float, e: int, swiglu: bool, bias: bool, squared: bool = False) -> tuple[float, float]:
+    """Bytes the MLP's activation moves over f elements: GeLU reads and writes f (backward: reads the gradient and
+    the input, writes one); SwiGLU 3 and 5; squared ReLU, relu then the square (torch.pow(relu(x), 2), two
+    kernels): 4 forward, and backward the square's pow_backward (x^1 copied: 2, doubled: 2, times the gradient:
+    3) and relu's threshold_backward (3): 10; a bias's gradient reads fc1's output gradient."""
+    fwd, bwd = (3 * f * e, 5 * f * e) if swiglu else (4 * f * e, 10 * f * e) if squared else (2 * f * e, 3 * f * e)
     return fwd, bwd + ((2 * f if swiglu else f) * e if bias else 0)
 
 
@@ -110,13 +109,15 @@ def _moe(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[floa
     tokens = rows * b
     copies = tokens * moe.router_topk
     fwd, bwd = _norm(hidden, e)
-    f1, b1 = _activation(copies * model.moe_ffn_hidden_size, e, model.swiglu, model.add_bias_linear)
+    f1, b1 = _activation(copies * model.moe_ffn_hidden_size, e, model.swiglu, model.add_bias_linear,
+                         model.squared_relu)
     scores = 2 * tokens * moe.num_experts * FP32  # the router's fp32 scores, read and written
     fwd, bwd = fwd + f1 + scores, bwd + b1 + scores
     fwd, bwd = fwd + 5 * copies * h * e, bwd + 5 * copies * h * e
     shared = moe.shared_expert_intermediate_size
     if shared:
-        f2, b2 = _activation(model.seq_length * b * shared / tp, e, model.swiglu, model.add_bias_linear)
+        f2, b2 = _activation(model.seq_length * b * shared / tp, e, model.swiglu, model.add_bias_linear,
+                             model.squared_relu)
         fwd, bwd = fwd + f2, bwd + b2
     f3, b3 = _dropout_add(hidden, e, model.hidden_dropout > 0, model.add_bias_linear)
     return fwd + f3, bwd + b3

@@ -21,6 +21,18 @@ distributed optimizer (ZeRO-1) sharding everything the optimizer owns over d:
                        BLOOM's runs): the bf16 gradients autograd writes, a whole fp32 gradient accumulator each
                        micro-batch's gradients are added into and that is all-reduced as it is, even under ZeRO-1,
                        and fp32 master weights and moments: 20 (8 + 12/d). fp32 parameters are not modelled.
+  nemo                 NeMo 24.x's Megatron GPT recipes (Nemotron, GPT-3): Megatron-core's model and schedules
+                       (`megatron-core` in every other respect) stepped by `distributed_fused_adam`, NeMo's
+                       MegatronDistributedFusedAdam over Apex's DistributedFusedAdam, with the recipes' bf16
+                       parameters, grad_sync_dtype bf16, contiguous_grad_buffer and store_param_remainders. From
+                       Apex's source: the parameters are views of a bf16 buffer (2); the contiguous gradient buffer
+                       holds every bucket's gradients in grad_sync_dtype (2); each rank keeps, for its 1/d shard of
+                       every bucket, an int16 remainder (the fp32 master is the bf16 parameter plus these 16 low
+                       bits: 2) and fp32 exp_avg and exp_avg_sq (4 + 4): 14 (4 + 10/d) with the distributed
+                       optimizer, 14 unsharded without it. The reduce-scatter's bf16 output shard (2/d) is
+                       allocated when the gradients are synchronised and freed when they are zeroed: it lives across
+                       the step, when no activation is held, so it is not counted with them. bf16 only (the recipes';
+                       store_param_remainders needs bf16 parameters).
 """
 
 from __future__ import annotations
@@ -42,16 +54,20 @@ class PrecisionConfig:
     distributed_optimizer: bool = False  # ZeRO-1 over data parallel
     grad_bytes: int = 4  # the buffer gradients accumulate and are reduced in: 4 fp32 main grads, 2 16-bit
     fp32_master_copy: bool = True  # fp32 parameters get separate master shards under ZeRO-1 (ours)
+    master_remainder: bool = False  # the fp32 master kept as 16-bit remainders of bf16 parameters (nemo)
 
     def optimizer_bytes(self, dp: int) -> float:
-        """Per parameter: the fp32 master copy (none for fp32 parameters that are their own master), the fp32
-        gradient the step reads where the gradient buffer is 16-bit, two fp32 Adam moments; ZeRO-1 shards all
-        of it over the data-parallel group."""
-        if self.param_bytes < _FP32:
+        """Per parameter: the fp32 master copy (none for fp32 parameters that are their own master; its 16-bit
+        remainder for nemo's), the fp32 gradient the step reads where the gradient buffer is 16-bit (not nemo's,
+        whose step reads the bf16 shard), two fp32 Adam moments; ZeRO-1 shards all of it over the data-parallel
+        group."""
+        if self.master_remainder:
+            master = 2
+        elif self.param_bytes < _FP32:
             master = _FP32
         else:
             master = _FP32 if self.distributed_optimizer and self.fp32_master_copy else 0
-        grad_copy = _FP32 if self.grad_bytes < _FP32 else 0
+        grad_copy = _FP32 if self.grad_bytes < _FP32 and not self.master_remainder else 0
         per = master + grad_copy + 2 * _FP32
         return per / dp if self.distributed_optimizer else per
 
@@ -72,7 +88,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.name not in ENGINES:
             raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, not {self.name!r}")
-        if self.tp_comm_overlap and self.name != "megatron-core":
+        if self.name == "nemo" and self.accumulate_allreduce_grads_in_fp32 is not None:
+            raise UsageError("--accumulate-allreduce-grads-in-fp32/--grad-reduce-in-bf16 are Megatron-LM's; engine "
+                             "nemo reduces in its recipes' grad_sync_dtype, bf16")
+        if self.tp_comm_overlap and not self.megatron_core_runtime:
             raise UsageError(f"--tp-comm-overlap is Megatron-core's (Transformer Engine's userbuffers); engine "
                              f"{self.name} does not overlap tensor-parallel communication (plan with --engine "
                              "megatron-core)")
@@ -83,6 +102,11 @@ class EngineConfig:
             raise UsageError("--accumulate-allreduce-grads-in-fp32/--grad-reduce-in-bf16 are Megatron-LM's; the "
                              "deepspeed engine's gradient precision follows the parameters (ZeRO stage 0/1)")
 
+    @property
+    def megatron_core_runtime(self) -> bool:
+        """Whether the model runs as Megatron-core's with Transformer Engine's modules (megatron-core, nemo)."""
+        return self.name in ("megatron-core", "nemo")
+
     def _bf16_optimizer(self, params_dtype: str) -> bool:
         """DeepSpeed with bf16 parameters: its BF16_Optimizer, an fp32 accumulator all-reduced as ours is."""
         return self.name == "deepspeed" and params_dtype == "bf16"
@@ -91,6 +115,8 @@ class EngineConfig:
         """Whether gradients accumulate and are reduced in fp32."""
         if params_dtype == "fp32" or self.name == OURS or self._bf16_optimizer(params_dtype):
             return True
+        if self.name == "nemo":
+            return False
         if self.accumulate_allreduce_grads_in_fp32 is not None:
             return self.accumulate_allreduce_grads_in_fp32
         return params_dtype == "bf16" and self.name == "megatron-core"
@@ -98,7 +124,13 @@ class EngineConfig:
     def precision(self, params_dtype: str, distributed_optimizer: bool) -> PrecisionConfig:
         if self.name == "deepspeed" and params_dtype == "fp32":
             raise UsageError("--engine deepspeed: memory is modelled for --fp16 and --bf16 (ZeRO stage 0/1), not fp32")
+        if self.name == "nemo" and params_dtype != "bf16":
+            raise UsageError("--engine nemo: memory is modelled for --bf16 (distributed_fused_adam with "
+                             "store_param_remainders, NeMo's recipes), not " + params_dtype)
         param_bytes = DTYPE_BYTES[params_dtype]
+        if self.name == "nemo":
+            return PrecisionConfig(param_bytes=2, distributed_optimizer=distributed_optimizer, grad_bytes=2,
+                                   fp32_master_copy=False, master_remainder=True)
         if self._bf16_optimizer(params_dtype):  # bf16 gradients beside the fp32 accumulator
             return PrecisionConfig(param_bytes=2, distributed_optimizer=distributed_optimizer, grad_bytes=2 + _FP32,
                                    fp32_master_copy=False)

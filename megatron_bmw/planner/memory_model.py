@@ -210,11 +210,11 @@ def _layer_paired(layout: StageLayout, names: list[str], chunk: list[int], i: in
 
 
 def layer_transient_extra(model: ModelConfig, micro_batch_size: int, tp: int, sp: bool, device: str,
-                          cp: int = 1, cp_comm: str = "p2p") -> int:
+                          cp: int = 1, cp_comm: str = "p2p", te: bool = False) -> int:
     """What a whole-layer checkpoint's backward holds beyond its MLP unit's own transient: the MLP's input
     (rebuilt, not kept) and the attention unit's rebuilt activations, alive while the MLP's backward runs."""
     def saved(kind: str, recompute: str | None) -> int:
-        return unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device, cp, cp_comm)
+        return unit_activation_bytes(kind, model, micro_batch_size, tp, sp, recompute, device, cp, cp_comm, te=te)
     return saved("mlp", "full") + saved("attention", None) - saved("attention", "full")
 
 
@@ -222,14 +222,16 @@ def chunk_saved_bytes(layout: StageLayout, model: ModelConfig, rank: int,
                       settings: MemorySettings = MemorySettings()) -> list[float]:
     """Per model chunk of `rank`, what its units save for backward for one micro-batch (what the activation
     store records and BPipe moves). Under an engine that checkpoints whole layers, a fully recomputed layer keeps
-    only its attention unit's input."""
+    only its attention unit's input; under Megatron-core's and NeMo's Transformer Engine modules the attention
+    saves what they save (unit_activations.py)."""
     names = unit_names(model.num_layers)
     sp = layout.sequence_parallel and layout.tp > 1
     layered = layer_checkpoints(settings.engine)
     experts = layout.experts(settings.moe_imbalance)
+    te = settings.engine.megatron_core_runtime
     return [float(sum(unit_activation_bytes(unit_kind_of(model, names[i]), model, layout.micro_batch_size, layout.tp,
                                             sp, layout.unit_recompute(i), settings.device, layout.cp, layout.cp_comm,
-                                            experts)
+                                            experts, te)
                       for i in chunk if not (layered and _layer_paired(layout, names, chunk, i))))
             for chunk in chunk_unit_indices(layout, rank)]
 
@@ -309,7 +311,8 @@ def _backward_transient(layout: StageLayout, model: ModelConfig, rank: int, sett
     sp = layout.sequence_parallel and layout.tp > 1
     b, tp = layout.micro_batch_size, layout.tp
     layered = layer_checkpoints(settings.engine)
-    extra = layer_transient_extra(model, b, tp, sp, settings.device, layout.cp, layout.cp_comm) if layered else 0
+    extra = layer_transient_extra(model, b, tp, sp, settings.device, layout.cp, layout.cp_comm,
+                                  settings.engine.megatron_core_runtime) if layered else 0
     chunks = chunk_unit_indices(layout, rank)
     held = shared_output_grad_bytes(model, tp, layout.pp, [names[i] for c in chunks for i in c], settings.engine)
     experts = layout.experts(settings.moe_imbalance)

@@ -337,7 +337,7 @@ def moe_backward_bytes(model: ModelConfig, tokens: int, hidden_rows_full: int, h
         most = max(sent, received) * h * e
         combine = max(sent * (3 * h + 1) * e, 2 * most)
         back = max(2 * most, (sent + tokens) * h * e)
-    acts = (4 if model.swiglu else 2) * received * f * e
+    acts = (4 if model.swiglu else 3 if model.squared_relu else 2) * received * f * e
     fc2 = received * f * e + w2 * e + max(received * h * e, w2 * upcast)
     fc1 = received * h * e + w1 * e + max(received * rows * e, w1 * upcast)
     gemms = max(fc2, acts, fc1)
@@ -348,5 +348,5 @@ def moe_backward_bytes(model: ModelConfig, tokens: int, hidden_rows_full: int, h
     shared = moe.shared_expert_intermediate_size
     if not shared:
         return routed
-    shared_acts = (4 if model.swiglu else 2) * hidden_rows_full * (shared // tp) * e
+    shared_acts = (4 if model.swiglu else 3 if model.squared_relu else 2) * hidden_rows_full * (shared // tp) * e
     return max(shared_acts, hidden_rows * h * e + routed)

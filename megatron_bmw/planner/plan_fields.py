@@ -90,7 +90,7 @@ def _check_engine(f: _Fields, training: dict) -> None:
     f.boolean(training, "gradient_accumulation_fusion", "training.gradient_accumulation_fusion", True)
     if "tp_comm_overlap" in training:
         f.boolean(training, "tp_comm_overlap", "training.tp_comm_overlap")
-        if training["tp_comm_overlap"] and engine != "megatron-core":
+        if training["tp_comm_overlap"] and engine not in ("megatron-core", "nemo"):
             f.fail("training.tp_comm_overlap", f"is true, but engine {engine} does not overlap tensor-parallel "
                    "communication (Megatron-core's --tp-comm-overlap)")
     fp32 = training.get("accumulate_allreduce_grads_in_fp32")

@@ -13,7 +13,7 @@ from ..pipeline.generators import SCHEDULES, generate
 from ..pipeline.schedule import Kind
 
 SEARCHED = tuple(x for x in SCHEDULES if x != "zbv")  # the V placement is simulated, not searched
-ENGINE_SCHEDULES = {"megatron-core": ("1f1b", "interleaved"), "deepspeed": ("1f1b",)}
+ENGINE_SCHEDULES = {"megatron-core": ("1f1b", "interleaved"), "nemo": ("1f1b", "interleaved"), "deepspeed": ("1f1b",)}
 _BOOL = {"on": (True,), "off": (False,), "both": (False, True), "true": (True,), "false": (False,)}
 CP_MIN_SEQ = 8192  # shorter sequences are not split by default: cp 1 only
 _HELP = (f"tp, cp, pp, dp, mbs, ep, etp (lists of integers; ep and etp for MoE models only: by default ep every power of "

@@ -32,7 +32,8 @@ q and k (v stays a view of the QKV output); with rope over part of the head, the
 out by head and the projection's input is a copy of it. Grouped queries: k and v repeated over each group's
 heads (sbh/t e each) and q copied out of the grouped rows (a view, keeping the whole QKV output, where a rank holds
 one group and the core takes q as it is). SwiGLU keeps fc1's output (gate and up, 2 sbf/t e), silu(gate) and
-the product (sbf/t e each) where GeLU keeps its input and output. Biases change no saved tensor.
+the product (sbf/t e each) where GeLU keeps its input and output; squared ReLU (relu(x)^2, --squared-relu) keeps
+relu's output (which the square keeps as its input) and the square's (sbf/t e each): GeLU's bytes. Biases change no saved tensor.
 Context parallelism (cp = C > 1; the runtime's contract, models/gpt.py with parallel/context_parallel.py): every
 unit holds what it holds for the rank's local sequence s/C (s is s/C everywhere above; with SP the hidden state
 between units has s/(C t) rows). Attention differs: rope's cos and sin are taken at the rank's global positions
@@ -57,6 +58,14 @@ projection gradient sbh; MLP: fc1 input s'bh, fc1 gradient sbf/t (2 sbf/t SwiGLU
 gradient sbh; head: logits input s'bh and gradient sbv/t; all in e; the row-parallel layers' output gradients
 cover the whole sequence). Recomputation changes none of it: B rebuilds the inputs and W keeps them.
 
+Megatron-core and NeMo (`te`: EngineConfig.megatron_core_runtime) run Transformer Engine's modules, whose flash
+attention unit without recomputation, on "cuda" without context parallelism or q/k norms, saves less than ours:
+TE's LayerNormLinear keeps its input and its output ln_out (with SP both the rank's s/t rows; ln_out is re-gathered
+in backward), as ours; the fused rope (Megatron's apply_rope_fusion, on by default) keeps only the model chunk's
+shared frequencies, nothing per layer; the fused core (cuDNN or flash-attn) keeps q, k and v as it takes them,
+contiguous, k and v at their grouped size sbh g/(a t) e each (not repeated over a group's heads), its output (the
+projection's input) and the fp32 softmax statistics b a/t s; the row-parallel projection keeps its input, that
+output. The MLP (TE linears around Megatron's activation) saves what ours does.
 Device kinds: on "cuda" a dropout mask is bool (1 byte) and LayerNorm statistics are fp32; on "cpu" dropout
 keeps its scaled noise in the tensor's dtype and LayerNorm statistics are in that dtype, and SDPA with
 dropout falls back to a math path (q, k, v copies and three s^2 tensors, in fp32 for 16-bit inputs).
@@ -92,10 +101,11 @@ class SavedTensor:
 
 def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
                        recompute: str | None = None, device: str = "cuda", cp: int = 1,
-                       cp_comm: str = "p2p", experts: Experts | None = None) -> list[SavedTensor]:
+                       cp_comm: str = "p2p", experts: Experts | None = None, te: bool = False) -> list[SavedTensor]:
     """The tensors one unit of `kind` saves for backward for one micro-batch on one tensor-parallel rank (of
     context-parallel size `cp`: its s/cp tokens; `cp_comm` the cp attention's exchange, p2p or a2a; an MoE unit's
-    on the busiest rank of expert layout `experts`, moe_model.py: by default ep 1, etp = tp, even routing)."""
+    on the busiest rank of expert layout `experts`, moe_model.py: by default ep 1, etp = tp, even routing; `te`:
+    Transformer Engine's attention as Megatron-core and NeMo run it, see the module doc)."""
     _check_cp(model, cp)
     if cp_comm not in ("p2p", "a2a"):
         raise UsageError(f"the context-parallel exchange must be p2p or a2a, not {cp_comm!r}")
@@ -118,6 +128,9 @@ def unit_saved_tensors(kind: str, model: ModelConfig, micro_batch_size: int, tp:
         _mlp_saved(saved)
     elif kind == "moe":
         moe_saved(saved, default_experts(tp, experts))
+    elif te and recompute is None and device == "cuda" and cp == 1 and model.flash_attention \
+            and not model.qk_layernorm and model.model_type == "gpt":
+        _te_attention_saved(saved)
     else:
         _attention_saved(saved, recompute)
     return saved.out
@@ -211,6 +224,9 @@ def _mlp_saved(saved: _Saved) -> None:
         saved.add("fc1 output (gate and up)", 2 * local_f, e)
         saved.add("silu output", local_f, e)
         saved.add("swiglu output (fc2 input)", local_f, e)
+    elif saved.model.squared_relu:  # relu keeps its output, the square its input (the same tensor)
+        saved.add("relu output", local_f, e)
+        saved.add("squared relu output (fc2 input)", local_f, e)
     else:
         saved.add("gelu input", local_f, e)
         saved.add("gelu output", local_f, e)
@@ -238,6 +254,22 @@ def _attention_saved(saved: _Saved, recompute: str | None) -> None:
         out = saved.out
         first = next((i for i, t in enumerate(out) if t.name == "qkv output"), len(out))
         saved.out = out[:first + 1] + [t for t in out[first + 1:] if t.name != "qkv output"]
+
+
+def _te_attention_saved(saved: _Saved) -> None:
+    """Transformer Engine's attention unit (module doc): LayerNormLinear's input and ln_out, the fused core's
+    contiguous q, grouped k and v, its output (the projection's input) and softmax statistics, the dropout."""
+    model, s, b, e = saved.model, saved.s, saved.b, saved.e
+    local_h = s * b * saved.h // saved.tp
+    kv = local_h * model.query_groups // model.num_attention_heads
+    saved.layernorm()
+    saved.add("ln_out (qkv input)", saved.hidden_local, e)
+    saved.add("query", local_h, e)
+    saved.add("keys (grouped)", kv, e)
+    saved.add("values (grouped)", kv, e)
+    saved.add("attention output (output projection input)", local_h, e)
+    saved.add("softmax statistics (fp32)", b * (model.num_attention_heads // saved.tp) * s, _FP32)
+    saved.hidden_dropout()
 
 
 def _attention_core_saved(saved: _Saved, recompute: str | None, core_inputs: list[SavedTensor], local_h: int) -> None:
@@ -406,22 +438,23 @@ def unit_wgrad_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: i
 
 _SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
                "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head",
-               "position_embedding_type", "rotary_percent", "normalization", "swiglu", "num_query_groups",
+               "position_embedding_type", "rotary_percent", "normalization", "swiglu", "squared_relu", "num_query_groups",
                "qk_layernorm", "apply_layernorm_1p")
 _saved_memo: dict[tuple, int] = {}
 
 
 def unit_activation_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: int = 1, sp: bool = False,
                           recompute: str | None = None, device: str = "cuda", cp: int = 1, cp_comm: str = "p2p",
-                          experts: Experts | None = None) -> int:
-    key = (kind, micro_batch_size, tp, sp, recompute, device, cp, cp_comm, experts, repr(model.moe)) \
+                          experts: Experts | None = None, te: bool = False) -> int:
+    key = (kind, micro_batch_size, tp, sp, recompute, device, cp, cp_comm, experts, te, repr(model.moe)) \
         + tuple(getattr(model, k) for k in _SAVED_KEYS)
     got = _saved_memo.get(key)
     if got is None:
         if len(_saved_memo) > 100_000:
             _saved_memo.clear()
         got = _saved_memo[key] = sum(t.nbytes for t in unit_saved_tensors(kind, model, micro_batch_size, tp, sp,
-                                                                           recompute, device, cp, cp_comm, experts))
+                                                                           recompute, device, cp, cp_comm, experts,
+                                                                           te))
     return got
 
 
@@ -476,8 +509,9 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
     if kind == "attention":
         heads = model.num_attention_heads // tp
         return b * heads * s * s * (_FP32 + e) if not model.flash_attention else 3 * s * b * (h // tp) * e
-    if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's
-        return (4 if model.swiglu else 2) * s * b * (f // tp) * e
+    if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's; squared ReLU: the
+        # square's backward (autograd's pow_backward, grad * 2 x^1) holds a temporary beside its two gradients
+        return (4 if model.swiglu else 3 if model.squared_relu else 2) * s * b * (f // tp) * e
     if kind == "moe":  # moe_model.py: the experts' gradients at the tokens received, the dispatcher's buffers
         rows = (s // tp if sp and tp > 1 else s) * b
         return moe_backward_bytes(model, local_tokens(model, b, tp, sp, cp), s * b, rows, tp,

@@ -119,3 +119,20 @@ def test_the_planner_flags_are_generated_from_planner_config():
     planner = from_flags(PlannerConfig, args)
     assert planner == PlannerConfig(cluster="a100-80g-ib", profile=["a.json", "b.json"], world_size=8,
                                     engine="megatron-core")
+
+
+def test_squared_relu_flag_and_its_conflict_with_swiglu(capsys):
+    """--squared-relu lands on ModelConfig.squared_relu (Megatron-LM's flag); with --swiglu a one-line error, exit 2."""
+    from megatron_bmw.cli.autoconfig import main
+
+    assert run_config_from_argv([*BASE, "--squared-relu"], 1).run.model.squared_relu
+    assert not run_config_from_argv(BASE, 1).run.model.squared_relu
+    with pytest.raises(UsageError, match="--squared-relu and --swiglu are two MLP activations"):
+        run_config_from_argv([*BASE, "--squared-relu", "--swiglu"], 1)
+    argv = ["estimate", "--cluster", "a100-80g-ib", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+            "4", "--seq-length", "32", "--vocab-size", "200", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--squared-relu", "--swiglu"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--squared-relu and --swiglu" in err[0]

@@ -61,6 +61,8 @@ LLAMA_CASES = [
     # --qk-layernorm: each tp rank normalises its own heads, the q/k norm weights' gradients summed over tp
     (2, {**LLAMA, **QK_1P, "recompute_granularity": "selective"}, True),
     (2, {**LLAMA, "qk_layernorm": True, "normalization": "LayerNorm", "recompute_granularity": "full"}, False),
+    # --squared-relu (Nemotron-4's MLP, no gating): fc1 split plainly over tp, biases off
+    (2, {**LLAMA, "swiglu": False, "squared_relu": True}, True),
 ]
 
 
@@ -162,3 +164,26 @@ def test_tp_must_divide_heads():
         cfg.check_tensor_parallel(3)
     with pytest.raises(UsageError, match="not divisible by --num-attention-heads"):
         ModelConfig(hidden_size=30, num_attention_heads=4)
+
+
+def test_squared_relu_activation():
+    """--squared-relu: relu(x)^2 and its gradient 2 relu(x); the MLP uses it in place of GeLU (fc1 not doubled),
+    and --swiglu with it is refused in one line."""
+    from megatron_bmw.errors import UsageError
+    from megatron_bmw.models.gpt import squared_relu
+
+    x = torch.tensor([-2.0, -0.5, 0.0, 0.5, 3.0], requires_grad=True)
+    y = squared_relu(x)
+    torch.testing.assert_close(y, torch.tensor([0.0, 0.0, 0.0, 0.25, 9.0]))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([0.0, 0.0, 0.0, 1.0, 6.0]))
+    cfg = small_config(squared_relu=True)
+    units = build_units(cfg, ParallelState.serial(), SEED)
+    mlp = units["mlp_0"]
+    assert mlp.fc1.weight.shape == (cfg.ffn_hidden_size, cfg.hidden_size)
+    h = torch.randn(8, 2, cfg.hidden_size)
+    x = mlp.post_attention_layernorm(h)
+    expected = h + mlp.fc2(torch.relu(mlp.fc1(x)) ** 2)
+    torch.testing.assert_close(mlp.compute(h, {}), expected)
+    with pytest.raises(UsageError, match="--squared-relu and --swiglu"):
+        small_config(squared_relu=True, swiglu=True)

@@ -39,3 +39,11 @@ def test_small_model_keeps_grouping_and_ratios():
     assert (small.num_attention_heads, small.num_query_groups, small.num_layers) == (4, 1, 1)
     assert small.ffn_hidden_size * llama.hidden_size == llama.ffn_hidden_size * small.hidden_size
     assert small.swiglu and small.normalization == "RMSNorm"
+
+
+def test_squared_relu_counts_its_two_kernels():
+    """--squared-relu runs relu then the square where GeLU is one operator: one more forward; the attention alike."""
+    gelu = unit_op_counts(H100_RUN)
+    squared = unit_op_counts(replace(H100_RUN, squared_relu=True))
+    assert squared["mlp"][0] == gelu["mlp"][0] + 1 and squared["mlp"][1] > gelu["mlp"][1]
+    assert squared["attention"] == gelu["attention"]

@@ -183,3 +183,16 @@ def test_the_cluster_file_states_the_device_inputs():
         cluster(nccl_channels=0)
     with pytest.raises(UsageError, match="cuda_context_gb"):
         cluster(cuda_context_gb=-1)
+
+
+def test_nemo_holds_no_per_matrix_optimizer_tensors():
+    """Apex's DistributedFusedAdam (engine nemo) keeps parameters in a flat buffer and its states in flat bucket
+    shards: the allocator's fraction counts only the saved activations, not a request per weight matrix."""
+    from megatron_bmw.planner.cuda_allowance import held_tensor_bytes
+    from megatron_bmw.planner.engine import EngineConfig
+
+    nemo = EngineConfig("nemo").precision("bf16", True)
+    core = EngineConfig("megatron-core").precision("bf16", True)
+    model = ModelConfig(**{**MODEL.__dict__, "params_dtype": "bf16"})
+    held = held_tensor_bytes(model, 2, 2, 1, False, nemo)
+    assert held and len(held_tensor_bytes(model, 2, 2, 1, False, core)) == len(held) + 4 * 2

@@ -32,6 +32,9 @@ CASES = [
     ("megatron-core", False, "bf16", False, (2, 2, 16)),
     ("megatron-core", None, "fp32", False, (4, 4, 8)),
     ("megatron-core", None, "fp32", True, (4, 4, 8 / 4)),
+    # NeMo's distributed_fused_adam (Apex): bf16 params and grad buffer; int16 remainder + fp32 moments sharded
+    ("nemo", None, "bf16", False, (2, 2, 10)),
+    ("nemo", None, "bf16", True, (2, 2, 10 / 4)),
     # DeepSpeed ZeRO-0/1, fp16: fp16 grads; fp32 master, fp32 grad copy and moments (a partition of them at stage 1)
     ("deepspeed", None, "fp16", False, (2, 2, 16)),
     ("deepspeed", None, "fp16", True, (2, 2, 16 / 4)),
@@ -65,6 +68,7 @@ def test_rank_memory_follows_the_engine():
     (("megatron_bmw", False, True), "megatron_bmw accumulates and reduces gradients in fp32"),
     (("megatron-core", True, True), "contradict"),
     (("deepspeed", True, False), "Megatron-LM's"),
+    (("nemo", True, False), "grad_sync_dtype, bf16"),
 ])
 def test_engine_flags_that_cannot_hold(flags, needle):
     with pytest.raises(UsageError, match=needle):
@@ -75,6 +79,14 @@ def test_engine_flags_that_cannot_hold(flags, needle):
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
                     params_dtype="bf16")
+
+
+def test_nemo_is_bf16_only_and_overlaps_like_megatron_core():
+    for dtype in ("fp16", "fp32"):
+        with pytest.raises(UsageError, match="engine nemo: memory is modelled for --bf16"):
+            EngineConfig("nemo").precision(dtype, True)
+    assert EngineConfig("nemo", tp_comm_overlap=True).megatron_core_runtime
+    assert EngineConfig("nemo").grad_reduction("bf16", True) == (2.0, True)
 
 
 def _plan(engine: EngineConfig) -> Plan:

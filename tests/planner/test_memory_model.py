@@ -53,6 +53,9 @@ LLAMA_VARIANTS = (
     dict(qk_layernorm=True, apply_layernorm_1p=True),
     dict(qk_layernorm=True, normalization="RMSNorm", position_embedding_type="rope", num_query_groups=2),
     dict(qk_layernorm=True, normalization="RMSNorm", apply_layernorm_1p=True, num_query_groups=1),
+    # --squared-relu (Nemotron-4's MLP: relu(x)^2, no gating) with rope and groups, with and without biases
+    dict(squared_relu=True, position_embedding_type="rope", num_query_groups=2, add_bias_linear=False),
+    dict(squared_relu=True),
 )
 
 
@@ -468,3 +471,71 @@ def _moe_body(rank, world_size, layouts):
 def test_saved_bytes_moe_expert_parallel_exact(world, layouts):
     """The memory model byte for byte against what the MoE units of expert-parallel ranks save (gloo)."""
     assert run_distributed(world, _moe_body, layouts) == [[]] * world
+
+
+NEMOTRON_340B = dict(num_layers=96, hidden_size=18432, num_attention_heads=96, num_query_groups=8,
+                     ffn_hidden_size=73728, seq_length=4096, vocab_size=256000, position_embedding_type="rope",
+                     untie_embeddings_and_output_weights=True, add_bias_linear=False, params_dtype="bf16",
+                     attention_backend="flash", hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def test_transformer_engine_attention_term_by_term():
+    """Megatron-core/NeMo's TE attention at tp 8 with SP, no dropout (unit_activations.py's module doc), in units
+    of the rank's sbh/t bf16 bytes: LN input and ln_out on s/t rows (1 + 1), q (1), grouped k and v (1/12 each:
+    8 groups of 96 heads), the core's output (1), fp32 softmax statistics; no rope cos/sin per layer."""
+    model = ModelConfig(**NEMOTRON_340B)
+    unit = 4096 * 18432 // 8 * 2
+    got = {t.name: t.nbytes for t in unit_saved_tensors("attention", model, 1, 8, True, te=True)}
+    assert got == {"layernorm input": unit, "layernorm statistics": 2 * 512 * 4, "ln_out (qkv input)": unit,
+                   "query": unit, "keys (grouped)": unit // 12, "values (grouped)": unit // 12,
+                   "attention output (output projection input)": unit, "softmax statistics (fp32)": 12 * 4096 * 4}
+    ours = {t.name for t in unit_saved_tensors("attention", model, 1, 8, True)}
+    assert {"rotary cos and sin (fp32)", "keys repeated over the group"} <= ours  # what TE does not save
+    mlp = unit_saved_tensors("mlp", model, 1, 8, True, te=True)
+    assert sum(t.nbytes for t in mlp) == 2 * unit + 2 * 512 * 4 + 2 * 4 * unit  # LN in, ln_out, fc1 out, act out
+    # recomputation, context parallelism and the unfused core keep our runtime's count
+    for kw in (dict(recompute="selective"), dict(cp=2)):
+        assert unit_saved_tensors("attention", model, 1, 8, True, te=True, **kw) == \
+            unit_saved_tensors("attention", model, 1, 8, True, **kw)
+
+
+@pytest.mark.parametrize("pp,v,nodes,engine,fits", [
+    (8, 12, 16, "nemo", True), (16, 2, 32, "nemo", True), (16, 6, 32, "nemo", True),
+    (4, None, 16, "nemo", False), (4, 12, 16, "nemo", False), (8, 12, 16, "megatron-core", False)])
+def test_nemotron_340b_runs_fit_and_too_big_ones_do_not(capsys, pp, v, nodes, engine, fits):
+    """The published tp 8 x pp 8 (v 12) and pp 16 NeMo runs fit 80 GiB; pp 4, and Megatron-core's fp32 gradient
+    buffer at pp 8, do not. The first rank's peak is Megatron's interleaved warm-up."""
+    import json
+
+    from megatron_bmw.cli.autoconfig import main
+
+    argv = ["estimate", "--cluster", "h100-80g-ib", "--num-nodes", str(nodes), "--num-layers", "96",
+            "--hidden-size", "18432", "--num-attention-heads", "96", "--group-query-attention", "--num-query-groups",
+            "8", "--ffn-hidden-size", "73728", "--seq-length", "4096", "--vocab-size", "256000",
+            "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+            "--bf16", "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", str(pp),
+            "--sequence-parallel", "--use-distributed-optimizer", "--micro-batch-size", "1", "--global-batch-size",
+            "64", "--engine", engine, "--tp-comm-overlap", "--attention-backend", "flash", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--json"] + (["--virtual-pipeline-model-parallel-size", str(v)] if v else [])
+    assert main(argv) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert all(s["fits"] for s in stages) == fits
+    # the first rank holds Megatron's interleaved warm-up, (p - 1) 2 + (v - 1) p chunk forwards, and one more
+    assert stages[0]["peak_inflight_microbatches"] == (2 * (pp - 1) + ((v or 1) - 1) * pp + 1 if v else pp)
+
+
+def test_squared_relu_saved_bytes_backward_and_elementwise():
+    """--squared-relu saves GeLU's bytes (relu's output, the square's output); its backward holds one temporary
+    more (pow_backward); its two kernels move 4F forward and 10F backward where bias-GeLU moves 2F and 3F."""
+    from megatron_bmw.planner.elementwise import unit_elementwise_bytes
+    from megatron_bmw.planner.unit_activations import unit_backward_bytes
+
+    gelu, squared = _cfg(add_bias_linear=False), _cfg(add_bias_linear=False, squared_relu=True)
+    names = [t.name for t in unit_saved_tensors("mlp", squared, MBS, 2, True)]
+    assert "relu output" in names and "squared relu output (fc2 input)" in names
+    assert sum(t.nbytes for t in unit_saved_tensors("mlp", squared, MBS, 2, True)) == \
+        sum(t.nbytes for t in unit_saved_tensors("mlp", gelu, MBS, 2, True))
+    f = SEQ * MBS * 96 // 2 * 4  # s b f/t elements in fp32
+    assert unit_backward_bytes("mlp", squared, MBS, 2, True) - unit_backward_bytes("mlp", gelu, MBS, 2, True) == f
+    (gf, gb), (qf, qb) = (unit_elementwise_bytes("mlp", m, MBS, 2, True) for m in (gelu, squared))
+    assert (qf - gf, qb - gb) == (2 * f, 7 * f)
