@@ -76,7 +76,7 @@ def plan_flags(plan) -> dict[str, object]:
         "position_embedding_type": m.position_embedding_type,
         "use_rotary_position_embeddings": m.position_embedding_type == "rope", "rotary_percent": m.rotary_percent,
         "rotary_base": m.rotary_base, "rotary_seq_len_interpolation_factor": m.rotary_seq_len_interpolation_factor,
-        "swiglu": m.swiglu, "group_query_attention": m.num_query_groups is not None,
+        "swiglu": m.swiglu, "squared_relu": m.squared_relu, "group_query_attention": m.num_query_groups is not None,
         "num_query_groups": m.num_query_groups, "normalization": m.normalization,
         "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "qk_layernorm": m.qk_layernorm,
         "apply_layernorm_1p": m.apply_layernorm_1p,

@@ -195,7 +195,7 @@ def _arg(payload: dict, key: str, default=None):
 
 
 # saved arguments that make another model even where no tensor's shape tells (checked first, named on a mismatch)
-ARCHITECTURE = ("model_type", "num_layers", "num_attention_heads", "swiglu", "normalization",
+ARCHITECTURE = ("model_type", "num_layers", "num_attention_heads", "swiglu", "squared_relu", "normalization",
                 "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
                 "bert_binary_head", "apply_residual_connection_post_layernorm", "orig_vocab_size")
 
