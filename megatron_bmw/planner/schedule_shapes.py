@@ -16,6 +16,12 @@ from .partitioners import minmax_partition
 from .space import Layout, zero_bubble
 
 
+# on equal stages (what the estimate's counts and credit assume) the searched schedules stand for the handcrafted
+# order of their memory, which is one of their candidates (pipeline/zb_search.py) and costs no search per (p, m);
+# the finalists are simulated on the searched order itself
+EQUAL_STAGES = {"zb-1p": "zb-h1", "zb-2p": "zb-h2"}
+
+
 class ScheduleShapes:
     """What a search computes once and every layout reuses: per (pp, m, v, schedule, bpipe) what each rank holds
     at its peaks; unit times per (device, link, degrees, choice); saved bytes."""
@@ -51,9 +57,9 @@ class ScheduleShapes:
         the heaviest moment may hold fewer micro-batches of a heavier mix."""
         pp, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
         if zero_bubble(layout.schedule):  # per rank [held whole, held for W] at each of its peaks
-            key = (layout.schedule, pp, min(m, 3 * pp))
+            key = (EQUAL_STAGES.get(layout.schedule, layout.schedule), pp, min(m, 3 * pp))
             if key not in self._cache:
-                self._cache[key] = split_peak_mixes(layout.schedule, pp, key[2])
+                self._cache[key] = split_peak_mixes(key[0], pp, key[2])
             return self._cache[key]
         if v == 1:  # the schedules' own peaks: GPipe holds all, 1F1B p - r
             plain = [[[float(m if layout.schedule == "gpipe" else min(pp - r, m))]] for r in range(pp)]
@@ -79,6 +85,7 @@ class ScheduleShapes:
         """n in the zero-bubble estimate (LayoutProblem._pipeline_time): how many bubbles of min(f, b, w) the
         schedule's W's fill, from one replay with equal stages and f = b = w = 1; ZB-H1's is min(m, p) - 1. Beyond
         3p micro-batches the schedule repeats."""
+        schedule = EQUAL_STAGES.get(schedule, schedule)
         key = (schedule, pp, min(m, 3 * pp))
         if schedule == "zb-h1":  # closed form (tests check it against the replay)
             return float(min(m, pp) - 1)
