@@ -8,7 +8,7 @@ bytes, min-max partitions and knapsack choices.
 from __future__ import annotations
 
 from ..pipeline.bpipe import mu_opt
-from ..pipeline.generators import compute_schedule, generate, interleaved_1f1b
+from ..pipeline.generators import CHUNKS, compute_schedule, generate, interleaved_1f1b
 from ..pipeline.holding import holding_events
 from ..pipeline.replay import replay
 from ..pipeline.schedule import Kind
@@ -34,6 +34,7 @@ class ScheduleShapes:
         self.placements: dict[tuple, dict] = {}  # (tp, pp, dp, rank order) -> devices, links, capacity
         self._minmax: dict[tuple, list[int]] = {}
         self.knapsacks: dict[tuple, tuple | None] = {}  # LayoutProblem._choice_for
+        self.v_memo: dict[tuple, object] = {}  # ZB-V's compiled schedules and equal-chunk bubbles (v_layout.py)
 
     def minmax(self, costs, stages: int) -> list[int]:
         """minmax_partition (exact), memoised: layouts of one placement share their unit times."""
@@ -56,7 +57,7 @@ class ScheduleShapes:
         for interleaving every mix it holds that no other mix holds chunk by chunk, since with unequal chunks
         the heaviest moment may hold fewer micro-batches of a heavier mix."""
         pp, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
-        if zero_bubble(layout.schedule):  # per rank [held whole, held for W] at each of its peaks
+        if zero_bubble(layout.schedule):  # per rank [held whole per chunk, held for W per chunk] at each peak
             key = (EQUAL_STAGES.get(layout.schedule, layout.schedule), pp, min(m, 3 * pp))
             if key not in self._cache:
                 self._cache[key] = split_peak_mixes(key[0], pp, key[2])
@@ -114,19 +115,18 @@ def replayed_credit(schedule: str, pp: int, m: int) -> float:
 
 
 def split_peak_mixes(schedule: str, p: int, m: int) -> list[list[list[float]]]:
-    """Per rank of a schedule with split backwards (one chunk per rank), the [held whole, held for W] counts after
-    each change (pipeline/holding.py's rule), without those another holds slot by slot."""
-    sched = compute_schedule(schedule, p, m)
+    """Per rank of a schedule with split backwards, the counts held whole per chunk, then held for W per chunk
+    ([whole, for W] with one chunk per rank; ZB-V: [whole 0, whole 1, for W 0, for W 1]) after each change
+    (pipeline/holding.py's rule), without those another holds slot by slot."""
+    v = CHUNKS.get(schedule, 1)
+    sched = compute_schedule(schedule, p, m, v)
     out = []
     for rank in range(p):
-        whole = wgrad = 0.0
+        per = [0.0] * (2 * v)
         mixes = set()
         for h in holding_events(sched.actions[rank], rank):
-            if h.wgrad:
-                wgrad += h.share
-            else:
-                whole += h.share
-            mixes.add((whole, wgrad))
+            per[h.chunk + (v if h.wgrad else 0)] += h.share
+            mixes.add(tuple(per))
         kept: list[tuple] = []
         for mix in sorted(mixes, key=lambda x: (-sum(x), x)):
             if not any(all(a >= b for a, b in zip(other, mix)) for other in kept):

@@ -39,6 +39,7 @@ from .schedule_shapes import ScheduleShapes, bubble_fill
 from .space import Layout, SearchSpace, zero_bubble
 from .spec import RunSpec
 from .unit_activations import unit_activation_bytes, unit_transient_bytes, unit_wgrad_bytes
+from .v_layout import stage_places, v_pipeline_time, v_starts
 
 _INF = math.inf
 _SEND = Action(Kind.SEND_ACT, 0, 0, 1)
@@ -98,11 +99,13 @@ class LayoutProblem:
                                         layout.cp)
         self.uniform = uniform  # False: per-unit choices; else this one choice for every transformer unit
         self.stages = layout.pp * layout.virtual_stages
+        self.where, self.rank_stages = stage_places(layout.pp, self.stages, layout.placement)  # (rank, chunk)
         self.names = unit_names(model.num_layers)
         self.cost, self.capacity = self._placement(cluster, profiles, costs)
         self.counts = shapes.counts(layout, variant.bpipe)
         self.zero_bubble = zero_bubble(layout.schedule)
-        self.zb_credit = shapes.zero_bubble_credit(layout.schedule, layout.pp, layout.num_microbatches) if self.zero_bubble else 0.0
+        self.zb_credit = shapes.zero_bubble_credit(layout.schedule, layout.pp, layout.num_microbatches) \
+            if self.zero_bubble and layout.placement != "v" else 0.0  # ZB-V's: v_layout.v_pipeline_time
         self._short = None  # a zero-bubble schedule of m < p, compiled once for the estimate
         # per unit kind (units of a kind share their rows): allowed choices, and per choice (forward, backward)
         # per rank, saved bytes and transient bytes
@@ -241,16 +244,12 @@ class LayoutProblem:
     # ---- one partition --------------------------------------------------------------------------------------
     def _rank_keys(self, partition: tuple[int, ...]) -> list[tuple]:
         """Per rank, its chunks as (first unit, units): what its plan depends on."""
-        pp = self.layout.pp
         starts = [0, *accumulate(partition)]
-        if self.stages == pp:
-            return [((starts[r], partition[r]),) for r in range(pp)]
-        return [tuple((starts[k], partition[k]) for k in range(r, self.stages, pp)) for r in range(pp)]
+        return [tuple((starts[k], partition[k]) for k in ks) for ks in self.rank_stages]
 
     def evaluate(self, partition: tuple[int, ...]) -> Solution | None:
         """Per rank the fastest recomputation that fits, then the estimate; None when some rank cannot fit."""
         lay = self.layout
-        pp = lay.pp
         stages = self.stages
         fwd = [0.0] * stages
         bwd = [0.0] * stages
@@ -271,18 +270,16 @@ class LayoutProblem:
             plans.append(chunk_plans)
             if recomputed:
                 recomputes = True
-            k = r
-            for _, _, f, b, w in chunk_plans:
+            for k, (_, _, f, b, w) in zip(self.rank_stages[r], chunk_plans):
                 fwd[k] = f
                 bwd[k] = b
                 wgt[k] = w
-                k += pp
         # zero-bubble: the last gradient actions, which the reduction overlaps, are the W's
         estimate = self._pipeline_time(fwd, bwd, wgt) + self._sync_time(keys, plans, fwd,
                                                                          wgt if self.zero_bubble else bwd)
         rc = None
-        if recomputes:  # stage k is chunk k // pp of rank k % pp, and stages follow the units
-            rc = tuple(x for k in range(stages) for x in plans[k % pp][k // pp][0])
+        if recomputes:  # stage k is chunk c of rank r (where[k]), and stages follow the units
+            rc = tuple(x for r, c in self.where for x in plans[r][c][0])
         return Solution(lay, self.variant, tuple(partition), rc, estimate, fwd, bwd, memory, self.capacity, self)
 
     def _rank_plan(self, rank: int, key: tuple):
@@ -403,6 +400,8 @@ class LayoutProblem:
         its start-up is (p - 1) max(F, F + B - 2W). With fewer micro-batches than stages (a short schedule) the schedule
         itself is replayed on the stage times."""
         lay = self.layout
+        if lay.placement == "v":
+            return v_pipeline_time(self, fwd, bwd, wgt)
         fb = [f + b for f, b in zip(fwd, bwd)]
         if self.zero_bubble and lay.num_microbatches < lay.pp:
             if self._short is None:
@@ -437,8 +436,7 @@ class LayoutProblem:
                 units = [[(self.params[i], self._sync_times(r, i, j)) for i, j in zip(range(start, start + size),
                                                                                       plan[1])]
                          for (start, size), plan in zip(keys[r], plans[r])]
-                got = self._syncs[key] = self.exposed_sync(units, [bwd[c * lay.pp + r] for c in range(len(units))],
-                                                           fwd[r])
+                got = self._syncs[key] = self.exposed_sync(units, [bwd[k] for k in self.rank_stages[r]], fwd[r])
             after, lead = got
             total = after + lead - first if lead > first else after
             if total > worst:
@@ -492,10 +490,11 @@ class LayoutProblem:
         tables = {id(t): t for t in self.times}
         by_table = {key: [sum(sum(t[i][0]) for i in blk) for blk in blocks] for key, t in tables.items()}
         plain_time = next(iter(by_table.values())) if len(by_table) == 1 else \
-            tuple(by_table[id(self.times[k % lay.pp])] for k in range(self.stages))  # per stage if devices differ
-        cnt = [self.counts[k % lay.pp][0][k // lay.pp] for k in range(self.stages)]
-        if self.zero_bubble:  # every micro-batch a rank holds, whole or for W
-            cnt = [max(sum(mix) for mix in self.counts[k % lay.pp]) for k in range(self.stages)]
+            tuple(by_table[id(self.times[r])] for r, _ in self.where)  # per stage if devices differ
+        cnt = [self.counts[r][0][c] for r, c in self.where]
+        if self.zero_bubble:  # every micro-batch a chunk holds, whole or for W
+            v = lay.virtual_stages
+            cnt = [max(mix[c] + mix[c + v] for mix in self.counts[r]) for r, c in self.where]
         static = [sum(self.static[i] for i in blk) for blk in blocks]
         most = [sum(self.saved[i][0] for i in blk) for blk in blocks]
         least = [sum(self.saved[i][-1] for i in blk) for blk in blocks]
@@ -510,6 +509,8 @@ class LayoutProblem:
 
         starts = [self.shapes.minmax(plain_time, self.stages),
                   self.shapes.minmax_memory(static, most, cnt), self.shapes.minmax_memory(static, least, cnt)]
+        if lay.placement == "v":  # and with each rank's two chunks balanced together (v_layout.py)
+            starts += v_starts(self.shapes, lay.pp, plain_time, [(static, most, cnt), (static, least, cnt)])
         if lay.virtual_stages == 1 and len(by_table) > 1:  # on one device type AMP's objective is min-max plus a constant
             starts.append(amp_partition(plain_time, self.stages, lay.num_microbatches))
         for s in starts:
@@ -518,20 +519,22 @@ class LayoutProblem:
         if feasible:  # Galvatron's walk from the most memory-balanced feasible start toward time balance
             mem_start = min(feasible, key=lambda k: max(seen[k].memory))
             time_peak = max(seen[feasible[0]].memory) if tuple(starts[0]) in feasible else 0.0
+            v_shape = lay.placement == "v"  # a stage's time is its rank's
 
             def stage_time(part):
                 got = score(part)
                 if got is None:
                     return [_INF] * len(part)
-                return [f + b for f, b in zip(got.stage_forward, got.stage_backward)]
+                fb = [f + b for f, b in zip(got.stage_forward, got.stage_backward)]
+                return [sum(fb[j] for j in self.rank_stages[r]) for r, _ in self.where] if v_shape else fb
 
             def stage_memory(part):
                 got = score(part)
                 if got is None:
                     return [_INF] * len(part)
-                return [got.memory[k % lay.pp] for k in range(len(part))]
+                return [got.memory[r] for r, _ in self.where]
 
-            budgets = [self.capacity[k % lay.pp] for k in range(self.stages)]
+            budgets = [self.capacity[r] for r, _ in self.where]
             galvatron_walk(list(mem_start), stage_time, stage_memory, budgets, time_peak, max_steps=24)
         best = [v for v in seen.values() if v is not None]
         return min(best, key=lambda s: s.estimate) if best else None

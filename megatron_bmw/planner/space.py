@@ -9,10 +9,10 @@ from functools import lru_cache
 from ..config import ModelConfig
 from ..errors import UsageError
 from .engine import OURS
-from ..pipeline.generators import SCHEDULES, generate
+from ..pipeline.generators import CHUNKS, SCHEDULES, generate
 from ..pipeline.schedule import Kind
 
-SEARCHED = tuple(x for x in SCHEDULES if x != "zbv")  # the V placement is simulated, not searched
+SEARCHED = SCHEDULES
 ENGINE_SCHEDULES = {"megatron-core": ("1f1b", "interleaved"), "nemo": ("1f1b", "interleaved"), "deepspeed": ("1f1b",)}
 _BOOL = {"on": (True,), "off": (False,), "both": (False, True), "true": (True,), "false": (False,)}
 CP_MIN_SEQ = 8192  # shorter sequences are not split by default: cp 1 only
@@ -34,7 +34,7 @@ class SearchSpace:
     mbs: tuple[int, ...] | None = None  # None: every divisor of the per-replica batch
     ep: tuple[int, ...] | None = None  # MoE models: None: every power of two dividing the experts (expert_degrees)
     etp: tuple[int, ...] | None = None  # MoE models: None: 1 and tp
-    schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb-1p", "zb-2p")  # GPipe, zb-h1, zb-h2: asked for only
+    schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb-1p", "zb-2p", "zbv")  # GPipe, zb-h1, zb-h2: asked for
     virtual: tuple[int, ...] = (2, 3, 4)
     sp: tuple[bool, ...] = (False, True)
     zero1: tuple[bool, ...] = (False, True)
@@ -106,9 +106,6 @@ def _parse_dim(key: str, values: list[str], item: str) -> dict:
         bad = [v for v in values if v not in SCHEDULES]
         if bad:
             raise UsageError(f"--space {item!r}: unknown schedule {bad[0]!r} ({', '.join(SEARCHED)})")
-        if "zbv" in values:
-            raise UsageError(f"--space {item!r}: zbv is simulated, not searched (autoconfig.py simulate "
-                             f"--pipeline-schedule zbv); the search takes {', '.join(SEARCHED)}")
         return {key: tuple(values)}
     if key in ("sp", "zero1", "bpipe", "slicing"):
         if len(values) != 1 or values[0] not in _BOOL:
@@ -150,17 +147,22 @@ class Layout:
     ep: int = 1  # expert-parallel size (MoE models; docs/moe.md)
     etp: int | None = None  # expert-tensor-parallel size; None: tp
 
+    @property
+    def placement(self) -> str:
+        """Where the virtual stages sit (PipelineConfig.placement): "v" for zbv, else round-robin."""
+        return "v" if self.schedule == "zbv" else "interleaved"
+
 
 @lru_cache(maxsize=None)
 def zero_bubble(schedule: str) -> bool:
-    """Whether `schedule` splits backwards into B and W (its generator emits BACKWARD_WEIGHT) with one model chunk
-    per rank, as the search lays stages out; such a schedule runs without BPipe, slicing or per-unit strategies
-    (config.py and arguments.py refuse those). ZB-V (two chunks in a V) is run and simulated but not searched."""
+    """Whether `schedule` splits backwards into B and W (its generator emits BACKWARD_WEIGHT): one model chunk
+    per rank, or ZB-V's two in a V (Layout.placement); such a schedule runs without BPipe, slicing or per-unit
+    strategies (config.py and arguments.py refuse those)."""
     try:
-        sched = generate(schedule, 2, 4)
+        sched = generate(schedule, 2, 4, CHUNKS.get(schedule, 1))
     except UsageError:
         return False
-    return sched.virtual_stages == 1 and any(a.kind is Kind.BACKWARD_WEIGHT for acts in sched.actions for a in acts)
+    return any(a.kind is Kind.BACKWARD_WEIGHT for acts in sched.actions for a in acts)
 
 
 def divisors(n: int) -> list[int]:
@@ -206,8 +208,7 @@ def cp_degrees(space: SearchSpace, model: ModelConfig, world: int) -> list[int]:
 
 def layouts(space: SearchSpace, model: ModelConfig, world: int, global_batch: int, tps: list[int]) -> list[Layout]:
     """Every (tp, cp, pp, dp, mbs, schedule, virtual, and for MoE models ep, etp) of the space; pipeline stages need
-    one unit each at least. A schedule that splits backwards but lays out several chunks per rank (not the search's
-    round-robin) is left out, and so are zero-bubble schedules for MoE models (not planned)."""
+    one unit each at least. Zero-bubble schedules are left out for MoE models (not planned)."""
     if model.moe is None and ((space.ep is not None and space.ep != (1,)) or space.etp is not None):
         raise UsageError("--space ep/etp: the model has no experts (--num-experts); expert parallelism is searched "
                          "for MoE models only")
@@ -272,6 +273,9 @@ def _degree_layouts(space: SearchSpace, model: ModelConfig, ranks: int, global_b
                             if v > 1 and pp * v <= most]
                 elif (schedule == "gpipe" or zero_bubble(schedule)) and pp == 1:
                     continue  # one stage: GPipe and zero-bubble are 1F1B
+                elif schedule == "zbv":  # two chunks per rank in a V
+                    if 2 * pp <= most:
+                        out.append(Layout(tp, pp, dp, mbs, m, schedule, 2, cp))
                 elif schedule in ("1f1b", "gpipe") or zero_bubble(schedule):
                     out.append(Layout(tp, pp, dp, mbs, m, schedule, 1, cp))
     return out

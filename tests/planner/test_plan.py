@@ -286,3 +286,27 @@ def test_a_zb_2p_plan_hands_the_run_its_stage_times(tmp_path):
     run = configs_from_args(args, 8, plan=apply_plan(args, argv)).pipeline
     assert run.schedule == "zb-2p" and run.schedule_times == times
     assert build_schedule(run, 2).to_text(comm=True) == build_schedule(pipe, 2).to_text(comm=True)
+
+
+def test_a_zbv_plan_hands_the_run_its_v_layout(tmp_path):
+    """A searched ZB-V plan (2p stages, two chunks per rank in a V) reaches the run as planned: schedule zbv,
+    virtual stages 2, placement v, its partition per virtual stage; rank 0 builds the embedding's and the head's
+    chunks (pretrain_gpt.py --plan)."""
+    from dataclasses import replace
+
+    from megatron_bmw.pipeline.partition import rank_chunks
+
+    base = _plan()
+    part = (2, 1, 2, 1, 1, 1, 1, 1)  # 10 units; rank 0: stages 0 and 7, rank 1: 1 and 6, ...
+    pipe = replace(base.spec.pipeline, schedule="zbv", virtual_stages=2, slicing=0, partition=part, recompute=None)
+    plan = replace(base, spec=RunSpec.of(MODEL, tp=2, pp=4, dp=1, pipeline=pipe, sequence_parallel=True),
+                   global_batch_size=8)
+    path = tmp_path / "zbv.json"
+    plan.save(str(path))
+    loaded = json.loads(path.read_text())["pipeline"]
+    assert (loaded["schedule"], loaded["virtual_stages"]) == ("zbv", 2)
+    argv = ["--plan", str(path), "--mock-data", "--train-iters", "3"]
+    args = parse_args(argv)
+    run = configs_from_args(args, 8, plan=apply_plan(args, argv)).pipeline
+    assert (run.schedule, run.virtual_stages, run.placement, run.partition) == ("zbv", 2, "v", part)
+    assert rank_chunks(list(part), 4, 0, run.placement) == [[0, 1], [9]]

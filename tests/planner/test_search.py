@@ -14,7 +14,7 @@ from megatron_bmw.planner.cost_model import CostSettings
 from megatron_bmw.planner.evaluate import simulate_run, stage_capacity
 from megatron_bmw.planner.memory_model import MemorySettings
 from megatron_bmw.planner.plan import Plan
-from megatron_bmw.planner.search import padded_model, search
+from megatron_bmw.planner.search import SearchSettings, padded_model, search
 from megatron_bmw.planner.space import SearchSpace, layouts, tp_degrees
 from megatron_bmw.planner.spec import RunSpec
 
@@ -117,6 +117,7 @@ def test_space_parsing():
     assert space.tp == (1, 2) and space.bpipe == (False,) and space.recompute == (None, "full")
     assert space.schedule == ("1f1b", "gpipe", "zb-h1") and not space.per_unit_recompute and not space.sublayer
     assert space.sp == (True,)
+    assert "zbv" in SearchSpace().schedule and SearchSpace.parse(["schedule=zbv"]).schedule == ("zbv",)
     for bad, needle in (("tp", "expected DIM=VALUES"), ("tp=a", "takes integers"), ("bpipe=maybe", "on, off or both"),
                         ("color=red", "unknown dimension 'color'"), ("schedule=zigzag", "unknown schedule"),
                         ("tp=0", ">= 1"), ("recompute=half", "unknown recomputation")):
@@ -134,6 +135,7 @@ def test_space_for_other_engines_holds_only_what_they_run():
     ds = full.for_engine("deepspeed")
     assert ds.schedule == ("1f1b",) and ds.sp == (False,) and ds.zero1 == (False, True)
     for items, engine, needle in ((["schedule=zb-h1"], "megatron-core", "runs only 1f1b, interleaved"),
+                                  (["schedule=zbv"], "megatron-core", "runs only 1f1b, interleaved"),
                                   (["schedule=interleaved"], "deepspeed", "runs only 1f1b"),
                                   (["sp=on"], "deepspeed", "no sequence parallelism"),
                                   (["strategy=hybrid"], "megatron-core", "one layout for all units")):
@@ -259,3 +261,39 @@ def test_a_searched_zb_plan_carries_the_stage_times_it_was_simulated_with(tmp_pa
         assert main(["simulate", "--cluster", "a100-80g-ib", "--plan", str(path), "--json"]) == 0
         again = json.loads(capsys.readouterr().out)
         assert again["iteration_time_s"] == pytest.approx(plan.prediction["iteration_time_s"], rel=1e-9)
+
+
+HEAVY_HEAD = ["--num-layers", "8", "--hidden-size", "2304", "--num-attention-heads", "24", "--seq-length", "1024",
+              "--vocab-size", "50257", "--bf16"]  # the output layer takes about two layers' time
+
+
+def test_a_searched_zbv_plan_is_v_balanced_and_simulates_at_its_prediction(tmp_path, capsys):
+    """`--space schedule=zbv`: a plan of 2p stages placed in a V (rank r holds stages r and 2p-1-r); with a heavy
+    output layer rank 0 (embedding and head) gets fewer transformer units than any other rank; the plan runs as
+    simulated."""
+    path = tmp_path / "zbv.json"
+    assert main(["search", "--cluster", "a100-80g-ib", *HEAVY_HEAD, "--global-batch-size", "32", "--top-k", "1",
+                 "--space", "pp=4", "--space", "tp=1", "--space", "mbs=1", "--space", "schedule=zbv", "--output", str(path),
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    plan = Plan.load(str(path))
+    pipe = plan.spec.pipeline
+    assert (pipe.schedule, pipe.virtual_stages, pipe.placement) == ("zbv", 2, "v")
+    part = pipe.partition
+    assert len(part) == 8 and sum(part) == 18
+    per_rank = [part[r] + part[7 - r] for r in range(4)]
+    assert per_rank[0] - 2 < min(per_rank[1:]), part  # rank 0 holds the embedding and the head besides
+    assert main(["simulate", "--cluster", "a100-80g-ib", "--plan", str(path), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["iteration_time_s"] == pytest.approx(plan.prediction["iteration_time_s"], rel=1e-9)
+
+
+def test_the_default_search_picks_zbv_where_it_wins(capsys):
+    """ZB-V is in the default space beside 1F1B, interleaving and the one-chunk zero-bubble schedules: on a deep
+    pipeline with a heavy head and few micro-batches its halved bubble wins, and the others are ranked too."""
+    assert main(["search", "--cluster", "a100-80g-ib", "--num-nodes", "1", "--num-layers", "22", "--hidden-size",
+                 "2304", "--num-attention-heads", "24", "--seq-length", "1024", "--vocab-size", "50257", "--bf16",
+                 "--global-batch-size", "16", "--space", "pp=8", "--space", "tp=1", "--json", "--no-progress"]) == 0
+    plans = [p["layout"] for p in json.loads(capsys.readouterr().out)["plans"]]
+    assert (plans[0]["schedule"], plans[0]["virtual"]) == ("zbv", 2)
+    assert {p["schedule"] for p in plans[1:]} & {"zb-h1", "zb-1p", "zb-2p"}

@@ -262,3 +262,76 @@ def test_one_stage_solution_memory_holds_the_tied_output_gradient(moe):
     exact = estimate_memory(sol.spec(prob.model))
     assert sol.memory == pytest.approx([x.peak_bytes for x in exact], rel=1e-12)
     assert shared_output_grad_bytes(prob.model, 1, 1, unit_names(4), MemorySettings().engine) == 256 * 64 * 4
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_zbv_mixes_give_the_walks_byte_peak(p):
+    """ZB-V: per rank [whole chunk 0, whole chunk 1, for W chunk 0, for W chunk 1] mixes; whatever each chunk
+    keeps whole and for its W, the heaviest moment is one of them (also beyond the 3p micro-batches)."""
+    import random
+
+    from megatron_bmw.pipeline.generators import generate
+    from megatron_bmw.pipeline.holding import bytes_size, peak
+
+    rng = random.Random(p)
+    for m in (1, p, 2 * p, 6 * p):
+        sched, mixes = generate("zbv", p, m, 2), split_peak_mixes("zbv", p, min(m, 3 * p))
+        for r in range(p):
+            whole, wgrad = [rng.uniform(1.0, 4.0) for _ in range(2)], [rng.uniform(0.5, 6.0) for _ in range(2)]
+            exact = peak(holding_events(sched.actions[r], r), bytes_size(lambda o: whole, lambda o: wgrad))
+            assert max(sum(n * b for n, b in zip(mix, whole + wgrad)) for mix in mixes[r]) == pytest.approx(exact)
+    assert max(sum(mix) for rank in split_peak_mixes("zbv", p, 3 * p) for mix in rank) == 2 * p  # p whole ones
+
+
+def test_zbv_solution_memory_is_the_walks():
+    """The solver's memory for ZB-V (rank r holds stages r and 2p-1-r: rank 0 the embedding's and the head's) is
+    the exact memory model's on the built schedule, for partitions balanced or not."""
+    from megatron_bmw.planner.evaluate import estimate_memory
+
+    prob = _problem(1.0, pp=2, m=4, schedule="zbv", v=2)
+    assert prob.where == [(0, 0), (1, 0), (1, 1), (0, 1)] and prob.rank_stages == [[0, 3], [1, 2]]
+    for part in ((3, 2, 2, 3), (2, 3, 3, 2), (1, 4, 4, 1), (4, 1, 1, 4), (1, 1, 1, 7)):
+        sol = prob.evaluate(part)
+        exact = estimate_memory(sol.spec(prob.model))
+        assert sol.memory == pytest.approx([x.peak_bytes for x in exact], rel=1e-12), part
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 8), (4, 16), (3, 12)])
+def test_zbv_estimate_on_equal_chunks(p, m):
+    """ZB-V's estimate against the simulated schedule on equal chunks: the replay itself up to 2p micro-batches;
+    beyond, m x a rank's two chunks plus the equal-chunk bubble (its ratios rounded to 1/20): within 2%."""
+    from megatron_bmw.pipeline.generators import generate
+    from megatron_bmw.pipeline.schedule import Kind
+    from megatron_bmw.planner.simulator import simulate
+
+    prob = _problem(1.0, pp=p, m=m, schedule="zbv", v=2)
+    for f, b, w in ((1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (1.5, 0.5, 1.0), (0.5, 1.5, 0.3), (1.0, 2.0, 1.0)):
+        times = {Kind.FORWARD: f, Kind.BACKWARD_INPUT: b, Kind.BACKWARD_WEIGHT: w}
+        sim = simulate(generate("zbv", p, m, 2), lambda r, a: times[a.kind]).pipeline_time
+        got = prob._pipeline_time([f] * 2 * p, [b + w] * 2 * p, [w] * 2 * p)
+        assert got == pytest.approx(sim, rel=1e-6 if m <= 2 * p else 0.02), (f, b, w)
+
+
+def test_v_partitions_balance_each_ranks_two_chunks():
+    """v_fold then v_balance against every split into 2p stages (the least largest per-rank sum, rank r holding
+    stages r and 2p-1-r): as good within the smallest unit, and a heavy last unit (the head) leaves rank 0 less."""
+    import itertools
+
+    from megatron_bmw.planner.v_layout import v_balance, v_fold
+
+    p = 3
+    for costs in ([0.2] + [1.0, 1.5] * 5 + [4.0], [1.0] * 12, [0.1] + [1.0, 2.0] * 5 + [6.0]):
+        n = len(costs)
+
+        def worst(part):
+            cuts = [0, *itertools.accumulate(part)]
+            loads = [sum(costs[cuts[k]:cuts[k + 1]]) for k in range(2 * p)]
+            return max(loads[r] + loads[2 * p - 1 - r] for r in range(p))
+
+        best = min(worst(tuple(b - a for a, b in zip((0,) + c, c + (n,))))
+                   for c in itertools.combinations(range(1, n), 2 * p - 1))
+        got = v_balance(costs, v_fold(costs, p), p)
+        assert len(got) == 2 * p and sum(got) == n and min(got) >= 1
+        assert worst(got) <= best + min(costs) + 1e-12, (costs, got)
+        if costs[-1] > 2:
+            assert got[0] + got[-1] < min(got[r] + got[2 * p - 1 - r] for r in range(1, p)), got
