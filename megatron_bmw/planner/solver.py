@@ -507,10 +507,11 @@ class LayoutProblem:
                 seen[key] = self.evaluate(key if unit_blocks else block_units(blocks, key))
             return seen[key]
 
-        starts = [self.shapes.minmax(plain_time, self.stages),
-                  self.shapes.minmax_memory(static, most, cnt), self.shapes.minmax_memory(static, least, cnt)]
-        if lay.placement == "v":  # and with each rank's two chunks balanced together (v_layout.py)
-            starts += v_starts(self.shapes, lay.pp, plain_time, [(static, most, cnt), (static, least, cnt)])
+        if lay.placement == "v":  # each rank's two chunks balanced together (v_layout.py), for time and memory
+            starts = v_starts(self.shapes, lay.pp, plain_time, [(static, most, cnt)])
+        else:
+            starts = [self.shapes.minmax(plain_time, self.stages),
+                      self.shapes.minmax_memory(static, most, cnt), self.shapes.minmax_memory(static, least, cnt)]
         if lay.virtual_stages == 1 and len(by_table) > 1:  # on one device type AMP's objective is min-max plus a constant
             starts.append(amp_partition(plain_time, self.stages, lay.num_microbatches))
         for s in starts:

@@ -34,7 +34,7 @@ class SearchSpace:
     mbs: tuple[int, ...] | None = None  # None: every divisor of the per-replica batch
     ep: tuple[int, ...] | None = None  # MoE models: None: every power of two dividing the experts (expert_degrees)
     etp: tuple[int, ...] | None = None  # MoE models: None: 1 and tp
-    schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb-1p", "zb-2p", "zbv")  # GPipe, zb-h1, zb-h2: asked for
+    schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb-2p", "zbv")  # gpipe, zb-h1, zb-h2, zb-1p: asked for
     virtual: tuple[int, ...] = (2, 3, 4)
     sp: tuple[bool, ...] = (False, True)
     zero1: tuple[bool, ...] = (False, True)

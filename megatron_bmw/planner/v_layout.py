@@ -152,7 +152,7 @@ def _fold(rows, pp: int, bound: float) -> list[int] | None:
     return front + [c + 1, right - left - c - 1] + back[::-1]
 
 
-def v_fold(costs, pp: int, steps: int = 48) -> list[int]:
+def v_fold(costs, pp: int, steps: int = 20) -> list[int]:
     """A 2p-stage V partition whose largest per-rank load is the least _fold reaches (bisection on the bound)."""
     rows = costs if costs and isinstance(costs[0], (list, tuple)) else [costs] * (2 * pp)
     lo, hi = 0.0, sum(max(row[i] for row in rows) for i in range(len(rows[0])))
@@ -164,7 +164,7 @@ def v_fold(costs, pp: int, steps: int = 48) -> list[int]:
             lo = mid
         else:
             hi, best = mid, got
-        if hi - lo <= 1e-9 * hi:
+        if hi - lo <= 1e-4 * hi:  # a hundredth of a percent of the load
             break
     return best
 
