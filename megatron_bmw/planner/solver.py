@@ -210,9 +210,8 @@ class LayoutProblem:
             te = memory.engine.megatron_core_runtime  # Transformer Engine's attention saves less (memory_model.py)
             key = (kind, c, lay.micro_batch_size, lay.tp, sp, memory.device, model.vocab_size, lay.cp, self.experts, te)
             if key not in shapes.saved_bytes:
-                shapes.saved_bytes[key] = float(unit_activation_bytes(kind, model, lay.micro_batch_size, lay.tp, sp, c,
-                                                                      memory.device, lay.cp, experts=self.experts,
-                                                                      te=te))
+                shapes.saved_bytes[key] = float(unit_activation_bytes(
+                    kind, model, lay.micro_batch_size, lay.tp, sp, c, memory.device, lay.cp, experts=self.experts, te=te))
             return shapes.saved_bytes[key]
 
         # an engine that checkpoints whole layers keeps one input per fully recomputed layer (memory_model.py)

@@ -48,7 +48,7 @@ def _train(rank, world_size, argv):
 @pytest.mark.slow
 def test_stopped_on_4_ranks_resumes_on_2_with_a_new_plan_and_the_same_losses(tmp_path):
     """4 ranks train 8 iterations; 4 ranks stop at 4 (saving torch_dist); 2 ranks resume with --plan auto: their
-    losses and grad norms are the uninterrupted run's. The plan changes (dp 2 -> 1, twice the micro-batches) and
+    losses and grad norms are the uninterrupted run's. The plan changes (dp 2 -> 1, twice the samples per replica) and
     the restart prints it beside the checkpoint's."""
     ckpt = str(tmp_path / "ckpt")
     argv = _auto(tmp_path, "--plan-space", "pp=2")
@@ -63,7 +63,8 @@ def test_stopped_on_4_ranks_resumes_on_2_with_a_new_plan_and_the_same_losses(tmp
         assert norm == pytest.approx(ref_norm, rel=1e-3, abs=0), it
     new = json.load(open(os.path.join(ckpt, replan.PLAN_FILE)))
     assert old["parallel"]["data_parallel_size"] == 2 and new["parallel"]["data_parallel_size"] == 1
-    assert new["pipeline"]["num_microbatches"] == 2 * old["pipeline"]["num_microbatches"]
+    per_replica = lambda plan: plan["pipeline"]["num_microbatches"] * plan["pipeline"]["micro_batch_size"]  # noqa: E731
+    assert per_replica(new) == 2 * per_replica(old)  # the same global batch on half the replicas
     printed = resumed[0][1]
     assert "> --plan auto: searched 2 ranks of cluster cpu-ranks (analytic unit times)" in printed
     assert re.search(r"^> \* ranks\s+4\s+-> 2$", printed, re.M), printed
