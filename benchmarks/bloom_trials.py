@@ -51,7 +51,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.args import exit_on_usage_error, output_files, parser  # noqa: E402
-from megatron_bmw.cli.autoconfig import simulate_flags  # noqa: E402
+from megatron_bmw.cli.autoconfig import simulate_flags, spec_flags  # noqa: E402
 from megatron_bmw.errors import UsageError  # noqa: E402
 from megatron_bmw.planner.accuracy import error_summary  # noqa: E402
 from megatron_bmw.planner.evaluate import stage_capacity  # noqa: E402
@@ -133,7 +133,7 @@ def row_flags(row: dict, setup: dict, engine: str = "deepspeed", launch: str = "
 
 def run_spec(row: dict, setup: dict) -> RunSpec:
     """The RunSpec the command line makes of a row."""
-    return simulate_flags(row_flags(row, setup))[0].spec
+    return spec_flags(row_flags(row, setup))
 
 
 FACTORS = {"micro-batch size": ("mbs",), "attention heads": ("heads",), "layout (tp, pp, dp)": ("tp", "pp", "dp")}

@@ -64,6 +64,14 @@ def simulate_flags(argv: list[str]):
     return _simulated(args, plan_from_args(args, argv, subcommand_parser(parser, "simulate")))[:3]
 
 
+def spec_flags(argv: list[str]):
+    """The RunSpec `autoconfig.py simulate ARGV` would simulate (a plan-less run), without simulating it."""
+    args = parse_args(["simulate"] + list(argv), build_autoconfig_parser())
+    planner = planner_config(args)
+    profiles = load_profiles(planner.profile)
+    return spec_from_flags(args, planner, cluster_from(planner, profiles), profiles)
+
+
 def _simulate(args, plan) -> int:
     check_output_file("--timeline", args.timeline)
     ev, cluster, settings, profiles = _simulated(args, plan)
