@@ -37,6 +37,7 @@ from .schedule import Action, Kind, Schedule
 from .zero_bubble import list_schedule, zb_h1_order, zb_h2_budgets
 
 SEARCHED_ZB = {"zb-1p": 1, "zb-2p": 2}  # name -> memory limit in multiples of p
+HANDCRAFTED = {"zb-1p": "zb-h1", "zb-2p": "zb-h2"}  # the handcrafted order within each one's memory (a candidate)
 StageTimes = tuple[float, float, float, float]  # (f, b, w, send to the next stage) in seconds
 _EPS = 1e-12
 

@@ -11,15 +11,10 @@ from ..pipeline.bpipe import mu_opt
 from ..pipeline.generators import CHUNKS, compute_schedule, generate, interleaved_1f1b
 from ..pipeline.holding import holding_events
 from ..pipeline.replay import replay
+from ..pipeline.zb_search import HANDCRAFTED
 from ..pipeline.schedule import Kind
 from .partitioners import minmax_partition
 from .space import Layout, zero_bubble
-
-
-# on equal stages (what the estimate's counts and credit assume) the searched schedules stand for the handcrafted
-# order of their memory, which is one of their candidates (pipeline/zb_search.py) and costs no search per (p, m);
-# the finalists are simulated on the searched order itself
-EQUAL_STAGES = {"zb-1p": "zb-h1", "zb-2p": "zb-h2"}
 
 
 class ScheduleShapes:
@@ -57,8 +52,10 @@ class ScheduleShapes:
         for interleaving every mix it holds that no other mix holds chunk by chunk, since with unequal chunks
         the heaviest moment may hold fewer micro-batches of a heavier mix."""
         pp, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
+        # on equal stages (what the counts and the credit assume) zb-1p/zb-2p stand for the handcrafted order of their
+        # memory, one of their candidates, at no search per (p, m); the finalists simulate the searched order itself
         if zero_bubble(layout.schedule):  # per rank [held whole per chunk, held for W per chunk] at each peak
-            key = (EQUAL_STAGES.get(layout.schedule, layout.schedule), pp, min(m, 3 * pp))
+            key = (HANDCRAFTED.get(layout.schedule, layout.schedule), pp, min(m, 3 * pp))
             if key not in self._cache:
                 self._cache[key] = split_peak_mixes(key[0], pp, key[2])
             return self._cache[key]
@@ -86,7 +83,7 @@ class ScheduleShapes:
         """n in the zero-bubble estimate (LayoutProblem._pipeline_time): how many bubbles of min(f, b, w) the
         schedule's W's fill, from one replay with equal stages and f = b = w = 1; ZB-H1's is min(m, p) - 1. Beyond
         3p micro-batches the schedule repeats."""
-        schedule = EQUAL_STAGES.get(schedule, schedule)
+        schedule = HANDCRAFTED.get(schedule, schedule)
         key = (schedule, pp, min(m, 3 * pp))
         if schedule == "zb-h1":  # closed form (tests check it against the replay)
             return float(min(m, pp) - 1)

@@ -30,6 +30,7 @@ from ..config import ModelConfig, padded_vocab_size
 from ..errors import UsageError
 from ..pipeline.build import build_schedule
 from ..pipeline.generators import TIMED
+from ..pipeline.zb_search import HANDCRAFTED
 from ..pipeline.schedule import gc_paused
 from ..pipeline.slicing import choose_slices
 from .cluster import Cluster
@@ -400,9 +401,6 @@ def _solve_with_savers(prob: LayoutProblem, space, model, orig_vocab, divisible_
     return out
 
 
-PROXY = {"zb-1p": "zb-h1", "zb-2p": "zb-h2"}  # handcrafted orders within the searched ones' memory limits
-
-
 class _Simulator:
     """Exact scoring of one finalist's partitions: per-rank recomputation from the solver, then the simulator on
     the schedule that would run and the exact memory model."""
@@ -416,7 +414,7 @@ class _Simulator:
     def run(self, partition: tuple[int, ...], slicing: int = 0, exact: bool = False):
         """The partition's solution and evaluation. ZB-1p/ZB-2p are searched for each partition's stage times only
         when `exact` (the finalist's last simulation); the partitions tried before it are timed on the handcrafted
-        order of the same memory (PROXY: ZB-H1, ZB-H2), never faster than the searched one, compiled once."""
+        order of the same memory (zb_search.HANDCRAFTED: ZB-H1, ZB-H2), never faster than the searched one, compiled once."""
         key = (tuple(partition), slicing, exact)
         if key in self.cache:
             return self.cache[key]
@@ -428,7 +426,7 @@ class _Simulator:
             if slicing not in self.compiled and not timed:
                 pipe = spec.pipeline
                 if pipe.schedule in TIMED:
-                    pipe = replace(pipe, schedule=PROXY[pipe.schedule])
+                    pipe = replace(pipe, schedule=HANDCRAFTED[pipe.schedule])
                 self.compiled[slicing] = compiled_for(build_schedule(pipe, spec.pp), self.costs.engine)
             ev = simulate_run(spec, self.cluster, self.profiles, self.costs, self.memory,
                               schedule=None if timed else self.compiled[slicing], memory_over_time=False)
