@@ -29,3 +29,41 @@ def layer_norm(hidden: int, eps: float, device: torch.device, dtype: torch.dtype
 
 def flash_attention_available() -> bool:
     return hasattr(torch.nn.functional, "scaled_dot_product_attention")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # type: ignore  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+class CudaCompiled:
+    """A pointwise function run through torch.compile (inductor: one generated kernel) when its first tensor is on
+    CUDA and triton is importable, eagerly otherwise (the CPU, or no compiler). A compile that fails is reported
+    once and the eager function runs from then on, so a missing or broken compiler never fails a run."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self._compiled = None
+        self._broken = False
+        self.__name__ = getattr(fn, "__name__", "fused")
+
+    def __call__(self, first: torch.Tensor, *rest):
+        if first.device.type != "cuda" or self._broken or not _triton_available():
+            return self.fn(first, *rest)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, dynamic=False, fullgraph=True)
+        try:
+            return self._compiled(first, *rest)
+        except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the same eager function
+            self._broken = True
+            print(f"[megatron_bmw] torch.compile of {self.__name__} failed ({type(err).__name__}: "
+                  f"{str(err).splitlines()[0] if str(err) else ''}); running it eagerly", flush=True)
+            return self.fn(first, *rest)
+
+
+def cuda_compiled(fn) -> CudaCompiled:
+    """Decorator form of CudaCompiled."""
+    return CudaCompiled(fn)
