@@ -60,8 +60,8 @@ IGNORED_LOGGING_FLAGS = {
     "--wandb-entity": 1, "--log-world-size-to-tensorboard": 0,
 }
 IGNORED_FLAGS = {**IGNORED_KERNEL_FLAGS, **IGNORED_LOGGING_FLAGS}
-# Megatron's attention backends -> ours: cuDNN's fused kernel runs as torch's fused attention, local as unfused
-_BACKEND_AS = {"fused": "flash", "local": "unfused"}
+# Megatron's attention backends -> ours: local runs as unfused (fused: torch's fused attention, cuDNN's kernel first)
+_BACKEND_AS = {"local": "unfused"}
 CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")  # Megatron's
 CKPT_FORMATS_HERE = ("torch", "torch_dist")  # written and read here
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -50,8 +52,11 @@ class CudaCompiled:
         self._broken = False
         self.__name__ = getattr(fn, "__name__", "fused")
 
+    def compiles(self, first: torch.Tensor) -> bool:
+        return first.device.type == "cuda" and not self._broken and _triton_available()
+
     def __call__(self, first: torch.Tensor, *rest):
-        if first.device.type != "cuda" or self._broken or not _triton_available():
+        if not self.compiles(first):
             return self.fn(first, *rest)
         if self._compiled is None:
             self._compiled = torch.compile(self.fn, dynamic=False, fullgraph=True)
@@ -67,3 +72,15 @@ class CudaCompiled:
 def cuda_compiled(fn) -> CudaCompiled:
     """Decorator form of CudaCompiled."""
     return CudaCompiled(fn)
+
+
+def sdpa_backends(cudnn_first: bool):
+    """A context that makes scaled_dot_product_attention try cuDNN's fused kernel first (then flash, memory
+    efficient, math: whichever runs the inputs), or a no-op context. Where cuDNN's kernel does not run (the CPU,
+    an older GPU, an unsupported shape) torch takes the next in the list."""
+    if not cudnn_first:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)

@@ -204,7 +204,7 @@ def test_aliases_and_accepted_megatron_values():
     assert tr.log_params_norm and tr.log_num_zeros_in_grad and tr.log_throughput
     assert "--log-params-norm" not in IGNORED_LOGGING_FLAGS and "--log-num-zeros-in-grad" not in IGNORED_KERNEL_FLAGS
     # Megatron's attention backends as ours; --context-parallel-size 1; the model flags reach ModelConfig
-    assert _run(["--attention-backend", "fused"]).model.attention_backend == "flash"
+    assert _run(["--attention-backend", "fused"]).model.attention_backend == "fused"
     assert _run(["--attention-backend", "local"]).model.attention_backend == "unfused"
     m = _run(["--context-parallel-size", "1", "--qk-layernorm", "--apply-layernorm-1p"]).model
     assert m.qk_layernorm and m.apply_layernorm_1p

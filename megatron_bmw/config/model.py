@@ -41,7 +41,7 @@ def llama_features(values) -> list[str]:
 
 
 M, B = "model", "bert"  # flag groups
-ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # Megatron's names (fused: flash, local: unfused)
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # Megatron's names (local: unfused)
 
 
 @dataclass
@@ -59,9 +59,11 @@ class ModelConfig:
     layernorm_epsilon: float = flag("--layernorm-epsilon", "--norm-epsilon", group=M, default=1e-5, above=0.0)
     untie_embeddings_and_output_weights: bool = flag("--untie-embeddings-and-output-weights", group=M, default=False,
                                                      action="store_true")
-    attention_backend: str = flag(  # auto | flash | unfused (Megatron's fused and local are read as flash, unfused)
-        "--attention-backend", group=M, default="auto", choices=ATTENTION_BACKENDS, domain=("auto", "flash", "unfused"),
-        help="auto, flash or fused (torch's fused attention), unfused or local (explicit softmax)")
+    attention_backend: str = flag(  # auto | flash | fused (cuDNN first) | unfused (Megatron's local is read as unfused)
+        "--attention-backend", group=M, default="auto", choices=ATTENTION_BACKENDS,
+        domain=("auto", "flash", "fused", "unfused"),
+        help="auto or flash (torch's fused attention), fused (the same, cuDNN's kernel first where it runs), "
+             "unfused or local (explicit softmax)")
     params_dtype: str = flag(default="fp32", domain=tuple(DTYPE_BYTES))  # a torch dtype is named; from --bf16/--fp16
     model_type: str = flag(default="gpt", domain=MODEL_TYPES)  # gpt (causal) | bert (masked LM): the entry point's
     bert_binary_head: bool = flag(  # BERT: pooler, sentence-order head and token-type embeddings
@@ -122,8 +124,9 @@ class ModelConfig:
             raise UsageError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads {self.num_attention_heads}"
             )
-        if self.attention_backend not in ("auto", "flash", "unfused"):
-            raise UsageError(f"--attention-backend must be auto, flash or unfused, not {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "flash", "fused", "unfused"):
+            raise UsageError(f"--attention-backend must be auto, flash, fused or unfused, not "
+                             f"{self.attention_backend!r}")
         self._check_llama()
         if self.seq_length > self.max_position_embeddings:
             raise UsageError(

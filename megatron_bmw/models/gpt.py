@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..fused import layer_norm
+from ..fused import layer_norm, sdpa_backends
 from ..parallel.context_parallel import context_attention
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.init import ParamInit
@@ -135,6 +135,7 @@ class Attention(Unit):
             if cfg.position_embedding_type == "rope" else None
         self.dropout, self.attention_dropout = cfg.hidden_dropout, cfg.attention_dropout
         self.flash = cfg.flash_attention
+        self.cudnn_first = cfg.attention_backend == "fused"
         self.selective = False
         self.causal = cfg.model_type != "bert"
         self.residual_post_ln = cfg.apply_residual_connection_post_layernorm
@@ -188,7 +189,8 @@ class Attention(Unit):
         p = self.attention_dropout if self.training else 0.0
         with self.state.rng.fork():
             if self.flash:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p, is_causal=keep is None)
+                with sdpa_backends(self.cudnn_first):
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p, is_causal=keep is None)
             scores, scale = torch.matmul(q, k.transpose(-1, -2)), 1.0 / math.sqrt(self.head_dim)
             probs = causal_softmax(scores, scale) if keep is None else padding_softmax(scores, scale, keep)
             if p > 0.0:
