@@ -51,6 +51,9 @@ COMMON = ["--mock-data", *MODEL_FLAGS, "--log-interval", "1", "--eval-iters", "0
 LR = ["--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
 LLAMA = ["--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
          "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+# a Llama-3.2-1B-like GPT (1.2B: 16 layers, GQA 32/8, SwiGLU 8192, 128k vocabulary, tied embeddings)
+LLAMA_1B = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--swiglu", "--normalization", "RMSNorm",
+            "--group-query-attention", "--num-query-groups", "8", "--disable-bias-linear", "--ffn-hidden-size", "8192"]
 MOE_AUX = ["--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]  # both auxiliary losses on the log line
 
 
@@ -82,6 +85,8 @@ class Sizes:
     peer_iters: int  # iterations of each side of the megatron-core comparison
     moe: tuple[list[str], list[str], int]  # the moe step's GPT: (model, batch, iterations) per dispatcher
     archs: list[tuple]  # planner_archs' cases: (label, model, profile micro-batch sizes or None, planned, gbs, iters)
+    fusions: list[tuple[str, list[str], list[str]]]  # the fusions step's models: (label, model, batch)
+    fusion_iters: int
 
 
 def _batch(mbs: int, gbs: int) -> list[str]:
@@ -103,7 +108,9 @@ GPU = Sizes(small=_gpt(4, 512, 8, 1024, 8192), small_batch=_batch(4, 16), iters=
             archs=[("llama-", [*_gpt(12, 2048, 16, 2048, 32000), *LLAMA, "--ffn-hidden-size", "5632"], "1,2",
                     [(1, "none"), (2, "full")], 8, 10),
                    ("moe-", [*_gpt(8, 2048, 16, 2048, 32000), *_moe(8, 2, 2816)], None, [(1, "none"), (2, "none")],
-                    8, 10)])
+                    8, 10)],
+            fusions=[("gpt", _gpt(24, 2048, 16, 2048, 50257), _batch(2, 16)),
+                     ("llama", [*_gpt(16, 2048, 32, 2048, 128256), *LLAMA_1B], _batch(2, 16))], fusion_iters=12)
 DRY = Sizes(small=_gpt(2, 64, 4, 64, 512), small_batch=_batch(2, 4), iters=8,
             big=[("GPT tiny", _gpt(2, 64, 4, 64, 512), _batch(2, 4))], big_iters=6, profiled=_gpt(2, 64, 4, 64, 512),
             profile_mbs="1,2", planned=[(1, "none"), (2, "full")], planned_gbs=4, planned_iters=4, host_bound=None,
@@ -111,7 +118,9 @@ DRY = Sizes(small=_gpt(2, 64, 4, 64, 512), small_batch=_batch(2, 4), iters=8,
             moe=([*_gpt(2, 64, 4, 64, 512), *_moe(4, 2, 128)], _batch(2, 4), 8),
             archs=[("llama-", [*_gpt(2, 64, 4, 64, 512), *LLAMA, "--ffn-hidden-size", "128"], "1,2",
                     [(1, "none"), (2, "full")], 4, 4),
-                   ("moe-", [*_gpt(2, 64, 4, 64, 512), *_moe(4, 2, 128)], None, [(1, "none"), (2, "none")], 4, 4)])
+                   ("moe-", [*_gpt(2, 64, 4, 64, 512), *_moe(4, 2, 128)], None, [(1, "none"), (2, "none")], 4, 4)],
+            fusions=[("gpt", _gpt(2, 64, 4, 64, 512), _batch(2, 4)),
+                     ("llama", [*_gpt(2, 64, 8, 64, 512), *LLAMA_1B[:-1], "128"], _batch(2, 4))], fusion_iters=5)
 PLAN_CLUSTER, PLAN_DEVICE = "h100-80g-ib", "h100-80g"  # what the planning steps plan for (one GPU of it)
 FP16_ITERS = 40  # from Megatron's initial loss scale 2^32 the first ~17 iterations overflow and are skipped
 
@@ -211,6 +220,16 @@ def _timing(iterations: list[dict], warmup: int = 3) -> dict:
     if tflops:
         out["tflops"] = round(statistics.median(tflops), 1)
     return out
+
+
+# the fusions step's variants per model: the first is the baseline the others are compared with
+FUSIONS_OFF = ["--no-bias-swiglu-fusion", "--no-rope-fusion"]
+FUSION_VARIANTS = {
+    "gpt": [("flash", ["--attention-backend", "flash"]), ("cudnn", ["--attention-backend", "fused"]),
+            ("ce_fusion", ["--attention-backend", "flash", "--cross-entropy-loss-fusion"])],
+    "llama": [("unfused", ["--attention-backend", "flash", *FUSIONS_OFF]), ("fused_ops", ["--attention-backend", "flash"]),
+              ("all", ["--attention-backend", "fused", "--cross-entropy-loss-fusion"])],
+}
 
 
 # ---- the steps ----------------------------------------------------------------------------------------------------
@@ -409,6 +428,55 @@ def step_launch(ctx: Context) -> dict:
                        ("sync_and_forwards_over_full_recompute", "sync_and_forwards_over_recompute")):
         numbers.update({f"{mbs}_{short}": r[key] for mbs, r in out["results"].items() if key in r})
     return {"numbers": numbers, "details": out, "notes": out["notes"]}
+
+
+def fusion_flags(model: list[str], batch: list[str], flags: list[str], iters: int) -> list[str]:
+    """pretrain_gpt.py's flags for one variant of the fusions step."""
+    return [*COMMON, *LR, *model, *batch, "--bf16", *flags, "--lr-warmup-iters", "0", "--train-iters", str(iters)]
+
+
+def _fusion_row(ctx: Context, model: list[str], batch: list[str], flags: list[str], what: str) -> dict:
+    run = ctx.pretrain(fusion_flags(model, batch, flags, ctx.sizes.fusion_iters), what)
+    its = run["iterations"]
+    row = {**_timing(its, warmup=min(4, len(its) - 1)), "first_loss": _losses(its)[0]}
+    peak = ctx.env.get("peak_bf16_tflops")
+    if peak and "tflops" in row:
+        row["mfu_pct"] = round(100 * row["tflops"] / peak, 1)
+    memory = parse_log(run["log"]).peak_memory_bytes
+    if memory:
+        row["peak_gib"] = round(memory / 2**30, 2)
+    return row
+
+
+def step_fusions(ctx: Context) -> dict:
+    """Each model's kernel choices in turn (FUSION_VARIANTS: cuDNN attention, the fused cross entropy, SwiGLU and
+    rope): ms/iter, MFU and peak memory against the model's first variant; the first iteration's loss of every
+    variant within bf16's 1% of the baseline's."""
+    numbers, details, failures = {}, {}, []
+    for label, model, batch in ctx.sizes.fusions:
+        rows = {}
+        for name, flags in FUSION_VARIANTS[label]:
+            try:
+                rows[name] = _fusion_row(ctx, model, batch, flags, f"{label} {name} run")
+            except StepFailed as exc:
+                failures.append(f"{label} {name}: {exc}")
+        details[label] = rows
+        base = rows.get(FUSION_VARIANTS[label][0][0])
+        for name, row in rows.items():
+            for key in ("ms_per_iter", "mfu_pct", "peak_gib"):
+                if key in row:
+                    numbers[f"{label}_{name}_{key.replace('_per_iter', '')}"] = row[key]
+            if base and row is not base:
+                numbers[f"{label}_{name}_speedup"] = round(base["ms_per_iter"] / row["ms_per_iter"], 3)
+                rel = abs(row["first_loss"] - base["first_loss"]) / abs(base["first_loss"])
+                if not rel <= 1e-2:
+                    failures.append(f"{label} {name}: first loss {row['first_loss']:.4f} against "
+                                    f"{base['first_loss']:.4f} ({rel:.2%}, bf16 allows 1%)")
+        if rows:
+            numbers[f"{label}_fastest"] = min(rows, key=lambda n: rows[n]["ms_per_iter"])
+    if failures:
+        raise StepFailed("; ".join(failures))
+    return {"numbers": numbers, "details": details}
 
 
 def step_kernels(ctx: Context) -> dict:
@@ -827,6 +895,8 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
     Step("cp", "context parallelism's fused flash blocks and a ring's pairs vs math and float64", step_cp, 90),
     Step("covered", "device.covered_seconds: sleep, tiny kernels and the 1.3B layer vs plain events", step_covered,
          60),
+    Step("fusions", "kernel choices without Transformer Engine (cuDNN attention, fused cross entropy, SwiGLU, rope) "
+         "on the 1.3B GPT and a Llama-style 1.2B: ms/iter, MFU, memory", step_fusions, 300),
     Step("kernels", "the planner's kernel model (GEMMs, attention, memory-bound) against this GPU's kernels",
          step_kernels, 120),
     Step("bf16", "bf16 GPT training, flash (SDPA) attention: loss falls", step_bf16, 120),
@@ -855,7 +925,7 @@ STEPS = [  # the most telling first: later ones are skipped when the check's tim
 
 # steps whose details the report prints
 DETAILED = ("kernels", "store", "param_gather", "peer", "planner", "launch", "allowance", "allocator", "moe", "cp",
-            "covered", "planner_archs")
+            "covered", "planner_archs", "fusions")
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------
