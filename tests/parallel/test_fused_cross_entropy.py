@@ -1,6 +1,6 @@
 """--cross-entropy-loss-fusion: the fused vocab-parallel cross entropy against the unfused one (loss and logits
 gradient), over chunks of tokens with a ragged last one, over two vocabulary shards (in one process: two threads
-whose all-reduces meet), and what it allocates."""
+whose all-reduces meet), and what it allocates against the memory model's transient."""
 
 import threading
 
@@ -9,10 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_bmw.config import ModelConfig
 from megatron_bmw.parallel import fused_cross_entropy as fused
 from megatron_bmw.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_bmw.parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron_bmw.parallel.state import ParallelState
+from megatron_bmw.planner.unit_activations import unit_backward_bytes
 from megatron_bmw.units import CROSS_ENTROPY_CHUNK_BYTES, cross_entropy_chunk_tokens
 from tests.parallel.test_cross_entropy import NewTensors
 
@@ -106,7 +108,8 @@ def test_two_vocabulary_shards(monkeypatch, dtype):
 @pytest.mark.parametrize("chunk_bytes", [None, 4 * V * 4])  # the default rule (one chunk here); five and a ragged one
 def test_allocates_one_fp32_chunk_as_the_memory_model_counts(dtype, chunk_bytes):
     """Nothing of the logits' size: the forward upcasts one chunk at a time, the backward (16-bit logits) too
-    and writes the gradient into the logits' buffer (fp32: in place); the largest is one fp32 chunk."""
+    and writes the gradient into the logits' buffer (fp32: in place); the largest is one fp32 chunk,
+    unit_backward_bytes' under the default rule."""
     logits, target, weights = _case(dtype)
     chunk = cross_entropy_chunk_tokens(S * B, V, chunk_bytes or CROSS_ENTROPY_CHUNK_BYTES) * V
     x = logits.clone().requires_grad_()
@@ -120,3 +123,7 @@ def test_allocates_one_fp32_chunk_as_the_memory_model_counts(dtype, chunk_bytes)
     assert max(n for _, n in big) == chunk and {dt for dt, _ in big} == {torch.float32}
     ragged = [chunk] * (S * B * V // chunk) + ([S * B * V % chunk] if S * B * V % chunk else [])
     assert [n for _, n in backward.allocated if n > S * B] == ([] if dtype == torch.float32 else ragged)
+    if chunk_bytes is None:
+        model = ModelConfig(seq_length=S, vocab_size=V, params_dtype="fp32" if dtype == torch.float32 else "bf16",
+                            cross_entropy_loss_fusion=True)
+        assert unit_backward_bytes("head", model, B) == chunk * 4
