@@ -119,6 +119,11 @@ def test_allocates_one_fp32_chunk_as_the_memory_model_counts(dtype, chunk_bytes)
     with NewTensors() as backward:
         (grad,) = torch.autograd.grad(loss, y, weights)
     assert grad.data_ptr() == y.data_ptr()  # the gradient took the logits' buffer
+    z = x * 1
+    again = fused_vocab_parallel_cross_entropy(z, target, ParallelState.serial(), chunk_bytes=chunk_bytes)
+    torch.autograd.grad(again, z, weights, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # its logits are the gradient now
+        torch.autograd.grad(again, z, weights)
     big = [(dt, n) for dt, n in forward.allocated + backward.allocated if n > S * B]
     assert max(n for _, n in big) == chunk and {dt for dt, _ in big} == {torch.float32}
     ragged = [chunk] * (S * B * V // chunk) + ([S * B * V % chunk] if S * B * V % chunk else [])
