@@ -126,7 +126,8 @@ def test_saved_bytes_fused_cross_entropy_head_exact():
     assert _fused_head_mismatches(ParallelState.serial(), 1, False) == []
     fused = _cfg(params_dtype=torch.bfloat16, cross_entropy_loss_fusion=True, vocab_size=128 * 1024)
     assert [(t.name, t.nbytes) for t in unit_saved_tensors("head", fused, 2, 2)[3:6]] == [
-        ("logits", SEQ * 2 * 64 * 1024 * 2), ("row maximum (fp32)", SEQ * 2 * 4), ("sum of exponentials (fp32)", SEQ * 2 * 4)]
+        ("logits", SEQ * 2 * 64 * 1024 * 2), ("row maximum (fp32)", SEQ * 2 * 4),
+        ("sum of exponentials (fp32)", SEQ * 2 * 4)]
 
 
 @pytest.mark.slow
