@@ -32,7 +32,7 @@ IGNORED_KERNEL_FLAGS = {
     "--no-async-tensor-model-parallel-allreduce": 0,
     "--use-mcore-models": 0, "--use-legacy-models": 0, "--no-persist-layer-norm": 0,
     "--transformer-impl": 1, "--accumulate-allreduce-grads-in-fp32": 0, "--empty-unused-memory-level": 1,
-    "--num-workers": 1, "--data-impl": 1, "--cross-entropy-loss-fusion": 0,
+    "--num-workers": 1, "--data-impl": 1,
     "--no-create-attention-mask-in-dataloader": 0, "--no-mmap-bin-files": 0,
     "--no-rope-fusion": 0,
     # how a torch_dist checkpoint is written (the checkpoint is the same), fp16 attention scaling (the softmax is fp32

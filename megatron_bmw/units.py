@@ -17,6 +17,15 @@ UNIT_KINDS = ("embedding", "attention", "mlp", "head")  # a dense model's (unit_
 ALL_UNIT_KINDS = UNIT_KINDS + ("moe",)  # "moe": an mlp_i unit holding experts (unit_kind_of; docs/moe.md)
 RECOMPUTE = (None, "selective", "full")  # per unit; None = keep every activation
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# --cross-entropy-loss-fusion (parallel/fused_cross_entropy.py): the loss works over chunks of tokens, each upcast to
+# one fp32 [tokens, v/t] buffer of at most this many bytes (one token at least); the memory model counts that buffer
+CROSS_ENTROPY_CHUNK_BYTES = 64 << 20
+
+
+def cross_entropy_chunk_tokens(tokens: int, vocab_local: int, chunk_bytes: int = CROSS_ENTROPY_CHUNK_BYTES) -> int:
+    """Tokens per chunk of the fused cross entropy: the fp32 rows of `vocab_local` logits that fit in
+    `chunk_bytes` (at least one), at most `tokens`."""
+    return max(1, min(tokens, chunk_bytes // (4 * vocab_local)))
 
 
 def unit_names(num_layers: int) -> list[str]:

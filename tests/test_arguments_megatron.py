@@ -208,6 +208,11 @@ def test_aliases_and_accepted_megatron_values():
     assert _run(["--attention-backend", "local"]).model.attention_backend == "unfused"
     m = _run(["--context-parallel-size", "1", "--qk-layernorm", "--apply-layernorm-1p"]).model
     assert m.qk_layernorm and m.apply_layernorm_1p
+    # --cross-entropy-loss-fusion is honoured (parallel/fused_cross_entropy.py), off by default as Megatron's
+    assert "--cross-entropy-loss-fusion" not in IGNORED_KERNEL_FLAGS
+    assert parse_args(BASE + ["--cross-entropy-loss-fusion"]).ignored_flags == []
+    assert _run(["--cross-entropy-loss-fusion"]).model.cross_entropy_loss_fusion
+    assert not _run([]).model.cross_entropy_loss_fusion
 
 
 def test_megatrons_older_flags_and_the_warmup_start():

@@ -99,6 +99,10 @@ class ModelConfig:
                               help="normalise every query and key head over the head dimension (--normalization's kind)")
     apply_layernorm_1p: bool = flag("--apply-layernorm-1p", group=M, default=False, action="store_true",
                                     help="norm weights stored zero-centred (gamma - 1) and applied as weight + 1")
+    # kernel fusions
+    cross_entropy_loss_fusion: bool = flag(  # parallel/fused_cross_entropy.py
+        "--cross-entropy-loss-fusion", group=M, default=False, action="store_true",
+        help="the loss saves the logits in their dtype, not an fp32 softmax, and works over fp32 chunks of tokens")
 
     moe: MoEConfig | None = None  # experts in place of the MLP of some layers (config/moe.py); None: dense
 

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.init import ParamInit, shard
 from ..parallel.layers import parallel_lm_logits
 from ..parallel.mappings import gather_from_sp, scatter_to_sp
@@ -111,7 +110,7 @@ class BertHead(Head):
 
     def compute(self, hidden, batch):
         lm_logits, sop_logits = self.outputs(hidden, batch)
-        losses = vocab_parallel_cross_entropy(lm_logits, batch["labels"].transpose(0, 1), self.state)
+        losses = self.token_losses(lm_logits, batch)
         mask = batch["loss_mask"].transpose(0, 1).float()
         divisors = batch["loss_divisors"][0].clone()  # (masked tokens, samples) of the whole micro-batch
         lm = (losses * mask).sum() / divisors[0]

@@ -22,6 +22,7 @@ from ..config import ModelConfig
 from ..fused import layer_norm, sdpa_backends
 from ..parallel.context_parallel import context_attention
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from ..parallel.init import ParamInit
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallel_lm_logits
 from ..parallel.mappings import scatter_to_sp
@@ -241,6 +242,7 @@ class Head(Unit):
                  word_embeddings: nn.Parameter | None) -> None:
         super().__init__(state)
         self.final_layernorm = _norm(cfg, state)
+        self.cross_entropy_loss_fusion = cfg.cross_entropy_loss_fusion
         self.tied = not cfg.untie_embeddings_and_output_weights
         if self.tied and word_embeddings is not None:
             self._shared = [word_embeddings]  # same rank as the embedding: share the Parameter itself
@@ -263,8 +265,14 @@ class Head(Unit):
         """Vocab-parallel logits [s, b, v/tp]."""
         return parallel_lm_logits(self.final_layernorm(hidden), self.weight, self.state)
 
+    def token_losses(self, logits: torch.Tensor, batch) -> torch.Tensor:
+        """Per-token loss [s, b] of the vocab-parallel logits (--cross-entropy-loss-fusion: the fused loss, which
+        overwrites `logits` with their gradient in the backward)."""
+        loss = fused_vocab_parallel_cross_entropy if self.cross_entropy_loss_fusion else vocab_parallel_cross_entropy
+        return loss(logits, batch["labels"].transpose(0, 1), self.state)
+
     def compute(self, hidden, batch):
-        losses = vocab_parallel_cross_entropy(self.logits(hidden), batch["labels"].transpose(0, 1), self.state)
+        losses = self.token_losses(self.logits(hidden), batch)
         mask = batch["loss_mask"].transpose(0, 1).float()
         if "loss_tokens" in batch:  # context parallel: this rank's share of the whole sequences' mean, times cp
             # (gradients are averaged over dp x cp; Megatron's scaling)

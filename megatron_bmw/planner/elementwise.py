@@ -32,7 +32,10 @@ v padded vocabulary, t tensor-parallel size, e bytes per element; H = s'bh eleme
   head           the final norm (BERT's LM head adds its GeLU and LayerNorm on [s'b, h]) and the vocab-parallel
                  cross entropy over L = sb v/t logits as parallel/cross_entropy.py computes it: forward casts
                  to fp32 (Le + 4L), max (4L), subtract (8L), exp (8L), sum (4L), normalise (8L); backward scales
-                 the saved softmax in place (8L) and casts back (4L + Le).
+                 the saved softmax in place (8L) and casts back (4L + Le). Fused (--cross-entropy-loss-fusion,
+                 parallel/fused_cross_entropy.py), as inductor compiles each chunk's body on CUDA: forward the
+                 row maximum (Le) and the sum of exponentials (Le); backward reads the logits and writes their
+                 gradient in place (2Le). (Run eagerly, without triton, each fp32 operation is a pass of its own.)
   embedding      the dropout (as above) and, in backward, the word table's dense gradient [v/t, h]: written
                  zero-filled, read into the gradient buffer (grad_bytes per element, read and written); the
                  learned positions likewise over their rows. The lookups themselves are kernel_time.py's.
@@ -129,6 +132,8 @@ def _head(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[flo
     if model.model_type == "bert":  # the LM head's GeLU and LayerNorm
         fwd, bwd = fwd + 4 * hidden * e, bwd + 6 * hidden * e
     logits = model.seq_length * b * model.vocab_size / tp
+    if model.cross_entropy_loss_fusion:  # the row maximum, then one kernel per chunk each way
+        return fwd + 2 * logits * e, bwd + 2 * logits * e
     fwd += logits * (e + 9 * FP32)
     bwd += logits * (3 * FP32 + e)
     return fwd, bwd

@@ -19,6 +19,11 @@ Per unit, no recomputation (flash = fused SDPA kernel, unfused = explicit softma
              the dropout mask s'bh.
   head       LN input and statistics, the logits' input s'bh e, the fp32 softmax sbv/t x 4 of the vocab-parallel
              cross entropy, its local targets (int64) and out-of-range mask, the loss mask and the divisor.
+             With --cross-entropy-loss-fusion (parallel/fused_cross_entropy.py) the loss keeps the logits
+             themselves, sbv/t e, and per token the fp32 row maximum and sum of exponentials (2 sb x 4) where the
+             softmax was; its forward and backward work over chunks of tokens, each upcast to one fp32 buffer of
+             units.cross_entropy_chunk_tokens rows (at most units.CROSS_ENTROPY_CHUNK_BYTES, 64 MiB): the head's
+             transient (`unit_backward_bytes`), where the unfused 16-bit head's backward casts sbv/t e.
 BERT (model_type "bert", models/bert.py) adds to the embedding the token-type ids (int64), to a flash attention
 unit the padding mask the kernel takes as an additive bias, b s e, and has its own head: the final LayerNorm
 (input and statistics), the LM head's dense input s'bh e, GeLU input s'bh e, LayerNorm (input and statistics),
@@ -78,7 +83,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..units import ALL_UNIT_KINDS, RECOMPUTE
+from ..units import ALL_UNIT_KINDS, RECOMPUTE, cross_entropy_chunk_tokens
 from .cp_buffers import cp_attention_buffers
 from .moe_model import Experts, default_experts, local_tokens, moe_backward_bytes, moe_saved
 
@@ -172,9 +177,15 @@ class _Saved:
     def lm_loss(self, divisor: str, divisors: int) -> None:
         """The final LayerNorm, the logits and the vocab-parallel cross entropy."""
         tokens = self.s * self.b
+        logits = tokens * (self.model.vocab_size // self.tp)
         self.layernorm()
         self.add("logits input", self.hidden_local, self.e)
-        self.add("softmax (fp32)", tokens * (self.model.vocab_size // self.tp), _FP32)
+        if self.model.cross_entropy_loss_fusion:  # the logits themselves (the gradient's buffer), fp32 statistics
+            self.add("logits", logits, self.e)
+            self.add("row maximum (fp32)", tokens, _FP32)
+            self.add("sum of exponentials (fp32)", tokens, _FP32)
+        else:
+            self.add("softmax (fp32)", logits, _FP32)
         self.add("local targets", tokens, _INT64)
         self.add("out-of-vocabulary-shard mask", tokens, _BOOL)
         self.add("loss mask", tokens, _FP32)
@@ -439,7 +450,7 @@ def unit_wgrad_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: i
 _SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
                "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head",
                "position_embedding_type", "rotary_percent", "normalization", "swiglu", "squared_relu", "num_query_groups",
-               "qk_layernorm", "apply_layernorm_1p")
+               "qk_layernorm", "apply_layernorm_1p", "cross_entropy_loss_fusion")
 _saved_memo: dict[tuple, int] = {}
 
 
@@ -493,7 +504,8 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
                         cp: int = 1, cp_comm: str = "p2p", device: str = "cuda", experts: Experts | None = None) -> int:
     """The largest gradient buffers a unit's backward allocates beside what it saved (Galvatron's backward peak):
     the head's gradient of the logits cast for the output matmul (the fp32 gradient takes the saved softmax's
-    place), the attention's gradient
+    place; fused, one fp32 chunk of tokens: its forward's upcast, and its backward's for 16-bit logits, whose
+    gradient takes the saved logits' place), the attention's gradient
     of the scores and probabilities (unfused; the fused kernel's gradient of q, k, v), the MLP's gradients of
     the GeLU output and input, the embedding's hidden-state gradient. Under context parallelism (cp > 1) the local
     s/cp tokens', and the context-parallel core's: the larger of its transient peaks (cp_attention_buffers, of
@@ -504,6 +516,8 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
         local_h = s * b * (h // tp)
         grads = (local_h + 2 * local_h * model.query_groups // model.num_attention_heads) * e
         return max(grads, *cp_attention_buffers(model, micro_batch_size, tp, cp, cp_comm, device))
+    if kind == "head" and model.cross_entropy_loss_fusion:  # one fp32 chunk of tokens
+        return cross_entropy_chunk_tokens(s * b, v // tp) * (v // tp) * _FP32
     if kind == "head":
         return s * b * (v // tp) * (0 if e == _FP32 else e)
     if kind == "attention":

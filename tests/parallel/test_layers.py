@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from megatron_bmw.config import ParallelConfig
 from megatron_bmw.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_bmw.parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron_bmw.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron_bmw.parallel.mappings import gather_from_sp, reduce_scatter_to_sp, scatter_to_sp
 from megatron_bmw.parallel.random import RNGTracker, set_seeds
@@ -85,6 +86,12 @@ def _embedding_and_loss_case(rank, world_size):
     loss.backward(gl)
     ref_loss.backward(gl)
     torch.testing.assert_close(local.grad, ref_logits.grad.chunk(t, -1)[r], **TOL)
+    # --cross-entropy-loss-fusion over the tp group, in chunks of 4 tokens (15: a ragged last one)
+    fused_local = logits.chunk(t, -1)[r].clone().requires_grad_()
+    fused = fused_vocab_parallel_cross_entropy(fused_local * 1, ids, st, chunk_bytes=4 * 8 * 4)
+    torch.testing.assert_close(fused, ref_loss, **TOL)
+    fused.backward(gl)
+    torch.testing.assert_close(fused_local.grad, ref_logits.grad.chunk(t, -1)[r], **TOL)
     return True
 
 

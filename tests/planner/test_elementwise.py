@@ -71,6 +71,9 @@ def test_head_cross_entropy_and_embedding_table_gradient():
     fwd, bwd = unit_elementwise_bytes("head", GPT, b)
     assert fwd == 2 * s * b * h * e + logits * (e + 36)
     assert bwd == 3 * s * b * h * e + logits * (12 + e)
+    # --cross-entropy-loss-fusion: the row maximum and one compiled kernel per chunk each way
+    fused = unit_elementwise_bytes("head", replace(GPT, cross_entropy_loss_fusion=True), b)
+    assert fused == (2 * s * b * h * e + 2 * logits * e, 3 * s * b * h * e + 2 * logits * e)
     # the word and position tables' dense gradient, added into an fp32 or a 16-bit gradient buffer
     fp32 = unit_elementwise_bytes("embedding", GPT, b, grad_bytes=4)[1]
     bf16 = unit_elementwise_bytes("embedding", GPT, b, grad_bytes=2)[1]

@@ -22,7 +22,9 @@ from megatron_bmw.planner.memory_model import (
 from megatron_bmw.planner.unit_activations import korthikanti_layer_bytes, layer_activation_bytes, unit_saved_tensors
 from megatron_bmw.units import recompute_from_flags, unit_kind_of
 from megatron_bmw.training.saved_bytes import measure_saved
+from megatron_bmw.models.bert import synthetic_batch
 from tests.dist_harness import run_distributed
+from tests.models.bert_reference import bert_config
 
 SEQ, MBS, VOCAB = 8, 3, 40
 
@@ -88,13 +90,44 @@ def _mismatches(state: ParallelState, tp: int, sp: bool) -> list[str]:
     return bad
 
 
+def _fused_head_mismatches(state: ParallelState, tp: int, sp: bool) -> list[str]:
+    """--cross-entropy-loss-fusion: GPT's head (tied, untied with RMSNorm) and BERT's (with and without the binary
+    head), fp32 and bf16: predicted saved bytes vs measured (the logits in their dtype and fp32 statistics per
+    token where the fp32 softmax was)."""
+    bad = []
+    heads = [({}, _cfg), (dict(untie_embeddings_and_output_weights=True, normalization="RMSNorm"), _cfg),
+             ({}, lambda **kw: bert_config(hidden_size=24, vocab_size=VOCAB, seq_length=SEQ, **kw)),
+             (dict(bert_binary_head=False), lambda **kw: bert_config(hidden_size=24, vocab_size=VOCAB, seq_length=SEQ,
+                                                                     **kw))]
+    for dtype, (extra, make) in itertools.product((torch.float32, torch.bfloat16), heads):
+        cfg = make(params_dtype=dtype, cross_entropy_loss_fusion=True, **extra)
+        units = build_units(cfg, state, 1)
+        params = [p for u in units.values() for p in u.parameters()] + [units["embedding"].word_embeddings.weight]
+        batch = synthetic_batch(cfg, MBS, seed=3) if cfg.model_type == "bert" else _batch(MBS)
+        hidden = torch.randn(SEQ // tp if sp else SEQ, MBS, 24, dtype=dtype, requires_grad=True)
+        saved, _ = measure_saved(lambda: units["head"](hidden, batch), params)
+        predicted = sum(t.nbytes for t in unit_saved_tensors("head", cfg, MBS, tp, sp, None, "cpu"))
+        if predicted != saved.total:
+            bad.append(f"fused head tp={tp} sp={sp} {dtype} {cfg.model_type} {extra}: predicted {predicted}, "
+                       f"measured {saved.total}")
+    return bad
+
+
 def _tp_body(rank, world_size, sp):
     state = ParallelState.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp))
-    return _mismatches(state, 2, sp) + _wgrad_mismatches(state, 2, sp)
+    return _mismatches(state, 2, sp) + _wgrad_mismatches(state, 2, sp) + _fused_head_mismatches(state, 2, sp)
 
 
 def test_saved_bytes_tp1_exact():
     assert _mismatches(ParallelState.serial(), 1, False) == []
+
+
+def test_saved_bytes_fused_cross_entropy_head_exact():
+    assert _fused_head_mismatches(ParallelState.serial(), 1, False) == []
+    fused = _cfg(params_dtype=torch.bfloat16, cross_entropy_loss_fusion=True, vocab_size=128 * 1024)
+    assert [(t.name, t.nbytes) for t in unit_saved_tensors("head", fused, 2, 2)[3:6]] == [
+        ("logits", SEQ * 2 * 64 * 1024 * 2), ("row maximum (fp32)", SEQ * 2 * 4),
+        ("sum of exponentials (fp32)", SEQ * 2 * 4)]
 
 
 @pytest.mark.slow

@@ -35,6 +35,14 @@ def test_round_trip(tmp_path):
     assert again.devices == plan.devices and again.prediction == plan.prediction
     data = json.loads(path.read_text())
     assert data["pipeline"]["recompute"][:3] == ["none", "selective", "full"]
+    # --cross-entropy-loss-fusion travels with the model; a plan written before the field runs unfused
+    assert data["model"]["cross_entropy_loss_fusion"] is False
+    for value in (True, None):
+        data["model"]["cross_entropy_loss_fusion"] = value
+        if value is None:
+            del data["model"]["cross_entropy_loss_fusion"]
+        path.write_text(json.dumps(data))
+        assert Plan.load(str(path)).spec.model.cross_entropy_loss_fusion is bool(value)
 
 
 @pytest.mark.parametrize("mutate,needle", [
@@ -171,6 +179,7 @@ def test_the_run_takes_the_plans_own_configs(tmp_path):
     (["--use-rotary-position-embeddings"], "--use-rotary-position-embeddings disagrees"),
     (["--group-query-attention", "--num-query-groups", "2"], "disagrees with --plan"),
     (["--normalization", "RMSNorm"], "--normalization RMSNorm disagrees with --plan .* \\(LayerNorm\\)"),
+    (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion disagrees with --plan .* \\(off\\)"),
 ])
 def test_disagreeing_flags(tmp_path, extra, needle):
     with pytest.raises(UsageError, match=needle):

@@ -102,9 +102,8 @@ SCRIPT = """
 CHANGED: dict[str, tuple[str, str]] = {}  # none since --ckpt-format torch_dist is written here
 # --calculate-per-token-loss is taken as is: every micro-batch holds micro-batch x seq-length loss tokens (no
 # --eod-mask-loss), so the mean over the batch's tokens is the mean of the micro-batch means computed here
-IGNORED = ["--use-mcore-models", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
-           "--empty-unused-memory-level", "--fp8-format", "--fp8-amax-history-len",
-           "--fp8-amax-compute-algo", "--fp8-param-gather",
+IGNORED = ["--use-mcore-models", "--grad-reduce-in-bf16", "--empty-unused-memory-level", "--fp8-format",
+           "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
            "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers"]
 PROFILER = ["--profile", "--profile-step-start", "--profile-step-end"]
 
@@ -163,6 +162,7 @@ def test_script_flags_parse(tmp_path):
     assert (m.position_embedding_type, m.rotary_base, m.swiglu, m.num_query_groups, m.normalization) == \
         ("rope", 1000000, True, 2, "RMSNorm")
     assert m.apply_layernorm_1p and not m.add_bias_linear and m.untie_embeddings_and_output_weights
+    assert m.cross_entropy_loss_fusion  # honoured: parallel/fused_cross_entropy.py
     assert (m.attention_backend, m.params_dtype, m.head_dim) == ("flash", "bf16", 16)
     assert run.optimizer.use_distributed_optimizer and run.optimizer.overlap_param_gather
     assert run.lr.lr_decay_style == "cosine"
@@ -181,9 +181,9 @@ def test_real_data_branch_builds_the_tiktokenizer(tmp_path):
     assert isinstance(tok, TikTokenizer) and (tok.vocab_size, tok.eod, tok.bos) == (1300, 2, 1)
     assert run.data.tiktoken_pattern == "v2" and run.data.tiktoken_num_special_tokens == 1000
     assert (run.orig_vocab_size, run.model.vocab_size) == (1300, 1408)  # padded to a multiple of 128
-    assert parsed.ignored_kernel_flags == ["--use-mcore-models", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
-                                           "--empty-unused-memory-level", "--fp8-format", "--fp8-amax-history-len",
-                                           "--fp8-amax-compute-algo", "--fp8-param-gather",
+    assert parsed.ignored_kernel_flags == ["--use-mcore-models", "--grad-reduce-in-bf16", "--empty-unused-memory-level",
+                                           "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
+                                           "--fp8-param-gather",
                                            "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files",
                                            "--num-workers"]
     train, _, _ = build_gpt_datasets(run.data, 32, 1234, (16, 0, 0), check_vocab_size=tok.vocab_size)
