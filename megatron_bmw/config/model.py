@@ -97,6 +97,11 @@ class ModelConfig:
                               help="normalise every query and key head over the head dimension (--normalization's kind)")
     apply_layernorm_1p: bool = flag("--apply-layernorm-1p", group=M, default=False, action="store_true",
                                     help="norm weights stored zero-centred (gamma - 1) and applied as weight + 1")
+    # kernel fusions
+    bias_swiglu_fusion: bool = flag("--no-bias-swiglu-fusion", group=M, default=True, action="store_false",
+                                    help="SwiGLU unfused (silu and product: saves silu's output too)")
+    apply_rope_fusion: bool = flag("--no-rope-fusion", group=M, default=True, action="store_false",
+                                   help="rope unfused (saves cos and sin for q and for k)")
 
     moe: MoEConfig | None = None  # experts in place of the MLP of some layers (config/moe.py); None: dense
 

@@ -80,7 +80,8 @@ from ..config import ModelConfig
 from ..errors import UsageError
 from ..units import ALL_UNIT_KINDS, RECOMPUTE
 from .cp_buffers import cp_attention_buffers
-from .moe_model import Experts, default_experts, local_tokens, moe_backward_bytes, moe_saved
+from .moe_model import (Experts, activation_backward_factor, default_experts, local_tokens, moe_backward_bytes,
+                        moe_saved)
 
 DEVICE_KINDS = ("cuda", "cpu")
 _INT64, _BOOL, _FP32 = 8, 1, 4
@@ -222,7 +223,8 @@ def _mlp_saved(saved: _Saved) -> None:
     saved.add("fc1 input", saved.hidden_local, e)
     if saved.model.swiglu:  # fc1's output holds [gate; up]; silu keeps the gate, the product keeps silu(gate) and up
         saved.add("fc1 output (gate and up)", 2 * local_f, e)
-        saved.add("silu output", local_f, e)
+        if not saved.model.bias_swiglu_fusion:  # the fused op keeps z only
+            saved.add("silu output", local_f, e)
         saved.add("swiglu output (fc2 input)", local_f, e)
     elif saved.model.squared_relu:  # relu keeps its output, the square its input (the same tensor)
         saved.add("relu output", local_f, e)
@@ -245,7 +247,9 @@ def _attention_saved(saved: _Saved, recompute: str | None) -> None:
         _core_inputs(model, local_h, tp, query_copied=recompute != "selective" and not model.flash_attention)
     if model.qk_layernorm:
         saved.out.extend(_qk_norm_saved(model, local_h, tp, b * (model.num_attention_heads // tp) * s, saved.device))
-    if model.position_embedding_type == "rope":  # cos and sin, computed for the queries and again for the keys
+    if model.position_embedding_type == "rope" and model.apply_rope_fusion:  # one angles tensor for q and k
+        saved.add("rotary angles (fp32)", s * model.rotary_dim, _FP32)
+    elif model.position_embedding_type == "rope":  # cos and sin, computed for the queries and again for the keys
         saved.add("rotary cos and sin (fp32)", 4 * s * model.rotary_dim, _FP32)
     _attention_core_saved(saved, recompute, core_inputs, local_h)
     saved.add("context (output projection input)", local_h, saved.e)
@@ -439,7 +443,7 @@ def unit_wgrad_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: i
 _SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
                "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head",
                "position_embedding_type", "rotary_percent", "normalization", "swiglu", "squared_relu", "num_query_groups",
-               "qk_layernorm", "apply_layernorm_1p")
+               "qk_layernorm", "apply_layernorm_1p", "bias_swiglu_fusion", "apply_rope_fusion")
 _saved_memo: dict[tuple, int] = {}
 
 
@@ -509,9 +513,10 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
     if kind == "attention":
         heads = model.num_attention_heads // tp
         return b * heads * s * s * (_FP32 + e) if not model.flash_attention else 3 * s * b * (h // tp) * e
-    if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's; squared ReLU: the
-        # square's backward (autograd's pow_backward, grad * 2 x^1) holds a temporary beside its two gradients
-        return (4 if model.swiglu else 3 if model.squared_relu else 2) * s * b * (f // tp) * e
+    if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's (fused: the product's
+        # and [gate; up]'s only); squared ReLU: the square's backward (autograd's pow_backward, grad * 2 x^1) holds a
+        # temporary beside its two gradients
+        return activation_backward_factor(model) * s * b * (f // tp) * e
     if kind == "moe":  # moe_model.py: the experts' gradients at the tokens received, the dispatcher's buffers
         rows = (s // tp if sp and tp > 1 else s) * b
         return moe_backward_bytes(model, local_tokens(model, b, tp, sp, cp), s * b, rows, tp,

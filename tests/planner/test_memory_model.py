@@ -40,8 +40,9 @@ def _batch(b: int) -> dict:
             "loss_mask": torch.ones(b, SEQ)}
 
 
-# Llama-family layers: rope with GQA, SwiGLU, RMSNorm and no biases together; rope alone (MHA, part of the head
-# rotated); groups without rope; MQA (one group: tp 1 only); q/k norms.
+# Llama-family layers (SwiGLU and rope fused unless the variant says otherwise): rope with GQA, SwiGLU, RMSNorm and
+# no biases together; rope alone (MHA, part of the head rotated); groups without rope; MQA (one group: tp 1 only);
+# q/k norms.
 LLAMA_VARIANTS = (
     dict(position_embedding_type="rope", num_query_groups=2, swiglu=True, ffn_hidden_size=40,
          normalization="RMSNorm", add_bias_linear=False),
@@ -56,6 +57,9 @@ LLAMA_VARIANTS = (
     # --squared-relu (Nemotron-4's MLP: relu(x)^2, no gating) with rope and groups, with and without biases
     dict(squared_relu=True, position_embedding_type="rope", num_query_groups=2, add_bias_linear=False),
     dict(squared_relu=True),
+    # the Llama layer with --no-bias-swiglu-fusion --no-rope-fusion (the fused ops are the default)
+    dict(position_embedding_type="rope", num_query_groups=2, swiglu=True, ffn_hidden_size=40,
+         normalization="RMSNorm", add_bias_linear=False, bias_swiglu_fusion=False, apply_rope_fusion=False),
 )
 
 
@@ -384,6 +388,7 @@ MOE_VARIANTS = (
     (dict(score_function="sigmoid", aux_loss_coeff=0.01, z_loss_coeff=0.001), dict()),
     (dict(score_function="sigmoid", router_topk=1, load_balancing_type="seq_aux_loss", aux_loss_coeff=0.1), dict()),
     (dict(shared_expert_intermediate_size=32), LLAMA_VARIANTS[0]),  # SwiGLU, RMSNorm, no biases
+    (dict(shared_expert_intermediate_size=32), LLAMA_VARIANTS[-1]),  # the same, SwiGLU unfused
     (dict(shared_expert_intermediate_size=16, shared_expert_gate=True, ffn_hidden_size=12), dict()),  # bf16: a loop
     (dict(expert_capacity_factor=0.5), LLAMA_VARIANTS[0]),  # probs drop
     (dict(expert_capacity_factor=0.75, token_drop_policy="position"), dict()),

@@ -1,0 +1,117 @@
+"""SwiGLU and rope as fused operators (Megatron's bias_swiglu_fusion and apply_rope_fusion, on unless
+--no-bias-swiglu-fusion / --no-rope-fusion): each an autograd Function that saves only what its backward
+cannot cheaply rebuild, its forward and backward one pointwise body each (`fused.cuda_compiled`: one inductor
+kernel on CUDA, the same body eagerly on the CPU).
+
+  swiglu(z)          z = fc1's output [..., 2f]: [gate; up] (a rank's local halves). Forward silu(gate) * up; saves
+                     z only (the unfused ops also keep silu(gate)); backward recomputes sigmoid(gate) and writes
+                     dz = [g up s (1 + gate (1 - s)); g silu(gate)] in place into one new [..., 2f] tensor, so it
+                     holds nothing beside the incoming gradient and dz (eagerly too).
+  rope(x, angles)    x [b, heads, s, d], angles [s, r] (models/rotary.py): forward exactly as `apply_rotary` (fp32
+                     math for 16-bit inputs, the first r dims rotated as two halves, the rest passed through);
+                     saves only the angles (one tensor for q and k; the unfused ops keep cos and sin per call);
+                     backward rotates the gradient back (rotate_half's transpose) and passes the rest through.
+
+`fused_bodies()` counts the bodies run (models/op_count.py takes each as one operator, as the GPU runs it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..fused import cuda_compiled
+
+_BODIES = {"depth": 0, "run": 0}  # inside a fused body now; bodies run so far
+
+
+def fused_bodies() -> tuple[int, int]:
+    """(nesting depth inside a fused body now, fused bodies run so far)."""
+    return _BODIES["depth"], _BODIES["run"]
+
+
+def _run(body, *args):
+    _BODIES["run"] += 1
+    _BODIES["depth"] += 1
+    try:
+        return body(*args)
+    finally:
+        _BODIES["depth"] -= 1
+
+
+@cuda_compiled
+def _swiglu_forward(z: torch.Tensor) -> torch.Tensor:
+    gate, up = z.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@cuda_compiled
+def _swiglu_backward(g: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # inductor: one kernel of plain expressions (fp32 math), no temporaries
+        gate, up = z.float().chunk(2, dim=-1)
+        s, gf = torch.sigmoid(gate), g.float()
+        return torch.cat((gf * up * s * (1 + gate * (1 - s)), gf * gate * s), dim=-1).to(z.dtype)
+    # eagerly: in place in dz's halves (dynamo refuses out= views), holding nothing beside g and dz; a 16-bit dz
+    # rounds at each step
+    gate, up = z.chunk(2, dim=-1)
+    dz = torch.empty_like(z, memory_format=torch.contiguous_format)
+    dgate, dup = dz.chunk(2, dim=-1)
+    torch.sigmoid(gate, out=dgate)  # s
+    torch.neg(dgate, out=dup).add_(1).mul_(gate).add_(1)  # 1 + gate (1 - s): silu's derivative over s
+    dgate.mul_(dup).mul_(up).mul_(g)
+    torch._C._nn.silu(gate, out=dup).mul_(g)
+    return dz
+
+
+class SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(z)
+        return _run(_swiglu_forward, z)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        (z,) = ctx.saved_tensors
+        return _run(_swiglu_backward, g, z)
+
+
+def swiglu(z: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of z = [gate; up] (last dimension), saving z only."""
+    return SwiGLU.apply(z)
+
+
+@cuda_compiled
+def _rope_forward(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    rot = angles.size(-1)
+    head, rest = x[..., :rot], x[..., rot:]
+    h = head.float()
+    x1, x2 = h.chunk(2, dim=-1)
+    turned = (h * angles.cos() + torch.cat((-x2, x1), dim=-1) * angles.sin()).to(x.dtype)
+    return torch.cat((turned, rest), dim=-1) if rest.size(-1) else turned
+
+
+@cuda_compiled
+def _rope_backward(g: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    rot = angles.size(-1)
+    head, rest = g[..., :rot], g[..., rot:]
+    h = head.float()
+    y1, y2 = (h * angles.sin()).chunk(2, dim=-1)
+    turned = (h * angles.cos() + torch.cat((y2, -y1), dim=-1)).to(g.dtype)  # rotate_half^T (g sin)
+    return torch.cat((turned, rest), dim=-1) if rest.size(-1) else turned
+
+
+class Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(angles)
+        return _run(_rope_forward, x, angles)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (angles,) = ctx.saved_tensors
+        return _run(_rope_backward, g, angles), None
+
+
+def rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """`rotary.apply_rotary(x, angles)` saving only `angles` (x: [b, heads, s, d]; angles: [s, r], no gradient)."""
+    return Rope.apply(x, angles)
