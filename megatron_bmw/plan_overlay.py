@@ -80,6 +80,7 @@ def plan_flags(plan) -> dict[str, object]:
         "num_query_groups": m.num_query_groups, "normalization": m.normalization,
         "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "qk_layernorm": m.qk_layernorm,
         "apply_layernorm_1p": m.apply_layernorm_1p,
+        "bias_swiglu_fusion": m.bias_swiglu_fusion, "apply_rope_fusion": m.apply_rope_fusion,
         "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
         "context_parallel_size": s.cp, "cp_comm_type": s.cp_comm_type,

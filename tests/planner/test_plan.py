@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -35,6 +36,13 @@ def test_round_trip(tmp_path):
     assert again.devices == plan.devices and again.prediction == plan.prediction
     data = json.loads(path.read_text())
     assert data["pipeline"]["recompute"][:3] == ["none", "selective", "full"]
+    # the kernel fusions are the model's (the memory model counts what they save): an unfused plan stays unfused
+    unfused = Plan(RunSpec.of(replace(MODEL, bias_swiglu_fusion=False, apply_rope_fusion=False), tp=2, pp=2, dp=2,
+                              pipeline=plan.spec.pipeline), global_batch_size=16, orig_vocab_size=100,
+                   make_vocab_size_divisible_by=32)
+    unfused.save(str(path))
+    model = Plan.load(str(path)).spec.model
+    assert (model.bias_swiglu_fusion, model.apply_rope_fusion) == (False, False) and model == unfused.spec.model
 
 
 @pytest.mark.parametrize("mutate,needle", [
@@ -171,6 +179,8 @@ def test_the_run_takes_the_plans_own_configs(tmp_path):
     (["--use-rotary-position-embeddings"], "--use-rotary-position-embeddings disagrees"),
     (["--group-query-attention", "--num-query-groups", "2"], "disagrees with --plan"),
     (["--normalization", "RMSNorm"], "--normalization RMSNorm disagrees with --plan .* \\(LayerNorm\\)"),
+    (["--no-rope-fusion"], "--no-rope-fusion disagrees with --plan .* \\(on\\)"),
+    (["--no-bias-swiglu-fusion"], "--no-bias-swiglu-fusion disagrees with --plan"),
 ])
 def test_disagreeing_flags(tmp_path, extra, needle):
     with pytest.raises(UsageError, match=needle):
