@@ -27,12 +27,13 @@ with the binary head the pooler's input bh e (with SP only: the gathered first t
 dense input), its tanh output bh e, and the sentence-order log-probabilities 2b x 4, labels (int64) and weight.
 Llama-family units (models/gpt.py): RMSNorm keeps its input and the fp32 reciprocal RMS on "cuda" (the fused
 kernel); on "cpu" the composite computes in fp32 and keeps the upcast input, the reciprocal RMS and the normalized
-input, all fp32. Rope keeps cos and sin for queries and keys (4 s r x 4, r the rotated dims) and makes new rotated
-q and k (v stays a view of the QKV output); with rope over part of the head, the fused kernel's output is laid
-out by head and the projection's input is a copy of it. Grouped queries: k and v repeated over each group's
+input, all fp32. Rope fused (models/fused_ops.py, the default) keeps one fp32 angles tensor for queries and keys
+(s r x 4, r the rotated dims); unfused (--no-rope-fusion) cos and sin for each (4 s r x 4); either makes new
+rotated q and k (v stays a view of the QKV output); with rope over part of the head, the fused attention
+kernel's output is laid out by head and the projection's input is a copy of it. Grouped queries: k and v repeated over each group's
 heads (sbh/t e each) and q copied out of the grouped rows (a view, keeping the whole QKV output, where a rank holds
-one group and the core takes q as it is). SwiGLU keeps fc1's output (gate and up, 2 sbf/t e), silu(gate) and
-the product (sbf/t e each) where GeLU keeps its input and output; squared ReLU (relu(x)^2, --squared-relu) keeps
+one group and the core takes q as it is). SwiGLU keeps fc1's output (gate and up, 2 sbf/t e) and the product
+(sbf/t e), and unfused (--no-bias-swiglu-fusion) silu(gate) too (sbf/t e), where GeLU keeps its input and output; squared ReLU (relu(x)^2, --squared-relu) keeps
 relu's output (which the square keeps as its input) and the square's (sbf/t e each): GeLU's bytes. Biases change no saved tensor.
 Context parallelism (cp = C > 1; the runtime's contract, models/gpt.py with parallel/context_parallel.py): every
 unit holds what it holds for the rank's local sequence s/C (s is s/C everywhere above; with SP the hidden state
@@ -499,7 +500,8 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
     the head's gradient of the logits cast for the output matmul (the fp32 gradient takes the saved softmax's
     place), the attention's gradient
     of the scores and probabilities (unfused; the fused kernel's gradient of q, k, v), the MLP's gradients of
-    the GeLU output and input, the embedding's hidden-state gradient. Under context parallelism (cp > 1) the local
+    its activation's output and input (moe_model.activation_backward_factor: the fused SwiGLU holds one fewer), the
+    embedding's hidden-state gradient. Under context parallelism (cp > 1) the local
     s/cp tokens', and the context-parallel core's: the larger of its transient peaks (cp_attention_buffers, of
     `device` kind: its backward's includes the q, k, v gradients it returns) and those gradients."""
     s, b, h, f, v = model.seq_length // cp, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
