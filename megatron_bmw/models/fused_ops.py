@@ -4,15 +4,21 @@ cannot cheaply rebuild, its forward and backward one pointwise body each (`fused
 kernel on CUDA, the same body eagerly on the CPU).
 
   swiglu(z)          z = fc1's output [..., 2f]: [gate; up] (a rank's local halves). Forward silu(gate) * up; saves
-                     z only (the unfused ops also keep silu(gate)); backward recomputes sigmoid(gate) and writes
-                     dz = [g up s (1 + gate (1 - s)); g silu(gate)] in place into one new [..., 2f] tensor, so it
-                     holds nothing beside the incoming gradient and dz (eagerly too).
+                     z only (the unfused ops also keep silu(gate)); backward recomputes s = sigmoid(gate) for
+                     dz = [g up s (1 + gate (1 - s)); g silu(gate)]: compiled, one kernel in fp32 math; eagerly, in
+                     place in the halves of one new tensor (16-bit: rounded at each step). Either way it holds
+                     nothing beside the incoming gradient and dz.
   rope(x, angles)    x [b, heads, s, d], angles [s, r] (models/rotary.py): forward exactly as `apply_rotary` (fp32
                      math for 16-bit inputs, the first r dims rotated as two halves, the rest passed through);
                      saves only the angles (one tensor for q and k; the unfused ops keep cos and sin per call);
                      backward rotates the gradient back (rotate_half's transpose) and passes the rest through.
 
-`fused_bodies()` counts the bodies run (models/op_count.py takes each as one operator, as the GPU runs it).
+`fused_bodies()` counts the compiled bodies run (models/op_count.py takes each as one operator, as the GPU runs
+it).
+cuda_compiled compiles for fixed shapes, so the MoE experts' SwiGLU, over a number of received rows that changes
+from step to step, runs its bodies eagerly (`swiglu(z, compiled=False)`: the same saved tensor, several kernels).
+The compiled bodies are checked on the CPU only: dynamo traces them whole, and inductor's CPU kernels equal the
+eager bodies, with the same output strides.
 """
 
 from __future__ import annotations
@@ -65,19 +71,21 @@ def _swiglu_backward(g: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 class SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, z: torch.Tensor, compiled: bool) -> torch.Tensor:
         ctx.save_for_backward(z)
-        return _run(_swiglu_forward, z)
+        ctx.compiled = compiled
+        return _run(_swiglu_forward, z) if compiled else _swiglu_forward.fn(z)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, g: torch.Tensor):
         (z,) = ctx.saved_tensors
-        return _run(_swiglu_backward, g, z)
+        return (_run(_swiglu_backward, g, z) if ctx.compiled else _swiglu_backward.fn(g, z)), None
 
 
-def swiglu(z: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of z = [gate; up] (last dimension), saving z only."""
-    return SwiGLU.apply(z)
+def swiglu(z: torch.Tensor, compiled: bool = True) -> torch.Tensor:
+    """silu(gate) * up of z = [gate; up] (last dimension), saving z only; `compiled` False: the bodies eagerly
+    (shapes that change from call to call)."""
+    return SwiGLU.apply(z, compiled)
 
 
 @cuda_compiled

@@ -102,11 +102,12 @@ def _expert_param(full: torch.Tensor, state: ParallelView, dtype: torch.dtype, d
     return p
 
 
-def _activation(z: torch.Tensor, gated: bool, squared: bool = False, fused: bool = True) -> torch.Tensor:
-    """The dense MLP's activation (models/gpt.py MLP): SwiGLU (`gated`; fused_ops.swiglu where `fused`), squared
-    ReLU or tanh-GeLU."""
+def _activation(z: torch.Tensor, gated: bool, squared: bool = False, fused: bool = True,
+                compiled: bool = True) -> torch.Tensor:
+    """The dense MLP's activation (models/gpt.py MLP): SwiGLU (`gated`; fused_ops.swiglu where `fused`, its bodies
+    compiled on CUDA where `compiled`: shapes fixed from step to step), squared ReLU or tanh-GeLU."""
     if gated and fused:
-        return swiglu(z)
+        return swiglu(z, compiled)
     if gated:
         gate, up = z.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -142,7 +143,7 @@ class Experts(nn.Module):
         z = grouped_mm(rows, self.fc1.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             z = z + self.fc1.bias[expert_of_row]
-        a = _activation(z, self.swiglu, self.squared, self.fused)
+        a = _activation(z, self.swiglu, self.squared, self.fused, compiled=False)  # the rows received vary
         y = grouped_mm(a, self.fc2.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             y = y + self.fc2.bias[expert_of_row]
