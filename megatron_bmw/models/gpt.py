@@ -124,8 +124,8 @@ class Attention(Unit):
     """Pre-norm self-attention with a fused QKV projection and the residual add: causal (GPT), or over the
     keys batch["padding_mask"] marks as real tokens (BERT). Grouped-query attention shares a key and a value head
     among the query heads of a group; rope rotates queries and keys by position (models/rotary.py; fused_ops.rope
-    unless --no-rope-fusion); with
-    qk_layernorm every query and key head is normalised over the head dimension first (q_layernorm, k_layernorm)."""
+    unless --no-rope-fusion); with qk_layernorm every query and key head is normalised over the head dimension
+    first (q_layernorm, k_layernorm)."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit, name: str) -> None:
         super().__init__(state)

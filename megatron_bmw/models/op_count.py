@@ -29,7 +29,8 @@ VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "expand"
 
 
 class _Counter(TorchDispatchMode):
-    """Operators dispatched inside it; a fused body (models/fused_ops.py) is one, whatever it runs on the CPU."""
+    """Operators dispatched inside it; a compiled fused body (models/fused_ops.py) is one, whatever it runs on the
+    CPU."""
 
     def __init__(self) -> None:
         super().__init__()
