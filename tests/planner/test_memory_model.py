@@ -548,8 +548,8 @@ def test_squared_relu_saved_bytes_backward_and_elementwise():
 
 
 LLAMA3_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
-                 seq_length=4096, vocab_size=128256, position_embedding_type="rope", swiglu=True, normalization="RMSNorm",
-                 add_bias_linear=False, params_dtype="bf16", attention_backend="flash", hidden_dropout=0.0,
+                 seq_length=4096, vocab_size=128256, position_embedding_type="rope", swiglu=True,
+                 normalization="RMSNorm", add_bias_linear=False, params_dtype="bf16", attention_backend="flash", hidden_dropout=0.0,
                  attention_dropout=0.0, untie_embeddings_and_output_weights=True)
 
 
