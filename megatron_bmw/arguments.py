@@ -34,7 +34,6 @@ IGNORED_KERNEL_FLAGS = {
     "--transformer-impl": 1, "--accumulate-allreduce-grads-in-fp32": 0, "--empty-unused-memory-level": 1,
     "--num-workers": 1, "--data-impl": 1,
     "--no-create-attention-mask-in-dataloader": 0, "--no-mmap-bin-files": 0,
-    "--no-rope-fusion": 0,
     # how a torch_dist checkpoint is written (the checkpoint is the same), fp16 attention scaling (the softmax is fp32
     # here), p2p and embedding-gradient scheduling
     "--ckpt-fully-parallel-save": 0, "--no-ckpt-fully-parallel-save": 0, "--ckpt-fully-parallel-load": 0,

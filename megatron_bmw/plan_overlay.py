@@ -81,6 +81,7 @@ def plan_flags(plan) -> dict[str, object]:
         "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "qk_layernorm": m.qk_layernorm,
         "apply_layernorm_1p": m.apply_layernorm_1p,
         "cross_entropy_loss_fusion": m.cross_entropy_loss_fusion,
+        "bias_swiglu_fusion": m.bias_swiglu_fusion, "apply_rope_fusion": m.apply_rope_fusion,
         "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": s.tp, "pipeline_model_parallel_size": s.pp, "sequence_parallel": s.sp,
         "context_parallel_size": s.cp, "cp_comm_type": s.cp_comm_type,

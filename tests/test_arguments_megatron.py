@@ -249,10 +249,10 @@ def test_ignored_flags_are_split_by_kind():
     assert args.ignored_flags == ["--no-masked-softmax-fusion", "--transformer-impl", "--log-timers-to-tensorboard",
                                   "--tensorboard-queue-size", "--data-impl"]
     assert not set(IGNORED_KERNEL_FLAGS) & set(IGNORED_LOGGING_FLAGS)
-    # flags of Megatron-LM's Llama example scripts: rope fusion, FP8 recipes, W&B
+    # flags of Megatron-LM's Llama example scripts: FP8 recipes, W&B (--no-rope-fusion is honoured: below)
     args = parse_args(BASE + ["--no-rope-fusion", "--fp8-format", "hybrid", "--num-layers-at-start-in-bf16", "1",
                               "--wandb-project", "p", "--wandb-exp-name=x"])
-    assert args.ignored_kernel_flags == ["--no-rope-fusion", "--fp8-format", "--num-layers-at-start-in-bf16"]
+    assert args.ignored_kernel_flags == ["--fp8-format", "--num-layers-at-start-in-bf16"]
     assert args.ignored_logging_flags == ["--wandb-project", "--wandb-exp-name"]
     # how torch_dist checkpoints are written, fp16 attention scaling, p2p and embedding-gradient scheduling
     args = parse_args(BASE + ["--ckpt-fully-parallel-save", "--async-save", "--apply-query-key-layer-scaling",
@@ -292,3 +292,12 @@ def test_swiglu_ffn_default_is_megatrons():
     assert _run(["--hidden-size", "512", "--num-attention-heads", "8", "--swiglu"]).model.ffn_hidden_size == 1344
     assert _run(["--hidden-size", "512", "--num-attention-heads", "8"]).model.ffn_hidden_size == 2048
     _refused(["--hidden-size", "16", "--swiglu"], "give --ffn-hidden-size")
+
+
+def test_swiglu_and_rope_fusion_flags_are_megatrons():
+    """SwiGLU and rope run fused unless --no-bias-swiglu-fusion / --no-rope-fusion (Megatron's defaults and flags)."""
+    on = _run(["--swiglu", "--position-embedding-type", "rope"]).model
+    assert on.bias_swiglu_fusion and on.apply_rope_fusion
+    off = _run(["--swiglu", "--position-embedding-type", "rope", "--no-bias-swiglu-fusion", "--no-rope-fusion"]).model
+    assert not off.bias_swiglu_fusion and not off.apply_rope_fusion
+    assert parse_args(BASE + ["--no-rope-fusion", "--no-bias-swiglu-fusion"]).ignored_kernel_flags == []

@@ -103,6 +103,10 @@ class ModelConfig:
     cross_entropy_loss_fusion: bool = flag(  # parallel/fused_cross_entropy.py
         "--cross-entropy-loss-fusion", group=M, default=False, action="store_true",
         help="the loss saves the logits in their dtype, not an fp32 softmax, and works over fp32 chunks of tokens")
+    bias_swiglu_fusion: bool = flag("--no-bias-swiglu-fusion", group=M, default=True, action="store_false",
+                                    help="SwiGLU unfused (silu and product: saves silu's output too)")
+    apply_rope_fusion: bool = flag("--no-rope-fusion", group=M, default=True, action="store_false",
+                                   help="rope unfused (saves cos and sin for q and for k)")
 
     moe: MoEConfig | None = None  # experts in place of the MLP of some layers (config/moe.py); None: dense
 

@@ -28,6 +28,7 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabPara
 from ..parallel.mappings import scatter_to_sp
 from ..parallel.recompute import checkpoint
 from ..parallel.state import ParallelState
+from .fused_ops import rope, swiglu
 from .rotary import apply_rotary, rotary_angles
 from .softmax import causal_softmax, padding_softmax
 
@@ -123,8 +124,9 @@ class Embedding(Unit):
 class Attention(Unit):
     """Pre-norm self-attention with a fused QKV projection and the residual add: causal (GPT), or over the
     keys batch["padding_mask"] marks as real tokens (BERT). Grouped-query attention shares a key and a value head
-    among the query heads of a group; rope rotates queries and keys by position (models/rotary.py); with
-    qk_layernorm every query and key head is normalised over the head dimension first (q_layernorm, k_layernorm)."""
+    among the query heads of a group; rope rotates queries and keys by position (models/rotary.py; fused_ops.rope
+    unless --no-rope-fusion); with qk_layernorm every query and key head is normalised over the head dimension
+    first (q_layernorm, k_layernorm)."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit, name: str) -> None:
         super().__init__(state)
@@ -134,6 +136,7 @@ class Attention(Unit):
         self.head_dim = d
         self.rotary = (cfg.rotary_dim, cfg.rotary_base, cfg.rotary_seq_len_interpolation_factor) \
             if cfg.position_embedding_type == "rope" else None
+        self.rope = rope if cfg.apply_rope_fusion else apply_rotary  # the fused op saves only the angles
         self.dropout, self.attention_dropout = cfg.hidden_dropout, cfg.attention_dropout
         self.flash = cfg.flash_attention
         self.cudnn_first = cfg.attention_backend == "fused"
@@ -165,7 +168,7 @@ class Attention(Unit):
         positions = batch["positions"][0] if "positions" in batch else None  # a context-parallel rank's rows
         if self.rotary is not None:
             angles = rotary_angles(s, *self.rotary, q.device, positions)
-            q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+            q, k = self.rope(q, angles), self.rope(k, angles)
         if positions is not None:  # the cp core takes grouped k and v (positions: the batch's, never saved)
             core, args = partial(self.cp_attention, positions=positions), (q, k, v)
         else:
@@ -206,13 +209,15 @@ def squared_relu(z: torch.Tensor) -> torch.Tensor:
 
 class MLP(Unit):
     """Pre-norm MLP (fc1, tanh-GeLU, squared ReLU or SwiGLU, fc2) with the residual add. SwiGLU's fc1 holds
-    [gate; up], each split over tp (so a rank holds its part of both: stride 2)."""
+    [gate; up], each split over tp (so a rank holds its part of both: stride 2); fused (fused_ops.swiglu) unless
+    --no-bias-swiglu-fusion."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, init: ParamInit, name: str) -> None:
         super().__init__(state)
         h, f, rows = cfg.hidden_size, cfg.ffn_hidden_size, cfg.fc1_rows
         self.dropout = cfg.hidden_dropout
         self.swiglu, self.squared_relu = cfg.swiglu, cfg.squared_relu
+        self.fused_swiglu = cfg.bias_swiglu_fusion  # saves fc1's output only (fused_ops.py)
         self.residual_post_ln = cfg.apply_residual_connection_post_layernorm
         self.post_attention_layernorm = _norm(cfg, state)
         bias = cfg.add_bias_linear
@@ -225,7 +230,9 @@ class MLP(Unit):
     def compute(self, hidden, batch):
         x = self.post_attention_layernorm(hidden)
         z = self.fc1(x)
-        if self.swiglu:
+        if self.swiglu and self.fused_swiglu:
+            y = self.fc2(swiglu(z))
+        elif self.swiglu:
             gate, up = z.chunk(2, dim=-1)
             y = self.fc2(F.silu(gate) * up)
         elif self.squared_relu:

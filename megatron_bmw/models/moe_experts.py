@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from ..parallel.init import ParamInit, shard
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.view import ParallelView
+from .fused_ops import swiglu
 from .gpt import squared_relu
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -101,8 +102,13 @@ def _expert_param(full: torch.Tensor, state: ParallelView, dtype: torch.dtype, d
     return p
 
 
-def _activation(z: torch.Tensor, swiglu: bool, squared: bool = False) -> torch.Tensor:
-    if swiglu:
+def _activation(z: torch.Tensor, gated: bool, squared: bool = False, fused: bool = True,
+                compiled: bool = True) -> torch.Tensor:
+    """The dense MLP's activation (models/gpt.py MLP): SwiGLU (`gated`; fused_ops.swiglu where `fused`, its bodies
+    compiled on CUDA where `compiled`: shapes fixed from step to step), squared ReLU or tanh-GeLU."""
+    if gated and fused:
+        return swiglu(z, compiled)
+    if gated:
         gate, up = z.chunk(2, dim=-1)
         return F.silu(gate) * up
     if squared:
@@ -118,7 +124,7 @@ class Experts(nn.Module):
         super().__init__()
         n, h, f = cfg.moe.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
         rows, stride, bias = (2 * f if cfg.swiglu else f), (2 if cfg.swiglu else 1), cfg.add_bias_linear
-        self.swiglu, self.squared = cfg.swiglu, cfg.squared_relu
+        self.swiglu, self.squared, self.fused = cfg.swiglu, cfg.squared_relu, cfg.bias_swiglu_fusion
         self.fc1 = _Stacked(init.normal(f"{name}.experts.fc1.weight", (n, rows, h)),
                             init.zeros((n, rows)) if bias else None, state, cfg.torch_dtype, 1, 1, stride)
         self.fc2 = _Stacked(init.normal(f"{name}.experts.fc2.weight", (n, h, f), init.output_std),
@@ -137,7 +143,7 @@ class Experts(nn.Module):
         z = grouped_mm(rows, self.fc1.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             z = z + self.fc1.bias[expert_of_row]
-        a = _activation(z, self.swiglu, self.squared)
+        a = _activation(z, self.swiglu, self.squared, self.fused, compiled=False)  # the rows received vary
         y = grouped_mm(a, self.fc2.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             y = y + self.fc2.bias[expert_of_row]
@@ -151,7 +157,7 @@ class SharedExpert(nn.Module):
         super().__init__()
         h, f = cfg.hidden_size, cfg.moe.shared_expert_intermediate_size
         rows, bias = (2 * f if cfg.swiglu else f), cfg.add_bias_linear
-        self.swiglu, self.squared = cfg.swiglu, cfg.squared_relu
+        self.swiglu, self.squared, self.fused = cfg.swiglu, cfg.squared_relu, cfg.bias_swiglu_fusion
         self.fc1 = ColumnParallelLinear(init.normal(f"{name}.shared_expert.fc1.weight", (rows, h)),
                                         init.zeros((rows,)) if bias else None, state, dtype=cfg.torch_dtype,
                                         stride=2 if cfg.swiglu else 1)
@@ -159,4 +165,4 @@ class SharedExpert(nn.Module):
                                      init.zeros((h,)) if bias else None, state, dtype=cfg.torch_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(_activation(self.fc1(x), self.swiglu, self.squared))
+        return self.fc2(_activation(self.fc1(x), self.swiglu, self.squared, self.fused))

@@ -6,8 +6,9 @@ and adds to any unit's device time where every kernel launch waits for the kerne
 The units of one layer of `model` are built small on the CPU (hidden 64, sequence 32, vocabulary 256, at most 4
 heads: the same modules and code paths, so the same operators) and run once forward and once backward under a
 dispatch counter; views (no kernel) are not counted. The CPU paths stand for the GPU's: where the GPU has a
-fused kernel the CPU runs several operators (RMSNorm, rope), the count is high; tensor-parallel collectives are
-not in it (the planner adds them).
+fused kernel the CPU runs several operators (RMSNorm; unfused rope and SwiGLU), the count is high; the fused
+rope and SwiGLU (models/fused_ops.py, one compiled kernel each on the GPU) count one each way; tensor-parallel
+collectives are not in it (the planner adds them).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..config import ModelConfig
 from dataclasses import replace
 
 from ..units import model_unit_kinds, unit_kind_of
+from .fused_ops import fused_bodies
 
 VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "select",
                    "slice", "as_strided", "alias", "detach", "split", "split_with_sizes", "chunk", "unbind",
@@ -27,12 +29,23 @@ VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "expand"
 
 
 class _Counter(TorchDispatchMode):
+    """Operators dispatched inside it; a compiled fused body (models/fused_ops.py) is one, whatever it runs on the
+    CPU."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
 
+    def __enter__(self):
+        self._bodies = fused_bodies()[1]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.ops += fused_bodies()[1] - self._bodies
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ not in VIEWS:
+        if func.overloadpacket.__name__ not in VIEWS and not fused_bodies()[0]:
             self.ops += 1
         return func(*args, **(kwargs or {}))
 

@@ -3,7 +3,8 @@ on one tensor-parallel rank. Torch-free. The cost model divides them by the devi
 matrix products (their operands included) are kernel_time.py's.
 
 Kernels are counted as Megatron fuses them: LayerNorm/RMSNorm one pass, the bias folded into the GEMM, the
-scale-mask-softmax one kernel, bias-GeLU (or SwiGLU) one kernel, bias-dropout-add one kernel. Notation as in
+scale-mask-softmax one kernel, bias-GeLU (or SwiGLU, unless --no-bias-swiglu-fusion) one kernel, rope one kernel
+(unless --no-rope-fusion), bias-dropout-add one kernel. Notation as in
 memory_model.py: s sequence, b micro-batch, h hidden, a heads, g query groups, d head dimension, f FFN size,
 v padded vocabulary, t tensor-parallel size, e bytes per element; H = s'bh elements of the hidden state on a rank
 (s' = s/t with sequence parallelism, else s: LayerNorm and dropout-add run on every tp rank).
@@ -17,13 +18,17 @@ v padded vocabulary, t tensor-parallel size, e bytes per element; H = s'bh eleme
                  them and writes a mask (2Se + S); backward: dropout 2Se + S, softmax reads probabilities and
                  gradient and writes one (3Se); the context [b a s d] is copied into [s b h] (2sbh/t e each way).
                  The fused flash kernel does all of this on chip: nothing here.
-  rope, qk norm  over q and k (s b (a + g) d / t elements): rope reads and writes them each way; the norm as
-                 above.
+  rope, qk norm  over q and k (X = s b (a + g) d / t elements): fused rope (models/fused_ops.py, the default) reads
+                 and writes them each way; unfused (--no-rope-fusion: models/rotary.py's ops, `_rope`) over the
+                 n = X r/d rotated elements in fp32 (c = 4 bytes) 10 n c each way, with 16-bit inputs the casts
+                 (forward 3 n e + 3 n c, backward 6 n e), and autograd's slicing of the rotated part (forward with
+                 r < d the concatenation 2 X e; backward 3 X e, 7 X e with r < d); the norm as above.
   grouped query  k and v repeated over each group's heads (read 2sbgd/t, write 2sbad/t) and summed back.
   MLP            bias-GeLU reads and writes fc1's output F = sb f/t (2Fe; backward reads input and gradient,
-                 writes one: 3Fe, plus Fe for fc1's bias gradient); SwiGLU reads 2F, writes F (backward reads
-                 2F and F, writes 2F); squared ReLU, relu and the square as two kernels: 4Fe forward, 10Fe
-                 backward (`_activation`).
+                 writes one: 3Fe, plus Fe for fc1's bias gradient); SwiGLU fused reads 2F, writes F (backward reads
+                 2F and F, writes 2F), unfused (--no-bias-swiglu-fusion) silu and the product 5F forward, 13F
+                 backward (two products' gradients 6F, silu's 3F, [gate; up]'s concatenation 4F); squared ReLU,
+                 relu and the square as two kernels: 4Fe forward, 10Fe backward (`_activation`).
   MoE            the norm, the experts' activation as the MLP's over the k copies of each token at the expert FFN
                  size, the shared experts' as an MLP's, dropout-add; the router's softmax/top-k over T E fp32 scores
                  (read the logits, write the probabilities: 8 T E each way; T = s'b); the permutation copying the
@@ -68,7 +73,8 @@ def _attention(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tupl
     if model.qk_layernorm:
         fwd, bwd = fwd + 2 * qk * e, bwd + 3 * qk * e
     if model.position_embedding_type == "rope":
-        fwd, bwd = fwd + 2 * qk * e, bwd + 2 * qk * e
+        f1, b1 = _rope(model, qk, e)
+        fwd, bwd = fwd + f1, bwd + b1
     if groups < heads:
         kv = 2 * s * b * d * (heads + groups) * e
         fwd, bwd = fwd + kv, bwd + kv
@@ -91,18 +97,34 @@ def _mlp(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[floa
     hidden = rows * b * model.hidden_size
     fwd, bwd = _norm(hidden, e)
     f = model.seq_length * b * model.ffn_hidden_size / tp
-    f1, b1 = _activation(f, e, model.swiglu, model.add_bias_linear, model.squared_relu)
+    f1, b1 = _activation(f, e, model.swiglu, model.add_bias_linear, model.squared_relu, model.bias_swiglu_fusion)
     fwd, bwd = fwd + f1, bwd + b1
     f2, b2 = _dropout_add(hidden, e, model.hidden_dropout > 0, model.add_bias_linear)
     return fwd + f2, bwd + b2
 
 
-def _activation(f: float, e: int, swiglu: bool, bias: bool, squared: bool = False) -> tuple[float, float]:
+def _rope(model: ModelConfig, qk: float, e: int) -> tuple[float, float]:
+    """Bytes rope moves over the qk elements of q and k (module doc): fused one pass each way; unfused the fp32 ops
+    over the rotated part, the casts of 16-bit inputs and autograd's slicing."""
+    if model.apply_rope_fusion:
+        return 2 * qk * e, 2 * qk * e
+    n, partial, cast = qk * model.rotary_dim / model.head_dim, model.rotary_dim < model.head_dim, e != FP32
+    fwd = 10 * n * FP32 + (3 * n * e + 3 * n * FP32 if cast else 0) + (2 * qk * e if partial else 0)
+    bwd = 10 * n * FP32 + (6 * n * e if cast else 0) + (7 if partial else 3) * qk * e
+    return fwd, bwd
+
+
+def _activation(f: float, e: int, swiglu: bool, bias: bool, squared: bool = False,
+                fused: bool = True) -> tuple[float, float]:
     """Bytes the MLP's activation moves over f elements: GeLU reads and writes f (backward: reads the gradient and
-    the input, writes one); SwiGLU 3 and 5; squared ReLU, relu then the square (torch.pow(relu(x), 2), two
-    kernels): 4 forward, and backward the square's pow_backward (x^1 copied: 2, doubled: 2, times the gradient:
-    3) and relu's threshold_backward (3): 10; a bias's gradient reads fc1's output gradient."""
-    fwd, bwd = (3 * f * e, 5 * f * e) if swiglu else (4 * f * e, 10 * f * e) if squared else (2 * f * e, 3 * f * e)
+    the input, writes one); SwiGLU fused 3 and 5, unfused 5 and 13; squared ReLU, relu then the square
+    (torch.pow(relu(x), 2), two kernels): 4 forward, and backward the square's pow_backward (x^1 copied: 2,
+    doubled: 2, times the gradient: 3) and relu's threshold_backward (3): 10; a bias's gradient reads fc1's
+    output gradient."""
+    if swiglu:
+        fwd, bwd = (3 * f * e, 5 * f * e) if fused else (5 * f * e, 13 * f * e)
+    else:
+        fwd, bwd = (4 * f * e, 10 * f * e) if squared else (2 * f * e, 3 * f * e)
     return fwd, bwd + ((2 * f if swiglu else f) * e if bias else 0)
 
 
@@ -113,14 +135,14 @@ def _moe(model: ModelConfig, b: int, tp: int, rows: float, e: int) -> tuple[floa
     copies = tokens * moe.router_topk
     fwd, bwd = _norm(hidden, e)
     f1, b1 = _activation(copies * model.moe_ffn_hidden_size, e, model.swiglu, model.add_bias_linear,
-                         model.squared_relu)
+                         model.squared_relu, model.bias_swiglu_fusion)
     scores = 2 * tokens * moe.num_experts * FP32  # the router's fp32 scores, read and written
     fwd, bwd = fwd + f1 + scores, bwd + b1 + scores
     fwd, bwd = fwd + 5 * copies * h * e, bwd + 5 * copies * h * e
     shared = moe.shared_expert_intermediate_size
     if shared:
         f2, b2 = _activation(model.seq_length * b * shared / tp, e, model.swiglu, model.add_bias_linear,
-                             model.squared_relu)
+                             model.squared_relu, model.bias_swiglu_fusion)
         fwd, bwd = fwd + f2, bwd + b2
     f3, b3 = _dropout_add(hidden, e, model.hidden_dropout > 0, model.add_bias_linear)
     return fwd + f3, bwd + b3

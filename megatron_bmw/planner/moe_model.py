@@ -38,7 +38,8 @@ routes, L = E/ep local experts, f = F/etp, rows = 2f with SwiGLU else f; e the p
              the received rows' expert-major order R int64; the expert input R h e.
   experts    the grouped GEMM's offsets L int32 (where it runs as torch._grouped_mm, `grouped_gemm`), with biases
              the expert of each row R int64, fc1's output and the activation's tensors as the dense MLP's at R rows
-             and f columns (GeLU: its input and output; SwiGLU: fc1's output 2 R f, silu's output and the product).
+             and f columns (GeLU: its input and output; SwiGLU: fc1's output 2 R f, silu's output (unfused only) and the
+             product).
   combine    the rows weighted (allgather: the experts' R output rows; alltoall: the S rows come back) and their
              weights, in e (C h e and C e); the sum by index_put keeps only the index it already counted.
   shared     fc1's input (the norm output: already counted where it is the fp32 router's input), the activation's
@@ -279,7 +280,8 @@ def _activation(saved, local_f: int, what: str) -> None:
     e = saved.e
     if saved.model.swiglu:
         saved.add(f"{what} fc1 output (gate and up)", 2 * local_f, e)
-        saved.add(f"{what} silu output", local_f, e)
+        if not saved.model.bias_swiglu_fusion:  # the fused op keeps z only
+            saved.add(f"{what} silu output", local_f, e)
         saved.add(f"{what} swiglu output (fc2 input)", local_f, e)
     else:
         saved.add(f"{what} gelu input", local_f, e)
@@ -297,6 +299,15 @@ def grouped_gemm(model: ModelConfig, experts: Experts, device: str, received: in
     return received > 0 and aligned and has
 
 
+def activation_backward_factor(model: ModelConfig) -> int:
+    """The MLP activation's backward buffers in units of its output (f columns): GeLU 2 (gradients of its output and
+    input); SwiGLU 4 unfused (the product's, silu's, [gate; up]'s), 3 fused (the product's and [gate; up]'s: the
+    fused backward writes dz in place, eagerly too); squared ReLU 3."""
+    if model.swiglu:
+        return 3 if model.bias_swiglu_fusion else 4
+    return 3 if model.squared_relu else 2
+
+
 def moe_backward_bytes(model: ModelConfig, tokens: int, hidden_rows_full: int, hidden_rows: int, tp: int,
                        experts: Experts, device: str = "cuda") -> int:
     """The most an MoE unit's backward allocates beside what it saved (its saved tensors counted as held), the
@@ -311,7 +322,7 @@ def moe_backward_bytes(model: ModelConfig, tokens: int, hidden_rows_full: int, h
       fc2       its output's gradient R h, its input's R F/etp and its weight gradient: the expert weights are not
                 fused into main_grad, their gradient goes through `.grad` to GradSync's hook, which on "cpu" first
                 copies a 16-bit gradient to fp32 (4 bytes an element, in place of the output's gradient).
-      activation  GeLU 2, SwiGLU 4 x R F/etp.
+      activation  GeLU 2, SwiGLU 4 (fused 3), squared ReLU 3 x R F/etp.
       fc1       its output's gradient R rows/etp (at its hook: the fp32 copy instead), its input's R h, its weight
                 gradient.
       back      to the tokens: R h beside the gathered tokens' gradient (and their reduce-scatter's T h) with
@@ -337,7 +348,7 @@ def moe_backward_bytes(model: ModelConfig, tokens: int, hidden_rows_full: int, h
         most = max(sent, received) * h * e
         combine = max(sent * (3 * h + 1) * e, 2 * most)
         back = max(2 * most, (sent + tokens) * h * e)
-    acts = (4 if model.swiglu else 3 if model.squared_relu else 2) * received * f * e
+    acts = activation_backward_factor(model) * received * f * e
     fc2 = received * f * e + w2 * e + max(received * h * e, w2 * upcast)
     fc1 = received * h * e + w1 * e + max(received * rows * e, w1 * upcast)
     gemms = max(fc2, acts, fc1)
@@ -348,5 +359,5 @@ def moe_backward_bytes(model: ModelConfig, tokens: int, hidden_rows_full: int, h
     shared = moe.shared_expert_intermediate_size
     if not shared:
         return routed
-    shared_acts = (4 if model.swiglu else 3 if model.squared_relu else 2) * hidden_rows_full * (shared // tp) * e
+    shared_acts = activation_backward_factor(model) * hidden_rows_full * (shared // tp) * e
     return max(shared_acts, hidden_rows * h * e + routed)

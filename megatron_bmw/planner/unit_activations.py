@@ -32,12 +32,13 @@ with the binary head the pooler's input bh e (with SP only: the gathered first t
 dense input), its tanh output bh e, and the sentence-order log-probabilities 2b x 4, labels (int64) and weight.
 Llama-family units (models/gpt.py): RMSNorm keeps its input and the fp32 reciprocal RMS on "cuda" (the fused
 kernel); on "cpu" the composite computes in fp32 and keeps the upcast input, the reciprocal RMS and the normalized
-input, all fp32. Rope keeps cos and sin for queries and keys (4 s r x 4, r the rotated dims) and makes new rotated
-q and k (v stays a view of the QKV output); with rope over part of the head, the fused kernel's output is laid
-out by head and the projection's input is a copy of it. Grouped queries: k and v repeated over each group's
+input, all fp32. Rope fused (models/fused_ops.py, the default) keeps one fp32 angles tensor for queries and keys
+(s r x 4, r the rotated dims); unfused (--no-rope-fusion) cos and sin for each (4 s r x 4); either makes new
+rotated q and k (v stays a view of the QKV output); with rope over part of the head, the fused attention
+kernel's output is laid out by head and the projection's input is a copy of it. Grouped queries: k and v repeated over each group's
 heads (sbh/t e each) and q copied out of the grouped rows (a view, keeping the whole QKV output, where a rank holds
-one group and the core takes q as it is). SwiGLU keeps fc1's output (gate and up, 2 sbf/t e), silu(gate) and
-the product (sbf/t e each) where GeLU keeps its input and output; squared ReLU (relu(x)^2, --squared-relu) keeps
+one group and the core takes q as it is). SwiGLU keeps fc1's output (gate and up, 2 sbf/t e) and the product
+(sbf/t e), and unfused (--no-bias-swiglu-fusion) silu(gate) too (sbf/t e), where GeLU keeps its input and output; squared ReLU (relu(x)^2, --squared-relu) keeps
 relu's output (which the square keeps as its input) and the square's (sbf/t e each): GeLU's bytes. Biases change no saved tensor.
 Context parallelism (cp = C > 1; the runtime's contract, models/gpt.py with parallel/context_parallel.py): every
 unit holds what it holds for the rank's local sequence s/C (s is s/C everywhere above; with SP the hidden state
@@ -85,7 +86,8 @@ from ..config import ModelConfig
 from ..errors import UsageError
 from ..units import ALL_UNIT_KINDS, RECOMPUTE, cross_entropy_chunk_tokens
 from .cp_buffers import cp_attention_buffers
-from .moe_model import Experts, default_experts, local_tokens, moe_backward_bytes, moe_saved
+from .moe_model import (Experts, activation_backward_factor, default_experts, local_tokens, moe_backward_bytes,
+                        moe_saved)
 
 DEVICE_KINDS = ("cuda", "cpu")
 _INT64, _BOOL, _FP32 = 8, 1, 4
@@ -233,7 +235,8 @@ def _mlp_saved(saved: _Saved) -> None:
     saved.add("fc1 input", saved.hidden_local, e)
     if saved.model.swiglu:  # fc1's output holds [gate; up]; silu keeps the gate, the product keeps silu(gate) and up
         saved.add("fc1 output (gate and up)", 2 * local_f, e)
-        saved.add("silu output", local_f, e)
+        if not saved.model.bias_swiglu_fusion:  # the fused op keeps z only
+            saved.add("silu output", local_f, e)
         saved.add("swiglu output (fc2 input)", local_f, e)
     elif saved.model.squared_relu:  # relu keeps its output, the square its input (the same tensor)
         saved.add("relu output", local_f, e)
@@ -256,7 +259,9 @@ def _attention_saved(saved: _Saved, recompute: str | None) -> None:
         _core_inputs(model, local_h, tp, query_copied=recompute != "selective" and not model.flash_attention)
     if model.qk_layernorm:
         saved.out.extend(_qk_norm_saved(model, local_h, tp, b * (model.num_attention_heads // tp) * s, saved.device))
-    if model.position_embedding_type == "rope":  # cos and sin, computed for the queries and again for the keys
+    if model.position_embedding_type == "rope" and model.apply_rope_fusion:  # one angles tensor for q and k
+        saved.add("rotary angles (fp32)", s * model.rotary_dim, _FP32)
+    elif model.position_embedding_type == "rope":  # cos and sin, computed for the queries and again for the keys
         saved.add("rotary cos and sin (fp32)", 4 * s * model.rotary_dim, _FP32)
     _attention_core_saved(saved, recompute, core_inputs, local_h)
     saved.add("context (output projection input)", local_h, saved.e)
@@ -450,7 +455,8 @@ def unit_wgrad_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp: i
 _SAVED_KEYS = ("seq_length", "hidden_size", "ffn_hidden_size", "vocab_size", "num_attention_heads", "params_dtype",
                "attention_backend", "hidden_dropout", "attention_dropout", "model_type", "bert_binary_head",
                "position_embedding_type", "rotary_percent", "normalization", "swiglu", "squared_relu", "num_query_groups",
-               "qk_layernorm", "apply_layernorm_1p", "cross_entropy_loss_fusion")
+               "qk_layernorm", "apply_layernorm_1p", "cross_entropy_loss_fusion", "bias_swiglu_fusion",
+               "apply_rope_fusion")
 _saved_memo: dict[tuple, int] = {}
 
 
@@ -507,7 +513,8 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
     place; fused, one fp32 chunk of tokens: its forward's upcast, and its backward's for 16-bit logits, whose
     gradient takes the saved logits' place), the attention's gradient
     of the scores and probabilities (unfused; the fused kernel's gradient of q, k, v), the MLP's gradients of
-    the GeLU output and input, the embedding's hidden-state gradient. Under context parallelism (cp > 1) the local
+    its activation's output and input (moe_model.activation_backward_factor: the fused SwiGLU holds one fewer), the
+    embedding's hidden-state gradient. Under context parallelism (cp > 1) the local
     s/cp tokens', and the context-parallel core's: the larger of its transient peaks (cp_attention_buffers, of
     `device` kind: its backward's includes the q, k, v gradients it returns) and those gradients."""
     s, b, h, f, v = model.seq_length // cp, micro_batch_size, model.hidden_size, model.ffn_hidden_size, model.vocab_size
@@ -523,9 +530,10 @@ def unit_backward_bytes(kind: str, model: ModelConfig, micro_batch_size: int, tp
     if kind == "attention":
         heads = model.num_attention_heads // tp
         return b * heads * s * s * (_FP32 + e) if not model.flash_attention else 3 * s * b * (h // tp) * e
-    if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's; squared ReLU: the
-        # square's backward (autograd's pow_backward, grad * 2 x^1) holds a temporary beside its two gradients
-        return (4 if model.swiglu else 3 if model.squared_relu else 2) * s * b * (f // tp) * e
+    if kind == "mlp":  # SwiGLU: the gradients of [gate; up] and of the product besides silu's (fused: the product's
+        # and [gate; up]'s only); squared ReLU: the square's backward (autograd's pow_backward, grad * 2 x^1) holds a
+        # temporary beside its two gradients
+        return activation_backward_factor(model) * s * b * (f // tp) * e
     if kind == "moe":  # moe_model.py: the experts' gradients at the tokens received, the dispatcher's buffers
         rows = (s // tp if sp and tp > 1 else s) * b
         return moe_backward_bytes(model, local_tokens(model, b, tp, sp, cp), s * b, rows, tp,

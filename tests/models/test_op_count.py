@@ -47,3 +47,16 @@ def test_squared_relu_counts_its_two_kernels():
     squared = unit_op_counts(replace(H100_RUN, squared_relu=True))
     assert squared["mlp"][0] == gelu["mlp"][0] + 1 and squared["mlp"][1] > gelu["mlp"][1]
     assert squared["attention"] == gelu["attention"]
+
+
+def test_fused_swiglu_and_rope_count_one_operator_each_way():
+    """The fused SwiGLU and rope (models/fused_ops.py, one compiled kernel each on the GPU) count one operator each
+    way, whatever their bodies run on the CPU; unfused, their ops count one by one."""
+    llama = replace(H100_RUN, swiglu=True, ffn_hidden_size=2816, position_embedding_type="rope",
+                    normalization="RMSNorm", num_query_groups=4, add_bias_linear=False)
+    fused = unit_op_counts(llama)
+    unfused = unit_op_counts(replace(llama, bias_swiglu_fusion=False, apply_rope_fusion=False))
+    assert fused["mlp"][0] == unfused["mlp"][0] - 1  # silu and the product: one kernel
+    assert fused["mlp"][1] < unfused["mlp"][1] and fused["attention"][0] < unfused["attention"][0]
+    assert fused["attention"][1] < unfused["attention"][1]
+    assert fused["embedding"] == unfused["embedding"] and fused["head"] == unfused["head"]

@@ -52,7 +52,7 @@ def test_cp1_is_the_default(kw, device):
 
 
 def test_attention_saved_under_cp_is_the_contract():
-    """cp 2, tp 2, SP: the norm and QKV input hold s/(C t) rows; rope's cos and sin s/C x r; q rotated (s/C rows
+    """cp 2, tp 2, SP: the norm and QKV input hold s/(C t) rows; the fused rope's angles s/C x r; q rotated (s/C rows
     of the rank's heads), k rotated and grouped (not repeated), v a view of the QKV output; the core's output and
     the log-sum-exp; the context copy; nothing of s^2."""
     model, cp, tp = _model(), 2, 2
@@ -60,13 +60,16 @@ def test_attention_saved_under_cp_is_the_contract():
     heads, d, per = model.num_attention_heads // tp, model.head_dim, 4
     local_h = s * B * h // tp
     got = {t.name: t for t in unit_saved_tensors("attention", model, B, tp, True, None, "cuda", cp)}
-    assert list(got) == ["rmsnorm input", "rmsnorm statistics (fp32)", "qkv input", "rotary cos and sin (fp32)",
+    assert list(got) == ["rmsnorm input", "rmsnorm statistics (fp32)", "qkv input", "rotary angles (fp32)",
                          "query (normed or rotated)", "keys (normed or rotated, grouped)", "qkv output",
                          "context-parallel attention output", "log-sum-exp (fp32)",
                          "context (output projection input)"]
     assert got["rmsnorm input"].numel == got["qkv input"].numel == s // tp * B * h
     assert got["rmsnorm statistics (fp32)"].numel == s // tp * B
-    assert got["rotary cos and sin (fp32)"].numel == 4 * s * model.rotary_dim
+    assert got["rotary angles (fp32)"].numel == s * model.rotary_dim
+    unfused = {t.name: t for t in unit_saved_tensors("attention", replace(model, apply_rope_fusion=False), B, tp, True,
+                                                     None, "cuda", cp)}
+    assert unfused["rotary cos and sin (fp32)"].numel == 4 * s * model.rotary_dim  # for q and again for k
     assert got["query (normed or rotated)"].numel == local_h == B * heads * s * d
     assert got["keys (normed or rotated, grouped)"].numel == local_h // per
     assert got["qkv output"].numel == s * B * model.qkv_rows // tp
@@ -300,7 +303,8 @@ LLAMA3_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_qu
 def test_128k_needs_cp_on_h100():
     """A Llama-3-8B-like model at 128k tokens, tp 8 with SP and ZeRO-1 on H100-80GB: without full recomputation
     cp 1 runs out of memory and cp 2 fits; the search on two nodes picks cp > 1, and a space without full
-    recomputation holds no cp 1 plan that fits."""
+    recomputation holds no cp 1 plan that fits with SwiGLU and rope unfused (fused, as by default, tp 8 x pp 2 at
+    cp 1 saves enough to fit)."""
     model = ModelConfig(**LLAMA3_8B)
     cl = load_cluster("h100-80g-ib", 2)
     n = model.num_units
@@ -317,8 +321,11 @@ def test_128k_needs_cp_on_h100():
     assert all(r.fits for r in got.ranked)
     no_full = search(model, 128256, 128, 16, cl, space=SearchSpace.parse(["recompute=none,selective"]))
     assert no_full.best is not None and all(r.spec.cp > 1 for r in no_full.ranked)
-    assert search(model, 128256, 128, 16, cl,
-                  space=SearchSpace.parse(["recompute=none,selective", "cp=1"])).best is None
+    cp1 = SearchSpace.parse(["recompute=none,selective", "cp=1"])
+    unfused = replace(model, bias_swiglu_fusion=False, apply_rope_fusion=False)
+    assert search(unfused, 128256, 128, 16, cl, space=cp1).best is None
+    fused = search(model, 128256, 128, 16, cl, space=cp1).best.spec
+    assert (fused.tp, fused.pp, fused.cp) == (8, 2, 1)
 
 
 def test_a_plan_with_cp_round_trips():

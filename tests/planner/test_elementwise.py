@@ -80,3 +80,19 @@ def test_head_cross_entropy_and_embedding_table_gradient():
     assert fp32 - bf16 == (v + 32) * h * 2 * 2
     with pytest.raises(ValueError):
         unit_elementwise_bytes("router", GPT, b)
+
+
+def test_unfused_swiglu_and_rope_move_more():
+    """--no-bias-swiglu-fusion: silu and the product (5F forward, 13F backward) where the fused kernel moves 3F and
+    5F; --no-rope-fusion: rotary.py's fp32 ops over the rotated part, the casts and autograd's slicing, where the
+    fused kernel reads and writes q and k once each way."""
+    base = replace(GPT, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, swiglu=True,
+                   ffn_hidden_size=128, position_embedding_type="rope", rotary_percent=0.5, num_query_groups=2)
+    s, b, e = 32, 1, 2
+    f, qk = s * b * 128, s * b * (4 + 2) * 16
+    mlp = [unit_elementwise_bytes("mlp", m, b) for m in (base, replace(base, bias_swiglu_fusion=False))]
+    assert (mlp[1][0] - mlp[0][0], mlp[1][1] - mlp[0][1]) == (2 * f * e, 8 * f * e)
+    att = [unit_elementwise_bytes("attention", m, b) for m in (base, replace(base, apply_rope_fusion=False))]
+    n = qk / 2  # half of each head rotated
+    assert att[1][0] - att[0][0] == 10 * n * 4 + 3 * n * e + 3 * n * 4 + 2 * qk * e - 2 * qk * e
+    assert att[1][1] - att[0][1] == 10 * n * 4 + 6 * n * e + 7 * qk * e - 2 * qk * e

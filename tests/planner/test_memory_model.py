@@ -42,8 +42,9 @@ def _batch(b: int) -> dict:
             "loss_mask": torch.ones(b, SEQ)}
 
 
-# Llama-family layers: rope with GQA, SwiGLU, RMSNorm and no biases together; rope alone (MHA, part of the head
-# rotated); groups without rope; MQA (one group: tp 1 only); q/k norms.
+# Llama-family layers (SwiGLU and rope fused unless the variant says otherwise): rope with GQA, SwiGLU, RMSNorm and
+# no biases together; rope alone (MHA, part of the head rotated); groups without rope; MQA (one group: tp 1 only);
+# q/k norms.
 LLAMA_VARIANTS = (
     dict(position_embedding_type="rope", num_query_groups=2, swiglu=True, ffn_hidden_size=40,
          normalization="RMSNorm", add_bias_linear=False),
@@ -58,6 +59,9 @@ LLAMA_VARIANTS = (
     # --squared-relu (Nemotron-4's MLP: relu(x)^2, no gating) with rope and groups, with and without biases
     dict(squared_relu=True, position_embedding_type="rope", num_query_groups=2, add_bias_linear=False),
     dict(squared_relu=True),
+    # the Llama layer with --no-bias-swiglu-fusion --no-rope-fusion (the fused ops are the default)
+    dict(position_embedding_type="rope", num_query_groups=2, swiglu=True, ffn_hidden_size=40,
+         normalization="RMSNorm", add_bias_linear=False, bias_swiglu_fusion=False, apply_rope_fusion=False),
 )
 
 
@@ -417,6 +421,7 @@ MOE_VARIANTS = (
     (dict(score_function="sigmoid", aux_loss_coeff=0.01, z_loss_coeff=0.001), dict()),
     (dict(score_function="sigmoid", router_topk=1, load_balancing_type="seq_aux_loss", aux_loss_coeff=0.1), dict()),
     (dict(shared_expert_intermediate_size=32), LLAMA_VARIANTS[0]),  # SwiGLU, RMSNorm, no biases
+    (dict(shared_expert_intermediate_size=32), LLAMA_VARIANTS[-1]),  # the same, SwiGLU unfused
     (dict(shared_expert_intermediate_size=16, shared_expert_gate=True, ffn_hidden_size=12), dict()),  # bf16: a loop
     (dict(expert_capacity_factor=0.5), LLAMA_VARIANTS[0]),  # probs drop
     (dict(expert_capacity_factor=0.75, token_drop_policy="position"), dict()),
@@ -523,7 +528,8 @@ def test_transformer_engine_attention_term_by_term():
                    "query": unit, "keys (grouped)": unit // 12, "values (grouped)": unit // 12,
                    "attention output (output projection input)": unit, "softmax statistics (fp32)": 12 * 4096 * 4}
     ours = {t.name for t in unit_saved_tensors("attention", model, 1, 8, True)}
-    assert {"rotary cos and sin (fp32)", "keys repeated over the group"} <= ours  # what TE does not save
+    assert {"rotary angles (fp32)", "keys repeated over the group"} <= ours  # what TE does not save (fused rope: the
+    # angles per layer, TE's the chunk's shared frequencies)
     mlp = unit_saved_tensors("mlp", model, 1, 8, True, te=True)
     assert sum(t.nbytes for t in mlp) == 2 * unit + 2 * 512 * 4 + 2 * 4 * unit  # LN in, ln_out, fc1 out, act out
     # recomputation, context parallelism and the unfused core keep our runtime's count
@@ -572,3 +578,27 @@ def test_squared_relu_saved_bytes_backward_and_elementwise():
     assert unit_backward_bytes("mlp", squared, MBS, 2, True) - unit_backward_bytes("mlp", gelu, MBS, 2, True) == f
     (gf, gb), (qf, qb) = (unit_elementwise_bytes("mlp", m, MBS, 2, True) for m in (gelu, squared))
     assert (qf - gf, qb - gb) == (2 * f, 7 * f)
+
+
+LLAMA3_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
+                 seq_length=4096, vocab_size=128256, position_embedding_type="rope", swiglu=True,
+                 normalization="RMSNorm", add_bias_linear=False, params_dtype="bf16", attention_backend="flash", hidden_dropout=0.0,
+                 attention_dropout=0.0, untie_embeddings_and_output_weights=True)
+
+
+def test_fused_swiglu_and_rope_save_less_llama3_8b():
+    """Llama-3-8B at tp 1, micro-batch 1, sequence 4096, bf16: the fused SwiGLU keeps fc1's output and not silu's
+    (s f e less), the fused rope one fp32 angles tensor for q and k where the unfused ops keep cos and sin for each
+    (3 s r x 4 less); the fused SwiGLU's backward holds the product's gradient and dz only (one s f e less). Per
+    layer 594.5 MiB fused, 712.5 MiB unfused."""
+    from megatron_bmw.planner.unit_activations import unit_backward_bytes
+
+    fused = ModelConfig(**LLAMA3_8B)
+    unfused = ModelConfig(**LLAMA3_8B, bias_swiglu_fusion=False, apply_rope_fusion=False)
+    s, f, r, e = 4096, 14336, 128, 2
+    on, off = layer_activation_bytes(fused, 1), layer_activation_bytes(unfused, 1)
+    assert off - on == s * f * e + 3 * s * r * 4
+    assert (on, off) == (594.53125 * 2**20, 712.53125 * 2**20)
+    assert unit_backward_bytes("mlp", unfused, 1) - unit_backward_bytes("mlp", fused, 1) == s * f * e
+    names = {t.name for k in ("attention", "mlp") for t in unit_saved_tensors(k, fused, 1)}
+    assert "rotary angles (fp32)" in names and "silu output" not in names

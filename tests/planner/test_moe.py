@@ -123,7 +123,7 @@ def test_routing_model_even_imbalanced_and_capacity():
 
 
 def test_moe_saved_tensors():
-    """bf16, SwiGLU, tp 2 with SP, ep 2, etp 1, on cuda, allgather: the norm, the router's fp32 input and weight
+    """bf16, SwiGLU (fused), tp 2 with SP, ep 2, etp 1, on cuda, allgather: the norm, the router's fp32 input and weight
     copies, the top-k's flat indices and the probabilities over the k, the permutation's (token, expert) indices, the
     expert input, offsets and activations at the R rows received, the output rows and their probabilities (e). The
     exact check against the runtime: tests/planner/test_memory_model.py (test_saved_bytes_moe_*)."""
@@ -143,11 +143,13 @@ def test_moe_saved_tensors():
         "top-k probabilities (softmax over the k, fp32)": (tokens * 2, 4),
         "permutation indices (token and expert of each row, int64)": (2 * received, 8),
         "expert input (permuted tokens)": (received * h, 2), "grouped GEMM offsets (int32)": (4, 4),
-        "expert fc1 output (gate and up)": (2 * received * f, 2), "expert silu output": (received * f, 2),
-        "expert swiglu output (fc2 input)": (received * f, 2),
+        "expert fc1 output (gate and up)": (2 * received * f, 2), "expert swiglu output (fc2 input)": (received * f, 2),
         "expert output (fc2 output; alltoall: the rows back)": (received * h, 2),
         "routing probabilities of those rows": (received, 2)}
     assert unit_saved_tensors("moe", model, B, tp, True, "full", "cuda", 1, experts=experts)[0].numel == tokens * h
+    unfused = {t.name: (t.numel, t.itemsize) for t in unit_saved_tensors(  # --no-bias-swiglu-fusion: silu's too
+        "moe", replace(model, bias_swiglu_fusion=False), B, tp, True, None, "cuda", 1, experts=experts)}
+    assert unfused == {**got, "expert silu output": (received * f, 2)}
     # a given routing: its loads and routed pairs instead of the routing model's
     given = Experts(2, 1, loads=(10, 0, 7, 3), sent=tokens * 2)
     assert expert_tokens(model, tokens, given) == 20
@@ -177,7 +179,7 @@ def test_activations_grow_with_imbalance_and_fall_with_etp():
     # etp 2: twice the tokens (gathered over etp), half the FFN columns: the activations stay, the inputs double
     split = {t.name: t.numel for t in unit_saved_tensors("moe", model, B, 2, True, experts=Experts(1, 2))}
     one = {t.name: t.numel for t in unit_saved_tensors("moe", model, B, 2, True, experts=Experts(1, 1))}
-    assert split["expert silu output"] == one["expert silu output"]
+    assert split["expert swiglu output (fc2 input)"] == one["expert swiglu output (fc2 input)"]
     assert split["expert input (permuted tokens)"] == 2 * one["expert input (permuted tokens)"]
 
 

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -43,6 +44,13 @@ def test_round_trip(tmp_path):
             del data["model"]["cross_entropy_loss_fusion"]
         path.write_text(json.dumps(data))
         assert Plan.load(str(path)).spec.model.cross_entropy_loss_fusion is bool(value)
+    # the kernel fusions are the model's (the memory model counts what they save): an unfused plan stays unfused
+    unfused = Plan(RunSpec.of(replace(MODEL, bias_swiglu_fusion=False, apply_rope_fusion=False), tp=2, pp=2, dp=2,
+                              pipeline=plan.spec.pipeline), global_batch_size=16, orig_vocab_size=100,
+                   make_vocab_size_divisible_by=32)
+    unfused.save(str(path))
+    model = Plan.load(str(path)).spec.model
+    assert (model.bias_swiglu_fusion, model.apply_rope_fusion) == (False, False) and model == unfused.spec.model
 
 
 @pytest.mark.parametrize("mutate,needle", [
@@ -180,6 +188,8 @@ def test_the_run_takes_the_plans_own_configs(tmp_path):
     (["--group-query-attention", "--num-query-groups", "2"], "disagrees with --plan"),
     (["--normalization", "RMSNorm"], "--normalization RMSNorm disagrees with --plan .* \\(LayerNorm\\)"),
     (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion disagrees with --plan .* \\(off\\)"),
+    (["--no-rope-fusion"], "--no-rope-fusion disagrees with --plan .* \\(on\\)"),
+    (["--no-bias-swiglu-fusion"], "--no-bias-swiglu-fusion disagrees with --plan"),
 ])
 def test_disagreeing_flags(tmp_path, extra, needle):
     with pytest.raises(UsageError, match=needle):
