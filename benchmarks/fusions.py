@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         ms = statistics.median(run["times"][1:]) * 1e3
         diff = max((a - b).abs().max().item() for a, b in zip(run["grads"], base_run["grads"]))
         rows.append([name, ms, statistics.median(base_run["times"][1:]) * 1e3 / ms, run["saved"] / 2**20,
-                     _modelled_bytes(run["cfg"], args.mbs, device.type) / 2**20, diff])
+                     _modelled_bytes(run["cfg"], args.mbs, device.type) / 2**20, f"{diff:.2g}"])
     print(f"Llama-style GPT: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, mbs {args.mbs}, vocabulary "
           f"{args.vocab}, {args.dtype} on {device}")
     print(format_table(["variant", "ms fwd+bwd", "speed-up", "saved MiB", "modelled MiB", "max grad diff"], rows))
