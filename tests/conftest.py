@@ -24,13 +24,6 @@ if FAST:  # matplotlib builds its font cache on first use by starting fc-list: h
 _THREADS: dict[int, dict[str, int]] = {}
 
 
-def pytest_collection_modifyitems(config, items):
-    """The tests that start processes first (a stable sort, so each keeps its order): under two xdist workers the
-    long ones start early and the short ones fill in behind them, instead of a long test (the GPU check's dry runs
-    sort late by path) starting last while the other worker idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def pytest_sessionfinish(session, exitstatus):
     """Note the worker pools' threads, then stop the pools: here, not only at exit, since a pytest-xdist worker has
     10 s after reporting its end before execnet calls os._exit, which skips atexit handlers and would orphan

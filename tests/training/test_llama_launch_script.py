@@ -163,7 +163,7 @@ def test_script_flags_parse(tmp_path):
         ("rope", 1000000, True, 2, "RMSNorm")
     assert m.apply_layernorm_1p and not m.add_bias_linear and m.untie_embeddings_and_output_weights
     assert m.cross_entropy_loss_fusion  # honoured: parallel/fused_cross_entropy.py
-    assert (m.attention_backend, m.params_dtype, m.head_dim) == ("flash", "bf16", 16)
+    assert (m.attention_backend, m.params_dtype, m.head_dim) == ("fused", "bf16", 16)  # fused: cuDNN first
     assert run.optimizer.use_distributed_optimizer and run.optimizer.overlap_param_gather
     assert run.lr.lr_decay_style == "cosine"
     assert (run.lr.decoupled_lr, run.lr.decoupled_floor) == (5.0e-4, 4.5e-5)
