@@ -1,6 +1,7 @@
 """The memory model against what our units really save (saved-tensor hooks), and the model-state formulas."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -365,15 +366,16 @@ def test_split_backward_store_matches_holding_walk(rc):
     assert engine.store.peak_bytes == max(walk) and wgrad[0] != saved[0]
 
 
-def _cp_mismatches(state: ParallelState, tp: int, cp: int, sp: bool) -> list[str]:
+def _cp_mismatches(state: ParallelState, tp: int, cp: int, sp: bool, share: tuple[int, int] = (0, 1)) -> list[str]:
     """As _mismatches, on a context-parallel rank (its chunks of the sequence; no attention dropout under cp; a2a
-    only where a tensor-parallel rank's heads split over cp, as run_parts requires)."""
+    only where a tensor-parallel rank's heads split over cp, as run_parts requires). `share` (k, n): the k-th of n
+    interleaved shares of the variants."""
     from megatron_bmw.models.chunk import cp_shard
 
     bad = []
     a2a = state.cp_comm_type == "a2a"
     variants = [v for v in _variants(tp) if v[3] == 0.0 and v[5].get("num_query_groups", 4) % tp == 0
-                and not (a2a and v[5].get("num_attention_heads", 4) // tp % cp)]
+                and not (a2a and v[5].get("num_attention_heads", 4) // tp % cp)][share[0]::share[1]]
     for dtype, backend, rc, hd, _, extra in variants:
         cfg = _cfg(attention_backend=backend, params_dtype=dtype, hidden_dropout=hd, attention_dropout=0.0, **extra)
         recompute = recompute_from_flags(rc, None, None, cfg.num_layers, [list(range(cfg.num_units))])
@@ -393,24 +395,26 @@ def _cp_mismatches(state: ParallelState, tp: int, cp: int, sp: bool) -> list[str
     return bad
 
 
-def _cp_body(rank, world_size, layouts):
+def _cp_body(rank, world_size, layouts, shared):
     out = []
-    for tp, cp, sp, comm in layouts:
+    for i, (tp, cp, sp, comm) in enumerate(layouts):
         state = ParallelState.build(ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                                    sequence_parallel=sp, cp_comm_type=comm))
-        out += _cp_mismatches(state, tp, cp, sp)
+        out += _cp_mismatches(state, tp, cp, sp, (i, len(layouts)) if shared else (0, 1))
         state.destroy()
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,layouts", [
-    (2, [(1, 2, False, "p2p"), (1, 2, False, "a2a")]),
-    (4, [(2, 2, True, "p2p"), (1, 4, False, "p2p"), (2, 2, False, "a2a")]),
+@pytest.mark.parametrize("world,layouts,shared", [
+    (2, [(1, 2, False, "p2p"), (1, 2, False, "a2a")], False),
+    # 4 ranks on 2 cores: each layout takes an interleaved third of the variants (MBMW_EXHAUSTIVE=1: all of them)
+    (4, [(2, 2, True, "p2p"), (1, 4, False, "p2p"), (2, 2, False, "a2a")], os.environ.get("MBMW_EXHAUSTIVE") != "1"),
 ])
-def test_saved_bytes_context_parallel_exact(world, layouts):
-    """The memory model byte for byte against what a context-parallel rank's units save (p2p ring and a2a)."""
-    assert run_distributed(world, _cp_body, layouts) == [[]] * world
+def test_saved_bytes_context_parallel_exact(world, layouts, shared):
+    """The memory model byte for byte against what a context-parallel rank's units save (p2p ring and a2a): every
+    variant at cp 2, both transports; at cp 4 and with tp 2 each layout a share of them."""
+    assert run_distributed(world, _cp_body, layouts, shared) == [[]] * world
 
 
 # MoE units (docs/moe.md): (MoEConfig settings, model settings). Every variant runs in fp32 and bf16, with both

@@ -31,9 +31,9 @@ LAYOUTS = {
 }
 NAMES = list(LAYOUTS)
 LAYOUTS["tp2-dp2-zero1"] = (4, [TP, "2", ZERO1])  # only the Llama resume: ZeRO-1 pieces of SwiGLU's stride-2 fc1
-# 18 of the 72 ordered pairs: each layout resumes from two others and is resumed by two others (cyclic shifts 1 and
-# 4 over NAMES); MBMW_ALL_LAYOUT_PAIRS=1 runs all 72
-_SHIFTS = range(1, len(NAMES)) if os.environ.get("MBMW_ALL_LAYOUT_PAIRS") == "1" else (1, 4)
+# 9 of the 72 ordered pairs: each layout resumes from one other and is resumed by another (the cyclic shift 4 over
+# NAMES: tp and pp, ZeRO-1, BPipe and hybrid strategies meet); MBMW_ALL_LAYOUT_PAIRS=1 runs all 72
+_SHIFTS = range(1, len(NAMES)) if os.environ.get("MBMW_ALL_LAYOUT_PAIRS") == "1" else (4,)
 PAIRS = [(a, NAMES[(i + k) % len(NAMES)]) for i, a in enumerate(NAMES) for k in _SHIFTS]
 
 
@@ -94,14 +94,14 @@ def _same(hist, ref, what):
 
 @pytest.mark.slow
 def test_resume_on_any_layout(tmp_path):
-    """Every layout trains 8 iterations saving torch_dist at 4; for each pair (PAIRS), B resumes from A's iteration 4
+    """Every layout trains 6 iterations saving torch_dist at 4; for each pair (PAIRS), B resumes from A's iteration 4
     and its next two iterations (the second one after an optimizer step on the loaded state) are A's."""
     refs, ckpts = {}, {}
     for name in NAMES:
         ckpts[name] = str(tmp_path / name)
-        refs[name] = _run(name, ["--train-iters", "8", "--save", ckpts[name], "--save-interval", "4",
+        refs[name] = _run(name, ["--train-iters", "6", "--save", ckpts[name], "--save-interval", "4",
                                  "--ckpt-format", "torch_dist"])
-        assert [h[0] for h in refs[name]] == list(range(1, 9))
+        assert [h[0] for h in refs[name]] == list(range(1, 7))
         assert os.path.isfile(os.path.join(ckpts[name], "iter_0000004", ".metadata"))
     for src, dst in PAIRS:
         start = _checkpoint_at(ckpts[src], 4, str(tmp_path / f"{src}-to-{dst}"))
