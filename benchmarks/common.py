@@ -84,6 +84,17 @@ def cpu_probe(repeats: int = 3) -> float:
     return t.item()
 
 
+def torch_device(text: str) -> torch.device:
+    """--device's value as a device here; a bad name or CUDA without a GPU is a UsageError naming the flag."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"--device {text}: not a device (cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device here")
+    return device
+
+
 def median(xs) -> float:
     return statistics.median(xs)
 

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.args import count, names, output_files, parser  # noqa: E402
-from benchmarks.common import format_table  # noqa: E402
+from benchmarks.common import format_table, torch_device  # noqa: E402
 from megatron_bmw.config import ModelConfig  # noqa: E402
 from megatron_bmw.device import covered_seconds, sleep_cycles_per_s, timed  # noqa: E402
 from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
@@ -319,12 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     models = names("--models", args.models, MODELS)
     output_files(json=args.json)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise UsageError(f"--device {args.device}: not a device (cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device here")
+    device = torch_device(args.device)
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

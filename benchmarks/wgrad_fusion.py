@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.args import count, parser  # noqa: E402
-from benchmarks.common import format_table  # noqa: E402
+from benchmarks.common import format_table, torch_device  # noqa: E402
 from megatron_bmw.config import ModelConfig  # noqa: E402
 from megatron_bmw.device import timed  # noqa: E402
 from megatron_bmw.errors import UsageError, exit_on_usage_error  # noqa: E402
@@ -49,12 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32")
     args = ap.parse_args(argv)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise UsageError(f"--device {args.device}: not a device (cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device here")
+    device = torch_device(args.device)
     if device.type == "cpu" and args.dtype != "fp32":
         raise UsageError("--dtype: 16-bit runs need --device cuda (the CPU path is fp32)")
     heads = max(1, args.hidden // 64)
