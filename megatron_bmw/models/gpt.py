@@ -207,6 +207,21 @@ def squared_relu(z: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(z))
 
 
+def mlp_activation(z: torch.Tensor, gated: bool, squared: bool = False, fused: bool = True,
+                   compiled: bool = True) -> torch.Tensor:
+    """An MLP's activation of fc1's output (the dense MLP's and the experts'): SwiGLU (`gated`; fused_ops.swiglu
+    where `fused`, its bodies compiled on CUDA where `compiled`: shapes fixed from step to step), squared ReLU or
+    tanh-GeLU."""
+    if gated and fused:
+        return swiglu(z, compiled)
+    if gated:
+        gate, up = z.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if squared:
+        return squared_relu(z)
+    return F.gelu(z, approximate="tanh")
+
+
 class MLP(Unit):
     """Pre-norm MLP (fc1, tanh-GeLU, squared ReLU or SwiGLU, fc2) with the residual add. SwiGLU's fc1 holds
     [gate; up], each split over tp (so a rank holds its part of both: stride 2); fused (fused_ops.swiglu) unless
@@ -229,16 +244,7 @@ class MLP(Unit):
 
     def compute(self, hidden, batch):
         x = self.post_attention_layernorm(hidden)
-        z = self.fc1(x)
-        if self.swiglu and self.fused_swiglu:
-            y = self.fc2(swiglu(z))
-        elif self.swiglu:
-            gate, up = z.chunk(2, dim=-1)
-            y = self.fc2(F.silu(gate) * up)
-        elif self.squared_relu:
-            y = self.fc2(squared_relu(z))
-        else:
-            y = self.fc2(F.gelu(z, approximate="tanh"))
+        y = self.fc2(mlp_activation(self.fc1(x), self.swiglu, self.squared_relu, self.fused_swiglu))
         return (x if self.residual_post_ln else hidden) + self._dropout(y, self.dropout)
 
 

@@ -9,15 +9,13 @@ the device and dtype (probed once) and the sizes are 16-byte aligned, else as a 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.init import ParamInit, shard
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.view import ParallelView
-from .fused_ops import swiglu
-from .gpt import squared_relu
+from .gpt import mlp_activation
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -102,20 +100,6 @@ def _expert_param(full: torch.Tensor, state: ParallelView, dtype: torch.dtype, d
     return p
 
 
-def _activation(z: torch.Tensor, gated: bool, squared: bool = False, fused: bool = True,
-                compiled: bool = True) -> torch.Tensor:
-    """The dense MLP's activation (models/gpt.py MLP): SwiGLU (`gated`; fused_ops.swiglu where `fused`, its bodies
-    compiled on CUDA where `compiled`: shapes fixed from step to step), squared ReLU or tanh-GeLU."""
-    if gated and fused:
-        return swiglu(z, compiled)
-    if gated:
-        gate, up = z.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    if squared:
-        return squared_relu(z)
-    return F.gelu(z, approximate="tanh")
-
-
 class Experts(nn.Module):
     """This rank's E/ep experts (its etp shard of each): fc1, the dense MLP's activation, fc2. Called on rows
     sorted by local expert, it returns their outputs, partial over etp (the dispatcher sums them)."""
@@ -143,7 +127,7 @@ class Experts(nn.Module):
         z = grouped_mm(rows, self.fc1.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             z = z + self.fc1.bias[expert_of_row]
-        a = _activation(z, self.swiglu, self.squared, self.fused, compiled=False)  # the rows received vary
+        a = mlp_activation(z, self.swiglu, self.squared, self.fused, compiled=False)  # the rows received vary
         y = grouped_mm(a, self.fc2.weight.transpose(1, 2), counts, offsets)
         if expert_of_row is not None:
             y = y + self.fc2.bias[expert_of_row]
@@ -165,4 +149,4 @@ class SharedExpert(nn.Module):
                                      init.zeros((h,)) if bias else None, state, dtype=cfg.torch_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(_activation(self.fc1(x), self.swiglu, self.squared, self.fused))
+        return self.fc2(mlp_activation(self.fc1(x), self.swiglu, self.squared, self.fused))
