@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ def flash_attention_available() -> bool:
     return hasattr(torch.nn.functional, "scaled_dot_product_attention")
 
 
+@functools.cache
 def _triton_available() -> bool:
     try:
         import triton  # type: ignore  # noqa: F401
